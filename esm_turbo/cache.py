@@ -1,0 +1,180 @@
+"""A KV cache for L layers × B sequences × H heads that stores whatever its per-layer codecs encode.
+
+Contract (shapes once)::
+
+    k, v        : [B, H, S, d]  post-RoPE keys / values of S new tokens per sequence
+    counts      : [B] long      how many of the S tokens are real for each sequence (ragged)
+    lengths     : [B] long      committed tokens per sequence
+    part buffer : [B, H, T_cap, *part_shape]   one per codec part per layer (packed bytes, norms…)
+
+``write(layer, k, v)`` encodes the S tokens into positions ``lengths[b] + j``; ``commit(counts)``
+then makes them visible. Writing without committing is how a "peek" step leaves the cache as it was.
+``truncate`` rolls sequences back, ``select`` gathers rows (beam fork), ``dequantize`` decodes one
+layer (the reference path), and ``memory_report`` accounts for every byte held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .quant.codec import KVCodec
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Exact memory accounting of a cache. Per-token figures count keys + values of every head."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    bytes_per_token_per_layer: int
+    part_bytes_per_token_per_layer: dict
+    tokens: int
+    used_bytes: int
+    allocated_bytes: int
+    constant_bytes: int
+    fp32_bytes_per_token_per_layer: int
+    fp16_bytes_per_token_per_layer: int
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8 * self.bytes_per_token_per_layer / (2 * self.heads * self.head_dim)
+
+    @property
+    def ratio_vs_fp32(self) -> float:
+        return self.fp32_bytes_per_token_per_layer / self.bytes_per_token_per_layer
+
+    @property
+    def ratio_vs_fp16(self) -> float:
+        return self.fp16_bytes_per_token_per_layer / self.bytes_per_token_per_layer
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(bits_per_value=self.bits_per_value, ratio_vs_fp32=self.ratio_vs_fp32,
+                   ratio_vs_fp16=self.ratio_vs_fp16)
+        return out
+
+
+class KVCache:
+    """Batched, ragged KV cache over per-layer codecs (compressed or dense)."""
+
+    def __init__(self, codecs: list[KVCodec], batch_size: int, capacity: int = 64,
+                 device: torch.device | str | None = None):
+        if not codecs:
+            raise ValueError("a cache needs at least one layer codec")
+        self.codecs = codecs
+        first = codecs[0].key
+        self.heads, self.head_dim = first.heads, first.dim
+        self.device = torch.device(device) if device is not None else next(iter(codecs[0].buffers())).device
+        self.batch_size = batch_size
+        self.capacity = max(int(capacity), 1)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.parts: list[dict[str, torch.Tensor]] = [self._alloc(c, batch_size, self.capacity) for c in codecs]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.codecs)
+
+    def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros(batch, self.heads, capacity, *shape, dtype=dtype, device=self.device)
+                for name, (shape, dtype) in codec.part_specs().items()}
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, 2 * self.capacity)
+        for layer, codec in enumerate(self.codecs):
+            fresh = self._alloc(codec, self.batch_size, new_cap)
+            for name, buf in self.parts[layer].items():
+                fresh[name][:, :, : self.capacity] = buf
+            self.parts[layer] = fresh
+        self.capacity = new_cap
+
+    def _check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for a cache of {self.num_layers} layers")
+        expect = (self.batch_size, self.heads)
+        for name, t in (("keys", k), ("values", v)):
+            if t.dim() != 4 or tuple(t.shape[:2]) != expect or t.shape[-1] != self.head_dim:
+                raise ValueError(f"{name}: expected [B={self.batch_size}, H={self.heads}, S, d={self.head_dim}], "
+                                 f"got {list(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"keys {list(k.shape)} and values {list(v.shape)} differ in shape")
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed)."""
+        self._check_kv(layer, k, v)
+        s = k.shape[2]
+        self._ensure_capacity(int(self.lengths.max()) + s)
+        encoded = self.codecs[layer].encode(k, v)
+        pos = self.lengths[:, None] + torch.arange(s, device=self.device)  # [B, S]
+        rows = torch.arange(self.batch_size, device=self.device)[:, None]
+        for name, val in encoded.items():
+            # advanced indices split by a slice put the [B, S] dims first
+            self.parts[layer][name][rows, :, pos] = val.transpose(1, 2)
+
+    def commit(self, counts: torch.Tensor | int) -> None:
+        """Make the written tokens visible: ``lengths += counts`` ([B] or one int for all rows)."""
+        counts = torch.as_tensor(counts, dtype=torch.long, device=self.device).expand(self.batch_size)
+        if bool((self.lengths + counts > self.capacity).any()):
+            raise ValueError("commit past what was written: write() every layer before commit()")
+        self.lengths = self.lengths + counts
+
+    def append(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+               counts: torch.Tensor | int | None = None) -> None:
+        """Write every layer's new tokens (lists of [B, H, S, d]) and commit ``counts`` (default S)."""
+        if len(keys) != self.num_layers or len(values) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} layers of keys and values, "
+                             f"got {len(keys)} and {len(values)}")
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.write(layer, k, v)
+        self.commit(keys[0].shape[2] if counts is None else counts)
+
+    def truncate(self, n: torch.Tensor | int) -> None:
+        """Roll back the last ``n`` tokens of each sequence ([B] or one int); never below zero."""
+        n = torch.as_tensor(n, dtype=torch.long, device=self.device).expand(self.batch_size)
+        if bool((n < 0).any()):
+            raise ValueError("truncate needs a non-negative number of tokens")
+        self.lengths = (self.lengths - n).clamp_min(0)
+
+    def select(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep rows ``rows`` (may repeat: forking beams); the batch size becomes ``len(rows)``."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        if rows.dim() != 1 or rows.numel() == 0:
+            raise ValueError("select needs a non-empty 1-D list of row indices")
+        if bool(((rows < 0) | (rows >= self.batch_size)).any()):
+            raise IndexError(f"row index out of range for a batch of {self.batch_size}")
+        self.parts = [{n: b.index_select(0, rows) for n, b in layer.items()} for layer in self.parts]
+        self.lengths = self.lengths.index_select(0, rows)
+        self.batch_size = rows.numel()
+
+    def layer_parts(self, layer: int, upto: int | None = None) -> dict[str, torch.Tensor]:
+        """The stored parts of one layer, cut to the first ``upto`` positions (default: max length)."""
+        t = int(self.lengths.max()) if upto is None else upto
+        return {n: b[:, :, :t] for n, b in self.parts[layer].items()}
+
+    def dequantize(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Reference path: (K̂ [B,H,T,d], V̂ [B,H,T,d], valid [B,T] bool), T = max length."""
+        parts = self.layer_parts(layer)
+        k, v = self.codecs[layer].decode(parts)
+        t = k.shape[2]
+        valid = torch.arange(t, device=self.device)[None, :] < self.lengths[:, None]
+        return k, v, valid
+
+    def memory_report(self) -> MemoryReport:
+        per_part: dict[str, int] = {}
+        for name, buf in self.parts[0].items():
+            per_part[name] = buf[0, :, 0].numel() * buf.element_size()
+        per_token = sum(c.bytes_per_token() for c in self.codecs) * self.heads // self.num_layers
+        allocated = sum(b.numel() * b.element_size() for layer in self.parts for b in layer.values())
+        tokens = int(self.lengths.sum())
+        values_per_token = 2 * self.heads * self.head_dim
+        return MemoryReport(
+            layers=self.num_layers, heads=self.heads, head_dim=self.head_dim,
+            bytes_per_token_per_layer=per_token, part_bytes_per_token_per_layer=per_part,
+            tokens=tokens, used_bytes=tokens * per_token * self.num_layers, allocated_bytes=allocated,
+            constant_bytes=sum(c.constant_nbytes() for c in self.codecs),
+            fp32_bytes_per_token_per_layer=4 * values_per_token,
+            fp16_bytes_per_token_per_layer=2 * values_per_token)

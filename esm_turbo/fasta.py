@@ -1,0 +1,88 @@
+"""FASTA reading with Biopython, strict: errors name the file, the record and the position."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from Bio.SeqIO.FastaIO import SimpleFastaParser
+
+from .errors import EsmTurboError, FastaError
+from .model.alphabet import check_sequence
+
+
+@dataclass(frozen=True)
+class Record:
+    id: str
+    sequence: str
+    source: str  # "file:line" of the header
+
+
+def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: bool = False,
+               seen: set[str] | None = None) -> tuple[list[Record], list[str]]:
+    """Read and validate one FASTA file. Returns (records, problems skipped when ``skip_invalid``).
+
+    Checked: the file exists and starts with '>', no text before the first header, non-empty
+    sequences, ESM-2 residues only, length ≤ ``max_residues``, unique ids (also across files when
+    the caller passes the same ``seen`` set).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FastaError(f"{path}: no such FASTA file")
+    text = path.read_text(errors="replace")
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    if not first.startswith(">"):
+        raise FastaError(f"{path}: line 1 is not a FASTA header ('>' expected), found {first[:40]!r}")
+    header_lines = [i + 1 for i, ln in enumerate(text.splitlines()) if ln.startswith(">")]
+    seen = set() if seen is None else seen
+    records: list[Record] = []
+    problems: list[str] = []
+    with path.open(errors="replace") as fh:
+        for n, (title, seq) in enumerate(SimpleFastaParser(fh)):
+            rid = title.split()[0] if title.strip() else ""
+            where = f"{path}:{header_lines[n]}"
+            try:
+                if not rid:
+                    raise FastaError(f"{where}: record {n + 1} has an empty id")
+                if rid in seen:
+                    raise FastaError(f"{where}: duplicate record id {rid!r}")
+                try:
+                    clean = check_sequence(seq.replace(" ", ""), f"FASTA record {rid!r} ({where})", max_residues)
+                except EsmTurboError as err:
+                    raise FastaError(str(err)) from None
+            except FastaError as err:
+                if not skip_invalid:
+                    raise
+                problems.append(str(err))
+                continue
+            seen.add(rid)
+            records.append(Record(rid, clean, where))
+    if not records and not problems:
+        raise FastaError(f"{path}: no FASTA records")
+    return records, problems
+
+
+def read_fastas(paths: list[str | Path], **kwargs) -> list[Record]:
+    """Read several files with ids unique across all of them."""
+    seen: set[str] = set()
+    out: list[Record] = []
+    for p in paths:
+        out.extend(read_fasta(p, seen=seen, **kwargs)[0])
+    return out
+
+
+def records_hash(records: list[Record]) -> str:
+    """sha256 over (id, sequence) pairs in order: identifies a calibration set."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(f"{r.id}\t{r.sequence}\n".encode())
+    return h.hexdigest()
+
+
+def write_fasta(path: str | Path, records: list[tuple[str, str]], width: int = 60) -> None:
+    with Path(path).open("w") as fh:
+        for rid, seq in records:
+            fh.write(f">{rid}\n")
+            for i in range(0, len(seq), width):
+                fh.write(seq[i:i + width] + "\n")

@@ -1,0 +1,228 @@
+"""TurboEsm (a loaded ESM-2 with TurboEsmSelfAttention installed) and the decode-session API.
+
+Decode semantics (ESM-2 is bidirectional, not causal): ``start`` runs an exact prefill of each
+sequence (``<cls>`` + residues, right-padded for ragged batches) and stores its post-RoPE K/V in the
+cache. Each ``step`` feeds new tokens at the next positions of each sequence; they attend to the
+cached prefix (compressed) and to each other (full precision). The prefix is never recomputed, so
+its states do not see the new tokens. Running the same procedure with an uncompressed FP32 cache
+(``cache="fp32"``) is the fidelity reference.
+
+Token dropout (ESM-2's mask scaling) in a step uses the mask ratio of the whole sequence so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..cache import KVCache, MemoryReport
+from ..quant.codec import KVCodec, dense_codec, oblivious_codec
+from .alphabet import alphabet, encode
+from .attention import RunContext, install
+
+_TRAIN_MASK_RATIO = 0.15 * 0.8  # fixed by ESM-2 training, as in transformers' EsmEmbeddings
+
+
+@dataclass
+class StepOutput:
+    """logits [B, S, V] and final hidden states [B, S, D] of the tokens just fed (float32)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class TurboEsm:
+    """An ESM-2 ``EsmForMaskedLM`` whose self-attention layers can prefill into and decode from a
+    (compressed) KV cache. ``calibration`` (a :class:`~esm_turbo.model.checkpoint.Calibration`)
+    supplies the TurboESM codecs; it is checked against the model's fingerprint."""
+
+    def __init__(self, model: nn.Module, calibration=None, check_fingerprint: bool = True):
+        self.model = model.eval()
+        self.esm = model.esm
+        self.attention = install(model)
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.calibration = None
+        if calibration is not None:
+            self.attach(calibration, check_fingerprint)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def attach(self, calibration, check_fingerprint: bool = True) -> None:
+        """Use ``calibration``'s codecs for ``cache="turbo"`` (refused if made for another model)."""
+        calibration.check_model(self.model, fingerprint=check_fingerprint)
+        self.calibration = calibration
+
+    def codecs(self, cache: str | Callable[[int, int, int], KVCodec] = "turbo") -> list[KVCodec]:
+        """Per-layer codecs for a cache kind: ``turbo`` (calibrated), ``fp32``/``fp16`` (dense),
+        ``turboquant-<bits>`` (data-oblivious), or a factory ``f(layer, heads, head_dim)``."""
+        h, d = self.heads, self.head_dim
+        if callable(cache):
+            made = [cache(i, h, d) for i in range(self.num_layers)]
+        elif cache == "turbo":
+            if self.calibration is None:
+                raise ValueError("cache='turbo' needs a calibration: TurboEsm(model, Calibration.load(path))")
+            made = self.calibration.codecs
+        elif cache in ("fp32", "fp16", "bf16"):
+            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[cache]
+            made = [dense_codec(h, d, dtype) for _ in range(self.num_layers)]
+        elif cache.startswith("turboquant-"):
+            bits = int(cache.split("-")[1])
+            made = [oblivious_codec(h, d, bits, "hadamard", "none", seed=i) for i in range(self.num_layers)]
+        else:
+            raise ValueError(f"unknown cache kind {cache!r}")
+        return [c.to(self.device) for c in made]
+
+    @contextlib.contextmanager
+    def context(self, ctx: RunContext) -> Iterator[RunContext]:
+        for m in self.attention:
+            m.context = ctx
+        try:
+            yield ctx
+        finally:
+            for m in self.attention:
+                m.context = None
+
+    def session(self, cache: str | Callable = "turbo", capacity: int = 256) -> "DecodeSession":
+        return DecodeSession(self, cache, capacity)
+
+
+class DecodeSession:
+    """Batched prefill + incremental decode over a KV cache, with rollback and beam fork/select."""
+
+    def __init__(self, engine: TurboEsm, cache: str | Callable = "turbo", capacity: int = 256):
+        self.engine = engine
+        self.cache_kind = cache
+        self.capacity = capacity
+        self.cache: KVCache | None = None
+        self.tokens: torch.Tensor | None = None  # [B, T_cap] committed token ids
+        self.mask_counts: torch.Tensor | None = None  # [B]
+        self.probe: Callable | None = None
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _require_started(self) -> KVCache:
+        if self.cache is None:
+            raise RuntimeError("call start(sequences) before step / rollback / select")
+        return self.cache
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self._require_started().lengths
+
+    def sequences(self) -> list[str]:
+        """The committed tokens of each row, as text (``<cls>`` and specials included)."""
+        from .alphabet import decode_ids
+        cache = self._require_started()
+        return [decode_ids(self.tokens[b, : int(n)].tolist()) for b, n in enumerate(cache.lengths)]
+
+    def _heads(self, hidden: torch.Tensor) -> StepOutput:
+        hidden = self.engine.esm.encoder.emb_layer_norm_after(hidden)
+        logits = self.engine.model.lm_head(hidden)
+        return StepOutput(logits=logits.float(), hidden=hidden.float())
+
+    # ---- API ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def start(self, sequences: list[str], names: list[str] | None = None, add_eos: bool = False) -> StepOutput:
+        """Exact batched prefill of ``<cls> + residues`` (ragged lengths). Returns outputs [B, T, *]."""
+        eng = self.engine
+        tokens, mask = encode(sequences, names, add_eos=add_eos)
+        tokens, mask = tokens.to(eng.device), mask.to(eng.device)
+        batch, width = tokens.shape
+        self.cache = KVCache(eng.codecs(self.cache_kind), batch, max(self.capacity, width), eng.device)
+        ctx = RunContext(mode="prefill", cache=self.cache, valid=mask.bool())
+        with eng.context(ctx):
+            out = eng.esm(input_ids=tokens, attention_mask=mask)
+        counts = mask.sum(1)
+        self.cache.commit(counts)
+        self.tokens = torch.full((batch, self.cache.capacity), alphabet().padding_idx,
+                                 dtype=torch.long, device=eng.device)
+        self.tokens[:, :width] = tokens
+        self.mask_counts = ((tokens == alphabet().mask_idx) & mask.bool()).sum(1)
+        return StepOutput(logits=eng.model.lm_head(out.last_hidden_state).float(),
+                          hidden=out.last_hidden_state.float())
+
+    def _embed(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        emb_mod = self.engine.esm.embeddings
+        emb = emb_mod.word_embeddings(tokens)
+        if emb_mod.token_dropout:
+            is_mask = tokens == emb_mod.mask_token_id
+            emb = emb.masked_fill(is_mask.unsqueeze(-1), 0.0)
+            masks = self.mask_counts + (is_mask & valid).sum(1)
+            total = self.cache.lengths + valid.sum(1)
+            ratio = masks.float() / total.float()
+            emb = (emb * (1 - _TRAIN_MASK_RATIO) / (1 - ratio)[:, None, None]).to(emb.dtype)
+        return emb
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor | list[str], counts: torch.Tensor | None = None,
+             commit: bool = True) -> StepOutput:
+        """Feed S new tokens per row at the next positions. ``tokens``: [B, S] ids or B strings of
+        equal length (one residue or ``<mask>`` is one token); ``counts`` [B]: how many of the S are
+        real per row (default all). With ``commit=False`` (peek) the cache is left unchanged."""
+        cache = self._require_started()
+        eng = self.engine
+        if isinstance(tokens, (list, tuple)):
+            tokens = torch.stack([torch.as_tensor(alphabet().encode(t)) for t in tokens])
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=eng.device)
+        if tokens.dim() == 1:
+            tokens = tokens[:, None]
+        if tokens.shape[0] != cache.batch_size:
+            raise ValueError(f"step got {tokens.shape[0]} rows, the session has {cache.batch_size}")
+        seq = tokens.shape[1]
+        counts = (torch.full((cache.batch_size,), seq, device=eng.device) if counts is None
+                  else torch.as_tensor(counts, dtype=torch.long, device=eng.device))
+        valid = torch.arange(seq, device=eng.device)[None, :] < counts[:, None]
+        positions = cache.lengths[:, None] + torch.arange(seq, device=eng.device)[None, :]
+        hidden = self._embed(tokens, valid)
+        cos_sin = eng.esm.rotary_embeddings(hidden, positions)
+        ctx = RunContext(mode="decode", cache=cache, new_valid=valid, commit=commit, probe=self.probe)
+        with eng.context(ctx):
+            for layer in eng.esm.encoder.layer:
+                hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
+        result = self._heads(hidden)
+        if commit:
+            cache.commit(counts)
+            if self.tokens.shape[1] < cache.capacity:
+                grown = torch.full((cache.batch_size, cache.capacity), alphabet().padding_idx,
+                                   dtype=torch.long, device=eng.device)
+                grown[:, : self.tokens.shape[1]] = self.tokens
+                self.tokens = grown
+            rows = torch.arange(cache.batch_size, device=eng.device)[:, None]
+            self.tokens[rows, positions.clamp_max(self.tokens.shape[1] - 1)] = torch.where(
+                valid, tokens, self.tokens[rows, positions.clamp_max(self.tokens.shape[1] - 1)])
+            self.mask_counts = self.mask_counts + ((tokens == alphabet().mask_idx) & valid).sum(1)
+        return result
+
+    def rollback(self, n: int | torch.Tensor) -> None:
+        """Forget the last ``n`` committed tokens of each row (never the prefix start below zero)."""
+        cache = self._require_started()
+        n = torch.as_tensor(n, dtype=torch.long, device=cache.device).expand(cache.batch_size)
+        old = cache.lengths.clone()
+        cache.truncate(n)
+        pos = torch.arange(self.tokens.shape[1], device=cache.device)[None, :]
+        dropped = (pos >= cache.lengths[:, None]) & (pos < old[:, None])
+        self.mask_counts = self.mask_counts - ((self.tokens == alphabet().mask_idx) & dropped).sum(1)
+
+    def select(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep (or repeat, to fork beams) rows of the batch."""
+        cache = self._require_started()
+        cache.select(rows)
+        idx = torch.as_tensor(rows, dtype=torch.long, device=cache.device)
+        self.tokens = self.tokens.index_select(0, idx)
+        self.mask_counts = self.mask_counts.index_select(0, idx)
+
+    def fork(self, copies: int) -> None:
+        """Repeat every row ``copies`` times (row b becomes rows b*copies … b*copies+copies-1)."""
+        cache = self._require_started()
+        self.select(torch.arange(cache.batch_size).repeat_interleave(copies).tolist())
+
+    def memory_report(self) -> MemoryReport:
+        return self._require_started().memory_report()

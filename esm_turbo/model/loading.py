@@ -1,0 +1,161 @@
+"""Load ESM-2 from a hub id, a local ``save_pretrained`` directory or a fair-esm ``.pt`` checkpoint.
+
+fair-esm checkpoints are converted once, at the edge, into transformers' ``EsmForMaskedLM`` layout,
+so the rest of the package never branches on checkpoint format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+from transformers import EsmConfig, EsmForMaskedLM
+
+from ..errors import ModelLoadError
+from .sizes import ESM2_SIZES, esm2_config
+
+log = logging.getLogger(__name__)
+
+_FAIR_PREFIX = re.compile(r"^(encoder\.sentence_encoder\.|encoder\.)")
+_LAYER_MAP = {
+    "self_attn.q_proj": "attention.self.query",
+    "self_attn.k_proj": "attention.self.key",
+    "self_attn.v_proj": "attention.self.value",
+    "self_attn.out_proj": "attention.output.dense",
+    "self_attn_layer_norm": "attention.LayerNorm",
+    "fc1": "intermediate.dense",
+    "fc2": "output.dense",
+    "final_layer_norm": "LayerNorm",
+}
+_TOP_MAP = {
+    "embed_tokens.weight": "esm.embeddings.word_embeddings.weight",
+    "emb_layer_norm_after.weight": "esm.encoder.emb_layer_norm_after.weight",
+    "emb_layer_norm_after.bias": "esm.encoder.emb_layer_norm_after.bias",
+    "contact_head.regression.weight": "esm.contact_head.regression.weight",
+    "contact_head.regression.bias": "esm.contact_head.regression.bias",
+    "lm_head.dense.weight": "lm_head.dense.weight",
+    "lm_head.dense.bias": "lm_head.dense.bias",
+    "lm_head.layer_norm.weight": "lm_head.layer_norm.weight",
+    "lm_head.layer_norm.bias": "lm_head.layer_norm.bias",
+    "lm_head.weight": "lm_head.decoder.weight",
+    "lm_head.bias": "lm_head.bias",
+}
+
+
+def _cfg_get(cfg, name: str):
+    return cfg[name] if isinstance(cfg, dict) else getattr(cfg, name)
+
+
+def convert_fair_esm(model_data: dict) -> tuple[EsmConfig, dict[str, torch.Tensor]]:
+    """fair-esm ESM-2 checkpoint dict (``{"model": state, "cfg": {"model": args}}``) →
+    (EsmConfig, state dict for ``EsmForMaskedLM``)."""
+    try:
+        cfg = model_data["cfg"]["model"]
+        state = model_data["model"]
+        layers = int(_cfg_get(cfg, "encoder_layers"))
+        hidden = int(_cfg_get(cfg, "encoder_embed_dim"))
+        heads = int(_cfg_get(cfg, "encoder_attention_heads"))
+        token_dropout = bool(_cfg_get(cfg, "token_dropout"))
+    except (KeyError, AttributeError, TypeError) as err:
+        raise ModelLoadError(f"not a fair-esm ESM-2 checkpoint (missing {err})") from None
+    config = esm2_config(layers=layers, hidden=hidden, heads=heads, token_dropout=token_dropout)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        name = _FAIR_PREFIX.sub("", name)
+        if name in _TOP_MAP:
+            out[_TOP_MAP[name]] = tensor
+            continue
+        m = re.match(r"layers\.(\d+)\.(.+)\.(weight|bias|inv_freq)$", name)
+        if m is None:
+            raise ModelLoadError(f"fair-esm checkpoint: unexpected parameter {name!r}")
+        i, module, kind = m.groups()
+        if module == "self_attn.rot_emb":
+            continue  # recomputed by transformers from the config
+        if module not in _LAYER_MAP:
+            raise ModelLoadError(f"fair-esm checkpoint: unexpected parameter {name!r}")
+        out[f"esm.encoder.layer.{i}.{_LAYER_MAP[module]}.{kind}"] = tensor
+    return config, out
+
+
+def load_fair_esm(path: str | Path) -> EsmForMaskedLM:
+    """Load a fair-esm ``.pt`` ESM-2 checkpoint (``weights_only`` with argparse.Namespace allowed)."""
+    path = Path(path)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - surface any unpickling failure with the path
+            raise ModelLoadError(f"{path}: cannot read as a fair-esm checkpoint ({err})") from None
+    config, state = convert_fair_esm(data)
+    model = EsmForMaskedLM(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "contact_head" not in k and "position_ids" not in k
+               and "inv_freq" not in k]
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: converted checkpoint does not fit ESM-2 "
+                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    model.tie_weights()
+    return model
+
+
+def resolve_model_id(model: str) -> str:
+    """Short size names (``650M``) → hub ids; anything else is returned as given."""
+    return ESM2_SIZES[model][3] if model in ESM2_SIZES else model
+
+
+def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu") -> EsmForMaskedLM:
+    """Load ESM-2 for masked-LM inference in eval mode.
+
+    ``model``: a size name (``8M`` … ``15B``), a hub id (``facebook/esm2_t33_650M_UR50D``), a local
+    directory written by ``save_pretrained``, or a fair-esm ``.pt`` file.
+    """
+    path = Path(str(model)).expanduser()
+    if path.is_file():
+        net = load_fair_esm(path)
+    elif path.is_dir():
+        try:
+            net = EsmForMaskedLM.from_pretrained(path, dtype=torch.float32)
+        except Exception as err:  # noqa: BLE001
+            raise ModelLoadError(f"{path}: not a transformers ESM-2 directory ({err})") from None
+    else:
+        hub_id = resolve_model_id(str(model))
+        try:
+            net = EsmForMaskedLM.from_pretrained(hub_id, dtype=torch.float32, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not in the local HF cache: try the hub unless offline
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+            try:
+                if offline:
+                    raise OSError("HF_HUB_OFFLINE is set")
+                net = EsmForMaskedLM.from_pretrained(hub_id, dtype=torch.float32)
+            except Exception as err:  # noqa: BLE001
+                raise ModelLoadError(
+                    f"cannot load ESM-2 {model!r} from the Hugging Face hub ({type(err).__name__}: "
+                    f"{str(err)[:200]}). Without internet, pass a local path instead: a directory "
+                    f"written by save_pretrained (e.g. --model /models/esm2_t33_650M_UR50D) or a fair-esm "
+                    f".pt file (e.g. --model ~/.cache/torch/hub/checkpoints/esm2_t33_650M_UR50D.pt)."
+                ) from None
+    if getattr(net.config, "position_embedding_type", "") != "rotary":
+        raise ModelLoadError(f"{model}: only ESM-2 (rotary position embeddings) is supported")
+    return net.to(device=device, dtype=dtype).eval()
+
+
+def model_fingerprint(model: EsmForMaskedLM, samples_per_tensor: int = 65_536) -> str:
+    """sha256 of the architecture and the weights (shapes + up to 65 536 evenly spaced values of
+    every tensor), so a calibration made for one model is recognised on another. Fast for 15B."""
+    h = hashlib.sha256()
+    cfg = model.config
+    arch = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                        "intermediate_size", "vocab_size", "token_dropout")}
+    h.update(json.dumps(arch, sort_keys=True).encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(t.shape)}".encode())
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // samples_per_tensor)
+        h.update(flat[::step].to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()

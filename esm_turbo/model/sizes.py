@@ -1,0 +1,36 @@
+"""The ESM-2 family as data (one row per released size), and EsmConfig construction from it."""
+
+from __future__ import annotations
+
+from transformers import EsmConfig
+
+#: name → (layers, hidden size, attention heads, Hugging Face hub id)
+ESM2_SIZES: dict[str, tuple[int, int, int, str]] = {
+    "8M": (6, 320, 20, "facebook/esm2_t6_8M_UR50D"),
+    "35M": (12, 480, 20, "facebook/esm2_t12_35M_UR50D"),
+    "150M": (30, 640, 20, "facebook/esm2_t30_150M_UR50D"),
+    "650M": (33, 1280, 20, "facebook/esm2_t33_650M_UR50D"),
+    "3B": (36, 2560, 40, "facebook/esm2_t36_3B_UR50D"),
+    "15B": (48, 5120, 40, "facebook/esm2_t48_15B_UR50D"),
+}
+
+#: the trained context of ESM-2: 1024 positions = 1022 residues + <cls> + <eos>
+MAX_RESIDUES = 1022
+
+
+def esm2_config(size: str | None = None, *, layers: int | None = None, hidden: int | None = None,
+                heads: int | None = None, **overrides) -> EsmConfig:
+    """An EsmConfig shaped like a released ESM-2 size (or custom dims), as the hub configs set it."""
+    if size is not None:
+        if size not in ESM2_SIZES:
+            raise ValueError(f"unknown ESM-2 size {size!r}: choose one of {list(ESM2_SIZES)}")
+        dl, dh, dn, _ = ESM2_SIZES[size]
+        layers, hidden, heads = layers or dl, hidden or dh, heads or dn
+    if None in (layers, hidden, heads):
+        raise ValueError("give a size name or all of layers, hidden and heads")
+    kwargs = dict(vocab_size=33, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  intermediate_size=4 * hidden, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                  max_position_embeddings=1026, position_embedding_type="rotary", emb_layer_norm_before=False,
+                  token_dropout=True, mask_token_id=32, pad_token_id=1, layer_norm_eps=1e-5)
+    kwargs.update(overrides)
+    return EsmConfig(**kwargs)

@@ -1,0 +1,284 @@
+"""The KV codec: rotation → affine (centre, scale) → optional per-vector norm → LUT index → residual.
+
+A :class:`VectorQuantizer` compresses one tensor kind (keys or values) of one layer, H heads of
+head_dim d. Encoding ``x`` [..., H, T, d]:
+
+1. ``y = (x @ Π_hᵀ - offset_h) / scale_h``                      (rotation and affine, per head)
+2. if ``normalize``: ``n = ‖y‖``, ``y ← y / n``  (n stored as fp16: data-oblivious TurboQuant)
+3. ``idx = argmin_k |y - LUT_h[k]|`` packed at ``bits`` bits
+4. residual ``r = y - LUT_h[idx]``: ``sign`` bit, or the QJL sketch bits and ‖r‖ (fp16)
+
+Decoding inverts this. Because step 1 is linear, attention can be computed in the quantized domain:
+``⟨q, x̂⟩ = ⟨(Π q) ⊙ scale, n · ŷ⟩ + ⟨Π q, offset⟩`` — the fused kernel never rotates a key back.
+
+A :class:`KVCodec` pairs one quantizer for keys and one for values (dual LUTs, own bit widths).
+Every codec exposes ``part_specs()`` — the byte layout of one token — so caches allocate exactly
+what it stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_weighted
+from .packing import pack_1bit_u8, pack_bits, unpack_1bit_u8, unpack_bits
+from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_table
+from .rotations import AffineStats, build_rotation, check_rotation_kind
+
+PartSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def check_head_dim(dim: int) -> int:
+    if dim <= 0 or dim % 8:
+        raise ValueError(f"head_dim {dim} is not a positive multiple of 8 (ESM-2 uses 16, 24, 32, 64, 128)")
+    return dim
+
+
+def check_input(x: torch.Tensor, heads: int, dim: int, ref: torch.Tensor, what: str) -> None:
+    """Shape / dtype / device / finiteness checks with messages naming the problem."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{what}: expected a floating-point tensor, got {x.dtype}")
+    if x.dim() < 3 or x.shape[-1] != dim or x.shape[-3] != heads:
+        raise ValueError(f"{what}: expected shape [..., {heads} heads, T, {dim}], got {list(x.shape)}")
+    if x.device != ref.device:
+        raise ValueError(f"{what}: tensor is on {x.device} but the codec is on {ref.device}; "
+                         f"move one with .to()")
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and not torch.compiler.is_compiling() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{what}: input contains NaN or Inf")
+
+
+class VectorQuantizer(nn.Module):
+    """Quantizer for one tensor kind of one layer. Buffers (float32):
+
+    rot [H,d,d], offset [H,d], scale [H,d], centroids [H,K], eps [H,K,2] (sign residual),
+    proj [m,d] (QJL sketch; m = d).
+    """
+
+    def __init__(self, heads: int, dim: int, bits: int, residual: str = "none",
+                 normalize: bool = False, qjl_seed: int = 0):
+        super().__init__()
+        self.heads, self.dim = heads, check_head_dim(dim)
+        self.bits = check_bits(bits)
+        self.residual = check_residual_kind(residual)
+        self.normalize = bool(normalize)
+        self.qjl_seed = int(qjl_seed)
+        k = 2**self.bits
+        self.register_buffer("rot", torch.eye(dim).expand(heads, dim, dim).clone())
+        self.register_buffer("offset", torch.zeros(heads, dim))
+        self.register_buffer("scale", torch.ones(heads, dim))
+        self.register_buffer("centroids", torch.zeros(heads, k))
+        self.register_buffer("eps", torch.zeros(heads, k, 2))
+        proj = qjl_projection(dim, dim, qjl_seed) if residual == "qjl" else torch.zeros(0, dim)
+        self.register_buffer("proj", proj)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def oblivious(cls, heads: int, dim: int, bits: int, rotation: str = "hadamard",
+                  residual: str = "none", seed: int = 0) -> "VectorQuantizer":
+        """Data-oblivious TurboQuant: random rotation, per-vector norm, LUT of the sphere density."""
+        if check_rotation_kind(rotation) in ("svd", "svd-scaled"):
+            raise ValueError(f"rotation {rotation!r} needs calibration; use from_calibration")
+        q = cls(heads, dim, bits, residual, normalize=True, qjl_seed=seed + 1)
+        q.set_rotation(build_rotation(rotation, heads, dim, seed))
+        lut = lloyd_max(q.bits, "sphere", dim).centroids
+        values, weights = density_points("sphere", dim)
+        eps = sign_eps_table(values, weights, lut, "bin")
+        q.centroids.copy_(torch.as_tensor(lut).expand(heads, -1))
+        q.eps.copy_(torch.as_tensor(eps).expand(heads, -1, -1))
+        return q
+
+    @classmethod
+    def from_calibration(cls, affine: AffineStats, points: list[tuple[np.ndarray, np.ndarray]],
+                         bits: int, residual: str = "sign", sign_mode: str = "bin",
+                         seed: int = 0) -> "VectorQuantizer":
+        """Calibrated codec: ``points[h]`` are weighted samples (values, weights) of head h in the
+        affine domain (after rotation, centring and scaling); a LUT is fitted per head."""
+        heads, dim = affine.offset.shape
+        if len(points) != heads:
+            raise ValueError(f"expected calibration points for {heads} heads, got {len(points)}")
+        q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1)
+        q.set_rotation(affine)
+        for h, (values, weights) in enumerate(points):
+            lut = lloyd_max_weighted(values, weights, q.bits).centroids
+            q.centroids[h] = torch.as_tensor(lut, dtype=torch.float32)
+            q.eps[h] = torch.as_tensor(sign_eps_table(values, weights, lut, sign_mode), dtype=torch.float32)
+        return q
+
+    def set_rotation(self, affine: AffineStats) -> None:
+        self.rot.copy_(affine.rot)
+        self.offset.copy_(affine.offset)
+        self.scale.copy_(affine.scale)
+
+    # ---- layout -------------------------------------------------------------------------------
+    def part_specs(self) -> PartSpecs:
+        """Trailing shape and dtype of each stored part, per (token, head)."""
+        d = self.dim
+        specs: PartSpecs = {"idx": ((d * self.bits // 8,), torch.uint8)}
+        if self.normalize:
+            specs["norm"] = ((), torch.float16)
+        if self.residual == "sign":
+            specs["sign"] = ((d // 8,), torch.uint8)
+        elif self.residual == "qjl":
+            specs["qjl"] = ((self.proj.shape[0] // 8,), torch.uint8)
+            specs["qjl_norm"] = ((), torch.float16)
+        return specs
+
+    def bits_per_value(self) -> float:
+        """All-in stored bits per scalar value (norms and sketches included)."""
+        total = 0
+        for shape, dtype in self.part_specs().values():
+            total += int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        return 8 * total / self.dim
+
+    # ---- transform ----------------------------------------------------------------------------
+    def to_affine(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H, T, d] → y [..., H, T, d] = (x Πᵀ - offset) / scale (float32)."""
+        y = torch.einsum("...htd,hed->...hte", x.float(), self.rot)
+        return (y - self.offset[:, None, :]) / self.scale[:, None, :]
+
+    def from_affine(self, y: torch.Tensor) -> torch.Tensor:
+        y = y * self.scale[:, None, :] + self.offset[:, None, :]
+        return torch.einsum("...hte,hed->...htd", y, self.rot)
+
+    def _lookup(self, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Per-head gather: table [H, K, *tail] at idx [..., H, T, d] → [..., H, T, d, *tail]."""
+        moved = idx.movedim(-3, 0)  # [H, ..., T, d]
+        flat = moved.reshape(self.heads, -1).long()
+        heads = torch.arange(self.heads, device=idx.device)[:, None]
+        out = table[heads, flat]  # [H, N, *tail]
+        return out.reshape(*moved.shape, *table.shape[2:]).movedim(0, idx.dim() - 3)
+
+    # ---- encode / decode ----------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x [..., H, T, d] float → parts, each [..., H, T, *part_shape]."""
+        check_input(x, self.heads, self.dim, self.rot, "VectorQuantizer.encode")
+        y = self.to_affine(x)
+        parts: dict[str, torch.Tensor] = {}
+        if self.normalize:
+            norm = y.norm(dim=-1, keepdim=True)
+            parts["norm"] = norm.squeeze(-1).to(torch.float16)
+            y = y / norm.clamp_min(1e-30)
+        bounds = 0.5 * (self.centroids[:, 1:] + self.centroids[:, :-1])  # [H, K-1]
+        yh = y.movedim(-3, 0)
+        idx = torch.searchsorted(bounds.contiguous(), yh.reshape(self.heads, -1).contiguous())
+        idx = idx.reshape(yh.shape).movedim(0, -3)
+        parts["idx"] = pack_bits(idx, self.bits)
+        if self.residual != "none":
+            r = y - self._lookup(self.centroids, idx)
+            if self.residual == "sign":
+                parts["sign"] = pack_1bit_u8(r >= 0)
+            else:
+                sketch = r @ self.proj.T
+                parts["qjl"] = pack_1bit_u8(sketch >= 0)
+                parts["qjl_norm"] = r.norm(dim=-1).to(torch.float16)
+        return parts
+
+    def decode_affine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """parts → ẑ [..., H, T, d] in the affine domain (norm applied), float32."""
+        idx = unpack_bits(parts["idx"], self.bits)
+        y = self._lookup(self.centroids, idx)
+        if self.residual == "sign":
+            s = unpack_1bit_u8(parts["sign"]).long()
+            eps = self._lookup(self.eps, idx)  # [..., d, 2]
+            y = y + torch.where(s.bool(), eps[..., 1], -eps[..., 0])
+        elif self.residual == "qjl":
+            signs = unpack_1bit_u8(parts["qjl"]).float() * 2 - 1
+            m = self.proj.shape[0]
+            y = y + qjl_scale(m) * parts["qjl_norm"].float().unsqueeze(-1) * (signs @ self.proj)
+        if self.normalize:
+            y = y * parts["norm"].float().unsqueeze(-1)
+        return y
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """parts → x̂ [..., H, T, d] float32 in the original domain."""
+        return self.from_affine(self.decode_affine(parts))
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.heads}, dim={self.dim}, bits={self.bits}, residual={self.residual}, "
+                f"normalize={self.normalize}")
+
+
+def _specs_nbytes(specs: PartSpecs) -> int:
+    return sum(int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+               for shape, dt in specs.values())
+
+
+class KVCodec(nn.Module):
+    """Key and value quantizers of one layer (dual LUTs). Parts are named ``k.<part>`` / ``v.<part>``."""
+
+    def __init__(self, key: nn.Module, value: nn.Module):
+        super().__init__()
+        self.key, self.value = key, value
+
+    def part_specs(self) -> PartSpecs:
+        specs = {f"k.{n}": s for n, s in self.key.part_specs().items()}
+        specs.update({f"v.{n}": s for n, s in self.value.part_specs().items()})
+        return specs
+
+    def bytes_per_token(self) -> int:
+        """Stored bytes per token per head (keys + values, all parts)."""
+        return _specs_nbytes(self.part_specs())
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts = {f"k.{n}": t for n, t in self.key.encode(k).items()}
+        parts.update({f"v.{n}": t for n, t in self.value.encode(v).items()})
+        return parts
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        def sub(prefix: str) -> dict[str, torch.Tensor]:
+            return {n[2:]: t for n, t in parts.items() if n.startswith(prefix)}
+        return self.key.decode(sub("k.")), self.value.decode(sub("v."))
+
+    def constant_nbytes(self) -> int:
+        """Bytes of the codec's own tables (rotations, LUTs, scales): fixed, not per token."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class DenseQuantizer(nn.Module):
+    """Uncompressed storage (fp32 / fp16 / bf16) behind the same interface: the fidelity reference."""
+
+    def __init__(self, heads: int, dim: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.heads, self.dim, self.dtype = heads, dim, dtype
+        self.register_buffer("_device_anchor", torch.zeros(0))
+
+    def part_specs(self) -> PartSpecs:
+        return {"x": ((self.dim,), self.dtype)}
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        check_input(x, self.heads, self.dim, self._device_anchor, "DenseQuantizer.encode")
+        return {"x": x.to(self.dtype)}
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return parts["x"].float()
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """How to build one layer's codec. Shared by the CLI, the Python API and Hydra configs."""
+
+    key_bits: int = 3
+    value_bits: int = 3
+    key_rotation: str = "svd-scaled"
+    value_rotation: str = "identity"
+    residual: str = "sign"
+    sign_mode: str = "bin"
+    seed: int = 0
+
+
+def dense_codec(heads: int, dim: int, dtype: torch.dtype = torch.float32) -> KVCodec:
+    return KVCodec(DenseQuantizer(heads, dim, dtype), DenseQuantizer(heads, dim, dtype))
+
+
+def oblivious_codec(heads: int, dim: int, bits: int = 3, rotation: str = "hadamard",
+                    residual: str = "none", seed: int = 0, value_bits: int | None = None) -> KVCodec:
+    """A data-oblivious TurboQuant codec for one layer (no calibration)."""
+    return KVCodec(VectorQuantizer.oblivious(heads, dim, bits, rotation, residual, seed),
+                   VectorQuantizer.oblivious(heads, dim, value_bits or bits, rotation, residual, seed + 7919))

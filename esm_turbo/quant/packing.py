@@ -1,0 +1,124 @@
+"""Bit packing of quantizer indices and sign bits along the last dimension, into uint8 bytes.
+
+Names say the byte layout (cf. hqq's ``pack_3bit_32``):
+
+* ``pack_1bit_u8``: 8 values per byte, value ``j`` of a byte at bit ``j`` (LSB first).
+* ``pack_2bit_u8``: 4 values per byte, value ``j`` at bits ``2j..2j+1``.
+* ``pack_3bit_u8x3``: 8 values in 3 bytes: the 24-bit little-endian word ``Σ v_j << 3j``.
+* ``pack_4bit_u8``: 2 values per byte, value 0 in the low nibble.
+* ``pack_8bit_u8``: one value per byte.
+
+All packers take ``[..., n]`` integer tensors with values in ``[0, 2**bits)`` and ``n`` a multiple
+of 8, and return ``[..., n * bits // 8]`` uint8; each unpacker inverts its packer exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .lloyd_max import check_bits
+
+
+def _check(x: torch.Tensor, bits: int) -> None:
+    if x.shape[-1] % 8:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of 8; cannot pack {bits}-bit values")
+    if x.dtype.is_floating_point or x.dtype == torch.bool and bits != 1:
+        raise TypeError(f"expected an integer tensor of {bits}-bit codes, got {x.dtype}")
+
+
+def _pack_lsb_first(x: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    groups = x.to(torch.uint8).reshape(*x.shape[:-1], -1, per_byte)
+    shifts = torch.arange(0, 8, bits, device=x.device, dtype=torch.uint8)
+    return (groups << shifts).sum(-1, dtype=torch.uint8)
+
+
+def _unpack_lsb_first(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+    mask = (1 << bits) - 1
+    vals = (packed.unsqueeze(-1) >> shifts) & mask
+    return vals.reshape(*packed.shape[:-1], -1)
+
+
+def pack_1bit_u8(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] in {0,1} (or bool) → [..., n/8] uint8."""
+    _check(x, 1)
+    return _pack_lsb_first(x, 1)
+
+
+def unpack_1bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n/8] uint8 → [..., n] uint8 in {0,1}."""
+    return _unpack_lsb_first(packed, 1)
+
+
+def pack_2bit_u8(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] in [0,4) → [..., n/4] uint8."""
+    _check(x, 2)
+    return _pack_lsb_first(x, 2)
+
+
+def unpack_2bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    return _unpack_lsb_first(packed, 2)
+
+
+def pack_4bit_u8(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] in [0,16) → [..., n/2] uint8."""
+    _check(x, 4)
+    return _pack_lsb_first(x, 4)
+
+
+def unpack_4bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    return _unpack_lsb_first(packed, 4)
+
+
+def pack_8bit_u8(x: torch.Tensor) -> torch.Tensor:
+    _check(x, 8)
+    return x.to(torch.uint8)
+
+
+def unpack_8bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    return packed
+
+
+_SHIFT3 = (0, 3, 6, 9, 12, 15, 18, 21)
+
+
+def pack_3bit_u8x3(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] in [0,8) → [..., 3n/8] uint8: each group of 8 values becomes 3 little-endian bytes."""
+    _check(x, 3)
+    groups = x.to(torch.int32).reshape(*x.shape[:-1], -1, 8)
+    shifts = torch.tensor(_SHIFT3, device=x.device, dtype=torch.int32)
+    word = (groups << shifts).sum(-1, dtype=torch.int32)  # [..., n/8], 24 bits used
+    out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
+    return out.to(torch.uint8).reshape(*x.shape[:-1], -1)
+
+
+def unpack_3bit_u8x3(packed: torch.Tensor) -> torch.Tensor:
+    """[..., 3n/8] uint8 → [..., n] uint8 in [0,8)."""
+    b = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, 3)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    shifts = torch.tensor(_SHIFT3, device=packed.device, dtype=torch.int32)
+    vals = (word.unsqueeze(-1) >> shifts) & 7
+    return vals.to(torch.uint8).reshape(*packed.shape[:-1], -1)
+
+
+_PACKERS = {1: (pack_1bit_u8, unpack_1bit_u8), 2: (pack_2bit_u8, unpack_2bit_u8),
+            3: (pack_3bit_u8x3, unpack_3bit_u8x3), 4: (pack_4bit_u8, unpack_4bit_u8),
+            8: (pack_8bit_u8, unpack_8bit_u8)}
+
+
+def pack_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-bit codes along the last dim with the packer of that width."""
+    return _PACKERS[check_bits(bits)][0](x)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`; returns uint8 codes."""
+    return _PACKERS[check_bits(bits)][1](packed)
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that ``n`` values of ``bits`` bits occupy once packed (n a multiple of 8)."""
+    if n % 8:
+        raise ValueError(f"{n} values is not a multiple of 8")
+    return n * check_bits(bits) // 8

@@ -1,0 +1,168 @@
+"""Per-head orthogonal rotations Π (applied to post-RoPE keys, optionally to values).
+
+Convention: a row vector ``x`` [..., d] is rotated as ``y = x @ Π.T``; ``Π`` has orthonormal rows.
+
+Kinds:
+
+* ``identity``;
+* ``haar``: a seeded Haar-random orthogonal matrix (QR of a Gaussian with the sign fix);
+* ``hadamard``: randomized Hadamard ``H·D/√n`` with random signs D, applied in O(d log d) by a fast
+  Walsh-Hadamard transform; a head_dim that is not a power of two (ESM-2 35M: 24) is split into
+  power-of-two blocks after a seeded permutation;
+* ``svd``: the paper's head-wise SVD/PCA rotation — the right singular vectors of the calibration
+  activations, rows sorted by decreasing energy. It does *not* equalise variance: it concentrates
+  energy in the leading components;
+* ``svd-scaled``: PCA followed by per-component centring and scaling to unit variance (an affine
+  step stored beside Π, see :class:`AffineStats`).
+
+PCA is fitted from activations streamed in chunks through :class:`CovarianceAccumulator`, which
+keeps only ``XᵀX``, ``Σx`` and a count per head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+ROTATION_KINDS = ("identity", "haar", "hadamard", "svd", "svd-scaled")
+
+
+def check_rotation_kind(kind: str) -> str:
+    if kind not in ROTATION_KINDS:
+        raise ValueError(f"unknown rotation {kind!r}: choose one of {ROTATION_KINDS}")
+    return kind
+
+
+def haar_orthogonal(dim: int, seed: int, count: int = 1) -> torch.Tensor:
+    """[count, dim, dim] float32 Haar-random orthogonal matrices from a seeded CPU generator."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(count, dim, dim, generator=gen, dtype=torch.float64)
+    q, r = torch.linalg.qr(g)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+    return q.to(torch.float32)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised fast Walsh-Hadamard transform along the last dim (a power of two), O(n log n)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"fwht needs a power-of-two length, got {n}")
+    lead = x.shape[:-1]
+    h = 1
+    y = x.reshape(-1, n)
+    while h < n:
+        y = y.reshape(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return y.reshape(*lead, n)
+
+
+def _pow2_block(dim: int) -> int:
+    return dim & -dim  # largest power of two dividing dim
+
+
+class RandomizedHadamard:
+    """Seeded randomized Hadamard rotation of size ``dim``: permute, flip signs, blockwise FWHT/√n."""
+
+    def __init__(self, dim: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.dim = dim
+        self.block = _pow2_block(dim)
+        self.signs = torch.randint(0, 2, (dim,), generator=gen).to(torch.float32) * 2 - 1
+        self.perm = (torch.randperm(dim, generator=gen) if self.block != dim
+                     else torch.arange(dim))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] → Π x in O(dim log dim)."""
+        y = (x[..., self.perm.to(x.device)] * self.signs.to(x.device, x.dtype))
+        y = y.reshape(*x.shape[:-1], self.dim // self.block, self.block)
+        return (fwht(y) / math.sqrt(self.block)).reshape(x.shape)
+
+    def matrix(self) -> torch.Tensor:
+        """[dim, dim] float32 Π with ``apply(x) == x @ Π.T``."""
+        return self.apply(torch.eye(self.dim)).T.contiguous()
+
+
+def hadamard_rotations(dim: int, seed: int, count: int) -> torch.Tensor:
+    """[count, dim, dim] randomized Hadamard matrices, one seed per head (seed + i)."""
+    return torch.stack([RandomizedHadamard(dim, seed + i).matrix() for i in range(count)])
+
+
+class CovarianceAccumulator:
+    """Streams per-head second moments of activations: XᵀX [H, d, d], Σx [H, d], count [H] (float64).
+
+    ``add`` takes chunks [..., H, T, d] with an optional validity mask [..., T] (True = real token),
+    so padded batches never contaminate the statistics and no chunk needs to be kept.
+    """
+
+    def __init__(self, heads: int, dim: int):
+        self.xtx = torch.zeros(heads, dim, dim, dtype=torch.float64)
+        self.sum = torch.zeros(heads, dim, dtype=torch.float64)
+        self.count = torch.zeros(heads, dtype=torch.float64)
+        self.max_norm = torch.zeros(heads, dtype=torch.float64)
+
+    def add(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        heads, dim = self.sum.shape
+        x = x.detach().to(torch.float64)
+        if valid is not None:
+            x = x * valid.to(x.dtype).unsqueeze(-2).unsqueeze(-1)
+        flat = x.movedim(-3, 0).reshape(heads, -1, dim)  # [H, N, d]
+        n = (valid.sum() if valid is not None else torch.tensor(flat.shape[1])).to(torch.float64)
+        self.xtx += torch.einsum("hni,hnj->hij", flat, flat).cpu()
+        self.sum += flat.sum(1).cpu()
+        self.count += n.cpu()
+        self.max_norm = torch.maximum(self.max_norm, flat.norm(dim=-1).amax(-1).cpu())
+
+    def pca(self, centered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (Π [H,d,d] float32 with rows = principal directions by decreasing energy,
+        mean [H,d] in the rotated basis, per-component std [H,d] in the rotated basis)."""
+        if torch.any(self.count == 0):
+            raise ValueError("no calibration tokens were seen for at least one head")
+        n = self.count[:, None, None]
+        mean = self.sum / self.count[:, None]
+        second = self.xtx / n
+        mat = second - (mean[:, :, None] * mean[:, None, :] if centered else 0.0)
+        evals, evecs = torch.linalg.eigh(mat)  # ascending
+        evecs = evecs.flip(-1)
+        # deterministic sign: largest-magnitude entry of each direction positive
+        idx = evecs.abs().argmax(dim=1, keepdim=True)
+        evecs = evecs * torch.sign(torch.gather(evecs, 1, idx))
+        rot = evecs.transpose(-1, -2).contiguous()  # rows are directions
+        rmean = torch.einsum("hij,hj->hi", rot, mean)
+        rvar = torch.einsum("hij,hjk,hik->hi", rot, second, rot) - (rmean**2 if centered else 0.0)
+        std = rvar.clamp_min(1e-12).sqrt()
+        return rot.to(torch.float32), rmean.to(torch.float32), std.to(torch.float32)
+
+
+@dataclass
+class AffineStats:
+    """Per-head transform around Π: ``y = (x @ Π.T - offset) / scale``. Shapes: rot [H,d,d],
+    offset [H,d], scale [H,d] (all float32)."""
+
+    rot: torch.Tensor
+    offset: torch.Tensor
+    scale: torch.Tensor
+
+
+def build_rotation(kind: str, heads: int, dim: int, seed: int = 0,
+                   stats: CovarianceAccumulator | None = None) -> AffineStats:
+    """Build the per-head transform of a given kind. ``svd`` kinds need streamed ``stats``."""
+    check_rotation_kind(kind)
+    zeros = torch.zeros(heads, dim)
+    ones = torch.ones(heads, dim)
+    if kind == "identity":
+        return AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), zeros, ones)
+    if kind == "haar":
+        return AffineStats(haar_orthogonal(dim, seed, heads), zeros, ones)
+    if kind == "hadamard":
+        return AffineStats(hadamard_rotations(dim, seed, heads), zeros, ones)
+    if stats is None:
+        raise ValueError(f"rotation {kind!r} is fitted from data: calibration statistics are required")
+    if kind == "svd":
+        rot, _, _ = stats.pca(centered=False)
+        return AffineStats(rot, zeros, ones)
+    rot, mean, std = stats.pca(centered=True)
+    return AffineStats(rot, mean, std)
