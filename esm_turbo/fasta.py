@@ -17,6 +17,7 @@ class Record:
     id: str
     sequence: str
     source: str  # "file:line" of the header
+    description: str = ""  # the header after the id
 
 
 def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: bool = False,
@@ -57,7 +58,7 @@ def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: 
                 problems.append(str(err))
                 continue
             seen.add(rid)
-            records.append(Record(rid, clean, where))
+            records.append(Record(rid, clean, where, title[len(rid):].strip()))
     if not records and not problems:
         raise FastaError(f"{path}: no FASTA records")
     return records, problems

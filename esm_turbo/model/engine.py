@@ -91,6 +91,18 @@ class TurboEsm:
             for m in self.attention:
                 m.context = None
 
+    @contextlib.contextmanager
+    def original(self) -> Iterator[nn.Module]:
+        """Temporarily put the unmodified EsmSelfAttention modules back (reference computations)."""
+        layers = self.esm.encoder.layer
+        for layer, mod in zip(layers, self.attention):
+            layer.attention.self = mod.inner
+        try:
+            yield self.model
+        finally:
+            for layer, mod in zip(layers, self.attention):
+                layer.attention.self = mod
+
     def session(self, cache: str | Callable = "turbo", capacity: int = 256) -> "DecodeSession":
         return DecodeSession(self, cache, capacity)
 
@@ -130,14 +142,16 @@ class DecodeSession:
 
     # ---- API ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def start(self, sequences: list[str], names: list[str] | None = None, add_eos: bool = False) -> StepOutput:
-        """Exact batched prefill of ``<cls> + residues`` (ragged lengths). Returns outputs [B, T, *]."""
+    def start(self, sequences: list[str], names: list[str] | None = None, add_eos: bool = False,
+              recorder: Callable | None = None) -> StepOutput:
+        """Exact batched prefill of ``<cls> + residues`` (ragged lengths). Returns outputs [B, T, *].
+        ``recorder(layer, k, v, valid)`` also sees each layer's post-RoPE K/V."""
         eng = self.engine
         tokens, mask = encode(sequences, names, add_eos=add_eos)
         tokens, mask = tokens.to(eng.device), mask.to(eng.device)
         batch, width = tokens.shape
         self.cache = KVCache(eng.codecs(self.cache_kind), batch, max(self.capacity, width), eng.device)
-        ctx = RunContext(mode="prefill", cache=self.cache, valid=mask.bool())
+        ctx = RunContext(mode="prefill", cache=self.cache, valid=mask.bool(), recorder=recorder)
         with eng.context(ctx):
             out = eng.esm(input_ids=tokens, attention_mask=mask)
         counts = mask.sum(1)

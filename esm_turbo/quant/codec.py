@@ -18,8 +18,6 @@ what it stores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
@@ -27,7 +25,7 @@ from torch import nn
 from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_weighted
 from .packing import pack_1bit_u8, pack_bits, unpack_1bit_u8, unpack_bits
 from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_table
-from .rotations import AffineStats, build_rotation, check_rotation_kind
+from .rotations import AffineStats, affine_forward, affine_inverse, build_rotation, check_rotation_kind
 
 PartSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -77,6 +75,7 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("eps", torch.zeros(heads, k, 2))
         proj = qjl_projection(dim, dim, qjl_seed) if residual == "qjl" else torch.zeros(0, dim)
         self.register_buffer("proj", proj)
+        self.rot_stored: torch.Tensor | None = None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -96,22 +95,25 @@ class VectorQuantizer(nn.Module):
 
     @classmethod
     def from_calibration(cls, affine: AffineStats, points: list[tuple[np.ndarray, np.ndarray]],
-                         bits: int, residual: str = "sign", sign_mode: str = "bin",
-                         seed: int = 0) -> "VectorQuantizer":
+                         bits: int, residual: str = "sign", sign_mode: str = "bin", seed: int = 0,
+                         lut_points: list[tuple[np.ndarray, np.ndarray]] | None = None) -> "VectorQuantizer":
         """Calibrated codec: ``points[h]`` are weighted samples (values, weights) of head h in the
-        affine domain (after rotation, centring and scaling); a LUT is fitted per head."""
+        affine domain (after rotation, centring and scaling). A LUT is fitted per head on
+        ``lut_points[h]`` (default: ``points[h]``; other points give e.g. a K/V-shared LUT)."""
         heads, dim = affine.offset.shape
         if len(points) != heads:
             raise ValueError(f"expected calibration points for {heads} heads, got {len(points)}")
         q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1)
         q.set_rotation(affine)
         for h, (values, weights) in enumerate(points):
-            lut = lloyd_max_weighted(values, weights, q.bits).centroids
+            fit_on = lut_points[h] if lut_points is not None else (values, weights)
+            lut = lloyd_max_weighted(*fit_on, q.bits).centroids
             q.centroids[h] = torch.as_tensor(lut, dtype=torch.float32)
             q.eps[h] = torch.as_tensor(sign_eps_table(values, weights, lut, sign_mode), dtype=torch.float32)
         return q
 
     def set_rotation(self, affine: AffineStats) -> None:
+        self.rot_stored = affine.stored  # fp16 pre-image of a fitted rotation, for checkpoints
         self.rot.copy_(affine.rot)
         self.offset.copy_(affine.offset)
         self.scale.copy_(affine.scale)
@@ -140,12 +142,10 @@ class VectorQuantizer(nn.Module):
     # ---- transform ----------------------------------------------------------------------------
     def to_affine(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H, T, d] → y [..., H, T, d] = (x Πᵀ - offset) / scale (float32)."""
-        y = torch.einsum("...htd,hed->...hte", x.float(), self.rot)
-        return (y - self.offset[:, None, :]) / self.scale[:, None, :]
+        return affine_forward(x, self.rot, self.offset, self.scale)
 
     def from_affine(self, y: torch.Tensor) -> torch.Tensor:
-        y = y * self.scale[:, None, :] + self.offset[:, None, :]
-        return torch.einsum("...hte,hed->...htd", y, self.rot)
+        return affine_inverse(y, self.rot, self.offset, self.scale)
 
     def _lookup(self, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Per-head gather: table [H, K, *tail] at idx [..., H, T, d] → [..., H, T, d, *tail]."""
@@ -258,19 +258,6 @@ class DenseQuantizer(nn.Module):
 
     def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         return parts["x"].float()
-
-
-@dataclass(frozen=True)
-class CodecConfig:
-    """How to build one layer's codec. Shared by the CLI, the Python API and Hydra configs."""
-
-    key_bits: int = 3
-    value_bits: int = 3
-    key_rotation: str = "svd-scaled"
-    value_rotation: str = "identity"
-    residual: str = "sign"
-    sign_mode: str = "bin"
-    seed: int = 0
 
 
 def dense_codec(heads: int, dim: int, dtype: torch.dtype = torch.float32) -> KVCodec:

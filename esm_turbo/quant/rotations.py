@@ -137,6 +137,17 @@ class CovarianceAccumulator:
         return rot.to(torch.float32), rmean.to(torch.float32), std.to(torch.float32)
 
 
+def affine_forward(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., H, T, d] → y = (x Π_hᵀ - offset_h) / scale_h, float32 (rot [H,d,d], offset/scale [H,d])."""
+    y = torch.einsum("...htd,hed->...hte", x.float(), rot)
+    return (y - offset[:, None, :]) / scale[:, None, :]
+
+
+def affine_inverse(y: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`affine_forward`."""
+    return torch.einsum("...hte,hed->...htd", y * scale[:, None, :] + offset[:, None, :], rot)
+
+
 @dataclass
 class AffineStats:
     """Per-head transform around Π: ``y = (x @ Π.T - offset) / scale``. Shapes: rot [H,d,d],
@@ -145,6 +156,27 @@ class AffineStats:
     rot: torch.Tensor
     offset: torch.Tensor
     scale: torch.Tensor
+    stored: torch.Tensor | None = None  # fp16 pre-image of a fitted rot (rot == orthonormalize(stored))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return affine_forward(x, self.rot.to(x.device), self.offset.to(x.device), self.scale.to(x.device))
+
+    def second_moments(self, stats: CovarianceAccumulator) -> torch.Tensor:
+        """E[y_i²] [H, d] of the affine outputs, from streamed statistics."""
+        rot, off, sc = self.rot.double(), self.offset.double(), self.scale.double()
+        second = stats.xtx / stats.count[:, None, None]
+        mean = stats.sum / stats.count[:, None]
+        diag = torch.einsum("hij,hjk,hik->hi", rot, second, rot)
+        rmean = torch.einsum("hij,hj->hi", rot, mean)
+        return ((diag - 2 * off * rmean + off**2) / sc**2).clamp_min(0).float()
+
+
+def orthonormalize(rot16: torch.Tensor) -> torch.Tensor:
+    """[H, d, d] near-orthogonal (e.g. fp16-stored) rows → exactly orthonormal float32 rows (QR, sign-fixed,
+    deterministic on the CPU). Fitted rotations are stored in fp16 and rebuilt with this."""
+    q, r = torch.linalg.qr(rot16.detach().cpu().double().transpose(-1, -2))
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+    return q.transpose(-1, -2).float().contiguous()
 
 
 def build_rotation(kind: str, heads: int, dim: int, seed: int = 0,
@@ -161,8 +193,13 @@ def build_rotation(kind: str, heads: int, dim: int, seed: int = 0,
         return AffineStats(hadamard_rotations(dim, seed, heads), zeros, ones)
     if stats is None:
         raise ValueError(f"rotation {kind!r} is fitted from data: calibration statistics are required")
+    rot, mean, std = stats.pca(centered=kind == "svd-scaled")
+    stored = rot.half()
+    rot = orthonormalize(stored)  # what a checkpoint stores (fp16) rebuilds exactly this
     if kind == "svd":
-        rot, _, _ = stats.pca(centered=False)
-        return AffineStats(rot, zeros, ones)
-    rot, mean, std = stats.pca(centered=True)
-    return AffineStats(rot, mean, std)
+        return AffineStats(rot, zeros, ones, stored)
+    # re-derive the component statistics in the snapped basis
+    snapped = AffineStats(rot, zeros, ones)
+    mean = torch.einsum("hij,hj->hi", rot.double(), stats.sum / stats.count[:, None]).float()
+    var = (snapped.second_moments(stats) - mean**2).clamp_min(1e-12)
+    return AffineStats(rot, mean, var.sqrt(), stored)

@@ -1,0 +1,159 @@
+"""The calibration checkpoint: one safetensors file of per-layer codec tables plus JSON metadata.
+
+Tensors, per layer ``l`` and kind ``k``/``v``: ``layers.l.k.centroids`` [H,K], ``.eps`` [H,K,2],
+``.offset`` [H,d], ``.scale`` [H,d], and ``.rot`` [H,d,d] (fp16, rebuilt exactly orthonormal by a
+deterministic QR) only for fitted (svd) rotations — seeded ones (haar, hadamard, identity) are
+rebuilt from the seed. A 650M checkpoint with fitted K and V rotations is ≈ 11 MB.
+Metadata (strings): ``esm_turbo`` (JSON with model fingerprint, config, calibration-set hash, token
+count, package version). Writes are atomic (temporary file + rename); loading checks completeness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError
+from ..quant.codec import KVCodec, VectorQuantizer
+from ..quant.rotations import build_rotation, orthonormalize
+
+FORMAT_VERSION = 1
+_TABLES = ("centroids", "eps", "offset", "scale")
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Recipe of a calibration: one schema for the CLI, the Python API and Hydra configs."""
+
+    key_bits: int = 3
+    value_bits: int = 3
+    key_rotation: str = "svd-scaled"
+    value_rotation: str = "svd-scaled"
+    residual: str = "sign"
+    sign_mode: str = "bin"
+    shared_lut: bool = False
+    max_tokens: int | None = None
+    batch_tokens: int = 8192
+    bins: int = 4096
+    seed: int = 0
+
+
+#: the paper's literal recipe (plain SVD on K, V unrotated, one ε per head) and measured ablations
+PRESETS: dict[str, CalibrationConfig] = {
+    "default": CalibrationConfig(),
+    "paper": CalibrationConfig(key_rotation="svd", value_rotation="identity", residual="sign", sign_mode="head"),
+    "no-rotation": CalibrationConfig(key_rotation="identity", value_rotation="identity"),
+    "v-unrotated": CalibrationConfig(value_rotation="identity"),
+    "shared-lut": CalibrationConfig(shared_lut=True),
+    "no-residual": CalibrationConfig(residual="none"),
+}
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Calibration:
+    """Per-layer TurboESM codecs and what they were made for."""
+
+    def __init__(self, codecs: list[KVCodec], config: CalibrationConfig, meta: dict):
+        self.codecs = codecs
+        self.config = config
+        self.meta = meta
+
+    def check_model(self, model, fingerprint: bool = True) -> None:
+        """Refuse a model of another shape, or (with ``fingerprint``) other weights."""
+        cfg = model.config
+        shape = dict(layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+                     head_dim=cfg.hidden_size // cfg.num_attention_heads)
+        mine = {k: self.meta[k] for k in shape}
+        if mine != shape:
+            raise CheckpointError(f"calibration was made for a model with {mine}, this model has {shape}")
+        if fingerprint:
+            from .loading import model_fingerprint
+            fp = model_fingerprint(model)
+            if fp != self.meta["model_fingerprint"]:
+                raise CheckpointError(
+                    f"calibration was made for another model (fingerprint {self.meta['model_fingerprint'][:12]}…, "
+                    f"model {self.meta.get('model_name', '?')}); this model's is {fp[:12]}…. Recalibrate with "
+                    f"`esm-turbo calibrate` for this model.")
+
+    # ---- files --------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tensors: dict[str, torch.Tensor] = {}
+        cfg = self.config
+        for li, codec in enumerate(self.codecs):
+            for kind, q, rot_kind in (("k", codec.key, cfg.key_rotation), ("v", codec.value, cfg.value_rotation)):
+                for name in _TABLES:
+                    tensors[f"layers.{li}.{kind}.{name}"] = getattr(q, name).detach().cpu().contiguous()
+                if rot_kind in ("svd", "svd-scaled"):
+                    if q.rot_stored is None:
+                        raise ValueError(f"layer {li} {kind}: fitted rotation without its stored fp16 form")
+                    tensors[f"layers.{li}.{kind}.rot"] = q.rot_stored.detach().cpu().contiguous()
+        meta = dict(self.meta, format_version=FORMAT_VERSION, config=asdict(cfg))
+        header = {"esm_turbo": json.dumps(meta, sort_keys=True)}
+        _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> "Calibration":
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no such calibration checkpoint")
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                header = fh.metadata() or {}
+                tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        except Exception as err:  # noqa: BLE001 - truncated or not safetensors
+            raise CheckpointError(f"{path}: not a readable calibration checkpoint (truncated or corrupt: {err})") from None
+        if "esm_turbo" not in header:
+            raise CheckpointError(f"{path}: safetensors file without esm_turbo metadata (not a calibration)")
+        meta = json.loads(header["esm_turbo"])
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format version {meta.get('format_version')} is not {FORMAT_VERSION}")
+        cfg = CalibrationConfig(**meta["config"])
+        heads, dim = meta["heads"], meta["head_dim"]
+        codecs = []
+        for li in range(meta["layers"]):
+            pair = []
+            for kind, bits, rot_kind in (("k", cfg.key_bits, cfg.key_rotation), ("v", cfg.value_bits, cfg.value_rotation)):
+                q = VectorQuantizer(heads, dim, bits, cfg.residual, normalize=False, qjl_seed=quantizer_seed(cfg, li, kind) + 1)
+                prefix = f"layers.{li}.{kind}."
+                missing = [n for n in _TABLES if prefix + n not in tensors]
+                if rot_kind in ("svd", "svd-scaled") and prefix + "rot" not in tensors:
+                    missing.append("rot")
+                if missing:
+                    raise CheckpointError(f"{path}: layer {li} {kind}: missing tables {missing} (incomplete checkpoint)")
+                rot = (orthonormalize(tensors[prefix + "rot"]) if prefix + "rot" in tensors
+                       else build_rotation(rot_kind, heads, dim, quantizer_seed(cfg, li, kind)).rot)
+                q.rot_stored = tensors.get(prefix + "rot")
+                try:
+                    q.rot.copy_(rot)
+                    for n in _TABLES:
+                        getattr(q, n).copy_(tensors[prefix + n])
+                except RuntimeError as err:
+                    raise CheckpointError(f"{path}: layer {li} {kind}: table shapes do not match ({err})") from None
+                pair.append(q)
+            codecs.append(KVCodec(*pair).to(device))
+        return cls(codecs, cfg, meta)
+
+
+def quantizer_seed(cfg: CalibrationConfig, layer: int, kind: str) -> int:
+    """Seed of the random parts (haar/hadamard rotation, QJL sketch) of one layer's K or V."""
+    return cfg.seed * 1_000_003 + layer * 2 + (kind == "v")

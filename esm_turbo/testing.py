@@ -1,0 +1,108 @@
+"""Stress models: small ESM-2 checkpoints whose attention is not flattering to a quantizer.
+
+Random weights give near-uniform attention and isotropic K/V. A stress model plants, with more of
+each in later layers:
+
+* function-preserving key outliers: one RoPE channel pair (i, i + d/2) of W_k (and its bias) × s and
+  the same pair of W_q × 1/s — scores are unchanged, keys get channels s× the rest;
+* function-preserving value outliers: a V channel × s and the matching column of W_o × 1/s;
+* outliers the query does use (sink-like): a key pair × s with no compensation in W_q, so the
+  attention sharpens along that channel;
+* per-head sharpness: W_q of each head scaled by a factor from broad (0.5) to peaked (16).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import EsmForMaskedLM
+
+from .model.loading import _LAYER_MAP, _TOP_MAP
+from .model.sizes import esm2_config
+
+
+@torch.no_grad()
+def stress_esm2(layers: int = 4, hidden: int = 64, heads: int = 4, seed: int = 0,
+                outlier_scale: float = 30.0, size: str | None = None,
+                init_std: float = 0.08) -> EsmForMaskedLM:
+    """A small ESM-2 (EsmForMaskedLM, fp32, eval) with planted outliers and varied sharpness."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = esm2_config(size, layers=layers if size is None else None, hidden=hidden if size is None else None,
+                      heads=heads if size is None else None, initializer_range=init_std)
+    torch.manual_seed(seed)
+    model = EsmForMaskedLM(cfg).eval()
+    d = cfg.hidden_size // cfg.num_attention_heads
+    n_heads, n_layers = cfg.num_attention_heads, cfg.num_hidden_layers
+    for name, p in model.named_parameters():  # larger-than-default weights: non-trivial attention
+        if name.endswith("weight") and p.dim() == 2:
+            p.normal_(0.0, init_std, generator=gen)
+        elif name.endswith("bias"):
+            p.normal_(0.0, init_std / 4, generator=gen)
+    for li, layer in enumerate(model.esm.encoder.layer):
+        attn = layer.attention.self
+        wq, bq = attn.query.weight, attn.query.bias
+        wk, bk = attn.key.weight, attn.key.bias
+        wv, bv = attn.value.weight, attn.value.bias
+        wo = layer.attention.output.dense.weight
+        depth = (li + 1) / n_layers
+        for h in range(n_heads):
+            rows = slice(h * d, (h + 1) * d)
+            sharp = float(torch.logspace(-0.3, 1.2, n_heads)[h])  # 0.5 … 16, broad to peaked
+            wq[rows] *= sharp
+            bq[rows] *= sharp
+        n_planted = max(1, round(depth * n_heads * 0.75))
+        for j in range(n_planted):
+            h = (li + j) % n_heads
+            s = outlier_scale * (0.5 + depth) * (1 + j % 3) / 2
+            i = int(torch.randint(0, d // 2, (1,), generator=gen))
+            pair = [h * d + i, h * d + i + d // 2]
+            if j % 3 == 2:  # used by the query: sharpen along this pair
+                wk[pair] *= s / 4
+                bk[pair] *= s / 4
+            else:  # function-preserving: K × s, Q × 1/s
+                wk[pair] *= s
+                bk[pair] *= s
+                wq[pair] /= s
+                bq[pair] /= s
+            c = h * d + int(torch.randint(0, d, (1,), generator=gen))
+            wv[c] *= s
+            bv[c] *= s
+            wo[:, c] /= s
+    return model
+
+
+def to_fair_esm(model: EsmForMaskedLM) -> dict:
+    """The inverse of the fair-esm converter: a checkpoint dict as fair-esm's hub ``.pt`` files hold."""
+    inv_top = {v: k for k, v in _TOP_MAP.items()}
+    inv_layer = {v: k for k, v in _LAYER_MAP.items()}
+    state = {}
+    for name, t in model.state_dict().items():
+        if name in inv_top:
+            key = inv_top[name]
+        elif name.startswith("esm.encoder.layer."):
+            rest = name[len("esm.encoder.layer."):]
+            idx, tail = rest.split(".", 1)
+            module, kind = tail.rsplit(".", 1)
+            if module not in inv_layer:
+                continue
+            key = f"layers.{idx}.{inv_layer[module]}.{kind}"
+        else:
+            continue
+        prefix = "encoder." if key.startswith("lm_head") else "encoder.sentence_encoder."
+        state[prefix + key] = t.clone()
+    cfg = model.config
+    args = argparse.Namespace(encoder_layers=cfg.num_hidden_layers, encoder_embed_dim=cfg.hidden_size,
+                              encoder_attention_heads=cfg.num_attention_heads, token_dropout=cfg.token_dropout)
+    return {"model": state, "cfg": {"model": args}}
+
+
+def save_stress_model(out_dir: str | Path, fair_esm_pt: bool = True, **kwargs) -> Path:
+    """Write a stress model with ``save_pretrained`` (and ``model.pt`` in fair-esm format)."""
+    out = Path(out_dir)
+    model = stress_esm2(**kwargs)
+    model.save_pretrained(out)
+    if fair_esm_pt:
+        torch.save(to_fair_esm(model), out / "model.pt")
+    return out
