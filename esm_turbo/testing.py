@@ -26,11 +26,13 @@ from .model.sizes import esm2_config
 @torch.no_grad()
 def stress_esm2(layers: int = 4, hidden: int = 64, heads: int = 4, seed: int = 0,
                 outlier_scale: float = 30.0, size: str | None = None,
-                init_std: float = 0.08) -> EsmForMaskedLM:
-    """A small ESM-2 (EsmForMaskedLM, fp32, eval) with planted outliers and varied sharpness."""
+                init_std: float | None = None) -> EsmForMaskedLM:
+    """A small ESM-2 (EsmForMaskedLM, fp32, eval) with planted outliers and varied sharpness.
+    Weights are N(0, init_std²) with init_std = 0.64/√hidden by default (same activation scale at any width)."""
     gen = torch.Generator().manual_seed(seed)
     cfg = esm2_config(size, layers=layers if size is None else None, hidden=hidden if size is None else None,
-                      heads=heads if size is None else None, initializer_range=init_std)
+                      heads=heads if size is None else None)
+    init_std = init_std if init_std is not None else 0.64 / cfg.hidden_size**0.5
     torch.manual_seed(seed)
     model = EsmForMaskedLM(cfg).eval()
     d = cfg.hidden_size // cfg.num_attention_heads

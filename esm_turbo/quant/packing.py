@@ -28,7 +28,7 @@ def _check(x: torch.Tensor, bits: int) -> None:
 
 def _pack_lsb_first(x: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
-    groups = x.to(torch.uint8).reshape(*x.shape[:-1], -1, per_byte)
+    groups = x.to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // per_byte, per_byte)
     shifts = torch.arange(0, 8, bits, device=x.device, dtype=torch.uint8)
     return (groups << shifts).sum(-1, dtype=torch.uint8)
 
@@ -37,7 +37,7 @@ def _unpack_lsb_first(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
     mask = (1 << bits) - 1
     vals = (packed.unsqueeze(-1) >> shifts) & mask
-    return vals.reshape(*packed.shape[:-1], -1)
+    return vals.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 def pack_1bit_u8(x: torch.Tensor) -> torch.Tensor:
@@ -86,20 +86,20 @@ _SHIFT3 = (0, 3, 6, 9, 12, 15, 18, 21)
 def pack_3bit_u8x3(x: torch.Tensor) -> torch.Tensor:
     """[..., n] in [0,8) → [..., 3n/8] uint8: each group of 8 values becomes 3 little-endian bytes."""
     _check(x, 3)
-    groups = x.to(torch.int32).reshape(*x.shape[:-1], -1, 8)
+    groups = x.to(torch.int32).reshape(*x.shape[:-1], x.shape[-1] // 8, 8)
     shifts = torch.tensor(_SHIFT3, device=x.device, dtype=torch.int32)
     word = (groups << shifts).sum(-1, dtype=torch.int32)  # [..., n/8], 24 bits used
     out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
-    return out.to(torch.uint8).reshape(*x.shape[:-1], -1)
+    return out.to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] * 3 // 8)
 
 
 def unpack_3bit_u8x3(packed: torch.Tensor) -> torch.Tensor:
     """[..., 3n/8] uint8 → [..., n] uint8 in [0,8)."""
-    b = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, 3)
+    b = packed.to(torch.int32).reshape(*packed.shape[:-1], packed.shape[-1] // 3, 3)
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
     shifts = torch.tensor(_SHIFT3, device=packed.device, dtype=torch.int32)
     vals = (word.unsqueeze(-1) >> shifts) & 7
-    return vals.to(torch.uint8).reshape(*packed.shape[:-1], -1)
+    return vals.to(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] // 3 * 8)
 
 
 _PACKERS = {1: (pack_1bit_u8, unpack_1bit_u8), 2: (pack_2bit_u8, unpack_2bit_u8),

@@ -1,0 +1,226 @@
+"""``esm-turbo``: validate-codec, calibrate, evaluate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import EsmTurboError
+
+log = logging.getLogger("esm_turbo")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _dump_json(obj, path: str | None) -> None:
+    text = json.dumps(obj, indent=2, default=float)
+    if path in (None, "-"):
+        sys.stdout.write(text + "\n")
+    else:
+        from .model.checkpoint import _atomic_write
+        _atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text + "\n"))
+
+
+def cmd_validate_codec(args) -> int:
+    from .quant.validate import validate_codec
+    rows = [validate_codec(b, d, args.vectors, args.seed) for b in args.bits for d in args.head_dim]
+    if args.json:
+        _dump_json(rows, None)
+        return 0
+    print(f"{'bits':>4} {'d':>4} {'MSE':>9} {'lower':>9} {'upper':>9} {'ok':>3} {'ip bias':>10} "
+          f"{'ip bias+QJL':>12} {'B/vec':>6} {'B/vec+QJL':>9}")
+    for r in rows:
+        print(f"{r['bits']:>4} {r['head_dim']:>4} {r['mse']:>9.5f} {r['mse_lower_bound']:>9.5f} "
+              f"{r['mse_upper_bound']:>9.5f} {'yes' if r['within_bounds'] else 'NO':>3} {r['ip_bias']:>+10.5f} "
+              f"{r['ip_bias_qjl']:>+12.5f} {r['bytes_per_vector']:>6} {r['bytes_per_vector_qjl']:>9}")
+    print("MSE: E‖x-x̂‖² over random unit vectors (randomized Hadamard, sphere Lloyd-Max LUT, fp16 norm);"
+          " ip bias: mean ⟨x,x̂⟩-⟨x,x⟩.")
+    return 0
+
+
+def _config_from_args(args):
+    from dataclasses import replace
+
+    from .model.checkpoint import PRESETS
+    cfg = PRESETS[args.preset]
+    overrides = {k: getattr(args, k) for k in ("key_bits", "value_bits", "key_rotation", "value_rotation",
+                                                "residual", "sign_mode", "max_tokens", "seed")
+                 if getattr(args, k, None) is not None}
+    if getattr(args, "bits", None) is not None:
+        overrides.setdefault("key_bits", args.bits)
+        overrides.setdefault("value_bits", args.bits)
+    return replace(cfg, **overrides)
+
+
+def cmd_calibrate(args) -> int:
+    from .fasta import read_fastas
+    from .model.calibrate import calibrate
+    from .model.loading import load_esm
+    records = read_fastas(args.fasta, max_residues=args.max_residues)
+    model = load_esm(args.model, DTYPES[args.dtype], args.device)
+    cfg = _config_from_args(args)
+    start = time.perf_counter()
+    cal = calibrate(model, records, cfg, progress=not args.quiet, model_name=str(args.model))
+    path = cal.save(args.out)
+    seconds = time.perf_counter() - start
+    size = path.stat().st_size
+    log.info("wrote %s (%.2f MB) in %.1f s on %s", path, size / 1e6, seconds, args.device)
+    print(f"calibration: {len(records)} sequences, {cal.meta['calibration_tokens']} tokens, {seconds:.1f} s; "
+          f"checkpoint {path} ({size / 1e6:.2f} MB)")
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from dataclasses import replace
+
+    from .fasta import read_fastas
+    from .model.calibrate import calibrate
+    from .model.checkpoint import PRESETS, Calibration
+    from .model.engine import TurboEsm
+    from .model.evaluate import evaluate, format_table
+    from .model.loading import load_esm
+    records = read_fastas(args.fasta)
+    if args.limit:
+        records = records[: args.limit]
+    model = load_esm(args.model, DTYPES[args.dtype], args.device)
+    variants = {"turbo": Calibration.load(args.calibration, args.device)}
+    if args.ablations:
+        cal_records = read_fastas(args.calibration_fasta)
+        base = variants["turbo"].config
+        for name in args.ablations:
+            preset = PRESETS[name]
+            cfg = replace(preset, key_bits=base.key_bits, value_bits=base.value_bits)
+            variants[name] = calibrate(model, cal_records, cfg, progress=not args.quiet)
+    reports = {}
+    for name, cal in variants.items():
+        engine = TurboEsm(model, cal)
+        reports[name] = evaluate(engine, records, "turbo", args.prefix_fraction, args.max_steps,
+                                 progress=not args.quiet)
+        reports[name]["config"] = cal.config.__dict__
+    if args.json:
+        _dump_json(reports, args.json)
+    if not args.json or args.json != "-":
+        for name, rep in reports.items():
+            print(format_table(rep, f"== {name}: {rep['config']}"))
+            print()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Offline end-to-end run on a STAND-IN model (random ESM-2 weights with planted outliers)."""
+    from .fasta import read_fastas
+    from .model.calibrate import calibrate
+    from .model.checkpoint import PRESETS, Calibration
+    from .model.engine import TurboEsm
+    from .model.evaluate import evaluate, format_table
+    from .testing import save_stress_model
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"STAND-IN MODEL: pretrained ESM-2 weights cannot be downloaded here; using a {args.size}-shaped "
+          f"ESM-2 with random weights and planted outliers (esm_turbo.testing.stress_esm2).")
+    model_dir = save_stress_model(out / "stand_in_model", size=args.size, layers=None, hidden=None, heads=None)
+    from .model.loading import load_esm
+    model = load_esm(model_dir)
+    cal_records = read_fastas([args.calibration_fasta])
+    eval_records = read_fastas([args.eval_fasta])[: args.limit]
+    reports = {}
+    for name in ("default", "paper", "no-rotation"):
+        start = time.perf_counter()
+        cal = calibrate(model, cal_records, PRESETS[name], progress=not args.quiet, model_name=str(model_dir))
+        secs = time.perf_counter() - start
+        ckpt = cal.save(out / f"calibration_{name}.safetensors")
+        cal = Calibration.load(ckpt)
+        rep = evaluate(TurboEsm(model, cal), eval_records, "turbo", 0.5, args.max_steps, progress=not args.quiet)
+        rep["calibration_seconds"] = secs
+        rep["checkpoint_bytes"] = ckpt.stat().st_size
+        reports[name] = rep
+        print(format_table(rep, f"== recipe {name} (calibration {secs:.1f} s, checkpoint {ckpt.stat().st_size / 1e6:.2f} MB)"))
+        print()
+    _dump_json(reports, str(out / "demo_report.json"))
+    print(f"wrote {out / 'demo_report.json'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="esm-turbo", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate-codec", help="codec MSE and inner-product bias on random unit vectors")
+    p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--vectors", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_validate_codec)
+
+    def model_args(p):
+        p.add_argument("--model", required=True, help="size (8M…15B), hub id, save_pretrained dir or fair-esm .pt")
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    p = sub.add_parser("calibrate", help="fit rotations, LUTs and residual scales; write a checkpoint")
+    model_args(p)
+    p.add_argument("--fasta", nargs="+", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--preset", choices=["default", "paper", "no-rotation", "v-unrotated", "shared-lut", "no-residual"],
+                   default="default")
+    p.add_argument("--bits", type=int, help="bits for both K and V")
+    p.add_argument("--key-bits", type=int)
+    p.add_argument("--value-bits", type=int)
+    rot = ["svd", "svd-scaled", "hadamard", "haar", "none", "identity"]
+    p.add_argument("--rotation", dest="key_rotation", choices=rot, help="key rotation")
+    p.add_argument("--value-rotation", choices=rot)
+    p.add_argument("--residual", choices=["sign", "qjl", "none"])
+    p.add_argument("--sign-mode", choices=["bin", "head"])
+    p.add_argument("--max-tokens", type=int, help="stop after this many calibration tokens")
+    p.add_argument("--max-residues", type=int, default=1022)
+    p.add_argument("--seed", type=int)
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("evaluate", help="decode fidelity vs the FP32-cache reference")
+    model_args(p)
+    p.add_argument("--calibration", required=True)
+    p.add_argument("--fasta", nargs="+", required=True)
+    p.add_argument("--prefix-fraction", type=float, default=0.5)
+    p.add_argument("--max-steps", type=int, help="decode at most this many residues per sequence")
+    p.add_argument("--limit", type=int, help="evaluate only the first N sequences")
+    p.add_argument("--ablations", nargs="*", choices=["paper", "no-rotation", "v-unrotated", "shared-lut", "no-residual"],
+                   default=[], help="also calibrate and evaluate these recipes")
+    p.add_argument("--calibration-fasta", nargs="+", default=["calibration_data/calibration.fasta"])
+    p.add_argument("--json", nargs="?", const="-", help="write JSON (to a path, or stdout with no path)")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("demo", help="offline end-to-end run on a stand-in model: calibrate + evaluate")
+    p.add_argument("--size", default="8M")
+    p.add_argument("--out", default="results/demo")
+    p.add_argument("--calibration-fasta", default="calibration_data/calibration.fasta")
+    p.add_argument("--eval-fasta", default="calibration_data/evaluation.fasta")
+    p.add_argument("--limit", type=int, default=12)
+    p.add_argument("--max-steps", type=int, default=32)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    for name in ("key_rotation", "value_rotation"):
+        if getattr(args, name, None) == "none":
+            setattr(args, name, "identity")
+    try:
+        return args.func(args)
+    except EsmTurboError as err:
+        print(f"esm-turbo: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

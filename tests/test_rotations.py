@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from esm_turbo.quant.compare import compare_rotations, planted_outlier_data
+from esm_turbo.quant.rotations import (ROTATION_KINDS, CovarianceAccumulator, RandomizedHadamard, build_rotation,
+                                       fwht, orthonormalize)
+
+
+@pytest.mark.parametrize("d", [16, 24, 32, 64, 128])
+@pytest.mark.parametrize("kind", ROTATION_KINDS)
+def test_all_rotations_orthogonal(kind, d):
+    stats = CovarianceAccumulator(3, d)
+    stats.add(torch.randn(2, 3, 50, d) * torch.linspace(0.1, 10, d))
+    rot = build_rotation(kind, 3, d, seed=1, stats=stats).rot
+    eye = torch.eye(d).expand(3, d, d)
+    assert (rot @ rot.transpose(-1, -2) - eye).abs().max() < 1e-5
+
+
+def test_hadamard_fast_path_matches_matrix_and_is_nlogn():
+    h = RandomizedHadamard(128, seed=3)
+    x = torch.randn(10, 128)
+    torch.testing.assert_close(h.apply(x), x @ h.matrix().T, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        fwht(torch.randn(3, 24))
+
+
+def test_streaming_covariance_equals_batch():
+    x = torch.randn(4, 2, 30, 8)
+    valid = torch.rand(4, 30) > 0.3
+    acc = CovarianceAccumulator(2, 8)
+    for chunk in range(4):
+        acc.add(x[chunk:chunk + 1], valid[chunk:chunk + 1])
+    flat = x.permute(1, 0, 2, 3)[:, valid].double()  # [H, N, d]
+    torch.testing.assert_close(acc.xtx, flat.transpose(1, 2) @ flat)
+    assert acc.count.tolist() == [float(valid.sum())] * 2
+
+
+def test_pca_concentrates_rather_than_equalises_variance():
+    """The paper (§3.2) says an SVD rotation equalises per-dimension variance. It does the opposite."""
+    keys, _, _ = planted_outlier_data()
+    acc = CovarianceAccumulator(1, keys.shape[1])
+    acc.add(keys[None])
+    aff = build_rotation("svd", 1, keys.shape[1], stats=acc)
+    var = aff.second_moments(acc)[0]
+    assert var[0] / var.mean() > 10  # the leading component holds far more than its share
+    assert torch.all(var[:-1] >= var[1:] * 0.999)  # sorted by energy
+    scaled = build_rotation("svd-scaled", 1, keys.shape[1], stats=acc)
+    mean = torch.einsum("ij,j->i", scaled.rot[0].double(), acc.sum[0] / acc.count[0])
+    var_scaled = scaled.second_moments(acc)[0] - ((mean.float() - scaled.offset[0]) / scaled.scale[0]) ** 2
+    torch.testing.assert_close(var_scaled, torch.ones_like(var_scaled), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rotation_comparison_on_planted_outliers(seed):
+    rows = {r["rotation"]: r for r in compare_rotations(bits=3, seed=seed)}
+    # PCA + per-component scaling halves the key error of the paper's plain SVD
+    assert rows["svd-scaled"]["key_rel_mse"] < 0.6 * rows["svd"]["key_rel_mse"]
+    assert rows["svd-scaled"]["key_rel_mse"] < rows["identity"]["key_rel_mse"]
+    # ... and is the best recipe on attention scores
+    best_score = min(r["score_rel_err"] for r in rows.values())
+    assert rows["svd-scaled"]["score_rel_err"] == best_score
+    # the literal SVD rotation with one LUT does not beat no rotation by any margin worth its cost
+    assert rows["svd"]["key_rel_mse"] > 0.9 * rows["identity"]["key_rel_mse"]
+
+
+def test_orthonormalize_is_exact_and_deterministic():
+    q = build_rotation("haar", 2, 64, seed=0).rot
+    a, b = orthonormalize(q.half()), orthonormalize(q.half())
+    assert torch.equal(a, b)
+    assert (a @ a.transpose(-1, -2) - torch.eye(64)).abs().max() < 1e-5
+    assert (a - q).abs().max() < 2e-3
