@@ -33,7 +33,8 @@ def test_weighted_lloyd_is_deterministic_and_matches_density():
     # weights act as repetitions
     vals, counts = np.unique(np.round(x, 2), return_counts=True)
     c = lloyd_max_weighted(vals, counts, 3)
-    np.testing.assert_allclose(c.centroids, a.centroids, atol=0.02)  # 0.01 rounding grid
+    # Lloyd's optimum is flat: compare the distortion reached, not the centroids
+    assert c.mse == pytest.approx(a.mse, rel=0.03)
 
 
 def test_bad_inputs():

@@ -59,8 +59,11 @@ def test_rotation_comparison_on_planted_outliers(seed):
     # ... and is the best recipe on attention scores
     best_score = min(r["score_rel_err"] for r in rows.values())
     assert rows["svd-scaled"]["score_rel_err"] == best_score
-    # the literal SVD rotation with one LUT does not beat no rotation by any margin worth its cost
-    assert rows["svd"]["key_rel_mse"] > 0.9 * rows["identity"]["key_rel_mse"]
+    # the literal SVD rotation with one LUT gains little over no rotation (measured -4 % … +11 %),
+    # less than half of what PCA + scaling gains
+    gain_svd = rows["identity"]["key_rel_mse"] - rows["svd"]["key_rel_mse"]
+    gain_scaled = rows["identity"]["key_rel_mse"] - rows["svd-scaled"]["key_rel_mse"]
+    assert gain_svd < 0.5 * gain_scaled
 
 
 def test_orthonormalize_is_exact_and_deterministic():
