@@ -64,8 +64,7 @@ def _run(engine: TurboEsm, batches: list[list[Record]], recorder, desc: str, pro
 
 def _valid_values(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """y [B, H, S, d], valid [B, S] → [H, N·d] values of real tokens."""
-    heads, d = y.shape[1], y.shape[-1]
-    return y.permute(1, 0, 2, 3)[:, valid].reshape(heads, -1) if d else y
+    return y.permute(1, 0, 2, 3)[:, valid].reshape(y.shape[1], -1)
 
 
 @torch.no_grad()
