@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from . import ops
 from .quant.codec import KVCodec
 
 
@@ -71,6 +72,9 @@ class KVCache:
         self.batch_size = batch_size
         self.capacity = max(int(capacity), 1)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        # host-side upper bound of lengths.max(): capacity checks need no device sync (CUDA graphs)
+        self._max_bound = 0
+        self._written = 0
         self.parts: list[dict[str, torch.Tensor]] = [self._alloc(c, batch_size, self.capacity) for c in codecs]
 
     @property
@@ -80,6 +84,10 @@ class KVCache:
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict[str, torch.Tensor]:
         return {name: torch.zeros(batch, self.heads, capacity, *shape, dtype=dtype, device=self.device)
                 for name, (shape, dtype) in codec.part_specs().items()}
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` more tokens per row now (before capturing a CUDA graph)."""
+        self._ensure_capacity(self._max_bound + tokens)
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
@@ -107,8 +115,13 @@ class KVCache:
         """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed)."""
         self._check_kv(layer, k, v)
         s = k.shape[2]
-        self._ensure_capacity(int(self.lengths.max()) + s)
-        encoded = self.codecs[layer].encode(k, v)
+        self._ensure_capacity(self._max_bound + s)
+        self._written = s
+        codec = self.codecs[layer]
+        if ops.use_kernels(k) and ops.fused_supported(codec, need_kernel_shape=True):
+            ops.write_compressed(codec, self.parts[layer], k, v, self.lengths)
+            return
+        encoded = codec.encode(k, v)
         pos = self.lengths[:, None] + torch.arange(s, device=self.device)  # [B, S]
         rows = torch.arange(self.batch_size, device=self.device)[:, None]
         for name, val in encoded.items():
@@ -117,10 +130,18 @@ class KVCache:
 
     def commit(self, counts: torch.Tensor | int) -> None:
         """Make the written tokens visible: ``lengths += counts`` ([B] or one int for all rows)."""
+        if isinstance(counts, int):
+            if counts > self._written:
+                raise ValueError(f"commit of {counts} tokens past the {self._written} written: "
+                                 f"write() every layer before commit()")
+            self._max_bound += counts
+        else:
+            if not counts.is_cuda and bool((counts > self._written).any()):  # no device sync on CUDA
+                raise ValueError(f"commit past the {self._written} tokens written: write() every layer first")
+            self._max_bound += self._written
         counts = torch.as_tensor(counts, dtype=torch.long, device=self.device).expand(self.batch_size)
-        if bool((self.lengths + counts > self.capacity).any()):
-            raise ValueError("commit past what was written: write() every layer before commit()")
-        self.lengths = self.lengths + counts
+        self.lengths.add_(counts)  # in place: a captured CUDA graph of a committed step replays it
+        self._written = 0
 
     def append(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                counts: torch.Tensor | int | None = None) -> None:
@@ -134,10 +155,14 @@ class KVCache:
 
     def truncate(self, n: torch.Tensor | int) -> None:
         """Roll back the last ``n`` tokens of each sequence ([B] or one int); never below zero."""
+        if isinstance(n, int):
+            if n < 0:
+                raise ValueError("truncate needs a non-negative number of tokens")
+            self._max_bound = max(0, self._max_bound - n)
         n = torch.as_tensor(n, dtype=torch.long, device=self.device).expand(self.batch_size)
-        if bool((n < 0).any()):
+        if not n.is_cuda and bool((n < 0).any()):
             raise ValueError("truncate needs a non-negative number of tokens")
-        self.lengths = (self.lengths - n).clamp_min(0)
+        self.lengths.sub_(n).clamp_(min=0)
 
     def select(self, rows: torch.Tensor | list[int]) -> None:
         """Keep rows ``rows`` (may repeat: forking beams); the batch size becomes ``len(rows)``."""

@@ -22,8 +22,8 @@ def _dump_json(obj, path: str | None) -> None:
     if path in (None, "-"):
         sys.stdout.write(text + "\n")
     else:
-        from .model.checkpoint import _atomic_write
-        _atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text + "\n"))
+        from .io import atomic_write_text
+        atomic_write_text(path, text + "\n")
 
 
 def cmd_validate_codec(args) -> int:
@@ -108,6 +108,17 @@ def cmd_evaluate(args) -> int:
         for name, rep in reports.items():
             print(format_table(rep, f"== {name}: {rep['config']}"))
             print()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import format_result, run, to_json
+    res = run(quick=args.quick, device=args.device, reference=args.reference)
+    text = to_json(res) if args.json else format_result(res)
+    print(text)
+    if args.out:
+        from .io import atomic_write_text
+        atomic_write_text(args.out, to_json(res) if args.out.endswith(".json") else format_result(res) + "\n")
     return 0
 
 
@@ -196,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-fasta", nargs="+", default=["calibration_data/calibration.fasta"])
     p.add_argument("--json", nargs="?", const="-", help="write JSON (to a path, or stdout with no path)")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("bench", help="kernel / quantize / decode speed vs baselines measured in the same run")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--quick", action="store_true", help="fewer sizes")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--reference", action="store_true", help="force the PyTorch reference paths")
+    p.add_argument("--out", default=None, help="also write the result here (.json → JSON, else the tables)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="offline end-to-end run on a stand-in model: calibrate + evaluate")
     p.add_argument("--size", default="8M")

@@ -1,5 +1,12 @@
-import pytest
+import os
+
 import torch
+
+# Without CUDA, Triton kernels run under Triton's interpreter; it must be on before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from esm_turbo.testing import save_stress_model, stress_esm2
 

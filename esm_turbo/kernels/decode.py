@@ -1,12 +1,216 @@
-"""Placeholder seam for the fused Triton decode-attention kernel (GPU issue): nothing is fused yet,
-so ``supports`` answers False and dispatch stays on the PyTorch reference."""
+"""Fused decode attention over the packed, compressed KV cache (Triton).
+
+The PyTorch reference with the same contract is ``esm_turbo.ops.compressed.compressed_attention_reference``.
+
+Everything happens in each head's *affine domain* ``y = (x Πᵀ − offset) / scale`` of its codec, so no
+key is ever rotated back: the score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πᵀ) ⊙ scale`` and
+``c0 = ⟨q Πᵀ, offset⟩`` (prepared once per step by the caller as ``qt = [q̃ | c0]``), and values are
+accumulated as ``Σ p ŷ``, mapped to the rotated domain once at the end (``· scale + offset``).
+
+Packed layout (see ``esm_turbo.quant.packing``): for b ∈ {1,2,3,4} bits the indices of one token-head
+form a little-endian bit stream with value j at bit ``b·j``; each group of 8 values is therefore a
+b-byte word ``w_g`` and value ``8g + r`` is ``(w_g >> b·r) & (2^b − 1)``. Sign bits are the 1-bit stream
+(``byte g``, bit ``r``). Index and sign fuse into one code ``2·idx + sign`` looked up in a per-head
+table ``tab[h, code] = c[idx] ± ε`` (``tab[h, idx]`` without a residual).
+
+Two launches: ``_prefix_kernel`` (grid B·H × splits; each split walks its share of the prefix with an
+online softmax and writes (m, l, acc)), then ``_merge_kernel`` (grid B·H) that merges the splits
+with log-sum-exp, adds the step's own full-precision tokens and applies ``· scale + offset``.
+No dequantized tensor is written to global memory.
+"""
 
 from __future__ import annotations
 
+import math
+import os
 
-def supports(cache, layer: int) -> bool:
-    return False
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
 
 
-def decode_attention_fused(*args, **kwargs):
-    raise NotImplementedError("the fused Triton decode kernel is not built yet; the reference path is used")
+@triton.jit
+def _dequant_tile(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
+                  D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Decode BLOCK_T token rows of one head → [BLOCK_T, D] float32 in the affine domain."""
+    D8: tl.constexpr = D // 8
+    NB: tl.constexpr = D * BITS // 8
+    g = tl.arange(0, D8)
+    word = tl.zeros((BLOCK_T, D8), dtype=tl.int32)
+    for i in tl.static_range(BITS):
+        byte = tl.load(idx_ptr + offs_t[:, None] * NB + g[None, :] * BITS + i, mask=tmask[:, None], other=0)
+        word = word | (byte.to(tl.int32) << (8 * i))
+    r = tl.arange(0, 8)
+    code = (tl.broadcast_to(word[:, :, None], (BLOCK_T, D8, 8)) >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    if SIGN:
+        sb = tl.load(sign_ptr + offs_t[:, None] * D8 + g[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+        code = code * 2 + ((tl.broadcast_to(sb[:, :, None], (BLOCK_T, D8, 8)) >> r[None, None, :]) & 1)
+    code = tl.reshape(code, (BLOCK_T, D))
+    return tl.load(tab_ptr + code)
+
+
+@triton.jit
+def _prefix_block(q, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
+                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
+                  VSIGN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One BLOCK_T tile of the online softmax (scores in log2 units)."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    tmask = offs_t < end
+    k = _dequant_tile(k_idx, k_sign, k_tab, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T)
+    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) + c0[:, None]  # [BLOCK_S, BLOCK_T]
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile past the end (interpreter only)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _dequant_tile(v_idx, v_sign, v_tab, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, len_ptr,
+                   m_ptr, l_ptr, acc_ptr,
+                   H, S, T_CAP, CHUNK, NS,
+                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                   KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    length = tl.load(len_ptr + b).to(tl.int32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, length)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    smask = offs_s < S
+    q_row = qt_ptr + (pid_bh * S + offs_s) * (D + 1)
+    q = tl.load(q_row[:, None] + offs_d[None, :], mask=smask[:, None], other=0.0) * _LOG2E
+    c0 = tl.load(q_row + D, mask=smask, other=0.0) * _LOG2E
+
+    D8: tl.constexpr = D // 8
+    KNB: tl.constexpr = D * KBITS // 8
+    VNB: tl.constexpr = D * VBITS // 8
+    row0 = pid_bh.to(tl.int64) * T_CAP
+    k_idx = k_idx_ptr + row0 * KNB
+    v_idx = v_idx_ptr + row0 * VNB
+    k_sign = k_sign_ptr + row0 * D8
+    v_sign = v_sign_ptr + row0 * D8
+    NK: tl.constexpr = (1 << KBITS) * (2 if KSIGN else 1)
+    NV: tl.constexpr = (1 << VBITS) * (2 if VSIGN else 1)
+
+    m_i = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_S, D), dtype=tl.float32)
+    if INTERPRET > 0:  # Triton's interpreter needs a host-side trip count (CHUNK // BLOCK_T); masks do the rest
+        for it in tl.static_range(INTERPRET):
+            m_i, l_i, acc = _prefix_block(q, c0, m_i, l_i, acc, start + it * BLOCK_T, end, k_idx, k_sign, v_idx,
+                                          v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
+                                          D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    else:
+        for t0 in range(start, end, BLOCK_T):
+            m_i, l_i, acc = _prefix_block(q, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx,
+                                          v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
+                                          D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+
+    part = (pid_bh * NS + split) * BLOCK_S + offs_s
+    tl.store(m_ptr + part, m_i)
+    tl.store(l_ptr + part, l_i)
+    tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc)
+
+
+@triton.jit
+def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_scale_ptr, v_offset_ptr, out_ptr,
+                  H, S, NS,
+                  D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_NS)
+    smask = offs_s < S
+    nmask = offs_n < NS
+
+    part = (pid_bh * NS + offs_n[:, None]) * BLOCK_S + offs_s[None, :]  # [BLOCK_NS, BLOCK_S]
+    m = tl.load(m_ptr + part, mask=nmask[:, None], other=float("-inf"))
+    lp = tl.load(l_ptr + part, mask=nmask[:, None], other=0.0)
+    accp = tl.load(acc_ptr + part[:, :, None] * D + offs_d[None, None, :], mask=nmask[:, None, None], other=0.0)
+
+    # the step's own tokens (full precision, affine domain), keys indexed by offs_k
+    q_row = qt_ptr + (pid_bh * S + offs_s) * (D + 1)
+    q = tl.load(q_row[:, None] + offs_d[None, :], mask=smask[:, None], other=0.0) * _LOG2E
+    c0 = tl.load(q_row + D, mask=smask, other=0.0) * _LOG2E
+    kmask = smask & (tl.load(valid_ptr + b * S + offs_s, mask=smask, other=0) != 0)
+    y_row = (pid_bh * S + offs_s)[:, None] * D + offs_d[None, :]
+    yk = tl.load(yk_ptr + y_row, mask=smask[:, None], other=0.0)
+    yv = tl.load(yv_ptr + y_row, mask=smask[:, None], other=0.0)
+    s_new = tl.sum(q[:, None, :] * yk[None, :, :], axis=2) + c0[:, None]  # [BLOCK_S(query), BLOCK_S(key)]
+    s_new = tl.where(kmask[None, :], s_new, float("-inf"))
+
+    mx = tl.maximum(tl.max(m, axis=0), tl.max(s_new, axis=1))  # [BLOCK_S]
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(m - mx[None, :])  # [BLOCK_NS, BLOCK_S]
+    p_new = tl.exp2(s_new - mx[:, None])
+    l_tot = tl.sum(w * lp, axis=0) + tl.sum(p_new, axis=1)
+    acc = tl.sum(w[:, :, None] * accp, axis=0) + tl.sum(p_new[:, :, None] * yv[None, :, :], axis=1)
+    acc = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+    scale = tl.load(v_scale_ptr + h * D + offs_d)
+    offset = tl.load(v_offset_ptr + h * D + offs_d)
+    out = acc * scale[None, :] + tl.where(l_tot == 0.0, 0.0, 1.0)[:, None] * offset[None, :]
+    tl.store(out_ptr + (pid_bh * S + offs_s)[:, None] * D + offs_d[None, :], out, mask=smask[:, None])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, in tests
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_splits(batch_heads: int, capacity: int, block_t: int, sms: int) -> tuple[int, int]:
+    """(splits, chunk): enough programs for ~4 waves of the GPU, chunks a multiple of ``block_t``."""
+    blocks = max(1, math.ceil(capacity / block_t))
+    splits = max(1, min(blocks, math.ceil(4 * sms / max(batch_heads, 1)), 64))
+    chunk = math.ceil(blocks / splits) * block_t
+    splits = max(1, math.ceil(capacity / chunk))
+    return splits, chunk
+
+
+def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor,
+                                v_idx: torch.Tensor, v_sign: torch.Tensor, k_tab: torch.Tensor,
+                                v_tab: torch.Tensor, lengths: torch.Tensor, yk_new: torch.Tensor,
+                                yv_new: torch.Tensor, new_valid: torch.Tensor, v_scale: torch.Tensor,
+                                v_offset: torch.Tensor, k_bits: int, v_bits: int) -> torch.Tensor:
+    """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors."""
+    batch, heads, s, d = yk_new.shape
+    t_cap = k_idx.shape[2]
+    block_s = max(triton.next_power_of_2(s), 1)
+    block_t = 64 if d <= 64 else 32
+    if block_s > 1:
+        block_t = max(16, block_t // block_s)
+    splits, chunk = plan_splits(batch * heads, t_cap, block_t, _num_sms(qt.device))
+    block_ns = triton.next_power_of_2(splits)
+    dev = qt.device
+    m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
+    out = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
+    k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
+    _prefix_kernel[(batch * heads, splits)](
+        qt, k_idx, k_sign if k_has_sign else k_idx, v_idx, v_sign if v_has_sign else v_idx,
+        k_tab, v_tab, lengths, m, l_, acc, heads, s, t_cap, chunk, splits,
+        D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_has_sign, VSIGN=v_has_sign,
+        BLOCK_S=block_s, BLOCK_T=block_t, INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=4)
+    _merge_kernel[(batch * heads,)](
+        qt, m, l_, acc, yk_new, yv_new, new_valid, v_scale, v_offset, out, heads, s, splits,
+        D=d, BLOCK_S=block_s, BLOCK_NS=block_ns, num_warps=4)
+    return out

@@ -11,8 +11,6 @@ count, package version). Writes are atomic (temporary file + rename); loading ch
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
+from ..io import atomic_write
 from ..quant.codec import KVCodec, VectorQuantizer
 from ..quant.rotations import build_rotation, orthonormalize
 
@@ -54,18 +53,6 @@ PRESETS: dict[str, CalibrationConfig] = {
     "shared-lut": CalibrationConfig(shared_lut=True),
     "no-residual": CalibrationConfig(residual="none"),
 }
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Calibration:
@@ -108,7 +95,7 @@ class Calibration:
                     tensors[f"layers.{li}.{kind}.rot"] = q.rot_stored.detach().cpu().contiguous()
         meta = dict(self.meta, format_version=FORMAT_VERSION, config=asdict(cfg))
         header = {"esm_turbo": json.dumps(meta, sort_keys=True)}
-        _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
         return path
 
     @classmethod

@@ -204,16 +204,50 @@ class DecodeSession:
         result = self._heads(hidden)
         if commit:
             cache.commit(counts)
-            if self.tokens.shape[1] < cache.capacity:
-                grown = torch.full((cache.batch_size, cache.capacity), alphabet().padding_idx,
-                                   dtype=torch.long, device=eng.device)
-                grown[:, : self.tokens.shape[1]] = self.tokens
-                self.tokens = grown
+            self._grow_tokens()
             rows = torch.arange(cache.batch_size, device=eng.device)[:, None]
             self.tokens[rows, positions.clamp_max(self.tokens.shape[1] - 1)] = torch.where(
                 valid, tokens, self.tokens[rows, positions.clamp_max(self.tokens.shape[1] - 1)])
-            self.mask_counts = self.mask_counts + ((tokens == alphabet().mask_idx) & valid).sum(1)
+            self.mask_counts.add_(((tokens == alphabet().mask_idx) & valid).sum(1))
         return result
+
+    def capture_step(self, tokens: torch.Tensor, counts: torch.Tensor | None = None, commit: bool = False,
+                     reserve: int = 64) -> "CapturedStep":
+        """Capture one decode step (all layers, fixed batch shape) as a CUDA graph.
+
+        ``tokens`` [B, S] (and ``counts``) are copied into static inputs that ``CapturedStep.replay``
+        refills; with ``commit`` each replay appends to the cache, and room for ``reserve`` such steps is
+        made now (the graph holds the cache buffers, so they may not grow later). Re-capture after
+        ``select``/``fork``."""
+        cache = self._require_started()
+        if not cache.device.type == "cuda":
+            raise RuntimeError("capture_step needs the model and cache on a CUDA device")
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=cache.device).clone()
+        counts = (torch.full((cache.batch_size,), tokens.shape[1], device=cache.device) if counts is None
+                  else torch.as_tensor(counts, dtype=torch.long, device=cache.device).clone())
+        if commit:
+            cache.reserve(reserve * tokens.shape[1])
+            self._grow_tokens()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compiles kernels and builds the fused tables
+            for _ in range(2):
+                self.step(tokens, counts, commit=False)
+        torch.cuda.current_stream().wait_stream(side)
+        bound = cache._max_bound
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.step(tokens, counts, commit=commit)
+        cache._max_bound = bound  # capture ran no kernels; replays advance it
+        return CapturedStep(self, graph, tokens, counts, out, commit, tokens.shape[1])
+
+    def _grow_tokens(self) -> None:
+        cache = self.cache
+        if self.tokens.shape[1] < cache.capacity:
+            grown = torch.full((cache.batch_size, cache.capacity), alphabet().padding_idx,
+                               dtype=torch.long, device=cache.device)
+            grown[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = grown
 
     def rollback(self, n: int | torch.Tensor) -> None:
         """Forget the last ``n`` committed tokens of each row (never the prefix start below zero)."""
@@ -240,3 +274,29 @@ class DecodeSession:
 
     def memory_report(self) -> MemoryReport:
         return self._require_started().memory_report()
+
+
+@dataclass
+class CapturedStep:
+    """A decode step recorded as a CUDA graph (see :meth:`DecodeSession.capture_step`). ``output``
+    holds the static logits / hidden states that every :meth:`replay` overwrites."""
+
+    session: DecodeSession
+    graph: "torch.cuda.CUDAGraph"
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    output: StepOutput
+    commit: bool
+    width: int
+
+    def replay(self, tokens: torch.Tensor | None = None) -> StepOutput:
+        if tokens is not None:
+            self.tokens.copy_(tokens)
+        cache = self.session.cache
+        if self.commit:
+            if cache._max_bound + self.width > cache.capacity:
+                raise RuntimeError("the captured step's reserved cache room is used up; capture again "
+                                   "with a larger reserve")
+            cache._max_bound += self.width
+        self.graph.replay()
+        return self.output

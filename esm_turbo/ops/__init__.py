@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from .compressed import attend_compressed, fused_supported, write_compressed
+from ..quant.codec import DenseQuantizer
 from .reference import attend, decode_attention_reference
 
 _FORCE_REFERENCE = False
@@ -35,11 +37,30 @@ def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_
 
     q, k_new, v_new: [B, H, S, d]; new_valid: [B, S] bool. Returns [B, H, S, d].
     """
-    if use_kernels(q):
-        from ..kernels.decode import decode_attention_fused, supports
-        if supports(cache, layer):
-            return decode_attention_fused(q, cache, layer, k_new, v_new, new_valid)
+    codec = cache.codecs[layer]
+    if use_kernels(q) and fused_supported(codec, need_kernel_shape=True):
+        return attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid)
+    if q.is_cuda and isinstance(codec.key, DenseQuantizer):
+        return attend_dense(q, cache, layer, k_new, v_new, new_valid)
     return decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
 
 
-__all__ = ["attend", "decode_attention", "decode_attention_reference", "force_reference", "use_kernels"]
+def attend_dense(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
+                 new_valid: torch.Tensor) -> torch.Tensor:
+    """An uncompressed (fp16/bf16/fp32) cache on GPU: write the S new tokens after each row's prefix
+    (uncommitted, so a peek changes nothing visible) and run SDPA over the stored buffer in place —
+    the baseline the compressed cache is measured against, with no copy of the cache."""
+    cache.write(layer, k_new, v_new)
+    parts = cache.parts[layer]
+    keys, values = parts["k.x"], parts["v.x"]
+    pos = torch.arange(keys.shape[2], device=q.device)[None, :]
+    rel = pos - cache.lengths[:, None]  # [B, T_cap]: position relative to the new tokens
+    new_ok = torch.gather(new_valid, 1, rel.clamp(0, new_valid.shape[1] - 1))
+    visible = (rel < 0) | ((rel < new_valid.shape[1]) & new_ok)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to(keys.dtype), keys, values, attn_mask=visible[:, None, None, :], scale=1.0)
+    return out.to(q.dtype)
+
+
+__all__ = ["attend", "attend_compressed", "decode_attention", "decode_attention_reference", "force_reference",
+           "fused_supported", "use_kernels", "write_compressed"]

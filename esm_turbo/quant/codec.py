@@ -52,6 +52,19 @@ def check_input(x: torch.Tensor, heads: int, dim: int, ref: torch.Tensor, what: 
         raise ValueError(f"{what}: input contains NaN or Inf")
 
 
+def lut_bounds(centroids: torch.Tensor) -> torch.Tensor:
+    """Decision boundaries (midpoints) of sorted per-head LUTs: centroids [H, K] → [H, K-1]."""
+    return (0.5 * (centroids[:, 1:] + centroids[:, :-1])).contiguous()
+
+
+def lut_index(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Nearest-centroid index of y [..., H, T, d] under per-head LUTs [H, K]: ``#{bounds < y}`` (long)."""
+    heads = centroids.shape[0]
+    yh = y.movedim(-3, 0)
+    idx = torch.searchsorted(lut_bounds(centroids), yh.reshape(heads, -1).contiguous())
+    return idx.reshape(yh.shape).movedim(0, -3)
+
+
 class VectorQuantizer(nn.Module):
     """Quantizer for one tensor kind of one layer. Buffers (float32):
 
@@ -165,10 +178,7 @@ class VectorQuantizer(nn.Module):
             norm = y.norm(dim=-1, keepdim=True)
             parts["norm"] = norm.squeeze(-1).to(torch.float16)
             y = y / norm.clamp_min(1e-30)
-        bounds = 0.5 * (self.centroids[:, 1:] + self.centroids[:, :-1])  # [H, K-1]
-        yh = y.movedim(-3, 0)
-        idx = torch.searchsorted(bounds.contiguous(), yh.reshape(self.heads, -1).contiguous())
-        idx = idx.reshape(yh.shape).movedim(0, -3)
+        idx = lut_index(y, self.centroids)
         parts["idx"] = pack_bits(idx, self.bits)
         if self.residual != "none":
             r = y - self._lookup(self.centroids, idx)

@@ -1,0 +1,301 @@
+"""``esm-turbo bench``: decode attention, quantize-and-pack and end-to-end decode, each timed against
+its baseline in the same run (ratios, never absolute bars). Random weights and random cache codes:
+speed does not depend on them.
+
+1. attention per layer call for 650M-shaped (20 heads, d=64) and 15B-shaped (40 heads, d=128) layers,
+   B ∈ {1, 8, 64} × T ∈ {1K, 4K, 16K}: fused kernel vs (a) the two-step path (dequantize, then SDPA)
+   and (b) fp16 SDPA over an uncompressed cache; achieved GB/s on the bytes the kernel must read vs a
+   device-to-device copy measured here;
+2. quantize-and-pack of a 650M-shaped model's prefill (L=1024) vs the prefill itself;
+3. decode tokens/s of a 650M-shaped model at 1K context, compressed vs fp16 cache under one KV budget.
+
+On CPU it runs the reference paths at small sizes (a smoke run; nothing there is a speed claim).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .ops import attend_compressed, force_reference, use_kernels
+from .ops.compressed import fused_tables
+from .testing import random_turbo_codec
+
+SHAPES = {"650M": (20, 64), "15B": (40, 128)}
+
+
+@dataclass
+class BenchResult:
+    device: str
+    peak_copy_gbs: float | None = None
+    attention: list[dict] = field(default_factory=list)
+    quantize: dict = field(default_factory=dict)
+    decode: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _time(fn, device: torch.device, reps: int = 20) -> float:
+    """Median seconds of ``fn`` (CUDA: replayed as a CUDA graph, timed with events; CPU: wall clock)."""
+    if device.type != "cuda":
+        fn()
+        times = []
+        for _ in range(max(3, reps // 5)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+    import triton.testing
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def peak_copy_gbs(device: torch.device) -> float:
+    """Device-to-device copy bandwidth (bytes read + written) over a 2 GiB buffer."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    sec = _time(lambda: dst.copy_(src), device)
+    return 2 * src.numel() / sec / 1e9
+
+
+def _synthetic_cache(heads: int, dim: int, batch: int, length: int, device, seed: int = 0) -> KVCache:
+    """A one-layer TurboESM cache (3+1 bits, K and V) full of random codes at ``length`` per row."""
+    codec = random_turbo_codec(heads, dim, 3, 3, "sign", seed).to(device)
+    cache = KVCache([codec], batch, capacity=length, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for buf in cache.parts[0].values():
+        buf.random_(0, 256, generator=gen)
+    cache.lengths.fill_(length)
+    cache._max_bound = length
+    return cache
+
+
+def _packed_bytes(cache: KVCache, tokens: int) -> int:
+    per_token = cache.codecs[0].bytes_per_token() * cache.heads
+    return per_token * tokens
+
+
+def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> list[dict]:
+    rows = []
+    f16 = torch.float16 if device.type == "cuda" else torch.float32
+    for name, (heads, dim) in shapes.items():
+        for batch in batches:
+            for length in lengths:
+                row = dict(shape=name, heads=heads, head_dim=dim, batch=batch, context=length)
+                cache = _synthetic_cache(heads, dim, batch, length, device)
+                codec = cache.codecs[0]
+                fused_tables(codec)
+                q = torch.randn(batch, heads, 1, dim, device=device) * dim**-0.5
+                k_new = torch.randn(batch, heads, 1, dim, device=device)
+                v_new = torch.randn_like(k_new)
+                valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+                parts = cache.parts[0]
+
+                def fused():
+                    return attend_compressed(codec, parts, cache.lengths, q, k_new, v_new, valid)
+
+                def two_step():
+                    k_hat, v_hat = codec.decode(cache.layer_parts(0, upto=length))
+                    keys = torch.cat([k_hat.to(f16), k_new.to(f16)], 2)
+                    vals = torch.cat([v_hat.to(f16), v_new.to(f16)], 2)
+                    return torch.nn.functional.scaled_dot_product_attention(q.to(f16), keys, vals, scale=1.0)
+
+                row["fused_us"] = _time(fused, device) * 1e6
+                row["fused_path"] = "triton" if use_kernels(q) else "pytorch-reference"
+                row["fused_gbs"] = _packed_bytes(cache, batch * length) / (row["fused_us"] * 1e-6) / 1e9
+                try:
+                    row["two_step_us"] = _time(two_step, device) * 1e6
+                except torch.OutOfMemoryError:
+                    row["two_step_us"] = None
+                cache = parts = codec = None  # free the packed cache before the fp16 one
+                try:
+                    kf = torch.randn(batch, heads, length + 1, dim, device=device, dtype=f16)
+                    vf = torch.randn_like(kf)
+                    qf = q.to(f16)
+                    row["sdpa_fp16_us"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qf, kf, vf, scale=1.0), device) * 1e6
+                    kf = vf = None
+                except torch.OutOfMemoryError:
+                    row["sdpa_fp16_us"] = None
+                for base in ("two_step", "sdpa_fp16"):
+                    t = row[f"{base}_us"]
+                    row[f"speedup_vs_{base}"] = t / row["fused_us"] if t else None
+                rows.append(row)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _model(size: str, device, dtype, layers: int | None = None):
+    from .model.sizes import esm2_config
+    from transformers import EsmForMaskedLM
+    cfg = esm2_config(size, layers=layers)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return EsmForMaskedLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def _random_protein(n: int, seed: int) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    aa = "ACDEFGHIKLMNPQRSTVWY"
+    return "".join(aa[i] for i in torch.randint(0, 20, (n,), generator=gen).tolist())
+
+
+@torch.no_grad()
+def bench_quantize(device, size: str = "650M", length: int = 1024, layers: int | None = None) -> dict:
+    """Prefill time with and without writing the compressed cache (quantize-and-pack per layer)."""
+    from .model.engine import TurboEsm
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model = _model(size, device, dtype, layers)
+    engine = TurboEsm(model)
+    h, d = engine.heads, engine.head_dim
+    seq = _random_protein(length - 2, 0)
+
+    def factory(layer, heads, dim):
+        return random_turbo_codec(heads, dim, 3, 3, "sign", seed=layer)
+
+    from .model.alphabet import encode
+    tokens, mask = encode([seq], add_eos=True)
+    tokens, mask = tokens.to(device), mask.to(device)
+    session = engine.session(factory, capacity=length + 8)
+    session.start([seq], add_eos=True)  # builds tables, compiles kernels
+    cache = session.cache
+    plain = _time(lambda: engine.esm(input_ids=tokens, attention_mask=mask), device, reps=10)
+
+    def quantize_only():
+        for layer, codec in enumerate(cache.codecs):
+            cache.lengths.zero_()
+            cache._max_bound = 0
+            cache.write(layer, kv[layer][0], kv[layer][1])
+
+    kv = [(torch.randn(1, h, tokens.shape[1], d, device=device, dtype=dtype),
+           torch.randn(1, h, tokens.shape[1], d, device=device, dtype=dtype)) for _ in cache.codecs]
+    quant = _time(quantize_only, device, reps=10)
+    return dict(model=f"{size}-shaped" + (f" ({layers} layers)" if layers else ""), tokens=int(tokens.shape[1]),
+                prefill_ms=plain * 1e3, quantize_pack_ms=quant * 1e3, fraction=quant / plain,
+                path="triton" if use_kernels(tokens) else "pytorch-reference")
+
+
+@torch.no_grad()
+def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: float = 8.0, steps: int = 16,
+                 layers: int | None = None, max_batch: int = 1024) -> list[dict]:
+    """Decode tokens/s with an fp16 cache and the compressed cache, each at the largest batch whose
+    KV cache fits ``budget_gib`` at ``context`` + ``steps`` tokens."""
+    from .model.engine import TurboEsm
+    from .model.alphabet import alphabet
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model = _model(size, device, dtype, layers)
+    engine = TurboEsm(model)
+    rows = []
+    for kind in ("fp16", "turbo-3+1"):
+        factory = (lambda layer, h, d: random_turbo_codec(h, d, 3, 3, "sign", seed=layer)) \
+            if kind != "fp16" else "fp16"
+        codecs = engine.codecs(factory)
+        per_token = sum(c.bytes_per_token() for c in codecs) * engine.heads
+        tokens_per_row = context + steps
+        batch = min(max_batch, int(budget_gib * 2**30 // (per_token * tokens_per_row)))
+        session = engine.session(factory, capacity=tokens_per_row)
+        session.start(["M"] * batch)
+        cache = session.cache
+        for layer in range(cache.num_layers):  # synthetic context: random codes / values
+            for buf in cache.parts[layer].values():
+                if buf.dtype == torch.uint8:
+                    buf.random_(0, 256)
+                else:
+                    buf.normal_()
+        cache.lengths.fill_(context)
+        cache._max_bound = context
+        session._grow_tokens()
+        step_tokens = torch.full((batch, 1), alphabet().get_idx("A"), device=device)
+        if device.type == "cuda":
+            captured = session.capture_step(step_tokens, commit=True, reserve=steps + 2)
+            captured.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                captured.replay()
+            torch.cuda.synchronize()
+            sec = time.perf_counter() - t0
+        else:
+            session.step(step_tokens)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                session.step(step_tokens)
+            sec = time.perf_counter() - t0
+        rows.append(dict(cache=kind, batch=batch, context=context, kv_bytes_per_token=per_token,
+                         kv_gib=per_token * tokens_per_row * batch / 2**30, tokens_per_s=batch * steps / sec,
+                         step_ms=sec / steps * 1e3))
+        del session, cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    rows[1]["speedup_vs_fp16"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
+
+
+def run(quick: bool = False, device: str | None = None, reference: bool = False) -> BenchResult:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    force_reference(reference)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    res = BenchResult(device=name)
+    if dev.type == "cuda":
+        res.peak_copy_gbs = peak_copy_gbs(dev)
+        batches, lengths = ((1, 8), (1024, 4096)) if quick else ((1, 8, 64), (1024, 4096, 16384))
+        res.attention = bench_attention(dev, batches, lengths)
+        res.quantize = bench_quantize(dev)
+        res.decode = bench_decode(dev)
+    else:
+        res.notes.append("CPU: reference paths at small sizes; a smoke run, not a speed claim")
+        res.attention = bench_attention(dev, (1, 4), (256,), {"650M": (20, 64)})
+        res.quantize = bench_quantize(dev, "8M", length=128)
+        res.decode = bench_decode(dev, "8M", context=128, budget_gib=0.01, steps=4, max_batch=16)
+    return res
+
+
+def format_result(res: BenchResult) -> str:
+    lines = [f"device: {res.device}"]
+    if res.peak_copy_gbs:
+        lines.append(f"device-to-device copy: {res.peak_copy_gbs:.0f} GB/s (read + write)")
+    lines.append("\ndecode attention per layer call (1 new token per sequence; 3-bit + sign K and V)")
+    lines.append(f"{'shape':6} {'B':>3} {'T':>6} {'fused µs':>9} {'two-step µs':>11} {'fp16 SDPA µs':>12} "
+                 f"{'×two-step':>9} {'×SDPA':>6} {'GB/s':>6} {'%copy':>6}")
+
+    def f(x, fmt):
+        return format(x, fmt) if x is not None else "n/a"
+    for r in res.attention:
+        pct = 100 * r["fused_gbs"] / res.peak_copy_gbs if res.peak_copy_gbs else None
+        lines.append(f"{r['shape']:6} {r['batch']:>3} {r['context']:>6} {r['fused_us']:>9.1f} "
+                     f"{f(r['two_step_us'], '.1f'):>11} {f(r['sdpa_fp16_us'], '.1f'):>12} "
+                     f"{f(r['speedup_vs_two_step'], '.2f'):>9} {f(r['speedup_vs_sdpa_fp16'], '.2f'):>6} "
+                     f"{r['fused_gbs']:>6.0f} {f(pct, '.0f'):>6}")
+    q = res.quantize
+    if q:
+        lines.append(f"\nquantize-and-pack ({q['path']}), {q['model']}, prefill of {q['tokens']} tokens: "
+                     f"{q['quantize_pack_ms']:.3f} ms vs prefill {q['prefill_ms']:.2f} ms "
+                     f"= {100 * q['fraction']:.1f}%")
+    if res.decode:
+        lines.append("\nend-to-end decode under one KV budget")
+        for r in res.decode:
+            lines.append(f"  {r['cache']:10} batch {r['batch']:>5}  KV {r['kv_gib']:.2f} GiB  "
+                         f"{r['tokens_per_s']:>10.0f} tokens/s  ({r['step_ms']:.2f} ms/step)")
+        if "speedup_vs_fp16" in res.decode[-1]:
+            lines.append(f"  throughput ratio: {res.decode[-1]['speedup_vs_fp16']:.2f}×")
+    lines += [f"note: {n}" for n in res.notes]
+    return "\n".join(lines)
+
+
+def to_json(res: BenchResult) -> str:
+    return json.dumps(asdict(res), indent=2)
+
+
+__all__ = ["BenchResult", "run", "format_result", "to_json"]

@@ -1,0 +1,179 @@
+"""Fused ops vs their references.
+
+* The affine-domain attention reference (``compressed_attention_reference``) must equal the two-step
+  path (dequantize, rotate back, attend) — this checks the maths of the rotated-domain query.
+* The Triton kernels must match the references, with the flash-attention tolerance rule of STYLE.md:
+  ``max|out − ref64| ≤ 2 · max|out_pt − ref64|`` (plus float32 eps), where ref64 is the reference in
+  float64 and out_pt the same reference in float32. Without CUDA they run under Triton's interpreter
+  (``TRITON_INTERPRET=1``, set in conftest) at small sizes; on a GPU at the full grid of sizes.
+"""
+
+import pytest
+import torch
+
+from esm_turbo.cache import KVCache
+from esm_turbo.ops import attend_compressed, decode_attention_reference, fused_supported
+from esm_turbo.ops.compressed import (compressed_attention_reference, fused_tables,
+                                      quantize_pack_reference)
+from esm_turbo.quant.codec import oblivious_codec
+from esm_turbo.testing import random_turbo_codec
+
+CUDA = torch.cuda.is_available()
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[gpu]')") \
+    if not CUDA else pytest.importorskip("triton")
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (run on the GPU machine)")
+
+
+def filled_cache(codec, batch, lengths, device, seed=0):
+    """A one-layer cache holding ragged random post-RoPE K/V (written by the reference encoder)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, d = codec.key.heads, codec.key.dim
+    t = max(lengths)
+    cache = KVCache([codec.to(device)], batch, capacity=t + 8, device=device)
+    k = (torch.randn(batch, h, t, d, generator=gen) * 2).to(device)
+    v = torch.randn(batch, h, t, d, generator=gen).to(device)
+    encoded = codec.encode(k, v)
+    for name, val in encoded.items():
+        cache.parts[0][name][:, :, :t] = val
+    cache.lengths = torch.tensor(lengths, device=device)
+    cache._max_bound = t
+    return cache
+
+
+def step_inputs(batch, heads, s, d, device, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(batch, heads, s, d, generator=gen) * d**-0.5 * 3).to(device)
+    k = torch.randn(batch, heads, s, d, generator=gen).to(device)
+    v = torch.randn(batch, heads, s, d, generator=gen).to(device)
+    valid = torch.ones(batch, s, dtype=torch.bool, device=device)
+    valid[-1, s - 1] = s == 1  # a padded new token in the last row (when S > 1)
+    return q, k, v, valid
+
+
+@pytest.mark.parametrize("bits,residual", [(2, "sign"), (3, "sign"), (4, "none"), (3, "none")])
+def test_affine_domain_attention_equals_two_step(bits, residual):
+    codec = random_turbo_codec(3, 16, bits, bits, residual, seed=bits)
+    cache = filled_cache(codec, 3, [5, 40, 0], "cpu")
+    q, k, v, valid = step_inputs(3, 3, 2, 16, "cpu")
+    ref = decode_attention_reference(q, cache, 0, k, v, valid)
+    out = attend_compressed(codec, cache.parts[0], cache.lengths, q, k, v, valid)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
+
+
+def test_fused_support_rules():
+    assert fused_supported(random_turbo_codec(2, 64))
+    assert not fused_supported(random_turbo_codec(2, 64, residual="qjl"))
+    assert not fused_supported(oblivious_codec(2, 64, 3))  # TurboQuant stores per-vector norms
+    assert fused_supported(random_turbo_codec(2, 24)) and not fused_supported(random_turbo_codec(2, 24), True)
+
+
+def _reference_args(codec, cache, q, k, v, valid, dtype):
+    tables = fused_tables(codec)
+    parts = cache.parts[0]
+    cast = (lambda t: t.to(dtype)) if dtype != torch.float32 else (lambda t: t)
+    qt = torch.einsum("bhsd,hed->bhse", cast(q), cast(tables.wq))
+    empty = parts["k.idx"].new_empty(0)
+    return (qt, parts["k.idx"], parts.get("k.sign", empty), parts["v.idx"], parts.get("v.sign", empty),
+            cast(tables.k_tab), cast(tables.v_tab), cache.lengths, cast(codec.key.to_affine(k)),
+            cast(codec.value.to_affine(v)), valid.to(torch.uint8), cast(codec.value.scale),
+            cast(codec.value.offset), tables.k_bits, tables.v_bits)
+
+
+def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0):
+    from esm_turbo.kernels.decode import compressed_attention_triton
+    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=seed).to(DEVICE)
+    cache = filled_cache(codec, batch, lengths, DEVICE, seed)
+    q, k, v, valid = step_inputs(batch, heads, s, d, DEVICE, seed + 1)
+    ref64 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float64))
+    ref32 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float32))
+    args = _reference_args(codec, cache, q, k, v, valid, torch.float32)
+    out = compressed_attention_triton(*[a.contiguous() if torch.is_tensor(a) else a for a in args])
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref64).abs().max().item()
+    err_pt = (ref32.double() - ref64).abs().max().item()
+    assert err <= 2 * err_pt + 1e-5, (err, err_pt)
+
+
+@pytest.mark.parametrize("bits,residual,d", [(3, "sign", 16), (2, "sign", 32), (4, "none", 16), (3, "none", 64)])
+def test_decode_kernel_small(bits, residual, d):
+    check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1)
+
+
+def test_decode_kernel_several_queries():
+    check_kernel_matches(3, "sign", 16, batch=2, lengths=[33, 9], s=3)
+
+
+@pytest.mark.parametrize("bits,residual,d", [(3, "sign", 16), (2, "none", 32), (4, "sign", 64)])
+def test_quantize_pack_kernel(bits, residual, d):
+    from esm_turbo.kernels.quantize import quantize_pack_triton
+    heads, batch, s = 2, 3, 5
+    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=bits).to(DEVICE)
+    tables = fused_tables(codec)
+    x = torch.randn(batch, heads, s, d, device=DEVICE) * 2
+    pos = torch.tensor([0, 7, 3], device=DEVICE)
+    q = codec.key
+    outs = []
+    for fn in (quantize_pack_reference, quantize_pack_triton):
+        idx = torch.zeros(batch, heads, 16, d * bits // 8, dtype=torch.uint8, device=DEVICE)
+        sign = torch.zeros(batch, heads, 16, d // 8, dtype=torch.uint8, device=DEVICE) \
+            if residual == "sign" else idx.new_empty(0)
+        fn(x, q.rot, q.offset, q.scale, tables.k_bounds, q.centroids, idx, sign, pos, bits)
+        outs.append((idx, sign))
+    # identical bytes, except where float rounding of x Πᵀ flips a value sitting on a boundary
+    assert (outs[0][0] != outs[1][0]).float().mean() < 1e-3
+    if residual == "sign":
+        assert (outs[0][1] != outs[1][1]).float().mean() < 2e-3
+    assert outs[0][0][1, :, 7:12].any() and not outs[1][0][1, :, :7].any()  # rows pos..pos+S only
+
+
+def test_custom_ops_compile_without_graph_breaks():
+    codec = random_turbo_codec(2, 16, 3, 3, "sign")
+    cache = filled_cache(codec, 2, [6, 11], "cpu")
+    q, k, v, valid = step_inputs(2, 2, 1, 16, "cpu")
+
+    def step(q, k, v, valid, lengths):
+        return attend_compressed(codec, cache.parts[0], lengths, q, k, v, valid)
+
+    eager = step(q, k, v, valid, cache.lengths)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, valid, cache.lengths)
+    assert torch.allclose(eager, compiled, atol=1e-5)
+
+
+# ---- GPU only: the full grid, dispatch and CUDA-graph capture -------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_decode_kernel_grid_gpu(bits, d):
+    for residual in ("sign", "none"):
+        for batch, t in ((1, 1), (4, 1000), (64, 300), (2, 16384)):
+            lengths = torch.randint(max(t // 2, 1), t + 1, (batch,)).tolist()
+            lengths[0] = t
+            check_kernel_matches(bits, residual, d, batch, lengths, s=1, heads=4, seed=bits + d)
+    check_kernel_matches(bits, "sign", d, 8, [500] * 8, s=4, heads=4)
+
+
+@gpu
+def test_model_decode_step_replays_as_cuda_graph():
+    from esm_turbo.testing import stress_esm2
+    from esm_turbo.model.engine import TurboEsm
+    from esm_turbo.model.calibrate import calibrate
+    from esm_turbo.model.checkpoint import CalibrationConfig
+    from esm_turbo.fasta import Record
+    model = stress_esm2(layers=2, hidden=128, heads=4, seed=0).cuda()
+    recs = [Record(f"s{i}", "MKTAYIAKQRQISFVKSHFSRQ" * 3, "x", "") for i in range(4)]
+    cal = calibrate(model, recs, CalibrationConfig(), progress=False)
+    engine = TurboEsm(model, cal)
+    session = engine.session("turbo", capacity=128)
+    session.start(["MKTAYIAKQRQISFVKSHFSRQ", "MKVLAAGIVGL"])
+    tokens = torch.full((2, 1), engine_mask_id(), device="cuda")
+    eager = session.step(tokens, commit=False).logits
+    graph, static_out = session.capture_step(tokens)
+    graph.replay()
+    assert torch.allclose(static_out.logits, eager, atol=1e-4)
+
+
+def engine_mask_id():
+    from esm_turbo.model.alphabet import alphabet
+    return alphabet().mask_idx
