@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                    H, S, T_CAP, CHUNK, NS,
                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                    KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   NK: tl.constexpr, NV: tl.constexpr, INTERPRET: tl.constexpr):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // H
@@ -101,8 +101,6 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     v_idx = v_idx_ptr + row0 * VNB
     k_sign = k_sign_ptr + row0 * D8
     v_sign = v_sign_ptr + row0 * D8
-    NK: tl.constexpr = (1 << KBITS) * (2 if KSIGN else 1)
-    NV: tl.constexpr = (1 << VBITS) * (2 if VSIGN else 1)
 
     m_i = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_S,), dtype=tl.float32)
@@ -209,7 +207,8 @@ def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: t
         qt, k_idx, k_sign if k_has_sign else k_idx, v_idx, v_sign if v_has_sign else v_idx,
         k_tab, v_tab, lengths, m, l_, acc, heads, s, t_cap, chunk, splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_has_sign, VSIGN=v_has_sign,
-        BLOCK_S=block_s, BLOCK_T=block_t, INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=4)
+        BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab.shape[1], NV=v_tab.shape[1],
+        INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=4)
     _merge_kernel[(batch * heads,)](
         qt, m, l_, acc, yk_new, yv_new, new_valid, v_scale, v_offset, out, heads, s, splits,
         D=d, BLOCK_S=block_s, BLOCK_NS=block_ns, num_warps=4)
