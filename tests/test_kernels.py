@@ -169,9 +169,17 @@ def test_model_decode_step_replays_as_cuda_graph():
     session.start(["MKTAYIAKQRQISFVKSHFSRQ", "MKVLAAGIVGL"])
     tokens = torch.full((2, 1), engine_mask_id(), device="cuda")
     eager = session.step(tokens, commit=False).logits
-    graph, static_out = session.capture_step(tokens)
-    graph.replay()
-    assert torch.allclose(static_out.logits, eager, atol=1e-4)
+    captured = session.capture_step(tokens)  # a peek step: replays leave the cache as it is
+    out = captured.replay()
+    assert torch.allclose(out.logits, eager, atol=1e-4)
+    before = session.lengths.clone()
+    committed = session.capture_step(tokens, commit=True, reserve=4)
+    for _ in range(3):
+        committed.replay()
+    assert torch.equal(session.lengths, before + 3)
+    with pytest.raises(RuntimeError, match="reserved"):  # the graph holds the buffers: no growth
+        for _ in range(session.cache.capacity):
+            committed.replay()
 
 
 def engine_mask_id():

@@ -80,14 +80,11 @@ def unpack_8bit_u8(packed: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-_SHIFT3 = (0, 3, 6, 9, 12, 15, 18, 21)
-
-
 def pack_3bit_u8x3(x: torch.Tensor) -> torch.Tensor:
     """[..., n] in [0,8) → [..., 3n/8] uint8: each group of 8 values becomes 3 little-endian bytes."""
     _check(x, 3)
     groups = x.to(torch.int32).reshape(*x.shape[:-1], x.shape[-1] // 8, 8)
-    shifts = torch.tensor(_SHIFT3, device=x.device, dtype=torch.int32)
+    shifts = torch.arange(0, 24, 3, device=x.device, dtype=torch.int32)  # value j of 8 at bit 3j
     word = (groups << shifts).sum(-1, dtype=torch.int32)  # [..., n/8], 24 bits used
     out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
     return out.to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] * 3 // 8)
@@ -97,7 +94,7 @@ def unpack_3bit_u8x3(packed: torch.Tensor) -> torch.Tensor:
     """[..., 3n/8] uint8 → [..., n] uint8 in [0,8)."""
     b = packed.to(torch.int32).reshape(*packed.shape[:-1], packed.shape[-1] // 3, 3)
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-    shifts = torch.tensor(_SHIFT3, device=packed.device, dtype=torch.int32)
+    shifts = torch.arange(0, 24, 3, device=packed.device, dtype=torch.int32)
     vals = (word.unsqueeze(-1) >> shifts) & 7
     return vals.to(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] // 3 * 8)
 
