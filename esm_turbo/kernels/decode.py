@@ -164,6 +164,98 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     tl.store(out_ptr + (pid_bh * S + offs_s)[:, None] * D + offs_d[None, :], out, mask=smask[:, None])
 
 
+@triton.jit
+def _dequant_tile3(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
+                   D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Decode BLOCK_T token rows → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r."""
+    D8: tl.constexpr = D // 8
+    NB: tl.constexpr = D * BITS // 8
+    g = tl.arange(0, D8)
+    word = tl.zeros((BLOCK_T, D8), dtype=tl.int32)
+    for i in tl.static_range(BITS):
+        byte = tl.load(idx_ptr + offs_t[:, None] * NB + g[None, :] * BITS + i, mask=tmask[:, None], other=0)
+        word = word | (byte.to(tl.int32) << (8 * i))
+    r = tl.arange(0, 8)
+    code = (word[:, :, None] >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    if SIGN:
+        sb = tl.load(sign_ptr + offs_t[:, None] * D8 + g[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+        code = code * 2 + ((sb[:, :, None] >> r[None, None, :]) & 1)
+    return tl.load(tab_ptr + code)
+
+
+@triton.jit
+def _prefix_block3(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
+                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
+                   VSIGN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One BLOCK_T tile of the online softmax for one query (scores in log2 units)."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    tmask = offs_t < end
+    k = _dequant_tile3(k_idx, k_sign, k_tab, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T)
+    s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
+    s = tl.where(tmask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    v = _dequant_tile3(v_idx, v_sign, v_tab, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
+    acc = acc * alpha + tl.sum(p[:, None, None] * v, axis=0)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefix_kernel3(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, len_ptr,
+                    m_ptr, l_ptr, acc_ptr,
+                    H, S, T_CAP, CHUNK, NS,
+                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                    KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+                    NK: tl.constexpr, NV: tl.constexpr, INTERPRET: tl.constexpr):
+    """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_bh = pid // S
+    qi = pid % S
+    b = pid_bh // H
+    h = pid_bh % H
+    length = tl.load(len_ptr + b).to(tl.int32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, length)
+
+    D8: tl.constexpr = D // 8
+    g = tl.arange(0, D8)
+    r = tl.arange(0, 8)
+    chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
+    q_row = qt_ptr + (pid_bh * S + qi) * (D + 1)
+    q3 = tl.load(q_row + chan) * _LOG2E
+    c0 = tl.load(q_row + D) * _LOG2E
+
+    KNB: tl.constexpr = D * KBITS // 8
+    VNB: tl.constexpr = D * VBITS // 8
+    row0 = pid_bh.to(tl.int64) * T_CAP
+    k_idx = k_idx_ptr + row0 * KNB
+    v_idx = v_idx_ptr + row0 * VNB
+    k_sign = k_sign_ptr + row0 * D8
+    v_sign = v_sign_ptr + row0 * D8
+
+    m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
+    acc = tl.zeros((D8, 8), dtype=tl.float32)
+    if INTERPRET > 0:
+        for it in tl.static_range(INTERPRET):
+            m_i, l_i, acc = _prefix_block3(q3, c0, m_i, l_i, acc, start + it * BLOCK_T, end, k_idx, k_sign, v_idx,
+                                           v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
+                                           D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    else:
+        for t0 in range(start, end, BLOCK_T):
+            m_i, l_i, acc = _prefix_block3(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx,
+                                           v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
+                                           D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    part = (pid_bh * NS + split) * BLOCK_S + qi
+    tl.store(m_ptr + part, m_i)
+    tl.store(l_ptr + part, l_i)
+    tl.store(acc_ptr + part * D + chan, acc)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -174,10 +266,10 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_splits(batch_heads: int, capacity: int, block_t: int, sms: int) -> tuple[int, int]:
-    """(splits, chunk): enough programs for ~4 waves of the GPU, chunks a multiple of ``block_t``."""
+def plan_splits(programs: int, capacity: int, block_t: int, sms: int, waves: int = 4) -> tuple[int, int]:
+    """(splits, chunk): enough programs for ``waves`` waves of the GPU, chunks a multiple of ``block_t``."""
     blocks = max(1, math.ceil(capacity / block_t))
-    splits = max(1, min(blocks, math.ceil(4 * sms / max(batch_heads, 1)), 64))
+    splits = max(1, min(blocks, math.ceil(waves * sms / max(programs, 1)), 64))
     chunk = math.ceil(blocks / splits) * block_t
     splits = max(1, math.ceil(capacity / chunk))
     return splits, chunk
@@ -187,15 +279,20 @@ def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: t
                                 v_idx: torch.Tensor, v_sign: torch.Tensor, k_tab: torch.Tensor,
                                 v_tab: torch.Tensor, lengths: torch.Tensor, yk_new: torch.Tensor,
                                 yv_new: torch.Tensor, new_valid: torch.Tensor, v_scale: torch.Tensor,
-                                v_offset: torch.Tensor, k_bits: int, v_bits: int) -> torch.Tensor:
-    """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors."""
+                                v_offset: torch.Tensor, k_bits: int, v_bits: int,
+                                config: dict | None = None) -> torch.Tensor:
+    """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
+    ``config`` overrides the launch choice (variant, block_t, num_warps, waves) for tuning."""
+    cfg = dict(variant=3, block_t=None, num_warps=4, waves=4)
+    cfg.update(config or {})
     batch, heads, s, d = yk_new.shape
     t_cap = k_idx.shape[2]
     block_s = max(triton.next_power_of_2(s), 1)
-    block_t = 64 if d <= 64 else 32
-    if block_s > 1:
+    block_t = cfg["block_t"] or (64 if d <= 64 else 32)
+    if cfg["variant"] == 2 and block_s > 1:
         block_t = max(16, block_t // block_s)
-    splits, chunk = plan_splits(batch * heads, t_cap, block_t, _num_sms(qt.device))
+    programs = batch * heads * (s if cfg["variant"] == 3 else 1)
+    splits, chunk = plan_splits(programs, t_cap, block_t, _num_sms(qt.device), cfg["waves"])
     block_ns = triton.next_power_of_2(splits)
     dev = qt.device
     m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
@@ -203,12 +300,13 @@ def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: t
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
     out = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
     k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
-    _prefix_kernel[(batch * heads, splits)](
+    kernel = _prefix_kernel3 if cfg["variant"] == 3 else _prefix_kernel
+    kernel[(programs, splits)](
         qt, k_idx, k_sign if k_has_sign else k_idx, v_idx, v_sign if v_has_sign else v_idx,
         k_tab, v_tab, lengths, m, l_, acc, heads, s, t_cap, chunk, splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab.shape[1], NV=v_tab.shape[1],
-        INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=4)
+        INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
     _merge_kernel[(batch * heads,)](
         qt, m, l_, acc, yk_new, yv_new, new_valid, v_scale, v_offset, out, heads, s, splits,
         D=d, BLOCK_S=block_s, BLOCK_NS=block_ns, num_warps=4)

@@ -1,0 +1,50 @@
+"""Time the fused decode-attention kernel alone under several launch configs (GPU); prints a table.
+Used to pick the defaults of ``compressed_attention_triton``; the notes are in results/README.md."""
+
+import itertools
+
+import torch
+import triton.testing
+
+from esm_turbo.bench import _synthetic_cache
+from esm_turbo.kernels.decode import compressed_attention_triton
+from esm_turbo.ops.compressed import fused_tables
+
+
+def main():
+    dev = torch.device("cuda")
+    configs = [dict(variant=v, block_t=bt, num_warps=w, waves=wv)
+               for v, bt, w, wv in itertools.product((2, 3), (32, 64, 128), (2, 4, 8), (4, 8))]
+    print(f"{'heads':>5} {'d':>4} {'B':>3} {'T':>6} | best config -> µs (GB/s) | default µs")
+    for heads, d, batch, t in ((20, 64, 1, 1024), (20, 64, 8, 16384), (20, 64, 64, 4096), (40, 128, 8, 4096)):
+        cache = _synthetic_cache(heads, d, batch, t, dev)
+        codec = cache.codecs[0]
+        tab = fused_tables(codec)
+        p = cache.parts[0]
+        qt = torch.randn(batch, heads, 1, d + 1, device=dev)
+        y = torch.randn(batch, heads, 1, d, device=dev)
+        valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
+        args = (qt, p["k.idx"], p["k.sign"], p["v.idx"], p["v.sign"], tab.k_tab, tab.v_tab, cache.lengths, y, y,
+                valid, codec.value.scale, codec.value.offset, 3, 3)
+        nbytes = codec.bytes_per_token() * heads * batch * t
+        results = []
+        ref = compressed_attention_triton(*args)
+        for cfg in configs:
+            try:
+                out = compressed_attention_triton(*args, config=cfg)
+                assert torch.allclose(out, ref, atol=1e-4, rtol=1e-3)
+                us = triton.testing.do_bench(lambda: compressed_attention_triton(*args, config=cfg),
+                                             warmup=10, rep=40, return_mode="median") * 1e3
+                results.append((us, cfg))
+            except Exception as err:  # noqa: BLE001 - a config that does not compile is skipped
+                print("  skip", cfg, type(err).__name__)
+        default = triton.testing.do_bench(lambda: compressed_attention_triton(*args), warmup=10, rep=40,
+                                          return_mode="median") * 1e3
+        results.sort(key=lambda x: x[0])
+        for us, cfg in results[:3]:
+            print(f"{heads:>5} {d:>4} {batch:>3} {t:>6} | {cfg} -> {us:.1f} µs ({nbytes / us / 1e3:.0f} GB/s) "
+                  f"| default {default:.1f}")
+
+
+if __name__ == "__main__":
+    main()
