@@ -13,8 +13,8 @@ from esm_turbo.ops.compressed import fused_tables
 
 def main():
     dev = torch.device("cuda")
-    configs = [dict(variant=v, block_t=bt, num_warps=w, waves=wv)
-               for v, bt, w, wv in itertools.product((2, 3), (32, 64, 128), (2, 4, 8), (4, 8))]
+    configs = [dict(block_t=bt, num_warps=w, waves=wv)
+               for bt, w, wv in itertools.product((16, 32, 64), (2, 4, 8), (4, 8))]
     print(f"{'heads':>5} {'d':>4} {'B':>3} {'T':>6} | best config -> µs (GB/s) | default µs")
     for heads, d, batch, t in ((20, 64, 1, 1024), (20, 64, 8, 16384), (20, 64, 64, 4096), (40, 128, 8, 4096)):
         cache = _synthetic_cache(heads, d, batch, t, dev)
@@ -24,8 +24,8 @@ def main():
         qt = torch.randn(batch, heads, 1, d + 1, device=dev)
         y = torch.randn(batch, heads, 1, d, device=dev)
         valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
-        args = (qt, p["k.idx"], p["k.sign"], p["v.idx"], p["v.sign"], tab.k_tab, tab.v_tab, cache.lengths, y, y,
-                valid, codec.value.scale, codec.value.offset, 3, 3)
+        args = (qt, *tab.packed(p, "k"), *tab.packed(p, "v"), tab.k_tab, tab.v_tab, cache.lengths, y, y,
+                valid, codec.value.scale, codec.value.offset, tab.k_codes.bits, tab.v_codes.bits)
         nbytes = codec.bytes_per_token() * heads * batch * t
         results = []
         ref = compressed_attention_triton(*args)

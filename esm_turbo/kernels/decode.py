@@ -13,8 +13,9 @@ b-byte word ``w_g`` and value ``8g + r`` is ``(w_g >> b·r) & (2^b − 1)``. Sig
 (``byte g``, bit ``r``). Index and sign fuse into one code ``2·idx + sign`` looked up in a per-head
 table ``tab[h, code] = c[idx] ± ε`` (``tab[h, idx]`` without a residual).
 
-Two launches: ``_prefix_kernel`` (grid B·H × splits; each split walks its share of the prefix with an
-online softmax and writes (m, l, acc)), then ``_merge_kernel`` (grid B·H) that merges the splits
+Two launches: ``_prefix_kernel`` (grid B·H·S × splits, one query per program; each split walks its
+share of the prefix with an online softmax and writes (m, l, acc); tiles stay [BLOCK_T, d/8, 8] so the
+packed words never need a reshape), then ``_merge_kernel`` (grid B·H) that merges the splits
 with log-sum-exp, adds the step's own full-precision tokens and applies ``· scale + offset``.
 No dequantized tensor is written to global memory.
 """
@@ -29,97 +30,6 @@ import triton
 import triton.language as tl
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _dequant_tile(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
-                  D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Decode BLOCK_T token rows of one head → [BLOCK_T, D] float32 in the affine domain."""
-    D8: tl.constexpr = D // 8
-    NB: tl.constexpr = D * BITS // 8
-    g = tl.arange(0, D8)
-    word = tl.zeros((BLOCK_T, D8), dtype=tl.int32)
-    for i in tl.static_range(BITS):
-        byte = tl.load(idx_ptr + offs_t[:, None] * NB + g[None, :] * BITS + i, mask=tmask[:, None], other=0)
-        word = word | (byte.to(tl.int32) << (8 * i))
-    r = tl.arange(0, 8)
-    code = (tl.broadcast_to(word[:, :, None], (BLOCK_T, D8, 8)) >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1)
-    if SIGN:
-        sb = tl.load(sign_ptr + offs_t[:, None] * D8 + g[None, :], mask=tmask[:, None], other=0).to(tl.int32)
-        code = code * 2 + ((tl.broadcast_to(sb[:, :, None], (BLOCK_T, D8, 8)) >> r[None, None, :]) & 1)
-    code = tl.reshape(code, (BLOCK_T, D))
-    return tl.load(tab_ptr + code)
-
-
-@triton.jit
-def _prefix_block(q, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
-                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
-                  VSIGN: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One BLOCK_T tile of the online softmax (scores in log2 units)."""
-    offs_t = t0 + tl.arange(0, BLOCK_T)
-    tmask = offs_t < end
-    k = _dequant_tile(k_idx, k_sign, k_tab, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T)
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) + c0[:, None]  # [BLOCK_S, BLOCK_T]
-    s = tl.where(tmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile past the end (interpreter only)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _dequant_tile(v_idx, v_sign, v_tab, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, len_ptr,
-                   m_ptr, l_ptr, acc_ptr,
-                   H, S, T_CAP, CHUNK, NS,
-                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                   KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                   NK: tl.constexpr, NV: tl.constexpr, INTERPRET: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    length = tl.load(len_ptr + b).to(tl.int32)
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, length)
-
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
-    smask = offs_s < S
-    q_row = qt_ptr + (pid_bh * S + offs_s) * (D + 1)
-    q = tl.load(q_row[:, None] + offs_d[None, :], mask=smask[:, None], other=0.0) * _LOG2E
-    c0 = tl.load(q_row + D, mask=smask, other=0.0) * _LOG2E
-
-    D8: tl.constexpr = D // 8
-    KNB: tl.constexpr = D * KBITS // 8
-    VNB: tl.constexpr = D * VBITS // 8
-    row0 = pid_bh.to(tl.int64) * T_CAP
-    k_idx = k_idx_ptr + row0 * KNB
-    v_idx = v_idx_ptr + row0 * VNB
-    k_sign = k_sign_ptr + row0 * D8
-    v_sign = v_sign_ptr + row0 * D8
-
-    m_i = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_S,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_S, D), dtype=tl.float32)
-    if INTERPRET > 0:  # Triton's interpreter needs a host-side trip count (CHUNK // BLOCK_T); masks do the rest
-        for it in tl.static_range(INTERPRET):
-            m_i, l_i, acc = _prefix_block(q, c0, m_i, l_i, acc, start + it * BLOCK_T, end, k_idx, k_sign, v_idx,
-                                          v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
-                                          D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
-    else:
-        for t0 in range(start, end, BLOCK_T):
-            m_i, l_i, acc = _prefix_block(q, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx,
-                                          v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
-                                          D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
-
-    part = (pid_bh * NS + split) * BLOCK_S + offs_s
-    tl.store(m_ptr + part, m_i)
-    tl.store(l_ptr + part, l_i)
-    tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc)
 
 
 @triton.jit
@@ -165,16 +75,20 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
 
 
 @triton.jit
-def _dequant_tile3(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
+def _dequant_tile(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
                    D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, BLOCK_T: tl.constexpr):
     """Decode BLOCK_T token rows → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r."""
     D8: tl.constexpr = D // 8
     NB: tl.constexpr = D * BITS // 8
     g = tl.arange(0, D8)
-    word = tl.zeros((BLOCK_T, D8), dtype=tl.int32)
-    for i in tl.static_range(BITS):
-        byte = tl.load(idx_ptr + offs_t[:, None] * NB + g[None, :] * BITS + i, mask=tmask[:, None], other=0)
-        word = word | (byte.to(tl.int32) << (8 * i))
+    if BITS == 4:  # a group of 8 codes is one aligned int32
+        word = tl.load(idx_ptr.to(tl.pointer_type(tl.int32)) + offs_t[:, None] * D8 + g[None, :],
+                       mask=tmask[:, None], other=0)
+    else:
+        word = tl.zeros((BLOCK_T, D8), dtype=tl.int32)
+        for i in tl.static_range(BITS):
+            byte = tl.load(idx_ptr + offs_t[:, None] * NB + g[None, :] * BITS + i, mask=tmask[:, None], other=0)
+            word = word | (byte.to(tl.int32) << (8 * i))
     r = tl.arange(0, 8)
     code = (word[:, :, None] >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1)
     if SIGN:
@@ -184,13 +98,13 @@ def _dequant_tile3(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
 
 
 @triton.jit
-def _prefix_block3(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
+def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
                    VSIGN: tl.constexpr, BLOCK_T: tl.constexpr):
     """One BLOCK_T tile of the online softmax for one query (scores in log2 units)."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     tmask = offs_t < end
-    k = _dequant_tile3(k_idx, k_sign, k_tab, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T)
+    k = _dequant_tile(k_idx, k_sign, k_tab, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -198,13 +112,13 @@ def _prefix_block3(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign,
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    v = _dequant_tile3(v_idx, v_sign, v_tab, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
+    v = _dequant_tile(v_idx, v_sign, v_tab, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
     acc = acc * alpha + tl.sum(p[:, None, None] * v, axis=0)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _prefix_kernel3(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, len_ptr,
+def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, len_ptr,
                     m_ptr, l_ptr, acc_ptr,
                     H, S, T_CAP, CHUNK, NS,
                     D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
@@ -242,12 +156,12 @@ def _prefix_kernel3(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_
     acc = tl.zeros((D8, 8), dtype=tl.float32)
     if INTERPRET > 0:
         for it in tl.static_range(INTERPRET):
-            m_i, l_i, acc = _prefix_block3(q3, c0, m_i, l_i, acc, start + it * BLOCK_T, end, k_idx, k_sign, v_idx,
+            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, start + it * BLOCK_T, end, k_idx, k_sign, v_idx,
                                            v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
                                            D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
     else:
         for t0 in range(start, end, BLOCK_T):
-            m_i, l_i, acc = _prefix_block3(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx,
+            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx,
                                            v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
                                            D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
     part = (pid_bh * NS + split) * BLOCK_S + qi
@@ -283,15 +197,13 @@ def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: t
                                 config: dict | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
     ``config`` overrides the launch choice (variant, block_t, num_warps, waves) for tuning."""
-    cfg = dict(variant=3, block_t=None, num_warps=4, waves=4)
+    cfg = dict(block_t=32, num_warps=4, waves=4)  # tuned on an H100: results/tune_decode_h100.txt
     cfg.update(config or {})
     batch, heads, s, d = yk_new.shape
     t_cap = k_idx.shape[2]
     block_s = max(triton.next_power_of_2(s), 1)
-    block_t = cfg["block_t"] or (64 if d <= 64 else 32)
-    if cfg["variant"] == 2 and block_s > 1:
-        block_t = max(16, block_t // block_s)
-    programs = batch * heads * (s if cfg["variant"] == 3 else 1)
+    block_t = cfg["block_t"]
+    programs = batch * heads * s
     splits, chunk = plan_splits(programs, t_cap, block_t, _num_sms(qt.device), cfg["waves"])
     block_ns = triton.next_power_of_2(splits)
     dev = qt.device
@@ -300,8 +212,7 @@ def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: t
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
     out = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
     k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
-    kernel = _prefix_kernel3 if cfg["variant"] == 3 else _prefix_kernel
-    kernel[(programs, splits)](
+    _prefix_kernel[(programs, splits)](
         qt, k_idx, k_sign if k_has_sign else k_idx, v_idx, v_sign if v_has_sign else v_idx,
         k_tab, v_tab, lengths, m, l_, acc, heads, s, t_cap, chunk, splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_has_sign, VSIGN=v_has_sign,

@@ -1,5 +1,5 @@
 """Fused quantize-and-pack into the cache (Triton): rotation, affine, LUT search, index packing and
-sign bits in one launch per tensor kind. Reference: ``esm_turbo.ops.compressed.quantize_pack_reference``.
+sign bits (or one combined code ``2·idx + sign``) in one launch per tensor kind. Reference: ``esm_turbo.ops.compressed.quantize_pack_reference``.
 
 For each (sequence b, head h) and token n < S: ``y = (x Πᵀ − offset) / scale``; ``idx = #{bounds < y}``
 (``torch.searchsorted`` semantics); ``sign = y ≥ c[idx]``; both packed into the cache rows
@@ -17,7 +17,8 @@ import triton.language as tl
 def _quantize_pack_kernel(x_ptr, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr,
                           idx_ptr, sign_ptr, pos_ptr,
                           H, S, T_CAP,
-                          D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, BLOCK_N: tl.constexpr):
+                          D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = pid_bh // H
@@ -26,7 +27,8 @@ def _quantize_pack_kernel(x_ptr, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cen
     offs_d = tl.arange(0, D)
     nmask = offs_n < S
 
-    x = tl.load(x_ptr + (pid_bh * S + offs_n)[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
+    x = tl.load(x_ptr + (pid_bh * S + offs_n)[:, None] * D + offs_d[None, :], mask=nmask[:, None],
+                other=0.0).to(tl.float32)
     rot = tl.load(rot_ptr + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # Π[e, d]
     y = tl.dot(x, tl.trans(rot), input_precision="ieee")
     y = (y - tl.load(offset_ptr + h * D + offs_d)[None, :]) / tl.load(scale_ptr + h * D + offs_d)[None, :]
@@ -37,29 +39,36 @@ def _quantize_pack_kernel(x_ptr, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cen
         idx += (y > tl.load(bounds_ptr + h * (K - 1) + k)).to(tl.int32)
 
     D8: tl.constexpr = D // 8
-    NB: tl.constexpr = D * BITS // 8
     g = tl.arange(0, D8)
     r = tl.arange(0, 8)
     rows = pid_bh.to(tl.int64) * T_CAP + tl.load(pos_ptr + b) + offs_n  # cache rows
-    word = tl.sum(tl.reshape(idx, (BLOCK_N, D8, 8)) << (r * BITS)[None, None, :], axis=2)
-    for i in tl.static_range(BITS):
-        tl.store(idx_ptr + rows[:, None] * NB + g[None, :] * BITS + i,
-                 ((word >> (8 * i)) & 255).to(tl.uint8), mask=nmask[:, None])
     if SIGN:
-        cent = tl.load(cent_ptr + h * K + idx)
-        s = (y >= cent).to(tl.int32)
-        sword = tl.sum(tl.reshape(s, (BLOCK_N, D8, 8)) << r[None, None, :], axis=2)
-        tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
+        s = (y >= tl.load(cent_ptr + h * K + idx)).to(tl.int32)
+        if COMBINE:  # one code 2·idx + sign of BITS + 1 bits
+            idx = idx * 2 + s
+        else:
+            sword = tl.sum(tl.reshape(s, (BLOCK_N, D8, 8)) << r[None, None, :], axis=2)
+            tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
+    WIDTH: tl.constexpr = BITS + COMBINE
+    NB: tl.constexpr = D * WIDTH // 8
+    word = tl.sum(tl.reshape(idx, (BLOCK_N, D8, 8)) << (r * WIDTH)[None, None, :], axis=2)
+    if WIDTH == 4:  # a group of 8 codes is one aligned int32
+        tl.store(idx_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * D8 + g[None, :], word, mask=nmask[:, None])
+    else:
+        for i in tl.static_range(WIDTH):
+            tl.store(idx_ptr + rows[:, None] * NB + g[None, :] * WIDTH + i,
+                     ((word >> (8 * i)) & 255).to(tl.uint8), mask=nmask[:, None])
 
 
 def quantize_pack_triton(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                          bounds: torch.Tensor, centroids: torch.Tensor, idx_out: torch.Tensor,
-                         sign_out: torch.Tensor, pos: torch.Tensor, bits: int) -> None:
+                         sign_out: torch.Tensor, pos: torch.Tensor, bits: int, combine: bool) -> None:
     """Same contract as ``quantize_pack_reference``; CUDA tensors, writes ``idx_out``/``sign_out`` in place."""
     batch, heads, s, d = x.shape
     block_n = 16 if s <= 16 else 32
-    has_sign = sign_out.numel() > 0
+    has_sign = combine or sign_out.numel() > 0
     grid = (batch * heads, triton.cdiv(s, block_n))
     _quantize_pack_kernel[grid](
         x, rot, offset, scale, bounds, centroids, idx_out, sign_out if has_sign else idx_out, pos,
-        heads, s, idx_out.shape[2], D=d, BITS=bits, SIGN=has_sign, BLOCK_N=block_n, num_warps=4)
+        heads, s, idx_out.shape[2], D=d, BITS=bits, SIGN=has_sign, COMBINE=combine, BLOCK_N=block_n,
+        num_warps=4)

@@ -45,11 +45,27 @@ def code_table(q: VectorQuantizer) -> torch.Tensor:
 
 
 @dataclass
+class StoredCodes:
+    """How one quantizer's codes sit in the cache: the packed part (``code`` or ``idx``), its width in
+    bits, and the separate sign-bit part (``sign``) or None."""
+
+    part: str
+    bits: int
+    sign_part: str | None
+
+    @classmethod
+    def of(cls, q: VectorQuantizer) -> "StoredCodes":
+        if q.combined_sign:
+            return cls("code", q.bits + 1, None)
+        return cls("idx", q.bits, "sign" if q.residual == "sign" else None)
+
+
+@dataclass
 class FusedTables:
     """Per-layer constants of the fused ops, derived once from a codec.
 
-    wq [H, d+1, d]: ``qt = q @ wqᵀ`` gives ``[q̃ | c0]``; k_tab / v_tab [H, codes]; v_rot [H, d, d];
-    v_scale / v_offset [H, d]; k_bounds / v_bounds [H, K-1].
+    wq [H, d+1, d]: ``qt = q @ wqᵀ`` gives ``[q̃ | c0]``; k_tab / v_tab [H, codes]; k_bounds / v_bounds
+    [H, K-1]; k_codes / v_codes: where the packed codes are stored.
     """
 
     wq: torch.Tensor
@@ -57,8 +73,14 @@ class FusedTables:
     v_tab: torch.Tensor
     k_bounds: torch.Tensor
     v_bounds: torch.Tensor
-    k_bits: int
-    v_bits: int
+    k_codes: StoredCodes
+    v_codes: StoredCodes
+
+    def packed(self, parts: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, sign bits or an empty tensor) of ``kind`` ('k' or 'v') in a layer's cache parts."""
+        codes = self.k_codes if kind == "k" else self.v_codes
+        main = parts[f"{kind}.{codes.part}"]
+        return main, parts[f"{kind}.{codes.sign_part}"] if codes.sign_part else main.new_empty(0)
 
 
 def fused_tables(codec: KVCodec) -> FusedTables:
@@ -71,7 +93,8 @@ def fused_tables(codec: KVCodec) -> FusedTables:
     c0_row = torch.einsum("he,hed->hd", key.offset, key.rot)[:, None, :]
     tables = FusedTables(wq=torch.cat([scaled, c0_row], dim=1).contiguous(), k_tab=code_table(key),
                          v_tab=code_table(value), k_bounds=lut_bounds(key.centroids),
-                         v_bounds=lut_bounds(value.centroids), k_bits=key.bits, v_bits=value.bits)
+                         v_bounds=lut_bounds(value.centroids), k_codes=StoredCodes.of(key),
+                         v_codes=StoredCodes.of(value))
     codec._fused_tables = tables
     return tables
 
@@ -80,18 +103,23 @@ def fused_tables(codec: KVCodec) -> FusedTables:
 
 def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                             bounds: torch.Tensor, centroids: torch.Tensor, idx_out: torch.Tensor,
-                            sign_out: torch.Tensor, pos: torch.Tensor, bits: int) -> None:
-    """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,K], bounds [H,K-1] unused
-    here) into idx_out [B,H,T_cap,d·bits/8] / sign_out [B,H,T_cap,d/8] (or empty) at rows pos[b] + j."""
+                            sign_out: torch.Tensor, pos: torch.Tensor, bits: int, combine: bool) -> None:
+    """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,K] of ``bits`` bits, bounds
+    [H,K-1] unused here) at rows pos[b] + j of the cache parts: ``combine`` → idx_out holds codes
+    ``2·idx + sign`` of bits+1 bits; else idx_out [B,H,T_cap,d·bits/8] and sign_out [B,H,T_cap,d/8]
+    (or empty: no residual)."""
     y = affine_forward(x, rot, offset, scale)
     idx = lut_index(y, centroids)
     rows = torch.arange(x.shape[0], device=x.device)[:, None]
     at = pos[:, None] + torch.arange(x.shape[2], device=x.device)  # [B, S]
+    heads = torch.arange(x.shape[1], device=x.device)[:, None, None]
+    if combine:
+        codes = 2 * idx + (y >= centroids[heads, idx])
+        idx_out[rows, :, at] = pack_bits(codes, bits + 1).transpose(1, 2)
+        return
     idx_out[rows, :, at] = pack_bits(idx, bits).transpose(1, 2)
     if sign_out.numel():
-        heads = torch.arange(x.shape[1], device=x.device)[:, None, None]
-        signs = y >= centroids[heads, idx]
-        sign_out[rows, :, at] = pack_1bit_u8(signs).transpose(1, 2)
+        sign_out[rows, :, at] = pack_1bit_u8(y >= centroids[heads, idx]).transpose(1, 2)
 
 
 def _decode_codes(idx: torch.Tensor, sign: torch.Tensor, tab: torch.Tensor, bits: int) -> torch.Tensor:
@@ -110,8 +138,9 @@ def compressed_attention_reference(qt: torch.Tensor, k_idx: torch.Tensor, k_sign
                                    v_offset: torch.Tensor, k_bits: int, v_bits: int) -> torch.Tensor:
     """Attention of S new tokens over the packed prefix plus themselves, in the affine domain.
 
-    qt [B,H,S,d+1] = [q̃ | c0]; k_idx/v_idx [B,H,T_cap,d·bits/8] uint8; k_sign/v_sign [B,H,T_cap,d/8]
-    uint8 (or empty); tabs [H, codes]; lengths [B] (valid prefix rows); yk_new/yv_new [B,H,S,d] new
+    qt [B,H,S,d+1] = [q̃ | c0]; k_idx/v_idx [B,H,T_cap,d·bits/8] uint8 packed codes of k_bits/v_bits
+    bits; k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, codes] indexed by
+    the code (``2·code + sign`` when sign bits are separate); lengths [B] (valid prefix rows); yk_new/yv_new [B,H,S,d] new
     keys/values in their codec's affine domain; new_valid [B,S]; v_scale/v_offset [H,d].
     Returns the output in V's rotated domain [B,H,S,d] float32 (multiply by Π_v to finish); a query
     with no valid key gets zeros.
@@ -141,17 +170,17 @@ def _kernels_for(t: torch.Tensor) -> bool:
 @torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=("idx_out", "sign_out"))
 def quantize_pack(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                   bounds: torch.Tensor, centroids: torch.Tensor, idx_out: torch.Tensor, sign_out: torch.Tensor,
-                  pos: torch.Tensor, bits: int) -> None:
+                  pos: torch.Tensor, bits: int, combine: bool) -> None:
     if _kernels_for(x):
         from ..kernels.quantize import quantize_pack_triton
-        quantize_pack_triton(x.float().contiguous(), rot, offset, scale, bounds, centroids, idx_out, sign_out,
-                             pos, bits)
+        quantize_pack_triton(x.contiguous(), rot, offset, scale, bounds, centroids, idx_out, sign_out,
+                             pos, bits, combine)
     else:
-        quantize_pack_reference(x, rot, offset, scale, bounds, centroids, idx_out, sign_out, pos, bits)
+        quantize_pack_reference(x, rot, offset, scale, bounds, centroids, idx_out, sign_out, pos, bits, combine)
 
 
 @quantize_pack.register_fake
-def _quantize_pack_fake(x, rot, offset, scale, bounds, centroids, idx_out, sign_out, pos, bits) -> None:
+def _quantize_pack_fake(x, rot, offset, scale, bounds, centroids, idx_out, sign_out, pos, bits, combine) -> None:
     return None
 
 
@@ -176,18 +205,13 @@ def _compressed_attention_fake(qt, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, l
 
 # ---- layer-level entry points -----------------------------------------------------------------------
 
-def _empty_like_part(parts: dict, name: str, ref: torch.Tensor) -> torch.Tensor:
-    return parts[name] if name in parts else ref.new_empty(0)
-
-
 def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                      pos: torch.Tensor) -> None:
     """Quantize-and-pack k, v [B,H,S,d] into one layer's cache parts at rows ``pos[b] + j``."""
     tables = fused_tables(codec)
-    for prefix, q, x, bounds in (("k", codec.key, k, tables.k_bounds), ("v", codec.value, v, tables.v_bounds)):
-        idx = parts[f"{prefix}.idx"]
-        quantize_pack(x.contiguous(), q.rot, q.offset, q.scale, bounds, q.centroids, idx,
-                      _empty_like_part(parts, f"{prefix}.sign", idx), pos, q.bits)
+    for kind, q, x, bounds in (("k", codec.key, k, tables.k_bounds), ("v", codec.value, v, tables.v_bounds)):
+        main, sign = tables.packed(parts, kind)
+        quantize_pack(x, q.rot, q.offset, q.scale, bounds, q.centroids, main, sign, pos, q.bits, q.combined_sign)
 
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
@@ -200,9 +224,9 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
     qt = torch.einsum("bhsd,hed->bhse", q.float(), tables.wq).contiguous()
     yk = key.to_affine(k_new).contiguous()
     yv = value.to_affine(v_new).contiguous()
-    k_idx, v_idx = parts["k.idx"], parts["v.idx"]
-    out_rot = compressed_attention(qt, k_idx, _empty_like_part(parts, "k.sign", k_idx), v_idx,
-                                   _empty_like_part(parts, "v.sign", v_idx), tables.k_tab, tables.v_tab,
+    k_codes, k_sign = tables.packed(parts, "k")
+    v_codes, v_sign = tables.packed(parts, "v")
+    out_rot = compressed_attention(qt, k_codes, k_sign, v_codes, v_sign, tables.k_tab, tables.v_tab,
                                    lengths, yk, yv, new_valid.to(torch.uint8).contiguous(), value.scale,
-                                   value.offset, tables.k_bits, tables.v_bits)
+                                   value.offset, tables.k_codes.bits, tables.v_codes.bits)
     return torch.einsum("bhse,hed->bhsd", out_rot, value.rot).to(q.dtype)

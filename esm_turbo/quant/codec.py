@@ -29,6 +29,9 @@ from .rotations import AffineStats, affine_forward, affine_inverse, build_rotati
 
 PartSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
+#: code widths (index bits + 1 sign bit) stored as one combined code
+COMBINED_CODE_BITS = (2, 3, 4)
+
 
 def check_head_dim(dim: int) -> int:
     if dim <= 0 or dim % 8:
@@ -132,13 +135,23 @@ class VectorQuantizer(nn.Module):
         self.scale.copy_(affine.scale)
 
     # ---- layout -------------------------------------------------------------------------------
+    @property
+    def combined_sign(self) -> bool:
+        """A sign residual over ≤3 index bits is stored fused as one (bits+1)-bit code ``2·idx + sign``
+        (3 + 1 bits → one nibble per value): the same bytes as separate planes, one aligned load less."""
+        return self.residual == "sign" and self.bits + 1 in COMBINED_CODE_BITS
+
     def part_specs(self) -> PartSpecs:
-        """Trailing shape and dtype of each stored part, per (token, head)."""
+        """Trailing shape and dtype of each stored part, per (token, head): ``code`` (combined index and
+        sign), or ``idx`` plus ``sign`` / ``qjl`` + ``qjl_norm``; ``norm`` for TurboQuant."""
         d = self.dim
-        specs: PartSpecs = {"idx": ((d * self.bits // 8,), torch.uint8)}
+        if self.combined_sign:
+            specs: PartSpecs = {"code": ((d * (self.bits + 1) // 8,), torch.uint8)}
+        else:
+            specs = {"idx": ((d * self.bits // 8,), torch.uint8)}
         if self.normalize:
             specs["norm"] = ((), torch.float16)
-        if self.residual == "sign":
+        if self.residual == "sign" and not self.combined_sign:
             specs["sign"] = ((d // 8,), torch.uint8)
         elif self.residual == "qjl":
             specs["qjl"] = ((self.proj.shape[0] // 8,), torch.uint8)
@@ -179,12 +192,17 @@ class VectorQuantizer(nn.Module):
             parts["norm"] = norm.squeeze(-1).to(torch.float16)
             y = y / norm.clamp_min(1e-30)
         idx = lut_index(y, self.centroids)
-        parts["idx"] = pack_bits(idx, self.bits)
-        if self.residual != "none":
-            r = y - self._lookup(self.centroids, idx)
-            if self.residual == "sign":
-                parts["sign"] = pack_1bit_u8(r >= 0)
+        if self.residual == "sign":
+            sign = y >= self._lookup(self.centroids, idx)
+            if self.combined_sign:
+                parts["code"] = pack_bits(2 * idx + sign, self.bits + 1)
             else:
+                parts["idx"] = pack_bits(idx, self.bits)
+                parts["sign"] = pack_1bit_u8(sign)
+        else:
+            parts["idx"] = pack_bits(idx, self.bits)
+            if self.residual == "qjl":
+                r = y - self._lookup(self.centroids, idx)
                 sketch = r @ self.proj.T
                 parts["qjl"] = pack_1bit_u8(sketch >= 0)
                 parts["qjl_norm"] = r.norm(dim=-1).to(torch.float16)
@@ -192,10 +210,14 @@ class VectorQuantizer(nn.Module):
 
     def decode_affine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """parts → ẑ [..., H, T, d] in the affine domain (norm applied), float32."""
-        idx = unpack_bits(parts["idx"], self.bits)
+        if self.combined_sign:
+            code = unpack_bits(parts["code"], self.bits + 1).long()
+            idx, s = code >> 1, code & 1
+        else:
+            idx = unpack_bits(parts["idx"], self.bits)
+            s = unpack_1bit_u8(parts["sign"]).long() if self.residual == "sign" else None
         y = self._lookup(self.centroids, idx)
         if self.residual == "sign":
-            s = unpack_1bit_u8(parts["sign"]).long()
             eps = self._lookup(self.eps, idx)  # [..., d, 2]
             y = y + torch.where(s.bool(), eps[..., 1], -eps[..., 0])
         elif self.residual == "qjl":
