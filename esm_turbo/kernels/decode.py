@@ -113,7 +113,7 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, 
     p = tl.exp2(s - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     v = _dequant_tile(v_idx, v_sign, v_tab, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
-    acc = acc * alpha + tl.sum(p[:, None, None] * v, axis=0)
+    acc = acc * alpha + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_new, l_i, acc
 
 
@@ -153,7 +153,7 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
 
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
     l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
-    acc = tl.zeros((D8, 8), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, D8, 8), dtype=tl.float32)
     if INTERPRET > 0:
         for it in tl.static_range(INTERPRET):
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, start + it * BLOCK_T, end, k_idx, k_sign, v_idx,
@@ -167,7 +167,7 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     part = (pid_bh * NS + split) * BLOCK_S + qi
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
-    tl.store(acc_ptr + part * D + chan, acc)
+    tl.store(acc_ptr + part * D + chan, tl.sum(acc, axis=0))
 
 
 def _interpreting() -> bool:
@@ -197,7 +197,7 @@ def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: t
                                 config: dict | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
     ``config`` overrides the launch choice (variant, block_t, num_warps, waves) for tuning."""
-    cfg = dict(block_t=32, num_warps=4, waves=4)  # tuned on an H100: results/tune_decode_h100.txt
+    cfg = dict(block_t=16, num_warps=4, waves=8)  # tuned on an H100: results/tune_decode_h100.txt
     cfg.update(config or {})
     batch, heads, s, d = yk_new.shape
     t_cap = k_idx.shape[2]
