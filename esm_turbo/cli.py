@@ -111,6 +111,44 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_embed(args) -> int:
+    from .embed.extract import EmbedConfig, Embedder, EmbedSummary, distributed_context
+    from .embed.writers import make_writer
+    from .fasta import read_fasta
+    from .model.loading import load_esm
+    rank, world = distributed_context()
+    cfg = EmbedConfig(repr_layers=args.repr_layers, include=args.include, toks_per_batch=args.toks_per_batch,
+                      truncation_seq_length=args.truncation_seq_length, long_policy=args.long_policy,
+                      window_overlap=args.window_overlap, dtype=args.dtype)
+    cfg.check()
+    summary = EmbedSummary()
+    records, seen = [], set()
+    for path in args.fasta:  # length limits are the embedder's job (truncate / windows), not an error
+        recs, problems = read_fasta(path, skip_invalid=args.skip_invalid, seen=seen)
+        records += recs
+        summary.failed += problems
+    for problem in summary.failed:
+        log.warning("skipped: %s", problem)
+    device = "cpu" if args.nogpu else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_esm(args.model)
+    embedder = Embedder(model, cfg, device)
+    writer = make_writer(args.format, args.output, rank, world)
+    embedder.run(records, writer, resume=args.resume, progress=not args.quiet, rank=rank, world=world,
+                 summary=summary)
+    writer.finalize()
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+    if args.format == "h5" and rank == 0:
+        writer.merge()
+    print(f"esm-turbo embed{f' (rank {rank}/{world})' if world > 1 else ''}: {summary.line()}", file=sys.stderr)
+    for problem in summary.failed:
+        print(f"  failed: {problem}", file=sys.stderr)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import format_result, run, to_json
     res = run(quick=args.quick, device=args.device, reference=args.reference)
@@ -207,6 +245,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-fasta", nargs="+", default=["calibration_data/calibration.fasta"])
     p.add_argument("--json", nargs="?", const="-", help="write JSON (to a path, or stdout with no path)")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("embed", help="extract ESM-2 embeddings from FASTA (fair-esm compatible outputs)")
+    p.add_argument("fasta", nargs="+", help="FASTA file(s)")
+    p.add_argument("--model", required=True, help="size (8M…15B), hub id, save_pretrained dir or fair-esm .pt")
+    p.add_argument("-o", "--output", "--output-dir", dest="output", required=True,
+                   help="output folder (--format pt) or .h5 file (--format h5)")
+    p.add_argument("--repr-layers", "--repr_layers", dest="repr_layers", type=int, nargs="+", default=[-1],
+                   help="layers to save (0 = embeddings; negative counts from the end, as in fair-esm)")
+    p.add_argument("--include", nargs="+", default=["mean"], help="mean per_tok bos contacts logits")
+    p.add_argument("--toks-per-batch", "--toks_per_batch", dest="toks_per_batch", type=int, default=4096)
+    p.add_argument("--truncation-seq-length", "--truncation_seq_length", dest="truncation_seq_length", type=int,
+                   default=1022, help="residues per pass (ESM-2's trained context is 1022)")
+    p.add_argument("--long-policy", choices=["truncate", "windows"], default="truncate",
+                   help="longer sequences: keep the first residues (warns, naming the record) or stitch "
+                        "overlapping windows per residue")
+    p.add_argument("--window-overlap", type=int, default=256)
+    p.add_argument("--format", choices=["pt", "h5"], default="pt")
+    p.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto",
+                   help="compute dtype (auto: fp16 on CUDA, fp32 on CPU); outputs are stored as float32")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu… (default: cuda when available)")
+    p.add_argument("--nogpu", action="store_true", help="run on CPU (fair-esm's flag)")
+    p.add_argument("--resume", action="store_true", help="skip ids already written to the output")
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="skip malformed / invalid records (reported) instead of stopping")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("bench", help="kernel / quantize / decode speed vs baselines measured in the same run")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -1,0 +1,156 @@
+"""Embedding outputs, written atomically so a killed run leaves only whole files.
+
+* ``pt``: one ``<id>.pt`` per sequence with fair-esm's keys (``label``, ``representations``,
+  ``mean_representations``, ``bos_representations``, ``contacts``) plus ``logits`` when asked.
+* ``h5``: one HDF5 file keyed by sequence id (``/<id>/representations/<layer>``, …; the id is also the
+  group's ``label`` attribute). Each batch goes to its own part file under ``<out>.parts/``, written
+  atomically; :meth:`H5Writer.finalize` merges the parts into ``<out>`` (temp file + rename). Resume
+  reads the ids already in the parts; several ranks write their own parts and rank 0 merges.
+
+A file name or HDF5 key cannot hold '/', so ids are stored with '/' as '%2F' (and '%' as '%25').
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..io import atomic_write, atomic_write_text
+
+FORMATS = ("pt", "h5")
+
+
+def safe_name(rid: str) -> str:
+    return rid.replace("%", "%25").replace("/", "%2F")
+
+
+def unsafe_name(name: str) -> str:
+    return name.replace("%2F", "/").replace("%25", "%")
+
+
+class PtWriter:
+    """One ``.pt`` file per sequence in ``out_dir``."""
+
+    def __init__(self, out_dir: str | Path, rank: int = 0, world: int = 1):
+        self.out = Path(out_dir)
+        if self.out.exists() and not self.out.is_dir():
+            raise FileExistsError(f"{self.out}: exists and is not a directory (--format pt writes a folder)")
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world = rank, world
+        self.written: list[str] = []
+
+    def path_of(self, rid: str) -> Path:
+        return self.out / f"{safe_name(rid)}.pt"
+
+    def existing_ids(self) -> set[str]:
+        return {unsafe_name(p.name[:-3]) for p in self.out.glob("*.pt")}
+
+    def write(self, items: list[dict]) -> None:
+        for item in items:
+            atomic_write(self.path_of(item["label"]), lambda tmp, item=item: torch.save(item, tmp))
+            self.written.append(item["label"])
+
+    def finalize(self) -> Path:
+        atomic_write_text(self.out / f"manifest.rank{self.rank}.json",
+                          json.dumps({"rank": self.rank, "world": self.world, "written": self.written}, indent=1))
+        return self.out
+
+
+def _h5():
+    try:
+        import h5py
+    except ImportError as err:  # pragma: no cover - h5py is a dependency
+        raise RuntimeError("--format h5 needs h5py (pip install h5py)") from err
+    return h5py
+
+
+def _write_item(group, item: dict) -> None:
+    group.attrs["label"] = item["label"]
+    for key, val in item.items():
+        if key == "label":
+            continue
+        if isinstance(val, dict):
+            sub = group.create_group(key)
+            for layer, t in val.items():
+                sub.create_dataset(str(layer), data=t.numpy())
+        else:
+            group.create_dataset(key, data=val.numpy())
+
+
+def read_h5_item(group) -> dict:
+    """One sequence's group back as a fair-esm-style dict (layers as ints)."""
+    item = {"label": group.attrs["label"]}
+    for key, val in group.items():
+        if hasattr(val, "keys"):
+            item[key] = {int(k): torch.from_numpy(v[()]) for k, v in val.items()}
+        else:
+            item[key] = torch.from_numpy(val[()])
+    return item
+
+
+class H5Writer:
+    """Batches → part files (atomic); ``finalize`` merges them into one HDF5 file."""
+
+    def __init__(self, out_file: str | Path, rank: int = 0, world: int = 1):
+        self.out = Path(out_file)
+        self.parts = self.out.with_name(self.out.name + ".parts")
+        self.parts.mkdir(parents=True, exist_ok=True)
+        self.rank, self.world = rank, world
+        self.written: list[str] = []
+        self._n = len(list(self.parts.glob(f"rank{rank}-*.h5")))
+
+    def existing_ids(self) -> set[str]:
+        h5py = _h5()
+        ids: set[str] = set()
+        for part in self.parts.glob("*.h5"):
+            with h5py.File(part, "r") as fh:
+                ids.update(fh[k].attrs["label"] for k in fh.keys())
+        if self.out.is_file():
+            with h5py.File(self.out, "r") as fh:
+                ids.update(fh[k].attrs["label"] for k in fh.keys())
+        return ids
+
+    def write(self, items: list[dict]) -> None:
+        h5py = _h5()
+
+        def dump(tmp: str) -> None:
+            with h5py.File(tmp, "w") as fh:
+                for item in items:
+                    _write_item(fh.create_group(safe_name(item["label"])), item)
+        atomic_write(self.parts / f"rank{self.rank}-{self._n:06d}.h5", dump)
+        self._n += 1
+        self.written.extend(item["label"] for item in items)
+
+    def finalize(self) -> Path:
+        atomic_write_text(self.parts / f"manifest.rank{self.rank}.json",
+                          json.dumps({"rank": self.rank, "world": self.world, "written": self.written}, indent=1))
+        return self.out
+
+    def merge(self) -> Path:
+        """Fold the existing output (if any) and every part into ``out`` (atomically), then drop the parts."""
+        h5py = _h5()
+        sources = ([self.out] if self.out.is_file() else []) + sorted(self.parts.glob("*.h5"))
+
+        def dump(tmp: str) -> None:
+            with h5py.File(tmp, "w") as dst:
+                for src_path in sources:
+                    with h5py.File(src_path, "r") as src:
+                        for key in sorted(src.keys()):
+                            if key not in dst:
+                                src.copy(src[key], dst, name=key)
+        atomic_write(self.out, dump)
+        for part in self.parts.iterdir():
+            part.unlink()
+        os.rmdir(self.parts)
+        return self.out
+
+
+def make_writer(fmt: str, out: str | Path, rank: int = 0, world: int = 1):
+    if fmt == "pt":
+        return PtWriter(out, rank, world)
+    if fmt == "h5":
+        return H5Writer(out, rank, world)
+    raise ValueError(f"unknown output format {fmt!r}: choose one of {FORMATS}")
