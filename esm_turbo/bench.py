@@ -35,6 +35,7 @@ class BenchResult:
     attention: list[dict] = field(default_factory=list)
     quantize: dict = field(default_factory=dict)
     decode: list[dict] = field(default_factory=list)
+    embed: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -243,11 +244,78 @@ def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: fl
     return rows
 
 
-def run(quick: bool = False, device: str | None = None, reference: bool = False) -> BenchResult:
+class _NullWriter:
+    """Discards outputs (after they reached the host): the embed benchmark times extraction, not disk."""
+
+    def existing_ids(self) -> set:
+        return set()
+
+    def write(self, items) -> None:
+        pass
+
+
+@torch.no_grad()
+def bench_embed(device, fasta: list[str], size: str = "650M", repeat: int = 8, hf_batch: int = 16,
+                toks_per_batch: int = 16384, layers: int | None = None) -> dict:
+    """Mean embeddings of the same FASTA (repeated ``repeat`` times): transformers' EsmModel (SDPA,
+    fp16 on GPU, batches of ``hf_batch`` in file order, padded) vs :class:`Embedder`."""
+    from .embed.extract import EmbedConfig, Embedder
+    from .fasta import Record, read_fastas
+    from .model.alphabet import encode
+    base = read_fastas(fasta)
+    records = [Record(f"{r.id}#{k}", r.sequence, r.source) for k in range(repeat) for r in base]
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model = _model(size, device, dtype, layers)
+    tokens_total = sum(len(r.sequence) + 2 for r in records)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def hf_run():
+        for i in range(0, len(records), hf_batch):
+            chunk = records[i: i + hf_batch]
+            tokens, mask = encode([r.sequence for r in chunk])
+            out = model.esm(input_ids=tokens.to(device), attention_mask=mask.to(device))
+            m = mask.to(device)[..., None]
+            (out.last_hidden_state * m).sum(1).div(m.sum(1)).float().cpu()
+
+    embedder = Embedder(model, EmbedConfig(include=["mean"], toks_per_batch=toks_per_batch,
+                                           dtype={torch.float16: "fp16", torch.float32: "fp32"}[dtype]), device)
+
+    def ours_run():
+        embedder.run(records, _NullWriter(), progress=False)
+
+    result = dict(model=f"{size}-shaped" + (f" ({layers} layers)" if layers else ""), sequences=len(records),
+                  tokens=tokens_total, hf_batch=hf_batch, toks_per_batch=toks_per_batch)
+    for name, fn in (("hf", hf_run), ("ours", ours_run)):
+        fn()  # warm-up (kernels, allocator)
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        sec = time.perf_counter() - t0
+        result[f"{name}_seconds"] = sec
+        result[f"{name}_tokens_per_s"] = tokens_total / sec
+    result["speedup"] = result["ours_tokens_per_s"] / result["hf_tokens_per_s"]
+    return result
+
+
+EMBED_FASTA = ["calibration_data/calibration.fasta", "calibration_data/evaluation.fasta"]
+
+
+def run(quick: bool = False, device: str | None = None, reference: bool = False, suite: str = "decode",
+        fasta: list[str] | None = None) -> BenchResult:
+    """``suite``: decode (attention, quantize, decode tokens/s), embed, or all."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     force_reference(reference)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     res = BenchResult(device=name)
+    if suite in ("embed", "all"):
+        fasta = fasta or EMBED_FASTA
+        res.embed = bench_embed(dev, fasta) if dev.type == "cuda" else bench_embed(dev, fasta, "8M", repeat=1)
+        if suite == "embed":
+            return res
     if dev.type == "cuda":
         res.peak_copy_gbs = peak_copy_gbs(dev)
         batches, lengths = ((1, 8), (1024, 4096)) if quick else ((1, 8, 64), (1024, 4096, 16384))
@@ -266,9 +334,10 @@ def format_result(res: BenchResult) -> str:
     lines = [f"device: {res.device}"]
     if res.peak_copy_gbs:
         lines.append(f"device-to-device copy: {res.peak_copy_gbs:.0f} GB/s (read + write)")
-    lines.append("\ndecode attention per layer call (1 new token per sequence; 3-bit + sign K and V)")
-    lines.append(f"{'shape':6} {'B':>3} {'T':>6} {'fused µs':>9} {'two-step µs':>11} {'fp16 SDPA µs':>12} "
-                 f"{'×two-step':>9} {'×SDPA':>6} {'GB/s':>6} {'%copy':>6}")
+    if res.attention:
+        lines.append("\ndecode attention per layer call (1 new token per sequence; 3-bit + sign K and V)")
+        lines.append(f"{'shape':6} {'B':>3} {'T':>6} {'fused µs':>9} {'two-step µs':>11} {'fp16 SDPA µs':>12} "
+                     f"{'×two-step':>9} {'×SDPA':>6} {'GB/s':>6} {'%copy':>6}")
 
     def f(x, fmt):
         return format(x, fmt) if x is not None else "n/a"
@@ -290,6 +359,13 @@ def format_result(res: BenchResult) -> str:
                          f"{r['tokens_per_s']:>10.0f} tokens/s  ({r['step_ms']:.2f} ms/step)")
         if "speedup_vs_fp16" in res.decode[-1]:
             lines.append(f"  throughput ratio: {res.decode[-1]['speedup_vs_fp16']:.2f}×")
+    e = res.embed
+    if e:
+        lines.append(f"\nembedding extraction, {e['model']}, {e['sequences']} sequences / {e['tokens']} tokens "
+                     f"(mean representations)")
+        lines.append(f"  transformers EsmModel, padded batches of {e['hf_batch']}: {e['hf_tokens_per_s']:>9.0f} tokens/s")
+        lines.append(f"  esm-turbo embed, sorted {e['toks_per_batch']}-token batches: {e['ours_tokens_per_s']:>9.0f} "
+                     f"tokens/s   ratio {e['speedup']:.2f}×")
     lines += [f"note: {n}" for n in res.notes]
     return "\n".join(lines)
 

@@ -151,7 +151,7 @@ def cmd_embed(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import format_result, run, to_json
-    res = run(quick=args.quick, device=args.device, reference=args.reference)
+    res = run(quick=args.quick, device=args.device, reference=args.reference, suite=args.suite, fasta=args.fasta)
     text = to_json(res) if args.json else format_result(res)
     print(text)
     if args.out:
@@ -273,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("bench", help="kernel / quantize / decode speed vs baselines measured in the same run")
+    p.add_argument("suite", nargs="?", choices=["decode", "embed", "all"], default="decode",
+                   help="decode: attention kernel, quantize-and-pack, decode tokens/s; embed: extraction vs "
+                        "transformers; all: both")
+    p.add_argument("--fasta", nargs="+", default=None, help="FASTA for the embed suite (default: calibration_data)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--quick", action="store_true", help="fewer sizes")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
