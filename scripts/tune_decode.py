@@ -13,8 +13,8 @@ from esm_turbo.ops.compressed import fused_tables
 
 def main():
     dev = torch.device("cuda")
-    configs = [dict(block_t=bt, num_warps=w, waves=wv, gather=ga)
-               for bt, w, wv, ga in itertools.product((8, 16, 32), (2, 4, 8), (8,), (False, True))]
+    configs = [dict(block_t=bt, num_warps=w, waves=wv)
+               for bt, w, wv in itertools.product((16, 32, 64), (2, 4, 8), (4, 8))]
     print(f"{'heads':>5} {'d':>4} {'B':>3} {'T':>6} | best config -> µs (GB/s) | default µs")
     for heads, d, batch, t in ((20, 64, 1, 1024), (20, 64, 8, 16384), (20, 64, 64, 4096), (40, 128, 8, 4096)):
         cache = _synthetic_cache(heads, d, batch, t, dev)

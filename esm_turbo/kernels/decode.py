@@ -75,9 +75,8 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
 
 
 @triton.jit
-def _dequant_tile(idx_ptr, sign_ptr, tab_ptr, tab, offs_t, tmask,
-                  D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, BLOCK_T: tl.constexpr,
-                  GATHER: tl.constexpr):
+def _dequant_tile(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
+                  D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, BLOCK_T: tl.constexpr):
     """Decode BLOCK_T token rows → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r."""
     D8: tl.constexpr = D // 8
     NB: tl.constexpr = D * BITS // 8
@@ -95,29 +94,30 @@ def _dequant_tile(idx_ptr, sign_ptr, tab_ptr, tab, offs_t, tmask,
     if SIGN:
         sb = tl.load(sign_ptr + offs_t[:, None] * D8 + g[None, :], mask=tmask[:, None], other=0).to(tl.int32)
         code = code * 2 + ((sb[:, :, None] >> r[None, None, :]) & 1)
-    if GATHER:  # from the table held in registers (broadcast [BLOCK_T, D/8, codes])
-        return tl.gather(tab, code, axis=2)
-    return tl.load(tab_ptr + code)
+    return tl.load(tab_ptr + code)  # a 16-entry table per head: L1 hits (a register tl.gather measured slower)
 
 
 @triton.jit
-def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_reg, v_reg,
+def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
-                  VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GATHER: tl.constexpr):
+                  VSIGN: tl.constexpr, BLOCK_T: tl.constexpr):
     """One BLOCK_T tile of the online softmax for one query (scores in log2 units)."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     tmask = offs_t < end
-    k = _dequant_tile(k_idx, k_sign, k_tab, k_reg, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T, GATHER)
+    k = _dequant_tile(k_idx, k_sign, k_tab, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    v = _dequant_tile(v_idx, v_sign, v_tab, v_reg, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T, GATHER)
-    acc = acc * alpha + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
-    return m_new, l_i, acc
+    m_tile = tl.max(s, axis=0)
+    if m_tile > m_i + 8.0:  # rescale only when the running max grows by > 2^8 (exp2 stays < 256 otherwise)
+        alpha = tl.exp2(m_i - m_tile)
+        acc = acc * alpha
+        l_i = l_i * alpha
+        m_i = m_tile
+    p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
+    l_i = l_i + tl.sum(p, axis=0)
+    v = _dequant_tile(v_idx, v_sign, v_tab, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
+    acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -126,9 +126,8 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                     H, S, T_CAP, CHUNK, NS,
                     D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                     KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                    NK: tl.constexpr, NV: tl.constexpr, INTERPRET: tl.constexpr, GATHER: tl.constexpr):
-    """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes).
-    GATHER: look codes up in a register copy of the head's table (tl.gather) instead of L1 loads."""
+                    NK: tl.constexpr, NV: tl.constexpr, INTERPRET: tl.constexpr):
+    """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     pid_bh = pid // S
@@ -157,25 +156,17 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
 
     k_tab = k_tab_ptr + h * NK
     v_tab = v_tab_ptr + h * NV
-    if GATHER:
-        k_reg = tl.broadcast_to(tl.load(k_tab + tl.arange(0, NK))[None, None, :], (BLOCK_T, D8, NK))
-        v_reg = tl.broadcast_to(tl.load(v_tab + tl.arange(0, NV))[None, None, :], (BLOCK_T, D8, NV))
-    else:
-        k_reg = 0.0
-        v_reg = 0.0
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
     l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
     acc = tl.zeros((BLOCK_T, D8, 8), dtype=tl.float32)
     if INTERPRET > 0:
         for it in tl.static_range(INTERPRET):
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, start + it * BLOCK_T, end, k_idx, k_sign, v_idx,
-                                          v_sign, k_tab, v_tab, k_reg, v_reg,
-                                          D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GATHER)
+                                          v_sign, k_tab, v_tab, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
     else:
         for t0 in range(start, end, BLOCK_T):
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx,
-                                          v_sign, k_tab, v_tab, k_reg, v_reg,
-                                          D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GATHER)
+                                          v_sign, k_tab, v_tab, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
     part = (pid_bh * NS + split) * BLOCK_S + qi
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -208,10 +199,11 @@ def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: t
                                 v_offset: torch.Tensor, k_bits: int, v_bits: int,
                                 config: dict | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
-    ``config`` overrides the launch choice (variant, block_t, num_warps, waves) for tuning."""
-    cfg = dict(block_t=16, num_warps=4, waves=8, gather=False)  # tuned on an H100: results/tune_decode_h100.txt
-    cfg.update(config or {})
+    ``config`` overrides the launch choice (block_t, num_warps, waves) for tuning."""
     batch, heads, s, d = yk_new.shape
+    # tuned on an H100 (results/tune_decode_h100.txt)
+    cfg = dict(block_t=16, num_warps=4, waves=8) if d <= 64 else dict(block_t=32, num_warps=2, waves=8)
+    cfg.update(config or {})
     t_cap = k_idx.shape[2]
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]
@@ -229,7 +221,7 @@ def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: t
         k_tab, v_tab, lengths, m, l_, acc, heads, s, t_cap, chunk, splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab.shape[1], NV=v_tab.shape[1],
-        INTERPRET=chunk // block_t if _interpreting() else 0, GATHER=cfg["gather"], num_warps=cfg["num_warps"])
+        INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
     _merge_kernel[(batch * heads,)](
         qt, m, l_, acc, yk_new, yv_new, new_valid, v_scale, v_offset, out, heads, s, splits,
         D=d, BLOCK_S=block_s, BLOCK_NS=block_ns, num_warps=4)
