@@ -46,5 +46,32 @@ def main():
                   f"| default {default:.1f}")
 
 
+def tune_quantize():
+    """Quantize-and-pack of one 650M-shaped layer's prefill (20 heads, d=64, 1024 tokens, K)."""
+    from esm_turbo.cache import KVCache
+    from esm_turbo.kernels.quantize import quantize_pack_triton
+    from esm_turbo.testing import random_turbo_codec
+    dev = torch.device("cuda")
+    codec = random_turbo_codec(20, 64).to(dev)
+    tab = fused_tables(codec)
+    cache = KVCache([codec], 1, capacity=1024, device=dev)
+    x = torch.randn(1, 20, 1024, 64, device=dev, dtype=torch.float16)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
+    main_part, sign = tab.packed(cache.parts[0], "k")
+    q = codec.key
+    args = (x, q.rot, q.offset, q.scale, tab.k_bounds, q.centroids, main_part, sign, pos, q.bits, q.combined_sign)
+    affine = triton.testing.do_bench(lambda: q.to_affine(x), warmup=10, rep=40, return_mode="median") * 1e3
+    print(f"quantize-and-pack, 20 heads × 1024 tokens × d=64 (torch x Πᵀ alone: {affine:.1f} µs)")
+    for bn, w, prec in itertools.product((16, 32, 64), (2, 4, 8), ("ieee", "tf32x3")):
+        cfg = dict(block_n=bn, num_warps=w, precision=prec)
+        try:
+            us = triton.testing.do_bench(lambda: quantize_pack_triton(*args, config=cfg), warmup=10, rep=40,
+                                         return_mode="median") * 1e3
+            print(f"  {cfg} -> {us:.1f} µs")
+        except Exception as err:  # noqa: BLE001
+            print("  skip", cfg, type(err).__name__)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    tune_quantize() if "quantize" in sys.argv else main()

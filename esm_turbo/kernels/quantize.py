@@ -18,7 +18,7 @@ def _quantize_pack_kernel(x_ptr, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cen
                           idx_ptr, sign_ptr, pos_ptr,
                           H, S, T_CAP,
                           D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = pid_bh // H
@@ -30,7 +30,7 @@ def _quantize_pack_kernel(x_ptr, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cen
     x = tl.load(x_ptr + (pid_bh * S + offs_n)[:, None] * D + offs_d[None, :], mask=nmask[:, None],
                 other=0.0).to(tl.float32)
     rot = tl.load(rot_ptr + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # Π[e, d]
-    y = tl.dot(x, tl.trans(rot), input_precision="ieee")
+    y = tl.dot(x, tl.trans(rot), input_precision=PRECISION)
     y = (y - tl.load(offset_ptr + h * D + offs_d)[None, :]) / tl.load(scale_ptr + h * D + offs_d)[None, :]
 
     K: tl.constexpr = 1 << BITS
@@ -62,13 +62,17 @@ def _quantize_pack_kernel(x_ptr, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cen
 
 def quantize_pack_triton(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                          bounds: torch.Tensor, centroids: torch.Tensor, idx_out: torch.Tensor,
-                         sign_out: torch.Tensor, pos: torch.Tensor, bits: int, combine: bool) -> None:
-    """Same contract as ``quantize_pack_reference``; CUDA tensors, writes ``idx_out``/``sign_out`` in place."""
+                         sign_out: torch.Tensor, pos: torch.Tensor, bits: int, combine: bool,
+                         config: dict | None = None) -> None:
+    """Same contract as ``quantize_pack_reference``; CUDA tensors, writes ``idx_out``/``sign_out`` in place.
+    ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) for tuning."""
     batch, heads, s, d = x.shape
-    block_n = 16 if s <= 16 else 32
+    cfg = dict(block_n=32, num_warps=4, precision="ieee")
+    cfg.update(config or {})
+    block_n = 16 if s <= 16 else cfg["block_n"]
     has_sign = combine or sign_out.numel() > 0
     grid = (batch * heads, triton.cdiv(s, block_n))
     _quantize_pack_kernel[grid](
         x, rot, offset, scale, bounds, centroids, idx_out, sign_out if has_sign else idx_out, pos,
         heads, s, idx_out.shape[2], D=d, BITS=bits, SIGN=has_sign, COMBINE=combine, BLOCK_N=block_n,
-        num_warps=4)
+        PRECISION=cfg["precision"], num_warps=cfg["num_warps"])
