@@ -188,6 +188,24 @@ def bench_quantize(device, size: str = "650M", length: int = 1024, layers: int |
                 path="triton" if use_kernels(tokens) else "pytorch-reference")
 
 
+def synthetic_session(engine, factory, batch: int, context: int, extra: int):
+    """A decode session of ``batch`` rows whose caches hold ``context`` tokens of random codes/values
+    (speed only: nothing is prefilled), with room for ``extra`` more."""
+    session = engine.session(factory, capacity=context + extra)
+    session.start(["M"] * batch)
+    cache = session.cache
+    for layer in range(cache.num_layers):
+        for buf in cache.parts[layer].values():
+            if buf.dtype == torch.uint8:
+                buf.random_(0, 256)
+            else:
+                buf.normal_()
+    cache.lengths.fill_(context)
+    cache._max_bound = context
+    session._grow_tokens()
+    return session
+
+
 @torch.no_grad()
 def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: float = 8.0, steps: int = 16,
                  layers: int | None = None, max_batch: int = 1024) -> list[dict]:
@@ -206,18 +224,8 @@ def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: fl
         per_token = sum(c.bytes_per_token() for c in codecs) * engine.heads
         tokens_per_row = context + steps
         batch = min(max_batch, int(budget_gib * 2**30 // (per_token * tokens_per_row)))
-        session = engine.session(factory, capacity=tokens_per_row)
-        session.start(["M"] * batch)
+        session = synthetic_session(engine, factory, batch, context, steps)
         cache = session.cache
-        for layer in range(cache.num_layers):  # synthetic context: random codes / values
-            for buf in cache.parts[layer].values():
-                if buf.dtype == torch.uint8:
-                    buf.random_(0, 256)
-                else:
-                    buf.normal_()
-        cache.lengths.fill_(context)
-        cache._max_bound = context
-        session._grow_tokens()
         step_tokens = torch.full((batch, 1), alphabet().get_idx("A"), device=device)
         if device.type == "cuda":
             captured = session.capture_step(step_tokens, commit=True, reserve=steps + 2)
