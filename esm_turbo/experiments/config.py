@@ -1,0 +1,98 @@
+"""Structured configs of an experiment, registered with Hydra's ConfigStore: one schema for the CLI,
+the Python API and ``scripts/experiment.py`` (``conf/`` holds the named choices of each group).
+
+TurboESM recipes are the package's own :data:`~esm_turbo.model.checkpoint.PRESETS` (``quant.recipe``)
+with optional bit / residual overrides, so a sweep calibrates exactly what ``esm-turbo calibrate`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..model.checkpoint import PRESETS, CalibrationConfig
+
+
+@dataclass
+class ModelConf:
+    """``kind``: stress (a built stress model, see esm_turbo.testing) or pretrained (``path``)."""
+
+    name: str = "stress-6L-d64"
+    kind: str = "stress"
+    path: str = ""
+    layers: int = 6
+    hidden: int = 256
+    heads: int = 4
+    seed: int = 0
+
+
+@dataclass
+class DataConf:
+    calibration: list[str] = field(default_factory=lambda: ["calibration_data/calibration.fasta"])
+    evaluation: list[str] = field(default_factory=lambda: ["calibration_data/evaluation.fasta"])
+    eval_every: int = 1  # take every n-th evaluation record
+    calibration_samples: int = 8192  # tokens of K/V kept per layer to fit the calibrated baselines
+
+
+@dataclass
+class QuantConf:
+    """A KV-compression method. ``method``: dense | int | fp8 | turboquant | turboesm | outlier | rvq.
+
+    dense: ``dtype`` (fp32/fp16); int: ``bits`` (keys per channel, values per token); turboquant:
+    ``bits``, ``residual`` (none/qjl); turboesm: ``recipe`` (a PRESETS name) with ``bits`` /
+    ``residual`` overriding it when set; outlier: ``bits`` (regular), ``outlier_bits``,
+    ``outlier_frac``; rvq: ``depth``, ``group``.
+    """
+
+    name: str = "turboesm"
+    method: str = "turboesm"
+    bits: int = 0  # 0: the recipe's own
+    dtype: str = "fp16"
+    residual: str = ""  # "": the recipe's own
+    recipe: str = "default"
+    outlier_bits: int = 8
+    outlier_frac: float = 0.125
+    depth: int = 3
+    group: int = 8
+
+    def calibration_config(self) -> CalibrationConfig:
+        if self.recipe not in PRESETS:
+            raise ValueError(f"unknown TurboESM recipe {self.recipe!r}: choose one of {sorted(PRESETS)}")
+        cfg = PRESETS[self.recipe]
+        if self.bits:
+            cfg = replace(cfg, key_bits=self.bits, value_bits=self.bits)
+        if self.residual:
+            cfg = replace(cfg, residual=self.residual)
+        return cfg
+
+
+@dataclass
+class EvalConf:
+    prefix_fraction: float = 0.5
+    max_steps: int = 16
+
+
+@dataclass
+class HardwareConf:
+    device: str = "cpu"
+    threads: int = 2
+
+
+@dataclass
+class ExperimentConf:
+    model: ModelConf = field(default_factory=ModelConf)
+    data: DataConf = field(default_factory=DataConf)
+    quant: QuantConf = field(default_factory=QuantConf)
+    eval: EvalConf = field(default_factory=EvalConf)
+    hardware: HardwareConf = field(default_factory=HardwareConf)
+    sweep: str = "methods"
+    out: str = "results/rows"
+
+
+def register() -> None:
+    """Make the schema known to Hydra (``conf/config.yaml`` names ``base_experiment`` as its base)."""
+    from hydra.core.config_store import ConfigStore
+    cs = ConfigStore.instance()
+    cs.store(name="base_experiment", node=ExperimentConf)
+    for group, node in (("model", ModelConf), ("data", DataConf), ("quant", QuantConf), ("eval", EvalConf),
+                        ("hardware", HardwareConf)):
+        cs.store(group=group, name=f"base_{group}", node=node)

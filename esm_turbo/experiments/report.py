@@ -1,0 +1,171 @@
+"""Tables and plots from the result rows of the sweeps (``scripts/report.py``).
+
+Writes under ``results/``: ``sweeps/<model>.csv`` (one row per method), ``plots/pareto_<model>.png``
+(fidelity vs all-in bits per value), and ``REPORT.md`` with the ablation table (the paper's Table 7),
+the per-family table on held-out real sequences (Table 1), the memory breakdown at the 650M shape
+(Table 4), the best method at 2/3/4 bits, and the GPU latency tables (Tables 5–6) from
+``results/gpu/bench_h100.json`` when it exists.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from ..io import atomic_write, atomic_write_text
+from .config import QuantConf
+from .methods import layout_codecs
+
+COLUMNS = ("quant", "method", "bits_per_value", "bytes_per_token_per_layer", "decode_cos_mean",
+           "decode_cos_worst_seq", "top1_agreement", "logit_kl", "attn_rel_err_mean", "score_kl_mean", "fit_seconds")
+ABLATIONS = ("turboesm", "turboesm_paper", "turboesm_no_rotation", "turboesm_v_unrotated", "turboesm_shared_lut",
+             "turboesm_no_residual")
+FAMILY_COLORS = {"dense": "black", "int": "tab:orange", "fp8": "tab:brown", "turboquant": "tab:blue",
+                 "turboesm": "tab:red", "outlier": "tab:green", "rvq": "tab:purple"}
+
+
+def load_rows(root: str | Path) -> dict[str, list[dict]]:
+    """model name → rows (every sweep under ``root``)."""
+    by_model: dict[str, list[dict]] = defaultdict(list)
+    for path in sorted(Path(root).glob("*/*/*.json")):
+        row = json.loads(path.read_text())
+        by_model[row["model"]].append(row)
+    return by_model
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    def dump(tmp: str) -> None:
+        with open(tmp, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            for r in sorted(rows, key=lambda r: (r["bits_per_value"], r["quant"])):
+                w.writerow(r)
+    atomic_write(path, dump)
+
+
+def pareto_plot(rows: list[dict], model: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    panels = (("decode_cos_mean", "decode hidden-state cos vs FP32 cache", False),
+              ("top1_agreement", "top-1 agreement of decoded logits", False),
+              ("attn_rel_err_mean", "attention-output relative error (mean over layers)", True))
+    shown = [r for r in rows if r["method"] != "dense" or r["quant"] == "fp16"]
+    for ax, (key, title, logy) in zip(axes, panels):
+        for r in shown:
+            ax.scatter(r["bits_per_value"], max(r[key], 1e-6), color=FAMILY_COLORS.get(r["method"], "gray"), s=30)
+            ax.annotate(r["quant"], (r["bits_per_value"], max(r[key], 1e-6)), fontsize=7, xytext=(3, 2),
+                        textcoords="offset points")
+        ax.set_xlabel("all-in bits per value (K and V, norms / scales / padding included)")
+        ax.set_title(title, fontsize=10)
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=f) for f, c in FAMILY_COLORS.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles))
+    fig.suptitle(f"KV-cache compression on {model}: fidelity vs memory")
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def _md(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        out.append("| " + " | ".join(f"{x:.4f}" if isinstance(x, float) else str(x) for x in r) + " |")
+    return "\n".join(out)
+
+
+def best_at_bits(rows: list[dict], budgets=(2, 3, 4)) -> list[list]:
+    """For each budget: the method with the best mean decode cos among those within the budget."""
+    out = []
+    for b in budgets:
+        fit = [r for r in rows if r["bits_per_value"] <= b + 1e-6]
+        if not fit:
+            out.append([b, "none fits", "", "", ""])
+            continue
+        best = max(fit, key=lambda r: r["decode_cos_mean"])
+        out.append([b, best["quant"], best["bits_per_value"], best["decode_cos_mean"], best["top1_agreement"]])
+    return out
+
+
+def memory_table(conf_dir: Path, heads: int = 20, dim: int = 64) -> str:
+    rows = []
+    for path in sorted((conf_dir / "quant").glob("*.yaml")):
+        q = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConf),
+                                                {k: v for k, v in OmegaConf.load(path).items() if k != "defaults"}))
+        codec = layout_codecs(q, heads, dim)
+        per_head = codec.bytes_per_token()
+        parts = ", ".join(f"{n} {math.prod(shape) * torch.empty((), dtype=dt).element_size()}"
+                          for n, (shape, dt) in codec.part_specs().items())
+        rows.append([q.name, per_head * heads, 8 * per_head / (2 * dim), 2 * 2 * dim / per_head,
+                     4 * 2 * dim / per_head, parts])
+    rows.sort(key=lambda r: r[2])
+    return _md(["method", "bytes/token/layer", "bits/value", "× vs FP16", "× vs FP32", "bytes per token-head by part"],
+               rows)
+
+
+def latency_tables(bench: Path) -> str:
+    if not bench.is_file():
+        return "_no GPU results yet: run `esm-turbo bench all --out results/gpu/bench_h100.json` on a GPU_"
+    b = json.loads(bench.read_text())
+    att = [[r["shape"], r["batch"], r["context"], r["fused_us"], r["sdpa_fp16_us"] or "n/a",
+            r["two_step_us"] or "n/a", r["speedup_vs_sdpa_fp16"] or "n/a", r["fused_gbs"]] for r in b["attention"]]
+    out = [f"GPU: {b['device']}; device-to-device copy {b['peak_copy_gbs']:.0f} GB/s.", "",
+           "Decode attention per layer call (µs; one new token per sequence):", "",
+           _md(["shape", "B", "T", "fused", "fp16 SDPA", "two-step", "× SDPA", "GB/s"], att)]
+    if b.get("decode"):
+        out += ["", "End-to-end decode (650M-shaped, 1K context, one KV budget):", "",
+                _md(["cache", "batch", "KV GiB", "tokens/s", "ms/step"],
+                    [[r["cache"], r["batch"], r["kv_gib"], r["tokens_per_s"], r["step_ms"]] for r in b["decode"]])]
+    if b.get("quantize"):
+        q = b["quantize"]
+        out += ["", f"Quantize-and-pack of a {q['tokens']}-token prefill ({q['model']}): {q['quantize_pack_ms']:.3f} ms "
+                    f"vs prefill {q['prefill_ms']:.2f} ms ({100 * q['fraction']:.1f}%)."]
+    if b.get("embed"):
+        e = b["embed"]
+        out += ["", f"Embedding extraction ({e['model']}, {e['tokens']} tokens): transformers {e['hf_tokens_per_s']:.0f} "
+                    f"tokens/s, esm-turbo embed {e['ours_tokens_per_s']:.0f} tokens/s ({e['speedup']:.2f}×)."]
+    return "\n".join(out)
+
+
+def make_report(rows_root: str | Path = "results/rows", out: str | Path = "results",
+                conf_dir: str | Path = "conf") -> Path:
+    out, conf_dir = Path(out), Path(conf_dir)
+    by_model = load_rows(rows_root)
+    lines = ["# esm_turbo results (generated by `python scripts/report.py`; do not edit by hand)", ""]
+    for model, rows in sorted(by_model.items()):
+        write_csv(rows, out / "sweeps" / f"{model}.csv")
+        pareto_plot(rows, model, out / "plots" / f"pareto_{model}.png")
+        by_name = {r["quant"]: r for r in rows}
+        lines += [f"## {model}", "", f"![pareto](plots/pareto_{model}.png)", "", f"All methods: `sweeps/{model}.csv`.", "",
+                  "### Best method within a bits-per-value budget (all-in bits, best mean decode cos)", "",
+                  _md(["budget", "method", "bits/value", "decode cos", "top-1"], best_at_bits(rows)), "",
+                  "### Ablations (paper's Table 7)", "",
+                  _md(["recipe", "bits/value", "decode cos", "worst seq", "top-1", "attn err", "score KL"],
+                      [[n, by_name[n]["bits_per_value"], by_name[n]["decode_cos_mean"], by_name[n]["decode_cos_worst_seq"],
+                        by_name[n]["top1_agreement"], by_name[n]["attn_rel_err_mean"], by_name[n]["score_kl_mean"]]
+                       for n in ABLATIONS if n in by_name]), ""]
+        if "turboesm" in by_name:
+            groups = by_name["turboesm"]["groups"]
+            lines += ["### TurboESM (default) per SCOP class on held-out real sequences (Table 1)", "",
+                      _md(["class", "n", "prefill cos", "decode cos", "min cos", "top-1", "KL"],
+                          [[g, s["n"], s["prefill_cos"], s["decode_cos_mean"], s["decode_cos_min"], s["top1_agreement"],
+                            s["logit_kl"]] for g, s in groups.items()]), "",
+                      "Per-layer attention-output error / score KL (default): " + ", ".join(
+                          f"L{i} {e:.3f}/{k:.3f}" for i, (e, k) in enumerate(
+                              zip(by_name["turboesm"]["layers"]["attn_rel_err"],
+                                  by_name["turboesm"]["layers"]["score_kl"]))), ""]
+    lines += ["## Memory at the ESM-2 650M shape (20 heads, d = 64; Table 4)", "", memory_table(conf_dir), "",
+              "## GPU latency (Tables 5–6)", "", latency_tables(out / "gpu" / "bench_h100.json"), ""]
+    path = out / "REPORT.md"
+    atomic_write_text(path, "\n".join(lines))
+    return path

@@ -1,0 +1,72 @@
+"""One experiment run → one result row (JSON, written atomically under ``out/<sweep>/<model>/<quant>.json``).
+
+Within one process (Hydra's basic launcher runs a multirun's jobs in turn) the model and its K/V
+samples are built once and shared by every method of the sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..fasta import read_fastas
+from ..io import atomic_write_text
+from ..model.engine import TurboEsm
+from ..model.evaluate import evaluate
+from .config import ExperimentConf, ModelConf
+from .methods import build_codecs, collect_kv
+
+
+@functools.lru_cache(maxsize=4)
+def _model(kind: str, path: str, layers: int, hidden: int, heads: int, seed: int):
+    if kind == "stress":
+        from ..testing import stress_esm2
+        return stress_esm2(layers=layers, hidden=hidden, heads=heads, seed=seed)
+    from ..model.loading import load_esm
+    return load_esm(path)
+
+
+def load_model(m: ModelConf):
+    return _model(m.kind, m.path, m.layers, m.hidden, m.heads, m.seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _samples(model_key: tuple, files: tuple, tokens: int):
+    model = _model(*model_key)
+    return collect_kv(model, read_fastas(list(files)), tokens)
+
+
+def run_experiment(cfg: ExperimentConf, write: bool = True) -> dict:
+    torch.set_num_threads(cfg.hardware.threads)
+    m = cfg.model
+    model = load_model(m).to(cfg.hardware.device)
+    cal = read_fastas(list(cfg.data.calibration))
+    ev = read_fastas(list(cfg.data.evaluation))[:: cfg.data.eval_every]
+    key = (m.kind, m.path, m.layers, m.hidden, m.heads, m.seed)
+    start = time.perf_counter()
+    codecs, info = build_codecs(cfg.quant, model, cal,
+                                lambda: _samples(key, tuple(cfg.data.calibration), cfg.data.calibration_samples))
+    fit_seconds = time.perf_counter() - start
+    engine = TurboEsm(model)
+    codecs = [c.to(cfg.hardware.device) for c in codecs]
+    report = evaluate(engine, ev, cache=lambda i, h, d: codecs[i], prefix_fraction=cfg.eval.prefix_fraction,
+                      max_steps=cfg.eval.max_steps, progress=False)
+    seqs = report["sequences"]
+    row = dict(sweep=cfg.sweep, model=m.name, quant=cfg.quant.name, method=cfg.quant.method,
+               bits_per_value=report["memory"]["bits_per_value"],
+               bytes_per_token_per_layer=report["memory"]["bytes_per_token_per_layer"],
+               decode_cos_mean=sum(s["decode_cos_mean"] for s in seqs) / len(seqs),
+               decode_cos_worst_seq=min(s["decode_cos_mean"] for s in seqs),
+               top1_agreement=report["overall"]["top1_agreement"], logit_kl=report["overall"]["logit_kl"],
+               attn_rel_err_mean=sum(report["layers"]["attn_rel_err"]) / len(report["layers"]["attn_rel_err"]),
+               score_kl_mean=sum(report["layers"]["score_kl"]) / len(report["layers"]["score_kl"]),
+               layers=report["layers"], groups=report["groups"], memory=report["memory"],
+               fit_seconds=fit_seconds, **info)
+    if write:
+        path = Path(cfg.out) / cfg.sweep / m.name / f"{cfg.quant.name}.json"
+        atomic_write_text(path, json.dumps(row, indent=1, sort_keys=True, default=float))
+    return row
