@@ -1,4 +1,5 @@
-"""Triton kernels (CUDA only). Each has a PyTorch reference in ``esm_turbo.ops.reference``."""
+"""Triton kernels (CUDA; tests also run them under Triton's interpreter). Each has a PyTorch reference with
+the same signature in ``esm_turbo.ops.compressed``; dispatch is in ``esm_turbo.ops``."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import functools
 
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
-    try:
-        import torch
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+    import importlib.util
+
+    import torch
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
