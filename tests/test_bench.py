@@ -1,0 +1,25 @@
+"""esm-turbo bench runs on CPU (reference paths, small sizes) and reports ratios against baselines
+measured in the same run; nothing here asserts a speed."""
+
+from esm_turbo.bench import bench_attention, format_result, BenchResult
+from esm_turbo.cli import main
+
+
+def test_attention_rows_have_their_baselines():
+    import torch
+    rows = bench_attention(torch.device("cpu"), (1, 2), (64,), {"tiny": (2, 16)})
+    assert len(rows) == 2
+    for r in rows:
+        assert r["fused_path"] == "pytorch-reference"
+        assert r["fused_us"] > 0 and r["sdpa_fp16_us"] > 0 and r["two_step_us"] > 0
+        assert r["speedup_vs_sdpa_fp16"] == r["sdpa_fp16_us"] / r["fused_us"]
+    text = format_result(BenchResult(device="cpu", attention=rows))
+    assert "tiny" in text and "fp16 SDPA" in text
+
+
+def test_cli_bench_embed_smoke(tmp_path, capsys):
+    from esm_turbo.fasta import write_fasta
+    fasta = tmp_path / "x.fasta"
+    write_fasta(fasta, [("a", "MKTAYIAKQRQ"), ("b", "MKV" * 20)])
+    assert main(["bench", "embed", "--fasta", str(fasta), "--out", str(tmp_path / "b.json")]) == 0
+    assert "ratio" in capsys.readouterr().out and (tmp_path / "b.json").is_file()
