@@ -193,3 +193,17 @@ def test_model_decode_step_replays_as_cuda_graph():
 def engine_mask_id():
     from esm_turbo.model.alphabet import alphabet
     return alphabet().mask_idx
+
+
+def test_dense_cache_sdpa_path_matches_reference():
+    """The fp16/fp32-cache baseline (write the new tokens after each prefix, SDPA over the buffer in place)."""
+    from esm_turbo.ops import attend_dense
+    from esm_turbo.quant.codec import dense_codec
+    codec = dense_codec(3, 16)
+    cache = filled_cache(codec, 3, [5, 40, 0], "cpu")
+    q, k, v, valid = step_inputs(3, 3, 2, 16, "cpu")
+    valid[0, 1] = False  # a padded new token in the first row
+    ref = decode_attention_reference(q, cache, 0, k, v, valid)
+    out = attend_dense(q, cache, 0, k, v, valid)
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    assert torch.equal(cache.lengths, torch.tensor([5, 40, 0]))  # nothing committed by a peek
