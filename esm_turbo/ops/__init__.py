@@ -62,5 +62,5 @@ def attend_dense(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new:
     return out.to(q.dtype)
 
 
-__all__ = ["attend", "attend_compressed", "decode_attention", "decode_attention_reference", "force_reference",
+__all__ = ["attend", "attend_compressed", "attend_dense", "decode_attention", "decode_attention_reference", "force_reference",
            "fused_supported", "use_kernels", "write_compressed"]
