@@ -38,6 +38,7 @@ class MemoryReport:
     constant_bytes: int
     fp32_bytes_per_token_per_layer: int
     fp16_bytes_per_token_per_layer: int
+    window_bytes: int = 0  # fp16 recent-token windows (KIVI), a fixed cost per sequence, in allocated_bytes
 
     @property
     def bits_per_value(self) -> float:
@@ -76,6 +77,8 @@ class KVCache:
         self._max_bound = 0
         self._written = 0
         self.parts: list[dict[str, torch.Tensor]] = [self._alloc(c, batch_size, self.capacity) for c in codecs]
+        self.rings: list[dict[str, torch.Tensor] | None] = [self._alloc_ring(c, batch_size) for c in codecs]
+        self.ring_hi = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # 1 + last position in rings
 
     @property
     def num_layers(self) -> int:
@@ -84,6 +87,31 @@ class KVCache:
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict[str, torch.Tensor]:
         return {name: torch.zeros(batch, self.heads, capacity, *shape, dtype=dtype, device=self.device)
                 for name, (shape, dtype) in codec.part_specs().items()}
+
+    #: tokens a step may write beyond the committed ones without disturbing a recent-token window
+    STEP_MAX = 16
+
+    def _alloc_ring(self, codec: KVCodec, batch: int) -> dict[str, torch.Tensor] | None:
+        """fp16 ring buffers [B, H, window + STEP_MAX, d] for a codec with a recent-token window."""
+        window = getattr(codec, "window", 0)
+        if not window:
+            return None
+        shape = (batch, self.heads, window + self.STEP_MAX, self.head_dim)
+        return {kind: torch.zeros(shape, dtype=torch.float16, device=self.device) for kind in "kv"}
+
+    def _write_ring(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None) -> None:
+        ring = self.rings[layer]
+        size, s = ring["k"].shape[2], k.shape[2]
+        j = torch.arange(s, device=self.device)
+        real = valid.bool() if valid is not None else torch.ones(self.batch_size, s, dtype=torch.bool,
+                                                                  device=self.device)
+        n = real.sum(1)
+        keep = real & (j[None, :] >= n[:, None] - size)  # each row's last ring-full of real tokens
+        b_idx, j_idx = keep.nonzero(as_tuple=True)
+        slot = (self.lengths[b_idx] + j_idx) % size
+        ring["k"][b_idx, :, slot] = k[b_idx, :, j_idx].half()
+        ring["v"][b_idx, :, slot] = v[b_idx, :, j_idx].half()
+        self.ring_hi = torch.maximum(self.ring_hi, self.lengths + n)
 
     def reserve(self, tokens: int) -> None:
         """Make room for ``tokens`` more tokens per row now (before capturing a CUDA graph)."""
@@ -111,9 +139,12 @@ class KVCache:
         if k.shape != v.shape:
             raise ValueError(f"keys {list(k.shape)} and values {list(v.shape)} differ in shape")
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed).
+        ``valid`` [B, S] marks real tokens (ragged prefill); only windowed codecs need it."""
         self._check_kv(layer, k, v)
+        if self.rings[layer] is not None:
+            self._write_ring(layer, k, v, valid)
         s = k.shape[2]
         self._ensure_capacity(self._max_bound + s)
         self._written = s
@@ -172,7 +203,9 @@ class KVCache:
         if bool(((rows < 0) | (rows >= self.batch_size)).any()):
             raise IndexError(f"row index out of range for a batch of {self.batch_size}")
         self.parts = [{n: b.index_select(0, rows) for n, b in layer.items()} for layer in self.parts]
+        self.rings = [None if r is None else {n: b.index_select(0, rows) for n, b in r.items()} for r in self.rings]
         self.lengths = self.lengths.index_select(0, rows)
+        self.ring_hi = self.ring_hi.index_select(0, rows)
         self.batch_size = rows.numel()
 
     def layer_parts(self, layer: int, upto: int | None = None) -> dict[str, torch.Tensor]:
@@ -185,7 +218,17 @@ class KVCache:
         parts = self.layer_parts(layer)
         k, v = self.codecs[layer].decode(parts)
         t = k.shape[2]
-        valid = torch.arange(t, device=self.device)[None, :] < self.lengths[:, None]
+        pos = torch.arange(t, device=self.device)[None, :]
+        valid = pos < self.lengths[:, None]
+        ring = self.rings[layer]
+        if ring is not None:  # the most recent `window` committed tokens come back in fp16
+            size = ring["k"].shape[2]
+            window = size - self.STEP_MAX
+            recent = valid & (pos >= self.lengths[:, None] - window) & (pos >= self.ring_hi[:, None] - size)
+            slot = torch.arange(t, device=self.device) % size
+            recent = recent[:, None, :, None]
+            k = torch.where(recent, ring["k"][:, :, slot].float(), k)
+            v = torch.where(recent, ring["v"][:, :, slot].float(), v)
         return k, v, valid
 
     def memory_report(self) -> MemoryReport:
@@ -193,13 +236,14 @@ class KVCache:
         for name, buf in self.parts[0].items():
             per_part[name] = buf[0, :, 0].numel() * buf.element_size()
         per_token = sum(c.bytes_per_token() for c in self.codecs) * self.heads // self.num_layers
-        allocated = sum(b.numel() * b.element_size() for layer in self.parts for b in layer.values())
+        window = sum(b.numel() * b.element_size() for r in self.rings if r is not None for b in r.values())
+        allocated = sum(b.numel() * b.element_size() for layer in self.parts for b in layer.values()) + window
         tokens = int(self.lengths.sum())
         values_per_token = 2 * self.heads * self.head_dim
         return MemoryReport(
             layers=self.num_layers, heads=self.heads, head_dim=self.head_dim,
             bytes_per_token_per_layer=per_token, part_bytes_per_token_per_layer=per_part,
-            tokens=tokens, used_bytes=tokens * per_token * self.num_layers, allocated_bytes=allocated,
+            tokens=tokens, used_bytes=tokens * per_token * self.num_layers + window, allocated_bytes=allocated,
             constant_bytes=sum(c.constant_nbytes() for c in self.codecs),
             fp32_bytes_per_token_per_layer=4 * values_per_token,
-            fp16_bytes_per_token_per_layer=2 * values_per_token)
+            fp16_bytes_per_token_per_layer=2 * values_per_token, window_bytes=window)

@@ -42,7 +42,9 @@ def test_bits_per_value_match_the_bytes_held(name, tiny):
     cache.append([k], [v])
     rep = cache.memory_report()
     held = sum(b.numel() * b.element_size() for layer in cache.parts for b in layer.values())
-    assert held == rep.allocated_bytes
+    window = sum(b.numel() * b.element_size() for r in cache.rings if r is not None for b in r.values())
+    assert held + window == rep.allocated_bytes and window == rep.window_bytes
+    assert (window > 0) == (getattr(codecs[0], "window", 0) > 0)
     assert rep.bits_per_value * (3 * tokens * 2 * 2 * 32) == pytest.approx(8 * held)
     if name.startswith("turboesm"):
         return  # fitted to the model's own activations, not to these random vectors: bytes only
@@ -90,3 +92,29 @@ def test_hydra_config_composes_and_runs(tmp_path):
     row = run_experiment(exp)
     assert (tmp_path / "methods" / "stress-4L-d16" / "tq35.json").is_file()
     assert 0 < row["decode_cos_mean"] <= 1 and row["bits_per_value"] > 3
+
+
+def test_kivi_window_keeps_recent_tokens_in_fp16(tiny):
+    model, samples = tiny
+    codecs, _ = build_codecs(quant_conf("int2"), model, [], lambda: samples)
+    window = codecs[0].window
+    assert window == 32
+    cache = KVCache(codecs, batch_size=2, capacity=8)
+    k = torch.randn(2, 2, 100, 32) * 3
+    valid = torch.ones(2, 100, dtype=torch.bool)
+    valid[1, 60:] = False  # a ragged prefill: row 1 has 60 tokens
+    cache.write(0, k, k, valid)
+    cache.commit(valid.sum(1))
+    k_hat, _, _ = cache.dequantize(0)
+    recent0, recent1 = k[0, :, 100 - window: 100], k[1, :, 60 - window: 60]
+    assert torch.allclose(k_hat[0, :, 100 - window: 100], recent0.half().float())
+    assert torch.allclose(k_hat[1, :, 60 - window: 60], recent1.half().float())
+    assert (k_hat[0, :, : 100 - window] - k[0, :, : 100 - window]).abs().max() > 0.1  # older: INT2
+    # a peek (write, no commit) leaves the window as it was; a rollback shrinks it
+    cache.write(0, k[:, :, :5], k[:, :, :5])
+    after, _, valid_pos = cache.dequantize(0)
+    mask = valid_pos[:, None, :, None]
+    assert torch.equal(after * mask, k_hat * mask)
+    cache.truncate(10)
+    k_back, _, _ = cache.dequantize(0)
+    assert torch.allclose(k_back[0, :, 90 - window: 90], k[0, :, 90 - window: 90].half().float())

@@ -37,7 +37,7 @@ class DataConf:
 class QuantConf:
     """A KV-compression method. ``method``: dense | int | fp8 | turboquant | turboesm | outlier | rvq.
 
-    dense: ``dtype`` (fp32/fp16); int: ``bits`` (keys per channel, values per token); turboquant:
+    dense: ``dtype`` (fp32/fp16); int: ``bits`` (keys per channel, values per token), ``window``; turboquant:
     ``bits``, ``residual`` (none/qjl); turboesm: ``recipe`` (a PRESETS name) with ``bits`` /
     ``residual`` overriding it when set; outlier: ``bits`` (regular), ``outlier_bits``,
     ``outlier_frac``; rvq: ``depth``, ``group``.
@@ -53,6 +53,7 @@ class QuantConf:
     outlier_frac: float = 0.125
     depth: int = 3
     group: int = 8
+    window: int = 0  # int: the most recent tokens kept in fp16 (KIVI's residual window)
 
     def calibration_config(self) -> CalibrationConfig:
         if self.recipe not in PRESETS:

@@ -36,8 +36,8 @@ def collect_kv(model, records: list[Record], max_tokens: int) -> list[tuple[torc
     return out
 
 
-def _per_layer(samples, make_key, make_value) -> list[KVCodec]:
-    return [KVCodec(make_key(k), make_value(v)) for k, v in samples]
+def _per_layer(samples, make_key, make_value, window: int = 0) -> list[KVCodec]:
+    return [KVCodec(make_key(k), make_value(v), window=window) for k, v in samples]
 
 
 def build_codecs(q: QuantConf, model, calibration: list[Record], samples_fn) -> tuple[list[KVCodec], dict]:
@@ -64,7 +64,7 @@ def build_codecs(q: QuantConf, model, calibration: list[Record], samples_fn) -> 
     samples = samples_fn()
     if q.method == "int":
         return _per_layer(samples, lambda k: AffineIntQuantizer.fit(k, q.bits, "channel"),
-                          lambda v: AffineIntQuantizer(heads, dim, q.bits, "token")), info
+                          lambda v: AffineIntQuantizer(heads, dim, q.bits, "token"), q.window), info
     if q.method == "outlier":
         n_out = max(1, round(q.outlier_frac * dim))
         return _per_layer(samples, lambda k: OutlierSplitQuantizer.fit(k, q.bits, q.outlier_bits, n_out),

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from ..cache import KVCache
 from ..io import atomic_write, atomic_write_text
 from .config import QuantConf
 from .methods import layout_codecs
@@ -106,11 +107,12 @@ def memory_table(conf_dir: Path, heads: int = 20, dim: int = 64) -> str:
         per_head = codec.bytes_per_token()
         parts = ", ".join(f"{n} {math.prod(shape) * torch.empty((), dtype=dt).element_size()}"
                           for n, (shape, dt) in codec.part_specs().items())
+        ring = (codec.window + KVCache.STEP_MAX) * 2 * heads * dim * 2 if codec.window else 0
         rows.append([q.name, per_head * heads, 8 * per_head / (2 * dim), 2 * 2 * dim / per_head,
-                     4 * 2 * dim / per_head, parts])
+                     4 * 2 * dim / per_head, parts, ring])
     rows.sort(key=lambda r: r[2])
-    return _md(["method", "bytes/token/layer", "bits/value", "× vs FP16", "× vs FP32", "bytes per token-head by part"],
-               rows)
+    return _md(["method", "bytes/token/layer", "bits/value (per token)", "× vs FP16", "× vs FP32",
+                "bytes per token-head by part", "fixed bytes/sequence/layer (fp16 window)"], rows)
 
 
 def latency_tables(bench: Path) -> str:

@@ -56,8 +56,13 @@ def run_experiment(cfg: ExperimentConf, write: bool = True) -> dict:
     report = evaluate(engine, ev, cache=lambda i, h, d: codecs[i], prefix_fraction=cfg.eval.prefix_fraction,
                       max_steps=cfg.eval.max_steps, progress=False)
     seqs = report["sequences"]
+    mem = report["memory"]
+    # all-in bits: per-token bytes plus any fixed per-sequence window, amortised over the mean held-out length
+    context = sum(len(r.sequence) + 1 for r in ev) / len(ev)
+    values = context * mem["layers"] * 2 * mem["heads"] * mem["head_dim"]
+    all_in = 8 * (context * mem["bytes_per_token_per_layer"] * mem["layers"] + mem["window_bytes"]) / values
     row = dict(sweep=cfg.sweep, model=m.name, quant=cfg.quant.name, method=cfg.quant.method,
-               bits_per_value=report["memory"]["bits_per_value"],
+               bits_per_value=all_in, bits_per_value_per_token=mem["bits_per_value"], mean_context=context,
                bytes_per_token_per_layer=report["memory"]["bytes_per_token_per_layer"],
                decode_cos_mean=sum(s["decode_cos_mean"] for s in seqs) / len(seqs),
                decode_cos_worst_seq=min(s["decode_cos_mean"] for s in seqs),

@@ -79,7 +79,7 @@ class TurboEsmSelfAttention(nn.Module):
                 if ctx.recorder is not None:
                     ctx.recorder(self.layer_idx, k, v, ctx.valid)
                 if ctx.cache is not None:
-                    ctx.cache.write(self.layer_idx, k, v)
+                    ctx.cache.write(self.layer_idx, k, v, ctx.valid)
             return out.reshape(batch, seq, -1).contiguous(), weights
         if ctx.mode != "decode":
             raise ValueError(f"unknown attention mode {ctx.mode!r}")
@@ -87,7 +87,7 @@ class TurboEsmSelfAttention(nn.Module):
         if ctx.probe is not None:
             ctx.probe(self.layer_idx, q, k, v, out)
         if ctx.commit:
-            ctx.cache.write(self.layer_idx, k, v)
+            ctx.cache.write(self.layer_idx, k, v, ctx.new_valid)
         return out.transpose(1, 2).reshape(batch, seq, -1).contiguous(), None
 
 

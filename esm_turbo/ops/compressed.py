@@ -24,6 +24,8 @@ FUSED_BITS = (1, 2, 3, 4)
 def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     """True if both quantizers of ``codec`` fit the fused ops (and, with ``need_kernel_shape``, the
     Triton kernels' shape rule: head_dim/8 a power of two, i.e. d ∈ {16, 32, 64, 128, ...})."""
+    if getattr(codec, "window", 0):
+        return False
     for q in (codec.key, codec.value):
         if not isinstance(q, VectorQuantizer) or q.normalize or q.residual not in ("none", "sign"):
             return False

@@ -245,9 +245,10 @@ def _specs_nbytes(specs: PartSpecs) -> int:
 class KVCodec(nn.Module):
     """Key and value quantizers of one layer (dual LUTs). Parts are named ``k.<part>`` / ``v.<part>``."""
 
-    def __init__(self, key: nn.Module, value: nn.Module):
+    def __init__(self, key: nn.Module, value: nn.Module, window: int = 0):
         super().__init__()
         self.key, self.value = key, value
+        self.window = int(window)  # > 0: the most recent ``window`` tokens are also kept in fp16 (KIVI)
 
     def part_specs(self) -> PartSpecs:
         specs = {f"k.{n}": s for n, s in self.key.part_specs().items()}
