@@ -195,6 +195,10 @@ def cmd_demo(args) -> int:
     return 0
 
 
+#: the repository's calibration_data/ (an editable install keeps it beside the package)
+CALIBRATION_DATA = Path(__file__).resolve().parents[1] / "calibration_data"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="esm-turbo", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -287,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="offline end-to-end run on a stand-in model: calibrate + evaluate")
     p.add_argument("--size", default="8M")
     p.add_argument("--out", default="results/demo")
-    p.add_argument("--calibration-fasta", default="calibration_data/calibration.fasta")
-    p.add_argument("--eval-fasta", default="calibration_data/evaluation.fasta")
+    p.add_argument("--calibration-fasta", default=str(CALIBRATION_DATA / "calibration.fasta"))
+    p.add_argument("--eval-fasta", default=str(CALIBRATION_DATA / "evaluation.fasta"))
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--max-steps", type=int, default=32)
     p.add_argument("--quiet", action="store_true")
