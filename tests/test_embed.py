@@ -126,7 +126,7 @@ def test_windows_stitch_every_residue_once():
     assert all(s <= lo and hi <= e for (s, e), (lo, hi) in zip(spans, owners))
     recs = [Record("long", "A" * 2500, "x"), Record("short", "A" * 10, "x")]
     pieces, warnings = plan_pieces(recs, 1022, "truncate")
-    assert len(pieces) == 2 and "'long'" in warnings[0]
+    assert len(pieces) == 2 and warnings[0][0] == "long" and "'long'" in warnings[0][1]
     pieces, warnings = plan_pieces(recs, 1022, "windows")
     assert len(pieces) == 4 and not warnings
     batches = plan_batches(pieces, 2048)

@@ -56,8 +56,8 @@ def owner_ranges(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def plan_pieces(records: list[Record], max_residues: int, policy: str = "truncate",
-                overlap: int = 256) -> tuple[list[Piece], list[str]]:
-    """Pieces for every record, and one warning per truncated record (naming it)."""
+                overlap: int = 256) -> tuple[list[Piece], list[tuple[str, str]]]:
+    """Pieces for every record, and (id, warning naming it) per truncated record."""
     if policy not in LONG_POLICIES:
         raise ValueError(f"unknown long-sequence policy {policy!r}: choose one of {LONG_POLICIES}")
     pieces, warnings = [], []
@@ -67,7 +67,8 @@ def plan_pieces(records: list[Record], max_residues: int, policy: str = "truncat
             pieces.append(Piece(i, 0, n))
         elif policy == "truncate":
             pieces.append(Piece(i, 0, max_residues))
-            warnings.append(f"record {rec.id!r} ({rec.source}): {n} residues truncated to the first {max_residues}")
+            warnings.append((rec.id, f"record {rec.id!r} ({rec.source}): {n} residues truncated to the first "
+                                     f"{max_residues}"))
         else:
             spans = window_spans(n, max_residues, overlap)
             pieces.extend(Piece(i, s, e, k, len(spans)) for k, (s, e) in enumerate(spans))

@@ -183,9 +183,9 @@ class Embedder:
             by_len = sorted(range(len(records)), key=lambda i: (-len(records[i].sequence), i))
             records = [records[i] for i in sorted(by_len[rank::world])]
         pieces, warnings = plan_pieces(records, cfg.truncation_seq_length, cfg.long_policy, cfg.window_overlap)
-        for w in warnings:
-            log.warning("warning: %s", w)
-        summary.truncated += [w.split("'")[1] for w in warnings]
+        for _, message in warnings:
+            log.warning("warning: %s", message)
+        summary.truncated += [rid for rid, _ in warnings]
         batches = plan_batches(pieces, cfg.toks_per_batch)
         waiting: dict[int, list] = {}
         bar = tqdm(total=len(records), unit="seq", desc=f"embed{f' rank {rank}' if world > 1 else ''}",
