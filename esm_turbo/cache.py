@@ -152,12 +152,8 @@ class KVCache:
         if ops.use_kernels(k) and ops.fused_supported(codec, need_kernel_shape=True):
             ops.write_compressed(codec, self.parts[layer], k, v, self.lengths)
             return
-        encoded = codec.encode(k, v)
-        pos = self.lengths[:, None] + torch.arange(s, device=self.device)  # [B, S]
-        rows = torch.arange(self.batch_size, device=self.device)[:, None]
-        for name, val in encoded.items():
-            # advanced indices split by a slice put the [B, S] dims first
-            self.parts[layer][name][rows, :, pos] = val.transpose(1, 2)
+        for name, val in codec.encode(k, v).items():
+            ops.scatter_rows(self.parts[layer][name], val, self.lengths)
 
     def commit(self, counts: torch.Tensor | int) -> None:
         """Make the written tokens visible: ``lengths += counts`` ([B] or one int for all rows)."""

@@ -83,11 +83,9 @@ class TurboEsmSelfAttention(nn.Module):
             return out.reshape(batch, seq, -1).contiguous(), weights
         if ctx.mode != "decode":
             raise ValueError(f"unknown attention mode {ctx.mode!r}")
-        out = ops.decode_attention(q, ctx.cache, self.layer_idx, k, v, ctx.new_valid)  # [B, H, S, d]
+        out = ops.decode_attention(q, ctx.cache, self.layer_idx, k, v, ctx.new_valid, write=ctx.commit)
         if ctx.probe is not None:
             ctx.probe(self.layer_idx, q, k, v, out)
-        if ctx.commit:
-            ctx.cache.write(self.layer_idx, k, v, ctx.new_valid)
         return out.transpose(1, 2).reshape(batch, seq, -1).contiguous(), None
 
 

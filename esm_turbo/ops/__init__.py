@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .compressed import attend_compressed, fused_supported, write_compressed
+from .compressed import attend_compressed, fused_supported, scatter_rows, write_compressed
 from ..quant.codec import DenseQuantizer
 from .reference import attend, decode_attention_reference
 
@@ -32,25 +32,31 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
-                     new_valid: torch.Tensor) -> torch.Tensor:
-    """Attention of new tokens over the compressed prefix of ``layer`` plus themselves.
+                     new_valid: torch.Tensor, write: bool = False) -> torch.Tensor:
+    """Attention of new tokens over the compressed prefix of ``layer`` plus themselves; with ``write``
+    the new K/V are then written to the cache (uncommitted: the caller commits after every layer).
 
     q, k_new, v_new: [B, H, S, d]; new_valid: [B, S] bool. Returns [B, H, S, d].
     """
     codec = cache.codecs[layer]
-    if use_kernels(q) and fused_supported(codec, need_kernel_shape=True):
-        return attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid)
     if q.is_cuda and isinstance(codec.key, DenseQuantizer):
-        return attend_dense(q, cache, layer, k_new, v_new, new_valid)
-    return decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
+        return attend_dense(q, cache, layer, k_new, v_new, new_valid)  # writes the new tokens itself
+    if use_kernels(q) and fused_supported(codec, need_kernel_shape=True):
+        out = attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid)
+    else:
+        out = decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
+    if write:
+        cache.write(layer, k_new, v_new, new_valid)
+    return out
 
 
 def attend_dense(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
                  new_valid: torch.Tensor) -> torch.Tensor:
     """An uncompressed (fp16/bf16/fp32) cache on GPU: write the S new tokens after each row's prefix
-    (uncommitted, so a peek changes nothing visible) and run SDPA over the stored buffer in place —
-    the baseline the compressed cache is measured against, with no copy of the cache."""
-    cache.write(layer, k_new, v_new)
+    (uncommitted, so a peek changes nothing visible, and a commit needs no second write) and run SDPA
+    over the stored buffer in place — the baseline the compressed cache is measured against, with no
+    copy of the cache."""
+    cache.write(layer, k_new, v_new, new_valid)
     parts = cache.parts[layer]
     keys, values = parts["k.x"], parts["v.x"]
     pos = torch.arange(keys.shape[2], device=q.device)[None, :]
@@ -63,4 +69,4 @@ def attend_dense(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new:
 
 
 __all__ = ["attend", "attend_compressed", "attend_dense", "decode_attention", "decode_attention_reference", "force_reference",
-           "fused_supported", "use_kernels", "write_compressed"]
+           "fused_supported", "scatter_rows", "use_kernels", "write_compressed"]

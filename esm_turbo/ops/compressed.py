@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.codec import KVCodec, VectorQuantizer, lut_bounds, lut_index
-from ..quant.packing import pack_1bit_u8, pack_bits, unpack_1bit_u8, unpack_bits
+from ..quant.codec import KVCodec, VectorQuantizer, lut_bounds, lut_code_parts
+from ..quant.packing import unpack_1bit_u8, unpack_bits
 from ..quant.rotations import affine_forward
 
 FUSED_BITS = (1, 2, 3, 4)
@@ -103,6 +103,13 @@ def fused_tables(codec: KVCodec) -> FusedTables:
 
 # ---- references (same contracts as the Triton kernels) ----------------------------------------------
 
+def scatter_rows(buf: torch.Tensor, val: torch.Tensor, pos: torch.Tensor) -> None:
+    """buf [B, H, T_cap, *] ← val [B, H, S, *] at rows ``pos[b] + j`` of each sequence."""
+    rows = torch.arange(val.shape[0], device=val.device)[:, None]
+    at = pos[:, None] + torch.arange(val.shape[2], device=val.device)  # [B, S]
+    buf[rows, :, at] = val.transpose(1, 2)  # advanced indices split by a slice put [B, S] first
+
+
 def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                             bounds: torch.Tensor, centroids: torch.Tensor, idx_out: torch.Tensor,
                             sign_out: torch.Tensor, pos: torch.Tensor, bits: int, combine: bool) -> None:
@@ -110,18 +117,11 @@ def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Te
     [H,K-1] unused here) at rows pos[b] + j of the cache parts: ``combine`` → idx_out holds codes
     ``2·idx + sign`` of bits+1 bits; else idx_out [B,H,T_cap,d·bits/8] and sign_out [B,H,T_cap,d/8]
     (or empty: no residual)."""
-    y = affine_forward(x, rot, offset, scale)
-    idx = lut_index(y, centroids)
-    rows = torch.arange(x.shape[0], device=x.device)[:, None]
-    at = pos[:, None] + torch.arange(x.shape[2], device=x.device)  # [B, S]
-    heads = torch.arange(x.shape[1], device=x.device)[:, None, None]
-    if combine:
-        codes = 2 * idx + (y >= centroids[heads, idx])
-        idx_out[rows, :, at] = pack_bits(codes, bits + 1).transpose(1, 2)
-        return
-    idx_out[rows, :, at] = pack_bits(idx, bits).transpose(1, 2)
-    if sign_out.numel():
-        sign_out[rows, :, at] = pack_1bit_u8(y >= centroids[heads, idx]).transpose(1, 2)
+    parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, bits,
+                              sign=combine or sign_out.numel() > 0, combined=combine)
+    scatter_rows(idx_out, parts["code" if combine else "idx"], pos)
+    if "sign" in parts:
+        scatter_rows(sign_out, parts["sign"], pos)
 
 
 def _decode_codes(idx: torch.Tensor, sign: torch.Tensor, tab: torch.Tensor, bits: int) -> torch.Tensor:

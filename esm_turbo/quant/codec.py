@@ -68,6 +68,28 @@ def lut_index(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return idx.reshape(yh.shape).movedim(0, -3)
 
 
+def per_head_lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per-head gather: table [H, K, *tail] at idx [..., H, T, d] → [..., H, T, d, *tail]."""
+    moved = idx.movedim(-3, 0)  # [H, ..., T, d]
+    flat = moved.reshape(table.shape[0], -1).long()
+    heads = torch.arange(table.shape[0], device=idx.device)[:, None]
+    out = table[heads, flat]  # [H, N, *tail]
+    return out.reshape(*moved.shape, *table.shape[2:]).movedim(0, idx.dim() - 3)
+
+
+def lut_code_parts(y: torch.Tensor, centroids: torch.Tensor, bits: int, sign: bool,
+                   combined: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Nearest-LUT codes of y [..., H, T, d] (affine domain), packed: ``code`` = 2·idx + sign at bits+1
+    bits when ``combined``, else ``idx`` (+ ``sign`` bits). Returns (parts, idx)."""
+    idx = lut_index(y, centroids)
+    if not sign:
+        return {"idx": pack_bits(idx, bits)}, idx
+    above = y >= per_head_lookup(centroids, idx)
+    if combined:
+        return {"code": pack_bits(2 * idx + above, bits + 1)}, idx
+    return {"idx": pack_bits(idx, bits), "sign": pack_1bit_u8(above)}, idx
+
+
 class VectorQuantizer(nn.Module):
     """Quantizer for one tensor kind of one layer. Buffers (float32):
 
@@ -173,14 +195,6 @@ class VectorQuantizer(nn.Module):
     def from_affine(self, y: torch.Tensor) -> torch.Tensor:
         return affine_inverse(y, self.rot, self.offset, self.scale)
 
-    def _lookup(self, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Per-head gather: table [H, K, *tail] at idx [..., H, T, d] → [..., H, T, d, *tail]."""
-        moved = idx.movedim(-3, 0)  # [H, ..., T, d]
-        flat = moved.reshape(self.heads, -1).long()
-        heads = torch.arange(self.heads, device=idx.device)[:, None]
-        out = table[heads, flat]  # [H, N, *tail]
-        return out.reshape(*moved.shape, *table.shape[2:]).movedim(0, idx.dim() - 3)
-
     # ---- encode / decode ----------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [..., H, T, d] float → parts, each [..., H, T, *part_shape]."""
@@ -191,21 +205,13 @@ class VectorQuantizer(nn.Module):
             norm = y.norm(dim=-1, keepdim=True)
             parts["norm"] = norm.squeeze(-1).to(torch.float16)
             y = y / norm.clamp_min(1e-30)
-        idx = lut_index(y, self.centroids)
-        if self.residual == "sign":
-            sign = y >= self._lookup(self.centroids, idx)
-            if self.combined_sign:
-                parts["code"] = pack_bits(2 * idx + sign, self.bits + 1)
-            else:
-                parts["idx"] = pack_bits(idx, self.bits)
-                parts["sign"] = pack_1bit_u8(sign)
-        else:
-            parts["idx"] = pack_bits(idx, self.bits)
-            if self.residual == "qjl":
-                r = y - self._lookup(self.centroids, idx)
-                sketch = r @ self.proj.T
-                parts["qjl"] = pack_1bit_u8(sketch >= 0)
-                parts["qjl_norm"] = r.norm(dim=-1).to(torch.float16)
+        codes, idx = lut_code_parts(y, self.centroids, self.bits, self.residual == "sign", self.combined_sign)
+        parts.update(codes)
+        if self.residual == "qjl":
+            r = y - per_head_lookup(self.centroids, idx)
+            sketch = r @ self.proj.T
+            parts["qjl"] = pack_1bit_u8(sketch >= 0)
+            parts["qjl_norm"] = r.norm(dim=-1).to(torch.float16)
         return parts
 
     def decode_affine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -216,9 +222,9 @@ class VectorQuantizer(nn.Module):
         else:
             idx = unpack_bits(parts["idx"], self.bits)
             s = unpack_1bit_u8(parts["sign"]).long() if self.residual == "sign" else None
-        y = self._lookup(self.centroids, idx)
+        y = per_head_lookup(self.centroids, idx)
         if self.residual == "sign":
-            eps = self._lookup(self.eps, idx)  # [..., d, 2]
+            eps = per_head_lookup(self.eps, idx)  # [..., d, 2]
             y = y + torch.where(s.bool(), eps[..., 1], -eps[..., 0])
         elif self.residual == "qjl":
             signs = unpack_1bit_u8(parts["qjl"]).float() * 2 - 1
