@@ -74,17 +74,21 @@ def _synthetic_cache(heads: int, dim: int, batch: int, length: int, device, seed
     """A one-layer TurboESM cache (3+1 bits, K and V) full of random codes at ``length`` per row."""
     codec = random_turbo_codec(heads, dim, 3, 3, "sign", seed).to(device)
     cache = KVCache([codec], batch, capacity=length, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for buf in cache.parts[0].values():
-        buf.random_(0, 256, generator=gen)
-    cache.lengths.fill_(length)
-    cache._max_bound = length
+    fill_synthetic(cache, length, torch.Generator(device=device).manual_seed(seed))
     return cache
 
 
-def _packed_bytes(cache: KVCache, tokens: int) -> int:
-    per_token = cache.codecs[0].bytes_per_token() * cache.heads
-    return per_token * tokens
+def fill_synthetic(cache: KVCache, length: int, generator: torch.Generator | None = None) -> None:
+    """Make every row of ``cache`` hold ``length`` tokens of random codes (packed parts) or values
+    (dense parts): speed only, nothing is prefilled."""
+    for layer in cache.parts:
+        for buf in layer.values():
+            if buf.dtype == torch.uint8:
+                buf.random_(0, 256, generator=generator)
+            else:
+                buf.normal_(generator=generator)
+    cache.lengths.fill_(length)
+    cache._max_bound = length
 
 
 def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> list[dict]:
@@ -114,7 +118,8 @@ def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> li
 
                 row["fused_us"] = _time(fused, device) * 1e6
                 row["fused_path"] = "triton" if use_kernels(q) else "pytorch-reference"
-                row["fused_gbs"] = _packed_bytes(cache, batch * length) / (row["fused_us"] * 1e-6) / 1e9
+                packed = cache.memory_report().bytes_per_token_per_layer * batch * length
+                row["fused_gbs"] = packed / (row["fused_us"] * 1e-6) / 1e9
                 try:
                     row["two_step_us"] = _time(two_step, device) * 1e6
                 except torch.OutOfMemoryError:
@@ -193,15 +198,7 @@ def synthetic_session(engine, factory, batch: int, context: int, extra: int):
     (speed only: nothing is prefilled), with room for ``extra`` more."""
     session = engine.session(factory, capacity=context + extra)
     session.start(["M"] * batch)
-    cache = session.cache
-    for layer in range(cache.num_layers):
-        for buf in cache.parts[layer].values():
-            if buf.dtype == torch.uint8:
-                buf.random_(0, 256)
-            else:
-                buf.normal_()
-    cache.lengths.fill_(context)
-    cache._max_bound = context
+    fill_synthetic(session.cache, context)
     session._grow_tokens()
     return session
 

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from ..errors import EsmTurboError
 from ..fasta import Record
-from ..model.alphabet import alphabet
+from ..model.alphabet import encode
 from ..model.sizes import MAX_RESIDUES
 from .batching import Piece, owner_ranges, plan_batches, plan_pieces, window_spans
 
@@ -105,20 +105,11 @@ class Embedder:
         self.model.config._attn_implementation = "eager" if "contacts" in config.include else "sdpa"
 
     # ---- one batch ----------------------------------------------------------------------------
-    def _tokens(self, seqs: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        alpha = alphabet()
-        width = max(len(s) for s in seqs) + 2
-        tokens = torch.full((len(seqs), width), alpha.padding_idx, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids = [alpha.cls_idx] + [alpha.get_idx(c) for c in s] + [alpha.eos_idx]
-            tokens[i, : len(ids)] = torch.tensor(ids)
-        return tokens, (tokens != alpha.padding_idx).long()
-
     @torch.inference_mode()
     def forward(self, seqs: list[str]) -> dict[str, torch.Tensor]:
         """Model outputs of one batch on the host: ``hidden`` [n_layers_asked, B, T, D] float32, and
         ``contacts`` [B, T-2, T-2] / ``logits`` [B, T, V] when asked."""
-        tokens, mask = self._tokens(seqs)
+        tokens, mask = encode(seqs)  # <cls> residues <eos>, right-padded
         tokens, mask = tokens.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
         want_contacts = "contacts" in self.config.include
         out = self.model.esm(input_ids=tokens, attention_mask=mask, output_hidden_states=True,
