@@ -21,11 +21,13 @@ def main():
         codec = cache.codecs[0]
         tab = fused_tables(codec)
         p = cache.parts[0]
-        qt = torch.randn(batch, heads, 1, d + 1, device=dev)
-        y = torch.randn(batch, heads, 1, d, device=dev)
+        q = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
+        y = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
         valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
-        args = (qt, *tab.packed(p, "k"), *tab.packed(p, "v"), tab.k_tab, tab.v_tab, cache.lengths, y, y,
-                valid, codec.value.scale, codec.value.offset, tab.k_codes.bits, tab.v_codes.bits)
+        key, value = codec.key, codec.value
+        args = (q, y, y, valid, *tab.packed(p, "k"), *tab.packed(p, "v"), tab.k_tab, tab.v_tab, cache.lengths,
+                key.rot, key.offset, key.scale, value.rot, value.offset, value.scale, tab.k_codes.bits,
+                tab.v_codes.bits)
         nbytes = codec.bytes_per_token() * heads * batch * t
         results = []
         ref = compressed_attention_triton(*args)
@@ -47,7 +49,7 @@ def main():
 
 
 def tune_quantize():
-    """Quantize-and-pack of one 650M-shaped layer's prefill (20 heads, d=64, 1024 tokens, K)."""
+    """Quantize-and-pack of one 650M-shaped layer's prefill (20 heads, d=64, 1024 tokens, K and V)."""
     from esm_turbo.cache import KVCache
     from esm_turbo.kernels.quantize import quantize_pack_triton
     from esm_turbo.testing import random_turbo_codec
@@ -57,11 +59,13 @@ def tune_quantize():
     cache = KVCache([codec], 1, capacity=1024, device=dev)
     x = torch.randn(1, 20, 1024, 64, device=dev, dtype=torch.float16)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
-    main_part, sign = tab.packed(cache.parts[0], "k")
-    q = codec.key
-    args = (x, q.rot, q.offset, q.scale, tab.k_bounds, q.centroids, main_part, sign, pos, q.bits, q.combined_sign)
-    affine = triton.testing.do_bench(lambda: q.to_affine(x), warmup=10, rep=40, return_mode="median") * 1e3
-    print(f"quantize-and-pack, 20 heads × 1024 tokens × d=64 (torch x Πᵀ alone: {affine:.1f} µs)")
+    key, value = codec.key, codec.value
+    args = (x, x, (key.rot, key.offset, key.scale, tab.k_bounds, key.centroids),
+            (value.rot, value.offset, value.scale, tab.v_bounds, value.centroids), tab.packed(cache.parts[0], "k"),
+            tab.packed(cache.parts[0], "v"), pos, (key.bits, key.combined_sign), (value.bits, value.combined_sign))
+    affine = triton.testing.do_bench(lambda: (key.to_affine(x), value.to_affine(x)), warmup=10, rep=40,
+                                     return_mode="median") * 1e3
+    print(f"quantize-and-pack of K and V, 20 heads × 1024 tokens × d=64 (torch x Πᵀ alone: {affine:.1f} µs)")
     for bn, w, prec in itertools.product((16, 32, 64), (2, 4, 8), ("ieee", "tf32x3")):
         cfg = dict(block_n=bn, num_warps=w, precision=prec)
         try:

@@ -74,23 +74,30 @@ def _reference_args(codec, cache, q, k, v, valid, dtype):
     tables = fused_tables(codec)
     parts = cache.parts[0]
     cast = (lambda t: t.to(dtype)) if dtype != torch.float32 else (lambda t: t)
-    qt = torch.einsum("bhsd,hed->bhse", cast(q), cast(tables.wq))
-    return (qt, *tables.packed(parts, "k"), *tables.packed(parts, "v"),
-            cast(tables.k_tab), cast(tables.v_tab), cache.lengths, cast(codec.key.to_affine(k)),
-            cast(codec.value.to_affine(v)), valid.to(torch.uint8), cast(codec.value.scale),
-            cast(codec.value.offset), tables.k_codes.bits, tables.v_codes.bits)
+    key, value = codec.key, codec.value
+    return (cast(q), cast(k), cast(v), valid.to(torch.uint8), *tables.packed(parts, "k"), *tables.packed(parts, "v"),
+            cast(tables.k_tab), cast(tables.v_tab), cache.lengths, cast(key.rot), cast(key.offset), cast(key.scale),
+            cast(value.rot), cast(value.offset), cast(value.scale), tables.k_codes.bits, tables.v_codes.bits)
 
 
-def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0):
+def strided(t):
+    """The same values as a [B, H, S, d] view of a [B, S, H, d] tensor, as post-RoPE q/k/v arrive."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32):
+    """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
+    float64 from the same values."""
     from esm_turbo.kernels.decode import compressed_attention_triton
     codec = random_turbo_codec(heads, d, bits, bits, residual, seed=seed).to(DEVICE)
     cache = filled_cache(codec, batch, lengths, DEVICE, seed)
-    q, k, v, valid = step_inputs(batch, heads, s, d, DEVICE, seed + 1)
+    q, k, v, valid = (strided(t.to(dtype)) if t.is_floating_point() else t
+                      for t in step_inputs(batch, heads, s, d, DEVICE, seed + 1))
     ref64 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float64))
     ref32 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float32))
     args = _reference_args(codec, cache, q, k, v, valid, torch.float32)
-    out = compressed_attention_triton(*[a.contiguous() if torch.is_tensor(a) else a for a in args])
-    assert torch.isfinite(out).all()
+    out = compressed_attention_triton(*args)
+    assert torch.isfinite(out).all() and out.dtype == dtype
     err = (out.double() - ref64).abs().max().item()
     err_pt = (ref32.double() - ref64).abs().max().item()
     assert err <= 2 * err_pt + 1e-5, (err, err_pt)
@@ -109,30 +116,52 @@ def test_decode_kernel_several_queries():
 
 
 @needs_triton
-@pytest.mark.parametrize("bits,residual,d", [(3, "sign", 16), (2, "none", 32), (4, "sign", 64), (2, "sign", 32)])
-def test_quantize_pack_kernel(bits, residual, d):
+def test_decode_kernel_fp16_inputs():
+    check_kernel_matches(3, "sign", 32, batch=2, lengths=[40, 3], s=2, dtype=torch.float16)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,residual,d,dtype", [(3, "sign", 16, torch.float32), (2, "none", 32, torch.float16),
+                                                   (4, "sign", 64, torch.float16), (2, "sign", 32, torch.float32)])
+def test_quantize_pack_kernel(bits, residual, d, dtype):
+    """One launch encodes keys and values (different tables, strided inputs) into their parts, as the
+    reference does."""
     from esm_turbo.kernels.quantize import quantize_pack_triton
     heads, batch, s = 2, 3, 5
     codec = random_turbo_codec(heads, d, bits, bits, residual, seed=bits).to(DEVICE)
     tables = fused_tables(codec)
-    x = torch.randn(batch, heads, s, d, device=DEVICE) * 2
+    gen = torch.Generator().manual_seed(bits)
+    x = {kind: strided((torch.randn(batch, heads, s, d, generator=gen) * 2).to(DEVICE, dtype)) for kind in "kv"}
     pos = torch.tensor([0, 7, 3], device=DEVICE)
-    q = codec.key
+    quantizer = {"k": codec.key, "v": codec.value}
+    bounds = {"k": tables.k_bounds, "v": tables.v_bounds}
+
+    def args(kind):
+        q = quantizer[kind]
+        return (q.rot, q.offset, q.scale, bounds[kind], q.centroids)
+
     outs = []
-    for fn in (quantize_pack_reference, quantize_pack_triton):
+    for use_kernel in (False, True):
         cache = KVCache([codec], batch, capacity=16, device=DEVICE)
-        main, sign = tables.packed(cache.parts[0], "k")
-        fn(x, q.rot, q.offset, q.scale, tables.k_bounds, q.centroids, main, sign, pos, bits, q.combined_sign)
-        outs.append((main, sign))
-    # identical bytes, except where float rounding of x Πᵀ flips a value sitting on a boundary
-    assert (outs[0][0] != outs[1][0]).float().mean() < 2e-3
-    if outs[0][1].numel():
-        assert (outs[0][1] != outs[1][1]).float().mean() < 2e-3
-    assert outs[0][0][1, :, 7:12].any() and not outs[1][0][1, :, :7].any()  # rows pos..pos+S only
-    # and the reference writes what the codec's own encoder makes
-    enc = codec.key.encode(x)
-    name = tables.k_codes.part
-    assert torch.equal(outs[0][0][0, :, :s], enc[name][0])
+        parts = {kind: tables.packed(cache.parts[0], kind) for kind in "kv"}
+        code = {kind: (quantizer[kind].bits, quantizer[kind].combined_sign) for kind in "kv"}
+        if use_kernel:
+            quantize_pack_triton(x["k"], x["v"], args("k"), args("v"), parts["k"], parts["v"], pos, code["k"],
+                                 code["v"])
+        else:
+            for kind in "kv":
+                quantize_pack_reference(x[kind], *args(kind), *parts[kind], pos, *code[kind])
+        outs.append(parts)
+    for kind in "kv":
+        ref, ker = outs[0][kind], outs[1][kind]
+        # identical bytes, except where float rounding of x Πᵀ flips a value sitting on a boundary
+        assert (ref[0] != ker[0]).float().mean() < 2e-3
+        if ref[1].numel():
+            assert (ref[1] != ker[1]).float().mean() < 2e-3
+        assert ker[0][1, :, 7:12].any() and not ker[0][1, :, :7].any()  # rows pos..pos+S only
+        # and the reference writes what the codec's own encoder makes
+        enc = quantizer[kind].encode(x[kind])
+        assert torch.equal(ref[0][0, :, :s], enc[tables.k_codes.part if kind == "k" else tables.v_codes.part][0])
 
 
 def test_custom_ops_compile_without_graph_breaks():
@@ -160,6 +189,7 @@ def test_decode_kernel_grid_gpu(bits, d):
             lengths[0] = t
             check_kernel_matches(bits, residual, d, batch, lengths, s=1, heads=4, seed=bits + d)
     check_kernel_matches(bits, "sign", d, 8, [500] * 8, s=4, heads=4)
+    check_kernel_matches(bits, "sign", d, 16, [1000] * 16, s=1, heads=4, dtype=torch.float16)
 
 
 @gpu

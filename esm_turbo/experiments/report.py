@@ -131,7 +131,9 @@ def latency_tables(bench: Path) -> str:
     if b.get("quantize"):
         q = b["quantize"]
         out += ["", f"Quantize-and-pack of a {q['tokens']}-token prefill ({q['model']}): {q['quantize_pack_ms']:.3f} ms "
-                    f"vs prefill {q['prefill_ms']:.2f} ms ({100 * q['fraction']:.1f}%)."]
+                    f"alone vs prefill {q['prefill_ms']:.2f} ms ({100 * q['fraction']:.1f}%); writing the cache adds "
+                    f"{q.get('added_ms', float('nan')):.3f} ms ({100 * q.get('added_fraction', float('nan')):.1f}%) "
+                    "to the prefill."]
     if b.get("embed"):
         e = b["embed"]
         out += ["", f"Embedding extraction ({e['model']}, {e['tokens']} tokens): transformers {e['hf_tokens_per_s']:.0f} "

@@ -4,8 +4,8 @@ The PyTorch reference with the same contract is ``esm_turbo.ops.compressed.compr
 
 Everything happens in each head's *affine domain* ``y = (x Πᵀ − offset) / scale`` of its codec, so no
 key is ever rotated back: the score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πᵀ) ⊙ scale`` and
-``c0 = ⟨q Πᵀ, offset⟩`` (prepared once per step by the caller as ``qt = [q̃ | c0]``), and values are
-accumulated as ``Σ p ŷ``, mapped to the rotated domain once at the end (``· scale + offset``).
+``c0 = ⟨q Πᵀ, offset⟩`` (``qt = [q̃ | c0]``, prepared once per step), and values are accumulated as
+``Σ p ŷ``, mapped back once at the end (``(· ⊙ scale + offset) Πᵥ``).
 
 Packed layout (see ``esm_turbo.quant.packing``): for b ∈ {1,2,3,4} bits the indices of one token-head
 form a little-endian bit stream with value j at bit ``b·j``; each group of 8 values is therefore a
@@ -13,11 +13,12 @@ b-byte word ``w_g`` and value ``8g + r`` is ``(w_g >> b·r) & (2^b − 1)``. Sig
 (``byte g``, bit ``r``). Index and sign fuse into one code ``2·idx + sign`` looked up in a per-head
 table ``tab[h, code] = c[idx] ± ε`` (``tab[h, idx]`` without a residual).
 
-Two launches: ``_prefix_kernel`` (grid B·H·S × splits, one query per program; each split walks its
-share of the prefix with an online softmax and writes (m, l, acc); tiles stay [BLOCK_T, d/8, 8] so the
-packed words never need a reshape), then ``_merge_kernel`` (grid B·H) that merges the splits
-with log-sum-exp, adds the step's own full-precision tokens and applies ``· scale + offset``.
-No dequantized tensor is written to global memory.
+Three launches: ``_prep_kernel`` (grid H × token blocks: ``qt`` and the new tokens' affine keys and
+values, on tensor cores), ``_prefix_kernel`` (grid B·H·S × splits, one query per program; each split
+walks its share of the prefix with an online softmax and writes (m, l, acc); tiles stay [BLOCK_T, d/8, 8]
+so the packed words never need a reshape), then ``_merge_kernel`` (grid B·H) that merges the splits with
+log-sum-exp, adds the step's own full-precision tokens, maps the output back to the value domain and
+casts it to the query's dtype. No dequantized tensor is written to global memory.
 """
 
 from __future__ import annotations
@@ -29,13 +30,41 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import rotate_rows, split16, token_offsets, token_strides
+
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_scale_ptr, v_offset_ptr, out_ptr,
-                  H, S, NS,
-                  D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
+def _prep_kernel(q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb, svh, svs,
+                 k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, qt_ptr, yk_ptr, yv_ptr,
+                 B, H, S, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 QSPLIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr):
+    """Grid (H, cdiv(B·S, BLOCK_N)): ``qt = [(q Πₖᵀ) ⊙ scaleₖ | ⟨q Πₖᵀ, offsetₖ⟩]`` [B,H,S,D+1] and the
+    new tokens' affine keys/values ``(x Πᵀ − offset) / scale`` [B,H,S,D], float32 (inputs strided)."""
+    h = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < B * S
+    rows = token_offsets(h, offs_n, S, H * S, S, 1)  # row of the contiguous outputs
+    offs_d = tl.arange(0, D)
+    mask = nmask[:, None]
+    k_off = tl.load(k_offset + h * D + offs_d)[None, :]
+    k_sc = tl.load(k_scale + h * D + offs_d)[None, :]
+    z = rotate_rows(q_ptr, token_offsets(h, offs_n, S, sqb, sqh, sqs), nmask, k_rot + h * D * D, D, PRECISION, QSPLIT)
+    tl.store(qt_ptr + rows[:, None] * (D + 1) + offs_d[None, :], z * k_sc, mask=mask)
+    tl.store(qt_ptr + rows * (D + 1) + D, tl.sum(z * k_off, axis=1), mask=nmask)
+    z = rotate_rows(k_ptr, token_offsets(h, offs_n, S, skb, skh, sks), nmask, k_rot + h * D * D, D, PRECISION, KSPLIT)
+    tl.store(yk_ptr + rows[:, None] * D + offs_d[None, :], (z - k_off) / k_sc, mask=mask)
+    z = rotate_rows(v_ptr, token_offsets(h, offs_n, S, svb, svh, svs), nmask, v_rot + h * D * D, D, PRECISION, VSPLIT)
+    v_off = tl.load(v_offset + h * D + offs_d)[None, :]
+    v_sc = tl.load(v_scale + h * D + offs_d)[None, :]
+    tl.store(yv_ptr + rows[:, None] * D + offs_d[None, :], (z - v_off) / v_sc, mask=mask)
+
+
+@triton.jit
+def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_scale_ptr, v_offset_ptr, v_rot_ptr,
+                  out_ptr, H, S, NS,
+                  D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, PRECISION: tl.constexpr):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -71,7 +100,15 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     scale = tl.load(v_scale_ptr + h * D + offs_d)
     offset = tl.load(v_offset_ptr + h * D + offs_d)
     out = acc * scale[None, :] + tl.where(l_tot == 0.0, 0.0, 1.0)[:, None] * offset[None, :]
-    tl.store(out_ptr + (pid_bh * S + offs_s)[:, None] * D + offs_d[None, :], out, mask=smask[:, None])
+    # back to the value domain: out Πᵥ on tensor cores, rows padded to the 16 a dot needs
+    P: tl.constexpr = 16 if BLOCK_S < 16 else BLOCK_S
+    offs_p = tl.arange(0, P)
+    if BLOCK_S < 16:
+        out = tl.sum(tl.where(offs_p[:, None, None] == offs_s[None, :, None], out[None, :, :], 0.0), axis=1)
+    rot = tl.load(v_rot_ptr + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # Π[e, d]
+    out = tl.dot(out, rot, input_precision=PRECISION)
+    tl.store(out_ptr + (pid_bh * S + offs_p)[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(offs_p < S)[:, None])
 
 
 @triton.jit
@@ -192,29 +229,39 @@ def plan_splits(programs: int, capacity: int, block_t: int, sms: int, waves: int
     return splits, chunk
 
 
-def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor,
+def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                                new_valid: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor,
                                 v_idx: torch.Tensor, v_sign: torch.Tensor, k_tab: torch.Tensor,
-                                v_tab: torch.Tensor, lengths: torch.Tensor, yk_new: torch.Tensor,
-                                yv_new: torch.Tensor, new_valid: torch.Tensor, v_scale: torch.Tensor,
-                                v_offset: torch.Tensor, k_bits: int, v_bits: int,
+                                v_tab: torch.Tensor, lengths: torch.Tensor, k_rot: torch.Tensor,
+                                k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
+                                v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int, v_bits: int,
                                 config: dict | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
     ``config`` overrides the launch choice (block_t, num_warps, waves) for tuning."""
-    batch, heads, s, d = yk_new.shape
+    batch, heads, s, d = q.shape
     # tuned on an H100 (results/gpu/tune_decode_h100.txt)
     cfg = dict(block_t=64, num_warps=2, waves=4) if d <= 64 else dict(block_t=32, num_warps=2, waves=8)
     cfg.update(config or {})
+    precision = "ieee" if _interpreting() else "tf32x3"
     t_cap = k_idx.shape[2]
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]
     programs = batch * heads * s
-    splits, chunk = plan_splits(programs, t_cap, block_t, _num_sms(qt.device), cfg["waves"])
+    splits, chunk = plan_splits(programs, t_cap, block_t, _num_sms(q.device), cfg["waves"])
     block_ns = triton.next_power_of_2(splits)
-    dev = qt.device
+    dev = q.device
+    qt = torch.empty(batch, heads, s, d + 1, device=dev, dtype=torch.float32)
+    yk = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
+    yv = torch.empty_like(yk)
+    (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
+    _prep_kernel[(heads, triton.cdiv(batch * s, 16))](
+        q, *q_strides, k_new, *k_strides, v_new, *v_strides, k_rot, k_offset, k_scale, v_rot, v_offset,
+        v_scale, qt, yk, yv, batch, heads, s, D=d, BLOCK_N=16, PRECISION=precision, QSPLIT=split16(q, precision),
+        KSPLIT=split16(k_new, precision), VSPLIT=split16(v_new, precision), num_warps=4)
     m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
-    out = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
+    out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
     k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
     _prefix_kernel[(programs, splits)](
         qt, k_idx, k_sign if k_has_sign else k_idx, v_idx, v_sign if v_has_sign else v_idx,
@@ -223,6 +270,6 @@ def compressed_attention_triton(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: t
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab.shape[1], NV=v_tab.shape[1],
         INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
     _merge_kernel[(batch * heads,)](
-        qt, m, l_, acc, yk_new, yv_new, new_valid, v_scale, v_offset, out, heads, s, splits,
-        D=d, BLOCK_S=block_s, BLOCK_NS=block_ns, num_warps=4)
+        qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, heads, s, splits,
+        D=d, BLOCK_S=block_s, BLOCK_NS=block_ns, PRECISION=precision, num_warps=4)
     return out

@@ -1,5 +1,6 @@
-"""Fused quantize-and-pack into the cache (Triton): rotation, affine, LUT search, index packing and
-sign bits (or one combined code ``2·idx + sign``) in one launch per tensor kind. Reference: ``esm_turbo.ops.compressed.quantize_pack_reference``.
+"""Fused quantize-and-pack of a layer's new keys *and* values into the cache (Triton), one launch:
+rotation, affine, LUT search, index packing and sign bits (or one combined code ``2·idx + sign``).
+Reference: ``esm_turbo.ops.compressed.quantize_pack_reference`` (per tensor kind).
 
 For each (sequence b, head h) and token n < S: ``y = (x Πᵀ − offset) / scale``; ``idx = #{bounds < y}``
 (``torch.searchsorted`` semantics); ``sign = y ≥ c[idx]``; both packed into the cache rows
@@ -12,26 +13,20 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import rotate_rows, split16, token_offsets, token_strides
+
 
 @triton.jit
-def _quantize_pack_kernel(x_ptr, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr,
-                          idx_ptr, sign_ptr, pos_ptr,
-                          B, H, S, T_CAP,
-                          D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid (H, cdiv(B·S, BLOCK_N)): one head's Π serves BLOCK_N tokens drawn from every sequence, so a
-    decode step (S = 1, large B) loads each rotation a few times instead of once per sequence."""
-    h = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # token index over (b, s)
+def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr, idx_ptr, sign_ptr,
+                  pos_ptr, h, offs_n, B, H, S, T_CAP,
+                  D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
+    """Encode tokens ``offs_n`` (over (b, s)) of head ``h`` of one tensor kind into its cache part."""
     nmask = offs_n < B * S
     b = offs_n // S
-    s_in = offs_n % S
     offs_d = tl.arange(0, D)
-
-    x_rows = ((b * H + h) * S + s_in).to(tl.int64)
-    x = tl.load(x_ptr + x_rows[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
-    rot = tl.load(rot_ptr + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # Π[e, d]
-    y = tl.dot(x, tl.trans(rot), input_precision=PRECISION)
+    y = rotate_rows(x_ptr, token_offsets(h, offs_n, S, sxb, sxh, sxs), nmask, rot_ptr + h * D * D, D, PRECISION,
+                    SPLIT16)
     y = (y - tl.load(offset_ptr + h * D + offs_d)[None, :]) / tl.load(scale_ptr + h * D + offs_d)[None, :]
 
     K: tl.constexpr = 1 << BITS
@@ -43,7 +38,7 @@ def _quantize_pack_kernel(x_ptr, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cen
     g = tl.arange(0, D8)
     r = tl.arange(0, 8)
     pos = tl.load(pos_ptr + b, mask=nmask, other=0)
-    rows = (b * H + h).to(tl.int64) * T_CAP + pos + s_in  # cache rows
+    rows = (b * H + h).to(tl.int64) * T_CAP + pos + offs_n % S  # cache rows
     if SIGN:
         s = (y >= tl.load(cent_ptr + h * K + idx)).to(tl.int32)
         if COMBINE:  # one code 2·idx + sign of BITS + 1 bits
@@ -62,22 +57,57 @@ def _quantize_pack_kernel(x_ptr, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cen
                      ((word >> (8 * i)) & 255).to(tl.uint8), mask=nmask[:, None])
 
 
-def quantize_pack_triton(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
-                         bounds: torch.Tensor, centroids: torch.Tensor, idx_out: torch.Tensor,
-                         sign_out: torch.Tensor, pos: torch.Tensor, bits: int, combine: bool,
+@triton.jit
+def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_idx, k_sign,
+                          v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_idx, v_sign,
+                          pos_ptr, B, H, S, T_CAP,
+                          D: tl.constexpr, KBITS: tl.constexpr, KSIGN: tl.constexpr, KCOMB: tl.constexpr,
+                          VBITS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
+                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KSPLIT: tl.constexpr,
+                          VSPLIT: tl.constexpr):
+    """Grid (2·H, cdiv(B·S, BLOCK_N)): programs [0, H) encode keys, [H, 2H) values; one head's Π serves
+    BLOCK_N tokens drawn from every sequence, so a decode step (S = 1, large B) loads each rotation a
+    few times instead of once per sequence."""
+    pid = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if pid < H:
+        _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_idx, k_sign, pos_ptr,
+                      pid, offs_n, B, H, S, T_CAP, D, KBITS, KSIGN, KCOMB, BLOCK_N, PRECISION, KSPLIT)
+    else:
+        _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_idx, v_sign, pos_ptr,
+                      pid - H, offs_n, B, H, S, T_CAP, D, VBITS, VSIGN, VCOMB, BLOCK_N, PRECISION, VSPLIT)
+
+
+def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
+                         k_out: tuple, v_out: tuple, pos: torch.Tensor, k_code: tuple, v_code: tuple,
                          config: dict | None = None) -> None:
-    """Same contract as ``quantize_pack_reference``; CUDA tensors, writes ``idx_out``/``sign_out`` in place.
+    """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
+
+    k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d], bounds [H,K-1], centroids [H,K]);
+    ``*_out`` = (codes part, sign part or empty) written in place; ``*_code`` = (bits, combine).
     ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) for tuning."""
-    batch, heads, s, d = x.shape
+    batch, heads, s, d = k.shape
     # tuned on an H100 (results/gpu/tune_quantize_h100.txt); tf32x3 keeps fp32 accuracy on tensor cores
     cfg = dict(block_n=64, num_warps=4, precision="tf32x3")
     cfg.update(config or {})
-    if x.device.type != "cuda":  # Triton's interpreter (tests) has no tf32x3
+    if k.device.type != "cuda":  # Triton's interpreter (tests) has no tf32x3
         cfg["precision"] = "ieee"
     block_n = cfg["block_n"]
-    has_sign = combine or sign_out.numel() > 0
-    grid = (heads, triton.cdiv(batch * s, block_n))
+
+    def kind(out, code):
+        main, sign = out
+        bits, combine = code
+        has_sign = combine or sign.numel() > 0
+        return (main, sign if has_sign else main), (bits, has_sign, combine)
+
+    (k_main, k_sign), k_c = kind(k_out, k_code)
+    (v_main, v_sign), v_c = kind(v_out, v_code)
+    grid = (2 * heads, triton.cdiv(batch * s, block_n))
+    k, k_strides = token_strides(k)
+    v, v_strides = token_strides(v)
+    prec = cfg["precision"]
     _quantize_pack_kernel[grid](
-        x, rot, offset, scale, bounds, centroids, idx_out, sign_out if has_sign else idx_out, pos,
-        batch, heads, s, idx_out.shape[2], D=d, BITS=bits, SIGN=has_sign, COMBINE=combine, BLOCK_N=block_n,
-        PRECISION=cfg["precision"], num_warps=cfg["num_warps"])
+        k, *k_strides, *k_tables, k_main, k_sign, v, *v_strides, *v_tables, v_main, v_sign,
+        pos, batch, heads, s, k_main.shape[2], D=d, KBITS=k_c[0], KSIGN=k_c[1], KCOMB=k_c[2],
+        VBITS=v_c[0], VSIGN=v_c[1], VCOMB=v_c[2], BLOCK_N=block_n, PRECISION=prec,
+        KSPLIT=split16(k, prec), VSPLIT=split16(v, prec), num_warps=cfg["num_warps"])

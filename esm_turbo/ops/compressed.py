@@ -66,11 +66,10 @@ class StoredCodes:
 class FusedTables:
     """Per-layer constants of the fused ops, derived once from a codec.
 
-    wq [H, d+1, d]: ``qt = q @ wqᵀ`` gives ``[q̃ | c0]``; k_tab / v_tab [H, codes]; k_bounds / v_bounds
-    [H, K-1]; k_codes / v_codes: where the packed codes are stored.
+    k_tab / v_tab [H, codes]; k_bounds / v_bounds [H, K-1]; k_codes / v_codes: where the packed codes
+    are stored.
     """
 
-    wq: torch.Tensor
     k_tab: torch.Tensor
     v_tab: torch.Tensor
     k_bounds: torch.Tensor
@@ -89,11 +88,9 @@ def fused_tables(codec: KVCodec) -> FusedTables:
     """Cached on the codec (its buffers are fixed once calibrated); rebuilt if it moved device."""
     cached = getattr(codec, "_fused_tables", None)
     key, value = codec.key, codec.value
-    if cached is not None and cached.wq.device == key.rot.device:
+    if cached is not None and cached.k_tab.device == key.rot.device:
         return cached
-    scaled = key.rot * key.scale[:, :, None]  # row e of Π times scale_e
-    c0_row = torch.einsum("he,hed->hd", key.offset, key.rot)[:, None, :]
-    tables = FusedTables(wq=torch.cat([scaled, c0_row], dim=1).contiguous(), k_tab=code_table(key),
+    tables = FusedTables(k_tab=code_table(key),
                          v_tab=code_table(value), k_bounds=lut_bounds(key.centroids),
                          v_bounds=lut_bounds(value.centroids), k_codes=StoredCodes.of(key),
                          v_codes=StoredCodes.of(value))
@@ -133,33 +130,40 @@ def _decode_codes(idx: torch.Tensor, sign: torch.Tensor, tab: torch.Tensor, bits
     return tab[heads, codes]
 
 
-def compressed_attention_reference(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor,
+def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                                   new_valid: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor,
                                    v_idx: torch.Tensor, v_sign: torch.Tensor, k_tab: torch.Tensor,
-                                   v_tab: torch.Tensor, lengths: torch.Tensor, yk_new: torch.Tensor,
-                                   yv_new: torch.Tensor, new_valid: torch.Tensor, v_scale: torch.Tensor,
-                                   v_offset: torch.Tensor, k_bits: int, v_bits: int) -> torch.Tensor:
-    """Attention of S new tokens over the packed prefix plus themselves, in the affine domain.
+                                   v_tab: torch.Tensor, lengths: torch.Tensor, k_rot: torch.Tensor,
+                                   k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
+                                   v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int,
+                                   v_bits: int) -> torch.Tensor:
+    """Attention of S new tokens over the packed prefix plus themselves, computed in each codec's affine
+    domain ``y = (x Πᵀ − offset) / scale``: no cached key is rotated back.
 
-    qt [B,H,S,d+1] = [q̃ | c0]; k_idx/v_idx [B,H,T_cap,d·bits/8] uint8 packed codes of k_bits/v_bits
-    bits; k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, codes] indexed by
-    the code (``2·code + sign`` when sign bits are separate); lengths [B] (valid prefix rows); yk_new/yv_new [B,H,S,d] new
-    keys/values in their codec's affine domain; new_valid [B,S]; v_scale/v_offset [H,d].
-    Returns the output in V's rotated domain [B,H,S,d] float32 (multiply by Π_v to finish); a query
-    with no valid key gets zeros.
+    q [B,H,S,d] (scaled, post-RoPE), k_new/v_new [B,H,S,d] the step's own keys/values, new_valid [B,S]
+    (bool or uint8); k_idx/v_idx [B,H,T_cap,d·bits/8] uint8 packed codes of k_bits/v_bits bits;
+    k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, codes] indexed by the
+    code (``2·code + sign`` when sign bits are separate); lengths [B] valid prefix rows; rot [H,d,d],
+    offset/scale [H,d] of the key and value codecs. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with
+    ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped
+    back once (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the tables'
+    float dtype); a query with no valid key gets zeros.
     """
+    z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
+    qk, c0 = z * k_scale[:, None, :], (z * k_offset[:, None, :]).sum(-1, keepdim=True)
     k_hat = _decode_codes(k_idx, k_sign, k_tab, k_bits)
     v_hat = _decode_codes(v_idx, v_sign, v_tab, v_bits)
     t = k_hat.shape[2]
-    keys = torch.cat([k_hat, yk_new.float()], dim=2)
-    values = torch.cat([v_hat, yv_new.float()], dim=2)
+    keys = torch.cat([k_hat.to(k_rot.dtype), affine_forward(k_new, k_rot, k_offset, k_scale)], dim=2)
+    values = torch.cat([v_hat.to(v_rot.dtype), affine_forward(v_new, v_rot, v_offset, v_scale)], dim=2)
     valid = torch.cat([torch.arange(t, device=lengths.device)[None, :] < lengths[:, None], new_valid.bool()], 1)
-    q, c0 = qt[..., :-1], qt[..., -1:]
-    scores = torch.einsum("bhsd,bhtd->bhst", q, keys) + c0
+    scores = torch.einsum("bhsd,bhtd->bhst", qk, keys) + c0
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     any_valid = valid.any(dim=1)[:, None, None, None]
     probs = torch.softmax(scores.masked_fill(~any_valid, 0.0), dim=-1)
     out = torch.einsum("bhst,bhtd->bhsd", probs, values) * v_scale[:, None, :] + v_offset[:, None, :]
-    return torch.where(any_valid, out, torch.zeros_like(out))
+    out = torch.einsum("bhse,hed->bhsd", torch.where(any_valid, out, torch.zeros_like(out)), v_rot)
+    return out.to(q.dtype)
 
 
 # ---- custom ops -------------------------------------------------------------------------------------
@@ -169,51 +173,62 @@ def _kernels_for(t: torch.Tensor) -> bool:
     return use_kernels(t)
 
 
-@torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=("idx_out", "sign_out"))
-def quantize_pack(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
-                  bounds: torch.Tensor, centroids: torch.Tensor, idx_out: torch.Tensor, sign_out: torch.Tensor,
-                  pos: torch.Tensor, bits: int, combine: bool) -> None:
-    if _kernels_for(x):
+@torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=("k_main", "k_sign", "v_main", "v_sign"))
+def quantize_pack(k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor,
+                  k_scale: torch.Tensor, k_bounds: torch.Tensor, k_centroids: torch.Tensor, k_main: torch.Tensor,
+                  k_sign: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor, v_scale: torch.Tensor,
+                  v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_main: torch.Tensor, v_sign: torch.Tensor,
+                  pos: torch.Tensor, k_bits: int, k_combine: bool, v_bits: int, v_combine: bool) -> None:
+    """Keys and values of one layer into their cache parts (one Triton launch on CUDA)."""
+    k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids)
+    v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids)
+    if _kernels_for(k):
         from ..kernels.quantize import quantize_pack_triton
-        quantize_pack_triton(x.contiguous(), rot, offset, scale, bounds, centroids, idx_out, sign_out,
-                             pos, bits, combine)
+        quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos,
+                             (k_bits, k_combine), (v_bits, v_combine))
     else:
-        quantize_pack_reference(x, rot, offset, scale, bounds, centroids, idx_out, sign_out, pos, bits, combine)
+        quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_bits, k_combine)
+        quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_bits, v_combine)
 
 
 @quantize_pack.register_fake
-def _quantize_pack_fake(x, rot, offset, scale, bounds, centroids, idx_out, sign_out, pos, bits, combine) -> None:
+def _quantize_pack_fake(*args) -> None:
     return None
 
 
 @torch.library.custom_op("esm_turbo::compressed_attention", mutates_args=())
-def compressed_attention(qt: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor, v_idx: torch.Tensor,
-                         v_sign: torch.Tensor, k_tab: torch.Tensor, v_tab: torch.Tensor, lengths: torch.Tensor,
-                         yk_new: torch.Tensor, yv_new: torch.Tensor, new_valid: torch.Tensor,
-                         v_scale: torch.Tensor, v_offset: torch.Tensor, k_bits: int, v_bits: int) -> torch.Tensor:
-    args = (qt, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, lengths, yk_new, yv_new, new_valid,
-            v_scale, v_offset, k_bits, v_bits)
-    if _kernels_for(qt):
+def compressed_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
+                         k_idx: torch.Tensor, k_sign: torch.Tensor, v_idx: torch.Tensor, v_sign: torch.Tensor,
+                         k_tab: torch.Tensor, v_tab: torch.Tensor, lengths: torch.Tensor, k_rot: torch.Tensor,
+                         k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
+                         v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int, v_bits: int) -> torch.Tensor:
+    args = (q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, lengths, k_rot, k_offset,
+            k_scale, v_rot, v_offset, v_scale, k_bits, v_bits)
+    if _kernels_for(q):
         from ..kernels.decode import compressed_attention_triton
         return compressed_attention_triton(*args)
     return compressed_attention_reference(*args)
 
 
 @compressed_attention.register_fake
-def _compressed_attention_fake(qt, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, lengths, yk_new, yv_new,
-                               new_valid, v_scale, v_offset, k_bits, v_bits) -> torch.Tensor:
-    return yk_new.new_empty(yk_new.shape, dtype=torch.float32)
+def _compressed_attention_fake(q, *args) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 # ---- layer-level entry points -----------------------------------------------------------------------
+
+def _codec_tables(q: VectorQuantizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.rot, q.offset, q.scale
+
 
 def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                      pos: torch.Tensor) -> None:
     """Quantize-and-pack k, v [B,H,S,d] into one layer's cache parts at rows ``pos[b] + j``."""
     tables = fused_tables(codec)
-    for kind, q, x, bounds in (("k", codec.key, k, tables.k_bounds), ("v", codec.value, v, tables.v_bounds)):
-        main, sign = tables.packed(parts, kind)
-        quantize_pack(x, q.rot, q.offset, q.scale, bounds, q.centroids, main, sign, pos, q.bits, q.combined_sign)
+    key, value = codec.key, codec.value
+    quantize_pack(k, v, *_codec_tables(key), tables.k_bounds, key.centroids, *tables.packed(parts, "k"),
+                  *_codec_tables(value), tables.v_bounds, value.centroids, *tables.packed(parts, "v"), pos,
+                  key.bits, key.combined_sign, value.bits, value.combined_sign)
 
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
@@ -222,13 +237,7 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
     """Decode attention of q [B,H,S,d] over one layer's packed prefix (``lengths`` [B] rows) plus the
     step's own k_new/v_new [B,H,S,d] (new_valid [B,S]). Returns [B,H,S,d] in q's dtype."""
     tables = fused_tables(codec)
-    key, value = codec.key, codec.value
-    qt = torch.einsum("bhsd,hed->bhse", q.float(), tables.wq).contiguous()
-    yk = key.to_affine(k_new).contiguous()
-    yv = value.to_affine(v_new).contiguous()
-    k_codes, k_sign = tables.packed(parts, "k")
-    v_codes, v_sign = tables.packed(parts, "v")
-    out_rot = compressed_attention(qt, k_codes, k_sign, v_codes, v_sign, tables.k_tab, tables.v_tab,
-                                   lengths, yk, yv, new_valid.to(torch.uint8).contiguous(), value.scale,
-                                   value.offset, tables.k_codes.bits, tables.v_codes.bits)
-    return torch.einsum("bhse,hed->bhsd", out_rot, value.rot).to(q.dtype)
+    return compressed_attention(q, k_new, v_new, new_valid.contiguous().view(torch.uint8),
+                                *tables.packed(parts, "k"), *tables.packed(parts, "v"), tables.k_tab,
+                                tables.v_tab, lengths, *_codec_tables(codec.key), *_codec_tables(codec.value),
+                                tables.k_codes.bits, tables.v_codes.bits)

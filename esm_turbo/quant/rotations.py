@@ -138,8 +138,9 @@ class CovarianceAccumulator:
 
 
 def affine_forward(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., H, T, d] → y = (x Π_hᵀ - offset_h) / scale_h, float32 (rot [H,d,d], offset/scale [H,d])."""
-    y = torch.einsum("...htd,hed->...hte", x.float(), rot)
+    """x [..., H, T, d] → y = (x Π_hᵀ - offset_h) / scale_h (rot [H,d,d], offset/scale [H,d]), in float32
+    or the tables' wider dtype."""
+    y = torch.einsum("...htd,hed->...hte", x.to(torch.promote_types(rot.dtype, torch.float32)), rot)
     return (y - offset[:, None, :]) / scale[:, None, :]
 
 

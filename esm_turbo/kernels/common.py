@@ -1,0 +1,44 @@
+"""Triton building blocks shared by the quantize-and-pack and decode kernels."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def token_offsets(h, offs_n, S, stride_b, stride_h, stride_s):
+    """Element offsets (int64) of tokens ``offs_n`` (running over (b, s) of a [B, S] batch) of head ``h``
+    in a [B, H, S, *] tensor with strides (stride_b, stride_h, stride_s) and a contiguous last dim."""
+    b = (offs_n // S).to(tl.int64)
+    return b * stride_b + h.to(tl.int64) * stride_h + (offs_n % S).to(tl.int64) * stride_s
+
+
+@triton.jit
+def rotate_rows(x_ptr, offs, nmask, rot_ptr, D: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
+    """Rows of x at element offsets ``offs`` [BLOCK_N] (any float dtype) times Πᵀ of one head (rot_ptr →
+    Π [D, D] float32): [BLOCK_N, D] float32 on tensor cores (BLOCK_N ≥ 16).
+
+    ``SPLIT16`` (fp16 x, which fp16 holds exactly): Π = Π_hi + Π_lo/2048 in two fp16 halves, two fp16
+    dots with fp32 accumulation — as accurate as fp32 and cheaper than tf32x3."""
+    offs_d = tl.arange(0, D)
+    x = tl.load(x_ptr + offs[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+    rot = tl.load(rot_ptr + offs_d[:, None] * D + offs_d[None, :])  # Π[e, d]
+    if SPLIT16:
+        hi = rot.to(tl.float16)
+        lo = ((rot - hi.to(tl.float32)) * 2048.0).to(tl.float16)
+        return tl.dot(x, tl.trans(hi)) + tl.dot(x, tl.trans(lo)) * (1.0 / 2048.0)
+    return tl.dot(x.to(tl.float32), tl.trans(rot), input_precision=PRECISION)
+
+
+def token_strides(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A [B, H, S, d] tensor whose last dim is contiguous (copied only if it is not) and its
+    (b, h, s) strides — post-RoPE keys and values are transposed views the kernels read in place."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, (t.stride(0), t.stride(1), t.stride(2))
+
+
+def split16(x: torch.Tensor, precision: str) -> bool:
+    return x.dtype == torch.float16 and precision != "ieee"
