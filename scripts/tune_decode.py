@@ -66,7 +66,7 @@ def tune_quantize():
     affine = triton.testing.do_bench(lambda: (key.to_affine(x), value.to_affine(x)), warmup=10, rep=40,
                                      return_mode="median") * 1e3
     print(f"quantize-and-pack of K and V, 20 heads × 1024 tokens × d=64 (torch x Πᵀ alone: {affine:.1f} µs)")
-    for bn, w, prec in itertools.product((16, 32, 64), (2, 4, 8), ("ieee", "tf32x3")):
+    for bn, w, prec in itertools.product((16, 32, 64, 128), (2, 4, 8), ("ieee", "tf32x3")):
         cfg = dict(block_n=bn, num_warps=w, precision=prec)
         try:
             us = triton.testing.do_bench(lambda: quantize_pack_triton(*args, config=cfg), warmup=10, rep=40,

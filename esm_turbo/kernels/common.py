@@ -20,7 +20,7 @@ def rotate_rows(x_ptr, offs, nmask, rot_ptr, D: tl.constexpr, PRECISION: tl.cons
     """Rows of x at element offsets ``offs`` [BLOCK_N] (any float dtype) times Πᵀ of one head (rot_ptr →
     Π [D, D] float32): [BLOCK_N, D] float32 on tensor cores (BLOCK_N ≥ 16).
 
-    ``SPLIT16`` (fp16 x, which fp16 holds exactly): Π = Π_hi + Π_lo/2048 in two fp16 halves, two fp16
+    ``SPLIT16`` (fp16 x, which fp16 holds exactly): Π = Π_hi + Π_lo / 2048 in two fp16 halves, two fp16
     dots with fp32 accumulation — as accurate as fp32 and cheaper than tf32x3."""
     offs_d = tl.arange(0, D)
     x = tl.load(x_ptr + offs[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
@@ -28,8 +28,10 @@ def rotate_rows(x_ptr, offs, nmask, rot_ptr, D: tl.constexpr, PRECISION: tl.cons
     if SPLIT16:
         hi = rot.to(tl.float16)
         lo = ((rot - hi.to(tl.float32)) * 2048.0).to(tl.float16)
-        return tl.dot(x, tl.trans(hi)) + tl.dot(x, tl.trans(lo)) * (1.0 / 2048.0)
-    return tl.dot(x.to(tl.float32), tl.trans(rot), input_precision=PRECISION)
+        y = tl.dot(x, tl.trans(hi)) + tl.dot(x, tl.trans(lo)) * (1.0 / 2048.0)
+    else:
+        y = tl.dot(x.to(tl.float32), tl.trans(rot), input_precision=PRECISION)
+    return y
 
 
 def token_strides(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:

@@ -87,8 +87,9 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     ``*_out`` = (codes part, sign part or empty) written in place; ``*_code`` = (bits, combine).
     ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) for tuning."""
     batch, heads, s, d = k.shape
-    # tuned on an H100 (results/gpu/tune_quantize_h100.txt); tf32x3 keeps fp32 accuracy on tensor cores
-    cfg = dict(block_n=64, num_warps=4, precision="tf32x3")
+    # tuned on an H100 (results/gpu/tune_quantize_h100.txt): 128-token blocks for a prefill, 64 for decode
+    # steps; tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
+    cfg = dict(block_n=128 if batch * s >= 1024 else 64, num_warps=4, precision="tf32x3")
     cfg.update(config or {})
     if k.device.type != "cuda":  # Triton's interpreter (tests) has no tf32x3
         cfg["precision"] = "ieee"
