@@ -222,14 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--fasta", nargs="+", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--preset", choices=["default", "paper", "no-rotation", "kv-rotated", "shared-lut", "no-residual"],
+    p.add_argument("--preset", choices=["default", "paper", "no-rotation", "kv-rotated", "v-unrotated", "shared-lut", "no-residual"],
                    default="default")
     p.add_argument("--bits", type=int, help="bits for both K and V")
     p.add_argument("--key-bits", type=int)
     p.add_argument("--value-bits", type=int)
     rot = ["svd", "svd-scaled", "hadamard", "haar", "none", "identity"]
     p.add_argument("--rotation", dest="key_rotation", choices=rot, help="key rotation")
-    p.add_argument("--value-rotation", choices=rot)
+    p.add_argument("--value-rotation", choices=[*rot, "auto"],
+                   help="value rotation; auto (default): per head, unrotated or svd-scaled by the output error")
     p.add_argument("--residual", choices=["sign", "qjl", "none"])
     p.add_argument("--sign-mode", choices=["bin", "head"])
     p.add_argument("--max-tokens", type=int, help="stop after this many calibration tokens")
@@ -244,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-fraction", type=float, default=0.5)
     p.add_argument("--max-steps", type=int, help="decode at most this many residues per sequence")
     p.add_argument("--limit", type=int, help="evaluate only the first N sequences")
-    p.add_argument("--ablations", nargs="*", choices=["paper", "no-rotation", "kv-rotated", "shared-lut", "no-residual"],
+    p.add_argument("--ablations", nargs="*", choices=["paper", "no-rotation", "kv-rotated", "v-unrotated", "shared-lut", "no-residual"],
                    default=[], help="also calibrate and evaluate these recipes")
     p.add_argument("--calibration-fasta", nargs="+", default=["calibration_data/calibration.fasta"])
     p.add_argument("--json", nargs="?", const="-", help="write JSON (to a path, or stdout with no path)")

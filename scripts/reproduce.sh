@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 rm -rf results/rows results/sweeps results/plots
 ALL=$(ls conf/quant/*.yaml | xargs -n1 basename | sed 's/\.yaml$//' | paste -sd, -)
 for model in stress6 stress4; do
-  python scripts/experiment.py -m "quant=${ALL}" "model=${model}" data.eval_every=2 hydra/job_logging=disabled
+  python scripts/experiment.py -m "quant=${ALL}" "model=${model}" data.eval_every=1 hydra/job_logging=disabled
 done
 python scripts/report.py

@@ -117,3 +117,27 @@ def test_checkpoint_roundtrip_determinism_and_refusals(stress_model, tmp_path, c
     trunc.write_bytes(p1.read_bytes()[: len(p1.read_bytes()) // 2])
     with pytest.raises(Exception, match="truncated or corrupt"):
         Calibration.load(trunc)
+
+
+def test_auto_value_rotation_picks_per_head(stress_model, calibration):
+    """The default picks, per layer and head, the V codec (unrotated or svd-scaled) whose error reaches the
+    attention output least; the chosen head's tables are exactly that candidate's."""
+    from dataclasses import replace
+
+    from esm_turbo.model.calibrate import _choose_value_codecs, token_batches
+    from esm_turbo.model.checkpoint import PRESETS
+    choice = calibration.meta["value_rotation_choice"]
+    assert len(choice) == stress_model.config.num_hidden_layers and all(c in (0, 1) for row in choice for c in row)
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:40]
+    fixed = {name: calibrate(stress_model, recs, replace(PRESETS[name]), progress=False)
+             for name in ("v-unrotated", "kv-rotated")}
+    engine = TurboEsm(stress_model)
+    plain = [c.value for c in fixed["v-unrotated"].codecs]
+    rotated = [c.value for c in fixed["kv-rotated"].codecs]
+    again = _choose_value_codecs(engine, token_batches(recs, 8192), plain, rotated, progress=False)
+    assert [c.tolist() for c in again] == choice
+    for li, row in enumerate(choice):
+        for h, c in enumerate(row):
+            src = (plain, rotated)[c][li]
+            for name in ("rot", "offset", "scale", "centroids", "eps"):
+                assert torch.equal(getattr(calibration.codecs[li].value, name)[h], getattr(src, name)[h]), (li, h)

@@ -4,7 +4,10 @@ Two passes over the sequences, never holding activations:
 
 1. per (layer, head): XᵀX, Σx, count for K and for V → rotations Π (svd / svd-scaled / seeded);
 2. per (layer, head): a 4096-bin histogram with exact per-bin sums of the rotated (and centred and
-   scaled) values → weighted Lloyd-Max LUTs and sign-residual magnitudes.
+   scaled) values → weighted Lloyd-Max LUTs and sign-residual magnitudes;
+3. only for ``value_rotation="auto"``: each head's values are quantized with both candidate codecs
+   (unrotated, and svd-scaled), and the head keeps the one whose error reaches the layer output least
+   (``E‖(v − v̂) W_oᵀ‖²``, W_o the head's block of the attention output projection).
 """
 
 from __future__ import annotations
@@ -67,6 +70,44 @@ def _valid_values(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return y.permute(1, 0, 2, 3)[:, valid].reshape(y.shape[1], -1)
 
 
+def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor) -> VectorQuantizer:
+    """One quantizer whose head h has the tables of ``candidates[choice[h]]`` (same bits and residual)."""
+    first = candidates[0]
+    out = VectorQuantizer(first.heads, first.dim, first.bits, first.residual, first.normalize, first.qjl_seed)
+    out = out.to(first.rot.device)
+    eye = torch.eye(first.dim, dtype=torch.float16)
+    stored = []
+    for h, c in enumerate(choice.tolist()):
+        q = candidates[c]
+        for name in ("rot", "offset", "scale", "centroids", "eps"):
+            getattr(out, name)[h] = getattr(q, name)[h]
+        stored.append(q.rot_stored[h] if q.rot_stored is not None else eye)
+    out.rot_stored = torch.stack(stored)  # fp16 pre-images: identity heads rebuild exactly
+    return out
+
+
+def _output_weights(engine: TurboEsm, layer: int) -> torch.Tensor:
+    """[H, d, d] Gram matrices W_hᵀ W_h of each head's block of the attention output projection."""
+    w = engine.esm.encoder.layer[layer].attention.output.dense.weight.detach().float()  # [D, H·d]
+    blocks = w.reshape(w.shape[0], engine.heads, engine.head_dim).permute(1, 0, 2)  # [H, D, d]
+    return blocks.transpose(1, 2) @ blocks
+
+
+def _choose_value_codecs(engine: TurboEsm, batches, plain: list[VectorQuantizer], rotated: list[VectorQuantizer],
+                         progress: bool) -> list[torch.Tensor]:
+    """Per layer, per head: 1 where the rotated codec's value error reaches the output less."""
+    grams = [_output_weights(engine, li) for li in range(engine.num_layers)]
+    err = torch.zeros(engine.num_layers, 2, engine.heads, dtype=torch.float64)
+
+    def record(layer, k, v, valid):
+        for i, q in enumerate((plain[layer], rotated[layer])):
+            e = (v.float() - q.decode(q.encode(v))) * valid[:, None, :, None]  # [B, H, S, d]
+            err[layer, i] += torch.einsum("bhsd,hde,bhse->h", e, grams[layer], e).double().cpu()
+
+    _run(engine, batches, record, "calibrate 3/3 (value rotation)", progress)
+    return [(e[1] < e[0]).long() for e in err]
+
+
 @torch.no_grad()
 def calibrate(model, records: list[Record], config: CalibrationConfig = CalibrationConfig(),
               progress: bool = True, model_name: str = "") -> Calibration:
@@ -87,36 +128,52 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
 
     n_tokens = _run(engine, batches, record_cov, "calibrate 1/2 (rotations)", progress)
 
+    if config.key_rotation == "auto" or (config.value_rotation == "auto" and config.shared_lut):
+        raise ValueError("rotation 'auto' is for values only, and needs separate K and V LUTs "
+                         "(shared_lut with value_rotation 'identity' or 'svd-scaled')")
+    # candidate transforms per tensor kind: "k", "v", and for an automatic V choice a second one "v*"
     rotation = {"k": config.key_rotation, "v": config.value_rotation}
+    if config.value_rotation == "auto":
+        rotation.update(v="identity", **{"v*": "svd-scaled"})
+    source = {"k": "k", "v": "v", "v*": "v"}
     affine: dict[str, list[AffineStats]] = {
-        kind: [build_rotation(rotation[kind], heads, dim, quantizer_seed(config, li, kind), cov[kind][li])
-               for li in range(layers)] for kind in "kv"}
-    hist = {kind: [HistogramAccumulator(10 * affine[kind][li].second_moments(cov[kind][li]).amax(-1).sqrt(),
-                                        config.bins) for li in range(layers)] for kind in "kv"}
+        kind: [build_rotation(rot, heads, dim, quantizer_seed(config, li, source[kind]), cov[source[kind]][li])
+               for li in range(layers)] for kind, rot in rotation.items()}
+    hist = {kind: [HistogramAccumulator(10 * affine[kind][li].second_moments(cov[source[kind]][li]).amax(-1).sqrt(),
+                                        config.bins) for li in range(layers)] for kind in rotation}
 
     def record_hist(layer, k, v, valid):
-        for kind, x in (("k", k), ("v", v)):
+        for kind in rotation:
+            x = k if source[kind] == "k" else v
             hist[kind][layer].add(_valid_values(affine[kind][layer].forward(x), valid))
 
     _run(engine, batches, record_hist, "calibrate 2/2 (LUTs)", progress)
 
-    bits = {"k": config.key_bits, "v": config.value_bits}
-    codecs = []
+    bits = {"k": config.key_bits, "v": config.value_bits, "v*": config.value_bits}
+    quantizers: dict[str, list[VectorQuantizer]] = {kind: [] for kind in rotation}
     for li in range(layers):
-        points = {kind: [hist[kind][li].points(h) for h in range(heads)] for kind in "kv"}
+        points = {kind: [hist[kind][li].points(h) for h in range(heads)] for kind in rotation}
         shared = None
         if config.shared_lut:  # ablation: one LUT per head fitted on K and V together
             shared = [tuple(np.concatenate(pair) for pair in zip(pk, pv))
                       for pk, pv in zip(points["k"], points["v"])]
-        pair = [VectorQuantizer.from_calibration(affine[kind][li], points[kind], bits[kind], config.residual,
-                                                 config.sign_mode, quantizer_seed(config, li, kind), shared)
-                for kind in "kv"]
-        codecs.append(KVCodec(*pair).to(engine.device))
+        for kind in rotation:
+            quantizers[kind].append(VectorQuantizer.from_calibration(
+                affine[kind][li], points[kind], bits[kind], config.residual, config.sign_mode,
+                quantizer_seed(config, li, source[kind]), shared).to(engine.device))
+
+    choice = None
+    if "v*" in rotation:
+        choice = _choose_value_codecs(engine, batches, quantizers["v"], quantizers["v*"], progress)
+        quantizers["v"] = [combine_heads((a, b), c) for a, b, c in zip(quantizers["v"], quantizers["v*"], choice)]
+    codecs = [KVCodec(k, v).to(engine.device) for k, v in zip(quantizers["k"], quantizers["v"])]
     elapsed = time.perf_counter() - start
     log.info("calibrated %d layers × %d heads on %d tokens in %.1f s", layers, heads, n_tokens, elapsed)
     meta = dict(layers=layers, heads=heads, head_dim=dim, model_fingerprint=model_fingerprint(model),
                 model_name=str(model_name), calibration_set_sha256=records_hash(used),
                 calibration_sequences=len(used), calibration_tokens=n_tokens, esm_turbo_version=__version__)
+    if choice is not None:  # per layer, per head: 0 = values unrotated, 1 = svd-scaled
+        meta["value_rotation_choice"] = [c.tolist() for c in choice]
     cal = Calibration(codecs, replace(config), meta)
     cal.seconds = elapsed
     return cal

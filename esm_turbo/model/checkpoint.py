@@ -2,7 +2,7 @@
 
 Tensors, per layer ``l`` and kind ``k``/``v``: ``layers.l.k.centroids`` [H,K], ``.eps`` [H,K,2],
 ``.offset`` [H,d], ``.scale`` [H,d], and ``.rot`` [H,d,d] (fp16, rebuilt exactly orthonormal by a
-deterministic QR) only for fitted (svd) rotations — seeded ones (haar, hadamard, identity) are
+deterministic QR) only for fitted (svd, svd-scaled, auto) rotations — seeded ones (haar, hadamard, identity) are
 rebuilt from the seed. A 650M checkpoint with fitted K and V rotations is ≈ 11 MB.
 Metadata (strings): ``esm_turbo`` (JSON with model fingerprint, config, calibration-set hash, token
 count, package version). Writes are atomic (temporary file + rename); loading checks completeness.
@@ -25,6 +25,8 @@ from ..quant.rotations import build_rotation, orthonormalize
 
 FORMAT_VERSION = 1
 _TABLES = ("centroids", "eps", "offset", "scale")
+#: rotations fitted from data (stored in the checkpoint); "auto" picks, per head, unrotated or svd-scaled
+FITTED_ROTATIONS = ("svd", "svd-scaled", "auto")
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class CalibrationConfig:
     key_bits: int = 3
     value_bits: int = 3
     key_rotation: str = "svd-scaled"
-    value_rotation: str = "identity"  # measured: rotating V helps at d=16, hurts at d=64 (results/REPORT.md)
+    value_rotation: str = "auto"  # per head: unrotated or svd-scaled, whichever error reaches the output less
     residual: str = "sign"
     sign_mode: str = "bin"
     shared_lut: bool = False
@@ -44,13 +46,15 @@ class CalibrationConfig:
     seed: int = 0
 
 
-#: the paper's literal recipe (plain SVD on K, V unrotated, one ε per head) and measured ablations
+#: the paper's literal recipe (plain SVD on K, V unrotated, one ε per head) and measured ablations;
+#: "v-unrotated" and "kv-rotated" are the two fixed choices the default's per-head V choice picks from
 PRESETS: dict[str, CalibrationConfig] = {
     "default": CalibrationConfig(),
     "paper": CalibrationConfig(key_rotation="svd", value_rotation="identity", residual="sign", sign_mode="head"),
     "no-rotation": CalibrationConfig(key_rotation="identity", value_rotation="identity"),
     "kv-rotated": CalibrationConfig(value_rotation="svd-scaled"),
-    "shared-lut": CalibrationConfig(shared_lut=True),
+    "v-unrotated": CalibrationConfig(value_rotation="identity"),
+    "shared-lut": CalibrationConfig(shared_lut=True, value_rotation="identity"),  # vs "v-unrotated"
     "no-residual": CalibrationConfig(residual="none"),
 }
 
@@ -89,7 +93,7 @@ class Calibration:
             for kind, q, rot_kind in (("k", codec.key, cfg.key_rotation), ("v", codec.value, cfg.value_rotation)):
                 for name in _TABLES:
                     tensors[f"layers.{li}.{kind}.{name}"] = getattr(q, name).detach().cpu().contiguous()
-                if rot_kind in ("svd", "svd-scaled"):
+                if rot_kind in FITTED_ROTATIONS:
                     if q.rot_stored is None:
                         raise ValueError(f"layer {li} {kind}: fitted rotation without its stored fp16 form")
                     tensors[f"layers.{li}.{kind}.rot"] = q.rot_stored.detach().cpu().contiguous()
@@ -123,7 +127,7 @@ class Calibration:
                 q = VectorQuantizer(heads, dim, bits, cfg.residual, normalize=False, qjl_seed=quantizer_seed(cfg, li, kind) + 1)
                 prefix = f"layers.{li}.{kind}."
                 missing = [n for n in _TABLES if prefix + n not in tensors]
-                if rot_kind in ("svd", "svd-scaled") and prefix + "rot" not in tensors:
+                if rot_kind in FITTED_ROTATIONS and prefix + "rot" not in tensors:
                     missing.append("rot")
                 if missing:
                     raise CheckpointError(f"{path}: layer {li} {kind}: missing tables {missing} (incomplete checkpoint)")
