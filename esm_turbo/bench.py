@@ -36,6 +36,7 @@ class BenchResult:
     quantize: dict = field(default_factory=dict)
     decode: list[dict] = field(default_factory=list)
     embed: dict = field(default_factory=dict)
+    cpu_steps: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -260,6 +261,41 @@ def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: fl
     return rows
 
 
+@torch.no_grad()
+def bench_cpu_steps(sizes=("8M", "35M"), context: int = 256, steps: int = 8,
+                    calibration_tokens: int = 8192) -> list[dict]:
+    """CPU, batch 1: decode-step latency (PyTorch reference path) with the compressed 3+1-bit cache and
+    with an fp32 cache at ``context`` tokens, and calibration time of the same-shaped stand-in model on
+    the first ``calibration_tokens`` tokens of calibration_data (default recipe)."""
+    from dataclasses import replace
+
+    from .fasta import CALIBRATION_DATA, read_fastas
+    from .model.alphabet import alphabet
+    from .model.calibrate import calibrate
+    from .model.checkpoint import PRESETS
+    from .model.engine import TurboEsm
+    from .testing import stress_esm2
+    dev = torch.device("cpu")
+    rows = []
+    records = read_fastas([str(CALIBRATION_DATA / "calibration.fasta")])
+    for size in sizes:
+        model = stress_esm2(size=size, layers=None, hidden=None, heads=None)
+        engine = TurboEsm(model)
+        row = dict(size=size, context=context, threads=torch.get_num_threads())
+        for kind in ("fp32", "turbo-3+1"):
+            factory = (lambda layer, h, d: random_turbo_codec(h, d, 3, 3, "sign", seed=layer)) \
+                if kind != "fp32" else "fp32"
+            session = synthetic_session(engine, factory, 1, context, steps + 2)
+            tok = torch.full((1, 1), alphabet().get_idx("A"))
+            row[f"{kind}_step_ms"] = _time(lambda: session.step(tok, commit=False), dev, reps=5 * steps) * 1e3
+        start = time.perf_counter()
+        calibrate(model, records, replace(PRESETS["default"], max_tokens=calibration_tokens), progress=False)
+        row["calibration_s"] = time.perf_counter() - start
+        row["calibration_tokens"] = calibration_tokens
+        rows.append(row)
+    return rows
+
+
 class _NullWriter:
     """Discards outputs (after they reached the host): the embed benchmark times extraction, not disk."""
 
@@ -343,6 +379,8 @@ def run(quick: bool = False, device: str | None = None, reference: bool = False,
         res.attention = bench_attention(dev, (1, 4), (256,), {"650M": (20, 64)})
         res.quantize = bench_quantize(dev, "8M", length=128)
         res.decode = bench_decode(dev, "8M", context=128, budget_gib=0.01, steps=4, max_batch=16)
+        if not quick:
+            res.cpu_steps = bench_cpu_steps()
     return res
 
 
@@ -383,6 +421,12 @@ def format_result(res: BenchResult) -> str:
         lines.append(f"  transformers EsmModel, padded batches of {e['hf_batch']}: {e['hf_tokens_per_s']:>9.0f} tokens/s")
         lines.append(f"  esm-turbo embed, sorted {e['toks_per_batch']}-token batches: {e['ours_tokens_per_s']:>9.0f} "
                      f"tokens/s   ratio {e['speedup']:.2f}×")
+    if res.cpu_steps:
+        lines.append("\nCPU decode step, batch 1 (PyTorch reference path), and calibration of the stand-in model")
+        for r in res.cpu_steps:
+            lines.append(f"  {r['size']:>4}-shaped, {r['context']} cached tokens, {r['threads']} threads: "
+                         f"3+1-bit cache {r['turbo-3+1_step_ms']:.1f} ms/step, fp32 cache {r['fp32_step_ms']:.1f} ms/step; "
+                         f"calibration on {r['calibration_tokens']} tokens {r['calibration_s']:.1f} s")
     lines += [f"note: {n}" for n in res.notes]
     return "\n".join(lines)
 

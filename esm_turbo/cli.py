@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .errors import EsmTurboError
+from .fasta import CALIBRATION_DATA
 
 log = logging.getLogger("esm_turbo")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -195,8 +196,6 @@ def cmd_demo(args) -> int:
     return 0
 
 
-#: the repository's calibration_data/ (an editable install keeps it beside the package)
-CALIBRATION_DATA = Path(__file__).resolve().parents[1] / "calibration_data"
 
 
 def build_parser() -> argparse.ArgumentParser:

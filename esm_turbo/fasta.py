@@ -11,6 +11,9 @@ from Bio.SeqIO.FastaIO import SimpleFastaParser
 from .errors import EsmTurboError, FastaError
 from .model.alphabet import check_sequence
 
+#: the repository's FASTA sets (calibration_data/; an editable install keeps them beside the package)
+CALIBRATION_DATA = Path(__file__).resolve().parents[1] / "calibration_data"
+
 
 @dataclass(frozen=True)
 class Record:

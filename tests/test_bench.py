@@ -23,3 +23,10 @@ def test_cli_bench_embed_smoke(tmp_path, capsys):
     write_fasta(fasta, [("a", "MKTAYIAKQRQ"), ("b", "MKV" * 20)])
     assert main(["bench", "embed", "--fasta", str(fasta), "--out", str(tmp_path / "b.json")]) == 0
     assert "ratio" in capsys.readouterr().out and (tmp_path / "b.json").is_file()
+
+
+def test_cpu_step_rows():
+    from esm_turbo.bench import bench_cpu_steps
+    (row,) = bench_cpu_steps(sizes=("8M",), context=16, steps=2, calibration_tokens=256)
+    assert row["size"] == "8M" and row["turbo-3+1_step_ms"] > 0 and row["fp32_step_ms"] > 0
+    assert row["calibration_s"] > 0
