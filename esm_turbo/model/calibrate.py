@@ -104,7 +104,7 @@ def _choose_value_codecs(engine: TurboEsm, batches, plain: list[VectorQuantizer]
             e = (v.float() - q.decode(q.encode(v))) * valid[:, None, :, None]  # [B, H, S, d]
             err[layer, i] += torch.einsum("bhsd,hde,bhse->h", e, grams[layer], e).double().cpu()
 
-    _run(engine, batches, record, "calibrate 3/3 (value rotation)", progress)
+    _run(engine, batches, record, "calibrate: value rotation choice", progress)
     return [(e[1] < e[0]).long() for e in err]
 
 
@@ -126,7 +126,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         cov["k"][layer].add(k, valid)
         cov["v"][layer].add(v, valid)
 
-    n_tokens = _run(engine, batches, record_cov, "calibrate 1/2 (rotations)", progress)
+    n_tokens = _run(engine, batches, record_cov, "calibrate: rotations", progress)
 
     if config.key_rotation == "auto" or (config.value_rotation == "auto" and config.shared_lut):
         raise ValueError("rotation 'auto' is for values only, and needs separate K and V LUTs "
@@ -147,7 +147,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
             x = k if source[kind] == "k" else v
             hist[kind][layer].add(_valid_values(affine[kind][layer].forward(x), valid))
 
-    _run(engine, batches, record_hist, "calibrate 2/2 (LUTs)", progress)
+    _run(engine, batches, record_hist, "calibrate: LUTs", progress)
 
     bits = {"k": config.key_bits, "v": config.value_bits, "v*": config.value_bits}
     quantizers: dict[str, list[VectorQuantizer]] = {kind: [] for kind in rotation}
