@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
+from ..errors import EsmTurboError
 from ..fasta import Record, records_hash
 from ..quant.codec import KVCodec, VectorQuantizer
 from ..quant.histogram import HistogramAccumulator
@@ -114,6 +115,9 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     """Fit per-layer TurboESM codecs for ``model`` (EsmForMaskedLM) on ``records``."""
     if not records:
         raise ValueError("calibration needs at least one sequence")
+    if config.key_rotation == "auto" or (config.value_rotation == "auto" and config.shared_lut):
+        raise EsmTurboError("rotation 'auto' is for values only, and needs separate K and V LUTs "
+                         "(shared_lut with value_rotation 'identity' or 'svd-scaled')")
     engine = TurboEsm(model)
     layers, heads, dim = engine.num_layers, engine.heads, engine.head_dim
     batches = token_batches(records, config.batch_tokens, config.max_tokens)
@@ -128,9 +132,6 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
 
     n_tokens = _run(engine, batches, record_cov, "calibrate: rotations", progress)
 
-    if config.key_rotation == "auto" or (config.value_rotation == "auto" and config.shared_lut):
-        raise ValueError("rotation 'auto' is for values only, and needs separate K and V LUTs "
-                         "(shared_lut with value_rotation 'identity' or 'svd-scaled')")
     # candidate transforms per tensor kind: "k", "v", and for an automatic V choice a second one "v*"
     rotation = {"k": config.key_rotation, "v": config.value_rotation}
     if config.value_rotation == "auto":
