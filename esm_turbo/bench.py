@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .cache import KVCache
+from .fasta import CALIBRATION_DATA
 from .ops import attend_compressed, force_reference, use_kernels
 from .ops.compressed import fused_tables
 from .testing import random_turbo_codec
@@ -269,7 +270,7 @@ def bench_cpu_steps(sizes=("8M", "35M"), context: int = 256, steps: int = 8,
     the first ``calibration_tokens`` tokens of calibration_data (default recipe)."""
     from dataclasses import replace
 
-    from .fasta import CALIBRATION_DATA, read_fastas
+    from .fasta import read_fastas
     from .model.alphabet import alphabet
     from .model.calibrate import calibrate
     from .model.checkpoint import PRESETS
@@ -353,7 +354,7 @@ def bench_embed(device, fasta: list[str], size: str = "650M", repeat: int = 8, h
     return result
 
 
-EMBED_FASTA = ["calibration_data/calibration.fasta", "calibration_data/evaluation.fasta"]
+EMBED_FASTA = [str(CALIBRATION_DATA / "calibration.fasta"), str(CALIBRATION_DATA / "evaluation.fasta")]
 
 
 def run(quick: bool = False, device: str | None = None, reference: bool = False, suite: str = "decode",

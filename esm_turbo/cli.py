@@ -13,6 +13,7 @@ import torch
 
 from .errors import EsmTurboError
 from .fasta import CALIBRATION_DATA
+from .model.checkpoint import PRESETS
 
 log = logging.getLogger("esm_turbo")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -196,8 +197,6 @@ def cmd_demo(args) -> int:
     return 0
 
 
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="esm-turbo", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -221,8 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--fasta", nargs="+", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--preset", choices=["default", "paper", "no-rotation", "kv-rotated", "v-unrotated", "shared-lut", "no-residual"],
-                   default="default")
+    p.add_argument("--preset", choices=list(PRESETS), default="default")
     p.add_argument("--bits", type=int, help="bits for both K and V")
     p.add_argument("--key-bits", type=int)
     p.add_argument("--value-bits", type=int)
@@ -244,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-fraction", type=float, default=0.5)
     p.add_argument("--max-steps", type=int, help="decode at most this many residues per sequence")
     p.add_argument("--limit", type=int, help="evaluate only the first N sequences")
-    p.add_argument("--ablations", nargs="*", choices=["paper", "no-rotation", "kv-rotated", "v-unrotated", "shared-lut", "no-residual"],
+    p.add_argument("--ablations", nargs="*", choices=[n for n in PRESETS if n != "default"],
                    default=[], help="also calibrate and evaluate these recipes")
     p.add_argument("--calibration-fasta", nargs="+", default=["calibration_data/calibration.fasta"])
     p.add_argument("--json", nargs="?", const="-", help="write JSON (to a path, or stdout with no path)")

@@ -42,5 +42,11 @@ def token_strides(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return t, (t.stride(0), t.stride(1), t.stride(2))
 
 
+def dot_precision(t: torch.Tensor) -> str:
+    """fp32-accurate dots: tf32x3 on tensor cores on CUDA; ieee under Triton's interpreter (CPU tensors,
+    in tests), which has no tf32x3."""
+    return "tf32x3" if t.device.type == "cuda" else "ieee"
+
+
 def split16(x: torch.Tensor, precision: str) -> bool:
     return x.dtype == torch.float16 and precision != "ieee"

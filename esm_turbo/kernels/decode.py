@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import rotate_rows, split16, token_offsets, token_strides
+from .common import dot_precision, rotate_rows, split16, token_offsets, token_strides
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -79,7 +79,7 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     lp = tl.load(l_ptr + part, mask=nmask[:, None], other=0.0)
     accp = tl.load(acc_ptr + part[:, :, None] * D + offs_d[None, None, :], mask=nmask[:, None, None], other=0.0)
 
-    # the step's own tokens (full precision, affine domain), keys indexed by offs_k
+    # the step's own tokens (full precision, affine domain): queries × keys both over offs_s
     q_row = qt_ptr + (pid_bh * S + offs_s) * (D + 1)
     q = tl.load(q_row[:, None] + offs_d[None, :], mask=smask[:, None], other=0.0) * _LOG2E
     c0 = tl.load(q_row + D, mask=smask, other=0.0) * _LOG2E
@@ -242,7 +242,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     # tuned on an H100 (results/gpu/tune_decode_h100.txt)
     cfg = dict(block_t=64, num_warps=2, waves=4) if d <= 64 else dict(block_t=32, num_warps=2, waves=8)
     cfg.update(config or {})
-    precision = "ieee" if _interpreting() else "tf32x3"
+    precision = dot_precision(q)
     t_cap = k_idx.shape[2]
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import rotate_rows, split16, token_offsets, token_strides
+from .common import dot_precision, rotate_rows, split16, token_offsets, token_strides
 
 
 @triton.jit
@@ -89,9 +89,9 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     batch, heads, s, d = k.shape
     # tuned on an H100 (results/gpu/tune_quantize_h100.txt): 128-token blocks for a prefill, 64 for decode
     # steps; tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
-    cfg = dict(block_n=128 if batch * s >= 1024 else 64, num_warps=4, precision="tf32x3")
+    cfg = dict(block_n=128 if batch * s >= 1024 else 64, num_warps=4, precision=dot_precision(k))
     cfg.update(config or {})
-    if k.device.type != "cuda":  # Triton's interpreter (tests) has no tf32x3
+    if dot_precision(k) == "ieee":  # the interpreter has nothing else
         cfg["precision"] = "ieee"
     block_n = cfg["block_n"]
 

@@ -117,7 +117,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         raise ValueError("calibration needs at least one sequence")
     if config.key_rotation == "auto" or (config.value_rotation == "auto" and config.shared_lut):
         raise EsmTurboError("rotation 'auto' is for values only, and needs separate K and V LUTs "
-                         "(shared_lut with value_rotation 'identity' or 'svd-scaled')")
+                            "(shared_lut with value_rotation 'identity' or 'svd-scaled')")
     engine = TurboEsm(model)
     layers, heads, dim = engine.num_layers, engine.heads, engine.head_dim
     batches = token_batches(records, config.batch_tokens, config.max_tokens)
@@ -150,7 +150,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
 
     _run(engine, batches, record_hist, "calibrate: LUTs", progress)
 
-    bits = {"k": config.key_bits, "v": config.value_bits, "v*": config.value_bits}
+    bits = {"k": config.key_bits, "v": config.value_bits}
     quantizers: dict[str, list[VectorQuantizer]] = {kind: [] for kind in rotation}
     for li in range(layers):
         points = {kind: [hist[kind][li].points(h) for h in range(heads)] for kind in rotation}
@@ -160,14 +160,14 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
                       for pk, pv in zip(points["k"], points["v"])]
         for kind in rotation:
             quantizers[kind].append(VectorQuantizer.from_calibration(
-                affine[kind][li], points[kind], bits[kind], config.residual, config.sign_mode,
+                affine[kind][li], points[kind], bits[source[kind]], config.residual, config.sign_mode,
                 quantizer_seed(config, li, source[kind]), shared).to(engine.device))
 
     choice = None
     if "v*" in rotation:
         choice = _choose_value_codecs(engine, batches, quantizers["v"], quantizers["v*"], progress)
         quantizers["v"] = [combine_heads((a, b), c) for a, b, c in zip(quantizers["v"], quantizers["v*"], choice)]
-    codecs = [KVCodec(k, v).to(engine.device) for k, v in zip(quantizers["k"], quantizers["v"])]
+    codecs = [KVCodec(k, v) for k, v in zip(quantizers["k"], quantizers["v"])]
     elapsed = time.perf_counter() - start
     log.info("calibrated %d layers × %d heads on %d tokens in %.1f s", layers, heads, n_tokens, elapsed)
     meta = dict(layers=layers, heads=heads, head_dim=dim, model_fingerprint=model_fingerprint(model),
