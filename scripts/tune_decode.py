@@ -1,5 +1,9 @@
 """Time the fused decode-attention kernel alone under several launch configs (GPU); prints a table.
-Used to pick the defaults of ``compressed_attention_triton``; the notes are in results/README.md."""
+Used to pick the defaults of ``compressed_attention_triton``; the notes are in results/README.md.
+
+    python scripts/tune_decode.py            # split-K launch configs
+    python scripts/tune_decode.py single     # one-launch vs three-launch path for small steps
+    python scripts/tune_decode.py quantize   # quantize-and-pack configs"""
 
 import itertools
 
@@ -76,6 +80,46 @@ def tune_quantize():
             print("  skip", cfg, type(err).__name__)
 
 
+def tune_single():
+    """One-launch vs three-launch path for small decode steps (S = 1), whole op timed as a CUDA graph with
+    a cold L2 (as ``esm-turbo bench`` times it): where the one launch wins sets ``one_launch``."""
+    from esm_turbo.bench import _time
+    dev = torch.device("cuda")
+    singles = [dict(path="one", block_t=bt, num_warps=w, waves=wv) for bt, w, wv in
+               ((64, 2, 4), (32, 2, 4), (32, 2, 8), (16, 2, 8), (64, 4, 4))]
+    print(f"{'heads':>5} {'d':>4} {'B':>3} {'T':>6} | split µs | one-launch µs per (block_t, warps, waves) | best")
+    for heads, d in ((20, 64), (40, 128)):
+        for batch in (1, 2, 4, 8):
+            for t in (256, 1024, 4096, 16384):
+                cache = _synthetic_cache(heads, d, batch, t, dev)
+                codec = cache.codecs[0]
+                tab = fused_tables(codec)
+                p = cache.parts[0]
+                q = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
+                y = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
+                valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
+                key, value = codec.key, codec.value
+                args = (q, y, y, valid, *tab.packed(p, "k"), *tab.packed(p, "v"), tab.k_tab, tab.v_tab,
+                        cache.lengths, key.rot, key.offset, key.scale, value.rot, value.offset, value.scale,
+                        tab.k_codes.bits, tab.v_codes.bits)
+                ref = compressed_attention_triton(*args, config=dict(path="split"))
+                split = _time(lambda: compressed_attention_triton(*args, config=dict(path="split")), dev) * 1e6
+                times = []
+                for cfg in singles:
+                    out = compressed_attention_triton(*args, config=cfg)
+                    assert torch.allclose(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+                    times.append(_time(lambda: compressed_attention_triton(*args, config=cfg), dev) * 1e6)
+                best = min(range(len(times)), key=times.__getitem__)
+                cells = " ".join(f"{x:7.1f}" for x in times)
+                print(f"{heads:>5} {d:>4} {batch:>3} {t:>6} | {split:8.1f} | {cells} | "
+                      f"{str(singles[best]) if times[best] < split else 'split'}", flush=True)
+
+
 if __name__ == "__main__":
     import sys
-    tune_quantize() if "quantize" in sys.argv else main()
+    if "quantize" in sys.argv:
+        tune_quantize()
+    elif "single" in sys.argv:
+        tune_single()
+    else:
+        main()

@@ -85,7 +85,7 @@ def strided(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32):
+def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto"):
     """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
     float64 from the same values."""
     from esm_turbo.kernels.decode import compressed_attention_triton
@@ -96,7 +96,7 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
     ref64 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float64))
     ref32 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float32))
     args = _reference_args(codec, cache, q, k, v, valid, torch.float32)
-    out = compressed_attention_triton(*args)
+    out = compressed_attention_triton(*args, config=dict(path=path))
     assert torch.isfinite(out).all() and out.dtype == dtype
     err = (out.double() - ref64).abs().max().item()
     err_pt = (ref32.double() - ref64).abs().max().item()
@@ -108,6 +108,25 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
                                              (4, "sign", 32), (1, "sign", 16)])
 def test_decode_kernel_small(bits, residual, d):
     check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1)
+
+
+@needs_triton
+@pytest.mark.parametrize("path", ["one", "split"])
+@pytest.mark.parametrize("bits,residual,d,dtype", [(3, "sign", 16, torch.float32), (2, "none", 32, torch.float16),
+                                                   (4, "sign", 64, torch.float32)])
+def test_decode_kernel_both_paths(bits, residual, d, dtype, path):
+    """The one-launch path (the last split merges) and the three-launch split-K path against the
+    reference: an empty row, a one-token row, rows across several tiles and splits."""
+    check_kernel_matches(bits, residual, d, batch=4, lengths=[0, 1, 300, 129], s=1, dtype=dtype, path=path)
+
+
+@needs_triton
+def test_one_launch_rule():
+    from esm_turbo.kernels.decode import SMALL_MAX_SLOTS, one_launch
+    assert one_launch(1, 20, 1, 64, 1024)
+    assert not one_launch(1, 20, 2, 64, 1024)  # several queries per row: the three-launch path
+    assert not one_launch(1, 20, 1, 128, 1024)
+    assert not one_launch(1, 1, 1, 64, SMALL_MAX_SLOTS + 1)
 
 
 @needs_triton
@@ -190,6 +209,9 @@ def test_decode_kernel_grid_gpu(bits, d):
             check_kernel_matches(bits, residual, d, batch, lengths, s=1, heads=4, seed=bits + d)
     check_kernel_matches(bits, "sign", d, 8, [500] * 8, s=4, heads=4)
     check_kernel_matches(bits, "sign", d, 16, [1000] * 16, s=1, heads=4, dtype=torch.float16)
+    for path in ("one", "split"):  # both paths whatever the dispatch rule picks for these shapes
+        check_kernel_matches(bits, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path)
+        check_kernel_matches(bits, "none", d, 2, [16384, 700], s=1, heads=4, dtype=torch.float16, path=path)
 
 
 @gpu

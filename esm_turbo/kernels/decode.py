@@ -18,7 +18,9 @@ values, on tensor cores), ``_prefix_kernel`` (grid B·H·S × splits, one query 
 walks its share of the prefix with an online softmax and writes (m, l, acc); tiles stay [BLOCK_T, d/8, 8]
 so the packed words never need a reshape), then ``_merge_kernel`` (grid B·H) that merges the splits with
 log-sum-exp, adds the step's own full-precision tokens, maps the output back to the value domain and
-casts it to the query's dtype. No dequantized tensor is written to global memory.
+casts it to the query's dtype. A small step (one query per sequence, few rows: ``one_launch``) takes
+one launch instead, ``_small_kernel``: split-K programs that rotate the query themselves, and the last
+split of each (b, h) to finish merges. No dequantized tensor is written to global memory.
 """
 
 from __future__ import annotations
@@ -112,9 +114,10 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
 
 
 @triton.jit
-def _dequant_tile(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
-                  D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Decode BLOCK_T token rows → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r."""
+def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    """The packed codes of BLOCK_T token rows: (words [BLOCK_T, D/8] int32 — 8 codes each — and sign bytes
+    [BLOCK_T, D/8] int32, or the words again without a sign part)."""
     D8: tl.constexpr = D // 8
     NB: tl.constexpr = D * BITS // 8
     g = tl.arange(0, D8)
@@ -126,10 +129,18 @@ def _dequant_tile(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
         for i in tl.static_range(BITS):
             byte = tl.load(idx_ptr + offs_t[:, None] * NB + g[None, :] * BITS + i, mask=tmask[:, None], other=0)
             word = word | (byte.to(tl.int32) << (8 * i))
+    sb = word
+    if SIGN:
+        sb = tl.load(sign_ptr + offs_t[:, None] * D8 + g[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+    return word, sb
+
+
+@triton.jit
+def _decode_codes(word, sb, tab_ptr, BITS: tl.constexpr, SIGN: tl.constexpr):
+    """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r."""
     r = tl.arange(0, 8)
     code = (word[:, :, None] >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1)
     if SIGN:
-        sb = tl.load(sign_ptr + offs_t[:, None] * D8 + g[None, :], mask=tmask[:, None], other=0).to(tl.int32)
         code = code * 2 + ((sb[:, :, None] >> r[None, None, :]) & 1)
     return tl.load(tab_ptr + code)  # a 16-entry table per head: L1 hits (a register tl.gather measured slower)
 
@@ -138,10 +149,13 @@ def _dequant_tile(idx_ptr, sign_ptr, tab_ptr, offs_t, tmask,
 def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
                   VSIGN: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One BLOCK_T tile of the online softmax for one query (scores in log2 units)."""
+    """One BLOCK_T tile of the online softmax for one query (scores in log2 units). The value codes are
+    fetched with the key codes: one memory round trip per tile, not two."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     tmask = offs_t < end
-    k = _dequant_tile(k_idx, k_sign, k_tab, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T)
+    kw, ks = _load_codes(k_idx, k_sign, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T)
+    vw, vs = _load_codes(v_idx, v_sign, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
+    k = _decode_codes(kw, ks, k_tab, KBITS, KSIGN)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
@@ -152,9 +166,38 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx, v_sign, 
         m_i = m_tile
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
     l_i = l_i + tl.sum(p, axis=0)
-    v = _dequant_tile(v_idx, v_sign, v_tab, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
+    v = _decode_codes(vw, vs, v_tab, VBITS, VSIGN)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
+
+
+@triton.jit
+def _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D: tl.constexpr, KBITS: tl.constexpr,
+               VBITS: tl.constexpr):
+    """Pointers to row 0 of cache row ``pid_bh`` (= b·H + h) in each packed part."""
+    row0 = pid_bh.to(tl.int64) * T_CAP
+    return (k_idx_ptr + row0 * (D * KBITS // 8), k_sign_ptr + row0 * (D // 8), v_idx_ptr + row0 * (D * VBITS // 8),
+            v_sign_ptr + row0 * (D // 8))
+
+
+@triton.jit
+def _walk(q3, c0, start, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
+          D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
+          BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr):
+    """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
+    ``INTERPRET`` > 0 (Triton's interpreter): that many tiles, unrolled (the interpreter needs a static loop)."""
+    m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
+    acc = tl.zeros((BLOCK_T, D // 8, 8), dtype=tl.float32)
+    if INTERPRET > 0:
+        for it in tl.static_range(INTERPRET):
+            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, start + it * BLOCK_T, end, k_idx, k_sign, v_idx,
+                                          v_sign, k_tab, v_tab, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    else:
+        for t0 in range(start, end, BLOCK_T):
+            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx,
+                                          v_sign, k_tab, v_tab, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    return m_i, l_i, tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -175,39 +218,101 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, length)
 
-    D8: tl.constexpr = D // 8
-    g = tl.arange(0, D8)
+    g = tl.arange(0, D // 8)
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
     q_row = qt_ptr + (pid_bh * S + qi) * (D + 1)
     q3 = tl.load(q_row + chan) * _LOG2E
     c0 = tl.load(q_row + D) * _LOG2E
-
-    KNB: tl.constexpr = D * KBITS // 8
-    VNB: tl.constexpr = D * VBITS // 8
-    row0 = pid_bh.to(tl.int64) * T_CAP
-    k_idx = k_idx_ptr + row0 * KNB
-    v_idx = v_idx_ptr + row0 * VNB
-    k_sign = k_sign_ptr + row0 * D8
-    v_sign = v_sign_ptr + row0 * D8
-
-    k_tab = k_tab_ptr + h * NK
-    v_tab = v_tab_ptr + h * NV
-    m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
-    acc = tl.zeros((BLOCK_T, D8, 8), dtype=tl.float32)
-    if INTERPRET > 0:
-        for it in tl.static_range(INTERPRET):
-            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, start + it * BLOCK_T, end, k_idx, k_sign, v_idx,
-                                          v_sign, k_tab, v_tab, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
-    else:
-        for t0 in range(start, end, BLOCK_T):
-            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, k_idx, k_sign, v_idx,
-                                          v_sign, k_tab, v_tab, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    k_idx, k_sign, v_idx, v_sign = _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D,
+                                              KBITS, VBITS)
+    m_i, l_i, acc = _walk(q3, c0, start, end, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
+                          D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, INTERPRET)
     part = (pid_bh * NS + split) * BLOCK_S + qi
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
-    tl.store(acc_ptr + part * D + chan, tl.sum(acc, axis=0))
+    tl.store(acc_ptr + part * D + chan, acc)
+
+
+@triton.jit
+def _rotate_vec(x_ptr, rot_ptr, chan, D: tl.constexpr):
+    """One row x [D] (any float dtype) times Πᵀ of one head (Π [D, D] float32), fp32 on the CUDA cores:
+    ``z[e] = Σ_d Π[e, d] x[d]`` laid out like ``chan`` [D/8, 8]."""
+    offs_d = tl.arange(0, D)
+    x = tl.load(x_ptr + offs_d).to(tl.float32)
+    rot = tl.load(rot_ptr + chan[:, :, None] * D + offs_d[None, None, :])
+    return tl.sum(rot * x[None, None, :], axis=2)
+
+
+@triton.jit
+def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
+                  k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, len_ptr,
+                  k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr, acc_ptr, y_ptr, count_ptr,
+                  out_ptr, H, T_CAP, CHUNK, NS,
+                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
+                  VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NS: tl.constexpr, NK: tl.constexpr,
+                  NV: tl.constexpr, INTERPRET: tl.constexpr):
+    """Grid (B·H, splits), one query per sequence (S = 1), the whole step in one launch: each program
+    rotates the query itself and walks its split (split 0 also maps the step's own K/V to the affine
+    domain, ``y_ptr`` [B·H, 2, D]); the last split of a (b, h) to finish (an atomic count, ``count_ptr``
+    zeroed by the caller) merges all splits with the step's own token and rotates the output back. For
+    small steps, where the prep and merge launches cost more than they save."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    g = tl.arange(0, D // 8)
+    r = tl.arange(0, 8)
+    chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
+    hd = h * D
+    k_off = tl.load(k_offset + hd + chan)
+    k_sc = tl.load(k_scale + hd + chan)
+    z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
+    q3 = z * k_sc * _LOG2E
+    c0 = tl.sum(tl.sum(z * k_off, axis=1), axis=0) * _LOG2E
+
+    length = tl.load(len_ptr + b).to(tl.int32)
+    start = split * CHUNK
+    k_idx, k_sign, v_idx, v_sign = _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D,
+                                              KBITS, VBITS)
+    m_i, l_i, acc = _walk(q3, c0, start, tl.minimum(start + CHUNK, length), k_idx, k_sign, v_idx, v_sign,
+                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, INTERPRET)
+    part = pid_bh * NS + split
+    tl.store(m_ptr + part, m_i)
+    tl.store(l_ptr + part, l_i)
+    tl.store(acc_ptr + part * D + chan, acc)
+    v_off = tl.load(v_offset + hd + chan)
+    v_sc = tl.load(v_scale + hd + chan)
+    if split == 0:  # the step's own token, full precision in the affine domain, off the merging tail
+        yk = (_rotate_vec(k_ptr + b.to(tl.int64) * skb + h * skh, k_rot + hd * D, chan, D) - k_off) / k_sc
+        yv = (_rotate_vec(v_ptr + b.to(tl.int64) * svb + h * svh, v_rot + hd * D, chan, D) - v_off) / v_sc
+        tl.store(y_ptr + pid_bh * 2 * D + chan, yk)
+        tl.store(y_ptr + pid_bh * 2 * D + D + chan, yv)
+    tl.debug_barrier()  # every thread's stores made before the (one-thread, releasing) count
+    if tl.atomic_add(count_ptr + pid_bh, 1, sem="acq_rel") == NS - 1:
+        offs_n = tl.arange(0, BLOCK_NS)
+        nmask = offs_n < NS
+        rows = pid_bh * NS + offs_n
+        m = tl.load(m_ptr + rows, mask=nmask, other=float("-inf"), cache_modifier=".cg")
+        lp = tl.load(l_ptr + rows, mask=nmask, other=0.0, cache_modifier=".cg")
+        accp = tl.load(acc_ptr + rows[:, None, None] * D + chan[None, :, :], mask=nmask[:, None, None], other=0.0,
+                       cache_modifier=".cg")
+        yk = tl.load(y_ptr + pid_bh * 2 * D + chan, cache_modifier=".cg")
+        yv = tl.load(y_ptr + pid_bh * 2 * D + D + chan, cache_modifier=".cg")
+        s_new = tl.sum(tl.sum(q3 * yk, axis=1), axis=0) + c0
+        s_new = tl.where(tl.load(valid_ptr + b) != 0, s_new, float("-inf"))
+        mx = tl.maximum(tl.max(m, axis=0), s_new)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(m - mx)
+        p_new = tl.exp2(s_new - mx)
+        l_tot = tl.sum(w * lp, axis=0) + p_new
+        o = (tl.sum(w[:, None, None] * accp, axis=0) + p_new * yv) / tl.where(l_tot == 0.0, 1.0, l_tot)
+        o = o * v_sc + tl.where(l_tot == 0.0, 0.0, 1.0) * v_off
+        # back to the value domain: out[d] = Σ_e o[e] Πᵥ[e, d]
+        offs_d = tl.arange(0, D)
+        rot = tl.load(v_rot + hd * D + chan[:, :, None] * D + offs_d[None, None, :])
+        out = tl.sum(tl.sum(rot * o[:, :, None], axis=0), axis=0)
+        tl.store(out_ptr + pid_bh * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def _interpreting() -> bool:
@@ -229,6 +334,47 @@ def plan_splits(programs: int, capacity: int, block_t: int, sms: int, waves: int
     return splits, chunk
 
 
+#: the one-launch path (``_small_kernel``) for S = 1, head_dim ≤ 64 and at most this many cached
+#: (row, head, position) slots: where it beat the three-launch path on an H100
+#: (results/gpu/tune_single_h100.txt; its per-program query rotation is too costly at d = 128)
+SMALL_MAX_SLOTS = 1 << 18
+
+
+def one_launch(batch: int, heads: int, s: int, d: int, capacity: int) -> bool:
+    """Whether a decode step of this shape takes the one-launch path."""
+    return s == 1 and d <= 64 and batch * heads * capacity <= SMALL_MAX_SLOTS
+
+
+def _sign_or_main(sign: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
+    """A kernel's sign pointer: the sign part, or (no sign bits; the kernel never reads it) the main part."""
+    return sign if sign.numel() > 0 else main
+
+
+def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, lengths,
+                     k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, cfg) -> torch.Tensor:
+    batch, heads, _, d = q.shape
+    t_cap = k_idx.shape[2]
+    block_t = cfg["block_t"]
+    splits, chunk = plan_splits(batch * heads, t_cap, block_t, _num_sms(q.device), cfg["waves"])
+    dev = q.device
+    m = torch.empty(batch * heads * splits, device=dev, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(batch * heads * splits, d, device=dev, dtype=torch.float32)
+    y = torch.empty(batch * heads, 2, d, device=dev, dtype=torch.float32)
+    count = torch.zeros(batch * heads, device=dev, dtype=torch.int32)
+    out = torch.empty(batch, heads, 1, d, device=dev, dtype=q.dtype)
+    (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
+    _small_kernel[(batch * heads, splits)](
+        q, *q_strides[:2], k_new, *k_strides[:2], v_new, *v_strides[:2], new_valid,
+        k_idx, _sign_or_main(k_sign, k_idx), v_idx, _sign_or_main(v_sign, v_idx), k_tab, v_tab, lengths,
+        k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m, l_, acc, y, count, out, heads, t_cap, chunk,
+        splits,
+        D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
+        BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab.shape[1], NV=v_tab.shape[1],
+        INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
+    return out
+
+
 def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                 new_valid: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor,
                                 v_idx: torch.Tensor, v_sign: torch.Tensor, k_tab: torch.Tensor,
@@ -237,13 +383,23 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int, v_bits: int,
                                 config: dict | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
-    ``config`` overrides the launch choice (block_t, num_warps, waves) for tuning."""
+    ``config`` overrides the launch choice for tuning: ``path`` (auto | one | split), block_t / num_warps /
+    waves."""
     batch, heads, s, d = q.shape
+    t_cap = k_idx.shape[2]
     # tuned on an H100 (results/gpu/tune_decode_h100.txt)
     cfg = dict(block_t=64, num_warps=2, waves=4) if d <= 64 else dict(block_t=32, num_warps=2, waves=8)
+    small = one_launch(batch, heads, s, d, t_cap)
+    if small:  # results/gpu/tune_single_h100.txt
+        cfg = dict(block_t=32, num_warps=2, waves=4)
+    cfg["path"] = "auto"
     cfg.update(config or {})
+    if cfg["path"] == "one" or (cfg["path"] == "auto" and small):
+        if s != 1:
+            raise ValueError("the one-launch path takes one query per sequence")
+        return _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, lengths,
+                                 k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, cfg)
     precision = dot_precision(q)
-    t_cap = k_idx.shape[2]
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]
     programs = batch * heads * s
@@ -264,7 +420,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
     k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
     _prefix_kernel[(programs, splits)](
-        qt, k_idx, k_sign if k_has_sign else k_idx, v_idx, v_sign if v_has_sign else v_idx,
+        qt, k_idx, _sign_or_main(k_sign, k_idx), v_idx, _sign_or_main(v_sign, v_idx),
         k_tab, v_tab, lengths, m, l_, acc, heads, s, t_cap, chunk, splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab.shape[1], NV=v_tab.shape[1],
