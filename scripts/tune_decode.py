@@ -15,23 +15,29 @@ from esm_turbo.kernels.decode import compressed_attention_triton
 from esm_turbo.ops.compressed import fused_tables
 
 
+def step_args(heads: int, d: int, batch: int, t: int, dev: torch.device):
+    """(codec, arguments of ``compressed_attention_triton``) for one fp16 query per row over a random
+    3+1-bit cache of ``t`` tokens per row."""
+    cache = _synthetic_cache(heads, d, batch, t, dev)
+    codec = cache.codecs[0]
+    tab = fused_tables(codec)
+    p = cache.parts[0]
+    q = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
+    y = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
+    valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
+    key, value = codec.key, codec.value
+    return codec, (q, y, y, valid, *tab.packed(p, "k"), *tab.packed(p, "v"), tab.k_tab, tab.v_tab, cache.lengths,
+                   key.rot, key.offset, key.scale, value.rot, value.offset, value.scale, tab.k_codes.bits,
+                   tab.v_codes.bits)
+
+
 def main():
     dev = torch.device("cuda")
     configs = [dict(block_t=bt, num_warps=w, waves=wv)
                for bt, w, wv in itertools.product((16, 32, 64), (2, 4, 8), (4, 8))]
     print(f"{'heads':>5} {'d':>4} {'B':>3} {'T':>6} | best config -> µs (GB/s) | default µs")
     for heads, d, batch, t in ((20, 64, 1, 1024), (20, 64, 8, 16384), (20, 64, 64, 4096), (40, 128, 8, 4096)):
-        cache = _synthetic_cache(heads, d, batch, t, dev)
-        codec = cache.codecs[0]
-        tab = fused_tables(codec)
-        p = cache.parts[0]
-        q = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
-        y = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
-        valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
-        key, value = codec.key, codec.value
-        args = (q, y, y, valid, *tab.packed(p, "k"), *tab.packed(p, "v"), tab.k_tab, tab.v_tab, cache.lengths,
-                key.rot, key.offset, key.scale, value.rot, value.offset, value.scale, tab.k_codes.bits,
-                tab.v_codes.bits)
+        codec, args = step_args(heads, d, batch, t, dev)
         nbytes = codec.bytes_per_token() * heads * batch * t
         results = []
         ref = compressed_attention_triton(*args)
@@ -91,17 +97,7 @@ def tune_single():
     for heads, d in ((20, 64), (40, 128)):
         for batch in (1, 2, 4, 8):
             for t in (256, 1024, 4096, 16384):
-                cache = _synthetic_cache(heads, d, batch, t, dev)
-                codec = cache.codecs[0]
-                tab = fused_tables(codec)
-                p = cache.parts[0]
-                q = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
-                y = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
-                valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
-                key, value = codec.key, codec.value
-                args = (q, y, y, valid, *tab.packed(p, "k"), *tab.packed(p, "v"), tab.k_tab, tab.v_tab,
-                        cache.lengths, key.rot, key.offset, key.scale, value.rot, value.offset, value.scale,
-                        tab.k_codes.bits, tab.v_codes.bits)
+                _, args = step_args(heads, d, batch, t, dev)
                 ref = compressed_attention_triton(*args, config=dict(path="split"))
                 split = _time(lambda: compressed_attention_triton(*args, config=dict(path="split")), dev) * 1e6
                 times = []
