@@ -3,6 +3,7 @@ Used to pick the defaults of ``compressed_attention_triton``; the notes are in r
 
     python scripts/tune_decode.py            # split-K launch configs
     python scripts/tune_decode.py single     # one-launch vs three-launch path for small steps
+    python scripts/tune_decode.py prefetch   # next-tile prefetch on the bench's grid
     python scripts/tune_decode.py quantize   # quantize-and-pack configs"""
 
 import itertools
@@ -111,10 +112,37 @@ def tune_single():
                       f"{str(singles[best]) if times[best] < split else 'split'}", flush=True)
 
 
+def tune_prefetch():
+    """Requesting the next tile's codes before computing this one (``prefetch``), on the bench's grid:
+    whole op as a CUDA graph, cold L2, µs; default launch configs, then prefetch under a few configs."""
+    from esm_turbo.bench import _time
+    dev = torch.device("cuda")
+    variants = [dict(prefetch=True)] + [dict(prefetch=True, block_t=bt, num_warps=w, waves=wv)
+                                        for bt, w, wv in ((32, 2, 4), (64, 4, 4), (128, 4, 4), (64, 2, 8))]
+    print(f"{'heads':>5} {'d':>4} {'B':>3} {'T':>6} | default µs | prefetch µs: default cfg, "
+          f"{', '.join(str((v['block_t'], v['num_warps'], v['waves'])) for v in variants[1:])}")
+    for heads, d in ((20, 64), (40, 128)):
+        for batch in (1, 8, 64):
+            for t in (1024, 4096, 16384):
+                _, args = step_args(heads, d, batch, t, dev)
+                ref = compressed_attention_triton(*args)
+                base = _time(lambda: compressed_attention_triton(*args), dev) * 1e6
+                times = []
+                for cfg in variants:
+                    out = compressed_attention_triton(*args, config=cfg)
+                    assert torch.allclose(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+                    times.append(_time(lambda: compressed_attention_triton(*args, config=cfg), dev) * 1e6)
+                print(f"{heads:>5} {d:>4} {batch:>3} {t:>6} | {base:10.1f} | "
+                      + " ".join(f"{x:7.1f}" for x in times), flush=True)
+                torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     import sys
     if "quantize" in sys.argv:
         tune_quantize()
+    elif "prefetch" in sys.argv:
+        tune_prefetch()
     elif "single" in sys.argv:
         tune_single()
     else:
