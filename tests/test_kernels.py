@@ -183,6 +183,42 @@ def test_quantize_pack_kernel(bits, residual, d, dtype):
         assert torch.equal(ref[0][0, :, :s], enc[tables.k_codes.part if kind == "k" else tables.v_codes.part][0])
 
 
+@needs_triton
+@pytest.mark.parametrize("bits", [2, 3])
+def test_quantize_kernel_on_boundaries(bits):
+    """Kernel and reference codes agree byte for byte where ties decide: y exactly on a centroid (the
+    sign's y ≥ c[idx]) or a bound (idx counts bounds < y), and two tied centroids (a Lloyd-Max fit on
+    concentrated data can leave them). Identity rotation and fp32 dots, so y = x exactly."""
+    from esm_turbo.kernels.quantize import quantize_pack_triton
+    d = 16
+    codec = random_turbo_codec(1, d, bits, bits, "sign", seed=0).to(DEVICE)
+    cent = torch.linspace(-2.0, 2.0, 1 << bits)
+    cent[1] = cent[2]  # a tie
+    for q in (codec.key, codec.value):
+        q.rot.copy_(torch.eye(d))
+        q.offset.zero_()
+        q.scale.fill_(1.0)
+        q.centroids.copy_(cent[None])
+    tables = fused_tables(codec)
+    on_grid = torch.cat([cent, tables.k_bounds[0].cpu(), torch.tensor([-9.0, 9.0])])
+    x = torch.cat([on_grid, torch.randn(40 * d - on_grid.numel(), generator=torch.Generator().manual_seed(0))])
+    x = x.reshape(1, 1, 40, d).to(DEVICE)
+    pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    tabs = (codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids)
+    code = (bits, codec.key.combined_sign)
+    outs = []
+    for use_kernel in (False, True):
+        cache = KVCache([codec], 1, capacity=40, device=DEVICE)
+        parts = tables.packed(cache.parts[0], "k")
+        if use_kernel:
+            quantize_pack_triton(x, x, tabs, tabs, parts, tables.packed(cache.parts[0], "v"), pos, code, code,
+                                 config=dict(block_n=16, precision="ieee"))  # x Iᵀ exact on CUDA too
+        else:
+            quantize_pack_reference(x, *tabs, *parts, pos, *code)
+        outs.append(parts[0].clone())
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_custom_ops_compile_without_graph_breaks():
     codec = random_turbo_codec(2, 16, 3, 3, "sign")
     cache = filled_cache(codec, 2, [6, 11], "cpu")

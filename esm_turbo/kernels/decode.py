@@ -189,17 +189,17 @@ def _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D: t
 
 
 @triton.jit
-def _walk(q3, c0, start, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
+def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
           D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
           BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
+    (kw, ks, vw, vs): the first tile's codes, ``_fetch``-ed by the caller as early as it can.
     ``PREFETCH``: the next tile's codes are requested before this tile is computed (a register double
     buffer). ``INTERPRET`` > 0 (Triton's interpreter): that many tiles, unrolled (it needs a static loop)."""
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
     l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
     acc = tl.zeros((BLOCK_T, D // 8, 8), dtype=tl.float32)
     if INTERPRET > 0:
-        kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
         for it in tl.static_range(INTERPRET):
             t0 = start + it * BLOCK_T
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
@@ -208,7 +208,6 @@ def _walk(q3, c0, start, end, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab,
                                           KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     elif PREFETCH:
-        kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
         for t0 in range(start, end, BLOCK_T):
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T)
@@ -241,16 +240,17 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, length)
 
+    k_idx, k_sign, v_idx, v_sign = _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D,
+                                              KBITS, VBITS)
+    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
     g = tl.arange(0, D // 8)
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
     q_row = qt_ptr + (pid_bh * S + qi) * (D + 1)
     q3 = tl.load(q_row + chan) * _LOG2E
     c0 = tl.load(q_row + D) * _LOG2E
-    k_idx, k_sign, v_idx, v_sign = _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D,
-                                              KBITS, VBITS)
-    m_i, l_i, acc = _walk(q3, c0, start, end, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK, v_tab_ptr + h * NV,
-                          D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, PREFETCH, INTERPRET)
+    m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
+                          v_tab_ptr + h * NV, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, PREFETCH, INTERPRET)
     part = (pid_bh * NS + split) * BLOCK_S + qi
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -288,18 +288,20 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
     hd = h * D
+    length = tl.load(len_ptr + b).to(tl.int32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, length)
+    k_idx, k_sign, v_idx, v_sign = _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D,
+                                              KBITS, VBITS)
+    # the first tile's codes are requested before the query rotation: their latency overlaps it
+    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
     k_off = tl.load(k_offset + hd + chan)
     k_sc = tl.load(k_scale + hd + chan)
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
     q3 = z * k_sc * _LOG2E
     c0 = tl.sum(tl.sum(z * k_off, axis=1), axis=0) * _LOG2E
-
-    length = tl.load(len_ptr + b).to(tl.int32)
-    start = split * CHUNK
-    k_idx, k_sign, v_idx, v_sign = _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D,
-                                              KBITS, VBITS)
-    m_i, l_i, acc = _walk(q3, c0, start, tl.minimum(start + CHUNK, length), k_idx, k_sign, v_idx, v_sign,
-                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, PREFETCH, INTERPRET)
+    m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
+                          v_tab_ptr + h * NV, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, PREFETCH, INTERPRET)
     part = pid_bh * NS + split
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
