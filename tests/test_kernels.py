@@ -219,6 +219,29 @@ def test_quantize_kernel_on_boundaries(bits):
     assert torch.equal(outs[0], outs[1])
 
 
+def _has_nvidia_backend() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton.backends
+    return "nvidia" in triton.backends.backends
+
+
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas)")
+def test_kernels_compile_for_sm90():
+    """Every Triton kernel compiles for sm_90 (tests/compile_sm90.py, in a process without
+    TRITON_INTERPRET): the CPU interpreter runs the kernels' Python but never compiles them, so without
+    this a compile error would surface only on a GPU."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "compile_sm90.py")
+    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = [line for line in run.stdout.splitlines() if line.startswith("compiled ")]
+    assert len(compiled) == 7, run.stdout
+
+
 def test_custom_ops_compile_without_graph_breaks():
     codec = random_turbo_codec(2, 16, 3, 3, "sign")
     cache = filled_cache(codec, 2, [6, 11], "cpu")

@@ -1,0 +1,50 @@
+"""Compile every Triton kernel of esm_turbo for an H100 (sm_90) without a GPU, with Triton's bundled
+ptxas, under the constexprs the wrappers use; prints one ``compiled <kernel> <cubin bytes>`` line each.
+Run by tests/test_kernels.py::test_kernels_compile_for_sm90 (TRITON_INTERPRET must be unset)."""
+
+import inspect
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from esm_turbo.kernels import decode, quantize
+
+
+def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2) -> int:
+    """Constexprs from ``consts``, i32 scalars ``ints``, every other parameter a pointer (``ptrs`` names
+    its dtype, default fp32); returns the cubin size."""
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        sig[name] = "constexpr" if name in consts else "i32" if name in ints else ptrs.get(name, "*fp32")
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    size = len(kernel.asm["cubin"])
+    print("compiled", fn.fn.__name__, size, flush=True)
+    return size
+
+
+def main() -> None:
+    u8, i64, f16 = "*u8", "*i64", "*fp16"
+    codes = dict(k_idx_ptr=u8, k_sign_ptr=u8, v_idx_ptr=u8, v_sign_ptr=u8, len_ptr=i64)
+    walk = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0)
+    small_ints = {"sqb", "sqh", "skb", "skh", "svb", "svh", "H", "T_CAP", "CHUNK", "NS"}
+    small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16)
+    # fused 3+1-bit codes at d=64, and separate index/sign planes (3+1 keys, 2+1 values) at d=16
+    for d, kbits, ksign, vbits, vsign, nk, nv in ((64, 4, False, 4, False, 16, 16), (16, 3, True, 2, True, 16, 8)):
+        bits = dict(D=d, KBITS=kbits, KSIGN=ksign, VBITS=vbits, VSIGN=vsign, NK=nk, NV=nv, **walk)
+        compile_sm90(decode._prefix_kernel, dict(bits, BLOCK_S=1), {"H", "S", "T_CAP", "CHUNK", "NS"}, codes)
+        compile_sm90(decode._small_kernel, dict(bits, BLOCK_NS=16), small_ints, small_ptrs)
+    strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
+    compile_sm90(decode._prep_kernel, dict(D=64, BLOCK_N=16, PRECISION="tf32x3", QSPLIT=True, KSPLIT=True, VSPLIT=True),
+                 strides | {"B", "H", "S"}, dict(q_ptr=f16, k_ptr=f16, v_ptr=f16), num_warps=4)
+    compile_sm90(decode._merge_kernel, dict(D=64, BLOCK_S=2, BLOCK_NS=32, PRECISION="tf32x3"), {"H", "S", "NS"},
+                 dict(valid_ptr=u8, out_ptr=f16), num_warps=4)
+    compile_sm90(quantize._quantize_pack_kernel,
+                 dict(D=64, KBITS=3, KSIGN=True, KCOMB=True, VBITS=3, VSIGN=True, VCOMB=False, BLOCK_N=128,
+                      PRECISION="tf32x3", KSPLIT=True, VSPLIT=True),
+                 strides | {"B", "H", "S", "T_CAP"},
+                 dict(k_ptr=f16, v_ptr=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64), num_warps=4)
+
+
+if __name__ == "__main__":
+    main()
