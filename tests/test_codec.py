@@ -72,3 +72,38 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="needs calibration"):
         VectorQuantizer.oblivious(2, 16, 3, rotation="svd")
     assert isinstance(KVCodec(q, q).constant_nbytes(), int)
+
+
+def test_per_head_lookup_matches_a_loop():
+    """table [H, K, *tail] at idx [..., H, T, d]: head h's rows come from table[h] (leading dims and a
+    trailing table dim included)."""
+    from esm_turbo.quant.codec import per_head_lookup
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(3, 8, 2, generator=gen)
+    idx = torch.randint(0, 8, (2, 3, 5, 4), generator=gen)
+    out = per_head_lookup(table, idx)
+    assert out.shape == (2, 3, 5, 4, 2)
+    for b in range(2):
+        for h in range(3):
+            assert torch.equal(out[b, h], table[h][idx[b, h]])
+    assert torch.equal(per_head_lookup(table[..., 0], idx[0]), out[0, ..., 0])
+
+
+def test_sign_residual_decodes_through_the_fused_code_table():
+    """Decoding a sign residual with one look-up of code 2·idx + sign in ``code_table`` gives exactly
+    c[idx] + ε₁ or c[idx] − ε₀, for combined codes (3+1) and separate planes (4+1)."""
+    from esm_turbo.quant.codec import VectorQuantizer, lut_index
+    from esm_turbo.quant.rotations import AffineStats
+    for bits in (3, 4):
+        heads, dim = 2, 16
+        gen = torch.Generator().manual_seed(bits)
+        affine = AffineStats(rot=torch.eye(dim).expand(heads, dim, dim).clone(), offset=torch.zeros(heads, dim),
+                             scale=torch.ones(heads, dim))
+        points = [(torch.randn(2048, generator=gen).numpy(), torch.ones(2048).numpy()) for _ in range(heads)]
+        q = VectorQuantizer.from_calibration(affine, points, bits, "sign", "bin", 0)
+        y = torch.randn(1, heads, 9, dim, generator=gen)
+        idx = lut_index(y, q.centroids)
+        c = torch.gather(q.centroids[None, :, None, :].expand(1, heads, 9, -1), -1, idx)
+        e = q.eps[torch.arange(heads)[None, :, None, None], idx]  # [1, H, 9, dim, 2]
+        expect = torch.where(y >= c, c + e[..., 1], c - e[..., 0])
+        assert torch.equal(q.decode_affine(q.encode(y)), expect)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.codec import KVCodec, VectorQuantizer, lut_bounds, lut_code_parts
+from ..quant.codec import KVCodec, VectorQuantizer, code_table, lut_bounds, lut_code_parts
 from ..quant.packing import unpack_1bit_u8, unpack_bits
 from ..quant.rotations import affine_forward
 
@@ -34,16 +34,6 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
         if need_kernel_shape and (q.dim // 8) & (q.dim // 8 - 1):
             return False
     return True
-
-
-def code_table(q: VectorQuantizer) -> torch.Tensor:
-    """[H, n_codes] float32 values of a fused code: ``2·idx + sign → c[idx] + ε₁ | c[idx] − ε₀`` with a sign
-    residual, ``idx → c[idx]`` without."""
-    if q.residual != "sign":
-        return q.centroids.contiguous()
-    lo = q.centroids - q.eps[..., 0]
-    hi = q.centroids + q.eps[..., 1]
-    return torch.stack([lo, hi], dim=-1).reshape(q.heads, -1).contiguous()
 
 
 @dataclass
