@@ -107,3 +107,15 @@ def test_sign_residual_decodes_through_the_fused_code_table():
         e = q.eps[torch.arange(heads)[None, :, None, None], idx]  # [1, H, 9, dim, 2]
         expect = torch.where(y >= c, c + e[..., 1], c - e[..., 0])
         assert torch.equal(q.decode_affine(q.encode(y)), expect)
+
+
+def test_lut_index_is_searchsorted():
+    """#{bounds < y} per head, ties on a bound included, as torch.searchsorted counts it."""
+    from esm_turbo.quant.codec import lut_bounds, lut_index
+    gen = torch.Generator().manual_seed(0)
+    for k in (2, 8, 16):
+        cent = torch.sort(torch.randn(3, k, generator=gen), dim=-1).values
+        y = torch.randn(2, 3, 7, 16, generator=gen)
+        y[0, :, 0, : k - 1] = lut_bounds(cent)  # exactly on every bound
+        expect = torch.stack([torch.searchsorted(lut_bounds(cent)[h], y[:, h].contiguous()) for h in range(3)], 1)
+        assert torch.equal(lut_index(y, cent), expect)
