@@ -119,3 +119,19 @@ def test_lut_index_is_searchsorted():
         y[0, :, 0, : k - 1] = lut_bounds(cent)  # exactly on every bound
         expect = torch.stack([torch.searchsorted(lut_bounds(cent)[h], y[:, h].contiguous()) for h in range(3)], 1)
         assert torch.equal(lut_index(y, cent), expect)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_lut_decode_without_residual(bits):
+    """No residual: decode is c[idx] — through the byte-pair table at 4 bits, unpacked codes at 2."""
+    from esm_turbo.quant.codec import lut_index
+    from esm_turbo.quant.rotations import AffineStats
+    heads, dim = 2, 16
+    gen = torch.Generator().manual_seed(bits)
+    affine = AffineStats(rot=torch.eye(dim).expand(heads, dim, dim).clone(), offset=torch.zeros(heads, dim),
+                         scale=torch.ones(heads, dim))
+    points = [(torch.randn(2048, generator=gen).numpy(), torch.ones(2048).numpy()) for _ in range(heads)]
+    q = VectorQuantizer.from_calibration(affine, points, bits, "none", "bin", 0)
+    y = torch.randn(3, heads, 5, dim, generator=gen)
+    expect = torch.gather(q.centroids[None, :, None, :].expand(3, heads, 5, -1), -1, lut_index(y, q.centroids))
+    assert torch.equal(q.decode_affine(q.encode(y)), expect)
