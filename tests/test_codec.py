@@ -89,18 +89,23 @@ def test_per_head_lookup_matches_a_loop():
     assert torch.equal(per_head_lookup(table[..., 0], idx[0]), out[0, ..., 0])
 
 
+def _identity_quantizer(bits: int, residual: str, heads: int = 2, dim: int = 16):
+    """(a LUT quantizer fitted on Gaussian samples behind an identity affine map, so y = x; its generator)."""
+    from esm_turbo.quant.rotations import AffineStats
+    gen = torch.Generator().manual_seed(bits)
+    affine = AffineStats(rot=torch.eye(dim).expand(heads, dim, dim).clone(), offset=torch.zeros(heads, dim),
+                         scale=torch.ones(heads, dim))
+    points = [(torch.randn(2048, generator=gen).numpy(), torch.ones(2048).numpy()) for _ in range(heads)]
+    return VectorQuantizer.from_calibration(affine, points, bits, residual, "bin", 0), gen
+
+
 def test_sign_residual_decodes_through_the_fused_code_table():
     """Decoding a sign residual with one look-up of code 2·idx + sign in ``code_table`` gives exactly
     c[idx] + ε₁ or c[idx] − ε₀, for combined codes (3+1) and separate planes (4+1)."""
-    from esm_turbo.quant.codec import VectorQuantizer, lut_index
-    from esm_turbo.quant.rotations import AffineStats
+    from esm_turbo.quant.codec import lut_index
     for bits in (3, 4):
-        heads, dim = 2, 16
-        gen = torch.Generator().manual_seed(bits)
-        affine = AffineStats(rot=torch.eye(dim).expand(heads, dim, dim).clone(), offset=torch.zeros(heads, dim),
-                             scale=torch.ones(heads, dim))
-        points = [(torch.randn(2048, generator=gen).numpy(), torch.ones(2048).numpy()) for _ in range(heads)]
-        q = VectorQuantizer.from_calibration(affine, points, bits, "sign", "bin", 0)
+        q, gen = _identity_quantizer(bits, "sign")
+        heads, dim = q.heads, q.dim
         y = torch.randn(1, heads, 9, dim, generator=gen)
         idx = lut_index(y, q.centroids)
         c = torch.gather(q.centroids[None, :, None, :].expand(1, heads, 9, -1), -1, idx)
@@ -125,13 +130,8 @@ def test_lut_index_is_searchsorted():
 def test_lut_decode_without_residual(bits):
     """No residual: decode is c[idx] — through the byte-pair table at 4 bits, unpacked codes at 2."""
     from esm_turbo.quant.codec import lut_index
-    from esm_turbo.quant.rotations import AffineStats
-    heads, dim = 2, 16
-    gen = torch.Generator().manual_seed(bits)
-    affine = AffineStats(rot=torch.eye(dim).expand(heads, dim, dim).clone(), offset=torch.zeros(heads, dim),
-                         scale=torch.ones(heads, dim))
-    points = [(torch.randn(2048, generator=gen).numpy(), torch.ones(2048).numpy()) for _ in range(heads)]
-    q = VectorQuantizer.from_calibration(affine, points, bits, "none", "bin", 0)
+    q, gen = _identity_quantizer(bits, "none")
+    heads, dim = q.heads, q.dim
     y = torch.randn(3, heads, 5, dim, generator=gen)
     expect = torch.gather(q.centroids[None, :, None, :].expand(3, heads, 5, -1), -1, lut_index(y, q.centroids))
     assert torch.equal(q.decode_affine(q.encode(y)), expect)
