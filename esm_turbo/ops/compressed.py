@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.codec import KVCodec, VectorQuantizer, code_table, lut_bounds, lut_code_parts
-from ..quant.packing import unpack_1bit_u8, unpack_bits
+from ..quant.codec import KVCodec, VectorQuantizer, code_table, lookup_codes, lut_bounds, lut_code_parts
 from ..quant.rotations import affine_forward
 
 FUSED_BITS = (1, 2, 3, 4)
@@ -111,15 +110,6 @@ def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Te
         scatter_rows(sign_out, parts["sign"], pos)
 
 
-def _decode_codes(idx: torch.Tensor, sign: torch.Tensor, tab: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed [B,H,T,*] → affine-domain values [B,H,T,d] through the code table [H, codes]."""
-    codes = unpack_bits(idx, bits).long()
-    if sign.numel():
-        codes = 2 * codes + unpack_1bit_u8(sign).long()
-    heads = torch.arange(tab.shape[0], device=tab.device)[None, :, None, None]
-    return tab[heads, codes]
-
-
 def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                    new_valid: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor,
                                    v_idx: torch.Tensor, v_sign: torch.Tensor, k_tab: torch.Tensor,
@@ -141,8 +131,8 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     """
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
     qk, c0 = z * k_scale[:, None, :], (z * k_offset[:, None, :]).sum(-1, keepdim=True)
-    k_hat = _decode_codes(k_idx, k_sign, k_tab, k_bits)
-    v_hat = _decode_codes(v_idx, v_sign, v_tab, v_bits)
+    k_hat = lookup_codes(k_tab, k_idx, k_sign, k_bits)
+    v_hat = lookup_codes(v_tab, v_idx, v_sign, v_bits)
     t = k_hat.shape[2]
     keys = torch.cat([k_hat.to(k_rot.dtype), affine_forward(k_new, k_rot, k_offset, k_scale)], dim=2)
     values = torch.cat([v_hat.to(v_rot.dtype), affine_forward(v_new, v_rot, v_offset, v_scale)], dim=2)

@@ -91,6 +91,16 @@ def code_table(q: "VectorQuantizer") -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).reshape(q.heads, -1).contiguous()
 
 
+def lookup_codes(table: torch.Tensor, packed: torch.Tensor, sign: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Packed ``bits``-bit codes [..., H, T, d·bits/8] (and separate sign bits [..., H, T, d/8], or None /
+    empty) → table [H, codes] values [..., H, T, d], one look-up per value: of the code, or of
+    ``2·code + sign`` with separate sign bits (the layout of :func:`code_table`)."""
+    codes = unpack_bits(packed, bits).long()
+    if sign is not None and sign.numel():
+        codes = 2 * codes + unpack_1bit_u8(sign).long()
+    return per_head_lookup(table, codes)
+
+
 def lut_code_parts(y: torch.Tensor, centroids: torch.Tensor, bits: int, sign: bool,
                    combined: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Nearest-LUT codes of y [..., H, T, d] (affine domain), packed: ``code`` = 2·idx + sign at bits+1
@@ -231,13 +241,9 @@ class VectorQuantizer(nn.Module):
     def decode_affine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """parts → ẑ [..., H, T, d] in the affine domain (norm applied), float32."""
         if self.combined_sign:
-            y = per_head_lookup(code_table(self), unpack_bits(parts["code"], self.bits + 1))
-        elif self.residual == "sign":  # one look-up of the fused code 2·idx + sign
-            code = 2 * unpack_bits(parts["idx"], self.bits).long() + unpack_1bit_u8(parts["sign"]).long()
-            y = per_head_lookup(code_table(self), code)
-        else:
-            idx = unpack_bits(parts["idx"], self.bits)
-            y = per_head_lookup(self.centroids, idx)
+            y = lookup_codes(code_table(self), parts["code"], None, self.bits + 1)
+        else:  # idx, with its separate sign bits when the residual is a sign
+            y = lookup_codes(code_table(self), parts["idx"], parts.get("sign"), self.bits)
         if self.residual == "qjl":
             signs = unpack_1bit_u8(parts["qjl"]).float() * 2 - 1
             m = self.proj.shape[0]
