@@ -48,5 +48,11 @@ def dot_precision(t: torch.Tensor) -> str:
     return "tf32x3" if t.device.type == "cuda" else "ieee"
 
 
+def sign_or_main(sign: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
+    """A kernel's sign pointer: the sign part, or (no separate sign bits, so the kernel never reads it)
+    the main part."""
+    return sign if sign.numel() > 0 else main
+
+
 def split16(x: torch.Tensor, precision: str) -> bool:
     return x.dtype == torch.float16 and precision != "ieee"

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_precision, rotate_rows, split16, token_offsets, token_strides
+from .common import dot_precision, rotate_rows, sign_or_main, split16, token_offsets, token_strides
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -370,11 +370,6 @@ def one_launch(batch: int, heads: int, s: int, d: int, capacity: int) -> bool:
     return s == 1 and d <= 64 and batch * heads * capacity <= SMALL_MAX_SLOTS
 
 
-def _sign_or_main(sign: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
-    """A kernel's sign pointer: the sign part, or (no sign bits; the kernel never reads it) the main part."""
-    return sign if sign.numel() > 0 else main
-
-
 def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, lengths,
                      k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, cfg) -> torch.Tensor:
     batch, heads, _, d = q.shape
@@ -391,7 +386,7 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
     _small_kernel[(batch * heads, splits)](
         q, *q_strides[:2], k_new, *k_strides[:2], v_new, *v_strides[:2], new_valid,
-        k_idx, _sign_or_main(k_sign, k_idx), v_idx, _sign_or_main(v_sign, v_idx), k_tab, v_tab, lengths,
+        k_idx, sign_or_main(k_sign, k_idx), v_idx, sign_or_main(v_sign, v_idx), k_tab, v_tab, lengths,
         k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m, l_, acc, y, count, out, heads, t_cap, chunk,
         splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
@@ -445,7 +440,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
     k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
     _prefix_kernel[(programs, splits)](
-        qt, k_idx, _sign_or_main(k_sign, k_idx), v_idx, _sign_or_main(v_sign, v_idx),
+        qt, k_idx, sign_or_main(k_sign, k_idx), v_idx, sign_or_main(v_sign, v_idx),
         k_tab, v_tab, lengths, m, l_, acc, heads, s, t_cap, chunk, splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab.shape[1], NV=v_tab.shape[1],

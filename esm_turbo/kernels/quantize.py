@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_precision, rotate_rows, split16, token_offsets, token_strides
+from .common import dot_precision, rotate_rows, sign_or_main, split16, token_offsets, token_strides
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
         main, sign = out
         bits, combine = code
         has_sign = combine or sign.numel() > 0
-        return (main, sign if has_sign else main), (bits, has_sign, combine)
+        return (main, sign_or_main(sign, main)), (bits, has_sign, combine)
 
     (k_main, k_sign), k_c = kind(k_out, k_code)
     (v_main, v_sign), v_c = kind(v_out, v_code)
