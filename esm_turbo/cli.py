@@ -51,7 +51,7 @@ def _config_from_args(args):
     from .model.checkpoint import PRESETS
     cfg = PRESETS[args.preset]
     overrides = {k: getattr(args, k) for k in ("key_bits", "value_bits", "key_rotation", "value_rotation",
-                                                "residual", "sign_mode", "max_tokens", "seed")
+                                                "residual", "sign_mode", "lut", "max_tokens", "seed")
                  if getattr(args, k, None) is not None}
     if getattr(args, "bits", None) is not None:
         overrides.setdefault("key_bits", args.bits)
@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="value rotation; auto (default): per head, unrotated or svd-scaled by the output error")
     p.add_argument("--residual", choices=["sign", "qjl", "none"])
     p.add_argument("--sign-mode", choices=["bin", "head"])
+    p.add_argument("--lut", choices=["channel", "head"],
+                   help="a Lloyd-Max LUT per head and rotated channel (default), or one per head (the paper)")
     p.add_argument("--max-tokens", type=int, help="stop after this many calibration tokens")
     p.add_argument("--max-residues", type=int, default=1022)
     p.add_argument("--seed", type=int)

@@ -113,21 +113,21 @@ def save_stress_model(out_dir: str | Path, fair_esm_pt: bool = True, **kwargs) -
 def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int = 3, residual: str = "sign",
                        seed: int = 0):
     """A calibrated-style :class:`~esm_turbo.quant.codec.KVCodec` without a model: Haar rotations,
-    random per-channel centring and scaling, per-head LUTs and ε fitted on Gaussian samples of
-    per-head spread. For kernel tests and speed benchmarks (values are what a calibration produces)."""
-    import numpy as np
-
+    random per-channel centring and scaling, per-channel LUTs and ε fitted on Gaussian samples of
+    per-channel spread (every channel's table differs). For kernel tests and speed benchmarks (values are
+    what a calibration produces)."""
     from .quant.codec import KVCodec, VectorQuantizer
     from .quant.rotations import AffineStats, haar_orthogonal
 
     gen = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
 
     def one(bits: int, salt: int) -> VectorQuantizer:
         affine = AffineStats(rot=haar_orthogonal(dim, seed + salt, heads),
                              offset=torch.randn(heads, dim, generator=gen),
                              scale=torch.exp(0.5 * torch.randn(heads, dim, generator=gen)))
-        points = [(rng.standard_normal(4096) * rng.uniform(0.6, 1.4), np.ones(4096)) for _ in range(heads)]
-        return VectorQuantizer.from_calibration(affine, points, bits, residual, "bin", seed + salt)
+        spread = 0.6 + 0.8 * torch.rand(heads * dim, 1, generator=gen, dtype=torch.float64)
+        values = torch.randn(heads * dim, 512, generator=gen, dtype=torch.float64) * spread
+        return VectorQuantizer.from_calibration(affine, (values, torch.ones_like(values)), bits, residual, "bin",
+                                                seed + salt)
 
     return KVCodec(one(key_bits, 1), one(value_bits, 2))

@@ -74,19 +74,20 @@ def test_bad_inputs_are_named():
     assert isinstance(KVCodec(q, q).constant_nbytes(), int)
 
 
-def test_per_head_lookup_matches_a_loop():
-    """table [H, K, *tail] at idx [..., H, T, d]: head h's rows come from table[h] (leading dims and a
+def test_table_lookup_matches_a_loop():
+    """table [H, d, K, *tail] at idx [..., H, T, d]: value (h, c) comes from table[h, c] (leading dims and a
     trailing table dim included)."""
-    from esm_turbo.quant.codec import per_head_lookup
+    from esm_turbo.quant.codec import table_lookup
     gen = torch.Generator().manual_seed(0)
-    table = torch.randn(3, 8, 2, generator=gen)
+    table = torch.randn(3, 4, 8, 2, generator=gen)
     idx = torch.randint(0, 8, (2, 3, 5, 4), generator=gen)
-    out = per_head_lookup(table, idx)
+    out = table_lookup(table, idx)
     assert out.shape == (2, 3, 5, 4, 2)
     for b in range(2):
         for h in range(3):
-            assert torch.equal(out[b, h], table[h][idx[b, h]])
-    assert torch.equal(per_head_lookup(table[..., 0], idx[0]), out[0, ..., 0])
+            for c in range(4):
+                assert torch.equal(out[b, h, :, c], table[h, c][idx[b, h, :, c]])
+    assert torch.equal(table_lookup(table[..., 0], idx[0]), out[0, ..., 0])
 
 
 def _identity_quantizer(bits: int, residual: str, heads: int = 2, dim: int = 16):
@@ -95,43 +96,47 @@ def _identity_quantizer(bits: int, residual: str, heads: int = 2, dim: int = 16)
     gen = torch.Generator().manual_seed(bits)
     affine = AffineStats(rot=torch.eye(dim).expand(heads, dim, dim).clone(), offset=torch.zeros(heads, dim),
                          scale=torch.ones(heads, dim))
-    points = [(torch.randn(2048, generator=gen).numpy(), torch.ones(2048).numpy()) for _ in range(heads)]
-    return VectorQuantizer.from_calibration(affine, points, bits, residual, "bin", 0), gen
+    values = torch.randn(heads * dim, 2048, generator=gen, dtype=torch.float64)
+    values = values * torch.linspace(0.5, 2.0, heads * dim, dtype=torch.float64)[:, None]  # a LUT per channel
+    return VectorQuantizer.from_calibration(affine, (values, torch.ones_like(values)), bits, residual, "bin", 0), gen
 
 
 def test_sign_residual_decodes_through_the_fused_code_table():
     """Decoding a sign residual with one look-up of code 2·idx + sign in ``code_table`` gives exactly
     c[idx] + ε₁ or c[idx] − ε₀, for combined codes (3+1) and separate planes (4+1)."""
-    from esm_turbo.quant.codec import lut_index
+    from esm_turbo.quant.codec import lut_index, table_lookup
     for bits in (3, 4):
         q, gen = _identity_quantizer(bits, "sign")
         heads, dim = q.heads, q.dim
         y = torch.randn(1, heads, 9, dim, generator=gen)
         idx = lut_index(y, q.centroids)
-        c = torch.gather(q.centroids[None, :, None, :].expand(1, heads, 9, -1), -1, idx)
-        e = q.eps[torch.arange(heads)[None, :, None, None], idx]  # [1, H, 9, dim, 2]
+        c = table_lookup(q.centroids, idx)
+        e = table_lookup(q.eps, idx)  # [1, H, 9, dim, 2]
         expect = torch.where(y >= c, c + e[..., 1], c - e[..., 0])
         assert torch.equal(q.decode_affine(q.encode(y)), expect)
 
 
 def test_lut_index_is_searchsorted():
-    """#{bounds < y} per head, ties on a bound included, as torch.searchsorted counts it."""
+    """#{bounds < y} per head and channel, ties on a bound included, as torch.searchsorted counts it."""
     from esm_turbo.quant.codec import lut_bounds, lut_index
     gen = torch.Generator().manual_seed(0)
     for k in (2, 8, 16):
-        cent = torch.sort(torch.randn(3, k, generator=gen), dim=-1).values
-        y = torch.randn(2, 3, 7, 16, generator=gen)
-        y[0, :, 0, : k - 1] = lut_bounds(cent)  # exactly on every bound
-        expect = torch.stack([torch.searchsorted(lut_bounds(cent)[h], y[:, h].contiguous()) for h in range(3)], 1)
+        cent = torch.sort(torch.randn(3, 16, k, generator=gen), dim=-1).values
+        bounds = lut_bounds(cent)  # [3, 16, k-1]
+        y = torch.randn(2, 3, k + 1, 16, generator=gen)
+        y[0, :, : k - 1, :] = bounds.transpose(1, 2)  # exactly on every bound of every channel
+        expect = torch.searchsorted(bounds[None, :, None].expand(2, 3, k + 1, 16, k - 1).contiguous(),
+                                    y[..., None].contiguous())[..., 0]
         assert torch.equal(lut_index(y, cent), expect)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_lut_decode_without_residual(bits):
     """No residual: decode is c[idx] — through the byte-pair table at 4 bits, unpacked codes at 2."""
-    from esm_turbo.quant.codec import lut_index
+    from esm_turbo.quant.codec import lut_index, table_lookup
     q, gen = _identity_quantizer(bits, "none")
     heads, dim = q.heads, q.dim
     y = torch.randn(3, heads, 5, dim, generator=gen)
-    expect = torch.gather(q.centroids[None, :, None, :].expand(3, heads, 5, -1), -1, lut_index(y, q.centroids))
+    assert not torch.equal(q.centroids[0, 0], q.centroids[0, 1])  # channels have their own LUTs
+    expect = table_lookup(q.centroids, lut_index(y, q.centroids))
     assert torch.equal(q.decode_affine(q.encode(y)), expect)

@@ -62,20 +62,22 @@ def test_decode_fidelity_bars(stress_model):
     recs = read_fasta("calibration_data/calibration.fasta")[0]
     ev = read_fasta("calibration_data/evaluation.fasta")[0][::4]
     results = {}
-    for name, cfg in [("default", PRESETS["default"]), ("paper", PRESETS["paper"]),
-                      ("no-rotation", PRESETS["no-rotation"]), ("3bit", PRESETS["no-residual"])]:
-        engine = TurboEsm(stress_model, calibrate(stress_model, recs, cfg, progress=False))
+    for name in ("default", "paper", "head-lut", "no-rotation", "no-residual"):
+        engine = TurboEsm(stress_model, calibrate(stress_model, recs, PRESETS[name], progress=False))
         results[name] = evaluate(engine, ev, max_steps=16, progress=False)
     per_seq = lambda n: [s["decode_cos_mean"] for s in results[n]["sequences"]]  # noqa: E731
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    # 3 bits + sign (default: K svd-scaled, V unrotated). The per-sequence 0.97 bar is NOT met on
-    # this stress model (worst sequence ≈ 0.95–0.96); this asserts what holds, so a regression still fails.
-    assert mean(per_seq("default")) >= 0.97, per_seq("default")
-    assert min(per_seq("default")) >= 0.95, per_seq("default")
-    assert mean(per_seq("3bit")) >= 0.94, per_seq("3bit")  # 3 bits, no residual
+    # the per-sequence bars on this (head_dim 16) stress model: 3+1 bits ≥ 0.97, 3 bits ≥ 0.95
+    assert min(per_seq("default")) >= 0.97, per_seq("default")
+    assert min(per_seq("no-residual")) >= 0.95, per_seq("no-residual")
+    # a LUT per channel is what lifts the worst sequences over one LUT per head
+    assert min(per_seq("default")) >= min(per_seq("head-lut")) + 0.01
+    assert mean(per_seq("default")) >= mean(per_seq("head-lut")) + 0.003
+    # behind per-channel LUTs a rotation barely matters at head_dim 16 (it helps at 64: results/REPORT.md)
+    assert mean(per_seq("default")) >= mean(per_seq("no-rotation")) - 0.002
     err = lambda n: sum(results[n]["layers"]["attn_rel_err"])  # noqa: E731
     assert err("default") < 0.8 * err("paper")
-    assert err("default") < 0.8 * err("no-rotation")
+    assert mean(per_seq("default")) >= mean(per_seq("paper")) + 0.02
     assert results["default"]["overall"]["prefill_max_abs_diff"] <= 1e-5
 
 

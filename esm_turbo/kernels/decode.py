@@ -10,8 +10,8 @@ key is ever rotated back: the score of a cached key is ``⟨q̃, ŷ⟩ + c0`` wi
 Packed layout (see ``esm_turbo.quant.packing``): for b ∈ {1,2,3,4} bits the indices of one token-head
 form a little-endian bit stream with value j at bit ``b·j``; each group of 8 values is therefore a
 b-byte word ``w_g`` and value ``8g + r`` is ``(w_g >> b·r) & (2^b − 1)``. Sign bits are the 1-bit stream
-(``byte g``, bit ``r``). Index and sign fuse into one code ``2·idx + sign`` looked up in a per-head
-table ``tab[h, code] = c[idx] ± ε`` (``tab[h, idx]`` without a residual).
+(``byte g``, bit ``r``). Index and sign fuse into one code ``2·idx + sign`` looked up in a per-(head,
+channel) table ``tab[h, c, code] = c[idx] ± ε`` (``tab[h, c, idx]`` without a residual).
 
 Three launches: ``_prep_kernel`` (grid H × token blocks: ``qt`` and the new tokens' affine keys and
 values, on tensor cores), ``_prefix_kernel`` (grid B·H·S × splits, one query per program; each split
@@ -136,13 +136,15 @@ def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def _decode_codes(word, sb, tab_ptr, BITS: tl.constexpr, SIGN: tl.constexpr):
-    """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r."""
+def _decode_codes(word, sb, tab_ptr, D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr):
+    """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r, looked
+    up in that channel's row of the head's table [D, codes] (L1 hits; a register tl.gather measured slower)."""
     r = tl.arange(0, 8)
+    chan = tl.arange(0, D // 8)[:, None] * 8 + r[None, :]
     code = (word[:, :, None] >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1)
     if SIGN:
         code = code * 2 + ((sb[:, :, None] >> r[None, None, :]) & 1)
-    return tl.load(tab_ptr + code)  # a 16-entry table per head: L1 hits (a register tl.gather measured slower)
+    return tl.load(tab_ptr + chan[None, :, :] * (1 << (BITS + SIGN)) + code)
 
 
 @triton.jit
@@ -158,12 +160,12 @@ def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D: tl.constexpr, KBITS: tl.con
 
 
 @triton.jit
-def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab,
+def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, D: tl.constexpr,
                   KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
                   BLOCK_T: tl.constexpr):
     """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
-    k = _decode_codes(kw, ks, k_tab, KBITS, KSIGN)
+    k = _decode_codes(kw, ks, k_tab, D, KBITS, KSIGN)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
@@ -174,7 +176,7 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab,
         m_i = m_tile
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
     l_i = l_i + tl.sum(p, axis=0)
-    v = _decode_codes(vw, vs, v_tab, VBITS, VSIGN)
+    v = _decode_codes(vw, vs, v_tab, D, VBITS, VSIGN)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
 
@@ -204,20 +206,20 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
             t0 = start + it * BLOCK_T
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T)
-            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab,
+            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, D,
                                           KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T)
-            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab,
+            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, D,
                                           KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     else:
         for t0 in range(start, end, BLOCK_T):
             kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
-            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab,
+            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, D,
                                           KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
     return m_i, l_i, tl.sum(acc, axis=0)
 
@@ -390,7 +392,7 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
         k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m, l_, acc, y, count, out, heads, t_cap, chunk,
         splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
-        BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab.shape[1], NV=v_tab.shape[1],
+        BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
     return out
 
@@ -443,7 +445,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         qt, k_idx, sign_or_main(k_sign, k_idx), v_idx, sign_or_main(v_sign, v_idx),
         k_tab, v_tab, lengths, m, l_, acc, heads, s, t_cap, chunk, splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_has_sign, VSIGN=v_has_sign,
-        BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab.shape[1], NV=v_tab.shape[1],
+        BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
     _merge_kernel[(batch * heads,)](
         qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, heads, s, splits,

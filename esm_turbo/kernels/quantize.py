@@ -32,7 +32,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     K: tl.constexpr = 1 << BITS
     idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
     for k in tl.static_range(K - 1):
-        idx += (y > tl.load(bounds_ptr + h * (K - 1) + k)).to(tl.int32)
+        idx += (y > tl.load(bounds_ptr + (h * D + offs_d) * (K - 1) + k)[None, :]).to(tl.int32)
 
     D8: tl.constexpr = D // 8
     g = tl.arange(0, D8)
@@ -40,7 +40,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     pos = tl.load(pos_ptr + b, mask=nmask, other=0)
     rows = (b * H + h).to(tl.int64) * T_CAP + pos + offs_n % S  # cache rows
     if SIGN:
-        s = (y >= tl.load(cent_ptr + h * K + idx)).to(tl.int32)
+        s = (y >= tl.load(cent_ptr + (h * D + offs_d)[None, :] * K + idx)).to(tl.int32)
         if COMBINE:  # one code 2·idx + sign of BITS + 1 bits
             idx = idx * 2 + s
         else:
@@ -83,7 +83,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
                          config: dict | None = None) -> None:
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
-    k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d], bounds [H,K-1], centroids [H,K]);
+    k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d], bounds [H,d,K-1], centroids [H,d,K]);
     ``*_out`` = (codes part, sign part or empty) written in place; ``*_code`` = (bits, combine).
     ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) for tuning."""
     batch, heads, s, d = k.shape

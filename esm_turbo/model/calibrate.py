@@ -16,14 +16,13 @@ import logging
 import time
 from dataclasses import replace
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
 from ..errors import EsmTurboError
 from ..fasta import Record, records_hash
-from ..quant.codec import KVCodec, VectorQuantizer
+from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind
 from ..quant.histogram import HistogramAccumulator
 from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotation
 from .alphabet import encode
@@ -66,9 +65,20 @@ def _run(engine: TurboEsm, batches: list[list[Record]], recorder, desc: str, pro
     return tokens_seen
 
 
-def _valid_values(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """y [B, H, S, d], valid [B, S] → [H, N·d] values of real tokens."""
+def _valid_values(y: torch.Tensor, valid: torch.Tensor, per_channel: bool) -> torch.Tensor:
+    """y [B, H, S, d], valid [B, S] → values of real tokens per LUT group: [H·d, N] (``per_channel``,
+    channel-minor) or [H, N·d]."""
+    if per_channel:
+        return y.permute(1, 3, 0, 2)[:, :, valid].reshape(y.shape[1] * y.shape[3], -1)
     return y.permute(1, 0, 2, 3)[:, valid].reshape(y.shape[1], -1)
+
+
+def _histogram(second_moments: torch.Tensor, config: CalibrationConfig) -> HistogramAccumulator:
+    """Histograms over ±10 rms of each LUT group: a head (its largest channel rms) or a channel."""
+    rms = second_moments.sqrt()  # [H, d]
+    if config.lut == "channel":
+        return HistogramAccumulator(10 * rms.reshape(-1), config.channel_bins)
+    return HistogramAccumulator(10 * rms.amax(-1), config.bins)
 
 
 def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor) -> VectorQuantizer:
@@ -118,6 +128,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     if config.key_rotation == "auto" or (config.value_rotation == "auto" and config.shared_lut):
         raise EsmTurboError("rotation 'auto' is for values only, and needs separate K and V LUTs "
                             "(shared_lut with value_rotation 'identity' or 'svd-scaled')")
+    check_lut_kind(config.lut)
     engine = TurboEsm(model)
     layers, heads, dim = engine.num_layers, engine.heads, engine.head_dim
     batches = token_batches(records, config.batch_tokens, config.max_tokens)
@@ -140,24 +151,23 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     affine: dict[str, list[AffineStats]] = {
         kind: [build_rotation(rot, heads, dim, quantizer_seed(config, li, source[kind]), cov[source[kind]][li])
                for li in range(layers)] for kind, rot in rotation.items()}
-    hist = {kind: [HistogramAccumulator(10 * affine[kind][li].second_moments(cov[source[kind]][li]).amax(-1).sqrt(),
-                                        config.bins) for li in range(layers)] for kind in rotation}
+    hist = {kind: [_histogram(affine[kind][li].second_moments(cov[source[kind]][li]), config)
+                   for li in range(layers)] for kind in rotation}
 
     def record_hist(layer, k, v, valid):
         for kind in rotation:
             x = k if source[kind] == "k" else v
-            hist[kind][layer].add(_valid_values(affine[kind][layer].forward(x), valid))
+            hist[kind][layer].add(_valid_values(affine[kind][layer].forward(x), valid, config.lut == "channel"))
 
     _run(engine, batches, record_hist, "calibrate: LUTs", progress)
 
     bits = {"k": config.key_bits, "v": config.value_bits}
     quantizers: dict[str, list[VectorQuantizer]] = {kind: [] for kind in rotation}
     for li in range(layers):
-        points = {kind: [hist[kind][li].points(h) for h in range(heads)] for kind in rotation}
+        points = {kind: hist[kind][li].padded() for kind in rotation}
         shared = None
-        if config.shared_lut:  # ablation: one LUT per head fitted on K and V together
-            shared = [tuple(np.concatenate(pair) for pair in zip(pk, pv))
-                      for pk, pv in zip(points["k"], points["v"])]
+        if config.shared_lut:  # ablation: one LUT per group fitted on K and V together
+            shared = tuple(torch.cat(pair, 1) for pair in zip(points["k"], points["v"]))
         for kind in rotation:
             quantizers[kind].append(VectorQuantizer.from_calibration(
                 affine[kind][li], points[kind], bits[source[kind]], config.residual, config.sign_mode,

@@ -1,9 +1,9 @@
 """The calibration checkpoint: one safetensors file of per-layer codec tables plus JSON metadata.
 
-Tensors, per layer ``l`` and kind ``k``/``v``: ``layers.l.k.centroids`` [H,K], ``.eps`` [H,K,2],
-``.offset`` [H,d], ``.scale`` [H,d], and ``.rot`` [H,d,d] (fp16, rebuilt exactly orthonormal by a
-deterministic QR) only for fitted (svd, svd-scaled, auto) rotations — seeded ones (haar, hadamard, identity) are
-rebuilt from the seed. A 650M checkpoint with fitted K and V rotations is ≈ 11 MB.
+Tensors, per layer ``l`` and kind ``k``/``v``: ``layers.l.k.centroids`` [H,d,K] and ``.eps`` [H,d,K,2]
+(fp16; [H,1,…] when every channel of a head shares its LUT), ``.offset`` [H,d], ``.scale`` [H,d], and
+``.rot`` [H,d,d] (fp16, rebuilt exactly orthonormal by a deterministic QR) only for fitted (svd, svd-scaled,
+auto) rotations — seeded ones (haar, hadamard, identity) are rebuilt from the seed.
 Metadata (strings): ``esm_turbo`` (JSON with model fingerprint, config, calibration-set hash, token
 count, package version). Writes are atomic (temporary file + rename); loading checks completeness.
 """
@@ -23,8 +23,9 @@ from ..io import atomic_write
 from ..quant.codec import KVCodec, VectorQuantizer
 from ..quant.rotations import build_rotation, orthonormalize
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16
 _TABLES = ("centroids", "eps", "offset", "scale")
+_LUTS = ("centroids", "eps")
 #: rotations fitted from data (stored in the checkpoint); "auto" picks, per head, unrotated or svd-scaled
 FITTED_ROTATIONS = ("svd", "svd-scaled", "auto")
 
@@ -39,18 +40,22 @@ class CalibrationConfig:
     value_rotation: str = "auto"  # per head: unrotated or svd-scaled, whichever error reaches the output less
     residual: str = "sign"
     sign_mode: str = "bin"
+    lut: str = "channel"  # a Lloyd-Max LUT per head and rotated channel; "head": one per head (the paper)
     shared_lut: bool = False
     max_tokens: int | None = None
     batch_tokens: int = 8192
-    bins: int = 4096
+    bins: int = 4096  # histogram bins per LUT fit with lut="head"
+    channel_bins: int = 512  # … with lut="channel" (per channel: values are standardised, ±10 rms)
     seed: int = 0
 
 
-#: the paper's literal recipe (plain SVD on K, V unrotated, one ε per head) and measured ablations;
+#: the paper's literal recipe (plain SVD on K, V unrotated, one LUT and one ε per head) and measured ablations;
 #: "v-unrotated" and "kv-rotated" are the two fixed choices the default's per-head V choice picks from
 PRESETS: dict[str, CalibrationConfig] = {
     "default": CalibrationConfig(),
-    "paper": CalibrationConfig(key_rotation="svd", value_rotation="identity", residual="sign", sign_mode="head"),
+    "paper": CalibrationConfig(key_rotation="svd", value_rotation="identity", residual="sign", sign_mode="head",
+                               lut="head"),
+    "head-lut": CalibrationConfig(lut="head"),  # the default with one LUT per head (the default until per-channel)
     "no-rotation": CalibrationConfig(key_rotation="identity", value_rotation="identity"),
     "kv-rotated": CalibrationConfig(value_rotation="svd-scaled"),
     "v-unrotated": CalibrationConfig(value_rotation="identity"),
@@ -92,7 +97,7 @@ class Calibration:
         for li, codec in enumerate(self.codecs):
             for kind, q, rot_kind in (("k", codec.key, cfg.key_rotation), ("v", codec.value, cfg.value_rotation)):
                 for name in _TABLES:
-                    tensors[f"layers.{li}.{kind}.{name}"] = getattr(q, name).detach().cpu().contiguous()
+                    tensors[f"layers.{li}.{kind}.{name}"] = _stored_table(name, getattr(q, name))
                 if rot_kind in FITTED_ROTATIONS:
                     if q.rot_stored is None:
                         raise ValueError(f"layer {li} {kind}: fitted rotation without its stored fp16 form")
@@ -143,6 +148,16 @@ class Calibration:
                 pair.append(q)
             codecs.append(KVCodec(*pair).to(device))
         return cls(codecs, cfg, meta)
+
+
+def _stored_table(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A table as saved: LUTs (centroids, eps; fp16 values by construction) as fp16, one row per head when
+    all its channels share the LUT; offsets and scales as they are."""
+    t = t.detach().cpu()
+    if name in _LUTS:
+        t = t[:, :1] if bool((t == t[:, :1]).all()) else t
+        t = t.half()
+    return t.contiguous()
 
 
 def quantizer_seed(cfg: CalibrationConfig, layer: int, kind: str) -> int:

@@ -55,7 +55,7 @@ class StoredCodes:
 class FusedTables:
     """Per-layer constants of the fused ops, derived once from a codec.
 
-    k_tab / v_tab [H, codes]; k_bounds / v_bounds [H, K-1]; k_codes / v_codes: where the packed codes
+    k_tab / v_tab [H, d, codes]; k_bounds / v_bounds [H, d, K-1]; k_codes / v_codes: where the packed codes
     are stored.
     """
 
@@ -99,8 +99,8 @@ def scatter_rows(buf: torch.Tensor, val: torch.Tensor, pos: torch.Tensor) -> Non
 def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                             bounds: torch.Tensor, centroids: torch.Tensor, idx_out: torch.Tensor,
                             sign_out: torch.Tensor, pos: torch.Tensor, bits: int, combine: bool) -> None:
-    """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,K] of ``bits`` bits, bounds
-    [H,K-1] unused here) at rows pos[b] + j of the cache parts: ``combine`` → idx_out holds codes
+    """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,d,K] of ``bits`` bits, bounds
+    [H,d,K-1] unused here) at rows pos[b] + j of the cache parts: ``combine`` → idx_out holds codes
     ``2·idx + sign`` of bits+1 bits; else idx_out [B,H,T_cap,d·bits/8] and sign_out [B,H,T_cap,d/8]
     (or empty: no residual)."""
     parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, bits,
@@ -122,7 +122,7 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
 
     q [B,H,S,d] (scaled, post-RoPE), k_new/v_new [B,H,S,d] the step's own keys/values, new_valid [B,S]
     (bool or uint8); k_idx/v_idx [B,H,T_cap,d·bits/8] uint8 packed codes of k_bits/v_bits bits;
-    k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, codes] indexed by the
+    k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, d, codes] indexed by the
     code (``2·code + sign`` when sign bits are separate); lengths [B] valid prefix rows; rot [H,d,d],
     offset/scale [H,d] of the key and value codecs. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with
     ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped

@@ -5,8 +5,9 @@ head_dim d. Encoding ``x`` [..., H, T, d]:
 
 1. ``y = (x @ Π_hᵀ - offset_h) / scale_h``                      (rotation and affine, per head)
 2. if ``normalize``: ``n = ‖y‖``, ``y ← y / n``  (n stored as fp16: data-oblivious TurboQuant)
-3. ``idx = argmin_k |y - LUT_h[k]|`` packed at ``bits`` bits
-4. residual ``r = y - LUT_h[idx]``: ``sign`` bit, or the QJL sketch bits and ‖r‖ (fp16)
+3. ``idx = argmin_k |y_c - LUT_{h,c}[k]|`` packed at ``bits`` bits (a LUT per head and channel: one
+   per head repeated over the channels, or each channel its own)
+4. residual ``r = y - LUT_{h,c}[idx]``: ``sign`` bit, or the QJL sketch bits and ‖r‖ (fp16)
 
 Decoding inverts this. Because step 1 is linear, attention can be computed in the quantized domain:
 ``⟨q, x̂⟩ = ⟨(Π q) ⊙ scale, n · ŷ⟩ + ⟨Π q, offset⟩`` — the fused kernel never rotates a key back.
@@ -22,15 +23,24 @@ import numpy as np
 import torch
 from torch import nn
 
-from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_weighted
+from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_batched
 from .packing import pack_1bit_u8, pack_bits, unpack_1bit_u8, unpack_bits
-from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_table
+from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_batched, sign_eps_table
 from .rotations import AffineStats, affine_forward, affine_inverse, build_rotation, check_rotation_kind
 
 PartSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 #: code widths (index bits + 1 sign bit) stored as one combined code
 COMBINED_CODE_BITS = (2, 3, 4)
+
+#: LUT granularity: one LUT per head (the paper), or one per head and (rotated) channel
+LUT_KINDS = ("head", "channel")
+
+
+def check_lut_kind(kind: str) -> str:
+    if kind not in LUT_KINDS:
+        raise ValueError(f"unknown LUT granularity {kind!r}: choose one of {LUT_KINDS}")
+    return kind
 
 
 def check_head_dim(dim: int) -> int:
@@ -56,49 +66,49 @@ def check_input(x: torch.Tensor, heads: int, dim: int, ref: torch.Tensor, what: 
 
 
 def lut_bounds(centroids: torch.Tensor) -> torch.Tensor:
-    """Decision boundaries (midpoints) of sorted per-head LUTs: centroids [H, K] → [H, K-1]."""
-    return (0.5 * (centroids[:, 1:] + centroids[:, :-1])).contiguous()
+    """Decision boundaries (midpoints) of sorted LUTs: centroids [H, d, K] → [H, d, K-1]."""
+    return (0.5 * (centroids[..., 1:] + centroids[..., :-1])).contiguous()
 
 
 def lut_index(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Nearest-centroid index of y [..., H, T, d] under per-head LUTs [H, K]: ``#{bounds < y}`` (long),
-    ``torch.searchsorted``'s answer, counted with K − 1 compares into uint8 (2–3× faster on CPU)."""
-    heads = centroids.shape[0]
-    bounds = lut_bounds(centroids).t().contiguous()  # [K-1, H]
+    """Nearest-centroid index of y [..., H, T, d] under per-(head, channel) LUTs [H, d, K]: ``#{bounds < y}``
+    (long), ``torch.searchsorted``'s answer, counted with K − 1 compares into uint8 (2–3× faster on CPU)."""
+    heads, dim = centroids.shape[:2]
+    bounds = lut_bounds(centroids).permute(2, 0, 1).contiguous()  # [K-1, H, d]
     idx = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
     for b in bounds:
-        idx += y > b.view(heads, 1, 1)
+        idx += y > b.view(heads, 1, dim)
     return idx.long()
 
 
-def per_head_lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Per-head gather: table [H, K, *tail] at idx [..., H, T, d] → [..., H, T, d, *tail] (one
-    ``index_select`` into the flattened table: half the time of two-tensor advanced indexing on CPU)."""
-    heads, k = table.shape[:2]
-    offset = (torch.arange(heads, device=idx.device) * k).view(heads, 1, 1)
-    flat = (idx.long() + offset).reshape(-1)
-    out = table.reshape(heads * k, *table.shape[2:]).index_select(0, flat)
-    return out.reshape(*idx.shape, *table.shape[2:])
+def table_lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per-(head, channel) gather: table [H, d, K, *tail] at idx [..., H, T, d] → [..., H, T, d, *tail] (one
+    ``index_select`` into the flattened table: half the time of advanced indexing on CPU)."""
+    heads, dim, k = table.shape[:3]
+    rows = torch.arange(heads * dim, device=idx.device).view(heads, 1, dim)
+    flat = (idx.long() + rows * k).reshape(-1)
+    out = table.reshape(heads * dim * k, *table.shape[3:]).index_select(0, flat)
+    return out.reshape(*idx.shape, *table.shape[3:])
 
 
 def code_table(q: "VectorQuantizer") -> torch.Tensor:
-    """[H, n_codes] float32 values of a fused code: ``2·idx + sign → c[idx] + ε₁ | c[idx] − ε₀`` with a sign
-    residual, ``idx → c[idx]`` without."""
+    """[H, d, n_codes] float32 values of a fused code: ``2·idx + sign → c[idx] + ε₁ | c[idx] − ε₀`` with a
+    sign residual, ``idx → c[idx]`` without."""
     if q.residual != "sign":
         return q.centroids.contiguous()
     lo = q.centroids - q.eps[..., 0]
     hi = q.centroids + q.eps[..., 1]
-    return torch.stack([lo, hi], dim=-1).reshape(q.heads, -1).contiguous()
+    return torch.stack([lo, hi], dim=-1).reshape(q.heads, q.dim, -1).contiguous()
 
 
 def lookup_codes(table: torch.Tensor, packed: torch.Tensor, sign: torch.Tensor | None, bits: int) -> torch.Tensor:
     """Packed ``bits``-bit codes [..., H, T, d·bits/8] (and separate sign bits [..., H, T, d/8], or None /
-    empty) → table [H, codes] values [..., H, T, d], one look-up per value: of the code, or of
+    empty) → table [H, d, codes] values [..., H, T, d], one look-up per value: of the code, or of
     ``2·code + sign`` with separate sign bits (the layout of :func:`code_table`)."""
     codes = unpack_bits(packed, bits).long()
     if sign is not None and sign.numel():
         codes = 2 * codes + unpack_1bit_u8(sign).long()
-    return per_head_lookup(table, codes)
+    return table_lookup(table, codes)
 
 
 def lut_code_parts(y: torch.Tensor, centroids: torch.Tensor, bits: int, sign: bool,
@@ -108,7 +118,7 @@ def lut_code_parts(y: torch.Tensor, centroids: torch.Tensor, bits: int, sign: bo
     idx = lut_index(y, centroids)
     if not sign:
         return {"idx": pack_bits(idx, bits)}, idx
-    above = y >= per_head_lookup(centroids, idx)
+    above = y >= table_lookup(centroids, idx)
     if combined:
         return {"code": pack_bits(2 * idx + above, bits + 1)}, idx
     return {"idx": pack_bits(idx, bits), "sign": pack_1bit_u8(above)}, idx
@@ -117,8 +127,8 @@ def lut_code_parts(y: torch.Tensor, centroids: torch.Tensor, bits: int, sign: bo
 class VectorQuantizer(nn.Module):
     """Quantizer for one tensor kind of one layer. Buffers (float32):
 
-    rot [H,d,d], offset [H,d], scale [H,d], centroids [H,K], eps [H,K,2] (sign residual),
-    proj [m,d] (QJL sketch; m = d).
+    rot [H,d,d], offset [H,d], scale [H,d], centroids [H,d,K] and eps [H,d,K,2] (sign residual) per head
+    and channel, proj [m,d] (QJL sketch; m = d).
     """
 
     def __init__(self, heads: int, dim: int, bits: int, residual: str = "none",
@@ -133,8 +143,8 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("rot", torch.eye(dim).expand(heads, dim, dim).clone())
         self.register_buffer("offset", torch.zeros(heads, dim))
         self.register_buffer("scale", torch.ones(heads, dim))
-        self.register_buffer("centroids", torch.zeros(heads, k))
-        self.register_buffer("eps", torch.zeros(heads, k, 2))
+        self.register_buffer("centroids", torch.zeros(heads, dim, k))
+        self.register_buffer("eps", torch.zeros(heads, dim, k, 2))
         proj = qjl_projection(dim, dim, qjl_seed) if residual == "qjl" else torch.zeros(0, dim)
         self.register_buffer("proj", proj)
         self.rot_stored: torch.Tensor | None = None
@@ -151,27 +161,33 @@ class VectorQuantizer(nn.Module):
         lut = lloyd_max(q.bits, "sphere", dim).centroids
         values, weights = density_points("sphere", dim)
         eps = sign_eps_table(values, weights, lut, "bin")
-        q.centroids.copy_(torch.as_tensor(lut).expand(heads, -1))
-        q.eps.copy_(torch.as_tensor(eps).expand(heads, -1, -1))
+        q.centroids.copy_(torch.as_tensor(lut))
+        q.eps.copy_(torch.as_tensor(eps))
         return q
 
     @classmethod
-    def from_calibration(cls, affine: AffineStats, points: list[tuple[np.ndarray, np.ndarray]],
-                         bits: int, residual: str = "sign", sign_mode: str = "bin", seed: int = 0,
-                         lut_points: list[tuple[np.ndarray, np.ndarray]] | None = None) -> "VectorQuantizer":
-        """Calibrated codec: ``points[h]`` are weighted samples (values, weights) of head h in the
-        affine domain (after rotation, centring and scaling). A LUT is fitted per head on
-        ``lut_points[h]`` (default: ``points[h]``; other points give e.g. a K/V-shared LUT)."""
+    def from_calibration(cls, affine: AffineStats, points: tuple[torch.Tensor, torch.Tensor], bits: int,
+                         residual: str = "sign", sign_mode: str = "bin", seed: int = 0,
+                         lut_points: tuple[torch.Tensor, torch.Tensor] | None = None) -> "VectorQuantizer":
+        """Calibrated codec: ``points`` = (values, weights) [G, N], weighted samples in the affine domain
+        (after rotation, centring and scaling) of G = H groups (one LUT per head) or G = H·d (one per head
+        and channel, channel-minor). LUTs are fitted on ``lut_points`` (default ``points``; other points
+        give e.g. a K/V-shared LUT). Tables are rounded to fp16 values, the precision checkpoints keep."""
         heads, dim = affine.offset.shape
-        if len(points) != heads:
-            raise ValueError(f"expected calibration points for {heads} heads, got {len(points)}")
+        values, weights = points
+        if values.shape[0] not in (heads, heads * dim):
+            raise ValueError(f"expected calibration points for {heads} heads or {heads * dim} channels, "
+                             f"got {values.shape[0]} groups")
         q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1)
         q.set_rotation(affine)
-        for h, (values, weights) in enumerate(points):
-            fit_on = lut_points[h] if lut_points is not None else (values, weights)
-            lut = lloyd_max_weighted(*fit_on, q.bits).centroids
-            q.centroids[h] = torch.as_tensor(lut, dtype=torch.float32)
-            q.eps[h] = torch.as_tensor(sign_eps_table(values, weights, lut, sign_mode), dtype=torch.float32)
+        lut, _ = lloyd_max_batched(*(lut_points or points), q.bits)
+        if not bool(torch.isfinite(lut.half()).all()):
+            raise ValueError("LUT values beyond the fp16 range: use a scaled rotation (svd-scaled)")
+        lut = lut.half().double()
+        eps = sign_eps_batched(values, weights, lut, sign_mode).half()
+        groups = values.shape[0] // heads
+        q.centroids.copy_(lut.view(heads, groups, -1).expand(heads, dim, -1))
+        q.eps.copy_(eps.view(heads, groups, -1, 2).expand(heads, dim, -1, 2))
         return q
 
     def set_rotation(self, affine: AffineStats) -> None:
@@ -232,7 +248,7 @@ class VectorQuantizer(nn.Module):
         codes, idx = lut_code_parts(y, self.centroids, self.bits, self.residual == "sign", self.combined_sign)
         parts.update(codes)
         if self.residual == "qjl":
-            r = y - per_head_lookup(self.centroids, idx)
+            r = y - table_lookup(self.centroids, idx)
             sketch = r @ self.proj.T
             parts["qjl"] = pack_1bit_u8(sketch >= 0)
             parts["qjl_norm"] = r.norm(dim=-1).to(torch.float16)

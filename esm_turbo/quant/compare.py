@@ -41,7 +41,7 @@ def fit_quantizer(train: torch.Tensor, kind: str, bits: int = 3, bins: int = 409
     affine = build_rotation(kind, 1, train.shape[1], seed=0, stats=cov)
     hist = HistogramAccumulator(10 * affine.second_moments(cov).amax(-1).sqrt(), bins)
     hist.add(affine.forward(x).reshape(1, -1))
-    return VectorQuantizer.from_calibration(affine, [hist.points(0)], bits, residual="none")
+    return VectorQuantizer.from_calibration(affine, hist.padded(), bits, residual="none")
 
 
 def score_recipe(kind: str, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, bits: int = 3) -> dict:

@@ -7,37 +7,35 @@ by default). Values outside the range fall into the edge bins with their true su
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
 class HistogramAccumulator:
     """``groups`` histograms of ``bins`` bins over ``[-limit[g], limit[g]]``.
 
-    add(values [G, N]) accumulates counts and sums (float64, on the CPU).
+    add(values [G, N]) accumulates counts and sums (float64, on the limits' device: no transfer per batch);
+    ``padded()`` gives every group's (bin means, counts) as [G, bins] points for the batched Lloyd-Max.
     """
 
     def __init__(self, limits: torch.Tensor, bins: int = 4096):
-        self.limits = limits.to(torch.float64).clamp_min(1e-12)
+        self.limits = limits.detach().reshape(-1).to(torch.float64).clamp_min(1e-12)
         self.bins = bins
-        groups = limits.numel()
-        self.count = torch.zeros(groups, bins, dtype=torch.float64)
-        self.sum = torch.zeros(groups, bins, dtype=torch.float64)
+        groups = self.limits.numel()
+        self.count = torch.zeros(groups, bins, dtype=torch.float64, device=self.limits.device)
+        self.sum = torch.zeros(groups, bins, dtype=torch.float64, device=self.limits.device)
 
     def add(self, values: torch.Tensor) -> None:
         groups = self.count.shape[0]
-        v = values.detach().to(torch.float64).reshape(groups, -1)
-        lim = self.limits.to(v.device)[:, None]
+        v = values.detach().to(self.count.device, torch.float64).reshape(groups, -1)
+        lim = self.limits[:, None]
         pos = ((v + lim) / (2 * lim) * self.bins).floor().clamp(0, self.bins - 1).long()
         offsets = (torch.arange(groups, device=v.device) * self.bins)[:, None]
         flat = (pos + offsets).reshape(-1)
-        self.count += torch.bincount(flat, minlength=groups * self.bins).reshape(groups, -1).cpu().double()
-        self.sum += torch.zeros(groups * self.bins, dtype=torch.float64, device=v.device).index_add_(
-            0, flat, v.reshape(-1)).reshape(groups, -1).cpu()
+        self.count += torch.bincount(flat, minlength=groups * self.bins).reshape(groups, -1)
+        self.sum.view(-1).index_add_(0, flat, v.reshape(-1))
 
-    def points(self, group: int | slice) -> tuple[np.ndarray, np.ndarray]:
-        """(bin means, counts) of one group — or of several groups pooled — for non-empty bins."""
-        cnt = self.count[group].reshape(-1).numpy()
-        sm = self.sum[group].reshape(-1).numpy()
-        keep = cnt > 0
-        return sm[keep] / cnt[keep], cnt[keep]
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, w) [G, bins]: bin means with counts; an empty bin sits at its centre with weight 0."""
+        width = 2 * self.limits[:, None] / self.bins
+        centres = -self.limits[:, None] + (torch.arange(self.bins, device=width.device) + 0.5) * width
+        return torch.where(self.count > 0, self.sum / self.count.clamp_min(1), centres), self.count.clone()

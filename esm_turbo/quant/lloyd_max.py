@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from scipy import special, stats
 
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
@@ -152,41 +153,60 @@ def density_points(density: str = "gaussian", dim: int | None = None,
 
 def lloyd_max_weighted(values: np.ndarray, weights: np.ndarray, bits: int,
                        max_iter: int = 300, tol: float = 1e-9) -> LloydMaxResult:
-    """Weighted 1-D Lloyd iterations over points ``values`` [N] with ``weights`` [N] (>= 0).
-
-    Initialised at weighted quantiles, so the result is deterministic for given inputs.
-    """
-    bits = check_bits(bits)
+    """Weighted 1-D Lloyd iterations over points ``values`` [N] with ``weights`` [N] (>= 0): one group of
+    :func:`lloyd_max_batched`."""
     x = np.asarray(values, dtype=np.float64).ravel()
     w = np.asarray(weights, dtype=np.float64).ravel()
     if x.shape != w.shape:
         raise ValueError(f"values {x.shape} and weights {w.shape} differ in shape")
-    keep = w > 0
-    x, w = x[keep], w[keep]
-    if x.size == 0:
+    centroids, mse = lloyd_max_batched(torch.from_numpy(x)[None], torch.from_numpy(w)[None], bits, max_iter, tol)
+    return LloydMaxResult(centroids=centroids[0].numpy(), mse=float(mse[0]))
+
+
+def lloyd_max_batched(values: torch.Tensor, weights: torch.Tensor, bits: int, max_iter: int = 300,
+                      tol: float = 1e-9) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted 1-D Lloyd iterations for G groups at once: values, weights [G, N] (weights >= 0; zero-weight
+    points are ignored, e.g. empty histogram bins) → (centroids [G, K] sorted, mse [G]), float64.
+
+    Each group starts at its weighted quantiles (ties broken by a 1e-6 spread) and stops on its own when no
+    centroid moves by more than ``tol`` × its range, so the result is deterministic for given inputs."""
+    bits = check_bits(bits)
+    x = torch.as_tensor(values, dtype=torch.float64)
+    w = torch.as_tensor(weights, dtype=torch.float64, device=x.device)
+    if x.dim() != 2 or x.shape != w.shape:
+        raise ValueError(f"values {tuple(x.shape)} and weights {tuple(w.shape)} must be the same [G, N]")
+    live = w > 0
+    if not bool(live.any(1).all()):
         raise ValueError("cannot fit a quantizer to zero points")
-    if not np.all(np.isfinite(x)):
+    if not bool(torch.isfinite(x[live]).all()):
         raise ValueError("calibration values contain NaN or Inf")
-    order = np.argsort(x, kind="stable")
-    x, w = x[order], w[order]
+    x = torch.where(live, x, 0.0)
+    x, order = torch.sort(x, dim=1, stable=True)
+    w = w.gather(1, order)
+    live = w > 0
     k = 2**bits
-    cw = np.cumsum(w)
-    total = cw[-1]
-    centroids = x[np.minimum(np.searchsorted(cw, (np.arange(k) + 0.5) / k * total), x.size - 1)]
-    spread = max(float(x[-1] - x[0]), 1e-12)
+    cw = w.cumsum(1)
+    total = cw[:, -1:]
+    targets = (torch.arange(k, dtype=torch.float64, device=x.device) + 0.5) / k * total
+    centroids = x.gather(1, torch.searchsorted(cw, targets).clamp(max=x.shape[1] - 1))
+    spread = (torch.where(live, x, -torch.inf).amax(1) - torch.where(live, x, torch.inf).amin(1)).clamp_min(1e-12)
     # break ties (e.g. few distinct values) so every level starts distinct
-    centroids = centroids + np.linspace(-1e-6, 1e-6, k) * spread
+    centroids = centroids + torch.linspace(-1e-6, 1e-6, k, dtype=torch.float64, device=x.device) * spread[:, None]
     wx = w * x
+    done = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+
+    def assign(c: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted((0.5 * (c[:, 1:] + c[:, :-1])).contiguous(), x)
+
     for _ in range(max_iter):
-        idx = np.searchsorted(0.5 * (centroids[1:] + centroids[:-1]), x)
-        mass = np.bincount(idx, weights=w, minlength=k)
-        sums = np.bincount(idx, weights=wx, minlength=k)
-        new = np.where(mass > 0, sums / np.maximum(mass, 1e-300), centroids)
-        new = np.sort(new)
-        delta = np.max(np.abs(new - centroids))
-        centroids = new
-        if delta < tol * spread:
+        idx = assign(centroids)
+        mass = torch.zeros_like(centroids).scatter_add_(1, idx, w)
+        sums = torch.zeros_like(centroids).scatter_add_(1, idx, wx)
+        new = torch.where(mass > 0, sums / mass.clamp_min(1e-300), centroids).sort(1).values
+        moved = (new - centroids).abs().amax(1)
+        centroids = torch.where(done[:, None], centroids, new)
+        done |= moved < tol * spread
+        if bool(done.all()):
             break
-    idx = np.searchsorted(0.5 * (centroids[1:] + centroids[:-1]), x)
-    mse = float(np.sum(w * np.square(x - centroids[idx])) / total)
-    return LloydMaxResult(centroids=centroids, mse=mse)
+    mse = (w * (x - centroids.gather(1, assign(centroids))).square()).sum(1) / total[:, 0]
+    return centroids, mse

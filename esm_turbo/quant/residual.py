@@ -28,25 +28,38 @@ def check_residual_kind(kind: str) -> str:
 
 def sign_eps_table(values: np.ndarray, weights: np.ndarray, centroids: np.ndarray,
                    mode: str = "bin") -> np.ndarray:
-    """Sign-correction magnitudes [K, 2] (column 0: negative residuals, column 1: positive).
+    """Sign-correction magnitudes [K, 2] of one LUT (column 0: negative residuals, column 1: positive);
+    one group of :func:`sign_eps_batched`."""
+    x = torch.as_tensor(np.asarray(values, dtype=np.float64).ravel())[None]
+    w = torch.as_tensor(np.asarray(weights, dtype=np.float64).ravel())[None]
+    c = torch.as_tensor(np.asarray(centroids, dtype=np.float64).ravel())[None]
+    return sign_eps_batched(x, w, c, mode)[0].numpy()
+
+
+def sign_eps_batched(values: torch.Tensor, weights: torch.Tensor, centroids: torch.Tensor,
+                     mode: str = "bin") -> torch.Tensor:
+    """Sign-correction magnitudes of G LUTs: values, weights [G, N], centroids [G, K] → [G, K, 2] float64.
 
     ``head`` mode: one magnitude E|r| for every bin and sign (the paper). ``bin`` mode: the
     conditional mean of |r| per bin and sign — the centroid of each half cell.
     """
     if mode not in SIGN_MODES:
         raise ValueError(f"unknown sign mode {mode!r}: choose one of {SIGN_MODES}")
-    k = centroids.size
-    idx = np.searchsorted(0.5 * (centroids[1:] + centroids[:-1]), values)
-    r = values - centroids[idx]
+    x = torch.as_tensor(values, dtype=torch.float64)
+    w = torch.as_tensor(weights, dtype=torch.float64, device=x.device)
+    c = torch.as_tensor(centroids, dtype=torch.float64, device=x.device)
+    x = torch.where(w > 0, x, 0.0)
+    idx = torch.searchsorted((0.5 * (c[:, 1:] + c[:, :-1])).contiguous(), x.contiguous())
+    r = x - c.gather(1, idx)
     if mode == "head":
-        eps = float(np.sum(weights * np.abs(r)) / max(np.sum(weights), 1e-300))
-        return np.full((k, 2), eps)
-    table = np.zeros((k, 2))
+        eps = (w * r.abs()).sum(1) / w.sum(1).clamp_min(1e-300)
+        return eps[:, None, None].expand(*c.shape, 2).clone()
+    table = torch.zeros(*c.shape, 2, dtype=torch.float64, device=x.device)
     for col, side in ((0, r < 0), (1, r >= 0)):
-        w = weights * side
-        mass = np.bincount(idx, weights=w, minlength=k)
-        total = np.bincount(idx, weights=w * np.abs(r), minlength=k)
-        table[:, col] = np.where(mass > 0, total / np.maximum(mass, 1e-300), 0.0)
+        ws = w * side
+        mass = torch.zeros_like(c).scatter_add_(1, idx, ws)
+        total = torch.zeros_like(c).scatter_add_(1, idx, ws * r.abs())
+        table[..., col] = torch.where(mass > 0, total / mass.clamp_min(1e-300), 0.0)
     return table
 
 
