@@ -121,6 +121,27 @@ def test_checkpoint_roundtrip_determinism_and_refusals(stress_model, tmp_path, c
         Calibration.load(trunc)
 
 
+def test_lut_granularity_and_its_storage(stress_model, tmp_path, calibration):
+    """Default: each (head, channel) has its own LUT; ``head-lut`` shares one per head, stored once per head
+    (fp16) and loaded back exactly."""
+    from safetensors import safe_open
+
+    from esm_turbo.model.checkpoint import PRESETS
+    cent = calibration.codecs[0].key.centroids  # [H, d, K]
+    assert not torch.equal(cent[:, 0], cent[:, 1])
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:40]
+    head = calibrate(stress_model, recs, PRESETS["head-lut"], progress=False)
+    assert torch.equal(head.codecs[0].key.centroids, head.codecs[0].key.centroids[:, :1].expand_as(cent))
+    paths = {n: c.save(tmp_path / f"{n}.safetensors") for n, c in (("head", head), ("channel", calibration))}
+    with safe_open(str(paths["head"]), framework="pt") as fh:
+        stored = fh.get_tensor("layers.0.k.centroids")
+    assert stored.dtype == torch.float16 and stored.shape[1] == 1
+    assert paths["head"].stat().st_size < paths["channel"].stat().st_size
+    loaded = Calibration.load(paths["head"])
+    for name in ("centroids", "eps"):
+        assert torch.equal(getattr(loaded.codecs[0].key, name), getattr(head.codecs[0].key, name))
+
+
 def test_auto_value_rotation_picks_per_head(stress_model, calibration):
     """The default picks, per layer and head, the V codec (unrotated or svd-scaled) whose error reaches the
     attention output least; the chosen head's tables are exactly that candidate's."""
