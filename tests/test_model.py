@@ -67,7 +67,9 @@ def test_decode_fidelity_bars(stress_model):
         results[name] = evaluate(engine, ev, max_steps=16, progress=False)
     per_seq = lambda n: [s["decode_cos_mean"] for s in results[n]["sequences"]]  # noqa: E731
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    # the per-sequence bars on this (head_dim 16) stress model: 3+1 bits ≥ 0.97, 3 bits ≥ 0.95
+    # the per-sequence bars (3+1 bits ≥ 0.97, 3 bits ≥ 0.95) hold on this quarter of the held-out set;
+    # on all 29 sequences the worst is 0.964 / 0.922 (results/REPORT.md): asserted here is what holds, so a
+    # regression fails
     assert min(per_seq("default")) >= 0.97, per_seq("default")
     assert min(per_seq("no-residual")) >= 0.95, per_seq("no-residual")
     # a LUT per channel is what lifts the worst sequences over one LUT per head
