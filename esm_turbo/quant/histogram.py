@@ -1,8 +1,9 @@
 """Streaming per-group histograms that keep exact per-bin sums, for fitting LUTs over millions of values.
 
 Each bin keeps (count, Σx); the bin *mean* then stands in for its values, so weighted Lloyd
-iterations over (mean, count) points are exact up to within-bin spread (bins are 1/4096 of the range
-by default). Values outside the range fall into the edge bins with their true sums.
+iterations over (mean, count) points are exact up to within-bin spread (calibration uses 4096 bins per
+head-wide LUT, 512 per channel of standardised values). Values outside the range fall into the edge bins
+with their true sums.
 """
 
 from __future__ import annotations
