@@ -110,6 +110,11 @@ def test_checkpoint_roundtrip_determinism_and_refusals(stress_model, tmp_path, c
     p1 = calibration.save(tmp_path / "a.safetensors")
     p2 = calibrate(stress_model, recs, progress=False).save(tmp_path / "b.safetensors")
     assert p1.read_bytes() == p2.read_bytes()
+    from safetensors import safe_open
+    with safe_open(str(p1), framework="pt") as fh:  # value rotations only for the heads that chose one
+        stored = {k: fh.get_tensor(k).shape[0] for k in fh.keys() if k.endswith(".v.rot")}
+    chosen = [sum(row) for row in calibration.meta["value_rotation_choice"]]
+    assert [stored.get(f"layers.{li}.v.rot", 0) for li in range(len(chosen))] == chosen
     loaded = Calibration.load(p1)
     for c1, c2 in zip(calibration.codecs, loaded.codecs):
         for (n, t1), (_, t2) in zip(c1.named_buffers(), c2.named_buffers()):

@@ -3,7 +3,8 @@
 Tensors, per layer ``l`` and kind ``k``/``v``: ``layers.l.k.centroids`` [H,d,K] and ``.eps`` [H,d,K,2]
 (fp16; [H,1,…] when every channel of a head shares its LUT), ``.offset`` [H,d], ``.scale`` [H,d], and
 ``.rot`` [H,d,d] (fp16, rebuilt exactly orthonormal by a deterministic QR) only for fitted (svd, svd-scaled,
-auto) rotations — seeded ones (haar, hadamard, identity) are rebuilt from the seed.
+auto) rotations — with ``auto`` only for the value heads that chose one ([n, d, d]); seeded ones (haar,
+hadamard, identity) are rebuilt from the seed.
 Metadata (strings): ``esm_turbo`` (JSON with model fingerprint, config, calibration-set hash, token
 count, package version). Writes are atomic (temporary file + rename); loading checks completeness.
 """
@@ -101,7 +102,11 @@ class Calibration:
                 if rot_kind in FITTED_ROTATIONS:
                     if q.rot_stored is None:
                         raise ValueError(f"layer {li} {kind}: fitted rotation without its stored fp16 form")
-                    tensors[f"layers.{li}.{kind}.rot"] = q.rot_stored.detach().cpu().contiguous()
+                    rot = q.rot_stored.detach().cpu()
+                    if rot_kind == "auto":  # only the heads that chose a rotation; the others are the identity
+                        rot = rot[torch.tensor(self.meta["value_rotation_choice"][li], dtype=torch.bool)]
+                    if rot.shape[0]:
+                        tensors[f"layers.{li}.{kind}.rot"] = rot.contiguous()
         meta = dict(self.meta, format_version=FORMAT_VERSION, config=asdict(cfg))
         header = {"esm_turbo": json.dumps(meta, sort_keys=True)}
         atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
@@ -132,13 +137,17 @@ class Calibration:
                 q = VectorQuantizer(heads, dim, bits, cfg.residual, normalize=False, qjl_seed=quantizer_seed(cfg, li, kind) + 1)
                 prefix = f"layers.{li}.{kind}."
                 missing = [n for n in _TABLES if prefix + n not in tensors]
-                if rot_kind in FITTED_ROTATIONS and prefix + "rot" not in tensors:
+                stored = tensors.get(prefix + "rot")
+                if rot_kind == "auto":
+                    choice = torch.tensor(meta["value_rotation_choice"][li], dtype=torch.bool)
+                    stored = _expand_chosen(stored, choice, dim) if stored is not None or not choice.any() else None
+                if rot_kind in FITTED_ROTATIONS and stored is None:
                     missing.append("rot")
                 if missing:
                     raise CheckpointError(f"{path}: layer {li} {kind}: missing tables {missing} (incomplete checkpoint)")
-                rot = (orthonormalize(tensors[prefix + "rot"]) if prefix + "rot" in tensors
+                rot = (orthonormalize(stored) if stored is not None
                        else build_rotation(rot_kind, heads, dim, quantizer_seed(cfg, li, kind)).rot)
-                q.rot_stored = tensors.get(prefix + "rot")
+                q.rot_stored = stored
                 try:
                     q.rot.copy_(rot)
                     for n in _TABLES:
@@ -148,6 +157,16 @@ class Calibration:
                 pair.append(q)
             codecs.append(KVCodec(*pair).to(device))
         return cls(codecs, cfg, meta)
+
+
+def _expand_chosen(chosen: torch.Tensor | None, choice: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp16 rotations [H, d, d] from those of the heads where ``choice`` [H] is set (the identity elsewhere)."""
+    full = torch.eye(dim, dtype=torch.float16).repeat(choice.numel(), 1, 1)
+    if chosen is not None:
+        if chosen.shape[0] != int(choice.sum()):
+            raise CheckpointError(f"{chosen.shape[0]} stored value rotations for {int(choice.sum())} rotated heads")
+        full[choice] = chosen.to(torch.float16)
+    return full
 
 
 def _stored_table(name: str, t: torch.Tensor) -> torch.Tensor:
