@@ -182,12 +182,21 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
 
 
 @triton.jit
-def _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D: tl.constexpr, KBITS: tl.constexpr,
-               VBITS: tl.constexpr):
-    """Pointers to row 0 of cache row ``pid_bh`` (= b·H + h) in each packed part."""
+def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split, CHUNK, T_CAP,
+                 D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
+                 VSIGN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A split program's share of cache row ``pid_bh`` (= b·H + h): its rows [start, end), pointers to row 0 of
+    the row in each packed part, and its first tile's codes — requested here, as early as the program can."""
+    length = tl.load(len_ptr + b).to(tl.int32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, length)
     row0 = pid_bh.to(tl.int64) * T_CAP
-    return (k_idx_ptr + row0 * (D * KBITS // 8), k_sign_ptr + row0 * (D // 8), v_idx_ptr + row0 * (D * VBITS // 8),
-            v_sign_ptr + row0 * (D // 8))
+    k_idx = k_idx_ptr + row0 * (D * KBITS // 8)
+    k_sign = k_sign_ptr + row0 * (D // 8)
+    v_idx = v_idx_ptr + row0 * (D * VBITS // 8)
+    v_sign = v_sign_ptr + row0 * (D // 8)
+    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    return start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs
 
 
 @triton.jit
@@ -238,13 +247,9 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     qi = pid % S
     b = pid_bh // H
     h = pid_bh % H
-    length = tl.load(len_ptr + b).to(tl.int32)
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, length)
-
-    k_idx, k_sign, v_idx, v_sign = _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D,
-                                              KBITS, VBITS)
-    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
+        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split, CHUNK, T_CAP, D, KBITS, VBITS,
+        KSIGN, VSIGN, BLOCK_T)
     g = tl.arange(0, D // 8)
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
@@ -290,13 +295,10 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
     hd = h * D
-    length = tl.load(len_ptr + b).to(tl.int32)
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, length)
-    k_idx, k_sign, v_idx, v_sign = _row_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, pid_bh, T_CAP, D,
-                                              KBITS, VBITS)
     # the first tile's codes are requested before the query rotation: their latency overlaps it
-    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
+        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split, CHUNK, T_CAP, D, KBITS, VBITS,
+        KSIGN, VSIGN, BLOCK_T)
     k_off = tl.load(k_offset + hd + chan)
     k_sc = tl.load(k_scale + hd + chan)
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
