@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_batched
+from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_batched, midpoints
 from .packing import pack_1bit_u8, pack_bits, unpack_1bit_u8, unpack_bits
 from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_batched, sign_eps_table
 from .rotations import AffineStats, affine_forward, affine_inverse, build_rotation, check_rotation_kind
@@ -67,7 +67,7 @@ def check_input(x: torch.Tensor, heads: int, dim: int, ref: torch.Tensor, what: 
 
 def lut_bounds(centroids: torch.Tensor) -> torch.Tensor:
     """Decision boundaries (midpoints) of sorted LUTs: centroids [H, d, K] → [H, d, K-1]."""
-    return (0.5 * (centroids[..., 1:] + centroids[..., :-1])).contiguous()
+    return midpoints(centroids).contiguous()
 
 
 def lut_index(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,16 @@ def check_bits(bits: int) -> int:
     return int(bits)
 
 
+def midpoints(centroids):
+    """Decision boundaries of sorted LUTs along the last axis: [..., K] → [..., K-1] (numpy or torch)."""
+    return 0.5 * (centroids[..., 1:] + centroids[..., :-1])
+
+
+def nearest_index(centroids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per group, the nearest-centroid index of x [G, N] under sorted centroids [G, K]: #{boundaries < x}."""
+    return torch.searchsorted(midpoints(centroids).contiguous(), x.contiguous())
+
+
 @dataclass(frozen=True)
 class LloydMaxResult:
     """A fitted scalar quantizer.
@@ -46,7 +56,7 @@ class LloydMaxResult:
 
     @property
     def boundaries(self) -> np.ndarray:
-        return 0.5 * (self.centroids[1:] + self.centroids[:-1])
+        return midpoints(self.centroids)
 
 
 class _Gaussian:
@@ -121,7 +131,7 @@ def lloyd_max(bits: int, density: str = "gaussian", dim: int | None = None,
     centroids = stats.norm.ppf((np.arange(k) + 0.5) / k) * scale
     lo, hi = dens.support
     for _ in range(max_iter):
-        edges = np.concatenate([[lo], 0.5 * (centroids[1:] + centroids[:-1]), [hi]])
+        edges = np.concatenate([[lo], midpoints(centroids), [hi]])
         mass = np.diff(dens.cdf(edges))
         first = np.diff(dens.partial_mean(edges))
         new = np.where(mass > 0, first / np.maximum(mass, 1e-300), centroids)
@@ -129,7 +139,7 @@ def lloyd_max(bits: int, density: str = "gaussian", dim: int | None = None,
         centroids = new
         if delta < tol * scale:
             break
-    edges = np.concatenate([[lo], 0.5 * (centroids[1:] + centroids[:-1]), [hi]])
+    edges = np.concatenate([[lo], midpoints(centroids), [hi]])
     mass = np.diff(dens.cdf(edges))
     mse = float(dens.second_moment - np.sum(mass * np.square(centroids)))
     return LloydMaxResult(centroids=centroids, mse=mse)
@@ -195,11 +205,8 @@ def lloyd_max_batched(values: torch.Tensor, weights: torch.Tensor, bits: int, ma
     wx = w * x
     done = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
 
-    def assign(c: torch.Tensor) -> torch.Tensor:
-        return torch.searchsorted((0.5 * (c[:, 1:] + c[:, :-1])).contiguous(), x)
-
     for _ in range(max_iter):
-        idx = assign(centroids)
+        idx = nearest_index(centroids, x)
         mass = torch.zeros_like(centroids).scatter_add_(1, idx, w)
         sums = torch.zeros_like(centroids).scatter_add_(1, idx, wx)
         new = torch.where(mass > 0, sums / mass.clamp_min(1e-300), centroids).sort(1).values
@@ -208,5 +215,5 @@ def lloyd_max_batched(values: torch.Tensor, weights: torch.Tensor, bits: int, ma
         done |= moved < tol * spread
         if bool(done.all()):
             break
-    mse = (w * (x - centroids.gather(1, assign(centroids))).square()).sum(1) / total[:, 0]
+    mse = (w * (x - centroids.gather(1, nearest_index(centroids, x))).square()).sum(1) / total[:, 0]
     return centroids, mse

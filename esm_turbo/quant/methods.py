@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .codec import PartSpecs, check_input
-from .lloyd_max import lloyd_max
+from .lloyd_max import lloyd_max, midpoints
 from .packing import pack_bits, unpack_bits
 
 
@@ -180,7 +180,7 @@ class OutlierSplitQuantizer(_Base):
         self._check(x)
         x = x.float()
         z = (self._take(x, self.reg_idx) - self.mean[:, None, :]) / self.std[:, None, :]
-        bounds = 0.5 * (self.lut[1:] + self.lut[:-1])
+        bounds = midpoints(self.lut)
         reg = torch.searchsorted(bounds, z.contiguous())
         levels = 2**self.outlier_bits - 1
         step = ((self.hi - self.lo) / levels).clamp_min(1e-8)[:, None, :]

@@ -16,6 +16,8 @@ import math
 import numpy as np
 import torch
 
+from .lloyd_max import nearest_index
+
 RESIDUAL_KINDS = ("none", "sign", "qjl")
 SIGN_MODES = ("head", "bin")
 
@@ -49,7 +51,7 @@ def sign_eps_batched(values: torch.Tensor, weights: torch.Tensor, centroids: tor
     w = torch.as_tensor(weights, dtype=torch.float64, device=x.device)
     c = torch.as_tensor(centroids, dtype=torch.float64, device=x.device)
     x = torch.where(w > 0, x, 0.0)
-    idx = torch.searchsorted((0.5 * (c[:, 1:] + c[:, :-1])).contiguous(), x.contiguous())
+    idx = nearest_index(c, x)
     r = x - c.gather(1, idx)
     if mode == "head":
         eps = (w * r.abs()).sum(1) / w.sum(1).clamp_min(1e-300)
