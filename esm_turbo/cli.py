@@ -51,7 +51,8 @@ def _config_from_args(args):
     from .model.checkpoint import PRESETS
     cfg = PRESETS[args.preset]
     overrides = {k: getattr(args, k) for k in ("key_bits", "value_bits", "key_rotation", "value_rotation",
-                                                "residual", "sign_mode", "lut", "max_tokens", "seed")
+                                                "residual", "sign_mode", "lut", "bit_allocation",
+                                                "max_channel_bits", "max_tokens", "seed")
                  if getattr(args, k, None) is not None}
     if getattr(args, "bits", None) is not None:
         overrides.setdefault("key_bits", args.bits)
@@ -232,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sign-mode", choices=["bin", "head"])
     p.add_argument("--lut", choices=["channel", "head"],
                    help="a Lloyd-Max LUT per head and rotated channel (default), or one per head (the paper)")
+    p.add_argument("--uniform-bits", dest="bit_allocation", action="store_false", default=None,
+                   help="the same index width on every channel (default: widths allocated per rotated channel "
+                        "by its share of the output error, the same bytes per token)")
+    p.add_argument("--max-channel-bits", type=int, help="widest channel under bit allocation (default: bits + 2)")
     p.add_argument("--max-tokens", type=int, help="stop after this many calibration tokens")
     p.add_argument("--max-residues", type=int, default=1022)
     p.add_argument("--seed", type=int)

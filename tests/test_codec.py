@@ -140,3 +140,38 @@ def test_lut_decode_without_residual(bits):
     assert not torch.equal(q.centroids[0, 0], q.centroids[0, 1])  # channels have their own LUTs
     expect = table_lookup(q.centroids, lut_index(y, q.centroids))
     assert torch.equal(q.decode_affine(q.encode(y)), expect)
+
+
+def test_bit_allocation_spends_the_same_bytes_where_the_error_reaches_the_output():
+    """Channels of very different importance: allocated widths fill every group of 8 with 8 × bits, give the
+    important channels more, and lower the importance-weighted error below equal widths at the same bytes;
+    the packed codes decode to the allocated channel's own levels."""
+    from esm_turbo.quant.allocation import allocate, snake_order
+    from esm_turbo.quant.packing import unpack_fields
+    from esm_turbo.quant.rotations import AffineStats
+
+    heads, dim, bits = 2, 16, 3
+    gen = torch.Generator().manual_seed(0)
+    importance = torch.exp(2.0 * torch.randn(heads, dim, generator=gen))
+    order = snake_order(importance)
+    assert sorted(order[0].tolist()) == list(range(dim))
+    top = importance.argsort(1, descending=True)[:, :2]  # the two most important land in different groups
+    groups_of = order.argsort(1) // 8
+    assert bool((groups_of.gather(1, top)[:, 0] != groups_of.gather(1, top)[:, 1]).all())
+    cost = importance[..., None] * 4.0 ** -torch.arange(6.0)  # high-rate cost w · 2^(-2b), widths 0 … 5
+    widths = allocate(cost, bits)
+    assert bool((widths.view(heads, -1, 8).sum(-1) == 8 * bits).all()) and int(widths.max()) <= 5
+    values = torch.randn(heads * dim, 2048, generator=gen, dtype=torch.float64)
+    affine = AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), torch.zeros(heads, dim), torch.ones(heads, dim))
+    points = (values, torch.ones_like(values))
+    uniform = VectorQuantizer.from_calibration(affine, points, bits, "sign")
+    alloc = VectorQuantizer.from_calibration(affine, points, bits, "sign", importance=importance)
+    assert alloc.part_specs() == uniform.part_specs()
+    x = torch.randn(1, heads, 4096, dim, generator=gen)
+    for q in (uniform, alloc):
+        parts = q.encode(x)
+        q.err = ((q.decode(parts) - x) ** 2 * importance[:, None, :]).sum().item()
+        # every code stays inside its own channel's levels (2·idx + sign, packed at the allocated widths)
+        idx = unpack_fields(parts["code"], q.layout(), q.code_width) >> 1
+        assert bool((idx < (1 << q.widths)[:, None, :]).all())
+    assert alloc.err < 0.7 * uniform.err

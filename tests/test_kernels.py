@@ -76,7 +76,7 @@ def _reference_args(codec, cache, q, k, v, valid, dtype):
     cast = (lambda t: t.to(dtype)) if dtype != torch.float32 else (lambda t: t)
     key, value = codec.key, codec.value
     return (cast(q), cast(k), cast(v), valid.to(torch.uint8), *tables.packed(parts, "k"), *tables.packed(parts, "v"),
-            cast(tables.k_tab), cast(tables.v_tab), cache.lengths, cast(key.rot), cast(key.offset), cast(key.scale),
+            cast(tables.k_tab), cast(tables.v_tab), tables.k_layout, tables.v_layout, cache.lengths, cast(key.rot), cast(key.offset), cast(key.scale),
             cast(value.rot), cast(value.offset), cast(value.scale), tables.k_codes.bits, tables.v_codes.bits)
 
 
@@ -157,7 +157,7 @@ def test_quantize_pack_kernel(bits, residual, d, dtype):
 
     def args(kind):
         q = quantizer[kind]
-        return (q.rot, q.offset, q.scale, bounds[kind], q.centroids)
+        return (q.rot, q.offset, q.scale, bounds[kind], q.centroids, q.layout())
 
     outs = []
     for use_kernel in (False, True):
@@ -191,7 +191,7 @@ def test_quantize_kernel_on_boundaries(bits):
     concentrated data can leave them). Identity rotation and fp32 dots, so y = x exactly."""
     from esm_turbo.kernels.quantize import quantize_pack_triton
     d = 16
-    codec = random_turbo_codec(1, d, bits, bits, "sign", seed=0).to(DEVICE)
+    codec = random_turbo_codec(1, d, bits, bits, "sign", seed=0, allocate=False).to(DEVICE)
     cent = torch.linspace(-2.0, 2.0, 1 << bits)
     cent[1] = cent[2]  # a tie
     for q in (codec.key, codec.value):
@@ -204,7 +204,7 @@ def test_quantize_kernel_on_boundaries(bits):
     x = torch.cat([on_grid, torch.randn(40 * d - on_grid.numel(), generator=torch.Generator().manual_seed(0))])
     x = x.reshape(1, 1, 40, d).to(DEVICE)
     pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
-    tabs = (codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids)
+    tabs = (codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids, tables.k_layout)
     code = (bits, codec.key.combined_sign)
     outs = []
     for use_kernel in (False, True):

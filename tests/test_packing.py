@@ -39,3 +39,22 @@ def test_bad_inputs():
         pack_bits(torch.zeros(8, dtype=torch.long), 5)
     with pytest.raises(TypeError, match="integer"):
         pack_bits(torch.zeros(8), 2)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_field_layout_generalises_the_fixed_packers(bits):
+    """Equal widths give the fixed-width packers' bytes exactly; unequal widths (groups of 8 channels of the
+    same total) round-trip, and a layout whose groups differ is refused."""
+    from esm_turbo.quant.packing import field_layout, pack_fields, unpack_fields
+    x = torch.randint(0, 2**bits, (2, 3, 5, 16), generator=torch.Generator().manual_seed(bits))
+    lay = field_layout(torch.full((3, 16), bits))
+    assert torch.equal(pack_fields(x, lay, bits), pack_bits(x, bits))
+    assert torch.equal(unpack_fields(pack_bits(x, bits), lay, bits), x)
+    widths = torch.tensor([[bits + 1, bits - 1] * 4 + [bits] * 8, [0, 2 * bits] + [bits] * 6 + [bits] * 8, [bits] * 16])
+    widths = widths.clamp_max(8)
+    widths[:, :8] = torch.where(widths[:, :8].sum(-1, keepdim=True) == 8 * bits, widths[:, :8], bits)
+    lay = field_layout(widths)
+    y = torch.randint(0, 1 << 16, x.shape, generator=torch.Generator().manual_seed(1)) % (1 << widths)[:, None, :]
+    assert torch.equal(unpack_fields(pack_fields(y, lay, bits), lay, bits), y)
+    with pytest.raises(ValueError, match="groups of 8"):
+        field_layout(torch.tensor([[bits] * 8 + [bits + 1] + [bits] * 7]))

@@ -22,7 +22,7 @@ def collect_kv(model, records: list[Record], max_tokens: int) -> list[tuple[torc
     engine = TurboEsm(model)
     store: dict[int, list] = {i: [] for i in range(engine.num_layers)}
 
-    def record(layer, k, v, valid):
+    def record(layer, q, k, v, valid):
         for kind_i, x in enumerate((k, v)):
             rows = x.float().permute(1, 0, 2, 3)[:, valid]  # [H, N, d]
             store[layer].append((kind_i, rows.cpu()))

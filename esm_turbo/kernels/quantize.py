@@ -17,11 +17,12 @@ from .common import dot_precision, rotate_rows, sign_or_main, split16, token_off
 
 
 @triton.jit
-def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr, idx_ptr, sign_ptr,
-                  pos_ptr, h, offs_n, B, H, S, T_CAP,
-                  D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr,
+def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr, lay_ptr, idx_ptr,
+                  sign_ptr, pos_ptr, h, offs_n, B, H, S, T_CAP,
+                  D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr,
                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
-    """Encode tokens ``offs_n`` (over (b, s)) of head ``h`` of one tensor kind into its cache part."""
+    """Encode tokens ``offs_n`` (over (b, s)) of head ``h`` of one tensor kind into its cache part (K levels
+    per channel's LUT; codes at the shifts of the field layout ``lay_ptr``)."""
     nmask = offs_n < B * S
     b = offs_n // S
     offs_d = tl.arange(0, D)
@@ -29,7 +30,6 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
                     SPLIT16)
     y = (y - tl.load(offset_ptr + h * D + offs_d)[None, :]) / tl.load(scale_ptr + h * D + offs_d)[None, :]
 
-    K: tl.constexpr = 1 << BITS
     idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
     for k in tl.static_range(K - 1):
         idx += (y > tl.load(bounds_ptr + (h * D + offs_d) * (K - 1) + k)[None, :]).to(tl.int32)
@@ -48,7 +48,8 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
     WIDTH: tl.constexpr = BITS + COMBINE
     NB: tl.constexpr = D * WIDTH // 8
-    word = tl.sum(tl.reshape(idx, (BLOCK_N, D8, 8)) << (r * WIDTH)[None, None, :], axis=2)
+    shift = tl.load(lay_ptr + h * D + offs_d) & 255
+    word = tl.sum(tl.reshape(idx << shift[None, :], (BLOCK_N, D8, 8)), axis=2)  # the fields do not overlap
     if WIDTH == 4:  # a group of 8 codes is one aligned int32
         tl.store(idx_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * D8 + g[None, :], word, mask=nmask[:, None])
     else:
@@ -58,11 +59,12 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
 
 
 @triton.jit
-def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_idx, k_sign,
-                          v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_idx, v_sign,
+def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
+                          v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
                           pos_ptr, B, H, S, T_CAP,
-                          D: tl.constexpr, KBITS: tl.constexpr, KSIGN: tl.constexpr, KCOMB: tl.constexpr,
-                          VBITS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
+                          D: tl.constexpr, KBITS: tl.constexpr, KK: tl.constexpr, KSIGN: tl.constexpr,
+                          KCOMB: tl.constexpr, VBITS: tl.constexpr, VK: tl.constexpr, VSIGN: tl.constexpr,
+                          VCOMB: tl.constexpr,
                           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KSPLIT: tl.constexpr,
                           VSPLIT: tl.constexpr):
     """Grid (2·H, cdiv(B·S, BLOCK_N)): programs [0, H) encode keys, [H, 2H) values; one head's Π serves
@@ -71,11 +73,11 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
     pid = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if pid < H:
-        _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_idx, k_sign, pos_ptr,
-                      pid, offs_n, B, H, S, T_CAP, D, KBITS, KSIGN, KCOMB, BLOCK_N, PRECISION, KSPLIT)
+        _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
+                      pos_ptr, pid, offs_n, B, H, S, T_CAP, D, KBITS, KK, KSIGN, KCOMB, BLOCK_N, PRECISION, KSPLIT)
     else:
-        _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_idx, v_sign, pos_ptr,
-                      pid - H, offs_n, B, H, S, T_CAP, D, VBITS, VSIGN, VCOMB, BLOCK_N, PRECISION, VSPLIT)
+        _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
+                      pos_ptr, pid - H, offs_n, B, H, S, T_CAP, D, VBITS, VK, VSIGN, VCOMB, BLOCK_N, PRECISION, VSPLIT)
 
 
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
@@ -83,7 +85,8 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
                          config: dict | None = None) -> None:
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
-    k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d], bounds [H,d,K-1], centroids [H,d,K]);
+    k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d],
+    bounds [H,d,K-1], centroids [H,d,K], field layout [H,d] int32);
     ``*_out`` = (codes part, sign part or empty) written in place; ``*_code`` = (bits, combine).
     ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) for tuning."""
     batch, heads, s, d = k.shape
@@ -109,6 +112,6 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     prec = cfg["precision"]
     _quantize_pack_kernel[grid](
         k, *k_strides, *k_tables, k_main, k_sign, v, *v_strides, *v_tables, v_main, v_sign,
-        pos, batch, heads, s, k_main.shape[2], D=d, KBITS=k_c[0], KSIGN=k_c[1], KCOMB=k_c[2],
-        VBITS=v_c[0], VSIGN=v_c[1], VCOMB=v_c[2], BLOCK_N=block_n, PRECISION=prec,
+        pos, batch, heads, s, k_main.shape[2], D=d, KBITS=k_c[0], KK=k_tables[4].shape[-1], KSIGN=k_c[1],
+        KCOMB=k_c[2], VBITS=v_c[0], VK=v_tables[4].shape[-1], VSIGN=v_c[1], VCOMB=v_c[2], BLOCK_N=block_n, PRECISION=prec,
         KSPLIT=split16(k, prec), VSPLIT=split16(v, prec), num_warps=cfg["num_warps"])

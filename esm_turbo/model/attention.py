@@ -32,7 +32,7 @@ class RunContext:
     cache: object | None = None
     new_valid: torch.Tensor | None = None  # [B, S] bool, decode only
     commit: bool = True
-    recorder: Callable | None = None  # recorder(layer, k, v, valid [B,S] or None)
+    recorder: Callable | None = None  # recorder(layer, q, k, v, valid [B,S] or None)
     probe: Callable | None = None  # probe(layer, q, k, v, out) during decode (evaluation)
     valid: torch.Tensor | None = None  # [B, S] bool, prefill token validity for recorders
     extras: dict = field(default_factory=dict)
@@ -77,7 +77,7 @@ class TurboEsmSelfAttention(nn.Module):
             out, weights = interface(self.inner, q, k, v, attention_mask, dropout=0.0, scaling=1.0, **kwargs)
             if ctx is not None and ctx.mode == "prefill":
                 if ctx.recorder is not None:
-                    ctx.recorder(self.layer_idx, k, v, ctx.valid)
+                    ctx.recorder(self.layer_idx, q, k, v, ctx.valid)
                 if ctx.cache is not None:
                     ctx.cache.write(self.layer_idx, k, v, ctx.valid)
             return out.reshape(batch, seq, -1).contiguous(), weights

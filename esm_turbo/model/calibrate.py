@@ -84,17 +84,34 @@ def _histogram(second_moments: torch.Tensor, config: CalibrationConfig) -> Histo
 def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor) -> VectorQuantizer:
     """One quantizer whose head h has the tables of ``candidates[choice[h]]`` (same bits and residual)."""
     first = candidates[0]
-    out = VectorQuantizer(first.heads, first.dim, first.bits, first.residual, first.normalize, first.qjl_seed)
+    levels = max(q.centroids.shape[-1] for q in candidates)
+    out = VectorQuantizer(first.heads, first.dim, first.bits, first.residual, first.normalize, first.qjl_seed,
+                          max_bits=levels.bit_length() - 1)
     out = out.to(first.rot.device)
     eye = torch.eye(first.dim, dtype=torch.float16)
-    stored = []
+    stored, order = [], []
     for h, c in enumerate(choice.tolist()):
         q = candidates[c]
-        for name in ("rot", "offset", "scale", "centroids", "eps"):
+        for name in ("rot", "offset", "scale", "widths"):
             getattr(out, name)[h] = getattr(q, name)[h]
+        for name in ("centroids", "eps"):  # a narrower table repeats its last level
+            t = getattr(q, name)[h]
+            getattr(out, name)[h] = t[:, torch.arange(levels).clamp_max(t.shape[1] - 1)]
         stored.append(q.rot_stored[h] if q.rot_stored is not None else eye)
+        order.append(q.rot_order[h] if q.rot_order is not None else torch.arange(first.dim))
     out.rot_stored = torch.stack(stored)  # fp16 pre-images: identity heads rebuild exactly
+    out.rot_order = torch.stack(order) if any(q.rot_order is not None for q in candidates) else None
     return out
+
+
+def channel_importance(affine: AffineStats, reach: CovarianceAccumulator | torch.Tensor) -> torch.Tensor:
+    """How much an error in each affine channel reaches the output, [H, d]: ``scale_c² · (Π M Πᵀ)_cc`` with M
+    the queries' second moments E[q qᵀ] (keys: the score error) or a head's output Gram matrix W_oᵀW_o
+    (values), each [H, d, d]."""
+    m = reach if isinstance(reach, torch.Tensor) else reach.xtx / reach.count[:, None, None]
+    rot = affine.rot.double().to(m.device)
+    diag = torch.einsum("hij,hjk,hik->hi", rot, m.double(), rot)
+    return (diag * affine.scale.double().to(m.device) ** 2).float()
 
 
 def _output_weights(engine: TurboEsm, layer: int) -> torch.Tensor:
@@ -110,7 +127,7 @@ def _choose_value_codecs(engine: TurboEsm, batches, plain: list[VectorQuantizer]
     grams = [_output_weights(engine, li) for li in range(engine.num_layers)]
     err = torch.zeros(engine.num_layers, 2, engine.heads, dtype=torch.float64)
 
-    def record(layer, k, v, valid):
+    def record(layer, query, k, v, valid):
         for i, q in enumerate((plain[layer], rotated[layer])):
             e = (v.float() - q.decode(q.encode(v))) * valid[:, None, :, None]  # [B, H, S, d]
             err[layer, i] += torch.einsum("bhsd,hde,bhse->h", e, grams[layer], e).double().cpu()
@@ -129,17 +146,22 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         raise EsmTurboError("rotation 'auto' is for values only, and needs separate K and V LUTs "
                             "(shared_lut with value_rotation 'identity' or 'svd-scaled')")
     check_lut_kind(config.lut)
+    if config.bit_allocation and (config.lut != "channel" or config.shared_lut):
+        raise EsmTurboError("bit allocation gives each channel its own LUT width: it needs lut='channel' and "
+                            "separate K and V LUTs (or pass bit_allocation=False / --uniform-bits)")
     engine = TurboEsm(model)
     layers, heads, dim = engine.num_layers, engine.heads, engine.head_dim
     batches = token_batches(records, config.batch_tokens, config.max_tokens)
     used = [r for b in batches for r in b]
     start = time.perf_counter()
 
-    cov = {kind: [CovarianceAccumulator(heads, dim) for _ in range(layers)] for kind in "kv"}
+    cov = {kind: [CovarianceAccumulator(heads, dim) for _ in range(layers)]
+           for kind in ("qkv" if config.bit_allocation else "kv")}
 
-    def record_cov(layer, k, v, valid):
-        cov["k"][layer].add(k, valid)
-        cov["v"][layer].add(v, valid)
+    def record_cov(layer, q, k, v, valid):
+        for kind, x in zip("qkv", (q, k, v)):
+            if kind in cov:
+                cov[kind][layer].add(x, valid)
 
     n_tokens = _run(engine, batches, record_cov, "calibrate: rotations", progress)
 
@@ -154,7 +176,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     hist = {kind: [_histogram(affine[kind][li].second_moments(cov[source[kind]][li]), config)
                    for li in range(layers)] for kind in rotation}
 
-    def record_hist(layer, k, v, valid):
+    def record_hist(layer, q, k, v, valid):
         for kind in rotation:
             x = k if source[kind] == "k" else v
             hist[kind][layer].add(_valid_values(affine[kind][layer].forward(x), valid, config.lut == "channel"))
@@ -169,9 +191,14 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         if config.shared_lut:  # ablation: one LUT per group fitted on K and V together
             shared = tuple(torch.cat(pair, 1) for pair in zip(points["k"], points["v"]))
         for kind in rotation:
+            importance = None
+            if config.bit_allocation:
+                reach = cov["q"][li] if source[kind] == "k" else _output_weights(engine, li)
+                importance = channel_importance(affine[kind][li], reach)
             quantizers[kind].append(VectorQuantizer.from_calibration(
                 affine[kind][li], points[kind], bits[source[kind]], config.residual, config.sign_mode,
-                quantizer_seed(config, li, source[kind]), shared).to(engine.device))
+                quantizer_seed(config, li, source[kind]), shared, importance,
+                config.max_channel_bits).to(engine.device))
 
     choice = None
     if "v*" in rotation:

@@ -1,7 +1,9 @@
 """The calibration checkpoint: one safetensors file of per-layer codec tables plus JSON metadata.
 
 Tensors, per layer ``l`` and kind ``k``/``v``: ``layers.l.k.centroids`` [H,d,K] and ``.eps`` [H,d,K,2]
-(fp16; [H,1,…] when every channel of a head shares its LUT), ``.offset`` [H,d], ``.scale`` [H,d], and
+(fp16; [H,1,…] when every channel of a head shares its LUT; with a bit allocation, ``.widths`` [H,d] and
+``.order`` [H,d] (uint8: index bits per channel, and the rows of the rotation in channel order), and the
+LUTs hold only each channel's 2^width levels, flattened: [n] and [n, 2]), ``.offset`` [H,d], ``.scale`` [H,d], and
 ``.rot`` [H,d,d] (fp16, rebuilt exactly orthonormal by a deterministic QR) only for fitted (svd, svd-scaled,
 auto) rotations — with ``auto`` only for the value heads that chose one ([n, d, d]); seeded ones (haar,
 hadamard, identity) are rebuilt from the seed.
@@ -24,7 +26,7 @@ from ..io import atomic_write
 from ..quant.codec import KVCodec, VectorQuantizer
 from ..quant.rotations import build_rotation, orthonormalize
 
-FORMAT_VERSION = 2  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16
+FORMAT_VERSION = 3  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16; 3: bit allocations
 _TABLES = ("centroids", "eps", "offset", "scale")
 _LUTS = ("centroids", "eps")
 #: rotations fitted from data (stored in the checkpoint); "auto" picks, per head, unrotated or svd-scaled
@@ -47,6 +49,8 @@ class CalibrationConfig:
     batch_tokens: int = 8192
     bins: int = 4096  # histogram bins per LUT fit with lut="head"
     channel_bins: int = 512  # … with lut="channel" (per channel: values are standardised, ±10 rms)
+    bit_allocation: bool = True  # index bits per rotated channel by its share of the output error (lut="channel")
+    max_channel_bits: int | None = None  # widest channel under bit allocation (default: bits + 2)
     seed: int = 0
 
 
@@ -55,12 +59,13 @@ class CalibrationConfig:
 PRESETS: dict[str, CalibrationConfig] = {
     "default": CalibrationConfig(),
     "paper": CalibrationConfig(key_rotation="svd", value_rotation="identity", residual="sign", sign_mode="head",
-                               lut="head"),
-    "head-lut": CalibrationConfig(lut="head"),  # the default with one LUT per head (the default until per-channel)
+                               lut="head", bit_allocation=False),
+    "uniform-bits": CalibrationConfig(bit_allocation=False),  # every channel the same width (until allocation)
+    "head-lut": CalibrationConfig(lut="head", bit_allocation=False),  # one LUT per head, equal widths
     "no-rotation": CalibrationConfig(key_rotation="identity", value_rotation="identity"),
     "kv-rotated": CalibrationConfig(value_rotation="svd-scaled"),
     "v-unrotated": CalibrationConfig(value_rotation="identity"),
-    "shared-lut": CalibrationConfig(shared_lut=True, value_rotation="identity"),  # vs "v-unrotated"
+    "shared-lut": CalibrationConfig(shared_lut=True, value_rotation="identity", bit_allocation=False),
     "no-residual": CalibrationConfig(residual="none"),
 }
 
@@ -97,8 +102,13 @@ class Calibration:
         cfg = self.config
         for li, codec in enumerate(self.codecs):
             for kind, q, rot_kind in (("k", codec.key, cfg.key_rotation), ("v", codec.value, cfg.value_rotation)):
+                allocated = q.rot_order is not None
                 for name in _TABLES:
-                    tensors[f"layers.{li}.{kind}.{name}"] = _stored_table(name, getattr(q, name))
+                    tensors[f"layers.{li}.{kind}.{name}"] = _stored_table(name, getattr(q, name),
+                                                                          q.widths if allocated else None)
+                if allocated:
+                    tensors[f"layers.{li}.{kind}.widths"] = q.widths.to(torch.uint8).cpu().contiguous()
+                    tensors[f"layers.{li}.{kind}.order"] = q.rot_order.to(torch.uint8).cpu().contiguous()
                 if rot_kind in FITTED_ROTATIONS:
                     if q.rot_stored is None:
                         raise ValueError(f"layer {li} {kind}: fitted rotation without its stored fp16 form")
@@ -134,8 +144,14 @@ class Calibration:
         for li in range(meta["layers"]):
             pair = []
             for kind, bits, rot_kind in (("k", cfg.key_bits, cfg.key_rotation), ("v", cfg.value_bits, cfg.value_rotation)):
-                q = VectorQuantizer(heads, dim, bits, cfg.residual, normalize=False, qjl_seed=quantizer_seed(cfg, li, kind) + 1)
                 prefix = f"layers.{li}.{kind}."
+                widths, order = tensors.get(prefix + "widths"), tensors.get(prefix + "order")
+                if (widths is None) != (order is None) or (widths is None) == cfg.bit_allocation:
+                    raise CheckpointError(f"{path}: layer {li} {kind}: bit allocation tables missing or unexpected "
+                                          f"(incomplete checkpoint)")
+                top = int(widths.max()) if widths is not None else None
+                q = VectorQuantizer(heads, dim, bits, cfg.residual, normalize=False,
+                                    qjl_seed=quantizer_seed(cfg, li, kind) + 1, max_bits=top)
                 missing = [n for n in _TABLES if prefix + n not in tensors]
                 stored = tensors.get(prefix + "rot")
                 if rot_kind == "auto":
@@ -149,9 +165,15 @@ class Calibration:
                        else build_rotation(rot_kind, heads, dim, quantizer_seed(cfg, li, kind)).rot)
                 q.rot_stored = stored
                 try:
+                    if widths is not None:
+                        q.rot_order = order.long()
+                        q.widths.copy_(widths.long())
+                        rot = rot.gather(1, q.rot_order[..., None].expand(-1, -1, dim))
                     q.rot.copy_(rot)
                     for n in _TABLES:
-                        getattr(q, n).copy_(tensors[prefix + n])
+                        t = tensors[prefix + n]
+                        getattr(q, n).copy_(_unflatten_levels(t, q.widths, q.centroids.shape[-1])
+                                            if widths is not None and n in _LUTS else t)
                 except RuntimeError as err:
                     raise CheckpointError(f"{path}: layer {li} {kind}: table shapes do not match ({err})") from None
                 pair.append(q)
@@ -169,14 +191,35 @@ def _expand_chosen(chosen: torch.Tensor | None, choice: torch.Tensor, dim: int) 
     return full
 
 
-def _stored_table(name: str, t: torch.Tensor) -> torch.Tensor:
-    """A table as saved: LUTs (centroids, eps; fp16 values by construction) as fp16, one row per head when
-    all its channels share the LUT; offsets and scales as they are."""
+def _stored_table(name: str, t: torch.Tensor, widths: torch.Tensor | None = None) -> torch.Tensor:
+    """A table as saved: LUTs (centroids, eps; fp16 values by construction) as fp16 — under a bit allocation
+    (``widths`` [H, d]) only each channel's own levels, flattened; else one row per head when all its
+    channels share the LUT; offsets and scales as they are."""
     t = t.detach().cpu()
     if name in _LUTS:
-        t = t[:, :1] if bool((t == t[:, :1]).all()) else t
+        if widths is not None:
+            t = t[_level_mask(widths.cpu(), t.shape[2])]
+        elif bool((t == t[:, :1]).all()):
+            t = t[:, :1]
         t = t.half()
     return t.contiguous()
+
+
+def _level_mask(widths: torch.Tensor, k: int) -> torch.Tensor:
+    """[H, d, K] True at the levels a channel of ``widths`` [H, d] index bits uses."""
+    return torch.arange(k) < (1 << widths.long())[..., None]
+
+
+def _unflatten_levels(flat: torch.Tensor, widths: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of the allocated form of :func:`_stored_table`: [n, *tail] → [H, d, K, *tail], each channel's
+    last level repeated to K (how the codec pads a narrow channel's LUT)."""
+    mask = _level_mask(widths.cpu(), k)
+    if flat.shape[0] != int(mask.sum()):
+        raise CheckpointError(f"{flat.shape[0]} LUT levels stored for channels that use {int(mask.sum())}")
+    full = torch.zeros(*mask.shape, *flat.shape[1:], dtype=flat.dtype)
+    full[mask] = flat
+    pad = torch.arange(k).clamp_max((1 << widths.long().cpu())[..., None] - 1)  # [H, d, K]
+    return full.gather(2, pad.view(*pad.shape, *[1] * (flat.dim() - 1)).expand(*pad.shape, *flat.shape[1:]))
 
 
 def quantizer_seed(cfg: CalibrationConfig, layer: int, kind: str) -> int:

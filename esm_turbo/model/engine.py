@@ -145,7 +145,7 @@ class DecodeSession:
     def start(self, sequences: list[str], names: list[str] | None = None, add_eos: bool = False,
               recorder: Callable | None = None) -> StepOutput:
         """Exact batched prefill of ``<cls> + residues`` (ragged lengths). Returns outputs [B, T, *].
-        ``recorder(layer, k, v, valid)`` also sees each layer's post-RoPE K/V."""
+        ``recorder(layer, q, k, v, valid)`` also sees each layer's post-RoPE Q/K/V."""
         eng = self.engine
         tokens, mask = encode(sequences, names, add_eos=add_eos)
         tokens, mask = tokens.to(eng.device), mask.to(eng.device)

@@ -51,7 +51,7 @@ class _LayerProbe:
         self.err = [[] for _ in range(layers)]
         self.kl = [[] for _ in range(layers)]
 
-    def record_prefill(self, layer, k, v, valid):
+    def record_prefill(self, layer, q, k, v, valid):
         if self.shadow is None:
             cache = self.session.cache
             self.shadow = KVCache([dense_codec(cache.heads, cache.head_dim).to(cache.device)

@@ -55,14 +55,17 @@ class StoredCodes:
 class FusedTables:
     """Per-layer constants of the fused ops, derived once from a codec.
 
-    k_tab / v_tab [H, d, codes]; k_bounds / v_bounds [H, d, K-1]; k_codes / v_codes: where the packed codes
-    are stored.
+    k_tab / v_tab [H, d, codes]; k_bounds / v_bounds [H, d, K-1]; k_layout / v_layout [H, d] int32 field
+    layouts of the packed codes (``esm_turbo.quant.packing.field_layout``); k_codes / v_codes: where the
+    packed codes are stored.
     """
 
     k_tab: torch.Tensor
     v_tab: torch.Tensor
     k_bounds: torch.Tensor
     v_bounds: torch.Tensor
+    k_layout: torch.Tensor
+    v_layout: torch.Tensor
     k_codes: StoredCodes
     v_codes: StoredCodes
 
@@ -81,7 +84,8 @@ def fused_tables(codec: KVCodec) -> FusedTables:
         return cached
     tables = FusedTables(k_tab=code_table(key),
                          v_tab=code_table(value), k_bounds=lut_bounds(key.centroids),
-                         v_bounds=lut_bounds(value.centroids), k_codes=StoredCodes.of(key),
+                         v_bounds=lut_bounds(value.centroids), k_layout=key.layout(), v_layout=value.layout(),
+                         k_codes=StoredCodes.of(key),
                          v_codes=StoredCodes.of(value))
     codec._fused_tables = tables
     return tables
@@ -97,13 +101,14 @@ def scatter_rows(buf: torch.Tensor, val: torch.Tensor, pos: torch.Tensor) -> Non
 
 
 def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
-                            bounds: torch.Tensor, centroids: torch.Tensor, idx_out: torch.Tensor,
-                            sign_out: torch.Tensor, pos: torch.Tensor, bits: int, combine: bool) -> None:
-    """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,d,K] of ``bits`` bits, bounds
-    [H,d,K-1] unused here) at rows pos[b] + j of the cache parts: ``combine`` → idx_out holds codes
-    ``2·idx + sign`` of bits+1 bits; else idx_out [B,H,T_cap,d·bits/8] and sign_out [B,H,T_cap,d/8]
-    (or empty: no residual)."""
-    parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, bits,
+                            bounds: torch.Tensor, centroids: torch.Tensor, layout: torch.Tensor,
+                            idx_out: torch.Tensor, sign_out: torch.Tensor, pos: torch.Tensor, bits: int,
+                            combine: bool) -> None:
+    """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,d,K] of ``bits`` bits on average,
+    bounds [H,d,K-1] unused here, field layout [H,d] of the packed part) at rows pos[b] + j of the cache
+    parts: ``combine`` → idx_out holds codes ``2·idx + sign`` of bits+1 bits; else idx_out
+    [B,H,T_cap,d·bits/8] and sign_out [B,H,T_cap,d/8] (or empty: no residual)."""
+    parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, layout, bits + combine,
                               sign=combine or sign_out.numel() > 0, combined=combine)
     scatter_rows(idx_out, parts["code" if combine else "idx"], pos)
     if "sign" in parts:
@@ -113,7 +118,8 @@ def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Te
 def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                    new_valid: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor,
                                    v_idx: torch.Tensor, v_sign: torch.Tensor, k_tab: torch.Tensor,
-                                   v_tab: torch.Tensor, lengths: torch.Tensor, k_rot: torch.Tensor,
+                                   v_tab: torch.Tensor, k_layout: torch.Tensor, v_layout: torch.Tensor,
+                                   lengths: torch.Tensor, k_rot: torch.Tensor,
                                    k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
                                    v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int,
                                    v_bits: int) -> torch.Tensor:
@@ -123,7 +129,7 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     q [B,H,S,d] (scaled, post-RoPE), k_new/v_new [B,H,S,d] the step's own keys/values, new_valid [B,S]
     (bool or uint8); k_idx/v_idx [B,H,T_cap,d·bits/8] uint8 packed codes of k_bits/v_bits bits;
     k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, d, codes] indexed by the
-    code (``2·code + sign`` when sign bits are separate); lengths [B] valid prefix rows; rot [H,d,d],
+    code (``2·code + sign`` when sign bits are separate); layouts [H, d] int32 of the packed codes; lengths [B] valid prefix rows; rot [H,d,d],
     offset/scale [H,d] of the key and value codecs. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with
     ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped
     back once (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the tables'
@@ -131,8 +137,8 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     """
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
     qk, c0 = z * k_scale[:, None, :], (z * k_offset[:, None, :]).sum(-1, keepdim=True)
-    k_hat = lookup_codes(k_tab, k_idx, k_sign, k_bits)
-    v_hat = lookup_codes(v_tab, v_idx, v_sign, v_bits)
+    k_hat = lookup_codes(k_tab, k_idx, k_sign, k_layout, k_bits)
+    v_hat = lookup_codes(v_tab, v_idx, v_sign, v_layout, v_bits)
     t = k_hat.shape[2]
     keys = torch.cat([k_hat.to(k_rot.dtype), affine_forward(k_new, k_rot, k_offset, k_scale)], dim=2)
     values = torch.cat([v_hat.to(v_rot.dtype), affine_forward(v_new, v_rot, v_offset, v_scale)], dim=2)
@@ -155,13 +161,14 @@ def _kernels_for(t: torch.Tensor) -> bool:
 
 @torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=("k_main", "k_sign", "v_main", "v_sign"))
 def quantize_pack(k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor,
-                  k_scale: torch.Tensor, k_bounds: torch.Tensor, k_centroids: torch.Tensor, k_main: torch.Tensor,
-                  k_sign: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor, v_scale: torch.Tensor,
-                  v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_main: torch.Tensor, v_sign: torch.Tensor,
-                  pos: torch.Tensor, k_bits: int, k_combine: bool, v_bits: int, v_combine: bool) -> None:
+                  k_scale: torch.Tensor, k_bounds: torch.Tensor, k_centroids: torch.Tensor, k_layout: torch.Tensor,
+                  k_main: torch.Tensor, k_sign: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor,
+                  v_scale: torch.Tensor, v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_layout: torch.Tensor,
+                  v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_bits: int, k_combine: bool,
+                  v_bits: int, v_combine: bool) -> None:
     """Keys and values of one layer into their cache parts (one Triton launch on CUDA)."""
-    k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids)
-    v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids)
+    k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
+    v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
     if _kernels_for(k):
         from ..kernels.quantize import quantize_pack_triton
         quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos,
@@ -179,11 +186,12 @@ def _quantize_pack_fake(*args) -> None:
 @torch.library.custom_op("esm_turbo::compressed_attention", mutates_args=())
 def compressed_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
                          k_idx: torch.Tensor, k_sign: torch.Tensor, v_idx: torch.Tensor, v_sign: torch.Tensor,
-                         k_tab: torch.Tensor, v_tab: torch.Tensor, lengths: torch.Tensor, k_rot: torch.Tensor,
-                         k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
-                         v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int, v_bits: int) -> torch.Tensor:
-    args = (q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, lengths, k_rot, k_offset,
-            k_scale, v_rot, v_offset, v_scale, k_bits, v_bits)
+                         k_tab: torch.Tensor, v_tab: torch.Tensor, k_layout: torch.Tensor, v_layout: torch.Tensor,
+                         lengths: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor,
+                         v_rot: torch.Tensor, v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int,
+                         v_bits: int) -> torch.Tensor:
+    args = (q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_layout, v_layout, lengths,
+            k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits)
     if _kernels_for(q):
         from ..kernels.decode import compressed_attention_triton
         return compressed_attention_triton(*args)
@@ -206,9 +214,10 @@ def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Te
     """Quantize-and-pack k, v [B,H,S,d] into one layer's cache parts at rows ``pos[b] + j``."""
     tables = fused_tables(codec)
     key, value = codec.key, codec.value
-    quantize_pack(k, v, *_codec_tables(key), tables.k_bounds, key.centroids, *tables.packed(parts, "k"),
-                  *_codec_tables(value), tables.v_bounds, value.centroids, *tables.packed(parts, "v"), pos,
-                  key.bits, key.combined_sign, value.bits, value.combined_sign)
+    quantize_pack(k, v, *_codec_tables(key), tables.k_bounds, key.centroids, tables.k_layout,
+                  *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
+                  tables.v_layout, *tables.packed(parts, "v"), pos, key.bits, key.combined_sign, value.bits,
+                  value.combined_sign)
 
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
@@ -219,5 +228,5 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
     tables = fused_tables(codec)
     return compressed_attention(q, k_new, v_new, new_valid.contiguous().view(torch.uint8),
                                 *tables.packed(parts, "k"), *tables.packed(parts, "v"), tables.k_tab,
-                                tables.v_tab, lengths, *_codec_tables(codec.key), *_codec_tables(codec.value),
+                                tables.v_tab, tables.k_layout, tables.v_layout, lengths, *_codec_tables(codec.key), *_codec_tables(codec.value),
                                 tables.k_codes.bits, tables.v_codes.bits)

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_batched, midpoints
-from .packing import pack_1bit_u8, pack_bits, unpack_1bit_u8, unpack_bits
+from .allocation import allocate, channel_tables, snake_order
+from .packing import field_layout, pack_1bit_u8, pack_fields, unpack_1bit_u8, unpack_fields
 from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_batched, sign_eps_table
 from .rotations import AffineStats, affine_forward, affine_inverse, build_rotation, check_rotation_kind
 
@@ -66,8 +67,11 @@ def check_input(x: torch.Tensor, heads: int, dim: int, ref: torch.Tensor, what: 
 
 
 def lut_bounds(centroids: torch.Tensor) -> torch.Tensor:
-    """Decision boundaries (midpoints) of sorted LUTs: centroids [H, d, K] → [H, d, K-1]."""
-    return midpoints(centroids).contiguous()
+    """Decision boundaries (midpoints) of sorted LUTs: centroids [H, d, K] → [H, d, K-1]; +inf from the first
+    level equal to the last on (a channel with fewer levels than K is padded with its last one), so
+    ``#{bounds < y}`` never goes past it."""
+    tail = centroids[..., :-1] == centroids[..., -1:]
+    return torch.where(tail, torch.inf, midpoints(centroids)).contiguous()
 
 
 def lut_index(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -101,53 +105,59 @@ def code_table(q: "VectorQuantizer") -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).reshape(q.heads, q.dim, -1).contiguous()
 
 
-def lookup_codes(table: torch.Tensor, packed: torch.Tensor, sign: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """Packed ``bits``-bit codes [..., H, T, d·bits/8] (and separate sign bits [..., H, T, d/8], or None /
-    empty) → table [H, d, codes] values [..., H, T, d], one look-up per value: of the code, or of
-    ``2·code + sign`` with separate sign bits (the layout of :func:`code_table`)."""
-    codes = unpack_bits(packed, bits).long()
+def lookup_codes(table: torch.Tensor, packed: torch.Tensor, sign: torch.Tensor | None, layout: torch.Tensor,
+                 width: int) -> torch.Tensor:
+    """Packed codes [..., H, T, d·width/8] of a field layout [H, d] (``esm_turbo.quant.packing``; and
+    separate sign bits [..., H, T, d/8], or None / empty) → table [H, d, codes] values [..., H, T, d], one
+    look-up per value: of the code, or of ``2·code + sign`` with separate sign bits (see :func:`code_table`)."""
+    codes = unpack_fields(packed, layout, width)
     if sign is not None and sign.numel():
         codes = 2 * codes + unpack_1bit_u8(sign).long()
     return table_lookup(table, codes)
 
 
-def lut_code_parts(y: torch.Tensor, centroids: torch.Tensor, bits: int, sign: bool,
+def lut_code_parts(y: torch.Tensor, centroids: torch.Tensor, layout: torch.Tensor, width: int, sign: bool,
                    combined: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Nearest-LUT codes of y [..., H, T, d] (affine domain), packed: ``code`` = 2·idx + sign at bits+1
-    bits when ``combined``, else ``idx`` (+ ``sign`` bits). Returns (parts, idx)."""
+    """Nearest-LUT codes of y [..., H, T, d] (affine domain), packed under ``layout`` [H, d] at ``width`` bits
+    per value on average: ``code`` = 2·idx + sign when ``combined``, else ``idx`` (+ ``sign`` bits). Returns
+    (parts, idx)."""
     idx = lut_index(y, centroids)
     if not sign:
-        return {"idx": pack_bits(idx, bits)}, idx
+        return {"idx": pack_fields(idx, layout, width)}, idx
     above = y >= table_lookup(centroids, idx)
     if combined:
-        return {"code": pack_bits(2 * idx + above, bits + 1)}, idx
-    return {"idx": pack_bits(idx, bits), "sign": pack_1bit_u8(above)}, idx
+        return {"code": pack_fields(2 * idx + above, layout, width)}, idx
+    return {"idx": pack_fields(idx, layout, width), "sign": pack_1bit_u8(above)}, idx
 
 
 class VectorQuantizer(nn.Module):
-    """Quantizer for one tensor kind of one layer. Buffers (float32):
+    """Quantizer for one tensor kind of one layer. Buffers (float32 unless said):
 
     rot [H,d,d], offset [H,d], scale [H,d], centroids [H,d,K] and eps [H,d,K,2] (sign residual) per head
-    and channel, proj [m,d] (QJL sketch; m = d).
+    and channel, widths [H,d] (int64: index bits of each channel; ``bits`` everywhere unless allocated, see
+    ``esm_turbo.quant.allocation``; K = 2^max_bits, a channel of fewer bits repeats its last level),
+    proj [m,d] (QJL sketch; m = d).
     """
 
     def __init__(self, heads: int, dim: int, bits: int, residual: str = "none",
-                 normalize: bool = False, qjl_seed: int = 0):
+                 normalize: bool = False, qjl_seed: int = 0, max_bits: int | None = None):
         super().__init__()
         self.heads, self.dim = heads, check_head_dim(dim)
         self.bits = check_bits(bits)
         self.residual = check_residual_kind(residual)
         self.normalize = bool(normalize)
         self.qjl_seed = int(qjl_seed)
-        k = 2**self.bits
+        k = 2 ** max(self.bits, max_bits or 0)
         self.register_buffer("rot", torch.eye(dim).expand(heads, dim, dim).clone())
         self.register_buffer("offset", torch.zeros(heads, dim))
         self.register_buffer("scale", torch.ones(heads, dim))
         self.register_buffer("centroids", torch.zeros(heads, dim, k))
         self.register_buffer("eps", torch.zeros(heads, dim, k, 2))
+        self.register_buffer("widths", torch.full((heads, dim), self.bits, dtype=torch.long))
         proj = qjl_projection(dim, dim, qjl_seed) if residual == "qjl" else torch.zeros(0, dim)
         self.register_buffer("proj", proj)
         self.rot_stored: torch.Tensor | None = None
+        self.rot_order: torch.Tensor | None = None  # [H, d] rows of the fitted rotation kept, in order
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -168,16 +178,25 @@ class VectorQuantizer(nn.Module):
     @classmethod
     def from_calibration(cls, affine: AffineStats, points: tuple[torch.Tensor, torch.Tensor], bits: int,
                          residual: str = "sign", sign_mode: str = "bin", seed: int = 0,
-                         lut_points: tuple[torch.Tensor, torch.Tensor] | None = None) -> "VectorQuantizer":
+                         lut_points: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         importance: torch.Tensor | None = None, max_bits: int | None = None) -> "VectorQuantizer":
         """Calibrated codec: ``points`` = (values, weights) [G, N], weighted samples in the affine domain
         (after rotation, centring and scaling) of G = H groups (one LUT per head) or G = H·d (one per head
         and channel, channel-minor). LUTs are fitted on ``lut_points`` (default ``points``; other points
-        give e.g. a K/V-shared LUT). Tables are rounded to fp16 values, the precision checkpoints keep."""
+        give e.g. a K/V-shared LUT). Tables are rounded to fp16 values, the precision checkpoints keep.
+
+        With ``importance`` [H, d] (how much an error of each affine channel reaches the output), channels get
+        allocated widths of 0 … ``max_bits`` index bits (``bits`` on average; ``esm_turbo.quant.allocation``);
+        needs per-channel points."""
         heads, dim = affine.offset.shape
         values, weights = points
         if values.shape[0] not in (heads, heads * dim):
             raise ValueError(f"expected calibration points for {heads} heads or {heads * dim} channels, "
                              f"got {values.shape[0]} groups")
+        if importance is not None:
+            if values.shape[0] != heads * dim or lut_points is not None:
+                raise ValueError("bit allocation needs per-channel calibration points and the codec's own LUTs")
+            return cls._allocated(affine, points, bits, residual, sign_mode, seed, importance, max_bits)
         q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1)
         q.set_rotation(affine)
         lut, _ = lloyd_max_batched(*(lut_points or points), q.bits)
@@ -190,8 +209,39 @@ class VectorQuantizer(nn.Module):
         q.eps.copy_(eps.view(heads, groups, -1, 2).expand(heads, dim, -1, 2))
         return q
 
+    @classmethod
+    def _allocated(cls, affine: AffineStats, points: tuple[torch.Tensor, torch.Tensor], bits: int, residual: str,
+                   sign_mode: str, seed: int, importance: torch.Tensor, max_bits: int | None) -> "VectorQuantizer":
+        heads, dim = affine.offset.shape
+        top = min(max_bits if max_bits is not None else bits + 2, 8)
+        if not bits <= top:
+            raise ValueError(f"max_bits {max_bits} is below the average width {bits}")
+        luts, eps, mse = channel_tables(*points, top, sign_mode if residual == "sign" else None)
+        imp = importance.double().to(mse.device)
+        cost = imp.reshape(-1, 1) * mse  # [H·d, top + 1]
+        order = snake_order(cost[:, bits].reshape(heads, dim).cpu()).to(mse.device)
+        rows = (order + torch.arange(heads, device=order.device)[:, None] * dim).reshape(-1)
+        widths = allocate(cost[rows].reshape(heads, dim, -1), bits).reshape(-1)
+        top = int(widths.max())  # tables only as long as the widest channel needs
+        q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1, max_bits=top)
+        q.set_rotation(affine.permuted(order))
+        k = q.centroids.shape[-1]
+        centroids = torch.zeros(heads * dim, k, dtype=torch.float64, device=mse.device)
+        table = torch.zeros(heads * dim, k, 2, dtype=torch.float64, device=mse.device)
+        for b in range(top + 1):
+            pick = widths == b
+            pad = torch.arange(k, device=mse.device).clamp_max(2**b - 1)  # its levels, then the last repeated
+            centroids[pick] = luts[b][rows[pick]][:, pad]
+            if eps[b] is not None:
+                table[pick] = eps[b][rows[pick]][:, pad]
+        q.centroids.copy_(centroids.view(heads, dim, k))
+        q.eps.copy_(table.view(heads, dim, k, 2))
+        q.widths.copy_(widths.view(heads, dim))
+        return q
+
     def set_rotation(self, affine: AffineStats) -> None:
         self.rot_stored = affine.stored  # fp16 pre-image of a fitted rotation, for checkpoints
+        self.rot_order = affine.order
         self.rot.copy_(affine.rot)
         self.offset.copy_(affine.offset)
         self.scale.copy_(affine.scale)
@@ -202,6 +252,20 @@ class VectorQuantizer(nn.Module):
         """A sign residual over ≤3 index bits is stored fused as one (bits+1)-bit code ``2·idx + sign``
         (3 + 1 bits → one nibble per value): the same bytes as separate planes, one aligned load less."""
         return self.residual == "sign" and self.bits + 1 in COMBINED_CODE_BITS
+
+    @property
+    def field_widths(self) -> torch.Tensor:
+        """[H, d] bits of each channel's stored code: its index width, + 1 for a combined sign bit."""
+        return self.widths + int(self.combined_sign)
+
+    @property
+    def code_width(self) -> int:
+        """Average bits per channel of the main packed part (its bytes per group of 8 channels)."""
+        return self.bits + int(self.combined_sign)
+
+    def layout(self) -> torch.Tensor:
+        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``)."""
+        return field_layout(self.field_widths)
 
     def part_specs(self) -> PartSpecs:
         """Trailing shape and dtype of each stored part, per (token, head): ``code`` (combined index and
@@ -245,7 +309,8 @@ class VectorQuantizer(nn.Module):
             norm = y.norm(dim=-1, keepdim=True)
             parts["norm"] = norm.squeeze(-1).to(torch.float16)
             y = y / norm.clamp_min(1e-30)
-        codes, idx = lut_code_parts(y, self.centroids, self.bits, self.residual == "sign", self.combined_sign)
+        codes, idx = lut_code_parts(y, self.centroids, self.layout(), self.code_width, self.residual == "sign",
+                                    self.combined_sign)
         parts.update(codes)
         if self.residual == "qjl":
             r = y - table_lookup(self.centroids, idx)
@@ -256,10 +321,8 @@ class VectorQuantizer(nn.Module):
 
     def decode_affine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """parts → ẑ [..., H, T, d] in the affine domain (norm applied), float32."""
-        if self.combined_sign:
-            y = lookup_codes(code_table(self), parts["code"], None, self.bits + 1)
-        else:  # idx, with its separate sign bits when the residual is a sign
-            y = lookup_codes(code_table(self), parts["idx"], parts.get("sign"), self.bits)
+        main = parts["code" if self.combined_sign else "idx"]  # idx: its sign bits apart, if any
+        y = lookup_codes(code_table(self), main, parts.get("sign"), self.layout(), self.code_width)
         if self.residual == "qjl":
             signs = unpack_1bit_u8(parts["qjl"]).float() * 2 - 1
             m = self.proj.shape[0]
@@ -289,6 +352,20 @@ class KVCodec(nn.Module):
         super().__init__()
         self.key, self.value = key, value
         self.window = int(window)  # > 0: the most recent ``window`` tokens are also kept in fp16 (KIVI)
+
+    @property
+    def field_widths(self) -> torch.Tensor:
+        """[H, d] bits of each channel's stored code: its index width, + 1 for a combined sign bit."""
+        return self.widths + int(self.combined_sign)
+
+    @property
+    def code_width(self) -> int:
+        """Average bits per channel of the main packed part (its bytes per group of 8 channels)."""
+        return self.bits + int(self.combined_sign)
+
+    def layout(self) -> torch.Tensor:
+        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``)."""
+        return field_layout(self.field_widths)
 
     def part_specs(self) -> PartSpecs:
         specs = {f"k.{n}": s for n, s in self.key.part_specs().items()}
@@ -321,6 +398,20 @@ class DenseQuantizer(nn.Module):
         super().__init__()
         self.heads, self.dim, self.dtype = heads, dim, dtype
         self.register_buffer("_device_anchor", torch.zeros(0))
+
+    @property
+    def field_widths(self) -> torch.Tensor:
+        """[H, d] bits of each channel's stored code: its index width, + 1 for a combined sign bit."""
+        return self.widths + int(self.combined_sign)
+
+    @property
+    def code_width(self) -> int:
+        """Average bits per channel of the main packed part (its bytes per group of 8 channels)."""
+        return self.bits + int(self.combined_sign)
+
+    def layout(self) -> torch.Tensor:
+        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``)."""
+        return field_layout(self.field_widths)
 
     def part_specs(self) -> PartSpecs:
         return {"x": ((self.dim,), self.dtype)}

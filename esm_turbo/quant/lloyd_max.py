@@ -180,7 +180,9 @@ def lloyd_max_batched(values: torch.Tensor, weights: torch.Tensor, bits: int, ma
 
     Each group starts at its weighted quantiles (ties broken by a 1e-6 spread) and stops on its own when no
     centroid moves by more than ``tol`` × its range, so the result is deterministic for given inputs."""
-    bits = check_bits(bits)
+    if not 1 <= int(bits) <= 8:  # any LUT size: allocated channels take widths the packers need not know
+        raise ValueError(f"a Lloyd-Max LUT has 1 to 8 bits, got {bits}")
+    bits = int(bits)
     x = torch.as_tensor(values, dtype=torch.float64)
     w = torch.as_tensor(weights, dtype=torch.float64, device=x.device)
     if x.dim() != 2 or x.shape != w.shape:

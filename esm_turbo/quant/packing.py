@@ -119,3 +119,46 @@ def packed_nbytes(n: int, bits: int) -> int:
     if n % 8:
         raise ValueError(f"{n} values is not a multiple of 8")
     return n * check_bits(bits) // 8
+
+
+# ---- per-channel field widths ---------------------------------------------------------------------
+#
+# A quantizer with a bit allocation gives each channel c of a head its own code width f_c, with every group
+# of 8 channels summing to 8·W bits: the group is one W-byte little-endian word (W ≤ 8), channel 8g + r at
+# bit ``shift = Σ_{r' < r} f_{8g+r'}``. Equal widths give exactly the layout of the packers above.
+
+def field_layout(widths: torch.Tensor) -> torch.Tensor:
+    """Per-channel field widths [..., d] (groups of 8 summing to the same 8·W ≤ 64 bits) → layout [..., d]
+    int32 ``shift | mask << 8``, what the kernels and :func:`unpack_fields` read."""
+    w = widths.to(torch.int32)
+    groups = w.reshape(*w.shape[:-1], -1, 8)
+    total = groups.sum(-1)
+    if w.shape[-1] % 8 or bool((total != total.reshape(-1)[0]).any()) or int(total.reshape(-1)[0]) > 64:
+        raise ValueError(f"field widths must fill groups of 8 channels with the same ≤ 64 bits, got group sums "
+                         f"{sorted(set(total.reshape(-1).tolist()))}")
+    shift = (groups.cumsum(-1) - groups).reshape(w.shape)
+    return shift | (((1 << w) - 1) << 8)
+
+
+def pack_fields(x: torch.Tensor, layout: torch.Tensor, width: int) -> torch.Tensor:
+    """Codes x [..., H, T, d] under a layout [H, d] (:func:`field_layout`) of ``width`` bits per value on
+    average (W) → [..., H, T, d·W/8] uint8."""
+    _check(x, 8)
+    nbytes = check_bits(width)
+    shift = (layout & 255).to(torch.int64).unsqueeze(-2)  # [H, 1, d]
+    word = (x.to(torch.int64) << shift).reshape(*x.shape[:-1], x.shape[-1] // 8, 8).sum(-1)  # fields apart
+    out = torch.stack([(word >> (8 * i)) & 255 for i in range(nbytes)], dim=-1)
+    return out.to(torch.uint8).reshape(*x.shape[:-1], -1)
+
+
+def unpack_fields(packed: torch.Tensor, layout: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_fields`: [..., H, T, d·W/8] uint8 → codes [..., H, T, d] int64."""
+    nbytes = check_bits(width)
+    b = packed.to(torch.int64).reshape(*packed.shape[:-1], packed.shape[-1] // nbytes, nbytes)
+    word = b[..., 0]
+    for i in range(1, nbytes):
+        word = word | (b[..., i] << (8 * i))
+    shift = (layout & 255).to(torch.int64).unsqueeze(-2)
+    mask = (layout >> 8).to(torch.int64).unsqueeze(-2)
+    word = word.repeat_interleave(8, dim=-1)
+    return (word >> shift) & mask

@@ -157,7 +157,18 @@ class AffineStats:
     rot: torch.Tensor
     offset: torch.Tensor
     scale: torch.Tensor
-    stored: torch.Tensor | None = None  # fp16 pre-image of a fitted rot (rot == orthonormalize(stored))
+    stored: torch.Tensor | None = None  # fp16 pre-image of a fitted rot (rot == reorder(orthonormalize(stored)))
+    order: torch.Tensor | None = None  # [H, d] long: the channel order (rows of the built rotation kept)
+
+    def permuted(self, order: torch.Tensor) -> "AffineStats":
+        """The same transform with its output channels of head h in ``order[h]`` (composes with an order)."""
+        base = self.order.to(order.device).gather(1, order) if self.order is not None else order
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            idx = order.to(t.device)
+            return t.gather(1, idx.view(*idx.shape, *[1] * (t.dim() - 2)).expand(*idx.shape, *t.shape[2:]))
+
+        return AffineStats(rows(self.rot), rows(self.offset), rows(self.scale), self.stored, base.cpu())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return affine_forward(x, self.rot.to(x.device), self.offset.to(x.device), self.scale.to(x.device))

@@ -1,0 +1,86 @@
+"""Bit allocation over the rotated channels of a head — the half of transform coding a rotation needs.
+
+An orthogonal rotation alone does not lower the error of a quantizer that spends the same bits on every
+channel of the rotated vector (it does not equalize anything: it concentrates). What a decorrelating
+rotation buys is channels that deserve *different* widths: a few carry most of the energy that reaches the
+output, many carry little. Each channel c of a head is given its own index width ``b_c`` from the cost
+
+    D_c(b) = w_c · mse_c(b)
+
+with ``mse_c(b)`` the error of a ``b``-bit Lloyd-Max LUT (plus its sign residual, if any) fitted to the
+channel's calibration histogram, and ``w_c`` how much an error in that channel reaches the output (keys:
+``E[(Π q)_c²] · scale_c²``, the score error it causes; values: ``scale_c² · (Π W_oᵀ W_o Πᵀ)_cc``). Widths
+are chosen greedily by marginal gain (optimal for costs convex in b) under the packed layout's rule
+(:func:`esm_turbo.quant.packing.field_layout`): each group of 8 consecutive channels spends exactly 8 × the
+average width. Channels are first dealt into the groups in snake order of ``w_c · mse_c(bits)`` so every
+group gets a like mix of important and unimportant channels; this order becomes the rows of Π (free at run
+time: attention is computed in the rotated domain).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .lloyd_max import lloyd_max_batched, nearest_index
+from .residual import sign_eps_batched
+
+GROUP = 8  # channels per packed group word
+
+
+def channel_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int,
+                   sign_mode: str | None) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
+    """LUTs of every width 0 … ``max_bits`` for G groups: values, weights [G, N] → (luts [G, 2^b] and sign
+    magnitudes [G, 2^b, 2] (None without a sign residual) per width b, rounded to fp16 values, float64;
+    mse [G, max_bits + 1] of each width). Width 0 is one level, the weighted mean."""
+    x = values.double()
+    w = weights.double()
+    mean = (w * x).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1e-300)
+    luts, eps, mse = [], [], []
+    for b in range(max_bits + 1):
+        lut = mean if b == 0 else lloyd_max_batched(x, w, b)[0]
+        lut = lut.half().double()
+        e = sign_eps_batched(x, w, lut, sign_mode).half().double() if sign_mode else None
+        luts.append(lut)
+        eps.append(e)
+        mse.append(_mse(x, w, lut, e))
+    return luts, eps, torch.stack(mse, 1)
+
+
+def _mse(x: torch.Tensor, w: torch.Tensor, lut: torch.Tensor, eps: torch.Tensor | None) -> torch.Tensor:
+    """Weighted mean squared error [G] of reconstructing x [G, N] with a LUT [G, K] (+ sign magnitudes)."""
+    idx = nearest_index(lut, x)
+    r = x - lut.gather(1, idx)
+    if eps is not None:
+        above = (r >= 0).long()
+        mag = eps.gather(1, idx[..., None].expand(*idx.shape, 2)).gather(2, above[..., None])[..., 0]
+        r = r.abs() - mag
+    return (w * r.square()).sum(1) / w.sum(1).clamp_min(1e-300)
+
+
+def snake_order(importance: torch.Tensor) -> torch.Tensor:
+    """Channel order [H, d] dealing channels, most important first, into d/8 groups in snake order
+    (0, 1, …, G−1, G−1, …, 0, …): group g is the order's positions [8g, 8g + 8)."""
+    heads, dim = importance.shape
+    groups = dim // GROUP
+    rank = torch.argsort(importance, dim=1, descending=True, stable=True)  # [H, d] channel of each rank
+    r = torch.arange(dim)
+    lap, pos = r // groups, r % groups
+    group = torch.where(lap % 2 == 0, pos, groups - 1 - pos)  # group of each rank
+    slot = group * GROUP + lap  # position of each rank in the new order
+    order = torch.empty_like(rank)
+    order.scatter_(1, slot.expand(heads, dim).to(rank.device), rank)
+    return order
+
+
+def allocate(cost: torch.Tensor, bits: int) -> torch.Tensor:
+    """Widths [H, d] (long) minimising Σ cost[h, c, b_c] with every group of 8 channels spending 8·``bits``:
+    cost [H, d, B + 1] (cost of each width 0 … B, non-increasing). Greedy by marginal gain."""
+    heads, dim, levels = cost.shape
+    c = cost.reshape(heads, dim // GROUP, GROUP, levels)
+    width = torch.zeros(c.shape[:3], dtype=torch.long, device=cost.device)
+    for _ in range(GROUP * bits):
+        now = c.gather(3, width[..., None])[..., 0]
+        nxt = c.gather(3, (width + 1).clamp(max=levels - 1)[..., None])[..., 0]
+        gain = torch.where(width < levels - 1, now - nxt, -torch.inf)
+        width.scatter_add_(2, gain.argmax(2, keepdim=True), torch.ones_like(width[..., :1]))
+    return width.reshape(heads, dim)
