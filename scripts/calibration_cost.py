@@ -1,6 +1,7 @@
 """Calibration time and checkpoint size on a 650M-shaped stress model (random weights with planted
-outliers: pretrained weights cannot be downloaded here), default recipe with a LUT per channel and with
-one LUT per head. Run on a GPU: results/gpu/calibrate_650M_h100.txt.
+outliers: pretrained weights cannot be downloaded here): the default recipe (a LUT per channel, allocated
+widths), equal widths (uniform-bits) and one LUT per head (head-lut). Run on a GPU:
+results/gpu/calibrate_650M_h100.txt.
 
     python scripts/calibration_cost.py OUT_DIR [--size 650M] [--device cuda]
 """
@@ -8,8 +9,6 @@ one LUT per head. Run on a GPU: results/gpu/calibrate_650M_h100.txt.
 import argparse
 import os
 import time
-from dataclasses import replace
-
 import torch
 
 from esm_turbo.fasta import CALIBRATION_DATA, read_fastas
@@ -28,14 +27,14 @@ def main():
     model = stress_esm2(size=args.size, seed=0).to(device)
     records = read_fastas([str(CALIBRATION_DATA / "calibration.fasta")])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    for lut in ("channel", "head"):
+    for preset in ("default", "uniform-bits", "head-lut"):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        cal = calibrate(model, records, replace(PRESETS["default"], lut=lut), progress=False)
-        path = cal.save(os.path.join(args.out, f"calibration_{lut}.safetensors"))
+        cal = calibrate(model, records, PRESETS[preset], progress=False)
+        path = cal.save(os.path.join(args.out, f"calibration_{preset}.safetensors"))
         seconds = time.perf_counter() - start
-        print(f"{args.size}-shaped stress model (random weights + planted outliers), lut={lut}: "
+        print(f"{args.size}-shaped stress model (random weights + planted outliers), {preset}: "
               f"{cal.meta['calibration_sequences']} sequences, {cal.meta['calibration_tokens']} tokens, "
               f"calibrate + save {seconds:.1f} s, checkpoint {os.path.getsize(path) / 1e6:.2f} MB, {name}", flush=True)
         os.remove(path)

@@ -264,8 +264,12 @@ class VectorQuantizer(nn.Module):
         return self.bits + int(self.combined_sign)
 
     def layout(self) -> torch.Tensor:
-        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``)."""
-        return field_layout(self.field_widths)
+        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``), kept
+        until the widths change: its checks read values on the host, which a CUDA graph capture forbids."""
+        key = (self.widths.data_ptr(), self.widths._version, self.combined_sign)
+        if getattr(self, "_layout_key", None) != key:
+            self._layout, self._layout_key = field_layout(self.field_widths), key
+        return self._layout
 
     def part_specs(self) -> PartSpecs:
         """Trailing shape and dtype of each stored part, per (token, head): ``code`` (combined index and
@@ -364,8 +368,12 @@ class KVCodec(nn.Module):
         return self.bits + int(self.combined_sign)
 
     def layout(self) -> torch.Tensor:
-        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``)."""
-        return field_layout(self.field_widths)
+        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``), kept
+        until the widths change: its checks read values on the host, which a CUDA graph capture forbids."""
+        key = (self.widths.data_ptr(), self.widths._version, self.combined_sign)
+        if getattr(self, "_layout_key", None) != key:
+            self._layout, self._layout_key = field_layout(self.field_widths), key
+        return self._layout
 
     def part_specs(self) -> PartSpecs:
         specs = {f"k.{n}": s for n, s in self.key.part_specs().items()}
@@ -410,8 +418,12 @@ class DenseQuantizer(nn.Module):
         return self.bits + int(self.combined_sign)
 
     def layout(self) -> torch.Tensor:
-        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``)."""
-        return field_layout(self.field_widths)
+        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``), kept
+        until the widths change: its checks read values on the host, which a CUDA graph capture forbids."""
+        key = (self.widths.data_ptr(), self.widths._version, self.combined_sign)
+        if getattr(self, "_layout_key", None) != key:
+            self._layout, self._layout_key = field_layout(self.field_widths), key
+        return self._layout
 
     def part_specs(self) -> PartSpecs:
         return {"x": ((self.dim,), self.dtype)}
