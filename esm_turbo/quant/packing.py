@@ -136,8 +136,8 @@ def field_layout(widths: torch.Tensor) -> torch.Tensor:
     if w.shape[-1] % 8 or bool((total != total.reshape(-1)[0]).any()) or int(total.reshape(-1)[0]) > 64:
         raise ValueError(f"field widths must fill groups of 8 channels with the same ≤ 64 bits, got group sums "
                          f"{sorted(set(total.reshape(-1).tolist()))}")
-    shift = (groups.cumsum(-1) - groups).reshape(w.shape)
-    return shift | (((1 << w) - 1) << 8)
+    shift = (groups.cumsum(-1) - groups).reshape(w.shape)  # (cumsum widens to int64)
+    return (shift | (((1 << w) - 1) << 8)).to(torch.int32)
 
 
 def pack_fields(x: torch.Tensor, layout: torch.Tensor, width: int) -> torch.Tensor:
