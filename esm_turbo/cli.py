@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uniform-bits", dest="bit_allocation", action="store_false", default=None,
                    help="the same index width on every channel (default: widths allocated per rotated channel "
                         "by its share of the output error, the same bytes per token)")
-    p.add_argument("--max-channel-bits", type=int, help="widest channel under bit allocation (default: bits + 2)")
+    p.add_argument("--max-channel-bits", type=int, help="widest channel under bit allocation (default: bits + 1)")
     p.add_argument("--max-tokens", type=int, help="stop after this many calibration tokens")
     p.add_argument("--max-residues", type=int, default=1022)
     p.add_argument("--seed", type=int)

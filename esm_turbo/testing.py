@@ -115,7 +115,7 @@ def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int 
     """A calibrated-style :class:`~esm_turbo.quant.codec.KVCodec` without a model: Haar rotations,
     random per-channel centring and scaling, per-channel LUTs and ε fitted on Gaussian samples of
     per-channel spread (every channel's table differs) and, with ``allocate``, channel widths allocated by a
-    random importance (log-normal: widths from 0 to bits + 2). For kernel tests and speed benchmarks (values
+    random importance (log-normal: widths from 0 to bits + 1). For kernel tests and speed benchmarks (values
     are what a calibration produces)."""
     from .quant.codec import KVCodec, VectorQuantizer
     from .quant.rotations import AffineStats, haar_orthogonal

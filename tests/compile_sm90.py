@@ -32,9 +32,11 @@ def main() -> None:
     small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16)
     # fused 3+1-bit codes at d=64, and separate index/sign planes (3+1 keys, 2+1 values) at d=16; tables of
     # allocated widths (up to bits + 2 index bits: NK = d · codes per channel)
-    for d, kbits, ksign, vbits, vsign, nk, nv in ((64, 4, False, 4, False, 64 * 64, 64 * 64),
-                                                  (16, 3, True, 2, True, 16 * 64, 16 * 32)):
-        bits = dict(D=d, KBITS=kbits, KSIGN=ksign, VBITS=vbits, VSIGN=vsign, NK=nk, NV=nv, **walk)
+    # (equal widths for d = 64 keys, constant shifts; field layouts otherwise)
+    for d, kbits, ksign, vbits, vsign, nk, nv, kuni in ((64, 4, False, 4, False, 64 * 16, 64 * 32, True),
+                                                        (16, 3, True, 2, True, 16 * 32, 16 * 16, False)):
+        bits = dict(D=d, KBITS=kbits, KSIGN=ksign, VBITS=vbits, VSIGN=vsign, NK=nk, NV=nv, KUNI=kuni, VUNI=False,
+                    **walk)
         compile_sm90(decode._prefix_kernel, dict(bits, BLOCK_S=1), {"H", "S", "T_CAP", "CHUNK", "NS"}, codes)
         compile_sm90(decode._small_kernel, dict(bits, BLOCK_NS=16), small_ints, small_ptrs)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
@@ -43,7 +45,8 @@ def main() -> None:
     compile_sm90(decode._merge_kernel, dict(D=64, BLOCK_S=2, BLOCK_NS=32, PRECISION="tf32x3"), {"H", "S", "NS"},
                  dict(valid_ptr=u8, out_ptr=f16), num_warps=4)
     compile_sm90(quantize._quantize_pack_kernel,
-                 dict(D=64, KBITS=3, KK=32, KSIGN=True, KCOMB=True, VBITS=3, VK=32, VSIGN=True, VCOMB=False,
+                 dict(D=64, KBITS=3, KK=16, KUNI=False, KSIGN=True, KCOMB=True, VBITS=3, VK=8, VUNI=True,
+                      VSIGN=True, VCOMB=False,
                       BLOCK_N=128, PRECISION="tf32x3", KSPLIT=True, VSPLIT=True),
                  strides | {"B", "H", "S", "T_CAP"},
                  dict(k_ptr=f16, v_ptr=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",

@@ -85,11 +85,13 @@ def strided(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto"):
+def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto",
+                         allocate=True):
     """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
-    float64 from the same values."""
+    float64 from the same values. ``allocate``: channels of allocated widths (the kernels' field-layout
+    path), else equal widths (constant shifts)."""
     from esm_turbo.kernels.decode import compressed_attention_triton
-    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=seed).to(DEVICE)
+    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=seed, allocate=allocate).to(DEVICE)
     cache = filled_cache(codec, batch, lengths, DEVICE, seed)
     q, k, v, valid = (strided(t.to(dtype)) if t.is_floating_point() else t
                       for t in step_inputs(batch, heads, s, d, DEVICE, seed + 1))
@@ -101,6 +103,14 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
     err = (out.double() - ref64).abs().max().item()
     err_pt = (ref32.double() - ref64).abs().max().item()
     assert err <= 2 * err_pt + 1e-5, (err, err_pt)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,residual,d,path", [(3, "sign", 16, "one"), (3, "sign", 64, "split"),
+                                                  (4, "sign", 32, "split"), (2, "none", 16, "one")])
+def test_decode_kernel_equal_widths(bits, residual, d, path):
+    """Equal widths (``--uniform-bits``): the kernels shift by constants instead of reading a field layout."""
+    check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1, path=path, allocate=False)
 
 
 @needs_triton

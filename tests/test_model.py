@@ -142,7 +142,7 @@ def test_lut_granularity_and_its_storage(stress_model, tmp_path, calibration):
     for codec in calibration.codecs:
         for q in (codec.key, codec.value):
             groups = q.widths.view(q.heads, -1, 8)
-            assert bool((groups.sum(-1) == 8 * q.bits).all()) and int(q.widths.max()) <= q.bits + 2
+            assert bool((groups.sum(-1) == 8 * q.bits).all()) and int(q.widths.max()) <= q.bits + 1
     assert len({w for c in calibration.codecs for w in c.key.widths.unique().tolist()}) >= 3
     recs = read_fasta("calibration_data/calibration.fasta")[0][:40]
     head = calibrate(stress_model, recs, PRESETS["head-lut"], progress=False)

@@ -136,13 +136,18 @@ def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def _decode_codes(word, sb, tab_ptr, lay, D: tl.constexpr, SIGN: tl.constexpr, NTAB: tl.constexpr):
+def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, BITS: tl.constexpr, UNIFORM: tl.constexpr,
+                  SIGN: tl.constexpr, NTAB: tl.constexpr):
     """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r, its field
-    of the group word at ``lay`` [D/8, 8] (``shift | mask << 8``), looked up in that channel's row of the
-    head's table [D, codes] (NTAB = D·codes; L1 hits; a register tl.gather measured slower)."""
+    of the group word (``UNIFORM``: BITS bits at bit BITS·r; else at ``shift`` with ``mask``, [1, D/8, 8]),
+    looked up in that channel's row of the head's table [D, codes] (NTAB = D·codes; L1 hits; a register
+    tl.gather measured slower)."""
     r = tl.arange(0, 8)
     chan = tl.arange(0, D // 8)[:, None] * 8 + r[None, :]
-    code = (word[:, :, None] >> (lay & 255)[None, :, :]) & (lay >> 8)[None, :, :]
+    if UNIFORM:
+        code = (word[:, :, None] >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    else:
+        code = (word[:, :, None] >> shift) & mask
     if SIGN:
         code = code * 2 + ((sb[:, :, None] >> r[None, None, :]) & 1)
     return tl.load(tab_ptr + chan[None, :, :] * (NTAB // D) + code)
@@ -161,12 +166,23 @@ def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D: tl.constexpr, KBITS: tl.con
 
 
 @triton.jit
+def _field_layout(lay_ptr, chan, UNIFORM: tl.constexpr):
+    """(shift, mask) [1, D/8, 8] of one head's code fields from its layout row (``shift | mask << 8``), made
+    once per program, outside the tile loop; placeholders when the layout is ``UNIFORM`` (not read)."""
+    if UNIFORM:
+        return chan[None, :, :], chan[None, :, :]
+    lay = tl.load(lay_ptr + chan)[None, :, :]
+    return lay & 255, lay >> 8
+
+
+@triton.jit
 def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
+                  KBITS: tl.constexpr, VBITS: tl.constexpr, KUNI: tl.constexpr, VUNI: tl.constexpr,
                   KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                   BLOCK_T: tl.constexpr):
     """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
-    k = _decode_codes(kw, ks, k_tab, k_lay, D, KSIGN, NK)
+    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KBITS, KUNI, KSIGN, NK)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
@@ -177,7 +193,7 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
         m_i = m_tile
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
     l_i = l_i + tl.sum(p, axis=0)
-    v = _decode_codes(vw, vs, v_tab, v_lay, D, VSIGN, NV)
+    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VBITS, VUNI, VSIGN, NV)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
 
@@ -202,12 +218,12 @@ def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_b
 
 @triton.jit
 def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay, v_lay,
-          D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
-          NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr,
-          INTERPRET: tl.constexpr):
+          D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KUNI: tl.constexpr, VUNI: tl.constexpr,
+          KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
+          PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
     (kw, ks, vw, vs): the first tile's codes, ``_fetch``-ed by the caller as early as it can.
-    k_lay / v_lay [D/8, 8]: the field layouts of the packed codes. ``PREFETCH``: the next tile's codes are
+    k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next tile's codes are
     requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0 (Triton's interpreter): that many tiles, unrolled (it needs a static loop)."""
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
     l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
@@ -218,20 +234,23 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T)
+                                          v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV,
+                                          BLOCK_T)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T)
+                                          v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV,
+                                          BLOCK_T)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     else:
         for t0 in range(start, end, BLOCK_T):
             kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T)
+                                          v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV,
+                                          BLOCK_T)
     return m_i, l_i, tl.sum(acc, axis=0)
 
 
@@ -240,8 +259,9 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                    len_ptr,
                     m_ptr, l_ptr, acc_ptr,
                     H, S, T_CAP, CHUNK, NS,
-                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                    KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KUNI: tl.constexpr,
+                    VUNI: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes)."""
     pid = tl.program_id(0)
@@ -259,11 +279,11 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     q_row = qt_ptr + (pid_bh * S + qi) * (D + 1)
     q3 = tl.load(q_row + chan) * _LOG2E
     c0 = tl.load(q_row + D) * _LOG2E
-    k_lay = tl.load(k_lay_ptr + h * D + chan)
-    v_lay = tl.load(v_lay_ptr + h * D + chan)
+    k_lay = _field_layout(k_lay_ptr + h * D, chan, KUNI)
+    v_lay = _field_layout(v_lay_ptr + h * D, chan, VUNI)
     m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
-                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T, PREFETCH,
-                          INTERPRET)
+                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV, BLOCK_T,
+                          PREFETCH, INTERPRET)
     part = (pid_bh * NS + split) * BLOCK_S + qi
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -285,8 +305,9 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr, len_ptr,
                   k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr, acc_ptr, y_ptr, count_ptr,
                   out_ptr, H, T_CAP, CHUNK, NS,
-                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
-                  VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_NS: tl.constexpr, NK: tl.constexpr,
+                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KUNI: tl.constexpr,
+                  VUNI: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_NS: tl.constexpr, NK: tl.constexpr,
                   NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     """Grid (B·H, splits), one query per sequence (S = 1), the whole step in one launch: each program
     rotates the query itself and walks its split (split 0 also maps the step's own K/V to the affine
@@ -310,11 +331,11 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
     q3 = z * k_sc * _LOG2E
     c0 = tl.sum(tl.sum(z * k_off, axis=1), axis=0) * _LOG2E
-    k_lay = tl.load(k_lay_ptr + h * D + chan)
-    v_lay = tl.load(v_lay_ptr + h * D + chan)
+    k_lay = _field_layout(k_lay_ptr + h * D, chan, KUNI)
+    v_lay = _field_layout(v_lay_ptr + h * D, chan, VUNI)
     m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
-                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T, PREFETCH,
-                          INTERPRET)
+                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV, BLOCK_T,
+                          PREFETCH, INTERPRET)
     part = pid_bh * NS + split
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -399,10 +420,11 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
     _small_kernel[(batch * heads, splits)](
         q, *q_strides[:2], k_new, *k_strides[:2], v_new, *v_strides[:2], new_valid,
-        k_idx, sign_or_main(k_sign, k_idx), v_idx, sign_or_main(v_sign, v_idx), k_tab, v_tab, k_lay, v_lay,
-        lengths, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m, l_, acc, y, count, out, heads, t_cap, chunk,
+        k_idx, sign_or_main(k_sign, k_idx), v_idx, sign_or_main(v_sign, v_idx), k_tab, v_tab,
+        sign_or_main(k_lay, k_tab), sign_or_main(v_lay, v_tab), lengths, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m, l_, acc, y, count, out, heads, t_cap, chunk,
         splits,
-        D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
+        D=d, KBITS=k_bits, VBITS=v_bits, KUNI=k_lay.numel() == 0, VUNI=v_lay.numel() == 0,
+        KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
         BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
     return out
@@ -456,8 +478,9 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
     _prefix_kernel[(programs, splits)](
         qt, k_idx, sign_or_main(k_sign, k_idx), v_idx, sign_or_main(v_sign, v_idx),
-        k_tab, v_tab, k_lay, v_lay, lengths, m, l_, acc, heads, s, t_cap, chunk, splits,
-        D=d, KBITS=k_bits, VBITS=v_bits, KSIGN=k_has_sign, VSIGN=v_has_sign,
+        k_tab, v_tab, sign_or_main(k_lay, k_tab), sign_or_main(v_lay, v_tab), lengths, m, l_, acc, heads, s, t_cap,
+        chunk, splits, D=d, KBITS=k_bits, VBITS=v_bits, KUNI=k_lay.numel() == 0, VUNI=v_lay.numel() == 0,
+        KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
     _merge_kernel[(batch * heads,)](

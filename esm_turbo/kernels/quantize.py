@@ -19,10 +19,10 @@ from .common import dot_precision, rotate_rows, sign_or_main, split16, token_off
 @triton.jit
 def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr, lay_ptr, idx_ptr,
                   sign_ptr, pos_ptr, h, offs_n, B, H, S, T_CAP,
-                  D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
+                  D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, UNIFORM: tl.constexpr, SIGN: tl.constexpr,
+                  COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
     """Encode tokens ``offs_n`` (over (b, s)) of head ``h`` of one tensor kind into its cache part (K levels
-    per channel's LUT; codes at the shifts of the field layout ``lay_ptr``)."""
+    per channel's LUT; codes at the shifts of the field layout ``lay_ptr``, or ``UNIFORM`` ones)."""
     nmask = offs_n < B * S
     b = offs_n // S
     offs_d = tl.arange(0, D)
@@ -48,8 +48,11 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
     WIDTH: tl.constexpr = BITS + COMBINE
     NB: tl.constexpr = D * WIDTH // 8
-    shift = tl.load(lay_ptr + h * D + offs_d) & 255
-    word = tl.sum(tl.reshape(idx << shift[None, :], (BLOCK_N, D8, 8)), axis=2)  # the fields do not overlap
+    if UNIFORM:
+        word = tl.sum(tl.reshape(idx, (BLOCK_N, D8, 8)) << (r * WIDTH)[None, None, :], axis=2)
+    else:
+        shift = tl.load(lay_ptr + h * D + offs_d) & 255
+        word = tl.sum(tl.reshape(idx << shift[None, :], (BLOCK_N, D8, 8)), axis=2)  # the fields do not overlap
     if WIDTH == 4:  # a group of 8 codes is one aligned int32
         tl.store(idx_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * D8 + g[None, :], word, mask=nmask[:, None])
     else:
@@ -62,9 +65,9 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
 def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
                           v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
                           pos_ptr, B, H, S, T_CAP,
-                          D: tl.constexpr, KBITS: tl.constexpr, KK: tl.constexpr, KSIGN: tl.constexpr,
-                          KCOMB: tl.constexpr, VBITS: tl.constexpr, VK: tl.constexpr, VSIGN: tl.constexpr,
-                          VCOMB: tl.constexpr,
+                          D: tl.constexpr, KBITS: tl.constexpr, KK: tl.constexpr, KUNI: tl.constexpr,
+                          KSIGN: tl.constexpr, KCOMB: tl.constexpr, VBITS: tl.constexpr, VK: tl.constexpr,
+                          VUNI: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
                           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KSPLIT: tl.constexpr,
                           VSPLIT: tl.constexpr):
     """Grid (2·H, cdiv(B·S, BLOCK_N)): programs [0, H) encode keys, [H, 2H) values; one head's Π serves
@@ -74,10 +77,12 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if pid < H:
         _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
-                      pos_ptr, pid, offs_n, B, H, S, T_CAP, D, KBITS, KK, KSIGN, KCOMB, BLOCK_N, PRECISION, KSPLIT)
+                      pos_ptr, pid, offs_n, B, H, S, T_CAP, D, KBITS, KK, KUNI, KSIGN, KCOMB, BLOCK_N, PRECISION,
+                      KSPLIT)
     else:
         _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
-                      pos_ptr, pid - H, offs_n, B, H, S, T_CAP, D, VBITS, VK, VSIGN, VCOMB, BLOCK_N, PRECISION, VSPLIT)
+                      pos_ptr, pid - H, offs_n, B, H, S, T_CAP, D, VBITS, VK, VUNI, VSIGN, VCOMB, BLOCK_N, PRECISION,
+                      VSPLIT)
 
 
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
@@ -86,7 +91,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
     k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d],
-    bounds [H,d,K-1], centroids [H,d,K], field layout [H,d] int32);
+    bounds [H,d,K-1], centroids [H,d,K], field layout [H,d] int32 or empty: equal widths);
     ``*_out`` = (codes part, sign part or empty) written in place; ``*_code`` = (bits, combine).
     ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) for tuning."""
     batch, heads, s, d = k.shape
@@ -110,8 +115,13 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     k, k_strides = token_strides(k)
     v, v_strides = token_strides(v)
     prec = cfg["precision"]
+
+    def tabs(t):  # an empty layout (equal widths) is never read: any pointer stands in
+        return (*t[:5], sign_or_main(t[5], t[4]))
+
     _quantize_pack_kernel[grid](
-        k, *k_strides, *k_tables, k_main, k_sign, v, *v_strides, *v_tables, v_main, v_sign,
-        pos, batch, heads, s, k_main.shape[2], D=d, KBITS=k_c[0], KK=k_tables[4].shape[-1], KSIGN=k_c[1],
-        KCOMB=k_c[2], VBITS=v_c[0], VK=v_tables[4].shape[-1], VSIGN=v_c[1], VCOMB=v_c[2], BLOCK_N=block_n, PRECISION=prec,
+        k, *k_strides, *tabs(k_tables), k_main, k_sign, v, *v_strides, *tabs(v_tables), v_main, v_sign,
+        pos, batch, heads, s, k_main.shape[2], D=d, KBITS=k_c[0], KK=k_tables[4].shape[-1],
+        KUNI=k_tables[5].numel() == 0, KSIGN=k_c[1], KCOMB=k_c[2], VBITS=v_c[0], VK=v_tables[4].shape[-1],
+        VUNI=v_tables[5].numel() == 0, VSIGN=v_c[1], VCOMB=v_c[2], BLOCK_N=block_n, PRECISION=prec,
         KSPLIT=split16(k, prec), VSPLIT=split16(v, prec), num_warps=cfg["num_warps"])

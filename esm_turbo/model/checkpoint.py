@@ -50,7 +50,7 @@ class CalibrationConfig:
     bins: int = 4096  # histogram bins per LUT fit with lut="head"
     channel_bins: int = 512  # … with lut="channel" (per channel: values are standardised, ±10 rms)
     bit_allocation: bool = True  # index bits per rotated channel by its share of the output error (lut="channel")
-    max_channel_bits: int | None = None  # widest channel under bit allocation (default: bits + 2)
+    max_channel_bits: int | None = None  # widest channel under bit allocation (default: bits + 1)
     seed: int = 0
 
 

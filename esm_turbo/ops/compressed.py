@@ -56,8 +56,8 @@ class FusedTables:
     """Per-layer constants of the fused ops, derived once from a codec.
 
     k_tab / v_tab [H, d, codes]; k_bounds / v_bounds [H, d, K-1]; k_layout / v_layout [H, d] int32 field
-    layouts of the packed codes (``esm_turbo.quant.packing.field_layout``); k_codes / v_codes: where the
-    packed codes are stored.
+    layouts of the packed codes (``esm_turbo.quant.packing.field_layout``), empty when every channel has the
+    same width (the kernels then shift by constants); k_codes / v_codes: where the packed codes are stored.
     """
 
     k_tab: torch.Tensor
@@ -84,11 +84,26 @@ def fused_tables(codec: KVCodec) -> FusedTables:
         return cached
     tables = FusedTables(k_tab=code_table(key),
                          v_tab=code_table(value), k_bounds=lut_bounds(key.centroids),
-                         v_bounds=lut_bounds(value.centroids), k_layout=key.layout(), v_layout=value.layout(),
+                         v_bounds=lut_bounds(value.centroids), k_layout=_kernel_layout(key),
+                         v_layout=_kernel_layout(value),
                          k_codes=StoredCodes.of(key),
                          v_codes=StoredCodes.of(value))
     codec._fused_tables = tables
     return tables
+
+
+def _kernel_layout(q: VectorQuantizer) -> torch.Tensor:
+    """The field layout the ops take: empty for equal widths (read on the host once, at table build)."""
+    return q.rot.new_empty(0, dtype=torch.int32) if bool((q.widths == q.bits).all()) else q.layout()
+
+
+def _full_layout(layout: torch.Tensor, heads: int, dim: int, width: int, device) -> torch.Tensor:
+    """An op's layout argument made explicit: an empty one is equal ``width``-bit fields (what
+    ``field_layout`` makes of them, built here without its host-side checks)."""
+    if layout.numel():
+        return layout
+    shift = (torch.arange(dim, device=device, dtype=torch.int32) % 8) * width
+    return (shift | (((1 << width) - 1) << 8)).expand(heads, dim)
 
 
 # ---- references (same contracts as the Triton kernels) ----------------------------------------------
@@ -108,7 +123,9 @@ def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Te
     bounds [H,d,K-1] unused here, field layout [H,d] of the packed part) at rows pos[b] + j of the cache
     parts: ``combine`` → idx_out holds codes ``2·idx + sign`` of bits+1 bits; else idx_out
     [B,H,T_cap,d·bits/8] and sign_out [B,H,T_cap,d/8] (or empty: no residual)."""
-    parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, layout, bits + combine,
+    width = bits + combine
+    layout = _full_layout(layout, *centroids.shape[:2], width, x.device)
+    parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, layout, width,
                               sign=combine or sign_out.numel() > 0, combined=combine)
     scatter_rows(idx_out, parts["code" if combine else "idx"], pos)
     if "sign" in parts:
@@ -137,8 +154,8 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     """
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
     qk, c0 = z * k_scale[:, None, :], (z * k_offset[:, None, :]).sum(-1, keepdim=True)
-    k_hat = lookup_codes(k_tab, k_idx, k_sign, k_layout, k_bits)
-    v_hat = lookup_codes(v_tab, v_idx, v_sign, v_layout, v_bits)
+    k_hat = lookup_codes(k_tab, k_idx, k_sign, _full_layout(k_layout, *k_tab.shape[:2], k_bits, q.device), k_bits)
+    v_hat = lookup_codes(v_tab, v_idx, v_sign, _full_layout(v_layout, *v_tab.shape[:2], v_bits, q.device), v_bits)
     t = k_hat.shape[2]
     keys = torch.cat([k_hat.to(k_rot.dtype), affine_forward(k_new, k_rot, k_offset, k_scale)], dim=2)
     values = torch.cat([v_hat.to(v_rot.dtype), affine_forward(v_new, v_rot, v_offset, v_scale)], dim=2)

@@ -186,8 +186,8 @@ class VectorQuantizer(nn.Module):
         give e.g. a K/V-shared LUT). Tables are rounded to fp16 values, the precision checkpoints keep.
 
         With ``importance`` [H, d] (how much an error of each affine channel reaches the output), channels get
-        allocated widths of 0 … ``max_bits`` index bits (``bits`` on average; ``esm_turbo.quant.allocation``);
-        needs per-channel points."""
+        allocated widths of 0 … ``max_bits`` (default bits + 1) index bits, ``bits`` on average
+        (``esm_turbo.quant.allocation``); needs per-channel points."""
         heads, dim = affine.offset.shape
         values, weights = points
         if values.shape[0] not in (heads, heads * dim):
@@ -213,7 +213,7 @@ class VectorQuantizer(nn.Module):
     def _allocated(cls, affine: AffineStats, points: tuple[torch.Tensor, torch.Tensor], bits: int, residual: str,
                    sign_mode: str, seed: int, importance: torch.Tensor, max_bits: int | None) -> "VectorQuantizer":
         heads, dim = affine.offset.shape
-        top = min(max_bits if max_bits is not None else bits + 2, 8)
+        top = min(max_bits if max_bits is not None else bits + 1, 8)
         if not bits <= top:
             raise ValueError(f"max_bits {max_bits} is below the average width {bits}")
         luts, eps, mse = channel_tables(*points, top, sign_mode if residual == "sign" else None)
