@@ -146,21 +146,21 @@ def test_bit_allocation_spends_the_same_bytes_where_the_error_reaches_the_output
     """Channels of very different importance: allocated widths fill every group of 8 with 8 × bits, give the
     important channels more, and lower the importance-weighted error below equal widths at the same bytes;
     the packed codes decode to the allocated channel's own levels."""
-    from esm_turbo.quant.allocation import allocate, snake_order
+    from esm_turbo.quant.allocation import allocate, tier_order
     from esm_turbo.quant.packing import unpack_fields
     from esm_turbo.quant.rotations import AffineStats
 
     heads, dim, bits = 2, 16, 3
     gen = torch.Generator().manual_seed(0)
     importance = torch.exp(2.0 * torch.randn(heads, dim, generator=gen))
-    order = snake_order(importance)
+    order = tier_order(importance)
     assert sorted(order[0].tolist()) == list(range(dim))
-    top = importance.argsort(1, descending=True)[:, :2]  # the two most important land in different groups
-    groups_of = order.argsort(1) // 8
-    assert bool((groups_of.gather(1, top)[:, 0] != groups_of.gather(1, top)[:, 1]).all())
+    ranked = importance.gather(1, order).view(heads, -1, 8)  # slot r of each group: the r-th tier
+    assert bool((ranked[:, :, :-1].amin(1) >= ranked[:, :, 1:].amax(1)).all())
     cost = importance[..., None] * 4.0 ** -torch.arange(6.0)  # high-rate cost w · 2^(-2b), widths 0 … 5
-    widths = allocate(cost, bits)
-    assert bool((widths.view(heads, -1, 8).sum(-1) == 8 * bits).all()) and int(widths.max()) <= 5
+    widths = allocate(cost.gather(1, order[..., None].expand(-1, -1, 6)), bits).view(heads, -1, 8)
+    assert bool((widths.sum(-1) == 8 * bits).all()) and int(widths.max()) <= 5
+    assert bool((widths == widths[:, :1]).all()) and bool((widths[..., :-1] >= widths[..., 1:]).all())
     values = torch.randn(heads * dim, 2048, generator=gen, dtype=torch.float64)
     affine = AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), torch.zeros(heads, dim), torch.ones(heads, dim))
     points = (values, torch.ones_like(values))

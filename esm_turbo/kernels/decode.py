@@ -139,7 +139,7 @@ def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, BITS: tl.cons
 def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, BITS: tl.constexpr, UNIFORM: tl.constexpr,
                   SIGN: tl.constexpr, NTAB: tl.constexpr):
     """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r, its field
-    of the group word (``UNIFORM``: BITS bits at bit BITS·r; else at ``shift`` with ``mask``, [1, D/8, 8]),
+    of the group word (``UNIFORM``: BITS bits at bit BITS·r; else at ``shift`` with ``mask``, [1, 1, 8]),
     looked up in that channel's row of the head's table [D, codes] (NTAB = D·codes; L1 hits; a register
     tl.gather measured slower)."""
     r = tl.arange(0, 8)
@@ -167,12 +167,17 @@ def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D: tl.constexpr, KBITS: tl.con
 
 @triton.jit
 def _field_layout(lay_ptr, chan, UNIFORM: tl.constexpr):
-    """(shift, mask) [1, D/8, 8] of one head's code fields from its layout row (``shift | mask << 8``), made
-    once per program, outside the tile loop; placeholders when the layout is ``UNIFORM`` (not read)."""
+    """(shift, mask) [1, 1, 8] of one head's code fields from its layout row (``shift | mask << 8``; the same
+    in every group of 8, see ``esm_turbo.quant.allocation``): 8 values per head, so they stay in registers;
+    placeholders when the layout is ``UNIFORM`` (not read)."""
     if UNIFORM:
-        return chan[None, :, :], chan[None, :, :]
-    lay = tl.load(lay_ptr + chan)[None, :, :]
-    return lay & 255, lay >> 8
+        shift = chan[None, :, :]
+        mask = shift
+    else:
+        lay = tl.load(lay_ptr + tl.arange(0, 8))[None, None, :]
+        shift = lay & 255
+        mask = lay >> 8
+    return shift, mask
 
 
 @triton.jit

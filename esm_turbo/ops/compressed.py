@@ -93,8 +93,14 @@ def fused_tables(codec: KVCodec) -> FusedTables:
 
 
 def _kernel_layout(q: VectorQuantizer) -> torch.Tensor:
-    """The field layout the ops take: empty for equal widths (read on the host once, at table build)."""
-    return q.rot.new_empty(0, dtype=torch.int32) if bool((q.widths == q.bits).all()) else q.layout()
+    """The field layout the ops take: empty for equal widths (read on the host once, at table build); else
+    [H, d], the same in every group of 8 channels (what bit allocation makes: the kernels read 8 per head)."""
+    if bool((q.widths == q.bits).all()):
+        return q.rot.new_empty(0, dtype=torch.int32)
+    layout = q.layout()
+    if not torch.equal(layout, layout[:, :8].repeat(1, q.dim // 8)):
+        raise ValueError("the fused ops take field layouts of period 8 (the same widths in every group)")
+    return layout
 
 
 def _full_layout(layout: torch.Tensor, heads: int, dim: int, width: int, device) -> torch.Tensor:

@@ -12,9 +12,10 @@ channel's calibration histogram, and ``w_c`` how much an error in that channel r
 ``E[(Π q)_c²] · scale_c²``, the score error it causes; values: ``scale_c² · (Π W_oᵀ W_o Πᵀ)_cc``). Widths
 are chosen greedily by marginal gain (optimal for costs convex in b) under the packed layout's rule
 (:func:`esm_turbo.quant.packing.field_layout`): each group of 8 consecutive channels spends exactly 8 × the
-average width. Channels are first dealt into the groups in snake order of ``w_c · mse_c(bits)`` so every
-group gets a like mix of important and unimportant channels; this order becomes the rows of Π (free at run
-time: attention is computed in the rotated domain).
+average width, and slot r of every group has the same width (period 8: the decode kernel keeps 8 shifts
+per head in registers, not d). Channels are dealt into the groups round-robin in order of
+``w_c · mse_c(bits)``, so slot r holds the r-th tier of importance; this order becomes the rows of Π (free
+at run time: attention is computed in the rotated domain).
 """
 
 from __future__ import annotations
@@ -57,30 +58,31 @@ def _mse(x: torch.Tensor, w: torch.Tensor, lut: torch.Tensor, eps: torch.Tensor 
     return (w * r.square()).sum(1) / w.sum(1).clamp_min(1e-300)
 
 
-def snake_order(importance: torch.Tensor) -> torch.Tensor:
-    """Channel order [H, d] dealing channels, most important first, into d/8 groups in snake order
-    (0, 1, …, G−1, G−1, …, 0, …): group g is the order's positions [8g, 8g + 8)."""
+def tier_order(importance: torch.Tensor) -> torch.Tensor:
+    """Channel order [H, d] dealing channels, most important first, round-robin into the d/8 groups: rank i
+    goes to group i mod (d/8), slot i div (d/8). Slot r of every group then holds the r-th tier of
+    importance, and one width per slot serves all groups (a layout of period 8, which the kernels keep in
+    few registers)."""
     heads, dim = importance.shape
     groups = dim // GROUP
     rank = torch.argsort(importance, dim=1, descending=True, stable=True)  # [H, d] channel of each rank
     r = torch.arange(dim)
-    lap, pos = r // groups, r % groups
-    group = torch.where(lap % 2 == 0, pos, groups - 1 - pos)  # group of each rank
-    slot = group * GROUP + lap  # position of each rank in the new order
+    position = (r % groups) * GROUP + r // groups
     order = torch.empty_like(rank)
-    order.scatter_(1, slot.expand(heads, dim).to(rank.device), rank)
+    order.scatter_(1, position.expand(heads, dim).to(rank.device), rank)
     return order
 
 
 def allocate(cost: torch.Tensor, bits: int) -> torch.Tensor:
-    """Widths [H, d] (long) minimising Σ cost[h, c, b_c] with every group of 8 channels spending 8·``bits``:
-    cost [H, d, B + 1] (cost of each width 0 … B, non-increasing). Greedy by marginal gain."""
+    """Widths [H, d] (long) minimising Σ cost[h, c, b_c] with every group of 8 channels spending 8·``bits``
+    and slot r of every group the same width (period 8, see :func:`tier_order`): cost [H, d, B + 1] (cost of
+    each width 0 … B, non-increasing). Greedy by marginal gain on each slot's cost summed over the groups."""
     heads, dim, levels = cost.shape
-    c = cost.reshape(heads, dim // GROUP, GROUP, levels)
+    c = cost.reshape(heads, dim // GROUP, GROUP, levels).sum(1, keepdim=True)
     width = torch.zeros(c.shape[:3], dtype=torch.long, device=cost.device)
     for _ in range(GROUP * bits):
         now = c.gather(3, width[..., None])[..., 0]
         nxt = c.gather(3, (width + 1).clamp(max=levels - 1)[..., None])[..., 0]
         gain = torch.where(width < levels - 1, now - nxt, -torch.inf)
         width.scatter_add_(2, gain.argmax(2, keepdim=True), torch.ones_like(width[..., :1]))
-    return width.reshape(heads, dim)
+    return width.expand(heads, dim // GROUP, GROUP).reshape(heads, dim)

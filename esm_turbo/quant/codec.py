@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_batched, midpoints
-from .allocation import allocate, channel_tables, snake_order
+from .allocation import allocate, channel_tables, tier_order
 from .packing import field_layout, pack_1bit_u8, pack_fields, unpack_1bit_u8, unpack_fields
 from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_batched, sign_eps_table
 from .rotations import AffineStats, affine_forward, affine_inverse, build_rotation, check_rotation_kind
@@ -219,7 +219,7 @@ class VectorQuantizer(nn.Module):
         luts, eps, mse = channel_tables(*points, top, sign_mode if residual == "sign" else None)
         imp = importance.double().to(mse.device)
         cost = imp.reshape(-1, 1) * mse  # [H·d, top + 1]
-        order = snake_order(cost[:, bits].reshape(heads, dim).cpu()).to(mse.device)
+        order = tier_order(cost[:, bits].reshape(heads, dim).cpu()).to(mse.device)
         rows = (order + torch.arange(heads, device=order.device)[:, None] * dim).reshape(-1)
         widths = allocate(cost[rows].reshape(heads, dim, -1), bits).reshape(-1)
         top = int(widths.max())  # tables only as long as the widest channel needs
