@@ -357,24 +357,6 @@ class KVCodec(nn.Module):
         self.key, self.value = key, value
         self.window = int(window)  # > 0: the most recent ``window`` tokens are also kept in fp16 (KIVI)
 
-    @property
-    def field_widths(self) -> torch.Tensor:
-        """[H, d] bits of each channel's stored code: its index width, + 1 for a combined sign bit."""
-        return self.widths + int(self.combined_sign)
-
-    @property
-    def code_width(self) -> int:
-        """Average bits per channel of the main packed part (its bytes per group of 8 channels)."""
-        return self.bits + int(self.combined_sign)
-
-    def layout(self) -> torch.Tensor:
-        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``), kept
-        until the widths change: its checks read values on the host, which a CUDA graph capture forbids."""
-        key = (self.widths.data_ptr(), self.widths._version, self.combined_sign)
-        if getattr(self, "_layout_key", None) != key:
-            self._layout, self._layout_key = field_layout(self.field_widths), key
-        return self._layout
-
     def part_specs(self) -> PartSpecs:
         specs = {f"k.{n}": s for n, s in self.key.part_specs().items()}
         specs.update({f"v.{n}": s for n, s in self.value.part_specs().items()})
@@ -406,24 +388,6 @@ class DenseQuantizer(nn.Module):
         super().__init__()
         self.heads, self.dim, self.dtype = heads, dim, dtype
         self.register_buffer("_device_anchor", torch.zeros(0))
-
-    @property
-    def field_widths(self) -> torch.Tensor:
-        """[H, d] bits of each channel's stored code: its index width, + 1 for a combined sign bit."""
-        return self.widths + int(self.combined_sign)
-
-    @property
-    def code_width(self) -> int:
-        """Average bits per channel of the main packed part (its bytes per group of 8 channels)."""
-        return self.bits + int(self.combined_sign)
-
-    def layout(self) -> torch.Tensor:
-        """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``), kept
-        until the widths change: its checks read values on the host, which a CUDA graph capture forbids."""
-        key = (self.widths.data_ptr(), self.widths._version, self.combined_sign)
-        if getattr(self, "_layout_key", None) != key:
-            self._layout, self._layout_key = field_layout(self.field_widths), key
-        return self._layout
 
     def part_specs(self) -> PartSpecs:
         return {"x": ((self.dim,), self.dtype)}
