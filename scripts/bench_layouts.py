@@ -1,0 +1,37 @@
+"""Fused decode attention with equal code widths (constant shifts) vs allocated widths (a field layout
+read per head), one synthetic layer each, 3+1 bits, one new token per sequence; CUDA graph, median.
+Output: results/gpu/allocation_kernel_h100.txt.
+
+    python scripts/bench_layouts.py
+"""
+
+import torch
+
+from esm_turbo.bench import _time, fill_synthetic
+from esm_turbo.cache import KVCache
+from esm_turbo.ops.compressed import attend_compressed
+from esm_turbo.testing import random_turbo_codec
+
+#: (name, allocate, widest channel): equal widths; the default allocation (bits + 1); up to bits + 2
+VARIANTS = (("uniform", False, None), ("alloc", True, None), ("cap5", True, 5))
+SHAPES = ((20, 64, 64, 16384), (20, 64, 8, 16384), (40, 128, 8, 16384), (20, 64, 1, 1024))  # H, d, B, T
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    print(f"# {torch.cuda.get_device_name(dev)}")
+    for heads, dim, batch, length in SHAPES:
+        for name, allocate, max_bits in VARIANTS:
+            codec = random_turbo_codec(heads, dim, 3, 3, "sign", 0, allocate=allocate, max_bits=max_bits).to(dev)
+            cache = KVCache([codec], batch, capacity=length, device=dev)
+            fill_synthetic(cache, length, torch.Generator(device=dev).manual_seed(0))
+            q = torch.randn(batch, heads, 1, dim, device=dev, dtype=torch.float16)
+            k, v = torch.randn_like(q), torch.randn_like(q)
+            valid = torch.ones(batch, 1, dtype=torch.bool, device=dev)
+            us = _time(lambda: attend_compressed(codec, cache.parts[0], cache.lengths, q, k, v, valid), dev) * 1e6
+            print(f"H{heads} d{dim} B{batch} T{length} {name:8s} K={codec.key.centroids.shape[-1]} {us:9.1f} us",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
