@@ -2,9 +2,11 @@
 
 Two passes over the sequences, never holding activations:
 
-1. per (layer, head): XᵀX, Σx, count for K and for V → rotations Π (svd / svd-scaled / seeded);
-2. per (layer, head): a 4096-bin histogram with exact per-bin sums of the rotated (and centred and
-   scaled) values → weighted Lloyd-Max LUTs and sign-residual magnitudes;
+1. per (layer, head): XᵀX, Σx, count for K and for V → rotations Π (svd / svd-scaled / seeded); with bit
+   allocation also the queries' second moments (how much each key channel's error moves the scores);
+2. per (layer, head, channel): a histogram with exact per-bin sums of the rotated (and centred and
+   scaled) values → weighted Lloyd-Max LUTs and sign-residual magnitudes (with bit allocation: at every
+   width, and each channel's width chosen by ``esm_turbo.quant.allocation``);
 3. only for ``value_rotation="auto"``: each head's values are quantized with both candidate codecs
    (unrotated, and svd-scaled), and the head keeps the one whose error reaches the layer output least
    (``E‖(v − v̂) W_oᵀ‖²``, W_o the head's block of the attention output projection).
