@@ -31,7 +31,7 @@ def main() -> None:
     small_ints = {"sqb", "sqh", "skb", "skh", "svb", "svh", "H", "T_CAP", "CHUNK", "NS"}
     small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16)
     # fused 3+1-bit codes at d=64, and separate index/sign planes (3+1 keys, 2+1 values) at d=16; tables of
-    # allocated widths (up to bits + 2 index bits: NK = d · codes per channel)
+    # allocated widths (NK = d · codes per channel)
     # (equal widths for d = 64 keys, constant shifts; field layouts otherwise)
     for d, kbits, ksign, vbits, vsign, nk, nv, kuni in ((64, 4, False, 4, False, 64 * 16, 64 * 32, True),
                                                         (16, 3, True, 2, True, 16 * 32, 16 * 16, False)):
