@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.codec import KVCodec, VectorQuantizer, code_table, lookup_codes, lut_bounds, lut_code_parts
+from ..quant.packing import layout_of
 from ..quant.rotations import affine_forward
 
 FUSED_BITS = (1, 2, 3, 4)
@@ -104,12 +105,8 @@ def _kernel_layout(q: VectorQuantizer) -> torch.Tensor:
 
 
 def _full_layout(layout: torch.Tensor, heads: int, dim: int, width: int, device) -> torch.Tensor:
-    """An op's layout argument made explicit: an empty one is equal ``width``-bit fields (what
-    ``field_layout`` makes of them, built here without its host-side checks)."""
-    if layout.numel():
-        return layout
-    shift = (torch.arange(dim, device=device, dtype=torch.int32) % 8) * width
-    return (shift | (((1 << width) - 1) << 8)).expand(heads, dim)
+    """An op's layout argument made explicit: an empty one is equal ``width``-bit fields."""
+    return layout if layout.numel() else layout_of(torch.full((heads, dim), width, device=device))
 
 
 # ---- references (same contracts as the Triton kernels) ----------------------------------------------
@@ -152,16 +149,18 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     q [B,H,S,d] (scaled, post-RoPE), k_new/v_new [B,H,S,d] the step's own keys/values, new_valid [B,S]
     (bool or uint8); k_idx/v_idx [B,H,T_cap,d·bits/8] uint8 packed codes of k_bits/v_bits bits;
     k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, d, codes] indexed by the
-    code (``2·code + sign`` when sign bits are separate); layouts [H, d] int32 of the packed codes; lengths [B] valid prefix rows; rot [H,d,d],
-    offset/scale [H,d] of the key and value codecs. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with
-    ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped
+    code (``2·code + sign`` when sign bits are separate); layouts [H, d] int32 of the packed codes (or empty:
+    equal widths); lengths [B] valid prefix rows; rot [H,d,d], offset/scale [H,d] of the key and value
+    codecs. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped
     back once (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the tables'
     float dtype); a query with no valid key gets zeros.
     """
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
     qk, c0 = z * k_scale[:, None, :], (z * k_offset[:, None, :]).sum(-1, keepdim=True)
-    k_hat = lookup_codes(k_tab, k_idx, k_sign, _full_layout(k_layout, *k_tab.shape[:2], k_bits, q.device), k_bits)
-    v_hat = lookup_codes(v_tab, v_idx, v_sign, _full_layout(v_layout, *v_tab.shape[:2], v_bits, q.device), v_bits)
+    k_layout = _full_layout(k_layout, *k_tab.shape[:2], k_bits, q.device)
+    v_layout = _full_layout(v_layout, *v_tab.shape[:2], v_bits, q.device)
+    k_hat = lookup_codes(k_tab, k_idx, k_sign, k_layout, k_bits)
+    v_hat = lookup_codes(v_tab, v_idx, v_sign, v_layout, v_bits)
     t = k_hat.shape[2]
     keys = torch.cat([k_hat.to(k_rot.dtype), affine_forward(k_new, k_rot, k_offset, k_scale)], dim=2)
     values = torch.cat([v_hat.to(v_rot.dtype), affine_forward(v_new, v_rot, v_offset, v_scale)], dim=2)
@@ -251,5 +250,6 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
     tables = fused_tables(codec)
     return compressed_attention(q, k_new, v_new, new_valid.contiguous().view(torch.uint8),
                                 *tables.packed(parts, "k"), *tables.packed(parts, "v"), tables.k_tab,
-                                tables.v_tab, tables.k_layout, tables.v_layout, lengths, *_codec_tables(codec.key), *_codec_tables(codec.value),
+                                tables.v_tab, tables.k_layout, tables.v_layout, lengths, *_codec_tables(codec.key),
+                                *_codec_tables(codec.value),
                                 tables.k_codes.bits, tables.v_codes.bits)

@@ -130,12 +130,17 @@ def packed_nbytes(n: int, bits: int) -> int:
 def field_layout(widths: torch.Tensor) -> torch.Tensor:
     """Per-channel field widths [..., d] (groups of 8 summing to the same 8·W ≤ 64 bits) → layout [..., d]
     int32 ``shift | mask << 8``, what the kernels and :func:`unpack_fields` read."""
-    w = widths.to(torch.int32)
-    groups = w.reshape(*w.shape[:-1], -1, 8)
-    total = groups.sum(-1)
-    if w.shape[-1] % 8 or bool((total != total.reshape(-1)[0]).any()) or int(total.reshape(-1)[0]) > 64:
+    total = widths.reshape(*widths.shape[:-1], -1, 8).sum(-1)
+    if widths.shape[-1] % 8 or bool((total != total.reshape(-1)[0]).any()) or int(total.reshape(-1)[0]) > 64:
         raise ValueError(f"field widths must fill groups of 8 channels with the same ≤ 64 bits, got group sums "
                          f"{sorted(set(total.reshape(-1).tolist()))}")
+    return layout_of(widths)
+
+
+def layout_of(widths: torch.Tensor) -> torch.Tensor:
+    """:func:`field_layout` without its checks (which read the host: none under a CUDA graph capture)."""
+    w = widths.to(torch.int32)
+    groups = w.reshape(*w.shape[:-1], -1, 8)
     shift = (groups.cumsum(-1) - groups).reshape(w.shape)  # (cumsum widens to int64)
     return (shift | (((1 << w) - 1) << 8)).to(torch.int32)
 
