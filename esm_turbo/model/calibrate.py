@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..errors import EsmTurboError
 from ..fasta import Record, records_hash
-from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind
+from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind, pad_levels
 from ..quant.histogram import HistogramAccumulator
 from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotation
 from .alphabet import encode
@@ -97,8 +97,7 @@ def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor)
         for name in ("rot", "offset", "scale", "widths"):
             getattr(out, name)[h] = getattr(q, name)[h]
         for name in ("centroids", "eps"):  # a narrower table repeats its last level
-            t = getattr(q, name)[h]
-            getattr(out, name)[h] = t[:, torch.arange(levels).clamp_max(t.shape[1] - 1)]
+            getattr(out, name)[h] = pad_levels(getattr(q, name)[h:h + 1], q.widths[h:h + 1], levels)[0]
         stored.append(q.rot_stored[h] if q.rot_stored is not None else eye)
         order.append(q.rot_order[h] if q.rot_order is not None else torch.arange(first.dim))
     out.rot_stored = torch.stack(stored)  # fp16 pre-images: identity heads rebuild exactly

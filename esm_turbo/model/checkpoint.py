@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..io import atomic_write
-from ..quant.codec import KVCodec, VectorQuantizer
+from ..quant.codec import KVCodec, VectorQuantizer, pad_levels
 from ..quant.rotations import build_rotation, orthonormalize
 
 FORMAT_VERSION = 3  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16; 3: bit allocations
@@ -218,8 +218,7 @@ def _unflatten_levels(flat: torch.Tensor, widths: torch.Tensor, k: int) -> torch
         raise CheckpointError(f"{flat.shape[0]} LUT levels stored for channels that use {int(mask.sum())}")
     full = torch.zeros(*mask.shape, *flat.shape[1:], dtype=flat.dtype)
     full[mask] = flat
-    pad = torch.arange(k).clamp_max((1 << widths.long().cpu())[..., None] - 1)  # [H, d, K]
-    return full.gather(2, pad.view(*pad.shape, *[1] * (flat.dim() - 1)).expand(*pad.shape, *flat.shape[1:]))
+    return pad_levels(full, widths, k)
 
 
 def quantizer_seed(cfg: CalibrationConfig, layer: int, kind: str) -> int:

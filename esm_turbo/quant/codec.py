@@ -85,6 +85,15 @@ def lut_index(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return idx.long()
 
 
+def pad_levels(table: torch.Tensor, widths: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-channel LUTs table [H, d, K0, *tail] of which channel (h, c) uses its first 2^widths[h, c] levels →
+    [H, d, k, *tail], each channel's last level repeated (the padding :func:`lut_bounds` never picks)."""
+    levels = (1 << widths.long().to(table.device))[..., None]  # [H, d, 1]
+    idx = torch.arange(k, device=table.device).clamp_max(levels - 1)  # [H, d, k]
+    idx = idx.view(*idx.shape, *[1] * (table.dim() - 3)).expand(*idx.shape, *table.shape[3:])
+    return table.gather(2, idx)
+
+
 def table_lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Per-(head, channel) gather: table [H, d, K, *tail] at idx [..., H, T, d] → [..., H, T, d, *tail] (one
     ``index_select`` into the flattened table: half the time of advanced indexing on CPU)."""
@@ -228,15 +237,15 @@ class VectorQuantizer(nn.Module):
         k = q.centroids.shape[-1]
         centroids = torch.zeros(heads * dim, k, dtype=torch.float64, device=mse.device)
         table = torch.zeros(heads * dim, k, 2, dtype=torch.float64, device=mse.device)
-        for b in range(top + 1):
+        for b in range(top + 1):  # each channel's own levels; pad_levels fills the rest
             pick = widths == b
-            pad = torch.arange(k, device=mse.device).clamp_max(2**b - 1)  # its levels, then the last repeated
-            centroids[pick] = luts[b][rows[pick]][:, pad]
+            centroids[pick, :2**b] = luts[b][rows[pick]]
             if eps[b] is not None:
-                table[pick] = eps[b][rows[pick]][:, pad]
-        q.centroids.copy_(centroids.view(heads, dim, k))
-        q.eps.copy_(table.view(heads, dim, k, 2))
-        q.widths.copy_(widths.view(heads, dim))
+                table[pick, :2**b] = eps[b][rows[pick]]
+        widths = widths.view(heads, dim)
+        q.centroids.copy_(pad_levels(centroids.view(heads, dim, k), widths, k))
+        q.eps.copy_(pad_levels(table.view(heads, dim, k, 2), widths, k))
+        q.widths.copy_(widths)
         return q
 
     def set_rotation(self, affine: AffineStats) -> None:
