@@ -48,10 +48,10 @@ def dot_precision(t: torch.Tensor) -> str:
     return "tf32x3" if t.device.type == "cuda" else "ieee"
 
 
-def sign_or_main(sign: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
-    """A kernel's sign pointer: the sign part, or (no separate sign bits, so the kernel never reads it)
-    the main part."""
-    return sign if sign.numel() > 0 else main
+def part_or(part: torch.Tensor, stand_in: torch.Tensor) -> torch.Tensor:
+    """A kernel's pointer to an optional part (separate sign bits, a field layout): the part, or when it is
+    empty — the kernel is then compiled not to read it — any tensor standing in (e.g. the main part)."""
+    return part if part.numel() > 0 else stand_in
 
 
 def split16(x: torch.Tensor, precision: str) -> bool:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_precision, rotate_rows, sign_or_main, split16, token_offsets, token_strides
+from .common import dot_precision, rotate_rows, part_or, split16, token_offsets, token_strides
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -228,8 +228,9 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
           PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
     (kw, ks, vw, vs): the first tile's codes, ``_fetch``-ed by the caller as early as it can.
-    k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next tile's codes are
-    requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0 (Triton's interpreter): that many tiles, unrolled (it needs a static loop)."""
+    k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
+    tile's codes are requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0
+    (Triton's interpreter): that many tiles, unrolled (it needs a static loop)."""
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
     l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
     acc = tl.zeros((BLOCK_T, D // 8, 8), dtype=tl.float32)
@@ -425,9 +426,9 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
     _small_kernel[(batch * heads, splits)](
         q, *q_strides[:2], k_new, *k_strides[:2], v_new, *v_strides[:2], new_valid,
-        k_idx, sign_or_main(k_sign, k_idx), v_idx, sign_or_main(v_sign, v_idx), k_tab, v_tab,
-        sign_or_main(k_lay, k_tab), sign_or_main(v_lay, v_tab), lengths, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m, l_, acc, y, count, out, heads, t_cap, chunk,
-        splits,
+        k_idx, part_or(k_sign, k_idx), v_idx, part_or(v_sign, v_idx), k_tab, v_tab,
+        part_or(k_lay, k_tab), part_or(v_lay, v_tab), lengths, k_rot, k_offset, k_scale, v_rot, v_offset,
+        v_scale, m, l_, acc, y, count, out, heads, t_cap, chunk, splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KUNI=k_lay.numel() == 0, VUNI=v_lay.numel() == 0,
         KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
         BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab[0].numel(), NV=v_tab[0].numel(),
@@ -482,8 +483,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
     k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
     _prefix_kernel[(programs, splits)](
-        qt, k_idx, sign_or_main(k_sign, k_idx), v_idx, sign_or_main(v_sign, v_idx),
-        k_tab, v_tab, sign_or_main(k_lay, k_tab), sign_or_main(v_lay, v_tab), lengths, m, l_, acc, heads, s, t_cap,
+        qt, k_idx, part_or(k_sign, k_idx), v_idx, part_or(v_sign, v_idx),
+        k_tab, v_tab, part_or(k_lay, k_tab), part_or(v_lay, v_tab), lengths, m, l_, acc, heads, s, t_cap,
         chunk, splits, D=d, KBITS=k_bits, VBITS=v_bits, KUNI=k_lay.numel() == 0, VUNI=v_lay.numel() == 0,
         KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot_precision, rotate_rows, sign_or_main, split16, token_offsets, token_strides
+from .common import dot_precision, rotate_rows, part_or, split16, token_offsets, token_strides
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
         main, sign = out
         bits, combine = code
         has_sign = combine or sign.numel() > 0
-        return (main, sign_or_main(sign, main)), (bits, has_sign, combine)
+        return (main, part_or(sign, main)), (bits, has_sign, combine)
 
     (k_main, k_sign), k_c = kind(k_out, k_code)
     (v_main, v_sign), v_c = kind(v_out, v_code)
@@ -117,7 +117,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     prec = cfg["precision"]
 
     def tabs(t):  # an empty layout (equal widths) is never read: any pointer stands in
-        return (*t[:5], sign_or_main(t[5], t[4]))
+        return (*t[:5], part_or(t[5], t[4]))
 
     _quantize_pack_kernel[grid](
         k, *k_strides, *tabs(k_tables), k_main, k_sign, v, *v_strides, *tabs(v_tables), v_main, v_sign,

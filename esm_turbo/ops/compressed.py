@@ -151,8 +151,9 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, d, codes] indexed by the
     code (``2·code + sign`` when sign bits are separate); layouts [H, d] int32 of the packed codes (or empty:
     equal widths); lengths [B] valid prefix rows; rot [H,d,d], offset/scale [H,d] of the key and value
-    codecs. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped
-    back once (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the tables'
+    codecs. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and
+    ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped back once
+    (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the tables'
     float dtype); a query with no valid key gets zeros.
     """
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
