@@ -162,7 +162,8 @@ def test_bit_allocation_spends_the_same_bytes_where_the_error_reaches_the_output
     assert bool((widths.sum(-1) == 8 * bits).all()) and int(widths.max()) <= 5
     assert bool((widths == widths[:, :1]).all()) and bool((widths[..., :-1] >= widths[..., 1:]).all())
     values = torch.randn(heads * dim, 2048, generator=gen, dtype=torch.float64)
-    affine = AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), torch.zeros(heads, dim), torch.ones(heads, dim))
+    affine = AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), torch.zeros(heads, dim),
+                         torch.ones(heads, dim))
     points = (values, torch.ones_like(values))
     uniform = VectorQuantizer.from_calibration(affine, points, bits, "sign")
     alloc = VectorQuantizer.from_calibration(affine, points, bits, "sign", importance=importance)

@@ -76,7 +76,8 @@ def _reference_args(codec, cache, q, k, v, valid, dtype):
     cast = (lambda t: t.to(dtype)) if dtype != torch.float32 else (lambda t: t)
     key, value = codec.key, codec.value
     return (cast(q), cast(k), cast(v), valid.to(torch.uint8), *tables.packed(parts, "k"), *tables.packed(parts, "v"),
-            cast(tables.k_tab), cast(tables.v_tab), tables.k_layout, tables.v_layout, cache.lengths, cast(key.rot), cast(key.offset), cast(key.scale),
+            cast(tables.k_tab), cast(tables.v_tab), tables.k_layout, tables.v_layout, cache.lengths, cast(key.rot),
+            cast(key.offset), cast(key.scale),
             cast(value.rot), cast(value.offset), cast(value.scale), tables.k_codes.bits, tables.v_codes.bits)
 
 
