@@ -103,7 +103,7 @@ def _identity_quantizer(bits: int, residual: str, heads: int = 2, dim: int = 16)
 
 def test_sign_residual_decodes_through_the_fused_code_table():
     """Decoding a sign residual with one look-up of code 2·idx + sign in ``code_table`` gives exactly
-    c[idx] + ε₁ or c[idx] − ε₀, for combined codes (3+1) and separate planes (4+1)."""
+    c[idx] + ε₁ or c[idx] − ε₀ rounded to fp16, for combined codes (3+1) and separate planes (4+1)."""
     from esm_turbo.quant.codec import lut_index, table_lookup
     for bits in (3, 4):
         q, gen = _identity_quantizer(bits, "sign")
@@ -112,7 +112,7 @@ def test_sign_residual_decodes_through_the_fused_code_table():
         idx = lut_index(y, q.centroids)
         c = table_lookup(q.centroids, idx)
         e = table_lookup(q.eps, idx)  # [1, H, 9, dim, 2]
-        expect = torch.where(y >= c, c + e[..., 1], c - e[..., 0])
+        expect = torch.where(y >= c, c + e[..., 1], c - e[..., 0]).half().float()
         assert torch.equal(q.decode_affine(q.encode(y)), expect)
 
 

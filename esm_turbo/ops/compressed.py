@@ -56,7 +56,7 @@ class StoredCodes:
 class FusedTables:
     """Per-layer constants of the fused ops, derived once from a codec.
 
-    k_tab / v_tab [H, d, codes]; k_bounds / v_bounds [H, d, K-1]; k_layout / v_layout [H, d] int32 field
+    k_tab / v_tab [H, d, codes] (fp16 values; float16 or float32 tensors); k_bounds / v_bounds [H, d, K-1]; k_layout / v_layout [H, d] int32 field
     layouts of the packed codes (``esm_turbo.quant.packing.field_layout``), empty when every channel has the
     same width (the kernels then shift by constants); k_codes / v_codes: where the packed codes are stored.
     """
@@ -83,14 +83,21 @@ def fused_tables(codec: KVCodec) -> FusedTables:
     key, value = codec.key, codec.value
     if cached is not None and cached.k_tab.device == key.rot.device:
         return cached
-    tables = FusedTables(k_tab=code_table(key),
-                         v_tab=code_table(value), k_bounds=lut_bounds(key.centroids),
-                         v_bounds=lut_bounds(value.centroids), k_layout=_kernel_layout(key),
-                         v_layout=_kernel_layout(value),
-                         k_codes=StoredCodes.of(key),
-                         v_codes=StoredCodes.of(value))
+    k_layout, v_layout = _kernel_layout(key), _kernel_layout(value)
+    tables = FusedTables(k_tab=_op_table(key, k_layout), v_tab=_op_table(value, v_layout),
+                         k_bounds=lut_bounds(key.centroids), v_bounds=lut_bounds(value.centroids),
+                         k_layout=k_layout, v_layout=v_layout,
+                         k_codes=StoredCodes.of(key), v_codes=StoredCodes.of(value))
     codec._fused_tables = tables
     return tables
+
+
+def _op_table(q: VectorQuantizer, layout: torch.Tensor) -> torch.Tensor:
+    """The code table the ops read: its fp16 values (:func:`code_table`) held in fp16 under an allocated
+    layout, whose tables are up to twice as long (wider channels), in float32 for equal widths — whichever
+    the H100 read faster (``results/gpu/allocation_kernel_h100.txt``); the values are the same."""
+    table = code_table(q)
+    return table if layout.numel() else table.float()
 
 
 def _kernel_layout(q: VectorQuantizer) -> torch.Tensor:
@@ -153,7 +160,7 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     equal widths); lengths [B] valid prefix rows; rot [H,d,d], offset/scale [H,d] of the key and value
     codecs. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and
     ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped back once
-    (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the tables'
+    (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the rotations'
     float dtype); a query with no valid key gets zeros.
     """
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)

@@ -105,13 +105,18 @@ def table_lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def code_table(q: "VectorQuantizer") -> torch.Tensor:
-    """[H, d, n_codes] float32 values of a fused code: ``2·idx + sign → c[idx] + ε₁ | c[idx] − ε₀`` with a
-    sign residual, ``idx → c[idx]`` without."""
-    if q.residual != "sign":
-        return q.centroids.contiguous()
-    lo = q.centroids - q.eps[..., 0]
-    hi = q.centroids + q.eps[..., 1]
-    return torch.stack([lo, hi], dim=-1).reshape(q.heads, q.dim, -1).contiguous()
+    """[H, d, n_codes] float16 values of a fused code: ``2·idx + sign → c[idx] + ε₁ | c[idx] − ε₀`` with a
+    sign residual, ``idx → c[idx]`` without, rounded to fp16. These are the values decoding reconstructs, on
+    every path: the kernels may read the table in fp16 (half the cache lines of fp32) and still match."""
+    table = q.centroids
+    if q.residual == "sign":
+        lo = q.centroids - q.eps[..., 0]
+        hi = q.centroids + q.eps[..., 1]
+        table = torch.stack([lo, hi], dim=-1).reshape(q.heads, q.dim, -1)
+    table = table.half()
+    if not bool(torch.isfinite(table).all()):
+        raise ValueError("decoded levels beyond the fp16 range: use a scaled rotation (svd-scaled)")
+    return table.contiguous()
 
 
 def lookup_codes(table: torch.Tensor, packed: torch.Tensor, sign: torch.Tensor | None, layout: torch.Tensor,
@@ -180,7 +185,7 @@ class VectorQuantizer(nn.Module):
         lut = lloyd_max(q.bits, "sphere", dim).centroids
         values, weights = density_points("sphere", dim)
         eps = sign_eps_table(values, weights, lut, "bin")
-        q.centroids.copy_(torch.as_tensor(lut))
+        q.centroids.copy_(torch.as_tensor(lut).half())  # fp16 values, as calibrated LUTs
         q.eps.copy_(torch.as_tensor(eps))
         return q
 
@@ -335,7 +340,7 @@ class VectorQuantizer(nn.Module):
     def decode_affine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """parts → ẑ [..., H, T, d] in the affine domain (norm applied), float32."""
         main = parts["code" if self.combined_sign else "idx"]  # idx: its sign bits apart, if any
-        y = lookup_codes(code_table(self), main, parts.get("sign"), self.layout(), self.code_width)
+        y = lookup_codes(code_table(self), main, parts.get("sign"), self.layout(), self.code_width).float()
         if self.residual == "qjl":
             signs = unpack_1bit_u8(parts["qjl"]).float() * 2 - 1
             m = self.proj.shape[0]
