@@ -1,5 +1,6 @@
 """Fused decode attention with equal code widths (constant shifts) vs allocated widths (a field layout
-read per head), one synthetic layer each, 3+1 bits, one new token per sequence; CUDA graph, median.
+read per head), one synthetic layer each, 3+1 bits, one new token per sequence, the code tables (fp16 values) read
+as float16 and as float32; CUDA graph, median.
 Output: results/gpu/allocation_kernel_h100.txt.
 
     python scripts/bench_layouts.py
@@ -9,7 +10,7 @@ import torch
 
 from esm_turbo.bench import _time, fill_synthetic
 from esm_turbo.cache import KVCache
-from esm_turbo.ops.compressed import attend_compressed
+from esm_turbo.ops.compressed import attend_compressed, fused_tables
 from esm_turbo.testing import random_turbo_codec
 
 #: (name, allocate, widest channel): equal widths; the default allocation (bits + 1); up to bits + 2
@@ -28,9 +29,14 @@ def main() -> None:
             q = torch.randn(batch, heads, 1, dim, device=dev, dtype=torch.float16)
             k, v = torch.randn_like(q), torch.randn_like(q)
             valid = torch.ones(batch, 1, dtype=torch.bool, device=dev)
-            us = _time(lambda: attend_compressed(codec, cache.parts[0], cache.lengths, q, k, v, valid), dev) * 1e6
-            print(f"H{heads} d{dim} B{batch} T{length} {name:8s} K={codec.key.centroids.shape[-1]} {us:9.1f} us",
-                  flush=True)
+            tables = fused_tables(codec)
+            timed = []
+            for dtype in (torch.float16, torch.float32):  # the same fp16 values, read in either dtype
+                tables.k_tab, tables.v_tab = tables.k_tab.to(dtype), tables.v_tab.to(dtype)
+                timed.append(_time(lambda: attend_compressed(codec, cache.parts[0], cache.lengths, q, k, v, valid),
+                                   dev) * 1e6)
+            print(f"H{heads} d{dim} B{batch} T{length} {name:8s} K={codec.key.centroids.shape[-1]} "
+                  f"fp16 tables {timed[0]:9.1f} us, fp32 tables {timed[1]:9.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,3 +44,27 @@ def test_bad_inputs():
         lloyd_max_weighted(np.array([0.0, np.nan]), np.ones(2), 2)
     with pytest.raises(ValueError, match="zero points"):
         lloyd_max_weighted(np.array([1.0]), np.zeros(1), 2)
+
+
+def test_half_cell_sums_match_a_pass_over_the_points():
+    """Prefix-sum cell statistics equal a pass over every point: nearest level by ``nearest_index`` (a point on
+    a boundary in the lower cell), halves split at the centroid (r < 0 | r ≥ 0), zero weights ignored."""
+    import torch
+    from esm_turbo.quant.lloyd_max import SortedPoints, nearest_index
+    gen = torch.Generator().manual_seed(3)
+    centroids = torch.tensor([[-1.0, 0.0, 0.5, 2.0], [-3.0, -2.0, 1.0, 4.0]], dtype=torch.float64)
+    ties = torch.cat([centroids, 0.5 * (centroids[:, 1:] + centroids[:, :-1])], 1)  # on levels and boundaries
+    x = torch.cat([torch.randn(2, 40, generator=gen, dtype=torch.float64) * 2, ties, ties], 1)
+    w = torch.rand(x.shape, generator=gen, dtype=torch.float64)
+    w[:, ::7] = 0.0
+    perm = torch.randperm(x.shape[1], generator=gen)
+    mass, abs_r, sq_r = SortedPoints(x[:, perm], w[:, perm]).half_cells(centroids)
+    idx = nearest_index(centroids, x)
+    r = x - centroids.gather(1, idx)
+    for g in range(2):
+        for k in range(4):
+            for half, side in enumerate((r[g] < 0, r[g] >= 0)):
+                sel = (idx[g] == k) & side
+                want = (w[g][sel].sum(), (w[g][sel] * r[g][sel].abs()).sum(), (w[g][sel] * r[g][sel] ** 2).sum())
+                got = (mass[g, k, half], abs_r[g, k, half], sq_r[g, k, half])
+                assert all(abs(float(a - b)) < 1e-12 for a, b in zip(got, want)), (g, k, half, got, want)

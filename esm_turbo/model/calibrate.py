@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..errors import EsmTurboError
 from ..fasta import Record, records_hash
+from ..quant.allocation import ChannelTables, channel_tables, widest_bits
 from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind, pad_levels
 from ..quant.histogram import HistogramAccumulator
 from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotation
@@ -102,6 +103,24 @@ def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor)
         order.append(q.rot_order[h] if q.rot_order is not None else torch.arange(first.dim))
     out.rot_stored = torch.stack(stored)  # fp16 pre-images: identity heads rebuild exactly
     out.rot_order = torch.stack(order) if any(q.rot_order is not None for q in candidates) else None
+    return out
+
+
+def _tables_by_layer(hists: list[HistogramAccumulator], bits: int, config: CalibrationConfig,
+                     max_groups: int = 1 << 16) -> list[ChannelTables | None]:
+    """With bit allocation, each layer's :class:`ChannelTables`, fitted for as many layers at once as
+    ``max_groups`` channels allow (on a GPU the Lloyd iterations cost launches, not arithmetic); else Nones."""
+    if not config.bit_allocation:
+        return [None] * len(hists)
+    top = widest_bits(bits, config.max_channel_bits)
+    sign_mode = config.sign_mode if config.residual == "sign" else None
+    per_layer = hists[0].count.shape[0]
+    step = max(1, max_groups // per_layer)
+    out: list[ChannelTables | None] = []
+    for first in range(0, len(hists), step):
+        points = [h.padded() for h in hists[first:first + step]]
+        fitted = channel_tables(torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points]), top, sign_mode)
+        out += [fitted.rows(i * per_layer, (i + 1) * per_layer) for i in range(len(points))]
     return out
 
 
@@ -185,6 +204,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     _run(engine, batches, record_hist, "calibrate: LUTs", progress)
 
     bits = {"k": config.key_bits, "v": config.value_bits}
+    tables = {kind: _tables_by_layer(hist[kind], bits[source[kind]], config) for kind in rotation}
     quantizers: dict[str, list[VectorQuantizer]] = {kind: [] for kind in rotation}
     for li in range(layers):
         points = {kind: hist[kind][li].padded() for kind in rotation}
@@ -199,7 +219,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
             quantizers[kind].append(VectorQuantizer.from_calibration(
                 affine[kind][li], points[kind], bits[source[kind]], config.residual, config.sign_mode,
                 quantizer_seed(config, li, source[kind]), shared, importance,
-                config.max_channel_bits).to(engine.device))
+                config.max_channel_bits, tables[kind][li]).to(engine.device))
 
     choice = None
     if "v*" in rotation:

@@ -20,42 +20,62 @@ at run time: attention is computed in the rotated domain).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .lloyd_max import lloyd_max_batched, nearest_index
-from .residual import sign_eps_batched
+from .lloyd_max import SortedPoints, lloyd_max_sorted
+from .residual import sign_eps_sorted
 
 GROUP = 8  # channels per packed group word
 
 
+def widest_bits(bits: int, max_bits: int | None) -> int:
+    """The widest channel an allocation of ``bits`` on average may give: ``max_bits`` (default bits + 1, ≤ 8)."""
+    top = min(max_bits if max_bits is not None else bits + 1, 8)
+    if not bits <= top:
+        raise ValueError(f"max_bits {max_bits} is below the average width {bits}")
+    return top
+
+
+@dataclass
+class ChannelTables:
+    """LUTs of every width 0 … B for G groups: luts[b] [G, 2^b] and sign magnitudes eps[b] [G, 2^b, 2] (None
+    without a sign residual), fp16 values in float64; mse [G, B + 1] of each width."""
+
+    luts: list[torch.Tensor]
+    eps: list[torch.Tensor | None]
+    mse: torch.Tensor
+
+    def rows(self, start: int, stop: int) -> "ChannelTables":
+        """The tables of groups [start, stop)."""
+        return ChannelTables([t[start:stop] for t in self.luts],
+                             [t[start:stop] if t is not None else None for t in self.eps], self.mse[start:stop])
+
+
 def channel_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int,
-                   sign_mode: str | None) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
-    """LUTs of every width 0 … ``max_bits`` for G groups: values, weights [G, N] → (luts [G, 2^b] and sign
-    magnitudes [G, 2^b, 2] (None without a sign residual) per width b, rounded to fp16 values, float64;
-    mse [G, max_bits + 1] of each width). Width 0 is one level, the weighted mean."""
-    x = values.double()
-    w = weights.double()
-    mean = (w * x).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1e-300)
+                   sign_mode: str | None) -> ChannelTables:
+    """:class:`ChannelTables` of widths 0 … ``max_bits`` for G groups of points values, weights [G, N] (one
+    sort; cells summed from prefix sums). Width 0 is one level, the weighted mean."""
+    points = SortedPoints(values, weights)
     luts, eps, mse = [], [], []
     for b in range(max_bits + 1):
-        lut = mean if b == 0 else lloyd_max_batched(x, w, b)[0]
+        lut = points.mean()[:, None] if b == 0 else lloyd_max_sorted(points, b)[0]
         lut = lut.half().double()
-        e = sign_eps_batched(x, w, lut, sign_mode).half().double() if sign_mode else None
+        e = sign_eps_sorted(points, lut, sign_mode).half().double() if sign_mode else None
         luts.append(lut)
         eps.append(e)
-        mse.append(_mse(x, w, lut, e))
-    return luts, eps, torch.stack(mse, 1)
+        mse.append(_mse(points, lut, e))
+    return ChannelTables(luts, eps, torch.stack(mse, 1))
 
 
-def _mse(x: torch.Tensor, w: torch.Tensor, lut: torch.Tensor, eps: torch.Tensor | None) -> torch.Tensor:
-    """Weighted mean squared error [G] of reconstructing x [G, N] with a LUT [G, K] (+ sign magnitudes)."""
-    idx = nearest_index(lut, x)
-    r = x - lut.gather(1, idx)
-    if eps is not None:
-        above = (r >= 0).long()
-        mag = eps.gather(1, idx[..., None].expand(*idx.shape, 2)).gather(2, above[..., None])[..., 0]
-        r = r.abs() - mag
-    return (w * r.square()).sum(1) / w.sum(1).clamp_min(1e-300)
+def _mse(points: SortedPoints, lut: torch.Tensor, eps: torch.Tensor | None) -> torch.Tensor:
+    """Weighted mean squared error [G] of reconstructing the points with a LUT [G, K] (+ sign magnitudes
+    [G, K, 2]: a value is c ± its half cell's magnitude)."""
+    mass, abs_r, sq = points.half_cells(lut)
+    if eps is not None:  # Σ w (|r| − m)² per half cell
+        sq = sq - 2 * eps * abs_r + eps**2 * mass
+    return sq.sum((1, 2)) / points.total.clamp_min(1e-300)
 
 
 def tier_order(importance: torch.Tensor) -> torch.Tensor:

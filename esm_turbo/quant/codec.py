@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_batched, midpoints
-from .allocation import allocate, channel_tables, tier_order
+from .allocation import ChannelTables, allocate, channel_tables, tier_order, widest_bits
 from .packing import field_layout, pack_1bit_u8, pack_fields, unpack_1bit_u8, unpack_fields
 from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_batched, sign_eps_table
 from .rotations import AffineStats, affine_forward, affine_inverse, build_rotation, check_rotation_kind
@@ -193,7 +193,8 @@ class VectorQuantizer(nn.Module):
     def from_calibration(cls, affine: AffineStats, points: tuple[torch.Tensor, torch.Tensor], bits: int,
                          residual: str = "sign", sign_mode: str = "bin", seed: int = 0,
                          lut_points: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         importance: torch.Tensor | None = None, max_bits: int | None = None) -> "VectorQuantizer":
+                         importance: torch.Tensor | None = None, max_bits: int | None = None,
+                         tables: ChannelTables | None = None) -> "VectorQuantizer":
         """Calibrated codec: ``points`` = (values, weights) [G, N], weighted samples in the affine domain
         (after rotation, centring and scaling) of G = H groups (one LUT per head) or G = H·d (one per head
         and channel, channel-minor). LUTs are fitted on ``lut_points`` (default ``points``; other points
@@ -201,7 +202,8 @@ class VectorQuantizer(nn.Module):
 
         With ``importance`` [H, d] (how much an error of each affine channel reaches the output), channels get
         allocated widths of 0 … ``max_bits`` (default bits + 1) index bits, ``bits`` on average
-        (``esm_turbo.quant.allocation``); needs per-channel points."""
+        (``esm_turbo.quant.allocation``); needs per-channel points, whose LUTs at every width ``tables`` may
+        hold already (fitted for many layers at once: fewer, larger batches)."""
         heads, dim = affine.offset.shape
         values, weights = points
         if values.shape[0] not in (heads, heads * dim):
@@ -210,7 +212,9 @@ class VectorQuantizer(nn.Module):
         if importance is not None:
             if values.shape[0] != heads * dim or lut_points is not None:
                 raise ValueError("bit allocation needs per-channel calibration points and the codec's own LUTs")
-            return cls._allocated(affine, points, bits, residual, sign_mode, seed, importance, max_bits)
+            if tables is None:
+                tables = channel_tables(*points, widest_bits(bits, max_bits), sign_mode if residual == "sign" else None)
+            return cls._allocated(affine, tables, bits, residual, seed, importance)
         q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1)
         q.set_rotation(affine)
         lut, _ = lloyd_max_batched(*(lut_points or points), q.bits)
@@ -224,13 +228,10 @@ class VectorQuantizer(nn.Module):
         return q
 
     @classmethod
-    def _allocated(cls, affine: AffineStats, points: tuple[torch.Tensor, torch.Tensor], bits: int, residual: str,
-                   sign_mode: str, seed: int, importance: torch.Tensor, max_bits: int | None) -> "VectorQuantizer":
+    def _allocated(cls, affine: AffineStats, tables: ChannelTables, bits: int, residual: str, seed: int,
+                   importance: torch.Tensor) -> "VectorQuantizer":
         heads, dim = affine.offset.shape
-        top = min(max_bits if max_bits is not None else bits + 1, 8)
-        if not bits <= top:
-            raise ValueError(f"max_bits {max_bits} is below the average width {bits}")
-        luts, eps, mse = channel_tables(*points, top, sign_mode if residual == "sign" else None)
+        luts, eps, mse = tables.luts, tables.eps, tables.mse
         imp = importance.double().to(mse.device)
         cost = imp.reshape(-1, 1) * mse  # [H·d, top + 1]
         order = tier_order(cost[:, bits].reshape(heads, dim).cpu()).to(mse.device)

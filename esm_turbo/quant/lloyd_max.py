@@ -173,6 +173,63 @@ def lloyd_max_weighted(values: np.ndarray, weights: np.ndarray, bits: int,
     return LloydMaxResult(centroids=centroids[0].numpy(), mse=float(mse[0]))
 
 
+class SortedPoints:
+    """Weighted 1-D points of G groups, sorted within each group, with prefix sums of w, w·x and w·x²: any
+    quantizer cell (a run of consecutive points) is then summed with two look-ups, not a pass over N.
+
+    values, weights [G, N] (weights ≥ 0; zero-weight points, e.g. empty histogram bins, count for nothing).
+    """
+
+    def __init__(self, values: torch.Tensor, weights: torch.Tensor):
+        x = torch.as_tensor(values, dtype=torch.float64)
+        w = torch.as_tensor(weights, dtype=torch.float64, device=x.device)
+        if x.dim() != 2 or x.shape != w.shape:
+            raise ValueError(f"values {tuple(x.shape)} and weights {tuple(w.shape)} must be the same [G, N]")
+        live = w > 0
+        if not bool(live.any(1).all()):
+            raise ValueError("cannot fit a quantizer to zero points")
+        if not bool(torch.isfinite(x[live]).all()):
+            raise ValueError("calibration values contain NaN or Inf")
+        self.x, order = torch.sort(torch.where(live, x, 0.0), dim=1, stable=True)
+        self.w = w.gather(1, order)
+        zero = self.x.new_zeros(self.x.shape[0], 1)
+        self._prefix = [torch.cat([zero, t.cumsum(1)], 1) for t in (self.w, self.w * self.x, self.w * self.x**2)]
+        self.total = self._prefix[0][:, -1]
+        live = self.w > 0
+        self.lo = torch.where(live, self.x, torch.inf).amin(1)
+        self.hi = torch.where(live, self.x, -torch.inf).amax(1)
+
+    def count_below(self, t: torch.Tensor, inclusive: bool) -> torch.Tensor:
+        """[G, M] number of points < t (or ≤ t, ``inclusive``) per group, for thresholds t [G, M]."""
+        return torch.searchsorted(self.x, t.contiguous(), right=inclusive)
+
+    def sums(self, start: torch.Tensor, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Σw, Σw·x, Σw·x²) over points [start, stop) of each group, index tensors [G, M] → each [G, M]."""
+        return tuple(p.gather(1, stop) - p.gather(1, start) for p in self._prefix)
+
+    def mean(self) -> torch.Tensor:
+        """[G] weighted mean of each group."""
+        return self._prefix[1][:, -1] / self.total.clamp_min(1e-300)
+
+    def cell_edges(self, centroids: torch.Tensor) -> torch.Tensor:
+        """[G, K + 1]: cell k of sorted centroids [G, K] (the points nearest c_k, a point on a boundary in the
+        lower cell, as :func:`nearest_index` decides) is points [edges[k], edges[k + 1])."""
+        cuts = self.count_below(midpoints(centroids), inclusive=True)
+        first = cuts.new_zeros(cuts.shape[0], 1)
+        return torch.cat([first, cuts, first + self.x.shape[1]], 1)
+
+    def half_cells(self, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sums over the halves of each cell of sorted centroids [G, K] (half 0: x < c_k, half 1: x ≥ c_k) in
+        the residual r = x − c_k: (Σw, Σw·|r|, Σw·r²), each [G, K, 2]."""
+        edges = self.cell_edges(centroids)
+        lo, hi = edges[:, :-1], edges[:, 1:]
+        mid = torch.minimum(torch.maximum(self.count_below(centroids, inclusive=False), lo), hi)
+        w, wx, wx2 = (torch.stack(pair, -1) for pair in zip(self.sums(lo, mid), self.sums(mid, hi)))
+        c = centroids.to(torch.float64)[..., None]
+        side = torch.tensor([-1.0, 1.0], dtype=torch.float64, device=w.device)
+        return w, (wx - c * w) * side, wx2 - 2 * c * wx + c**2 * w
+
+
 def lloyd_max_batched(values: torch.Tensor, weights: torch.Tensor, bits: int, max_iter: int = 300,
                       tol: float = 1e-9) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted 1-D Lloyd iterations for G groups at once: values, weights [G, N] (weights >= 0; zero-weight
@@ -180,42 +237,29 @@ def lloyd_max_batched(values: torch.Tensor, weights: torch.Tensor, bits: int, ma
 
     Each group starts at its weighted quantiles (ties broken by a 1e-6 spread) and stops on its own when no
     centroid moves by more than ``tol`` × its range, so the result is deterministic for given inputs."""
+    return lloyd_max_sorted(SortedPoints(values, weights), bits, max_iter, tol)
+
+
+def lloyd_max_sorted(points: SortedPoints, bits: int, max_iter: int = 300,
+                     tol: float = 1e-9) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lloyd_max_batched` on points already sorted (one sort serves fits of several widths)."""
     if not 1 <= int(bits) <= 8:  # any LUT size: allocated channels take widths the packers need not know
         raise ValueError(f"a Lloyd-Max LUT has 1 to 8 bits, got {bits}")
-    bits = int(bits)
-    x = torch.as_tensor(values, dtype=torch.float64)
-    w = torch.as_tensor(weights, dtype=torch.float64, device=x.device)
-    if x.dim() != 2 or x.shape != w.shape:
-        raise ValueError(f"values {tuple(x.shape)} and weights {tuple(w.shape)} must be the same [G, N]")
-    live = w > 0
-    if not bool(live.any(1).all()):
-        raise ValueError("cannot fit a quantizer to zero points")
-    if not bool(torch.isfinite(x[live]).all()):
-        raise ValueError("calibration values contain NaN or Inf")
-    x = torch.where(live, x, 0.0)
-    x, order = torch.sort(x, dim=1, stable=True)
-    w = w.gather(1, order)
-    live = w > 0
-    k = 2**bits
-    cw = w.cumsum(1)
-    total = cw[:, -1:]
-    targets = (torch.arange(k, dtype=torch.float64, device=x.device) + 0.5) / k * total
+    k = 2 ** int(bits)
+    x, cw = points.x, points._prefix[0][:, 1:].contiguous()
+    targets = (torch.arange(k, dtype=torch.float64, device=x.device) + 0.5) / k * points.total[:, None]
     centroids = x.gather(1, torch.searchsorted(cw, targets).clamp(max=x.shape[1] - 1))
-    spread = (torch.where(live, x, -torch.inf).amax(1) - torch.where(live, x, torch.inf).amin(1)).clamp_min(1e-12)
+    spread = (points.hi - points.lo).clamp_min(1e-12)
     # break ties (e.g. few distinct values) so every level starts distinct
     centroids = centroids + torch.linspace(-1e-6, 1e-6, k, dtype=torch.float64, device=x.device) * spread[:, None]
-    wx = w * x
     done = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-
     for _ in range(max_iter):
-        idx = nearest_index(centroids, x)
-        mass = torch.zeros_like(centroids).scatter_add_(1, idx, w)
-        sums = torch.zeros_like(centroids).scatter_add_(1, idx, wx)
-        new = torch.where(mass > 0, sums / mass.clamp_min(1e-300), centroids).sort(1).values
+        edges = points.cell_edges(centroids)
+        mass, wx, _ = points.sums(edges[:, :-1], edges[:, 1:])
+        new = torch.where(mass > 0, wx / mass.clamp_min(1e-300), centroids).sort(1).values
         moved = (new - centroids).abs().amax(1)
         centroids = torch.where(done[:, None], centroids, new)
         done |= moved < tol * spread
         if bool(done.all()):
             break
-    mse = (w * (x - centroids.gather(1, nearest_index(centroids, x))).square()).sum(1) / total[:, 0]
-    return centroids, mse
+    return centroids, points.half_cells(centroids)[2].sum((1, 2)) / points.total

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from .lloyd_max import nearest_index
+from .lloyd_max import SortedPoints
 
 RESIDUAL_KINDS = ("none", "sign", "qjl")
 SIGN_MODES = ("head", "bin")
@@ -45,24 +45,19 @@ def sign_eps_batched(values: torch.Tensor, weights: torch.Tensor, centroids: tor
     ``head`` mode: one magnitude E|r| for every bin and sign (the paper). ``bin`` mode: the
     conditional mean of |r| per bin and sign — the centroid of each half cell.
     """
+    return sign_eps_sorted(SortedPoints(values, weights), centroids, mode)
+
+
+def sign_eps_sorted(points: SortedPoints, centroids: torch.Tensor, mode: str = "bin") -> torch.Tensor:
+    """:func:`sign_eps_batched` on sorted points."""
     if mode not in SIGN_MODES:
         raise ValueError(f"unknown sign mode {mode!r}: choose one of {SIGN_MODES}")
-    x = torch.as_tensor(values, dtype=torch.float64)
-    w = torch.as_tensor(weights, dtype=torch.float64, device=x.device)
-    c = torch.as_tensor(centroids, dtype=torch.float64, device=x.device)
-    x = torch.where(w > 0, x, 0.0)
-    idx = nearest_index(c, x)
-    r = x - c.gather(1, idx)
+    c = torch.as_tensor(centroids, dtype=torch.float64, device=points.x.device)
+    mass, abs_r, _ = points.half_cells(c)
     if mode == "head":
-        eps = (w * r.abs()).sum(1) / w.sum(1).clamp_min(1e-300)
+        eps = abs_r.sum((1, 2)) / points.total.clamp_min(1e-300)
         return eps[:, None, None].expand(*c.shape, 2).clone()
-    table = torch.zeros(*c.shape, 2, dtype=torch.float64, device=x.device)
-    for col, side in ((0, r < 0), (1, r >= 0)):
-        ws = w * side
-        mass = torch.zeros_like(c).scatter_add_(1, idx, ws)
-        total = torch.zeros_like(c).scatter_add_(1, idx, ws * r.abs())
-        table[..., col] = torch.where(mass > 0, total / mass.clamp_min(1e-300), 0.0)
-    return table
+    return torch.where(mass > 0, abs_r / mass.clamp_min(1e-300), 0.0)
 
 
 def qjl_projection(dim: int, sketch_dim: int, seed: int) -> torch.Tensor:
