@@ -312,6 +312,25 @@ def test_model_decode_step_replays_as_cuda_graph():
             committed.replay()
 
 
+@gpu
+def test_two_step_decode_captures_as_cuda_graph():
+    """The PyTorch path's decode (unpack, code-table look-up, inverse rotation) reads nothing on the host, so
+    a CUDA graph captures it (the two-step baseline of ``esm-turbo bench``)."""
+    codec = random_turbo_codec(4, 64, 3, 3, "sign", seed=0, allocate=True).to(DEVICE)
+    cache = filled_cache(codec, 2, [100, 50], DEVICE, 0)
+    eager = codec.decode(cache.layer_parts(0, upto=100))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        codec.decode(cache.layer_parts(0, upto=100))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = codec.decode(cache.layer_parts(0, upto=100))
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(out, eager))
+
+
 def engine_mask_id():
     from esm_turbo.model.alphabet import alphabet
     return alphabet().mask_idx

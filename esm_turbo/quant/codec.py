@@ -113,10 +113,14 @@ def code_table(q: "VectorQuantizer") -> torch.Tensor:
         lo = q.centroids - q.eps[..., 0]
         hi = q.centroids + q.eps[..., 1]
         table = torch.stack([lo, hi], dim=-1).reshape(q.heads, q.dim, -1)
-    table = table.half()
-    if not bool(torch.isfinite(table).all()):
+    return table.half().contiguous()
+
+
+def check_code_table(q: "VectorQuantizer") -> "VectorQuantizer":
+    """Refuse tables whose decoded levels overflow fp16 (reads the device: at calibration, not per step)."""
+    if not bool(torch.isfinite(code_table(q)).all()):
         raise ValueError("decoded levels beyond the fp16 range: use a scaled rotation (svd-scaled)")
-    return table.contiguous()
+    return q
 
 
 def lookup_codes(table: torch.Tensor, packed: torch.Tensor, sign: torch.Tensor | None, layout: torch.Tensor,
@@ -225,7 +229,7 @@ class VectorQuantizer(nn.Module):
         groups = values.shape[0] // heads
         q.centroids.copy_(lut.view(heads, groups, -1).expand(heads, dim, -1))
         q.eps.copy_(eps.view(heads, groups, -1, 2).expand(heads, dim, -1, 2))
-        return q
+        return check_code_table(q)
 
     @classmethod
     def _allocated(cls, affine: AffineStats, tables: ChannelTables, bits: int, residual: str, seed: int,
@@ -252,7 +256,7 @@ class VectorQuantizer(nn.Module):
         q.centroids.copy_(pad_levels(centroids.view(heads, dim, k), widths, k))
         q.eps.copy_(pad_levels(table.view(heads, dim, k, 2), widths, k))
         q.widths.copy_(widths)
-        return q
+        return check_code_table(q)
 
     def set_rotation(self, affine: AffineStats) -> None:
         self.rot_stored = affine.stored  # fp16 pre-image of a fitted rotation, for checkpoints
