@@ -140,8 +140,8 @@ def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, BITS: tl.cons
                   SIGN: tl.constexpr, NTAB: tl.constexpr):
     """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r, its field
     of the group word (``UNIFORM``: BITS bits at bit BITS·r; else at ``shift`` with ``mask``, [1, 1, 8]),
-    looked up in that channel's row of the head's table [D, codes] (fp16 or fp32; NTAB = D·codes; L1 hits; a register
-    tl.gather measured slower)."""
+    looked up in that channel's row of the head's table [D, codes] (float16 or float32; NTAB = D·codes; L1
+    hits; a register tl.gather measured slower)."""
     r = tl.arange(0, 8)
     chan = tl.arange(0, D // 8)[:, None] * 8 + r[None, :]
     if UNIFORM:

@@ -56,9 +56,10 @@ class StoredCodes:
 class FusedTables:
     """Per-layer constants of the fused ops, derived once from a codec.
 
-    k_tab / v_tab [H, d, codes] (fp16 values; float16 or float32 tensors); k_bounds / v_bounds [H, d, K-1]; k_layout / v_layout [H, d] int32 field
-    layouts of the packed codes (``esm_turbo.quant.packing.field_layout``), empty when every channel has the
-    same width (the kernels then shift by constants); k_codes / v_codes: where the packed codes are stored.
+    k_tab / v_tab [H, d, codes] (fp16 values, in a float16 or float32 tensor); k_bounds / v_bounds [H, d, K-1];
+    k_layout / v_layout [H, d] int32 field layouts of the packed codes (``esm_turbo.quant.packing.field_layout``),
+    empty when every channel has the same width (the kernels then shift by constants); k_codes / v_codes: where
+    the packed codes are stored.
     """
 
     k_tab: torch.Tensor

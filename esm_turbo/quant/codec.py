@@ -107,7 +107,7 @@ def table_lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def code_table(q: "VectorQuantizer") -> torch.Tensor:
     """[H, d, n_codes] float16 values of a fused code: ``2·idx + sign → c[idx] + ε₁ | c[idx] − ε₀`` with a
     sign residual, ``idx → c[idx]`` without, rounded to fp16. These are the values decoding reconstructs, on
-    every path: the kernels may read the table in fp16 (half the cache lines of fp32) and still match."""
+    every path: the kernels may read the table in fp16 (half the bytes of fp32) and still match."""
     table = q.centroids
     if q.residual == "sign":
         lo = q.centroids - q.eps[..., 0]

@@ -207,6 +207,10 @@ class SortedPoints:
         """(Σw, Σw·x, Σw·x²) over points [start, stop) of each group, index tensors [G, M] → each [G, M]."""
         return tuple(p.gather(1, stop) - p.gather(1, start) for p in self._prefix)
 
+    def cumulative_weight(self) -> torch.Tensor:
+        """[G, N] Σw over points 0 … i of each group."""
+        return self._prefix[0][:, 1:].contiguous()
+
     def mean(self) -> torch.Tensor:
         """[G] weighted mean of each group."""
         return self._prefix[1][:, -1] / self.total.clamp_min(1e-300)
@@ -246,7 +250,7 @@ def lloyd_max_sorted(points: SortedPoints, bits: int, max_iter: int = 300,
     if not 1 <= int(bits) <= 8:  # any LUT size: allocated channels take widths the packers need not know
         raise ValueError(f"a Lloyd-Max LUT has 1 to 8 bits, got {bits}")
     k = 2 ** int(bits)
-    x, cw = points.x, points._prefix[0][:, 1:].contiguous()
+    x, cw = points.x, points.cumulative_weight()
     targets = (torch.arange(k, dtype=torch.float64, device=x.device) + 0.5) / k * points.total[:, None]
     centroids = x.gather(1, torch.searchsorted(cw, targets).clamp(max=x.shape[1] - 1))
     spread = (points.hi - points.lo).clamp_min(1e-12)
