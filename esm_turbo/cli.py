@@ -52,7 +52,7 @@ def _config_from_args(args):
     cfg = PRESETS[args.preset]
     overrides = {k: getattr(args, k) for k in ("key_bits", "value_bits", "key_rotation", "value_rotation",
                                                 "residual", "sign_mode", "lut", "bit_allocation",
-                                                "max_channel_bits", "max_tokens", "seed")
+                                                "max_channel_bits", "shared_widths", "max_tokens", "seed")
                  if getattr(args, k, None) is not None}
     if getattr(args, "bits", None) is not None:
         overrides.setdefault("key_bits", args.bits)
@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the same index width on every channel (default: widths allocated per rotated channel "
                         "by its share of the output error, the same bytes per token)")
     p.add_argument("--max-channel-bits", type=int, help="widest channel under bit allocation (default: bits + 1)")
+    p.add_argument("--shared-widths", action=argparse.BooleanOptionalAction, default=None,
+                   help="one bit allocation for every head of a layer (the GPU kernels then compile its field "
+                        "shifts in)")
     p.add_argument("--max-tokens", type=int, help="stop after this many calibration tokens")
     p.add_argument("--max-residues", type=int, default=1022)
     p.add_argument("--seed", type=int)

@@ -1,5 +1,5 @@
-"""Fused decode attention with equal code widths (constant shifts) vs allocated widths (a field layout
-read per head), one synthetic layer each, 3+1 bits, one new token per sequence, the code tables (fp16 values) read
+"""Fused decode attention with equal code widths vs allocated widths (shared by the heads: shifts compiled in;
+or each head its own: a field layout read per head), one synthetic layer each, 3+1 bits, one new token per sequence, the code tables (fp16 values) read
 as float16 and as float32; CUDA graph, median.
 Output: results/gpu/allocation_kernel_h100.txt.
 
@@ -13,8 +13,10 @@ from esm_turbo.cache import KVCache
 from esm_turbo.ops.compressed import attend_compressed, fused_tables
 from esm_turbo.testing import random_turbo_codec
 
-#: (name, allocate, widest channel): equal widths; the default allocation (bits + 1); up to bits + 2
-VARIANTS = (("uniform", False, None), ("alloc", True, None), ("cap5", True, 5))
+#: (name, allocate, widest channel, widths shared by the heads): equal widths; the default allocation (widths up
+#: to bits + 1, the same for every head: shifts compiled in); each head its own (a layout read per head); bits + 2
+VARIANTS = (("uniform", False, None, True), ("alloc", True, None, True), ("per-head", True, None, False),
+            ("cap5", True, 5, True))
 SHAPES = ((20, 64, 64, 16384), (20, 64, 8, 16384), (40, 128, 8, 16384), (20, 64, 1, 1024))  # H, d, B, T
 
 
@@ -22,8 +24,9 @@ def main() -> None:
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name(dev)}")
     for heads, dim, batch, length in SHAPES:
-        for name, allocate, max_bits in VARIANTS:
-            codec = random_turbo_codec(heads, dim, 3, 3, "sign", 0, allocate=allocate, max_bits=max_bits).to(dev)
+        for name, allocate, max_bits, shared in VARIANTS:
+            codec = random_turbo_codec(heads, dim, 3, 3, "sign", 0, allocate=allocate, max_bits=max_bits,
+                                       shared=shared).to(dev)
             cache = KVCache([codec], batch, capacity=length, device=dev)
             fill_synthetic(cache, length, torch.Generator(device=dev).manual_seed(0))
             q = torch.randn(batch, heads, 1, dim, device=dev, dtype=torch.float16)

@@ -27,7 +27,8 @@ def step_args(heads: int, d: int, batch: int, t: int, dev: torch.device):
     y = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
     valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
     key, value = codec.key, codec.value
-    return codec, (q, y, y, valid, *tab.packed(p, "k"), *tab.packed(p, "v"), tab.k_tab, tab.v_tab, cache.lengths,
+    return codec, (q, y, y, valid, *tab.packed(p, "k"), *tab.packed(p, "v"), tab.k_tab, tab.v_tab, tab.k_layout,
+                   tab.v_layout, cache.lengths,
                    key.rot, key.offset, key.scale, value.rot, value.offset, value.scale, tab.k_codes.bits,
                    tab.v_codes.bits)
 

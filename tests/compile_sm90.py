@@ -8,6 +8,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from esm_turbo.kernels import decode, quantize
+from esm_turbo.quant.packing import packed_shifts
 
 
 def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2) -> int:
@@ -32,11 +33,16 @@ def main() -> None:
     small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16)
     # fused 3+1-bit codes at d=64, and separate index/sign planes (3+1 keys, 2+1 values) at d=16; tables of
     # allocated widths (NK = d · codes per channel)
-    # (equal widths for d = 64 keys, constant shifts; field layouts otherwise)
-    for d, kbits, ksign, vbits, vsign, nk, nv, kuni in ((64, 4, False, 4, False, 64 * 16, 64 * 32, True),
-                                                        (16, 3, True, 2, True, 16 * 32, 16 * 16, False)):
-        bits = dict(D=d, KBITS=kbits, KSIGN=ksign, VBITS=vbits, VSIGN=vsign, NK=nk, NV=nv, KUNI=kuni, VUNI=False,
+    # (field shifts compiled in for d = 64 — equal widths for keys, shared allocated ones for values — and field
+    # layouts read per head at d = 16); fp16 tables for d = 16
+    shared = packed_shifts([5, 5, 4, 4, 4, 4, 3, 3])
+    for d, kbits, ksign, vbits, vsign, nk, nv, kf, vf, tab in (
+            (64, 4, False, 4, False, 64 * 16, 64 * 32, packed_shifts([4] * 8), shared, "*fp32"),
+            (16, 3, True, 2, True, 16 * 32, 16 * 16, -1, -1, f16)):
+        bits = dict(D=d, KBITS=kbits, KSIGN=ksign, VBITS=vbits, VSIGN=vsign, NK=nk, NV=nv, KFIELDS=kf, VFIELDS=vf,
                     **walk)
+        codes = dict(codes, k_tab_ptr=tab, v_tab_ptr=tab)
+        small_ptrs = dict(small_ptrs, k_tab_ptr=tab, v_tab_ptr=tab)
         compile_sm90(decode._prefix_kernel, dict(bits, BLOCK_S=1), {"H", "S", "T_CAP", "CHUNK", "NS"}, codes)
         compile_sm90(decode._small_kernel, dict(bits, BLOCK_NS=16), small_ints, small_ptrs)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}

@@ -161,6 +161,9 @@ def test_bit_allocation_spends_the_same_bytes_where_the_error_reaches_the_output
     widths = allocate(cost.gather(1, order[..., None].expand(-1, -1, 6)), bits).view(heads, -1, 8)
     assert bool((widths.sum(-1) == 8 * bits).all()) and int(widths.max()) <= 5
     assert bool((widths == widths[:, :1]).all()) and bool((widths[..., :-1] >= widths[..., 1:]).all())
+    shared = allocate(cost.gather(1, order[..., None].expand(-1, -1, 6)), bits, shared=True).view(heads, -1, 8)
+    assert bool((shared == shared[:1, :1]).all()) and bool((shared.sum(-1) == 8 * bits).all())
+    assert not torch.equal(shared, widths)  # these heads' importances differ: their own widths differ too
     values = torch.randn(heads * dim, 2048, generator=gen, dtype=torch.float64)
     affine = AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), torch.zeros(heads, dim),
                          torch.ones(heads, dim))

@@ -78,7 +78,8 @@ def _reference_args(codec, cache, q, k, v, valid, dtype):
     return (cast(q), cast(k), cast(v), valid.to(torch.uint8), *tables.packed(parts, "k"), *tables.packed(parts, "v"),
             cast(tables.k_tab), cast(tables.v_tab), tables.k_layout, tables.v_layout, cache.lengths, cast(key.rot),
             cast(key.offset), cast(key.scale),
-            cast(value.rot), cast(value.offset), cast(value.scale), tables.k_codes.bits, tables.v_codes.bits)
+            cast(value.rot), cast(value.offset), cast(value.scale), tables.k_codes.bits, tables.v_codes.bits,
+            tables.k_fields, tables.v_fields)
 
 
 def strided(t):
@@ -87,12 +88,18 @@ def strided(t):
 
 
 def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto",
-                         allocate=True):
+                         allocate=True, shared=False):
     """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
-    float64 from the same values. ``allocate``: channels of allocated widths (the kernels' field-layout
-    path), else equal widths (constant shifts)."""
+    float64 from the same values. ``allocate``: channels of allocated widths, each head its own (the kernels
+    read a field layout per head) or, ``shared``, the same for every head (compiled-in shifts, as for equal
+    widths)."""
     from esm_turbo.kernels.decode import compressed_attention_triton
-    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=seed, allocate=allocate).to(DEVICE)
+    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=seed, allocate=allocate, shared=shared).to(DEVICE)
+    tables = fused_tables(codec)
+    if not allocate or shared:
+        assert tables.k_fields >= 0 and tables.v_fields >= 0
+    else:  # heads of a random allocation may happen to agree: the per-head layout path is what is tested here
+        tables.k_fields = tables.v_fields = -1
     cache = filled_cache(codec, batch, lengths, DEVICE, seed)
     q, k, v, valid = (strided(t.to(dtype)) if t.is_floating_point() else t
                       for t in step_inputs(batch, heads, s, d, DEVICE, seed + 1))
@@ -112,6 +119,14 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
 def test_decode_kernel_equal_widths(bits, residual, d, path):
     """Equal widths (``--uniform-bits``): the kernels shift by constants instead of reading a field layout."""
     check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1, path=path, allocate=False)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,residual,d,path", [(3, "sign", 16, "one"), (3, "sign", 64, "split"),
+                                                  (4, "sign", 32, "one"), (2, "none", 16, "split")])
+def test_decode_kernel_shared_widths(bits, residual, d, path):
+    """Allocated widths shared by every head: the kernels compile the field shifts in."""
+    check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1, path=path, shared=True)
 
 
 @needs_triton
@@ -277,6 +292,7 @@ def test_decode_kernel_grid_gpu(bits, d):
             lengths = torch.randint(max(t // 2, 1), t + 1, (batch,)).tolist()
             lengths[0] = t
             check_kernel_matches(bits, residual, d, batch, lengths, s=1, heads=4, seed=bits + d)
+            check_kernel_matches(bits, residual, d, batch, lengths, s=1, heads=4, seed=bits + d, shared=True)
     check_kernel_matches(bits, "sign", d, 8, [500] * 8, s=4, heads=4)
     check_kernel_matches(bits, "sign", d, 16, [1000] * 16, s=1, heads=4, dtype=torch.float16)
     for path in ("one", "split"):  # both paths whatever the dispatch rule picks for these shapes

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.packing import packed_shifts
 from .common import dot_precision, rotate_rows, part_or, split16, token_offsets, token_strides
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -136,18 +137,14 @@ def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, BITS: tl.constexpr, UNIFORM: tl.constexpr,
-                  SIGN: tl.constexpr, NTAB: tl.constexpr):
+def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.constexpr, NTAB: tl.constexpr):
     """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r, its field
-    of the group word (``UNIFORM``: BITS bits at bit BITS·r; else at ``shift`` with ``mask``, [1, 1, 8]),
-    looked up in that channel's row of the head's table [D, codes] (float16 or float32; NTAB = D·codes; L1
-    hits; a register tl.gather measured slower)."""
+    of the group word at ``shift`` with ``mask`` ([1, 1, 8], ``_field_layout``: constants when every head
+    shares one layout), looked up in that channel's row of the head's table [D, codes] (float16 or float32;
+    NTAB = D·codes; L1 hits; a register tl.gather measured slower)."""
     r = tl.arange(0, 8)
     chan = tl.arange(0, D // 8)[:, None] * 8 + r[None, :]
-    if UNIFORM:
-        code = (word[:, :, None] >> (r * BITS)[None, None, :]) & ((1 << BITS) - 1)
-    else:
-        code = (word[:, :, None] >> shift) & mask
+    code = (word[:, :, None] >> shift) & mask
     if SIGN:
         code = code * 2 + ((sb[:, :, None] >> r[None, None, :]) & 1)
     return tl.load(tab_ptr + chan[None, :, :] * (NTAB // D) + code).to(tl.float32)
@@ -166,28 +163,32 @@ def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D: tl.constexpr, KBITS: tl.con
 
 
 @triton.jit
-def _field_layout(lay_ptr, chan, UNIFORM: tl.constexpr):
-    """(shift, mask) [1, 1, 8] of one head's code fields from its layout row (``shift | mask << 8``; the same
-    in every group of 8, see ``esm_turbo.quant.allocation``): 8 values per head, so they stay in registers;
-    placeholders when the layout is ``UNIFORM`` (not read)."""
-    if UNIFORM:
-        shift = chan[None, :, :]
-        mask = shift
+def _field_layout(lay_ptr, FIELDS: tl.constexpr):
+    """(shift, mask) [1, 1, 8] of the 8 code fields of a group word (the same in every group, see
+    ``esm_turbo.quant.allocation``). ``FIELDS`` ≥ 0: every head shares them, compile-time constants (field j
+    spans bits [b_j, b_{j+1}) with b_j at bits 6j of FIELDS, ``esm_turbo.quant.packing.packed_shifts``); −1:
+    loaded from this head's layout row (``shift | mask << 8``), 8 values, kept in registers."""
+    r = tl.arange(0, 8)[None, None, :]
+    if FIELDS >= 0:
+        shift = tl.zeros([1, 1, 8], dtype=tl.int32)
+        mask = tl.zeros([1, 1, 8], dtype=tl.int32)
+        for j in tl.static_range(8):
+            shift = tl.where(r == j, (FIELDS >> (6 * j)) & 63, shift)
+            mask = tl.where(r == j, (1 << (((FIELDS >> (6 * j + 6)) & 63) - ((FIELDS >> (6 * j)) & 63))) - 1, mask)
     else:
-        lay = tl.load(lay_ptr + tl.arange(0, 8))[None, None, :]
+        lay = tl.load(lay_ptr + r)
         shift = lay & 255
-        mask = lay >> 8
+        mask = (lay >> 8) & 255
     return shift, mask
 
 
 @triton.jit
 def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
-                  KBITS: tl.constexpr, VBITS: tl.constexpr, KUNI: tl.constexpr, VUNI: tl.constexpr,
                   KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                   BLOCK_T: tl.constexpr):
     """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
-    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KBITS, KUNI, KSIGN, NK)
+    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
@@ -198,7 +199,7 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
         m_i = m_tile
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
     l_i = l_i + tl.sum(p, axis=0)
-    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VBITS, VUNI, VSIGN, NV)
+    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
 
@@ -223,7 +224,7 @@ def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_b
 
 @triton.jit
 def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay, v_lay,
-          D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KUNI: tl.constexpr, VUNI: tl.constexpr,
+          D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
           KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
           PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
@@ -240,23 +241,20 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV,
-                                          BLOCK_T)
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV,
-                                          BLOCK_T)
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     else:
         for t0 in range(start, end, BLOCK_T):
             kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV,
-                                          BLOCK_T)
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T)
     return m_i, l_i, tl.sum(acc, axis=0)
 
 
@@ -265,8 +263,8 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                    len_ptr,
                     m_ptr, l_ptr, acc_ptr,
                     H, S, T_CAP, CHUNK, NS,
-                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KUNI: tl.constexpr,
-                    VUNI: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
+                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                    VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes)."""
@@ -285,10 +283,10 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     q_row = qt_ptr + (pid_bh * S + qi) * (D + 1)
     q3 = tl.load(q_row + chan) * _LOG2E
     c0 = tl.load(q_row + D) * _LOG2E
-    k_lay = _field_layout(k_lay_ptr + h * D, chan, KUNI)
-    v_lay = _field_layout(v_lay_ptr + h * D, chan, VUNI)
+    k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
+    v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
-                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV, BLOCK_T,
+                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
                           PREFETCH, INTERPRET)
     part = (pid_bh * NS + split) * BLOCK_S + qi
     tl.store(m_ptr + part, m_i)
@@ -311,8 +309,8 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr, len_ptr,
                   k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr, acc_ptr, y_ptr, count_ptr,
                   out_ptr, H, T_CAP, CHUNK, NS,
-                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KUNI: tl.constexpr,
-                  VUNI: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
+                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                  VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_NS: tl.constexpr, NK: tl.constexpr,
                   NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
     """Grid (B·H, splits), one query per sequence (S = 1), the whole step in one launch: each program
@@ -337,10 +335,10 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
     q3 = z * k_sc * _LOG2E
     c0 = tl.sum(tl.sum(z * k_off, axis=1), axis=0) * _LOG2E
-    k_lay = _field_layout(k_lay_ptr + h * D, chan, KUNI)
-    v_lay = _field_layout(v_lay_ptr + h * D, chan, VUNI)
+    k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
+    v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
-                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KUNI, VUNI, KSIGN, VSIGN, NK, NV, BLOCK_T,
+                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
                           PREFETCH, INTERPRET)
     part = pid_bh * NS + split
     tl.store(m_ptr + part, m_i)
@@ -411,7 +409,8 @@ def one_launch(batch: int, heads: int, s: int, d: int, capacity: int) -> bool:
 
 
 def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay, v_lay,
-                     lengths, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, cfg) -> torch.Tensor:
+                     lengths, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, k_fields, v_fields,
+                     cfg) -> torch.Tensor:
     batch, heads, _, d = q.shape
     t_cap = k_idx.shape[2]
     block_t = cfg["block_t"]
@@ -429,11 +428,18 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
         k_idx, part_or(k_sign, k_idx), v_idx, part_or(v_sign, v_idx), k_tab, v_tab,
         part_or(k_lay, k_tab), part_or(v_lay, v_tab), lengths, k_rot, k_offset, k_scale, v_rot, v_offset,
         v_scale, m, l_, acc, y, count, out, heads, t_cap, chunk, splits,
-        D=d, KBITS=k_bits, VBITS=v_bits, KUNI=k_lay.numel() == 0, VUNI=v_lay.numel() == 0,
+        D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields,
         KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
         BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
     return out
+
+
+def _fields(fields: int, layout: torch.Tensor, bits: int) -> int:
+    """The kernels' ``FIELDS`` constant: as given, or equal ``bits``-bit fields for an empty layout."""
+    if fields < 0 and layout.numel() == 0:
+        return packed_shifts([bits] * 8)
+    return fields
 
 
 def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -443,12 +449,13 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 lengths: torch.Tensor, k_rot: torch.Tensor,
                                 k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
                                 v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int, v_bits: int,
-                                config: dict | None = None) -> torch.Tensor:
+                                k_fields: int = -1, v_fields: int = -1, config: dict | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
     ``config`` overrides the launch choice for tuning: ``path`` (auto | one | split), block_t / num_warps /
     waves, ``prefetch`` (request the next tile's codes before computing this one)."""
     batch, heads, s, d = q.shape
     t_cap = k_idx.shape[2]
+    k_fields, v_fields = _fields(k_fields, k_lay, k_bits), _fields(v_fields, v_lay, v_bits)
     # tuned on an H100 (results/gpu/tune_decode_h100.txt)
     cfg = dict(block_t=64, num_warps=2, waves=4) if d <= 64 else dict(block_t=32, num_warps=2, waves=8)
     small = one_launch(batch, heads, s, d, t_cap)
@@ -461,7 +468,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
             raise ValueError("the one-launch path takes one query per sequence")
         return _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay,
                                 v_lay, lengths, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits,
-                                cfg)
+                                k_fields, v_fields, cfg)
     precision = dot_precision(q)
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]
@@ -485,7 +492,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     _prefix_kernel[(programs, splits)](
         qt, k_idx, part_or(k_sign, k_idx), v_idx, part_or(v_sign, v_idx),
         k_tab, v_tab, part_or(k_lay, k_tab), part_or(v_lay, v_tab), lengths, m, l_, acc, heads, s, t_cap,
-        chunk, splits, D=d, KBITS=k_bits, VBITS=v_bits, KUNI=k_lay.numel() == 0, VUNI=v_lay.numel() == 0,
+        chunk, splits, D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields,
         KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])

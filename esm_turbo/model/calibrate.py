@@ -219,7 +219,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
             quantizers[kind].append(VectorQuantizer.from_calibration(
                 affine[kind][li], points[kind], bits[source[kind]], config.residual, config.sign_mode,
                 quantizer_seed(config, li, source[kind]), shared, importance,
-                config.max_channel_bits, tables[kind][li]).to(engine.device))
+                config.max_channel_bits, tables[kind][li], config.shared_widths).to(engine.device))
 
     choice = None
     if "v*" in rotation:

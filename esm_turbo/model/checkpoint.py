@@ -51,6 +51,7 @@ class CalibrationConfig:
     channel_bins: int = 512  # … with lut="channel" (per channel: values are standardised, ±10 rms)
     bit_allocation: bool = True  # index bits per rotated channel by its share of the output error (lut="channel")
     max_channel_bits: int | None = None  # widest channel under bit allocation (default: bits + 1)
+    shared_widths: bool = True  # one allocation for every head of a layer (the kernels compile its shifts in)
     seed: int = 0
 
 
@@ -61,6 +62,7 @@ PRESETS: dict[str, CalibrationConfig] = {
     "paper": CalibrationConfig(key_rotation="svd", value_rotation="identity", residual="sign", sign_mode="head",
                                lut="head", bit_allocation=False),
     "uniform-bits": CalibrationConfig(bit_allocation=False),  # every channel the same width (until allocation)
+    "per-head-widths": CalibrationConfig(shared_widths=False),  # each head its own allocation (until shared)
     "head-lut": CalibrationConfig(lut="head", bit_allocation=False),  # one LUT per head, equal widths
     "no-rotation": CalibrationConfig(key_rotation="identity", value_rotation="identity"),
     "kv-rotated": CalibrationConfig(value_rotation="svd-scaled"),

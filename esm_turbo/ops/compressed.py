@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.codec import KVCodec, VectorQuantizer, code_table, lookup_codes, lut_bounds, lut_code_parts
-from ..quant.packing import layout_of
+from ..quant.packing import layout_of, packed_shifts
 from ..quant.rotations import affine_forward
 
 FUSED_BITS = (1, 2, 3, 4)
@@ -58,8 +58,9 @@ class FusedTables:
 
     k_tab / v_tab [H, d, codes] (fp16 values, in a float16 or float32 tensor); k_bounds / v_bounds [H, d, K-1];
     k_layout / v_layout [H, d] int32 field layouts of the packed codes (``esm_turbo.quant.packing.field_layout``),
-    empty when every channel has the same width (the kernels then shift by constants); k_codes / v_codes: where
-    the packed codes are stored.
+    empty when every channel has the same width; k_codes / v_codes: where the packed codes are stored;
+    k_fields / v_fields: the field shifts every head shares, packed for the kernels to compile in
+    (:func:`shared_fields`), or −1.
     """
 
     k_tab: torch.Tensor
@@ -70,6 +71,8 @@ class FusedTables:
     v_layout: torch.Tensor
     k_codes: StoredCodes
     v_codes: StoredCodes
+    k_fields: int = -1
+    v_fields: int = -1
 
     def packed(self, parts: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, sign bits or an empty tensor) of ``kind`` ('k' or 'v') in a layer's cache parts."""
@@ -88,7 +91,8 @@ def fused_tables(codec: KVCodec) -> FusedTables:
     tables = FusedTables(k_tab=_op_table(key, k_layout), v_tab=_op_table(value, v_layout),
                          k_bounds=lut_bounds(key.centroids), v_bounds=lut_bounds(value.centroids),
                          k_layout=k_layout, v_layout=v_layout,
-                         k_codes=StoredCodes.of(key), v_codes=StoredCodes.of(value))
+                         k_codes=StoredCodes.of(key), v_codes=StoredCodes.of(value),
+                         k_fields=shared_fields(key), v_fields=shared_fields(value))
     codec._fused_tables = tables
     return tables
 
@@ -99,6 +103,17 @@ def _op_table(q: VectorQuantizer, layout: torch.Tensor) -> torch.Tensor:
     the H100 read faster (``results/gpu/allocation_kernel_h100.txt``); the values are the same."""
     table = code_table(q)
     return table if layout.numel() else table.float()
+
+
+def shared_fields(q: VectorQuantizer) -> int:
+    """The 8 field shifts of a group word (slot j's at bits 5j) when every head has the same field widths (equal
+    widths always do; a bit allocation with widths shared across heads too): the kernels compile them in and
+    shift by constants. −1 when heads differ: the kernels read each head's layout. Reads the host (at table
+    build)."""
+    widths = q.field_widths[:, :8]
+    if not bool((widths == widths[:1]).all()):
+        return -1
+    return packed_shifts(widths[0].tolist())
 
 
 def _kernel_layout(q: VectorQuantizer) -> torch.Tensor:
@@ -150,7 +165,7 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
                                    lengths: torch.Tensor, k_rot: torch.Tensor,
                                    k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
                                    v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int,
-                                   v_bits: int) -> torch.Tensor:
+                                   v_bits: int, k_fields: int = -1, v_fields: int = -1) -> torch.Tensor:
     """Attention of S new tokens over the packed prefix plus themselves, computed in each codec's affine
     domain ``y = (x Πᵀ − offset) / scale``: no cached key is rotated back.
 
@@ -159,7 +174,8 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, d, codes] indexed by the
     code (``2·code + sign`` when sign bits are separate); layouts [H, d] int32 of the packed codes (or empty:
     equal widths); lengths [B] valid prefix rows; rot [H,d,d], offset/scale [H,d] of the key and value
-    codecs. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and
+    codecs; k_fields / v_fields: the layouts' field shifts when every head shares them (:func:`shared_fields`,
+    compiled into the kernels; the layouts say the same) or −1. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and
     ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped back once
     (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the rotations'
     float dtype); a query with no valid key gets zeros.
@@ -220,9 +236,9 @@ def compressed_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                          k_tab: torch.Tensor, v_tab: torch.Tensor, k_layout: torch.Tensor, v_layout: torch.Tensor,
                          lengths: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor,
                          v_rot: torch.Tensor, v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int,
-                         v_bits: int) -> torch.Tensor:
+                         v_bits: int, k_fields: int = -1, v_fields: int = -1) -> torch.Tensor:
     args = (q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_layout, v_layout, lengths,
-            k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits)
+            k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, k_fields, v_fields)
     if _kernels_for(q):
         from ..kernels.decode import compressed_attention_triton
         return compressed_attention_triton(*args)
@@ -261,4 +277,4 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
                                 *tables.packed(parts, "k"), *tables.packed(parts, "v"), tables.k_tab,
                                 tables.v_tab, tables.k_layout, tables.v_layout, lengths, *_codec_tables(codec.key),
                                 *_codec_tables(codec.value),
-                                tables.k_codes.bits, tables.v_codes.bits)
+                                tables.k_codes.bits, tables.v_codes.bits, tables.k_fields, tables.v_fields)

@@ -93,16 +93,19 @@ def tier_order(importance: torch.Tensor) -> torch.Tensor:
     return order
 
 
-def allocate(cost: torch.Tensor, bits: int) -> torch.Tensor:
+def allocate(cost: torch.Tensor, bits: int, shared: bool = False) -> torch.Tensor:
     """Widths [H, d] (long) minimising Σ cost[h, c, b_c] with every group of 8 channels spending 8·``bits``
     and slot r of every group the same width (period 8, see :func:`tier_order`): cost [H, d, B + 1] (cost of
-    each width 0 … B, non-increasing). Greedy by marginal gain on each slot's cost summed over the groups."""
+    each width 0 … B, non-increasing). Greedy by marginal gain on each slot's cost summed over the groups
+    (and, ``shared``, over the heads: every head gets the same widths, which the kernels compile in)."""
     heads, dim, levels = cost.shape
     c = cost.reshape(heads, dim // GROUP, GROUP, levels).sum(1, keepdim=True)
+    if shared:
+        c = c.sum(0, keepdim=True)
     width = torch.zeros(c.shape[:3], dtype=torch.long, device=cost.device)
     for _ in range(GROUP * bits):
         now = c.gather(3, width[..., None])[..., 0]
         nxt = c.gather(3, (width + 1).clamp(max=levels - 1)[..., None])[..., 0]
         gain = torch.where(width < levels - 1, now - nxt, -torch.inf)
         width.scatter_add_(2, gain.argmax(2, keepdim=True), torch.ones_like(width[..., :1]))
-    return width.expand(heads, dim // GROUP, GROUP).reshape(heads, dim)
+    return width.expand(heads, dim // GROUP, GROUP).reshape(heads, dim).contiguous()

@@ -198,7 +198,7 @@ class VectorQuantizer(nn.Module):
                          residual: str = "sign", sign_mode: str = "bin", seed: int = 0,
                          lut_points: tuple[torch.Tensor, torch.Tensor] | None = None,
                          importance: torch.Tensor | None = None, max_bits: int | None = None,
-                         tables: ChannelTables | None = None) -> "VectorQuantizer":
+                         tables: ChannelTables | None = None, shared_widths: bool = False) -> "VectorQuantizer":
         """Calibrated codec: ``points`` = (values, weights) [G, N], weighted samples in the affine domain
         (after rotation, centring and scaling) of G = H groups (one LUT per head) or G = H·d (one per head
         and channel, channel-minor). LUTs are fitted on ``lut_points`` (default ``points``; other points
@@ -206,8 +206,8 @@ class VectorQuantizer(nn.Module):
 
         With ``importance`` [H, d] (how much an error of each affine channel reaches the output), channels get
         allocated widths of 0 … ``max_bits`` (default bits + 1) index bits, ``bits`` on average
-        (``esm_turbo.quant.allocation``); needs per-channel points, whose LUTs at every width ``tables`` may
-        hold already (fitted for many layers at once: fewer, larger batches)."""
+        (``esm_turbo.quant.allocation``; ``shared_widths``: the same widths for every head); needs per-channel
+        points, whose LUTs at every width ``tables`` may hold already (fitted for many layers at once)."""
         heads, dim = affine.offset.shape
         values, weights = points
         if values.shape[0] not in (heads, heads * dim):
@@ -218,7 +218,7 @@ class VectorQuantizer(nn.Module):
                 raise ValueError("bit allocation needs per-channel calibration points and the codec's own LUTs")
             if tables is None:
                 tables = channel_tables(*points, widest_bits(bits, max_bits), sign_mode if residual == "sign" else None)
-            return cls._allocated(affine, tables, bits, residual, seed, importance)
+            return cls._allocated(affine, tables, bits, residual, seed, importance, shared_widths)
         q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1)
         q.set_rotation(affine)
         lut, _ = lloyd_max_batched(*(lut_points or points), q.bits)
@@ -233,14 +233,14 @@ class VectorQuantizer(nn.Module):
 
     @classmethod
     def _allocated(cls, affine: AffineStats, tables: ChannelTables, bits: int, residual: str, seed: int,
-                   importance: torch.Tensor) -> "VectorQuantizer":
+                   importance: torch.Tensor, shared_widths: bool) -> "VectorQuantizer":
         heads, dim = affine.offset.shape
         luts, eps, mse = tables.luts, tables.eps, tables.mse
         imp = importance.double().to(mse.device)
         cost = imp.reshape(-1, 1) * mse  # [H·d, top + 1]
         order = tier_order(cost[:, bits].reshape(heads, dim).cpu()).to(mse.device)
         rows = (order + torch.arange(heads, device=order.device)[:, None] * dim).reshape(-1)
-        widths = allocate(cost[rows].reshape(heads, dim, -1), bits).reshape(-1)
+        widths = allocate(cost[rows].reshape(heads, dim, -1), bits, shared_widths).reshape(-1)
         top = int(widths.max())  # tables only as long as the widest channel needs
         q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1, max_bits=top)
         q.set_rotation(affine.permuted(order))

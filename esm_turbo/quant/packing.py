@@ -167,3 +167,9 @@ def unpack_fields(packed: torch.Tensor, layout: torch.Tensor, width: int) -> tor
     mask = (layout >> 8).to(torch.int64).unsqueeze(-2)
     word = word.repeat_interleave(8, dim=-1)
     return (word >> shift) & mask
+
+
+def packed_shifts(widths: list[int]) -> int:
+    """The field boundaries of a group word of 8 field ``widths``, packed 6 bits each: boundary j (the shift of
+    field j; j = 8: the word's width) at bit 6j. A layout that a kernel compiles in."""
+    return sum(sum(widths[:j]) << (6 * j) for j in range(9))
