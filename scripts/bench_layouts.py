@@ -1,6 +1,6 @@
 """Fused decode attention with equal code widths vs allocated widths (shared by the heads: shifts compiled in;
-or each head its own: a field layout read per head), one synthetic layer each, 3+1 bits, one new token per sequence, the code tables (fp16 values) read
-as float16 and as float32; CUDA graph, median.
+or each head its own: a field layout read per head), one synthetic layer each, 3+1 bits, one new token per
+sequence, the code tables (fp16 values) read as float16 and as float32; CUDA graph, median.
 Output: results/gpu/allocation_kernel_h100.txt.
 
     python scripts/bench_layouts.py
