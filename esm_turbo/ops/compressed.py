@@ -88,7 +88,7 @@ def fused_tables(codec: KVCodec) -> FusedTables:
     if cached is not None and cached.k_tab.device == key.rot.device:
         return cached
     k_layout, v_layout = _kernel_layout(key), _kernel_layout(value)
-    tables = FusedTables(k_tab=_op_table(key, k_layout), v_tab=_op_table(value, v_layout),
+    tables = FusedTables(k_tab=_op_table(key), v_tab=_op_table(value),
                          k_bounds=lut_bounds(key.centroids), v_bounds=lut_bounds(value.centroids),
                          k_layout=k_layout, v_layout=v_layout,
                          k_codes=StoredCodes.of(key), v_codes=StoredCodes.of(value),
@@ -97,12 +97,12 @@ def fused_tables(codec: KVCodec) -> FusedTables:
     return tables
 
 
-def _op_table(q: VectorQuantizer, layout: torch.Tensor) -> torch.Tensor:
-    """The code table the ops read: its fp16 values (:func:`code_table`) held in fp16 under an allocated
-    layout, whose tables are up to twice as long (wider channels), in float32 for equal widths — whichever
-    the H100 read faster (``results/gpu/allocation_kernel_h100.txt``); the values are the same."""
+def _op_table(q: VectorQuantizer) -> torch.Tensor:
+    """The code table the ops read: its fp16 values (:func:`code_table`) held in float32 up to head_dim 64 and
+    in float16 beyond (a head's tables twice as long), whichever the H100 read faster in 9 of 10 layouts
+    (``results/gpu/allocation_kernel_h100.txt``); the values are the same."""
     table = code_table(q)
-    return table if layout.numel() else table.float()
+    return table if q.dim >= 128 else table.float()
 
 
 def shared_fields(q: VectorQuantizer) -> int:
