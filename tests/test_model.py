@@ -127,6 +127,11 @@ def test_checkpoint_roundtrip_determinism_and_refusals(stress_model, tmp_path, c
     for c1, c2 in zip(calibration.codecs, loaded.codecs):
         for (n, t1), (_, t2) in zip(c1.named_buffers(), c2.named_buffers()):
             assert torch.equal(t1, t2), n
+    # every head of a layer shares one allocation, values too (heads that chose a rotation and heads that did
+    # not are allocated together), so the kernels compile the field shifts in
+    from esm_turbo.ops.compressed import fused_tables
+    for codec in loaded.codecs:
+        assert fused_tables(codec).k_fields >= 0 and fused_tables(codec).v_fields >= 0
     other = EsmForMaskedLM(stress_model.config).eval()
     with pytest.raises(Exception, match="made for another model"):
         TurboEsm(other, loaded)
@@ -185,3 +190,31 @@ def test_auto_value_rotation_picks_per_head(stress_model, calibration):
             src = (plain, rotated)[c][li]
             for name in ("rot", "offset", "scale", "centroids", "eps"):
                 assert torch.equal(getattr(calibration.codecs[li].value, name)[h], getattr(src, name)[h]), (li, h)
+
+
+def test_value_heads_combine_from_their_chosen_candidates():
+    """The per-head V choice (unrotated or rotated) picks each head's transform, fp16 pre-image (the identity for
+    an unfitted head) and channel tables from its own candidate before one shared allocation."""
+    from esm_turbo.model.calibrate import _pick_table_heads, combine_affine
+    from esm_turbo.quant.allocation import channel_tables
+    from esm_turbo.quant.rotations import AffineStats, haar_orthogonal
+    heads, dim = 3, 8
+    gen = torch.Generator().manual_seed(0)
+    plain = AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), torch.zeros(heads, dim), torch.ones(heads, dim))
+    rot = haar_orthogonal(dim, 1, heads)
+    rotated = AffineStats(rot, torch.randn(heads, dim, generator=gen), torch.rand(heads, dim, generator=gen) + 0.5,
+                          rot.half())
+    choice = torch.tensor([1, 0, 1])
+    both = combine_affine((plain, rotated), choice)
+    assert torch.equal(both.rot[0], rot[0]) and torch.equal(both.rot[1], torch.eye(dim))
+    assert torch.equal(both.stored[1], torch.eye(dim, dtype=torch.float16)) and torch.equal(both.stored[2], rot[2].half())
+    assert torch.equal(both.offset[1], torch.zeros(dim)) and torch.equal(both.scale[2], rotated.scale[2])
+    values = [torch.randn(heads * dim, 64, generator=gen, dtype=torch.float64) * (1 + i) for i in range(2)]
+    tables = [channel_tables(v, torch.ones_like(v), 3, "bin") for v in values]
+    picked = _pick_table_heads(tuple(tables), choice, dim)
+    for h, c in enumerate(choice.tolist()):
+        rows = slice(h * dim, (h + 1) * dim)
+        assert torch.equal(picked.mse[rows], tables[c].mse[rows])
+        assert all(torch.equal(a[rows], b[rows]) for a, b in zip(picked.luts, tables[c].luts))
+        assert all(torch.equal(a[rows], b[rows]) for a, b in zip(picked.eps, tables[c].eps))
+

@@ -106,6 +106,28 @@ def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor)
     return out
 
 
+def _pick_heads(candidates: tuple[torch.Tensor, ...], choice: torch.Tensor) -> torch.Tensor:
+    """[H, ...] rows: head h from ``candidates[choice[h]]``."""
+    return torch.stack([candidates[c][h] for h, c in enumerate(choice.tolist())])
+
+
+def combine_affine(candidates: tuple[AffineStats, ...], choice: torch.Tensor) -> AffineStats:
+    """One per-head transform whose head h is ``candidates[choice[h]]``'s (fp16 pre-images kept; an unfitted
+    head's is the identity)."""
+    eye = torch.eye(candidates[0].rot.shape[-1], dtype=torch.float16)
+    stored = tuple(a.stored if a.stored is not None else eye.expand_as(a.rot) for a in candidates)
+    return AffineStats(*(_pick_heads(tuple(getattr(a, name) for a in candidates), choice)
+                         for name in ("rot", "offset", "scale")), _pick_heads(stored, choice))
+
+
+def _pick_table_heads(candidates: tuple[ChannelTables, ...], choice: torch.Tensor, dim: int) -> ChannelTables:
+    """Channel tables (rows h·d … h·d + d − 1 per head) whose head h is ``candidates[choice[h]]``'s."""
+    parts = [candidates[c].rows(h * dim, (h + 1) * dim) for h, c in enumerate(choice.tolist())]
+    return ChannelTables([torch.cat([p.luts[b] for p in parts]) for b in range(len(parts[0].luts))],
+                         [torch.cat([p.eps[b] for p in parts]) if parts[0].eps[b] is not None else None
+                          for b in range(len(parts[0].eps))], torch.cat([p.mse for p in parts]))
+
+
 def _tables_by_layer(hists: list[HistogramAccumulator], bits: int, config: CalibrationConfig,
                      max_groups: int = 1 << 16) -> list[ChannelTables | None]:
     """With bit allocation, each layer's :class:`ChannelTables`, fitted for as many layers at once as
@@ -206,6 +228,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     bits = {"k": config.key_bits, "v": config.value_bits}
     tables = {kind: _tables_by_layer(hist[kind], bits[source[kind]], config) for kind in rotation}
     quantizers: dict[str, list[VectorQuantizer]] = {kind: [] for kind in rotation}
+    importances: dict[str, list[torch.Tensor | None]] = {kind: [] for kind in rotation}
     for li in range(layers):
         points = {kind: hist[kind][li].padded() for kind in rotation}
         shared = None
@@ -216,6 +239,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
             if config.bit_allocation:
                 reach = cov["q"][li] if source[kind] == "k" else _output_weights(engine, li)
                 importance = channel_importance(affine[kind][li], reach)
+            importances[kind].append(importance)
             quantizers[kind].append(VectorQuantizer.from_calibration(
                 affine[kind][li], points[kind], bits[source[kind]], config.residual, config.sign_mode,
                 quantizer_seed(config, li, source[kind]), shared, importance,
@@ -224,7 +248,15 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     choice = None
     if "v*" in rotation:
         choice = _choose_value_codecs(engine, batches, quantizers["v"], quantizers["v*"], progress)
-        quantizers["v"] = [combine_heads((a, b), c) for a, b, c in zip(quantizers["v"], quantizers["v*"], choice)]
+        if config.bit_allocation and config.shared_widths:  # one allocation over the heads as chosen
+            quantizers["v"] = [VectorQuantizer.from_calibration(
+                combine_affine((affine["v"][li], affine["v*"][li]), c), hist["v"][li].padded(), config.value_bits,
+                config.residual, config.sign_mode, quantizer_seed(config, li, "v"),
+                importance=_pick_heads((importances["v"][li], importances["v*"][li]), c),
+                tables=_pick_table_heads((tables["v"][li], tables["v*"][li]), c, dim),
+                shared_widths=True).to(engine.device) for li, c in enumerate(choice)]
+        else:
+            quantizers["v"] = [combine_heads((a, b), c) for a, b, c in zip(quantizers["v"], quantizers["v*"], choice)]
     codecs = [KVCodec(k, v) for k, v in zip(quantizers["k"], quantizers["v"])]
     elapsed = time.perf_counter() - start
     log.info("calibrated %d layers × %d heads on %d tokens in %.1f s", layers, heads, n_tokens, elapsed)
