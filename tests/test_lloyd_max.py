@@ -47,10 +47,10 @@ def test_bad_inputs():
 
 
 def test_half_cell_sums_match_a_pass_over_the_points():
-    """Prefix-sum cell statistics equal a pass over every point: nearest level by ``nearest_index`` (a point on
-    a boundary in the lower cell), halves split at the centroid (r < 0 | r ≥ 0), zero weights ignored."""
+    """Prefix-sum cell statistics equal a pass over every point: nearest level #{boundaries < x} (a point on a
+    boundary in the lower cell), halves split at the centroid (r < 0 | r ≥ 0), zero weights ignored."""
     import torch
-    from esm_turbo.quant.lloyd_max import SortedPoints, nearest_index
+    from esm_turbo.quant.lloyd_max import SortedPoints, midpoints
     gen = torch.Generator().manual_seed(3)
     centroids = torch.tensor([[-1.0, 0.0, 0.5, 2.0], [-3.0, -2.0, 1.0, 4.0]], dtype=torch.float64)
     ties = torch.cat([centroids, 0.5 * (centroids[:, 1:] + centroids[:, :-1])], 1)  # on levels and boundaries
@@ -59,7 +59,7 @@ def test_half_cell_sums_match_a_pass_over_the_points():
     w[:, ::7] = 0.0
     perm = torch.randperm(x.shape[1], generator=gen)
     mass, abs_r, sq_r = SortedPoints(x[:, perm], w[:, perm]).half_cells(centroids)
-    idx = nearest_index(centroids, x)
+    idx = torch.searchsorted(midpoints(centroids).contiguous(), x)  # per point, a pass over all of them
     r = x - centroids.gather(1, idx)
     for g in range(2):
         for k in range(4):

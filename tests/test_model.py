@@ -207,7 +207,8 @@ def test_value_heads_combine_from_their_chosen_candidates():
     choice = torch.tensor([1, 0, 1])
     both = combine_affine((plain, rotated), choice)
     assert torch.equal(both.rot[0], rot[0]) and torch.equal(both.rot[1], torch.eye(dim))
-    assert torch.equal(both.stored[1], torch.eye(dim, dtype=torch.float16)) and torch.equal(both.stored[2], rot[2].half())
+    assert torch.equal(both.stored[1], torch.eye(dim, dtype=torch.float16))  # an unfitted head: the identity
+    assert torch.equal(both.stored[2], rot[2].half())
     assert torch.equal(both.offset[1], torch.zeros(dim)) and torch.equal(both.scale[2], rotated.scale[2])
     values = [torch.randn(heads * dim, 64, generator=gen, dtype=torch.float64) * (1 + i) for i in range(2)]
     tables = [channel_tables(v, torch.ones_like(v), 3, "bin") for v in values]

@@ -106,9 +106,9 @@ def _op_table(q: VectorQuantizer) -> torch.Tensor:
 
 
 def shared_fields(q: VectorQuantizer) -> int:
-    """The 8 field shifts of a group word (slot j's at bits 5j) when every head has the same field widths (equal
-    widths always do; a bit allocation with widths shared across heads too): the kernels compile them in and
-    shift by constants. −1 when heads differ: the kernels read each head's layout. Reads the host (at table
+    """The field boundaries of a group word (``esm_turbo.quant.packing.packed_shifts``) when every head has the
+    same field widths (equal widths always do; a bit allocation shared across heads too): the kernels compile
+    them in and shift by constants. −1 when heads differ: the kernels read each head's layout. Reads the host (at table
     build)."""
     widths = q.field_widths[:, :8]
     if not bool((widths == widths[:1]).all()):
@@ -175,9 +175,9 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     code (``2·code + sign`` when sign bits are separate); layouts [H, d] int32 of the packed codes (or empty:
     equal widths); lengths [B] valid prefix rows; rot [H,d,d], offset/scale [H,d] of the key and value
     codecs; k_fields / v_fields: the layouts' field shifts when every head shares them (:func:`shared_fields`,
-    compiled into the kernels; the layouts say the same) or −1. The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and
-    ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped back once
-    (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the rotations'
+    compiled into the kernels; the layouts say the same) or −1. The score of a cached key is
+    ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as
+    ``Σ p ŷ`` and mapped back once (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the rotations'
     float dtype); a query with no valid key gets zeros.
     """
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)

@@ -38,11 +38,6 @@ def midpoints(centroids):
     return 0.5 * (centroids[..., 1:] + centroids[..., :-1])
 
 
-def nearest_index(centroids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Per group, the nearest-centroid index of x [G, N] under sorted centroids [G, K]: #{boundaries < x}."""
-    return torch.searchsorted(midpoints(centroids).contiguous(), x.contiguous())
-
-
 @dataclass(frozen=True)
 class LloydMaxResult:
     """A fitted scalar quantizer.
@@ -217,7 +212,7 @@ class SortedPoints:
 
     def cell_edges(self, centroids: torch.Tensor) -> torch.Tensor:
         """[G, K + 1]: cell k of sorted centroids [G, K] (the points nearest c_k, a point on a boundary in the
-        lower cell, as :func:`nearest_index` decides) is points [edges[k], edges[k + 1])."""
+        lower cell: its index is #{boundaries < x}) is points [edges[k], edges[k + 1])."""
         cuts = self.count_below(midpoints(centroids), inclusive=True)
         first = cuts.new_zeros(cuts.shape[0], 1)
         return torch.cat([first, cuts, first + self.x.shape[1]], 1)
