@@ -177,8 +177,8 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     codecs; k_fields / v_fields: the layouts' field shifts when every head shares them (:func:`shared_fields`,
     compiled into the kernels; the layouts say the same) or −1. The score of a cached key is
     ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as
-    ``Σ p ŷ`` and mapped back once (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the rotations'
-    float dtype); a query with no valid key gets zeros.
+    ``Σ p ŷ`` and mapped back once (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype
+    (computed in the rotations' float dtype); a query with no valid key gets zeros.
     """
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
     qk, c0 = z * k_scale[:, None, :], (z * k_offset[:, None, :]).sum(-1, keepdim=True)
