@@ -3,7 +3,7 @@ import torch
 
 from esm_turbo.quant.compare import compare_rotations, planted_outlier_data
 from esm_turbo.quant.rotations import (ROTATION_KINDS, CovarianceAccumulator, RandomizedHadamard, build_rotation,
-                                       fwht, orthonormalize)
+                                       fwht, from_reflectors, identity_reflectors, to_reflectors)
 
 
 @pytest.mark.parametrize("d", [16, 24, 32, 64, 128])
@@ -66,9 +66,23 @@ def test_rotation_comparison_on_planted_outliers(seed):
     assert gain_svd < 0.5 * gain_scaled
 
 
-def test_orthonormalize_is_exact_and_deterministic():
-    q = build_rotation("haar", 2, 64, seed=0).rot
-    a, b = orthonormalize(q.half()), orthonormalize(q.half())
-    assert torch.equal(a, b)
-    assert (a @ a.transpose(-1, -2) - torch.eye(64)).abs().max() < 1e-5
-    assert (a - q).abs().max() < 2e-3
+def test_reflectors_rebuild_the_rotation_orthonormal_in_half_the_bytes():
+    """Fitted rotations are stored as fp16 Householder vectors and R's diagonal signs: d(d+1)/2 numbers per head
+    (about half of Π in fp16), rebuilt deterministically, orthonormal to float32 rounding, equal to Π within
+    fp16-level error; the identity (a value head left unrotated) rebuilds exactly."""
+    for dim in (16, 64):
+        q = build_rotation("haar", 2, dim, seed=0).rot
+        stored = to_reflectors(q)
+        assert stored.dtype == torch.float16 and stored.shape == (2, dim * (dim + 1) // 2)
+        a, b = from_reflectors(stored, dim), from_reflectors(stored.clone(), dim)
+        assert torch.equal(a, b)
+        assert (a @ a.transpose(-1, -2) - torch.eye(dim)).abs().max() < 1e-6
+        assert (a - q).abs().max() < 1e-3
+        assert torch.equal(from_reflectors(to_reflectors(a), dim), a)  # a rebuilt rotation is a fixed point
+    eye = torch.eye(8).repeat(3, 1, 1)
+    assert torch.equal(from_reflectors(to_reflectors(eye), 8), eye)
+    assert torch.equal(from_reflectors(identity_reflectors(3, 8), 8), eye)
+    with pytest.raises(ValueError, match="reflector entries"):
+        from_reflectors(stored[:, 1:], 64)
+
+

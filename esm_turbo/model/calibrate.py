@@ -27,7 +27,7 @@ from ..fasta import Record, records_hash
 from ..quant.allocation import ChannelTables, channel_tables, widest_bits
 from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind, pad_levels
 from ..quant.histogram import HistogramAccumulator
-from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotation
+from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotation, identity_reflectors
 from .alphabet import encode
 from .attention import RunContext
 from .checkpoint import Calibration, CalibrationConfig, quantizer_seed
@@ -91,7 +91,7 @@ def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor)
     out = VectorQuantizer(first.heads, first.dim, first.bits, first.residual, first.normalize, first.qjl_seed,
                           max_bits=levels.bit_length() - 1)
     out = out.to(first.rot.device)
-    eye = torch.eye(first.dim, dtype=torch.float16)
+    eye = identity_reflectors(1, first.dim)[0]
     stored, order = [], []
     for h, c in enumerate(choice.tolist()):
         q = candidates[c]
@@ -101,7 +101,7 @@ def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor)
             getattr(out, name)[h] = pad_levels(getattr(q, name)[h:h + 1], q.widths[h:h + 1], levels)[0]
         stored.append(q.rot_stored[h] if q.rot_stored is not None else eye)
         order.append(q.rot_order[h] if q.rot_order is not None else torch.arange(first.dim))
-    out.rot_stored = torch.stack(stored)  # fp16 pre-images: identity heads rebuild exactly
+    out.rot_stored = torch.stack(stored)  # fp16 reflectors: identity heads rebuild exactly
     out.rot_order = torch.stack(order) if any(q.rot_order is not None for q in candidates) else None
     return out
 
@@ -112,10 +112,10 @@ def _pick_heads(candidates: tuple[torch.Tensor, ...], choice: torch.Tensor) -> t
 
 
 def combine_affine(candidates: tuple[AffineStats, ...], choice: torch.Tensor) -> AffineStats:
-    """One per-head transform whose head h is ``candidates[choice[h]]``'s (fp16 pre-images kept; an unfitted
-    head's is the identity)."""
-    eye = torch.eye(candidates[0].rot.shape[-1], dtype=torch.float16)
-    stored = tuple(a.stored if a.stored is not None else eye.expand_as(a.rot) for a in candidates)
+    """One per-head transform whose head h is ``candidates[choice[h]]``'s (stored reflectors kept; an unfitted
+    head's are the identity's)."""
+    heads, dim = candidates[0].rot.shape[:2]
+    stored = tuple(a.stored if a.stored is not None else identity_reflectors(heads, dim) for a in candidates)
     return AffineStats(*(_pick_heads(tuple(getattr(a, name) for a in candidates), choice)
                          for name in ("rot", "offset", "scale")), _pick_heads(stored, choice))
 

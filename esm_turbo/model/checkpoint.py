@@ -4,9 +4,10 @@ Tensors, per layer ``l`` and kind ``k``/``v``: ``layers.l.k.centroids`` [H,d,K] 
 (fp16; [H,1,…] when every channel of a head shares its LUT; with a bit allocation, ``.widths`` [H,d] and
 ``.order`` [H,d] (uint8: index bits per channel, and the rows of the rotation in channel order), and the
 LUTs hold only each channel's 2^width levels, flattened: [n] and [n, 2]), ``.offset`` [H,d], ``.scale`` [H,d], and
-``.rot`` [H,d,d] (fp16, rebuilt exactly orthonormal by a deterministic QR) only for fitted (svd, svd-scaled,
-auto) rotations — with ``auto`` only for the value heads that chose one ([n, d, d]); seeded ones (haar,
-hadamard, identity) are rebuilt from the seed.
+``.rot`` [H, d(d+1)/2] (fp16 Householder vectors and R signs, ``esm_turbo.quant.rotations.to_reflectors``: half the bytes of
+the matrix, rebuilt exactly orthonormal) only for fitted (svd, svd-scaled, auto) rotations — with ``auto`` only
+for the value heads that chose one ([n, d(d+1)/2]); seeded ones (haar, hadamard, identity) are rebuilt from the
+seed.
 Metadata (strings): ``esm_turbo`` (JSON with model fingerprint, config, calibration-set hash, token
 count, package version). Writes are atomic (temporary file + rename); loading checks completeness.
 """
@@ -24,9 +25,10 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError
 from ..io import atomic_write
 from ..quant.codec import KVCodec, VectorQuantizer, pad_levels
-from ..quant.rotations import build_rotation, orthonormalize
+from ..quant.rotations import build_rotation, from_reflectors, identity_reflectors
 
-FORMAT_VERSION = 3  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16; 3: bit allocations
+FORMAT_VERSION = 4  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16; 3: bit allocations;
+# 4: rotations as fp16 Householder vectors
 _TABLES = ("centroids", "eps", "offset", "scale")
 _LUTS = ("centroids", "eps")
 #: rotations fitted from data (stored in the checkpoint); "auto" picks, per head, unrotated or svd-scaled
@@ -113,7 +115,7 @@ class Calibration:
                     tensors[f"layers.{li}.{kind}.order"] = q.rot_order.to(torch.uint8).cpu().contiguous()
                 if rot_kind in FITTED_ROTATIONS:
                     if q.rot_stored is None:
-                        raise ValueError(f"layer {li} {kind}: fitted rotation without its stored fp16 form")
+                        raise ValueError(f"layer {li} {kind}: fitted rotation without its stored reflectors")
                     rot = q.rot_stored.detach().cpu()
                     if rot_kind == "auto":  # only the heads that chose a rotation; the others are the identity
                         rot = rot[torch.tensor(self.meta["value_rotation_choice"][li], dtype=torch.bool)]
@@ -156,16 +158,18 @@ class Calibration:
                                     qjl_seed=quantizer_seed(cfg, li, kind) + 1, max_bits=top)
                 missing = [n for n in _TABLES if prefix + n not in tensors]
                 stored = tensors.get(prefix + "rot")
-                if rot_kind == "auto":
-                    choice = torch.tensor(meta["value_rotation_choice"][li], dtype=torch.bool)
-                    stored = _expand_chosen(stored, choice, dim) if stored is not None or not choice.any() else None
-                if rot_kind in FITTED_ROTATIONS and stored is None:
+                choice = (torch.tensor(meta["value_rotation_choice"][li], dtype=torch.bool) if rot_kind == "auto"
+                          else None)
+                if rot_kind in FITTED_ROTATIONS and stored is None and (choice is None or choice.any()):
                     missing.append("rot")
                 if missing:
                     raise CheckpointError(f"{path}: layer {li} {kind}: missing tables {missing} (incomplete checkpoint)")
-                rot = (orthonormalize(stored) if stored is not None
-                       else build_rotation(rot_kind, heads, dim, quantizer_seed(cfg, li, kind)).rot)
-                q.rot_stored = stored
+                try:
+                    rot = (_fitted_rotation(stored, choice, heads, dim) if rot_kind in FITTED_ROTATIONS
+                           else build_rotation(rot_kind, heads, dim, quantizer_seed(cfg, li, kind)).rot)
+                except ValueError as err:
+                    raise CheckpointError(f"{path}: layer {li} {kind}: {err}") from None
+                q.rot_stored = _stored_reflectors(stored, choice, heads, dim)
                 try:
                     if widths is not None:
                         q.rot_order = order.long()
@@ -183,13 +187,28 @@ class Calibration:
         return cls(codecs, cfg, meta)
 
 
-def _expand_chosen(chosen: torch.Tensor | None, choice: torch.Tensor, dim: int) -> torch.Tensor:
-    """fp16 rotations [H, d, d] from those of the heads where ``choice`` [H] is set (the identity elsewhere)."""
-    full = torch.eye(dim, dtype=torch.float16).repeat(choice.numel(), 1, 1)
-    if chosen is not None:
-        if chosen.shape[0] != int(choice.sum()):
-            raise CheckpointError(f"{chosen.shape[0]} stored value rotations for {int(choice.sum())} rotated heads")
-        full[choice] = chosen.to(torch.float16)
+def _fitted_rotation(stored: torch.Tensor | None, choice: torch.Tensor | None, heads: int, dim: int) -> torch.Tensor:
+    """[H, d, d] rotations from stored reflectors: of every head, or (``auto``) of the heads where ``choice`` [H]
+    is set, the identity elsewhere."""
+    if choice is None:
+        return from_reflectors(stored, dim)
+    rot = torch.eye(dim).repeat(heads, 1, 1)
+    if int(choice.sum()) != (0 if stored is None else stored.shape[0]):
+        raise ValueError(f"{0 if stored is None else stored.shape[0]} stored value rotations for "
+                         f"{int(choice.sum())} rotated heads")
+    if stored is not None:
+        rot[choice] = from_reflectors(stored, dim)
+    return rot
+
+
+def _stored_reflectors(stored: torch.Tensor | None, choice: torch.Tensor | None, heads: int,
+                       dim: int) -> torch.Tensor | None:
+    """The quantizer's ``rot_stored`` [H, d(d+1)/2]: every head's reflectors (the identity's for the
+    unrotated heads of an ``auto`` choice)."""
+    if choice is None or stored is None:
+        return stored
+    full = identity_reflectors(heads, dim)
+    full[choice] = stored.to(torch.float16)
     return full
 
 

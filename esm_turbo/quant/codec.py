@@ -259,7 +259,7 @@ class VectorQuantizer(nn.Module):
         return check_code_table(q)
 
     def set_rotation(self, affine: AffineStats) -> None:
-        self.rot_stored = affine.stored  # fp16 pre-image of a fitted rotation, for checkpoints
+        self.rot_stored = affine.stored  # fp16 reflectors of a fitted rotation, for checkpoints
         self.rot_order = affine.order
         self.rot.copy_(affine.rot)
         self.offset.copy_(affine.offset)

@@ -157,7 +157,7 @@ class AffineStats:
     rot: torch.Tensor
     offset: torch.Tensor
     scale: torch.Tensor
-    stored: torch.Tensor | None = None  # fp16 pre-image of a fitted rot (rot == reorder(orthonormalize(stored)))
+    stored: torch.Tensor | None = None  # [H, d(d+1)/2] fp16 reflectors of a fitted rot (rot == reorder(from_reflectors))
     order: torch.Tensor | None = None  # [H, d] long: the channel order (rows of the built rotation kept)
 
     def permuted(self, order: torch.Tensor) -> "AffineStats":
@@ -183,12 +183,38 @@ class AffineStats:
         return ((diag - 2 * off * rmean + off**2) / sc**2).clamp_min(0).float()
 
 
-def orthonormalize(rot16: torch.Tensor) -> torch.Tensor:
-    """[H, d, d] near-orthogonal (e.g. fp16-stored) rows → exactly orthonormal float32 rows (QR, sign-fixed,
-    deterministic on the CPU). Fitted rotations are stored in fp16 and rebuilt with this."""
-    q, r = torch.linalg.qr(rot16.detach().cpu().double().transpose(-1, -2))
-    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
-    return q.transpose(-1, -2).float().contiguous()
+def to_reflectors(rot: torch.Tensor) -> torch.Tensor:
+    """[H, d, d] orthogonal rows Π → [H, d(d+1)/2] fp16: the Householder vectors of a QR of Πᵀ = QR
+    (``torch.geqrf``; the strictly lower triangle row by row, unit diagonal implied), then the signs of R's
+    diagonal (±1: Π = R Qᵀ). Half the bytes of Π in fp16; :func:`from_reflectors` rebuilds it."""
+    a, _ = torch.geqrf(rot.detach().cpu().double().transpose(-1, -2))
+    dim = rot.shape[-1]
+    rows, cols = torch.tril_indices(dim, dim, offset=-1)
+    signs = torch.where(torch.diagonal(a, dim1=-2, dim2=-1) < 0, -1.0, 1.0)
+    return torch.cat([a[..., rows, cols], signs], dim=-1).half().contiguous()
+
+
+def identity_reflectors(heads: int, dim: int) -> torch.Tensor:
+    """[H, d(d+1)/2] fp16: no reflection and positive signs, what :func:`from_reflectors` rebuilds as the identity."""
+    out = torch.zeros(heads, dim * (dim + 1) // 2, dtype=torch.float16)
+    out[:, -dim:] = 1.0
+    return out
+
+
+def from_reflectors(stored: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`to_reflectors`: [H, d(d+1)/2] → [H, d, d] float32 rows, orthonormal to rounding whatever
+    the stored values (each factor is the reflection ``I − 2vvᵀ/‖v‖²`` of its own fp16 vector; a zero vector is
+    no reflection, so the identity rebuilds exactly). Deterministic (float64, CPU)."""
+    if stored.shape[-1] != dim * (dim + 1) // 2:
+        raise ValueError(f"{stored.shape[-1]} reflector entries for head_dim {dim} (want {dim * (dim + 1) // 2})")
+    stored = stored.detach().cpu().double()
+    a = torch.zeros(*stored.shape[:-1], dim, dim, dtype=torch.float64)
+    rows, cols = torch.tril_indices(dim, dim, offset=-1)
+    a[..., rows, cols] = stored[..., :-dim]
+    norm2 = (a * a).sum(-2)  # [H, d] squared norm below the implied unit diagonal
+    tau = torch.where(norm2 > 0, 2.0 / (1.0 + norm2), torch.zeros_like(norm2))
+    q = torch.linalg.householder_product(a, tau)
+    return (q.transpose(-1, -2) * torch.sign(stored[..., -dim:])[..., None]).float().contiguous()
 
 
 def build_rotation(kind: str, heads: int, dim: int, seed: int = 0,
@@ -206,8 +232,8 @@ def build_rotation(kind: str, heads: int, dim: int, seed: int = 0,
     if stats is None:
         raise ValueError(f"rotation {kind!r} is fitted from data: calibration statistics are required")
     rot, mean, std = stats.pca(centered=kind == "svd-scaled")
-    stored = rot.half()
-    rot = orthonormalize(stored)  # what a checkpoint stores (fp16) rebuilds exactly this
+    stored = to_reflectors(rot)
+    rot = from_reflectors(stored, dim)  # what a checkpoint stores rebuilds exactly this
     if kind == "svd":
         return AffineStats(rot, zeros, ones, stored)
     # re-derive the component statistics in the snapped basis
