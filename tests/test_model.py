@@ -141,6 +141,19 @@ def test_checkpoint_roundtrip_determinism_and_refusals(stress_model, tmp_path, c
     trunc.write_bytes(p1.read_bytes()[: len(p1.read_bytes()) // 2])
     with pytest.raises(Exception, match="truncated or corrupt"):
         Calibration.load(trunc)
+    # rotations are stored as fp16 reflectors, d(d+1)/2 per head; a file of another format asks to recalibrate
+    import json
+    from safetensors.torch import save_file
+    with safe_open(str(p1), framework="pt") as fh:
+        tensors, header = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()
+    dim = calibration.meta["head_dim"]
+    assert tensors["layers.0.k.rot"].shape == (calibration.meta["heads"], dim * (dim + 1) // 2)
+    meta = json.loads(header["esm_turbo"])
+    meta["format_version"] = 3
+    old = tmp_path / "old.safetensors"
+    save_file(tensors, str(old), metadata={"esm_turbo": json.dumps(meta)})
+    with pytest.raises(Exception, match="checkpoint format 3.*recalibrate"):
+        Calibration.load(old)
 
 
 def test_lut_granularity_and_its_storage(stress_model, tmp_path, calibration):

@@ -141,7 +141,8 @@ class Calibration:
             raise CheckpointError(f"{path}: safetensors file without esm_turbo metadata (not a calibration)")
         meta = json.loads(header["esm_turbo"])
         if meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: format version {meta.get('format_version')} is not {FORMAT_VERSION}")
+            raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')}, this esm_turbo reads format "
+                                  f"{FORMAT_VERSION}: recalibrate with `esm-turbo calibrate`")
         cfg = CalibrationConfig(**meta["config"])
         heads, dim = meta["heads"], meta["head_dim"]
         codecs = []
