@@ -76,12 +76,13 @@ def _valid_values(y: torch.Tensor, valid: torch.Tensor, per_channel: bool) -> to
     return y.permute(1, 0, 2, 3)[:, valid].reshape(y.shape[1], -1)
 
 
-def _histogram(second_moments: torch.Tensor, config: CalibrationConfig) -> HistogramAccumulator:
-    """Histograms over ±10 rms of each LUT group: a head (its largest channel rms) or a channel."""
+def _histogram(second_moments: torch.Tensor, config: CalibrationConfig, device: torch.device) -> HistogramAccumulator:
+    """Histograms over ±10 rms of each LUT group: a head (its largest channel rms) or a channel; accumulated on
+    the model's device."""
     rms = second_moments.sqrt()  # [H, d]
     if config.lut == "channel":
-        return HistogramAccumulator(10 * rms.reshape(-1), config.channel_bins)
-    return HistogramAccumulator(10 * rms.amax(-1), config.bins)
+        return HistogramAccumulator(10 * rms.reshape(-1), config.channel_bins, device)
+    return HistogramAccumulator(10 * rms.amax(-1), config.bins, device)
 
 
 def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor) -> VectorQuantizer:
@@ -215,7 +216,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     affine: dict[str, list[AffineStats]] = {
         kind: [build_rotation(rot, heads, dim, quantizer_seed(config, li, source[kind]), cov[source[kind]][li])
                for li in range(layers)] for kind, rot in rotation.items()}
-    hist = {kind: [_histogram(affine[kind][li].second_moments(cov[source[kind]][li]), config)
+    hist = {kind: [_histogram(affine[kind][li].second_moments(cov[source[kind]][li]), config, engine.device)
                    for li in range(layers)] for kind in rotation}
 
     def record_hist(layer, q, k, v, valid):

@@ -14,16 +14,20 @@ import torch
 class HistogramAccumulator:
     """``groups`` histograms of ``bins`` bins over ``[-limit[g], limit[g]]``.
 
-    add(values [G, N]) accumulates counts and sums (float64, on the limits' device: no transfer per batch);
-    ``padded()`` gives every group's (bin means, counts) as [G, bins] points for the batched Lloyd-Max.
+    add(values [G, N]) accumulates counts and sums in float64 on ``device`` (default: the limits'), where the
+    values are — no transfer per batch — and in the values' order on every device (deterministic: CPU
+    ``index_add_``; CUDA ``index_put_(accumulate=True)``, which sorts the indices stably instead of adding
+    atomically). ``padded()`` gives every group's (bin means, counts) as [G, bins] CPU points for the batched
+    Lloyd-Max.
     """
 
-    def __init__(self, limits: torch.Tensor, bins: int = 4096):
-        self.limits = limits.detach().reshape(-1).to(torch.float64).clamp_min(1e-12)
+    def __init__(self, limits: torch.Tensor, bins: int = 4096, device: torch.device | str | None = None):
+        device = limits.device if device is None else torch.device(device)
+        self.limits = limits.detach().reshape(-1).to(device, torch.float64).clamp_min(1e-12)
         self.bins = bins
         groups = self.limits.numel()
-        self.count = torch.zeros(groups, bins, dtype=torch.float64, device=self.limits.device)
-        self.sum = torch.zeros(groups, bins, dtype=torch.float64, device=self.limits.device)
+        self.count = torch.zeros(groups, bins, dtype=torch.float64, device=device)
+        self.sum = torch.zeros(groups, bins, dtype=torch.float64, device=device)
 
     def add(self, values: torch.Tensor) -> None:
         groups = self.count.shape[0]
@@ -33,10 +37,14 @@ class HistogramAccumulator:
         offsets = (torch.arange(groups, device=v.device) * self.bins)[:, None]
         flat = (pos + offsets).reshape(-1)
         self.count += torch.bincount(flat, minlength=groups * self.bins).reshape(groups, -1)
-        self.sum.view(-1).index_add_(0, flat, v.reshape(-1))
+        if v.is_cuda:  # index_add_ adds atomically on CUDA: sums would vary in their last bits from run to run
+            self.sum.view(-1).index_put_((flat,), v.reshape(-1), accumulate=True)
+        else:
+            self.sum.view(-1).index_add_(0, flat, v.reshape(-1))
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, w) [G, bins]: bin means with counts; an empty bin sits at its centre with weight 0."""
-        width = 2 * self.limits[:, None] / self.bins
-        centres = -self.limits[:, None] + (torch.arange(self.bins, device=width.device) + 0.5) * width
-        return torch.where(self.count > 0, self.sum / self.count.clamp_min(1), centres), self.count.clone()
+        """(x, w) [G, bins] on the CPU: bin means with counts; an empty bin sits at its centre with weight 0."""
+        count, total, limits = self.count.to("cpu", copy=True), self.sum.cpu(), self.limits.cpu()
+        width = 2 * limits[:, None] / self.bins
+        centres = -limits[:, None] + (torch.arange(self.bins) + 0.5) * width
+        return torch.where(count > 0, total / count.clamp_min(1), centres), count
