@@ -4,10 +4,10 @@ Tensors, per layer ``l`` and kind ``k``/``v``: ``layers.l.k.centroids`` [H,d,K] 
 (fp16; [H,1,…] when every channel of a head shares its LUT; with a bit allocation, ``.widths`` [H,d] and
 ``.order`` [H,d] (uint8: index bits per channel, and the rows of the rotation in channel order), and the
 LUTs hold only each channel's 2^width levels, flattened: [n] and [n, 2]), ``.offset`` [H,d], ``.scale`` [H,d], and
-``.rot`` [H, d(d+1)/2] (fp16 Householder vectors and R signs, ``esm_turbo.quant.rotations.to_reflectors``: half the bytes of
-the matrix, rebuilt exactly orthonormal) only for fitted (svd, svd-scaled, auto) rotations — with ``auto`` only
-for the value heads that chose one ([n, d(d+1)/2]); seeded ones (haar, hadamard, identity) are rebuilt from the
-seed.
+``.rot`` [H, d(d+1)/2] (fp16 Householder vectors and R's signs, ``esm_turbo.quant.rotations.to_reflectors``:
+about half the bytes of the matrix, rebuilt exactly orthonormal) only for fitted (svd, svd-scaled, auto)
+rotations — with ``auto`` only for the value heads that chose one ([n, d(d+1)/2]); seeded ones (haar,
+hadamard, identity) are rebuilt from the seed.
 Metadata (strings): ``esm_turbo`` (JSON with model fingerprint, config, calibration-set hash, token
 count, package version). Writes are atomic (temporary file + rename); loading checks completeness.
 """
@@ -141,8 +141,8 @@ class Calibration:
             raise CheckpointError(f"{path}: safetensors file without esm_turbo metadata (not a calibration)")
         meta = json.loads(header["esm_turbo"])
         if meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')}, this esm_turbo reads format "
-                                  f"{FORMAT_VERSION}: recalibrate with `esm-turbo calibrate`")
+            raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')}, this esm_turbo reads "
+                                  f"format {FORMAT_VERSION}: recalibrate with `esm-turbo calibrate`")
         cfg = CalibrationConfig(**meta["config"])
         heads, dim = meta["heads"], meta["head_dim"]
         codecs = []

@@ -157,7 +157,7 @@ class AffineStats:
     rot: torch.Tensor
     offset: torch.Tensor
     scale: torch.Tensor
-    stored: torch.Tensor | None = None  # [H, d(d+1)/2] fp16 reflectors of a fitted rot (rot == reorder(from_reflectors))
+    stored: torch.Tensor | None = None  # [H, d(d+1)/2] fp16 reflectors of a fitted rot (rot: their rebuild, reordered)
     order: torch.Tensor | None = None  # [H, d] long: the channel order (rows of the built rotation kept)
 
     def permuted(self, order: torch.Tensor) -> "AffineStats":
@@ -214,7 +214,8 @@ def from_reflectors(stored: torch.Tensor, dim: int) -> torch.Tensor:
     norm2 = (a * a).sum(-2)  # [H, d] squared norm below the implied unit diagonal
     tau = torch.where(norm2 > 0, 2.0 / (1.0 + norm2), torch.zeros_like(norm2))
     q = torch.linalg.householder_product(a, tau)
-    return (q.transpose(-1, -2) * torch.sign(stored[..., -dim:])[..., None]).float().contiguous()
+    signs = torch.where(stored[..., -dim:] < 0, -1.0, 1.0)  # any non-negative entry reads as +1
+    return (q.transpose(-1, -2) * signs[..., None]).float().contiguous()
 
 
 def build_rotation(kind: str, heads: int, dim: int, seed: int = 0,
