@@ -1,0 +1,30 @@
+"""`esm-turbo calibrate` and `esm-turbo evaluate` as a user runs them, on a saved stress model."""
+import json
+import os
+
+from esm_turbo.cli import main
+from esm_turbo.testing import save_stress_model
+
+CAL = "calibration_data/calibration.fasta"
+EV = "calibration_data/evaluation.fasta"
+
+
+def test_calibrate_then_evaluate_from_the_command_line(stress_dir, tmp_path, capsys):
+    ckpt = tmp_path / "stress.turbo.safetensors"
+    assert main(["calibrate", "--model", str(stress_dir), "--fasta", CAL, "--out", str(ckpt), "--max-tokens", "3000",
+                 "--quiet"]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert ckpt.stat().st_mode & 0o777 == 0o666 & ~umask  # readable like any file the user writes
+    report = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(stress_dir), "--calibration", str(ckpt), "--fasta", EV, "--limit", "2",
+                 "--max-steps", "3", "--quiet", "--json", str(report)]) == 0
+    result = json.loads(report.read_text())["turbo"]  # one entry per recipe (ablations add theirs)
+    assert len(result["sequences"]) == 2
+    assert result["overall"]["prefill_max_abs_diff"] <= 1e-5
+    assert min(s["decode_cos_mean"] for s in result["sequences"]) > 0.9
+    other = save_stress_model(tmp_path / "other", layers=3, hidden=64, heads=4, seed=2)
+    capsys.readouterr()
+    assert main(["evaluate", "--model", str(other), "--calibration", str(ckpt), "--fasta", EV, "--limit", "1",
+                 "--quiet"]) == 2
+    assert "made for another model" in capsys.readouterr().err
