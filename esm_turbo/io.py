@@ -9,6 +9,17 @@ from pathlib import Path
 from typing import Callable
 
 
+def _read_umask() -> int:
+    """The process's umask (os.umask can only be read by setting it: done once, at import, not while a writer
+    thread might be creating files)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` and move the result to ``path`` (parents created), with the permissions a plain
     ``open(path, "w")`` would give (``mkstemp`` makes its file private)."""
@@ -18,9 +29,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     os.close(fd)
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -166,11 +166,11 @@ class Calibration:
                 if missing:
                     raise CheckpointError(f"{path}: layer {li} {kind}: missing tables {missing} (incomplete checkpoint)")
                 try:
-                    rot = (_fitted_rotation(stored, choice, heads, dim) if rot_kind in FITTED_ROTATIONS
+                    q.rot_stored = _stored_reflectors(stored, choice, heads, dim)
+                    rot = (from_reflectors(q.rot_stored, dim) if rot_kind in FITTED_ROTATIONS
                            else build_rotation(rot_kind, heads, dim, quantizer_seed(cfg, li, kind)).rot)
                 except ValueError as err:
                     raise CheckpointError(f"{path}: layer {li} {kind}: {err}") from None
-                q.rot_stored = _stored_reflectors(stored, choice, heads, dim)
                 try:
                     if widths is not None:
                         q.rot_order = order.long()
@@ -188,28 +188,18 @@ class Calibration:
         return cls(codecs, cfg, meta)
 
 
-def _fitted_rotation(stored: torch.Tensor | None, choice: torch.Tensor | None, heads: int, dim: int) -> torch.Tensor:
-    """[H, d, d] rotations from stored reflectors: of every head, or (``auto``) of the heads where ``choice`` [H]
-    is set, the identity elsewhere."""
-    if choice is None:
-        return from_reflectors(stored, dim)
-    rot = torch.eye(dim).repeat(heads, 1, 1)
-    if int(choice.sum()) != (0 if stored is None else stored.shape[0]):
-        raise ValueError(f"{0 if stored is None else stored.shape[0]} stored value rotations for "
-                         f"{int(choice.sum())} rotated heads")
-    if stored is not None:
-        rot[choice] = from_reflectors(stored, dim)
-    return rot
-
-
 def _stored_reflectors(stored: torch.Tensor | None, choice: torch.Tensor | None, heads: int,
                        dim: int) -> torch.Tensor | None:
-    """The quantizer's ``rot_stored`` [H, d(d+1)/2]: every head's reflectors (the identity's for the
-    unrotated heads of an ``auto`` choice)."""
-    if choice is None or stored is None:
+    """The quantizer's ``rot_stored`` [H, d(d+1)/2]: every head's reflectors, with ``auto`` (``choice`` [H]) those
+    of the heads that chose a rotation and the identity's for the others (which rebuild the identity exactly)."""
+    if choice is None:
         return stored
+    n = 0 if stored is None else stored.shape[0]
+    if n != int(choice.sum()):
+        raise ValueError(f"{n} stored value rotations for {int(choice.sum())} rotated heads")
     full = identity_reflectors(heads, dim)
-    full[choice] = stored.to(torch.float16)
+    if stored is not None:
+        full[choice] = stored.to(torch.float16)
     return full
 
 
