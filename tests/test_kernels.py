@@ -166,15 +166,24 @@ def test_decode_kernel_fp16_inputs():
 
 
 @needs_triton
-@pytest.mark.parametrize("bits,residual,d,dtype", [(3, "sign", 16, torch.float32), (2, "none", 32, torch.float16),
-                                                   (4, "sign", 64, torch.float16), (2, "sign", 32, torch.float32)])
-def test_quantize_pack_kernel(bits, residual, d, dtype):
+@pytest.mark.parametrize("bits,residual,d,dtype,shared", [(3, "sign", 16, torch.float32, False),
+                                                          (2, "none", 32, torch.float16, True),
+                                                          (4, "sign", 64, torch.float16, False),
+                                                          (2, "sign", 32, torch.float32, True),
+                                                          (3, "sign", 64, torch.float16, True)])
+@pytest.mark.parametrize("s", [7, 1])
+def test_quantize_pack_kernel(bits, residual, d, dtype, shared, s):
     """One launch encodes keys and values (different tables, strided inputs) into their parts, as the
-    reference does; 21 tokens in two blocks of 16 (one partly masked)."""
+    reference does: a prefill of S = 7 tokens per sequence (programs per sequence) or a decode step of one
+    token per sequence (programs across sequences), blocks of 16 partly masked. Allocated widths, read from each
+    head's layout row or (``shared``: every head has the same widths) compiled in as field shifts."""
     from esm_turbo.kernels.quantize import quantize_pack_triton
-    heads, batch, s = 2, 3, 7
-    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=bits).to(DEVICE)
+    heads, batch = 2, 3
+    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=bits, shared=shared).to(DEVICE)
     tables = fused_tables(codec)
+    # shared: the kernel compiles the field shifts in; else it reads each head's layout row (−1)
+    fields = (tables.k_fields, tables.v_fields) if shared else (-1, -1)
+    assert min(fields) >= 0 or not shared
     gen = torch.Generator().manual_seed(bits)
     x = {kind: strided((torch.randn(batch, heads, s, d, generator=gen) * 2).to(DEVICE, dtype)) for kind in "kv"}
     pos = torch.tensor([0, 7, 3], device=DEVICE)
@@ -192,7 +201,7 @@ def test_quantize_pack_kernel(bits, residual, d, dtype):
         code = {kind: (quantizer[kind].bits, quantizer[kind].combined_sign) for kind in "kv"}
         if use_kernel:
             quantize_pack_triton(x["k"], x["v"], args("k"), args("v"), parts["k"], parts["v"], pos, code["k"],
-                                 code["v"], config=dict(block_n=16))
+                                 code["v"], *fields, config=dict(block_n=16))
         else:
             for kind in "kv":
                 quantize_pack_reference(x[kind], *args(kind), *parts[kind], pos, *code[kind])
@@ -203,7 +212,7 @@ def test_quantize_pack_kernel(bits, residual, d, dtype):
         assert (ref[0] != ker[0]).float().mean() < 2e-3
         if ref[1].numel():
             assert (ref[1] != ker[1]).float().mean() < 2e-3
-        assert ker[0][1, :, 7:14].any() and not ker[0][1, :, :7].any()  # rows pos..pos+S only
+        assert ker[0][1, :, 7:7 + s].any() and not ker[0][1, :, :7].any() and not ker[0][1, :, 7 + s:].any()
         # and the reference writes what the codec's own encoder makes
         enc = quantizer[kind].encode(x[kind])
         assert torch.equal(ref[0][0, :, :s], enc[tables.k_codes.part if kind == "k" else tables.v_codes.part][0])

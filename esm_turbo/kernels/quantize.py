@@ -13,16 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.packing import packed_shifts
 from .common import dot_precision, rotate_rows, part_or, split16, token_offsets, token_strides
 
 
 @triton.jit
 def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr, lay_ptr, idx_ptr,
                   sign_ptr, pos_ptr, h, offs_n, B, H, S, T_CAP,
-                  D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, UNIFORM: tl.constexpr, SIGN: tl.constexpr,
+                  D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, FIELDS: tl.constexpr, SIGN: tl.constexpr,
                   COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
     """Encode tokens ``offs_n`` (over (b, s)) of head ``h`` of one tensor kind into its cache part (K levels
-    per channel's LUT; codes at the shifts of the field layout ``lay_ptr``, or ``UNIFORM`` ones)."""
+    per channel's LUT, bounds [H, K-1, D] level-major; codes at the field shifts ``FIELDS`` compiled in when
+    every head shares them, else those of this head's layout row ``lay_ptr``)."""
     nmask = offs_n < B * S
     b = offs_n // S
     offs_d = tl.arange(0, D)
@@ -32,7 +34,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
 
     idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
     for k in tl.static_range(K - 1):
-        idx += (y > tl.load(bounds_ptr + (h * D + offs_d) * (K - 1) + k)[None, :]).to(tl.int32)
+        idx += (y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]).to(tl.int32)
 
     D8: tl.constexpr = D // 8
     g = tl.arange(0, D8)
@@ -48,8 +50,11 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
     WIDTH: tl.constexpr = BITS + COMBINE
     NB: tl.constexpr = D * WIDTH // 8
-    if UNIFORM:
-        word = tl.sum(tl.reshape(idx, (BLOCK_N, D8, 8)) << (r * WIDTH)[None, None, :], axis=2)
+    if FIELDS >= 0:  # field j of every group word at bit (FIELDS >> 6j) & 63 (packing.packed_shifts)
+        shift = tl.zeros((8,), dtype=tl.int32)
+        for j in tl.static_range(8):
+            shift = tl.where(r == j, (FIELDS >> (6 * j)) & 63, shift)
+        word = tl.sum(tl.reshape(idx, (BLOCK_N, D8, 8)) << shift[None, None, :], axis=2)
     else:
         shift = tl.load(lay_ptr + h * D + offs_d) & 255
         word = tl.sum(tl.reshape(idx << shift[None, :], (BLOCK_N, D8, 8)), axis=2)  # the fields do not overlap
@@ -65,9 +70,9 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
 def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
                           v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
                           pos_ptr, B, H, S, T_CAP,
-                          D: tl.constexpr, KBITS: tl.constexpr, KK: tl.constexpr, KUNI: tl.constexpr,
+                          D: tl.constexpr, KBITS: tl.constexpr, KK: tl.constexpr, KFIELDS: tl.constexpr,
                           KSIGN: tl.constexpr, KCOMB: tl.constexpr, VBITS: tl.constexpr, VK: tl.constexpr,
-                          VUNI: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
+                          VFIELDS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
                           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KSPLIT: tl.constexpr,
                           VSPLIT: tl.constexpr):
     """Grid (2·H, cdiv(B·S, BLOCK_N)): programs [0, H) encode keys, [H, 2H) values; one head's Π serves
@@ -77,27 +82,29 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if pid < H:
         _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
-                      pos_ptr, pid, offs_n, B, H, S, T_CAP, D, KBITS, KK, KUNI, KSIGN, KCOMB, BLOCK_N, PRECISION,
+                      pos_ptr, pid, offs_n, B, H, S, T_CAP, D, KBITS, KK, KFIELDS, KSIGN, KCOMB, BLOCK_N, PRECISION,
                       KSPLIT)
     else:
         _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
-                      pos_ptr, pid - H, offs_n, B, H, S, T_CAP, D, VBITS, VK, VUNI, VSIGN, VCOMB, BLOCK_N, PRECISION,
+                      pos_ptr, pid - H, offs_n, B, H, S, T_CAP, D, VBITS, VK, VFIELDS, VSIGN, VCOMB, BLOCK_N, PRECISION,
                       VSPLIT)
 
 
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
                          k_out: tuple, v_out: tuple, pos: torch.Tensor, k_code: tuple, v_code: tuple,
-                         config: dict | None = None) -> None:
+                         k_fields: int = -1, v_fields: int = -1, config: dict | None = None) -> None:
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
     k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d],
-    bounds [H,d,K-1], centroids [H,d,K], field layout [H,d] int32 or empty: equal widths);
-    ``*_out`` = (codes part, sign part or empty) written in place; ``*_code`` = (bits, combine).
+    bounds [H,K-1,d] (level-major: ``FusedTables.k_bounds``), centroids [H,d,K], field layout [H,d] int32 or
+    empty: equal widths); ``*_out`` = (codes part, sign part or empty) written in place; ``*_code`` = (bits,
+    combine); ``*_fields``: the layout's field shifts when every head shares them (compiled in, see
+    ``esm_turbo.ops.compressed.shared_fields``), or −1 (each head's layout row is read).
     ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) for tuning."""
     batch, heads, s, d = k.shape
-    # tuned on an H100 (results/gpu/tune_quantize_h100.txt): 128-token blocks for a prefill, 64 for decode
-    # steps; tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
-    cfg = dict(block_n=128 if batch * s >= 1024 else 64, num_warps=4, precision=dot_precision(k))
+    # 32-token blocks of 4 warps: results/gpu/quantize_session9_h100.txt (128 spilled registers at 1024 tokens);
+    # tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
+    cfg = dict(block_n=32, num_warps=4, precision=dot_precision(k))
     cfg.update(config or {})
     if dot_precision(k) == "ieee":  # the interpreter has nothing else
         cfg["precision"] = "ieee"
@@ -119,9 +126,13 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     def tabs(t):  # an empty layout (equal widths) is never read: any pointer stands in
         return (*t[:5], part_or(t[5], t[4]))
 
+    def fields(given, layout, code):  # equal widths: fields of bits (+ 1 for a combined sign) each
+        return packed_shifts([code[0] + code[1]] * 8) if layout.numel() == 0 else given
+
     _quantize_pack_kernel[grid](
         k, *k_strides, *tabs(k_tables), k_main, k_sign, v, *v_strides, *tabs(v_tables), v_main, v_sign,
         pos, batch, heads, s, k_main.shape[2], D=d, KBITS=k_c[0], KK=k_tables[4].shape[-1],
-        KUNI=k_tables[5].numel() == 0, KSIGN=k_c[1], KCOMB=k_c[2], VBITS=v_c[0], VK=v_tables[4].shape[-1],
-        VUNI=v_tables[5].numel() == 0, VSIGN=v_c[1], VCOMB=v_c[2], BLOCK_N=block_n, PRECISION=prec,
+        KFIELDS=fields(k_fields, k_tables[5], k_code), KSIGN=k_c[1], KCOMB=k_c[2], VBITS=v_c[0],
+        VK=v_tables[4].shape[-1], VFIELDS=fields(v_fields, v_tables[5], v_code), VSIGN=v_c[1], VCOMB=v_c[2],
+        BLOCK_N=block_n, PRECISION=prec,
         KSPLIT=split16(k, prec), VSPLIT=split16(v, prec), num_warps=cfg["num_warps"])

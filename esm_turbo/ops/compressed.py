@@ -56,7 +56,8 @@ class StoredCodes:
 class FusedTables:
     """Per-layer constants of the fused ops, derived once from a codec.
 
-    k_tab / v_tab [H, d, codes] (fp16 values, in a float16 or float32 tensor); k_bounds / v_bounds [H, d, K-1];
+    k_tab / v_tab [H, d, codes] (fp16 values, in a float16 or float32 tensor); k_bounds / v_bounds [H, K-1, d]
+    (level-major: the quantize kernel reads one level of every channel at a time, coalesced);
     k_layout / v_layout [H, d] int32 field layouts of the packed codes (``esm_turbo.quant.packing.field_layout``),
     empty when every channel has the same width; k_codes / v_codes: where the packed codes are stored;
     k_fields / v_fields: the field shifts every head shares, packed for the kernels to compile in
@@ -89,12 +90,18 @@ def fused_tables(codec: KVCodec) -> FusedTables:
         return cached
     k_layout, v_layout = _kernel_layout(key), _kernel_layout(value)
     tables = FusedTables(k_tab=_op_table(key), v_tab=_op_table(value),
-                         k_bounds=lut_bounds(key.centroids), v_bounds=lut_bounds(value.centroids),
+                         k_bounds=_level_major(lut_bounds(key.centroids)),
+                         v_bounds=_level_major(lut_bounds(value.centroids)),
                          k_layout=k_layout, v_layout=v_layout,
                          k_codes=StoredCodes.of(key), v_codes=StoredCodes.of(value),
                          k_fields=shared_fields(key), v_fields=shared_fields(value))
     codec._fused_tables = tables
     return tables
+
+
+def _level_major(bounds: torch.Tensor) -> torch.Tensor:
+    """[H, d, K-1] → [H, K-1, d] contiguous."""
+    return bounds.transpose(1, 2).contiguous()
 
 
 def _op_table(q: VectorQuantizer) -> torch.Tensor:
@@ -146,7 +153,7 @@ def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Te
                             idx_out: torch.Tensor, sign_out: torch.Tensor, pos: torch.Tensor, bits: int,
                             combine: bool) -> None:
     """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,d,K] of ``bits`` bits on average,
-    bounds [H,d,K-1] unused here, field layout [H,d] of the packed part) at rows pos[b] + j of the cache
+    bounds [H,K-1,d] unused here, field layout [H,d] of the packed part) at rows pos[b] + j of the cache
     parts: ``combine`` → idx_out holds codes ``2·idx + sign`` of bits+1 bits; else idx_out
     [B,H,T_cap,d·bits/8] and sign_out [B,H,T_cap,d/8] (or empty: no residual)."""
     width = bits + combine
@@ -212,14 +219,15 @@ def quantize_pack(k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor, k_offse
                   k_main: torch.Tensor, k_sign: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor,
                   v_scale: torch.Tensor, v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_layout: torch.Tensor,
                   v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_bits: int, k_combine: bool,
-                  v_bits: int, v_combine: bool) -> None:
-    """Keys and values of one layer into their cache parts (one Triton launch on CUDA)."""
+                  v_bits: int, v_combine: bool, k_fields: int = -1, v_fields: int = -1) -> None:
+    """Keys and values of one layer into their cache parts (one Triton launch on CUDA). Bounds [H, K-1, d]
+    level-major (``FusedTables``); ``*_fields``: shared field shifts or −1 (see :func:`shared_fields`)."""
     k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
     v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
     if _kernels_for(k):
         from ..kernels.quantize import quantize_pack_triton
         quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos,
-                             (k_bits, k_combine), (v_bits, v_combine))
+                             (k_bits, k_combine), (v_bits, v_combine), k_fields, v_fields)
     else:
         quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_bits, k_combine)
         quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_bits, v_combine)
@@ -264,7 +272,7 @@ def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Te
     quantize_pack(k, v, *_codec_tables(key), tables.k_bounds, key.centroids, tables.k_layout,
                   *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
                   tables.v_layout, *tables.packed(parts, "v"), pos, key.bits, key.combined_sign, value.bits,
-                  value.combined_sign)
+                  value.combined_sign, tables.k_fields, tables.v_fields)
 
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
