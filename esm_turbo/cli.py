@@ -52,7 +52,8 @@ def _config_from_args(args):
     cfg = PRESETS[args.preset]
     overrides = {k: getattr(args, k) for k in ("key_bits", "value_bits", "key_rotation", "value_rotation",
                                                 "residual", "sign_mode", "lut", "bit_allocation",
-                                                "max_channel_bits", "shared_widths", "max_tokens", "seed")
+                                                "max_channel_bits", "shared_widths", "attention_weight",
+                                                "max_tokens", "seed")
                  if getattr(args, k, None) is not None}
     if getattr(args, "bits", None) is not None:
         overrides.setdefault("key_bits", args.bits)
@@ -240,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-widths", action=argparse.BooleanOptionalAction, default=None,
                    help="one bit allocation for every head of a layer (the GPU kernels then compile its field "
                         "shifts in)")
+    p.add_argument("--attention-weight", type=float,
+                   help="a in [0, 1]: each token counts (1 - a) + a x (the attention it receives) in the LUT fits "
+                        "and the allocation; 0 counts every token once")
     p.add_argument("--max-tokens", type=int, help="stop after this many calibration tokens")
     p.add_argument("--max-residues", type=int, default=1022)
     p.add_argument("--seed", type=int)

@@ -2,6 +2,7 @@
 import json
 import os
 
+from esm_turbo import Calibration
 from esm_turbo.cli import main
 from esm_turbo.testing import save_stress_model
 
@@ -12,7 +13,8 @@ EV = "calibration_data/evaluation.fasta"
 def test_calibrate_then_evaluate_from_the_command_line(stress_dir, tmp_path, capsys):
     ckpt = tmp_path / "stress.turbo.safetensors"
     assert main(["calibrate", "--model", str(stress_dir), "--fasta", CAL, "--out", str(ckpt), "--max-tokens", "3000",
-                 "--quiet"]) == 0
+                 "--attention-weight", "0.25", "--quiet"]) == 0
+    assert Calibration.load(ckpt).config.attention_weight == 0.25  # the recipe as given, in the checkpoint
     umask = os.umask(0)
     os.umask(umask)
     assert ckpt.stat().st_mode & 0o777 == 0o666 & ~umask  # readable like any file the user writes

@@ -57,3 +57,27 @@ def test_calibration_on_cuda_is_deterministic(tmp_path):
     recs = read_fasta("calibration_data/calibration.fasta")[0][:24]
     paths = [calibrate(model, recs, progress=False).save(tmp_path / f"{i}.safetensors") for i in range(2)]
     assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
+def test_weighted_histogram_counts_a_value_as_often_as_its_weight():
+    """Integer weights give what repeating each value that many times gives; a bin's point is the weighted
+    mean; weights of another shape are refused."""
+    limits = torch.tensor([1.0, 2.0])
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(2, 400, generator=gen)
+    weights = torch.randint(0, 4, (2, 400), generator=gen).double()
+    weighted = HistogramAccumulator(limits, bins=32)
+    weighted.add(values, weights)
+    repeated = HistogramAccumulator(limits, bins=32)
+    for g in range(2):
+        reps = torch.repeat_interleave(values[g], weights[g].long())
+        one = HistogramAccumulator(limits[g:g + 1], bins=32)
+        one.add(reps[None])
+        repeated.count[g], repeated.sum[g] = one.count[0], one.sum[0]
+    assert torch.equal(weighted.count, repeated.count)
+    assert torch.allclose(weighted.sum, repeated.sum, rtol=1e-12, atol=1e-12)
+    x_w, _ = weighted.padded()
+    x_r, _ = repeated.padded()
+    assert torch.allclose(x_w, x_r, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="do not match"):
+        weighted.add(values, weights[:, :10])

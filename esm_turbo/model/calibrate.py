@@ -6,7 +6,8 @@ Two passes over the sequences, never holding activations:
    allocation also the queries' second moments (how much each key channel's error moves the scores);
 2. per (layer, head, channel): a histogram with exact per-bin sums of the rotated (and centred and
    scaled) values → weighted Lloyd-Max LUTs and sign-residual magnitudes (with bit allocation: at every
-   width, and each channel's width chosen by ``esm_turbo.quant.allocation``);
+   width, and each channel's width chosen by ``esm_turbo.quant.allocation``); with ``attention_weight`` a,
+   each token counts (1 − a) + a · (the attention it receives in that layer and head);
 3. only for ``value_rotation="auto"``: each head's values are quantized with both candidate codecs
    (unrotated, and svd-scaled), and the head keeps the one whose error reaches the layer output least
    (``E‖(v − v̂) W_oᵀ‖²``, W_o the head's block of the attention output projection).
@@ -74,6 +75,28 @@ def _valid_values(y: torch.Tensor, valid: torch.Tensor, per_channel: bool) -> to
     if per_channel:
         return y.permute(1, 3, 0, 2)[:, :, valid].reshape(y.shape[1] * y.shape[3], -1)
     return y.permute(1, 0, 2, 3)[:, valid].reshape(y.shape[1], -1)
+
+
+def attention_received(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, H, S] float32: for each key/value token t, Σ over valid queries s of p[s, t], the layer's attention
+    probabilities (q [B, H, S, d] scaled, k [B, H, S, d], valid [B, S] bool; padded tokens get 0). Every query's
+    row sums to 1, so over a sequence's tokens the mean is 1. A key's quantization error moves the output
+    through p[s, t]·(score error) and a value's through p[s, t]·δv: a token nobody attends to barely matters.
+    One head at a time: [B, S, S] scores at most."""
+    keys = valid[:, None, :]
+    queries = valid[:, :, None].float()
+    out = []
+    for h in range(q.shape[1]):
+        scores = q[:, h].float() @ k[:, h].float().transpose(-1, -2)
+        p = torch.softmax(scores.masked_fill(~keys, float("-inf")), dim=-1) * queries
+        out.append(p.sum(-2))
+    return torch.stack(out, 1)
+
+
+def _token_weights(w: torch.Tensor, valid: torch.Tensor, dim: int, per_channel: bool) -> torch.Tensor:
+    """Per-token weights w [B, H, S] laid out as ``_valid_values`` lays out the values of [B, H, S, dim]."""
+    rows = w.permute(1, 0, 2)[:, valid]  # [H, N]
+    return rows.repeat_interleave(dim, dim=0) if per_channel else rows.repeat_interleave(dim, dim=1)
 
 
 def _histogram(second_moments: torch.Tensor, config: CalibrationConfig, device: torch.device) -> HistogramAccumulator:
@@ -189,6 +212,8 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         raise EsmTurboError("rotation 'auto' is for values only, and needs separate K and V LUTs "
                             "(shared_lut with value_rotation 'identity' or 'svd-scaled')")
     check_lut_kind(config.lut)
+    if not 0.0 <= config.attention_weight <= 1.0:
+        raise EsmTurboError(f"attention_weight {config.attention_weight} is not in [0, 1]")
     if config.bit_allocation and (config.lut != "channel" or config.shared_lut):
         raise EsmTurboError("bit allocation gives each channel its own LUT width: it needs lut='channel' and "
                             "separate K and V LUTs (or pass bit_allocation=False / --uniform-bits)")
@@ -219,10 +244,17 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     hist = {kind: [_histogram(affine[kind][li].second_moments(cov[source[kind]][li]), config, engine.device)
                    for li in range(layers)] for kind in rotation}
 
+    mix = config.attention_weight
+    per_channel = config.lut == "channel"
+
     def record_hist(layer, q, k, v, valid):
+        weights = None
+        if mix > 0:  # tokens weighed by the attention they receive (CalibrationConfig.attention_weight)
+            received = attention_received(q, k, valid)
+            weights = _token_weights((1 - mix) + mix * received, valid, dim, per_channel)
         for kind in rotation:
             x = k if source[kind] == "k" else v
-            hist[kind][layer].add(_valid_values(affine[kind][layer].forward(x), valid, config.lut == "channel"))
+            hist[kind][layer].add(_valid_values(affine[kind][layer].forward(x), valid, per_channel), weights)
 
     _run(engine, batches, record_hist, "calibrate: LUTs", progress)
 

@@ -54,6 +54,9 @@ class CalibrationConfig:
     bit_allocation: bool = True  # index bits per rotated channel by its share of the output error (lut="channel")
     max_channel_bits: int | None = None  # widest channel under bit allocation (default: bits + 1)
     shared_widths: bool = True  # one allocation for every head of a layer (the kernels compile its shifts in)
+    # how much a token counts in the LUT fits and the allocation: (1 − a) + a · (the attention it receives,
+    # Σ_s p[s, t], mean 1 over a sequence's tokens); 0 counts every token once (sessions 1–8)
+    attention_weight: float = 0.5
     seed: int = 0
 
 
@@ -62,9 +65,10 @@ class CalibrationConfig:
 PRESETS: dict[str, CalibrationConfig] = {
     "default": CalibrationConfig(),
     "paper": CalibrationConfig(key_rotation="svd", value_rotation="identity", residual="sign", sign_mode="head",
-                               lut="head", bit_allocation=False),
+                               lut="head", bit_allocation=False, attention_weight=0.0),
     "uniform-bits": CalibrationConfig(bit_allocation=False),  # every channel the same width (until allocation)
     "per-head-widths": CalibrationConfig(shared_widths=False),  # each head its own allocation (until shared)
+    "uniform-tokens": CalibrationConfig(attention_weight=0.0),  # every token counts once in the fits (until session 9)
     "head-lut": CalibrationConfig(lut="head", bit_allocation=False),  # one LUT per head, equal widths
     "no-rotation": CalibrationConfig(key_rotation="identity", value_rotation="identity"),
     "kv-rotated": CalibrationConfig(value_rotation="svd-scaled"),
@@ -143,7 +147,8 @@ class Calibration:
         if meta.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')}, this esm_turbo reads "
                                   f"format {FORMAT_VERSION}: recalibrate with `esm-turbo calibrate`")
-        cfg = CalibrationConfig(**meta["config"])
+        # a format-4 file written before attention_weight existed counted every token once
+        cfg = CalibrationConfig(**{"attention_weight": 0.0, **meta["config"]})
         heads, dim = meta["heads"], meta["head_dim"]
         codecs = []
         for li in range(meta["layers"]):

@@ -29,22 +29,35 @@ class HistogramAccumulator:
         self.count = torch.zeros(groups, bins, dtype=torch.float64, device=device)
         self.sum = torch.zeros(groups, bins, dtype=torch.float64, device=device)
 
-    def add(self, values: torch.Tensor) -> None:
+    def add(self, values: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """values [G, N]; ``weights`` [G, N] (≥ 0) count each value that many times (default 1): a bin keeps
+        Σw and Σw·x, so its point is the weighted mean with the bin's total weight."""
         groups = self.count.shape[0]
         v = values.detach().to(self.count.device, torch.float64).reshape(groups, -1)
         lim = self.limits[:, None]
         pos = ((v + lim) / (2 * lim) * self.bins).floor().clamp(0, self.bins - 1).long()
         offsets = (torch.arange(groups, device=v.device) * self.bins)[:, None]
         flat = (pos + offsets).reshape(-1)
-        self.count += torch.bincount(flat, minlength=groups * self.bins).reshape(groups, -1)
-        if v.is_cuda:  # index_add_ adds atomically on CUDA: sums would vary in their last bits from run to run
-            self.sum.view(-1).index_put_((flat,), v.reshape(-1), accumulate=True)
+        if weights is None:
+            self.count += torch.bincount(flat, minlength=groups * self.bins).reshape(groups, -1)
+            self._add_sums(flat, v.reshape(-1))
+            return
+        w = weights.detach().to(self.count.device, torch.float64).reshape(groups, -1)
+        if w.shape != v.shape:
+            raise ValueError(f"weights {list(weights.shape)} do not match values {list(values.shape)}")
+        self.count.view(-1).index_put_((flat,), w.reshape(-1), accumulate=True)  # in order, as the sums
+        self._add_sums(flat, (w * v).reshape(-1))
+
+    def _add_sums(self, flat: torch.Tensor, x: torch.Tensor) -> None:
+        if x.is_cuda:  # index_add_ adds atomically on CUDA: sums would vary in their last bits from run to run
+            self.sum.view(-1).index_put_((flat,), x, accumulate=True)
         else:
-            self.sum.view(-1).index_add_(0, flat, v.reshape(-1))
+            self.sum.view(-1).index_add_(0, flat, x)
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, w) [G, bins] on the CPU: bin means with counts; an empty bin sits at its centre with weight 0."""
+        """(x, w) [G, bins] on the CPU: bin means with counts (total weights); an empty bin sits at its centre
+        with weight 0."""
         count, total, limits = self.count.to("cpu", copy=True), self.sum.cpu(), self.limits.cpu()
         width = 2 * limits[:, None] / self.bins
         centres = -limits[:, None] + (torch.arange(self.bins) + 0.5) * width
-        return torch.where(count > 0, total / count.clamp_min(1), centres), count
+        return torch.where(count > 0, total / torch.where(count > 0, count, 1.0), centres), count
