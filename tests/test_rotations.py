@@ -11,7 +11,9 @@ from esm_turbo.quant.rotations import (ROTATION_KINDS, CovarianceAccumulator, Ra
 def test_all_rotations_orthogonal(kind, d):
     stats = CovarianceAccumulator(3, d)
     stats.add(torch.randn(2, 3, 50, d) * torch.linspace(0.1, 10, d))
-    rot = build_rotation(kind, 3, d, seed=1, stats=stats).rot
+    queries = CovarianceAccumulator(3, d)
+    queries.add(torch.randn(2, 3, 50, d) * torch.linspace(10, 0.1, d))
+    rot = build_rotation(kind, 3, d, seed=1, stats=stats, queries=queries).rot
     eye = torch.eye(d).expand(3, d, d)
     assert (rot @ rot.transpose(-1, -2) - eye).abs().max() < 1e-5
 
@@ -56,9 +58,11 @@ def test_rotation_comparison_on_planted_outliers(seed):
     # PCA + per-component scaling halves the key error of the paper's plain SVD
     assert rows["svd-scaled"]["key_rel_mse"] < 0.6 * rows["svd"]["key_rel_mse"]
     assert rows["svd-scaled"]["key_rel_mse"] < rows["identity"]["key_rel_mse"]
-    # ... and is the best recipe on attention scores
+    # ... and is the best recipe on attention scores — but for the same basis turned for the queries (svd-query),
+    # whose score error is lower still (by 0.6–2% on this one-LUT-per-head test; it is made for allocated widths)
     best_score = min(r["score_rel_err"] for r in rows.values())
-    assert rows["svd-scaled"]["score_rel_err"] == best_score
+    assert rows["svd-query"]["score_rel_err"] == best_score
+    assert rows["svd-scaled"]["score_rel_err"] == min(r["score_rel_err"] for k, r in rows.items() if k != "svd-query")
     # the literal SVD rotation with one LUT gains little over no rotation (measured -4 % … +11 %),
     # less than half of what PCA + scaling gains
     gain_svd = rows["identity"]["key_rel_mse"] - rows["svd"]["key_rel_mse"]

@@ -3,7 +3,8 @@
 Two passes over the sequences, never holding activations:
 
 1. per (layer, head): XᵀX, Σx, count for K and for V → rotations Π (svd / svd-scaled / seeded); with bit
-   allocation also the queries' second moments (how much each key channel's error moves the scores);
+   allocation or ``svd-query`` keys also the queries' second moments (how much each key channel's error moves
+   the scores; ``svd-query`` turns the keys' PCA basis to lower that score error, ``esm_turbo.quant.jacobi``);
 2. per (layer, head, channel): a histogram with exact per-bin sums of the rotated (and centred and
    scaled) values → weighted Lloyd-Max LUTs and sign-residual magnitudes (with bit allocation: at every
    width, and each channel's width chosen by ``esm_turbo.quant.allocation``); with ``attention_weight`` a,
@@ -28,7 +29,7 @@ from ..fasta import Record, records_hash
 from ..quant.allocation import ChannelTables, channel_tables, widest_bits
 from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind, pad_levels
 from ..quant.histogram import HistogramAccumulator
-from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotation, identity_reflectors
+from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotations, identity_reflectors
 from .alphabet import encode
 from .attention import RunContext
 from .checkpoint import Calibration, CalibrationConfig, quantizer_seed
@@ -211,6 +212,8 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     if config.key_rotation == "auto" or (config.value_rotation == "auto" and config.shared_lut):
         raise EsmTurboError("rotation 'auto' is for values only, and needs separate K and V LUTs "
                             "(shared_lut with value_rotation 'identity' or 'svd-scaled')")
+    if config.value_rotation == "svd-query":
+        raise EsmTurboError("rotation 'svd-query' is for keys (it weighs their error by the queries that read them)")
     check_lut_kind(config.lut)
     if not 0.0 <= config.attention_weight <= 1.0:
         raise EsmTurboError(f"attention_weight {config.attention_weight} is not in [0, 1]")
@@ -223,8 +226,9 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     used = [r for b in batches for r in b]
     start = time.perf_counter()
 
+    need_queries = config.bit_allocation or config.key_rotation == "svd-query"
     cov = {kind: [CovarianceAccumulator(heads, dim) for _ in range(layers)]
-           for kind in ("qkv" if config.bit_allocation else "kv")}
+           for kind in ("qkv" if need_queries else "kv")}
 
     def record_cov(layer, q, k, v, valid):
         for kind, x in zip("qkv", (q, k, v)):
@@ -239,8 +243,8 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         rotation.update(v="identity", **{"v*": "svd-scaled"})
     source = {"k": "k", "v": "v", "v*": "v"}
     affine: dict[str, list[AffineStats]] = {
-        kind: [build_rotation(rot, heads, dim, quantizer_seed(config, li, source[kind]), cov[source[kind]][li])
-               for li in range(layers)] for kind, rot in rotation.items()}
+        kind: build_rotations(rot, heads, dim, [quantizer_seed(config, li, source[kind]) for li in range(layers)],
+                              cov[source[kind]], cov.get("q")) for kind, rot in rotation.items()}
     hist = {kind: [_histogram(affine[kind][li].second_moments(cov[source[kind]][li]), config, engine.device)
                    for li in range(layers)] for kind in rotation}
 

@@ -5,7 +5,7 @@ Tensors, per layer ``l`` and kind ``k``/``v``: ``layers.l.k.centroids`` [H,d,K] 
 ``.order`` [H,d] (uint8: index bits per channel, and the rows of the rotation in channel order), and the
 LUTs hold only each channel's 2^width levels, flattened: [n] and [n, 2]), ``.offset`` [H,d], ``.scale`` [H,d], and
 ``.rot`` [H, d(d+1)/2] (fp16 Householder vectors and R's signs, ``esm_turbo.quant.rotations.to_reflectors``:
-about half the bytes of the matrix, rebuilt exactly orthonormal) only for fitted (svd, svd-scaled, auto)
+about half the bytes of the matrix, rebuilt exactly orthonormal) only for fitted (svd, svd-scaled, svd-query, auto)
 rotations — with ``auto`` only for the value heads that chose one ([n, d(d+1)/2]); seeded ones (haar,
 hadamard, identity) are rebuilt from the seed.
 Metadata (strings): ``esm_turbo`` (JSON with model fingerprint, config, calibration-set hash, token
@@ -32,7 +32,7 @@ FORMAT_VERSION = 4  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16
 _TABLES = ("centroids", "eps", "offset", "scale")
 _LUTS = ("centroids", "eps")
 #: rotations fitted from data (stored in the checkpoint); "auto" picks, per head, unrotated or svd-scaled
-FITTED_ROTATIONS = ("svd", "svd-scaled", "auto")
+FITTED_ROTATIONS = ("svd", "svd-scaled", "svd-query", "auto")
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class CalibrationConfig:
 
     key_bits: int = 3
     value_bits: int = 3
-    key_rotation: str = "svd-scaled"
+    # PCA of the keys turned to lower the score error its queries see (esm_turbo.quant.jacobi; "svd-scaled": plain PCA)
+    key_rotation: str = "svd-query"
     value_rotation: str = "auto"  # per head: unrotated or svd-scaled, whichever error reaches the output less
     residual: str = "sign"
     sign_mode: str = "bin"
@@ -71,6 +72,7 @@ PRESETS: dict[str, CalibrationConfig] = {
     "uniform-tokens": CalibrationConfig(attention_weight=0.0),  # every token counts once in the fits (until session 9)
     "head-lut": CalibrationConfig(lut="head", bit_allocation=False),  # one LUT per head, equal widths
     "no-rotation": CalibrationConfig(key_rotation="identity", value_rotation="identity"),
+    "pca-keys": CalibrationConfig(key_rotation="svd-scaled"),  # keys' PCA, not turned for the queries (until session 10)
     "kv-rotated": CalibrationConfig(value_rotation="svd-scaled"),
     "v-unrotated": CalibrationConfig(value_rotation="identity"),
     "shared-lut": CalibrationConfig(shared_lut=True, value_rotation="identity", bit_allocation=False),

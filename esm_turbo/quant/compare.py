@@ -33,12 +33,18 @@ def planted_outlier_data(n: int = 4096, dim: int = 64, queries: int = 64, seed: 
     return keys, values, q * dim**-0.5
 
 
-def fit_quantizer(train: torch.Tensor, kind: str, bits: int = 3, bins: int = 4096) -> VectorQuantizer:
-    """Calibrate a one-head VectorQuantizer on train [N, d] with the given rotation kind."""
+def fit_quantizer(train: torch.Tensor, kind: str, bits: int = 3, bins: int = 4096,
+                  queries: torch.Tensor | None = None) -> VectorQuantizer:
+    """Calibrate a one-head VectorQuantizer on train [N, d] with the given rotation kind (``svd-query`` also
+    reads ``queries`` [M, d])."""
     x = train[None, :, :]  # [H=1, N, d]
     cov = CovarianceAccumulator(1, train.shape[1])
     cov.add(x)
-    affine = build_rotation(kind, 1, train.shape[1], seed=0, stats=cov)
+    query_stats = None
+    if queries is not None:
+        query_stats = CovarianceAccumulator(1, train.shape[1])
+        query_stats.add(queries[None])
+    affine = build_rotation(kind, 1, train.shape[1], seed=0, stats=cov, queries=query_stats)
     hist = HistogramAccumulator(10 * affine.second_moments(cov).amax(-1).sqrt(), bins)
     hist.add(affine.forward(x).reshape(1, -1))
     return VectorQuantizer.from_calibration(affine, hist.padded(), bits, residual="none")
@@ -46,7 +52,7 @@ def fit_quantizer(train: torch.Tensor, kind: str, bits: int = 3, bins: int = 409
 
 def score_recipe(kind: str, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, bits: int = 3) -> dict:
     half = keys.shape[0] // 2
-    q = fit_quantizer(keys[:half], kind, bits)
+    q = fit_quantizer(keys[:half], kind, bits, queries=queries)
     k = keys[half:][None]
     k_hat = q.decode(q.encode(k))[0]
     k = k[0]

@@ -13,7 +13,10 @@ Kinds:
   activations, rows sorted by decreasing energy. It does *not* equalise variance: it concentrates
   energy in the leading components;
 * ``svd-scaled``: PCA followed by per-component centring and scaling to unit variance (an affine
-  step stored beside Π, see :class:`AffineStats`).
+  step stored beside Π, see :class:`AffineStats`);
+* ``svd-query`` (keys): ``svd-scaled`` with the PCA basis refined for the queries that read the keys — the
+  orthogonal Π minimising the score error of a bit-allocated quantizer (``esm_turbo.quant.jacobi``); needs the
+  queries' statistics too.
 
 PCA is fitted from activations streamed in chunks through :class:`CovarianceAccumulator`, which
 keeps only ``XᵀX``, ``Σx`` and a count per head.
@@ -26,7 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-ROTATION_KINDS = ("identity", "haar", "hadamard", "svd", "svd-scaled")
+from .jacobi import query_aware
+
+ROTATION_KINDS = ("identity", "haar", "hadamard", "svd", "svd-scaled", "svd-query")
+#: kinds fitted from calibration statistics (the others are seeded)
+FITTED_KINDS = ("svd", "svd-scaled", "svd-query")
 
 
 def check_rotation_kind(kind: str) -> str:
@@ -116,15 +123,19 @@ class CovarianceAccumulator:
         self.count += n.cpu()
         self.max_norm = torch.maximum(self.max_norm, flat.norm(dim=-1).amax(-1).cpu())
 
+    def moments(self, centered: bool) -> torch.Tensor:
+        """[H, d, d] float64: the covariance (``centered``) or the second moments E[x xᵀ]."""
+        if torch.any(self.count == 0):
+            raise ValueError("no calibration tokens were seen for at least one head")
+        mean = self.sum / self.count[:, None]
+        return self.xtx / self.count[:, None, None] - (mean[:, :, None] * mean[:, None, :] if centered else 0.0)
+
     def pca(self, centered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (Π [H,d,d] float32 with rows = principal directions by decreasing energy,
         mean [H,d] in the rotated basis, per-component std [H,d] in the rotated basis)."""
-        if torch.any(self.count == 0):
-            raise ValueError("no calibration tokens were seen for at least one head")
-        n = self.count[:, None, None]
+        mat = self.moments(centered)
         mean = self.sum / self.count[:, None]
-        second = self.xtx / n
-        mat = second - (mean[:, :, None] * mean[:, None, :] if centered else 0.0)
+        second = self.xtx / self.count[:, None, None]
         evals, evecs = torch.linalg.eigh(mat)  # ascending
         evecs = evecs.flip(-1)
         # deterministic sign: largest-magnitude entry of each direction positive
@@ -218,27 +229,45 @@ def from_reflectors(stored: torch.Tensor, dim: int) -> torch.Tensor:
     return (q.transpose(-1, -2) * signs[..., None]).float().contiguous()
 
 
-def build_rotation(kind: str, heads: int, dim: int, seed: int = 0,
-                   stats: CovarianceAccumulator | None = None) -> AffineStats:
-    """Build the per-head transform of a given kind. ``svd`` kinds need streamed ``stats``."""
+def build_rotation(kind: str, heads: int, dim: int, seed: int = 0, stats: CovarianceAccumulator | None = None,
+                   queries: CovarianceAccumulator | None = None) -> AffineStats:
+    """The per-head transform of a given kind. Fitted kinds need streamed key ``stats`` (``svd-query`` the
+    ``queries``' too)."""
+    return build_rotations(kind, heads, dim, [seed], [stats], [queries])[0]
+
+
+def build_rotations(kind: str, heads: int, dim: int, seeds: list[int],
+                    stats: list[CovarianceAccumulator | None], queries: list[CovarianceAccumulator | None] | None = None,
+                    ) -> list[AffineStats]:
+    """:func:`build_rotation` for several layers at once (``svd-query`` refines all their heads in one batch)."""
     check_rotation_kind(kind)
     zeros = torch.zeros(heads, dim)
     ones = torch.ones(heads, dim)
     if kind == "identity":
-        return AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), zeros, ones)
+        return [AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), zeros, ones) for _ in seeds]
     if kind == "haar":
-        return AffineStats(haar_orthogonal(dim, seed, heads), zeros, ones)
+        return [AffineStats(haar_orthogonal(dim, seed, heads), zeros, ones) for seed in seeds]
     if kind == "hadamard":
-        return AffineStats(hadamard_rotations(dim, seed, heads), zeros, ones)
-    if stats is None:
+        return [AffineStats(hadamard_rotations(dim, seed, heads), zeros, ones) for seed in seeds]
+    if any(s is None for s in stats):
         raise ValueError(f"rotation {kind!r} is fitted from data: calibration statistics are required")
-    rot, mean, std = stats.pca(centered=kind == "svd-scaled")
-    stored = to_reflectors(rot)
-    rot = from_reflectors(stored, dim)  # what a checkpoint stores rebuilds exactly this
-    if kind == "svd":
-        return AffineStats(rot, zeros, ones, stored)
-    # re-derive the component statistics in the snapped basis
-    snapped = AffineStats(rot, zeros, ones)
-    mean = torch.einsum("hij,hj->hi", rot.double(), stats.sum / stats.count[:, None]).float()
-    var = (snapped.second_moments(stats) - mean**2).clamp_min(1e-12)
-    return AffineStats(rot, mean, var.sqrt(), stored)
+    rots = torch.stack([s.pca(centered=kind != "svd")[0] for s in stats])  # [L, H, d, d]
+    if kind == "svd-query":
+        if queries is None or any(q is None for q in queries):
+            raise ValueError("rotation 'svd-query' is fitted from keys and queries: query statistics are required")
+        flat = query_aware(rots.flatten(0, 1), torch.cat([q.moments(centered=False) for q in queries]),
+                           torch.cat([s.moments(centered=True) for s in stats]))
+        rots = flat.view(rots.shape)
+    out = []
+    for rot, layer_stats in zip(rots, stats):
+        stored = to_reflectors(rot)
+        rot = from_reflectors(stored, dim)  # what a checkpoint stores rebuilds exactly this
+        if kind == "svd":
+            out.append(AffineStats(rot, zeros, ones, stored))
+            continue
+        # centre and scale each component, its statistics re-derived in the snapped basis
+        snapped = AffineStats(rot, zeros, ones)
+        mean = torch.einsum("hij,hj->hi", rot.double(), layer_stats.sum / layer_stats.count[:, None]).float()
+        var = (snapped.second_moments(layer_stats) - mean**2).clamp_min(1e-12)
+        out.append(AffineStats(rot, mean, var.sqrt(), stored))
+    return out
