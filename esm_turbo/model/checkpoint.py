@@ -25,14 +25,14 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError
 from ..io import atomic_write
 from ..quant.codec import KVCodec, VectorQuantizer, pad_levels
-from ..quant.rotations import build_rotation, from_reflectors, identity_reflectors
+from ..quant.rotations import FITTED_KINDS, build_rotation, from_reflectors, identity_reflectors
 
 FORMAT_VERSION = 4  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16; 3: bit allocations;
 # 4: rotations as fp16 Householder vectors
 _TABLES = ("centroids", "eps", "offset", "scale")
 _LUTS = ("centroids", "eps")
 #: rotations fitted from data (stored in the checkpoint); "auto" picks, per head, unrotated or svd-scaled
-FITTED_ROTATIONS = ("svd", "svd-scaled", "svd-query", "auto")
+FITTED_ROTATIONS = (*FITTED_KINDS, "auto")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_batched,
 from .allocation import ChannelTables, allocate, channel_tables, tier_order, widest_bits
 from .packing import field_layout, pack_1bit_u8, pack_fields, unpack_1bit_u8, unpack_fields
 from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_batched, sign_eps_table
-from .rotations import AffineStats, affine_forward, affine_inverse, build_rotation, check_rotation_kind
+from .rotations import FITTED_KINDS, AffineStats, affine_forward, affine_inverse, build_rotation, check_rotation_kind
 
 PartSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -182,7 +182,7 @@ class VectorQuantizer(nn.Module):
     def oblivious(cls, heads: int, dim: int, bits: int, rotation: str = "hadamard",
                   residual: str = "none", seed: int = 0) -> "VectorQuantizer":
         """Data-oblivious TurboQuant: random rotation, per-vector norm, LUT of the sphere density."""
-        if check_rotation_kind(rotation) in ("svd", "svd-scaled"):
+        if check_rotation_kind(rotation) in FITTED_KINDS:
             raise ValueError(f"rotation {rotation!r} needs calibration; use from_calibration")
         q = cls(heads, dim, bits, residual, normalize=True, qjl_seed=seed + 1)
         q.set_rotation(build_rotation(rotation, heads, dim, seed))

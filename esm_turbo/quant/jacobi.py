@@ -77,6 +77,11 @@ def objective(rot: torch.Tensor, query: torch.Tensor, keys: torch.Tensor, floor:
     query, keys = _normalised(query), _normalised(keys)
     w = torch.einsum("gij,gjk,gik->gi", rot.double(), query, rot.double())
     s = torch.einsum("gij,gjk,gik->gi", rot.double(), keys, rot.double())
+    return _log_cost(w, s, floor)
+
+
+def _log_cost(w: torch.Tensor, s: torch.Tensor, floor: float) -> torch.Tensor:
+    """Mean over channels of log w_c + log σ_c² [G], from the channels' query weights and key variances [G, d]."""
     return (torch.log(w.clamp_min(0) + floor) + torch.log(s.clamp_min(0) + floor)).mean(-1)
 
 
@@ -97,7 +102,10 @@ def query_aware(rot: torch.Tensor, query: torch.Tensor, keys: torch.Tensor, max_
     phi = torch.arange(grid, dtype=rot.dtype) * (math.pi / grid)  # φ = 2θ over a half turn (J has period π)
     fine = torch.linspace(-math.pi / grid, math.pi / grid, 17, dtype=rot.dtype)
     rounds = round_robin(rot.shape[-1])
-    last = objective(rot, query, keys, floor)
+    def cost_now() -> torch.Tensor:  # J / d of the current rows: a and b hold Π M Πᵀ and Π Σ Πᵀ
+        return _log_cost(torch.diagonal(a, dim1=1, dim2=2), torch.diagonal(b, dim1=1, dim2=2), floor)
+
+    last = cost_now()
     for _ in range(max_sweeps):
         for i, j in rounds:
             cost = _pair_cost(a, i, j, phi, floor) + _pair_cost(b, i, j, phi, floor)  # [G, d/2, grid]
@@ -109,7 +117,7 @@ def query_aware(rot: torch.Tensor, query: torch.Tensor, keys: torch.Tensor, max_
             _turn_rows(rot, i, j, c, s)
             _turn_sym(a, i, j, c, s)
             _turn_sym(b, i, j, c, s)
-        now = objective(rot, query, keys, floor)
+        now = cost_now()
         if float((last - now).max()) < tol:
             break
         last = now
