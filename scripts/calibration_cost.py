@@ -1,6 +1,7 @@
 """Calibration time and checkpoint size on a 650M-shaped stress model (random weights with planted
 outliers: pretrained weights cannot be downloaded here): the default recipe (a LUT per channel, allocated
-widths), equal widths (uniform-bits) and one LUT per head (head-lut). Run on a GPU:
+widths, keys turned for their queries), plain PCA keys (pca-keys), equal widths (uniform-bits) and one LUT per
+head (head-lut). Run on a GPU:
 results/gpu/calibrate_650M_h100.txt.
 
     python scripts/calibration_cost.py OUT_DIR [--size 650M] [--device cuda]
@@ -27,7 +28,7 @@ def main():
     model = stress_esm2(size=args.size, seed=0).to(device)
     records = read_fastas([str(CALIBRATION_DATA / "calibration.fasta")])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    for preset in ("default", "uniform-bits", "head-lut"):
+    for preset in ("default", "pca-keys", "uniform-bits", "head-lut"):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()

@@ -63,3 +63,14 @@ def test_svd_query_needs_query_statistics():
     y = aff.second_moments(stats) - ((torch.einsum("hij,hj->hi", aff.rot.double(), stats.sum / stats.count[:, None])
                                       .float() - aff.offset) / aff.scale) ** 2
     torch.testing.assert_close(y, torch.ones_like(y), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_query_aware_on_cuda_matches_the_cpu_and_repeats_exactly():
+    """Calibration runs the sweeps on the model's device: the same objective as on the CPU (the rotations may
+    part at near-ties of the angle search) and the same bits on every run."""
+    query, keys, pca = _moments(0, heads=8, dim=32)
+    cpu = query_aware(pca, query, keys)
+    runs = [query_aware(pca.cuda(), query, keys) for _ in range(2)]
+    assert runs[0].device.type == "cuda" and torch.equal(runs[0], runs[1])
+    assert torch.allclose(objective(runs[0].cpu(), query, keys), objective(cpu, query, keys), rtol=0, atol=1e-7)

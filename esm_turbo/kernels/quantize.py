@@ -14,35 +14,52 @@ import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import dot_precision, rotate_rows, part_or, split16, token_offsets, token_strides
+from .common import dot_precision, rotate_rows, part_or, split16, token_strides
 
 
 @triton.jit
 def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr, lay_ptr, idx_ptr,
-                  sign_ptr, pos_ptr, h, offs_n, B, H, S, T_CAP,
+                  sign_ptr, pos_ptr, h, b, s_idx, nmask, H, T_CAP,
                   D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, FIELDS: tl.constexpr, SIGN: tl.constexpr,
-                  COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
-    """Encode tokens ``offs_n`` (over (b, s)) of head ``h`` of one tensor kind into its cache part (K levels
-    per channel's LUT, bounds [H, K-1, D] level-major; codes at the field shifts ``FIELDS`` compiled in when
-    every head shares them, else those of this head's layout row ``lay_ptr``)."""
-    nmask = offs_n < B * S
-    b = offs_n // S
+                  COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr,
+                  PER_SEQ: tl.constexpr):
+    """Encode BLOCK_N tokens — sequence ``b``, position ``s_idx`` among the new ones (each a scalar or
+    [BLOCK_N]; ``nmask``: which exist) — of head ``h`` of one tensor kind into its cache part (K levels per
+    channel's LUT, bounds [H, K-1, D] level-major; codes at the field shifts ``FIELDS`` compiled in when every
+    head shares them, else those of this head's layout row ``lay_ptr``).
+
+    A prefill (``PER_SEQ``) has many programs and is bound by instructions: the level compares run as a loop
+    that carries the centroid reached for the sign. A decode step has a few programs and is bound by their
+    latency: the compares are unrolled and the centroid is gathered once after them
+    (results/gpu/quantize_session11_h100.txt)."""
     offs_d = tl.arange(0, D)
-    y = rotate_rows(x_ptr, token_offsets(h, offs_n, S, sxb, sxh, sxs), nmask, rot_ptr + h * D * D, D, PRECISION,
-                    SPLIT16)
+    zero = tl.zeros((BLOCK_N,), dtype=tl.int64)
+    x_rows = zero + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + s_idx.to(tl.int64) * sxs
+    y = rotate_rows(x_ptr, x_rows, nmask, rot_ptr + h * D * D, D, PRECISION, SPLIT16)
     y = (y - tl.load(offset_ptr + h * D + offs_d)[None, :]) / tl.load(scale_ptr + h * D + offs_d)[None, :]
 
     idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
-    for k in tl.static_range(K - 1):
-        idx += (y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]).to(tl.int32)
+    cent_rows = cent_ptr + (h * D + offs_d) * K  # centroids [H, D, K]
+    if PER_SEQ:  # bounds ascend, so y > b_k holds for a prefix of k: the last level passed is idx
+        cy = tl.zeros((BLOCK_N, D), dtype=tl.float32) + tl.load(cent_rows)[None, :]
+        for k in range(K - 1):
+            up = y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]
+            idx += up.to(tl.int32)
+            if SIGN:
+                cy = tl.where(up, tl.load(cent_rows + k + 1)[None, :], cy)
+    else:
+        for k in tl.static_range(K - 1):
+            idx += (y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]).to(tl.int32)
+        if SIGN:
+            cy = tl.load(cent_rows[None, :] + idx)
 
     D8: tl.constexpr = D // 8
     g = tl.arange(0, D8)
     r = tl.arange(0, 8)
-    pos = tl.load(pos_ptr + b, mask=nmask, other=0)
-    rows = (b * H + h).to(tl.int64) * T_CAP + pos + offs_n % S  # cache rows
+    pos = tl.load(pos_ptr + (zero + b), mask=nmask, other=0)
+    rows = (b * H + h).to(tl.int64) * T_CAP + pos + s_idx  # cache rows [BLOCK_N]
     if SIGN:
-        s = (y >= tl.load(cent_ptr + (h * D + offs_d)[None, :] * K + idx)).to(tl.int32)
+        s = (y >= cy).to(tl.int32)
         if COMBINE:  # one code 2·idx + sign of BITS + 1 bits
             idx = idx * 2 + s
         else:
@@ -73,21 +90,30 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
                           D: tl.constexpr, KBITS: tl.constexpr, KK: tl.constexpr, KFIELDS: tl.constexpr,
                           KSIGN: tl.constexpr, KCOMB: tl.constexpr, VBITS: tl.constexpr, VK: tl.constexpr,
                           VFIELDS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, KSPLIT: tl.constexpr,
-                          VSPLIT: tl.constexpr):
-    """Grid (2·H, cdiv(B·S, BLOCK_N)): programs [0, H) encode keys, [H, 2H) values; one head's Π serves
-    BLOCK_N tokens drawn from every sequence, so a decode step (S = 1, large B) loads each rotation a
-    few times instead of once per sequence."""
+                          BLOCK_N: tl.constexpr, PER_SEQ: tl.constexpr, PRECISION: tl.constexpr,
+                          KSPLIT: tl.constexpr, VSPLIT: tl.constexpr):
+    """Programs [0, H) of grid axis 0 encode keys, [H, 2H) values. ``PER_SEQ`` (a prefill, S > 1): grid
+    (2·H, cdiv(S, BLOCK_N), B), each program BLOCK_N new tokens of one sequence; else (a decode step, S = 1):
+    grid (2·H, cdiv(B, BLOCK_N)), each program the new token of BLOCK_N sequences, so one head's Π serves
+    many sequences. No division per token either way (it cost a quarter of the instructions)."""
     pid = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PER_SEQ:
+        b = tl.program_id(2)
+        s_idx = offs
+        nmask = offs < S
+    else:
+        b = offs
+        s_idx = tl.zeros((BLOCK_N,), dtype=tl.int32)
+        nmask = offs < B
     if pid < H:
         _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
-                      pos_ptr, pid, offs_n, B, H, S, T_CAP, D, KBITS, KK, KFIELDS, KSIGN, KCOMB, BLOCK_N, PRECISION,
-                      KSPLIT)
+                      pos_ptr, pid, b, s_idx, nmask, H, T_CAP, D, KBITS, KK, KFIELDS, KSIGN, KCOMB, BLOCK_N, PRECISION,
+                      KSPLIT, PER_SEQ)
     else:
         _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
-                      pos_ptr, pid - H, offs_n, B, H, S, T_CAP, D, VBITS, VK, VFIELDS, VSIGN, VCOMB, BLOCK_N, PRECISION,
-                      VSPLIT)
+                      pos_ptr, pid - H, b, s_idx, nmask, H, T_CAP, D, VBITS, VK, VFIELDS, VSIGN, VCOMB, BLOCK_N,
+                      PRECISION, VSPLIT, PER_SEQ)
 
 
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
@@ -118,7 +144,8 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
 
     (k_main, k_sign), k_c = kind(k_out, k_code)
     (v_main, v_sign), v_c = kind(v_out, v_code)
-    grid = (2 * heads, triton.cdiv(batch * s, block_n))
+    per_seq = s > 1
+    grid = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
     k, k_strides = token_strides(k)
     v, v_strides = token_strides(v)
     prec = cfg["precision"]
@@ -134,5 +161,5 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
         pos, batch, heads, s, k_main.shape[2], D=d, KBITS=k_c[0], KK=k_tables[4].shape[-1],
         KFIELDS=fields(k_fields, k_tables[5], k_code), KSIGN=k_c[1], KCOMB=k_c[2], VBITS=v_c[0],
         VK=v_tables[4].shape[-1], VFIELDS=fields(v_fields, v_tables[5], v_code), VSIGN=v_c[1], VCOMB=v_c[2],
-        BLOCK_N=block_n, PRECISION=prec,
+        BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION=prec,
         KSPLIT=split16(k, prec), VSPLIT=split16(v, prec), num_warps=cfg["num_warps"])

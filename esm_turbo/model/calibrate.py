@@ -244,7 +244,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     source = {"k": "k", "v": "v", "v*": "v"}
     affine: dict[str, list[AffineStats]] = {
         kind: build_rotations(rot, heads, dim, [quantizer_seed(config, li, source[kind]) for li in range(layers)],
-                              cov[source[kind]], cov.get("q")) for kind, rot in rotation.items()}
+                              cov[source[kind]], cov.get("q"), engine.device) for kind, rot in rotation.items()}
     hist = {kind: [_histogram(affine[kind][li].second_moments(cov[source[kind]][li]), config, engine.device)
                    for li in range(layers)] for kind in rotation}
 

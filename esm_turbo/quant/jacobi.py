@@ -94,14 +94,16 @@ def query_aware(rot: torch.Tensor, query: torch.Tensor, keys: torch.Tensor, max_
                 tol: float = 1e-4, grid: int = 64, floor: float = 1e-6, ridge: float = RIDGE) -> torch.Tensor:
     """Refine orthogonal rows rot [G, d, d] (e.g. the keys' PCA) to lower :func:`objective` for query second
     moments ``query`` (normalised, plus ``ridge`` · I) and key covariances ``keys`` [G, d, d]. Returns [G, d, d]
-    float64, orthogonal rows."""
+    float64, orthogonal rows, on the device of ``rot`` (the sweeps are ~30 small launches per round: a GPU
+    runs them in a fraction of a CPU's time; the other inputs are moved there)."""
     rot = rot.detach().double().clone()
-    query = _normalised(query) + ridge * torch.eye(rot.shape[-1], dtype=rot.dtype)
+    like = dict(dtype=rot.dtype, device=rot.device)
+    query = _normalised(query.to(rot.device)) + ridge * torch.eye(rot.shape[-1], **like)
     a = rot @ query @ rot.transpose(1, 2)
-    b = rot @ _normalised(keys) @ rot.transpose(1, 2)
-    phi = torch.arange(grid, dtype=rot.dtype) * (math.pi / grid)  # φ = 2θ over a half turn (J has period π)
-    fine = torch.linspace(-math.pi / grid, math.pi / grid, 17, dtype=rot.dtype)
-    rounds = round_robin(rot.shape[-1])
+    b = rot @ _normalised(keys.to(rot.device)) @ rot.transpose(1, 2)
+    phi = torch.arange(grid, **like) * (math.pi / grid)  # φ = 2θ over a half turn (J has period π)
+    fine = torch.linspace(-math.pi / grid, math.pi / grid, 17, **like)
+    rounds = [(i.to(rot.device), j.to(rot.device)) for i, j in round_robin(rot.shape[-1])]
     def cost_now() -> torch.Tensor:  # J / d of the current rows: a and b hold Π M Πᵀ and Π Σ Πᵀ
         return _log_cost(torch.diagonal(a, dim1=1, dim2=2), torch.diagonal(b, dim1=1, dim2=2), floor)
 

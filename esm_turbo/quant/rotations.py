@@ -238,8 +238,9 @@ def build_rotation(kind: str, heads: int, dim: int, seed: int = 0, stats: Covari
 
 def build_rotations(kind: str, heads: int, dim: int, seeds: list[int],
                     stats: list[CovarianceAccumulator | None], queries: list[CovarianceAccumulator | None] | None = None,
-                    ) -> list[AffineStats]:
-    """:func:`build_rotation` for several layers at once (``svd-query`` refines all their heads in one batch)."""
+                    device: torch.device | str = "cpu") -> list[AffineStats]:
+    """:func:`build_rotation` for several layers at once (``svd-query`` refines all their heads in one batch,
+    on ``device``; the rotations returned are on the CPU)."""
     check_rotation_kind(kind)
     zeros = torch.zeros(heads, dim)
     ones = torch.ones(heads, dim)
@@ -255,9 +256,9 @@ def build_rotations(kind: str, heads: int, dim: int, seeds: list[int],
     if kind == "svd-query":
         if queries is None or any(q is None for q in queries):
             raise ValueError("rotation 'svd-query' is fitted from keys and queries: query statistics are required")
-        flat = query_aware(rots.flatten(0, 1), torch.cat([q.moments(centered=False) for q in queries]),
+        flat = query_aware(rots.flatten(0, 1).to(device), torch.cat([q.moments(centered=False) for q in queries]),
                            torch.cat([s.moments(centered=True) for s in stats]))
-        rots = flat.view(rots.shape)
+        rots = flat.cpu().view(rots.shape)
     out = []
     for rot, layer_stats in zip(rots, stats):
         stored = to_reflectors(rot)
