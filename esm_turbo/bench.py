@@ -22,6 +22,7 @@ import torch
 
 from .cache import KVCache
 from .fasta import CALIBRATION_DATA
+from .model.checkpoint import CalibrationConfig
 from .ops import attend_compressed, force_reference, use_kernels
 from .ops.compressed import fused_tables
 from .testing import random_turbo_codec
@@ -72,9 +73,15 @@ def peak_copy_gbs(device: torch.device) -> float:
     return 2 * src.numel() / sec / 1e9
 
 
+def default_codec(heads: int, dim: int, seed: int = 0):
+    """A random codec of the default calibration's widths (3 + sign bits for keys and values)."""
+    return random_turbo_codec(heads, dim, CalibrationConfig.key_bits, CalibrationConfig.value_bits, "sign", seed)
+
+
 def _synthetic_cache(heads: int, dim: int, batch: int, length: int, device, seed: int = 0) -> KVCache:
-    """A one-layer TurboESM cache (3+1 bits, K and V) full of random codes at ``length`` per row."""
-    codec = random_turbo_codec(heads, dim, 3, 3, "sign", seed).to(device)
+    """A one-layer TurboESM cache of the default widths (:func:`default_codec`) full of random codes at
+    ``length`` per row."""
+    codec = default_codec(heads, dim, seed).to(device)
     cache = KVCache([codec], batch, capacity=length, device=device)
     fill_synthetic(cache, length, torch.Generator(device=device).manual_seed(seed))
     return cache
@@ -173,7 +180,7 @@ def bench_quantize(device, size: str = "650M", length: int = 1024, layers: int |
     seq = _random_protein(length - 2, 0)
 
     def factory(layer, heads, dim):
-        return random_turbo_codec(heads, dim, 3, 3, "sign", seed=layer)
+        return default_codec(heads, dim, seed=layer)
 
     from .model.alphabet import encode
     tokens, mask = encode([seq], add_eos=True)
@@ -228,7 +235,7 @@ def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: fl
     engine = TurboEsm(model)
     rows = []
     for kind in ("fp16", "turbo-3+1"):
-        factory = (lambda layer, h, d: random_turbo_codec(h, d, 3, 3, "sign", seed=layer)) \
+        factory = (lambda layer, h, d: default_codec(h, d, seed=layer)) \
             if kind != "fp16" else "fp16"
         codecs = engine.codecs(factory)
         per_token = sum(c.bytes_per_token() for c in codecs) * engine.heads
@@ -265,7 +272,7 @@ def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: fl
 @torch.no_grad()
 def bench_cpu_steps(sizes=("8M", "35M"), context: int = 256, steps: int = 8,
                     calibration_tokens: int = 8192) -> list[dict]:
-    """CPU, batch 1: decode-step latency (PyTorch reference path) with the compressed 3+1-bit cache and
+    """CPU, batch 1: decode-step latency (PyTorch reference path) with the compressed (mean 3+1-bit) cache and
     with an fp32 cache at ``context`` tokens, and calibration time of the same-shaped stand-in model on
     the first ``calibration_tokens`` tokens of calibration_data (default recipe)."""
     from dataclasses import replace
@@ -284,7 +291,7 @@ def bench_cpu_steps(sizes=("8M", "35M"), context: int = 256, steps: int = 8,
         engine = TurboEsm(model)
         row = dict(size=size, context=context, threads=torch.get_num_threads())
         for kind in ("fp32", "turbo-3+1"):
-            factory = (lambda layer, h, d: random_turbo_codec(h, d, 3, 3, "sign", seed=layer)) \
+            factory = (lambda layer, h, d: default_codec(h, d, seed=layer)) \
                 if kind != "fp32" else "fp32"
             session = synthetic_session(engine, factory, 1, context, steps + 2)
             tok = torch.full((1, 1), alphabet().get_idx("A"))
@@ -390,7 +397,8 @@ def format_result(res: BenchResult) -> str:
     if res.peak_copy_gbs:
         lines.append(f"device-to-device copy: {res.peak_copy_gbs:.0f} GB/s (read + write)")
     if res.attention:
-        lines.append("\ndecode attention per layer call (1 new token per sequence; 3-bit + sign K and V)")
+        lines.append(f"\ndecode attention per layer call (1 new token per sequence; the default widths: keys "
+                     f"{CalibrationConfig.key_bits} + sign, values {CalibrationConfig.value_bits} + sign bits)")
         lines.append(f"{'shape':6} {'B':>3} {'T':>6} {'fused µs':>9} {'two-step µs':>11} {'fp16 SDPA µs':>12} "
                      f"{'×two-step':>9} {'×SDPA':>6} {'GB/s':>6} {'%copy':>6}")
 

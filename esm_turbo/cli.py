@@ -48,16 +48,15 @@ def cmd_validate_codec(args) -> int:
 def _config_from_args(args):
     from dataclasses import replace
 
-    from .model.checkpoint import PRESETS
+    from .model.checkpoint import PRESETS, with_mean_bits
     cfg = PRESETS[args.preset]
+    if getattr(args, "bits", None) is not None:
+        cfg = with_mean_bits(cfg, args.bits)
     overrides = {k: getattr(args, k) for k in ("key_bits", "value_bits", "key_rotation", "value_rotation",
                                                 "residual", "sign_mode", "lut", "bit_allocation",
                                                 "max_channel_bits", "shared_widths", "attention_weight",
                                                 "max_tokens", "seed")
                  if getattr(args, k, None) is not None}
-    if getattr(args, "bits", None) is not None:
-        overrides.setdefault("key_bits", args.bits)
-        overrides.setdefault("value_bits", args.bits)
     return replace(cfg, **overrides)
 
 
@@ -80,11 +79,9 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from dataclasses import replace
-
     from .fasta import read_fastas
     from .model.calibrate import calibrate
-    from .model.checkpoint import PRESETS, Calibration
+    from .model.checkpoint import PRESETS, Calibration, with_mean_bits
     from .model.engine import TurboEsm
     from .model.evaluate import evaluate, format_table
     from .model.loading import load_esm
@@ -98,7 +95,7 @@ def cmd_evaluate(args) -> int:
         base = variants["turbo"].config
         for name in args.ablations:
             preset = PRESETS[name]
-            cfg = replace(preset, key_bits=base.key_bits, value_bits=base.value_bits)
+            cfg = with_mean_bits(preset, (base.key_bits + base.value_bits) // 2)  # the same memory
             variants[name] = calibrate(model, cal_records, cfg, progress=not args.quiet)
     reports = {}
     for name, cal in variants.items():
@@ -223,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fasta", nargs="+", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--preset", choices=list(PRESETS), default="default")
-    p.add_argument("--bits", type=int, help="bits for both K and V")
+    p.add_argument("--bits", type=int, help="mean index bits per value (default 3); the preset's key/value split is "
+                   "kept within widths 1..4 (preset keys-first: keys one bit more, values one less)")
     p.add_argument("--key-bits", type=int)
     p.add_argument("--value-bits", type=int)
     rot = ["svd", "svd-scaled", "hadamard", "haar", "none", "identity"]

@@ -94,7 +94,9 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
     read a field layout per head) or, ``shared``, the same for every head (compiled-in shifts, as for equal
     widths)."""
     from esm_turbo.kernels.decode import compressed_attention_triton
-    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=seed, allocate=allocate, shared=shared).to(DEVICE)
+    key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)  # (keys, values): the default's split
+    codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=seed, allocate=allocate,
+                               shared=shared).to(DEVICE)
     tables = fused_tables(codec)
     if not allocate or shared:
         assert tables.k_fields >= 0 and tables.v_fields >= 0
@@ -131,7 +133,8 @@ def test_decode_kernel_shared_widths(bits, residual, d, path):
 
 @needs_triton
 @pytest.mark.parametrize("bits,residual,d", [(3, "sign", 16), (2, "sign", 32), (4, "none", 16), (3, "none", 64),
-                                             (4, "sign", 32), (1, "sign", 16)])
+                                             (4, "sign", 32), (1, "sign", 16), ((4, 2), "sign", 64),
+                                             ((3, 1), "sign", 16)])
 def test_decode_kernel_small(bits, residual, d):
     check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1)
 
@@ -170,7 +173,9 @@ def test_decode_kernel_fp16_inputs():
                                                           (2, "none", 32, torch.float16, True),
                                                           (4, "sign", 64, torch.float16, False),
                                                           (2, "sign", 32, torch.float32, True),
-                                                          (3, "sign", 64, torch.float16, True)])
+                                                          (3, "sign", 64, torch.float16, True),
+                                                          ((4, 2), "sign", 64, torch.float16, True),
+                                                          ((3, 1), "none", 16, torch.float32, False)])
 @pytest.mark.parametrize("s", [7, 1])
 def test_quantize_pack_kernel(bits, residual, d, dtype, shared, s):
     """One launch encodes keys and values (different tables, strided inputs) into their parts, as the
@@ -179,12 +184,13 @@ def test_quantize_pack_kernel(bits, residual, d, dtype, shared, s):
     head's layout row or (``shared``: every head has the same widths) compiled in as field shifts."""
     from esm_turbo.kernels.quantize import quantize_pack_triton
     heads, batch = 2, 3
-    codec = random_turbo_codec(heads, d, bits, bits, residual, seed=bits, shared=shared).to(DEVICE)
+    key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
+    codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=key_bits, shared=shared).to(DEVICE)
     tables = fused_tables(codec)
     # shared: the kernel compiles the field shifts in; else it reads each head's layout row (−1)
     fields = (tables.k_fields, tables.v_fields) if shared else (-1, -1)
     assert min(fields) >= 0 or not shared
-    gen = torch.Generator().manual_seed(bits)
+    gen = torch.Generator().manual_seed(key_bits)
     x = {kind: strided((torch.randn(batch, heads, s, d, generator=gen) * 2).to(DEVICE, dtype)) for kind in "kv"}
     pos = torch.tensor([0, 7, 3], device=DEVICE)
     quantizer = {"k": codec.key, "v": codec.value}
@@ -307,6 +313,19 @@ def test_decode_kernel_grid_gpu(bits, d):
     for path in ("one", "split"):  # both paths whatever the dispatch rule picks for these shapes
         check_kernel_matches(bits, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path)
         check_kernel_matches(bits, "none", d, 2, [16384, 700], s=1, heads=4, dtype=torch.float16, path=path)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [(4, 2), (3, 1)])
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_decode_kernel_split_widths_gpu(bits, d):
+    """Keys wider than values (the default calibration: 4 + sign and 2 + sign bits), both launch paths."""
+    for shared in (False, True):
+        check_kernel_matches(bits, "sign", d, 64, [300] * 63 + [1], s=1, heads=4, seed=d, shared=shared)
+        check_kernel_matches(bits, "none", d, 2, [16384, 700], s=1, heads=4, dtype=torch.float16, shared=shared)
+    check_kernel_matches(bits, "sign", d, 8, [500] * 8, s=4, heads=4, dtype=torch.float16, shared=True)
+    for path in ("one", "split"):
+        check_kernel_matches(bits, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True)
 
 
 @gpu

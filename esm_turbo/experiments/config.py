@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..model.checkpoint import PRESETS, CalibrationConfig
+from ..model.checkpoint import PRESETS, CalibrationConfig, with_mean_bits
 
 
 @dataclass
@@ -60,7 +60,7 @@ class QuantConf:
             raise ValueError(f"unknown TurboESM recipe {self.recipe!r}: choose one of {sorted(PRESETS)}")
         cfg = PRESETS[self.recipe]
         if self.bits:
-            cfg = replace(cfg, key_bits=self.bits, value_bits=self.bits)
+            cfg = with_mean_bits(cfg, self.bits)
         if self.residual:
             cfg = replace(cfg, residual=self.residual)
         return cfg

@@ -15,7 +15,7 @@ count, package version). Writes are atomic (temporary file + rename); loading ch
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,6 +39,9 @@ FITTED_ROTATIONS = (*FITTED_KINDS, "auto")
 class CalibrationConfig:
     """Recipe of a calibration: one schema for the CLI, the Python API and Hydra configs."""
 
+    # index bits per value. Preset "keys-first" moves one from the values to the keys (4 and 2, the same bytes): a
+    # key's error is amplified by the softmax of a peaked head, a value's averaged, so it is more accurate, but the
+    # GPU kernels are slower with its wider key codes (results/kv_bits.txt)
     key_bits: int = 3
     value_bits: int = 3
     # PCA of the keys turned to lower the score error its queries see (esm_turbo.quant.jacobi; "svd-scaled": plain PCA)
@@ -65,8 +68,10 @@ class CalibrationConfig:
 #: "v-unrotated" and "kv-rotated" are the two fixed choices the default's per-head V choice picks from
 PRESETS: dict[str, CalibrationConfig] = {
     "default": CalibrationConfig(),
-    "paper": CalibrationConfig(key_rotation="svd", value_rotation="identity", residual="sign", sign_mode="head",
-                               lut="head", bit_allocation=False, attention_weight=0.0),
+    "paper": CalibrationConfig(key_bits=3, value_bits=3, key_rotation="svd", value_rotation="identity",
+                               residual="sign", sign_mode="head", lut="head", bit_allocation=False,
+                               attention_weight=0.0),
+    "keys-first": CalibrationConfig(key_bits=4, value_bits=2),  # a bit moved from the values to the keys
     "uniform-bits": CalibrationConfig(bit_allocation=False),  # every channel the same width (until allocation)
     "per-head-widths": CalibrationConfig(shared_widths=False),  # each head its own allocation (until shared)
     "uniform-tokens": CalibrationConfig(attention_weight=0.0),  # every token counts once in the fits (until session 9)
@@ -78,6 +83,19 @@ PRESETS: dict[str, CalibrationConfig] = {
     "shared-lut": CalibrationConfig(shared_lut=True, value_rotation="identity", bit_allocation=False),
     "no-residual": CalibrationConfig(residual="none"),
 }
+
+
+def kv_bits(mean: int, shift: int) -> tuple[int, int]:
+    """(key bits, value bits) averaging ``mean``: keys take ``shift`` bits from the values, fewer where a width
+    would leave 1..4 (the split LUT widths; 8 bits stay 8 and 8)."""
+    shift = max(0, min(shift, 4 - mean, mean - 1))
+    return mean + shift, mean - shift
+
+
+def with_mean_bits(cfg: CalibrationConfig, mean: int) -> CalibrationConfig:
+    """``cfg`` at ``mean`` index bits per value, keeping its key/value split (clamped by :func:`kv_bits`)."""
+    key_bits, value_bits = kv_bits(mean, (cfg.key_bits - cfg.value_bits) // 2)
+    return replace(cfg, key_bits=key_bits, value_bits=value_bits)
 
 
 class Calibration:
