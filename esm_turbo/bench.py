@@ -74,7 +74,7 @@ def peak_copy_gbs(device: torch.device) -> float:
 
 
 def default_codec(heads: int, dim: int, seed: int = 0):
-    """A random codec of the default calibration's widths (3 + sign bits for keys and values)."""
+    """A random codec of the default calibration's widths (``CalibrationConfig``'s key and value bits, + sign)."""
     return random_turbo_codec(heads, dim, CalibrationConfig.key_bits, CalibrationConfig.value_bits, "sign", seed)
 
 

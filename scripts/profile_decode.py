@@ -4,17 +4,16 @@ compressed cache: which kernels take the step's time (GPU). Prints torch.profile
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from esm_turbo.bench import _model, synthetic_session
+from esm_turbo.bench import _model, default_codec, synthetic_session
 from esm_turbo.model.alphabet import alphabet
 from esm_turbo.model.engine import TurboEsm
-from esm_turbo.testing import random_turbo_codec
 
 
 @torch.no_grad()
 def main(batch: int = 195, context: int = 1024):
     dev = torch.device("cuda")
     engine = TurboEsm(_model("650M", dev, torch.float16))
-    session = synthetic_session(engine, lambda i, h, d: random_turbo_codec(h, d, 3, 3, "sign", seed=i),
+    session = synthetic_session(engine, lambda i, h, d: default_codec(h, d, seed=i),
                                 batch, context, 8)
     tokens = torch.full((batch, 1), alphabet().get_idx("A"), device=dev)
     for _ in range(2):

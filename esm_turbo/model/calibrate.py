@@ -175,7 +175,7 @@ def channel_importance(affine: AffineStats, reach: CovarianceAccumulator | torch
     """How much an error in each affine channel reaches the output, [H, d]: ``scale_c² · (Π M Πᵀ)_cc`` with M
     the queries' second moments E[q qᵀ] (keys: the score error) or a head's output Gram matrix W_oᵀW_o
     (values), each [H, d, d]."""
-    m = reach if isinstance(reach, torch.Tensor) else reach.xtx / reach.count[:, None, None]
+    m = reach if isinstance(reach, torch.Tensor) else reach.moments(centered=False)
     rot = affine.rot.double().to(m.device)
     diag = torch.einsum("hij,hjk,hik->hi", rot, m.double(), rot)
     return (diag * affine.scale.double().to(m.device) ** 2).float()

@@ -123,19 +123,21 @@ class CovarianceAccumulator:
         self.count += n.cpu()
         self.max_norm = torch.maximum(self.max_norm, flat.norm(dim=-1).amax(-1).cpu())
 
-    def moments(self, centered: bool) -> torch.Tensor:
-        """[H, d, d] float64: the covariance (``centered``) or the second moments E[x xᵀ]."""
+    def mean(self) -> torch.Tensor:
+        """[H, d] float64: E[x]."""
         if torch.any(self.count == 0):
             raise ValueError("no calibration tokens were seen for at least one head")
-        mean = self.sum / self.count[:, None]
+        return self.sum / self.count[:, None]
+
+    def moments(self, centered: bool) -> torch.Tensor:
+        """[H, d, d] float64: the covariance (``centered``) or the second moments E[x xᵀ]."""
+        mean = self.mean()
         return self.xtx / self.count[:, None, None] - (mean[:, :, None] * mean[:, None, :] if centered else 0.0)
 
     def pca(self, centered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (Π [H,d,d] float32 with rows = principal directions by decreasing energy,
         mean [H,d] in the rotated basis, per-component std [H,d] in the rotated basis)."""
-        mat = self.moments(centered)
-        mean = self.sum / self.count[:, None]
-        second = self.xtx / self.count[:, None, None]
+        mat, second, mean = self.moments(centered), self.moments(centered=False), self.mean()
         evals, evecs = torch.linalg.eigh(mat)  # ascending
         evecs = evecs.flip(-1)
         # deterministic sign: largest-magnitude entry of each direction positive
@@ -187,8 +189,7 @@ class AffineStats:
     def second_moments(self, stats: CovarianceAccumulator) -> torch.Tensor:
         """E[y_i²] [H, d] of the affine outputs, from streamed statistics."""
         rot, off, sc = self.rot.double(), self.offset.double(), self.scale.double()
-        second = stats.xtx / stats.count[:, None, None]
-        mean = stats.sum / stats.count[:, None]
+        second, mean = stats.moments(centered=False), stats.mean()
         diag = torch.einsum("hij,hjk,hik->hi", rot, second, rot)
         rmean = torch.einsum("hij,hj->hi", rot, mean)
         return ((diag - 2 * off * rmean + off**2) / sc**2).clamp_min(0).float()
@@ -268,7 +269,7 @@ def build_rotations(kind: str, heads: int, dim: int, seeds: list[int],
             continue
         # centre and scale each component, its statistics re-derived in the snapped basis
         snapped = AffineStats(rot, zeros, ones)
-        mean = torch.einsum("hij,hj->hi", rot.double(), layer_stats.sum / layer_stats.count[:, None]).float()
+        mean = torch.einsum("hij,hj->hi", rot.double(), layer_stats.mean()).float()
         var = (snapped.second_moments(layer_stats) - mean**2).clamp_min(1e-12)
         out.append(AffineStats(rot, mean, var.sqrt(), stored))
     return out
