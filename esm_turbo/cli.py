@@ -57,6 +57,8 @@ def _config_from_args(args):
                                                 "max_channel_bits", "shared_widths", "attention_weight",
                                                 "max_tokens", "seed")
                  if getattr(args, k, None) is not None}
+    if "key_bits" in overrides or "value_bits" in overrides:
+        overrides["split"] = "as-given"  # widths named outright are kept
     return replace(cfg, **overrides)
 
 
@@ -221,8 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--preset", choices=list(PRESETS), default="default")
     p.add_argument("--bits", type=int, help="mean index bits per value (default 3); the preset's key/value split is "
-                   "kept within widths 1..4 (preset keys-first: keys one bit more, values one less)")
-    p.add_argument("--key-bits", type=int)
+                   "kept within widths 1..4 (preset keys-first: keys one bit more, values one less; the default "
+                   "preset under 4 bits per value all-in, e.g. --bits 3 --residual none, gives keys 4 and values 2)")
+    p.add_argument("--key-bits", type=int, help="key index bits, kept as given (with --value-bits)")
     p.add_argument("--value-bits", type=int)
     rot = ["svd", "svd-scaled", "hadamard", "haar", "none", "identity"]
     p.add_argument("--rotation", dest="key_rotation", choices=[*rot, "svd-query"],

@@ -10,6 +10,7 @@ results/key_rotation.txt).
     python scripts/attention_weight_study.py d64 --out rows.jsonl          # ~20 min
     python scripts/attention_weight_study.py d16 --weights 0.5 --key-rotations svd-scaled svd-query --out k.jsonl
     python scripts/attention_weight_study.py d16 --weights 0.5 --kv-bits 3/3 4/2 --out kv.jsonl   # keys-first
+    python scripts/attention_weight_study.py d16 --weights 0.5 --kv-bits 4/2 --max-channel-bits 4 --out kv.jsonl
     python scripts/attention_weight_study.py --table rows.jsonl
 """
 
@@ -33,7 +34,7 @@ RECIPES = {"3+1": "default", "3": "no-residual"}
 
 
 def run(model_name: str, weights: list[float], drops: list[int], out: str, key_rotations: list[str],
-        kv_bits: list[str]) -> None:
+        kv_bits: list[str], max_bits: int | None = None) -> None:
     torch.set_num_threads(1)
     model = stress_esm2(seed=0, **MODELS[model_name])
     calib = read_fastas([str(CALIBRATION_DATA / "calibration.fasta")])
@@ -45,11 +46,13 @@ def run(model_name: str, weights: list[float], drops: list[int], out: str, key_r
                 start = time.perf_counter()
                 key_bits, value_bits = (int(b) for b in split.split("/"))
                 cal = calibrate(model, recs, replace(PRESETS[recipe], attention_weight=a, key_rotation=rot,
-                                                     key_bits=key_bits, value_bits=value_bits), progress=False)
+                                                     key_bits=key_bits, value_bits=value_bits,
+                                                     max_channel_bits=max_bits), progress=False)
                 rep = evaluate(TurboEsm(model), held_out, cache=lambda i, h, d: cal.codecs[i], max_steps=16,
                                progress=False)
                 seqs = [s["decode_cos_mean"] for s in rep["sequences"]]
                 row = dict(model=model_name, bits=bits, attention_weight=a, key_rotation=rot, kv_bits=split, drop=drop,
+                           max_channel_bits=max_bits,
                            mean=sum(seqs) / len(seqs), worst=min(seqs), top1=rep["overall"]["top1_agreement"],
                            attn_err=statistics.mean(rep["layers"]["attn_rel_err"]),
                            score_kl=statistics.mean(rep["layers"]["score_kl"]),
@@ -64,11 +67,13 @@ def table(path: str) -> str:
     for r in rows:  # rows written before the key rotation was a study axis used the then default
         r.setdefault("key_rotation", "svd-scaled")
         r.setdefault("kv_bits", "3/3")
+        r.setdefault("max_channel_bits", None)
     lines = ["model  bits  K/V  a     key rotation | calibration sets | worst sequence: full set, mean (min-max) | "
              "mean cos | top-1 | attn err | score KL"]
 
     def group(r: dict) -> tuple:
-        return r["model"], r["bits"], r["kv_bits"], r["attention_weight"], r["key_rotation"]
+        cap = r["max_channel_bits"]
+        return r["model"], r["bits"], r["kv_bits"] + (f"≤{cap}" if cap else ""), r["attention_weight"], r["key_rotation"]
 
     keys = sorted({group(r) for r in rows}, key=lambda k: (k[0], -len(k[1]), k[2], k[3], k[4]))
     for model, bits, split, a, rot in keys:
@@ -90,13 +95,16 @@ def main() -> None:
     ap.add_argument("--key-rotations", nargs="+", default=["svd-query"])
     ap.add_argument("--kv-bits", nargs="+", default=["3/3"], metavar="K/V",
                     help="key/value index bits of the 3 (+1) bit recipes, e.g. 3/3 4/2 (the same bytes)")
+    ap.add_argument("--max-channel-bits", type=int, default=None,
+                    help="widest channel under bit allocation (default: each kind's bits + 1)")
     ap.add_argument("--out", default="attention_weight_rows.jsonl")
     ap.add_argument("--table", metavar="ROWS", help="print the summary of a rows file and exit")
     args = ap.parse_args()
     if args.table:
         print(table(args.table))
     elif args.model:
-        run(args.model, args.weights, args.drops, args.out, args.key_rotations, args.kv_bits)
+        run(args.model, args.weights, args.drops, args.out, args.key_rotations, args.kv_bits,
+            args.max_channel_bits)
     else:
         ap.error("name a model (d16, d64) or --table ROWS")
 

@@ -30,3 +30,15 @@ def test_calibrate_then_evaluate_from_the_command_line(stress_dir, tmp_path, cap
     assert main(["evaluate", "--model", str(other), "--calibration", str(ckpt), "--fasta", EV, "--limit", "1",
                  "--quiet"]) == 2
     assert "made for another model" in capsys.readouterr().err
+
+
+def test_three_bit_calibration_splits_toward_the_keys(stress_dir, tmp_path):
+    """--bits 3 --residual none (3 bits all-in): the default recipe's split gives keys 4 and values 2, saved
+    resolved; widths named outright stay as given."""
+    for extra, widths in (([], (4, 2)), (["--key-bits", "3", "--value-bits", "3"], (3, 3))):
+        ckpt = tmp_path / f"k{len(extra)}.safetensors"
+        assert main(["calibrate", "--model", str(stress_dir), "--fasta", CAL, "--out", str(ckpt), "--max-tokens",
+                     "1000", "--bits", "3", "--residual", "none", "--quiet", *extra]) == 0
+        cal = Calibration.load(ckpt)
+        assert (cal.config.key_bits, cal.config.value_bits, cal.config.split) == (*widths, "as-given")
+        assert (cal.codecs[0].key.bits, cal.codecs[0].value.bits) == widths

@@ -159,6 +159,19 @@ def test_one_launch_rule():
 
 
 @needs_triton
+def test_split_plan_bounds_each_walk():
+    from esm_turbo.kernels.decode import MAX_CHUNK, plan_splits
+    for programs, capacity, block_t in ((1280, 16384, 64), (160, 16384, 64), (1280, 1024, 64), (20, 1024, 32),
+                                        (2560, 16384, 32), (4, 5, 32)):
+        splits, chunk = plan_splits(programs, capacity, block_t, 132)
+        assert chunk % block_t == 0 and chunk <= max(MAX_CHUNK, block_t)
+        assert (splits - 1) * chunk < capacity <= splits * chunk  # every split has rows, together all of them
+    assert plan_splits(1280, 16384, 64, 132) == (8, 2048)  # B=64 (650M): 1.6 waves of 16K walks → 8 splits
+    assert plan_splits(1280, 1024, 64, 132) == (1, 1024)
+    assert plan_splits(1280, 16384, 64, 132, splits=3) == (3, 5504)
+
+
+@needs_triton
 def test_decode_kernel_several_queries():
     check_kernel_matches(3, "sign", 16, batch=2, lengths=[33, 9], s=3)
 
@@ -319,7 +332,8 @@ def test_decode_kernel_grid_gpu(bits, d):
 @pytest.mark.parametrize("bits", [(4, 2), (3, 1)])
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_decode_kernel_split_widths_gpu(bits, d):
-    """Keys wider than values (the default calibration: 4 + sign and 2 + sign bits), both launch paths."""
+    """Keys wider than values (preset keys-first: 4 + sign and 2 + sign bits; the default at 3 bits all-in: 4 and
+    2), both launch paths."""
     for shared in (False, True):
         check_kernel_matches(bits, "sign", d, 64, [300] * 63 + [1], s=1, heads=4, seed=d, shared=shared)
         check_kernel_matches(bits, "none", d, 2, [16384, 700], s=1, heads=4, dtype=torch.float16, shared=shared)

@@ -81,7 +81,7 @@ def layout_codecs(q: QuantConf, heads: int, dim: int) -> KVCodec:
     model_cfg = type("C", (), {"num_hidden_layers": 1, "num_attention_heads": heads,
                                "hidden_size": heads * dim})
     if q.method == "turboesm":
-        cc = q.calibration_config()
+        cc = q.calibration_config().resolved()
         mk = functools.partial(VectorQuantizer, heads, dim, residual=cc.residual)
         return KVCodec(mk(cc.key_bits), mk(cc.value_bits))
     codecs, _ = build_codecs(q, type("M", (), {"config": model_cfg})(), [], lambda: [(fake, fake)])

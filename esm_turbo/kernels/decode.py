@@ -388,10 +388,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_splits(programs: int, capacity: int, block_t: int, sms: int, waves: int = 4) -> tuple[int, int]:
-    """(splits, chunk): enough programs for ``waves`` waves of the GPU, chunks a multiple of ``block_t``."""
+#: the longest walk one split program takes: longer ones leave a ragged last wave of programs (on an H100 six
+#: 2-warp programs share an SM; 1280 of them are 1.6 waves) that shorter chunks even out
+#: (results/gpu/splits_h100.txt: 650M B=64 T=16K 986 → 931 µs, B=8 T=16K 164 → 144 µs)
+MAX_CHUNK = 2048
+
+
+def plan_splits(programs: int, capacity: int, block_t: int, sms: int, waves: int = 4,
+                splits: int | None = None) -> tuple[int, int]:
+    """(splits, chunk): enough programs for ``waves`` waves of the GPU and chunks of at most ``MAX_CHUNK``
+    tokens (or ``splits`` as asked), chunks a multiple of ``block_t``."""
     blocks = max(1, math.ceil(capacity / block_t))
-    splits = max(1, min(blocks, math.ceil(waves * sms / max(programs, 1)), 64))
+    if splits is None:
+        splits = max(math.ceil(waves * sms / max(programs, 1)), math.ceil(capacity / MAX_CHUNK))
+    splits = max(1, min(blocks, splits, 64))
     chunk = math.ceil(blocks / splits) * block_t
     splits = max(1, math.ceil(capacity / chunk))
     return splits, chunk
@@ -414,7 +424,7 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
     batch, heads, _, d = q.shape
     t_cap = k_idx.shape[2]
     block_t = cfg["block_t"]
-    splits, chunk = plan_splits(batch * heads, t_cap, block_t, _num_sms(q.device), cfg["waves"])
+    splits, chunk = plan_splits(batch * heads, t_cap, block_t, _num_sms(q.device), cfg["waves"], cfg.get("splits"))
     dev = q.device
     m = torch.empty(batch * heads * splits, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
@@ -452,12 +462,17 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 k_fields: int = -1, v_fields: int = -1, config: dict | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
     ``config`` overrides the launch choice for tuning: ``path`` (auto | one | split), block_t / num_warps /
-    waves, ``prefetch`` (request the next tile's codes before computing this one)."""
+    waves (or ``splits``: split-K programs per query), ``prefetch`` (request the next tile's codes before computing this one)."""
     batch, heads, s, d = q.shape
     t_cap = k_idx.shape[2]
     k_fields, v_fields = _fields(k_fields, k_lay, k_bits), _fields(v_fields, v_lay, v_bits)
-    # tuned on an H100 (results/gpu/tune_decode_h100.txt)
-    cfg = dict(block_t=64, num_warps=2, waves=4) if d <= 64 else dict(block_t=32, num_warps=2, waves=8)
+    # tuned on an H100 (results/gpu/tune_decode_h100.txt). At head_dim 128 two warps hold a tile only when keys and
+    # values are both one code word wide with no sign plane (3 + sign each, fused): other widths spill their
+    # registers there (4 and 2 bits: 255 registers, 4026 µs at 15B B=64 T=4K) and take four warps (1465 µs;
+    # results/gpu/threebit_h100.txt)
+    lean = k_bits == v_bits and k_sign.numel() == 0 and v_sign.numel() == 0
+    cfg = (dict(block_t=64, num_warps=2, waves=4) if d <= 64 else
+           dict(block_t=32, num_warps=2 if lean else 4, waves=8))
     small = one_launch(batch, heads, s, d, t_cap)
     if small:  # results/gpu/tune_single_h100.txt
         cfg = dict(block_t=32, num_warps=2, waves=4)
@@ -473,7 +488,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]
     programs = batch * heads * s
-    splits, chunk = plan_splits(programs, t_cap, block_t, _num_sms(q.device), cfg["waves"])
+    splits, chunk = plan_splits(programs, t_cap, block_t, _num_sms(q.device), cfg["waves"], cfg.get("splits"))
     block_ns = triton.next_power_of_2(splits)
     dev = q.device
     qt = torch.empty(batch, heads, s, d + 1, device=dev, dtype=torch.float32)

@@ -206,9 +206,14 @@ def _choose_value_codecs(engine: TurboEsm, batches, plain: list[VectorQuantizer]
 @torch.no_grad()
 def calibrate(model, records: list[Record], config: CalibrationConfig = CalibrationConfig(),
               progress: bool = True, model_name: str = "") -> Calibration:
-    """Fit per-layer TurboESM codecs for ``model`` (EsmForMaskedLM) on ``records``."""
+    """Fit per-layer TurboESM codecs for ``model`` (EsmForMaskedLM) on ``records`` (``config`` resolved first:
+    :meth:`CalibrationConfig.resolved`; the checkpoint holds the resolved recipe)."""
     if not records:
         raise ValueError("calibration needs at least one sequence")
+    try:
+        config = config.resolved()
+    except ValueError as err:
+        raise EsmTurboError(str(err)) from None
     if config.key_rotation == "auto" or (config.value_rotation == "auto" and config.shared_lut):
         raise EsmTurboError("rotation 'auto' is for values only, and needs separate K and V LUTs "
                             "(shared_lut with value_rotation 'identity' or 'svd-scaled')")

@@ -44,6 +44,10 @@ class CalibrationConfig:
     # GPU kernels are slower with its wider key codes (results/kv_bits.txt)
     key_bits: int = 3
     value_bits: int = 3
+    # "auto": equal widths under 4 bits per value all-in (index + residual bit) become keys-first ones (3 → 4 and 2,
+    # 2 + sign → 3 and 1), where the equal split misses the accuracy bar and its odd-width codes are no faster;
+    # at 3 + sign the equal split stays (aligned 4-bit codes, the kernels' fastest). "as-given": never moved
+    split: str = "auto"
     # PCA of the keys turned to lower the score error its queries see (esm_turbo.quant.jacobi; "svd-scaled": plain PCA)
     key_rotation: str = "svd-query"
     value_rotation: str = "auto"  # per head: unrotated or svd-scaled, whichever error reaches the output less
@@ -63,14 +67,23 @@ class CalibrationConfig:
     attention_weight: float = 0.5
     seed: int = 0
 
+    def resolved(self) -> "CalibrationConfig":
+        """The recipe a calibration runs: ``split`` applied to the widths (then "as-given")."""
+        if self.split not in ("auto", "as-given"):
+            raise ValueError(f"split must be 'auto' or 'as-given', not {self.split!r}")
+        key_bits, value_bits = self.key_bits, self.value_bits
+        if self.split == "auto" and key_bits == value_bits and key_bits + (self.residual != "none") < 4:
+            key_bits, value_bits = kv_bits(key_bits, 1)
+        return replace(self, key_bits=key_bits, value_bits=value_bits, split="as-given")
+
 
 #: the paper's literal recipe (plain SVD on K, V unrotated, one LUT and one ε per head) and measured ablations;
 #: "v-unrotated" and "kv-rotated" are the two fixed choices the default's per-head V choice picks from
 PRESETS: dict[str, CalibrationConfig] = {
     "default": CalibrationConfig(),
-    "paper": CalibrationConfig(key_bits=3, value_bits=3, key_rotation="svd", value_rotation="identity",
-                               residual="sign", sign_mode="head", lut="head", bit_allocation=False,
-                               attention_weight=0.0),
+    "paper": CalibrationConfig(key_bits=3, value_bits=3, split="as-given", key_rotation="svd",
+                               value_rotation="identity", residual="sign", sign_mode="head", lut="head",
+                               bit_allocation=False, attention_weight=0.0),
     "keys-first": CalibrationConfig(key_bits=4, value_bits=2),  # a bit moved from the values to the keys
     "uniform-bits": CalibrationConfig(bit_allocation=False),  # every channel the same width (until allocation)
     "per-head-widths": CalibrationConfig(shared_widths=False),  # each head its own allocation (until shared)
@@ -81,7 +94,7 @@ PRESETS: dict[str, CalibrationConfig] = {
     "kv-rotated": CalibrationConfig(value_rotation="svd-scaled"),
     "v-unrotated": CalibrationConfig(value_rotation="identity"),
     "shared-lut": CalibrationConfig(shared_lut=True, value_rotation="identity", bit_allocation=False),
-    "no-residual": CalibrationConfig(residual="none"),
+    "no-residual": CalibrationConfig(residual="none", split="as-given"),  # the sign bit dropped, nothing else
 }
 
 
@@ -167,8 +180,9 @@ class Calibration:
         if meta.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')}, this esm_turbo reads "
                                   f"format {FORMAT_VERSION}: recalibrate with `esm-turbo calibrate`")
-        # a format-4 file written before attention_weight existed counted every token once
-        cfg = CalibrationConfig(**{"attention_weight": 0.0, **meta["config"]})
+        # a format-4 file written before attention_weight existed counted every token once; its widths are as
+        # calibrated (a saved config is resolved)
+        cfg = CalibrationConfig(**{"attention_weight": 0.0, "split": "as-given", **meta["config"]})
         heads, dim = meta["heads"], meta["head_dim"]
         codecs = []
         for li in range(meta["layers"]):
