@@ -83,6 +83,8 @@ def cmd_calibrate(args) -> int:
 def cmd_evaluate(args) -> int:
     from .fasta import read_fastas
     from .model.calibrate import calibrate
+    from dataclasses import replace
+
     from .model.checkpoint import PRESETS, Calibration, with_mean_bits
     from .model.engine import TurboEsm
     from .model.evaluate import evaluate, format_table
@@ -97,7 +99,9 @@ def cmd_evaluate(args) -> int:
         base = variants["turbo"].config
         for name in args.ablations:
             preset = PRESETS[name]
-            cfg = with_mean_bits(preset, (base.key_bits + base.value_bits) // 2)  # the same memory
+            cfg = with_mean_bits(preset, (base.key_bits + base.value_bits) // 2)  # the same index bits
+            if base.residual == "none":  # and no residual bit where the checkpoint has none: the same memory
+                cfg = replace(cfg, residual="none")
             variants[name] = calibrate(model, cal_records, cfg, progress=not args.quiet)
     reports = {}
     for name, cal in variants.items():

@@ -42,3 +42,13 @@ def test_three_bit_calibration_splits_toward_the_keys(stress_dir, tmp_path):
         cal = Calibration.load(ckpt)
         assert (cal.config.key_bits, cal.config.value_bits, cal.config.split) == (*widths, "as-given")
         assert (cal.codecs[0].key.bits, cal.codecs[0].value.bits) == widths
+    # ablations of a 3-bit checkpoint hold its memory: no sign bit added (no-rotation: 4 and 2 bits, no residual)
+    report = tmp_path / "ablation.json"
+    assert main(["evaluate", "--model", str(stress_dir), "--calibration", str(tmp_path / "k0.safetensors"), "--fasta",
+                 EV, "--limit", "1", "--max-steps", "2", "--quiet", "--json", str(report), "--ablations", "no-rotation",
+                 "--calibration-fasta", CAL]) == 0
+    reports = json.loads(report.read_text())
+    per_token = [reports[n]["memory"]["bytes_per_token_per_layer"] for n in ("turbo", "no-rotation")]
+    assert per_token[0] == per_token[1] == 48  # 4 heads × d16 × (4 + 2) bits / 8
+    ablation = reports["no-rotation"]["config"]
+    assert (ablation["key_bits"], ablation["value_bits"], ablation["residual"]) == (4, 2, "none")
