@@ -73,9 +73,14 @@ def peak_copy_gbs(device: torch.device) -> float:
     return 2 * src.numel() / sec / 1e9
 
 
+#: the recipe a default calibration runs (its widths and residual, :meth:`CalibrationConfig.resolved`)
+DEFAULT_RECIPE = CalibrationConfig().resolved()
+
+
 def default_codec(heads: int, dim: int, seed: int = 0):
-    """A random codec of the default calibration's widths (``CalibrationConfig``'s key and value bits, + sign)."""
-    return random_turbo_codec(heads, dim, CalibrationConfig.key_bits, CalibrationConfig.value_bits, "sign", seed)
+    """A random codec of the default calibration's widths and residual (:data:`DEFAULT_RECIPE`)."""
+    return random_turbo_codec(heads, dim, DEFAULT_RECIPE.key_bits, DEFAULT_RECIPE.value_bits, DEFAULT_RECIPE.residual,
+                              seed)
 
 
 def _synthetic_cache(heads: int, dim: int, batch: int, length: int, device, seed: int = 0) -> KVCache:
@@ -398,7 +403,8 @@ def format_result(res: BenchResult) -> str:
         lines.append(f"device-to-device copy: {res.peak_copy_gbs:.0f} GB/s (read + write)")
     if res.attention:
         lines.append(f"\ndecode attention per layer call (1 new token per sequence; the default widths: keys "
-                     f"{CalibrationConfig.key_bits} + sign, values {CalibrationConfig.value_bits} + sign bits)")
+                     f"{DEFAULT_RECIPE.key_bits} + {DEFAULT_RECIPE.residual}, values {DEFAULT_RECIPE.value_bits} + "
+                     f"{DEFAULT_RECIPE.residual} bits)")
         lines.append(f"{'shape':6} {'B':>3} {'T':>6} {'fused µs':>9} {'two-step µs':>11} {'fp16 SDPA µs':>12} "
                      f"{'×two-step':>9} {'×SDPA':>6} {'GB/s':>6} {'%copy':>6}")
 

@@ -81,10 +81,10 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from .fasta import read_fastas
-    from .model.calibrate import calibrate
     from dataclasses import replace
 
+    from .fasta import read_fastas
+    from .model.calibrate import calibrate
     from .model.checkpoint import PRESETS, Calibration, with_mean_bits
     from .model.engine import TurboEsm
     from .model.evaluate import evaluate, format_table

@@ -470,7 +470,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     # values are both one code word wide with no sign plane (3 + sign each, fused): other widths spill their
     # registers there (4 and 2 bits: 255 registers, 4026 µs at 15B B=64 T=4K) and take four warps (1465 µs;
     # results/gpu/threebit_h100.txt)
-    lean = k_bits == v_bits and k_sign.numel() == 0 and v_sign.numel() == 0
+    k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
+    lean = k_bits == v_bits and not (k_has_sign or v_has_sign)
     cfg = (dict(block_t=64, num_warps=2, waves=4) if d <= 64 else
            dict(block_t=32, num_warps=2 if lean else 4, waves=8))
     small = one_launch(batch, heads, s, d, t_cap)
@@ -503,7 +504,6 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     l_ = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
     out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
-    k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
     _prefix_kernel[(programs, splits)](
         qt, k_idx, part_or(k_sign, k_idx), v_idx, part_or(v_sign, v_idx),
         k_tab, v_tab, part_or(k_lay, k_tab), part_or(v_lay, v_tab), lengths, m, l_, acc, heads, s, t_cap,
