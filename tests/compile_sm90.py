@@ -28,7 +28,7 @@ def main() -> None:
     u8, i64, f16 = "*u8", "*i64", "*fp16"
     codes = dict(k_idx_ptr=u8, k_sign_ptr=u8, v_idx_ptr=u8, v_sign_ptr=u8, len_ptr=i64, k_lay_ptr="*i32",
                  v_lay_ptr="*i32")
-    walk = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0)
+    walk = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False)
     small_ints = {"sqb", "sqh", "skb", "skh", "svb", "svh", "H", "T_CAP", "CHUNK", "NS"}
     small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16)
     # fused 3+1-bit codes at d=64, and separate index/sign planes (3+1 keys, 2+1 values) at d=16; tables of

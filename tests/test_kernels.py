@@ -159,6 +159,24 @@ def test_one_launch_rule():
 
 
 @needs_triton
+def test_aligned_table_starts_every_row_on_its_size():
+    """The look-ups OR a code's offset into its row's address: a table that does not start on a row (a view
+    12 bytes in) is copied to one that does, values unchanged; codes not a power of two are padded; an aligned
+    table is passed through as is."""
+    from esm_turbo.kernels.decode import aligned_table
+    tab = torch.randn(2, 16, 16)
+    view = torch.empty(tab.numel() + 3)[3:].view(2, 16, 16)
+    view.copy_(tab)
+    moved = aligned_table(view)
+    assert moved.data_ptr() % (16 * 4) == 0 and torch.equal(moved, tab)
+    assert aligned_table(moved) is moved
+    odd = torch.randn(2, 16, 12)
+    padded = aligned_table(odd)
+    assert padded.shape == (2, 16, 16) and padded.data_ptr() % (16 * 4) == 0
+    assert torch.equal(padded[..., :12], odd) and not padded[..., 12:].any()
+
+
+@needs_triton
 def test_split_plan_bounds_each_walk():
     from esm_turbo.kernels.decode import MAX_CHUNK, plan_splits
     for programs, capacity, block_t in ((1280, 16384, 64), (160, 16384, 64), (1280, 1024, 64), (20, 1024, 32),

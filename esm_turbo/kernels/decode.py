@@ -137,17 +137,35 @@ def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.constexpr, NTAB: tl.constexpr):
+def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.constexpr, NTAB: tl.constexpr,
+                  FIXED: tl.constexpr, ROWS: tl.constexpr):
     """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r, its field
     of the group word at ``shift`` with ``mask`` ([1, 1, 8], ``_field_layout``: constants when every head
-    shares one layout), looked up in that channel's row of the head's table [D, codes] (float16 or float32;
-    NTAB = D·codes; L1 hits; a register tl.gather measured slower)."""
-    r = tl.arange(0, 8)
-    chan = tl.arange(0, D // 8)[:, None] * 8 + r[None, :]
-    code = (word[:, :, None] >> shift) & mask
+    shares one layout, ``FIXED``), looked up in that channel's row of the head's table [D, codes] (float16 or
+    float32; NTAB = D·codes; L1 hits; a register tl.gather measured slower).
+
+    A look-up's address is ``base | code·size`` — an OR, not a 64-bit add: every table row starts on a
+    multiple of its own size (codes a power of two, :func:`aligned_table`) — plus the rest of the row's
+    offset, a constant folded into the load. ``base`` is the head's table (the row offset all constant: a
+    token's channels in one thread) or, ``ROWS``, the row of channel 8g (tiles that spread a token's groups
+    over threads). With fixed fields the code leaves its word already scaled by the element size: a look-up
+    costs a shift, a LOP3 and a move (the address's high half) where a shift, a bit-field extract and a LEA
+    pair were four (SASS, sm_90)."""
+    r = tl.arange(0, 8)[None, None, :]
+    L: tl.constexpr = 2 if tab_ptr.dtype.element_ty.primitive_bitwidth == 32 else 1  # log2 element bytes
+    w = word[:, :, None]
     if SIGN:
-        code = code * 2 + ((sb[:, :, None] >> r[None, None, :]) & 1)
-    return tl.load(tab_ptr + chan[None, :, :] * (NTAB // D) + code).to(tl.float32)
+        cb = (((w >> shift) & mask) * 2 + ((sb[:, :, None] >> r) & 1)) << L
+    elif FIXED:  # constant shifts: one shift (either way) and the masking LOP3
+        cb = tl.where(shift >= L, w >> (shift - L), w << (L - shift)) & (mask << L)
+    else:
+        cb = ((w >> shift) & mask) << L
+    NT: tl.constexpr = NTAB // D  # codes per channel
+    g = tl.arange(0, D // 8)[None, :, None]
+    base = tab_ptr + g * (8 * NT) * ROWS
+    row = base.to(tl.uint64, bitcast=True)
+    addr = ((row >> 32) << 32) | ((row & 0xFFFFFFFF).to(tl.uint32) | cb.to(tl.uint32)).to(tl.uint64)
+    return tl.load(addr.to(tab_ptr.dtype, bitcast=True) + (g * 8 * (1 - ROWS) + r) * NT).to(tl.float32)
 
 
 @triton.jit
@@ -185,10 +203,10 @@ def _field_layout(lay_ptr, FIELDS: tl.constexpr):
 @triton.jit
 def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
                   KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
+                  BLOCK_T: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr, ROWS: tl.constexpr):
     """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
-    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK)
+    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
@@ -199,7 +217,7 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
         m_i = m_tile
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
     l_i = l_i + tl.sum(p, axis=0)
-    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV)
+    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
 
@@ -226,7 +244,8 @@ def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_b
 def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay, v_lay,
           D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
           KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
-          PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
+          PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr,
+          ROWS: tl.constexpr):
     """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
     (kw, ks, vw, vs): the first tile's codes, ``_fetch``-ed by the caller as early as it can.
     k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
@@ -241,20 +260,20 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T)
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T)
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     else:
         for t0 in range(start, end, BLOCK_T):
             kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T)
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS)
     return m_i, l_i, tl.sum(acc, axis=0)
 
 
@@ -266,7 +285,8 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                     D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
                     VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_T: tl.constexpr,
-                    NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
+                    NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+                    ROWS: tl.constexpr):
     """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -287,7 +307,7 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
                           v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
-                          PREFETCH, INTERPRET)
+                          PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS)
     part = (pid_bh * NS + split) * BLOCK_S + qi
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -312,7 +332,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
                   VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_NS: tl.constexpr, NK: tl.constexpr,
-                  NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
+                  NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr):
     """Grid (B·H, splits), one query per sequence (S = 1), the whole step in one launch: each program
     rotates the query itself and walks its split (split 0 also maps the step's own K/V to the affine
     domain, ``y_ptr`` [B·H, 2, D]); the last split of a (b, h) to finish (an atomic count, ``count_ptr``
@@ -339,7 +359,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
                           v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
-                          PREFETCH, INTERPRET)
+                          PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS)
     part = pid_bh * NS + split
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -441,7 +461,24 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
         D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields,
         KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
         BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab[0].numel(), NV=v_tab[0].numel(),
-        PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
+        PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, ROWS=cfg["rows"],
+        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+    return out
+
+
+def aligned_table(tab: torch.Tensor) -> torch.Tensor:
+    """A code table [H, d, codes] as the decode kernels read it: ``codes`` a power of two (padded with zeros
+    if not) and every row starting on a multiple of its own size, as a table from the CUDA caching allocator
+    already does (it is returned as is; else a copy), for the look-ups OR a code's offset into its row's
+    address (``_decode_codes``)."""
+    codes = triton.next_power_of_2(tab.shape[-1])
+    row = codes * tab.element_size()
+    if codes == tab.shape[-1] and tab.is_contiguous() and tab.data_ptr() % row == 0:
+        return tab
+    buf = tab.new_zeros(tab.shape[0] * tab.shape[1] * codes + codes)
+    skip = (-buf.data_ptr() % row) // tab.element_size()
+    out = buf[skip:skip + tab.shape[0] * tab.shape[1] * codes].view(*tab.shape[:2], codes)
+    out[..., :tab.shape[-1]] = tab
     return out
 
 
@@ -462,21 +499,29 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 k_fields: int = -1, v_fields: int = -1, config: dict | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
     ``config`` overrides the launch choice for tuning: ``path`` (auto | one | split), block_t / num_warps /
-    waves (or ``splits``: split-K programs per query), ``prefetch`` (request the next tile's codes before computing this one)."""
+    waves (or ``splits``: split-K programs per query), ``prefetch`` (request the next tile's codes before computing
+    this one), ``rows`` (per-group row addresses for the look-ups) and ``maxnreg`` (a register cap or None)."""
     batch, heads, s, d = q.shape
     t_cap = k_idx.shape[2]
     k_fields, v_fields = _fields(k_fields, k_lay, k_bits), _fields(v_fields, v_lay, v_bits)
+    k_tab, v_tab = aligned_table(k_tab), aligned_table(v_tab)
     # tuned on an H100 (results/gpu/tune_decode_h100.txt). At head_dim 128 two warps hold a tile only when keys and
     # values are both one code word wide with no sign plane (3 + sign each, fused): other widths spill their
     # registers there (4 and 2 bits: 255 registers, 4026 µs at 15B B=64 T=4K) and take four warps (1465 µs;
-    # results/gpu/threebit_h100.txt)
+    # results/gpu/threebit_h100.txt). Those four-warp tiles spread a token's channels over threads, so their
+    # look-ups OR codes into per-group row addresses (``rows``). The look-ups' OR addressing lets ptxas take up to
+    # 255 registers (four two-warp programs per SM instead of six); capped at 168 (no spills) it ran faster for the
+    # fused equal widths and at head_dim 128, uncapped for keys-first widths at head_dim 64
+    # (results/gpu/or_lookup_h100.txt: 650M B=64 T=16K 925 → 820 µs; keys-first 4+1/2+1 at 15B B=64 T=4K
+    # 1698 → 1409 µs)
     k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
     lean = k_bits == v_bits and not (k_has_sign or v_has_sign)
     cfg = (dict(block_t=64, num_warps=2, waves=4) if d <= 64 else
            dict(block_t=32, num_warps=2 if lean else 4, waves=8))
+    cfg.update(rows=d > 64 and not lean, maxnreg=168 if lean or d > 64 else None)
     small = one_launch(batch, heads, s, d, t_cap)
     if small:  # results/gpu/tune_single_h100.txt
-        cfg = dict(block_t=32, num_warps=2, waves=4)
+        cfg = dict(block_t=32, num_warps=2, waves=4, rows=False, maxnreg=None)
     cfg.update(path="auto", prefetch=True)  # results/gpu/tune_prefetch_h100.txt: 5–12% faster from B·T ≈ 8K on
     cfg.update(config or {})
     if cfg["path"] == "one" or (cfg["path"] == "auto" and small):
@@ -510,7 +555,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         chunk, splits, D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields,
         KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
-        PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, num_warps=cfg["num_warps"])
+        PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, ROWS=cfg["rows"],
+        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     _merge_kernel[(batch * heads,)](
         qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, heads, s, splits,
         D=d, BLOCK_S=block_s, BLOCK_NS=block_ns, PRECISION=precision, num_warps=4)
