@@ -161,11 +161,14 @@ def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.cons
     else:
         cb = ((w >> shift) & mask) << L
     NT: tl.constexpr = NTAB // D  # codes per channel
-    g = tl.arange(0, D // 8)[None, :, None]
-    base = tab_ptr + g * (8 * NT) * ROWS
+    group = tl.arange(0, D // 8)[None, :, None] * (8 * NT)  # offset of channel 8g's row
+    if ROWS:
+        base, rest = tab_ptr + group, r * NT
+    else:
+        base, rest = tab_ptr, group + r * NT
     row = base.to(tl.uint64, bitcast=True)
     addr = ((row >> 32) << 32) | ((row & 0xFFFFFFFF).to(tl.uint32) | cb.to(tl.uint32)).to(tl.uint64)
-    return tl.load(addr.to(tab_ptr.dtype, bitcast=True) + (g * 8 * (1 - ROWS) + r) * NT).to(tl.float32)
+    return tl.load(addr.to(tab_ptr.dtype, bitcast=True) + rest).to(tl.float32)
 
 
 @triton.jit
