@@ -50,15 +50,16 @@ def main() -> None:
                  strides | {"B", "H", "S"}, dict(q_ptr=f16, k_ptr=f16, v_ptr=f16), num_warps=4)
     compile_sm90(decode._merge_kernel, dict(D=64, BLOCK_S=2, BLOCK_NS=32, PRECISION="tf32x3"), {"H", "S", "NS"},
                  dict(valid_ptr=u8, out_ptr=f16), num_warps=4)
-    # quantize-and-pack: shared allocated fields compiled in for keys, each head's layout row read for values;
-    # a prefill (programs per sequence) and a decode step
+    # quantize-and-pack: shared allocated fields compiled in for keys (split by position in a prefill), each head's
+    # layout row read for values; Π's fp16 halves read for keys, split in the kernel for values; a prefill
+    # (programs per sequence) and a decode step
     for per_seq in (True, False):
         compile_sm90(quantize._quantize_pack_kernel,
                      dict(D=64, KBITS=3, KK=16, KFIELDS=shared, KSIGN=True, KCOMB=True, VBITS=3, VK=8, VFIELDS=-1,
-                          VSIGN=True, VCOMB=False, BLOCK_N=32, PER_SEQ=per_seq, PRECISION="tf32x3", KSPLIT=True,
-                          VSPLIT=True),
+                          VSIGN=True, VCOMB=False, BLOCK_N=32, PER_SEQ=per_seq, PRECISION="tf32x3", KSPLIT=2,
+                          VSPLIT=1, KPOS=per_seq, VPOS=False),
                      strides | {"B", "H", "S", "T_CAP"},
-                     dict(k_ptr=f16, v_ptr=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",
+                     dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",
                           v_lay="*i32"), num_warps=4)
 
 

@@ -16,7 +16,7 @@ import torch
 from esm_turbo.cache import KVCache
 from esm_turbo.ops import attend_compressed, decode_attention_reference, fused_supported
 from esm_turbo.ops.compressed import (compressed_attention_reference, fused_tables,
-                                      quantize_pack_reference)
+                                      quantize_pack_reference, split_rotation)
 from esm_turbo.quant.codec import oblivious_codec
 from esm_turbo.testing import random_turbo_codec
 
@@ -158,6 +158,21 @@ def test_one_launch_rule():
     assert not one_launch(1, 1, 1, 64, SMALL_MAX_SLOTS + 1)
 
 
+def test_split_rotation_keeps_fp32_accuracy():
+    """Π's fp16 halves (what the quantize kernel reads for fp16 inputs): Π_hi + Π_lo/2048 is Π to ~2^-22
+    relative, so fp16 x times the two halves matches x Πᵀ as an fp32 product would."""
+    rot = random_turbo_codec(3, 64).key.rot
+    halves = split_rotation(rot)
+    assert halves.shape == (3, 2, 64, 64) and halves.dtype == torch.float16
+    back = halves[:, 0].double() + halves[:, 1].double() / 2048
+    assert (back - rot.double()).abs().max() < 2 ** -22
+    assert (halves[:, 0].double() - rot.double()).abs().max() > 2 ** -16  # one half alone is fp16-coarse
+    x = torch.randn(3, 10, 64).half().double()
+    exact = x @ rot.double().transpose(1, 2)
+    two = x @ halves[:, 0].double().transpose(1, 2) + (x @ halves[:, 1].double().transpose(1, 2)) / 2048
+    assert (two - exact).abs().max() < 1e-5 * exact.abs().max()
+
+
 @needs_triton
 def test_aligned_table_starts_every_row_on_its_size():
     """The look-ups OR a code's offset into its row's address: a table that does not start on a row (a view
@@ -212,7 +227,8 @@ def test_quantize_pack_kernel(bits, residual, d, dtype, shared, s):
     """One launch encodes keys and values (different tables, strided inputs) into their parts, as the
     reference does: a prefill of S = 7 tokens per sequence (programs per sequence) or a decode step of one
     token per sequence (programs across sequences), blocks of 16 partly masked. Allocated widths, read from each
-    head's layout row or (``shared``: every head has the same widths) compiled in as field shifts."""
+    head's layout row or (``shared``: every head has the same widths) compiled in as field shifts (a prefill then
+    splits the channels by their place in a group of 8)."""
     from esm_turbo.kernels.quantize import quantize_pack_triton
     heads, batch = 2, 3
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
@@ -237,8 +253,10 @@ def test_quantize_pack_kernel(bits, residual, d, dtype, shared, s):
         parts = {kind: tables.packed(cache.parts[0], kind) for kind in "kv"}
         code = {kind: (quantizer[kind].bits, quantizer[kind].combined_sign) for kind in "kv"}
         if use_kernel:
+            # Π's fp16 halves as the op passes them (read for fp16 inputs on CUDA)
+            halves = (split_rotation(codec.key.rot), split_rotation(codec.value.rot))
             quantize_pack_triton(x["k"], x["v"], args("k"), args("v"), parts["k"], parts["v"], pos, code["k"],
-                                 code["v"], *fields, config=dict(block_n=16))
+                                 code["v"], *fields, halves, config=dict(block_n=16))
         else:
             for kind in "kv":
                 quantize_pack_reference(x[kind], *args(kind), *parts[kind], pos, *code[kind])

@@ -17,20 +17,27 @@ def token_offsets(h, offs_n, S, stride_b, stride_h, stride_s):
 
 @triton.jit
 def rotate_rows(x_ptr, offs, nmask, rot_ptr, D: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
-    """Rows of x at element offsets ``offs`` [BLOCK_N] (any float dtype) times Πᵀ of one head (rot_ptr →
-    Π [D, D] float32): [BLOCK_N, D] float32 on tensor cores (BLOCK_N ≥ 16).
+    """Rows of x at element offsets ``offs`` [BLOCK_N] (any float dtype) times Πᵀ of one head: [BLOCK_N, D]
+    float32 on tensor cores (BLOCK_N ≥ 16). ``rot_ptr`` → Π [D, D] float32, or with ``SPLIT16 == 2`` its fp16
+    halves [2, D, D] (``esm_turbo.ops.compressed.split_rotation``).
 
     ``SPLIT16`` (fp16 x, which fp16 holds exactly): Π = Π_hi + Π_lo / 2048 in two fp16 halves, two fp16
-    dots with fp32 accumulation — as accurate as fp32 and cheaper than tf32x3."""
+    dots with fp32 accumulation — as accurate as fp32 and cheaper than tf32x3; 1: split here, 2: read split."""
     offs_d = tl.arange(0, D)
     x = tl.load(x_ptr + offs[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
-    rot = tl.load(rot_ptr + offs_d[:, None] * D + offs_d[None, :])  # Π[e, d]
-    if SPLIT16:
+    at = offs_d[:, None] * D + offs_d[None, :]  # Π[e, d]
+    if SPLIT16 == 2:
+        hi = tl.load(rot_ptr + at)
+        lo = tl.load(rot_ptr + D * D + at)
+    elif SPLIT16:
+        rot = tl.load(rot_ptr + at)
         hi = rot.to(tl.float16)
         lo = ((rot - hi.to(tl.float32)) * 2048.0).to(tl.float16)
-        y = tl.dot(x, tl.trans(hi)) + tl.dot(x, tl.trans(lo)) * (1.0 / 2048.0)
+    if SPLIT16:
+        y = tl.dot(x, tl.trans(lo)) * (1.0 / 2048.0)
+        y = tl.dot(x, tl.trans(hi), y)
     else:
-        y = tl.dot(x.to(tl.float32), tl.trans(rot), input_precision=PRECISION)
+        y = tl.dot(x.to(tl.float32), tl.trans(tl.load(rot_ptr + at)), input_precision=PRECISION)
     return y
 
 

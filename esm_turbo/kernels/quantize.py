@@ -22,59 +22,112 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
                   sign_ptr, pos_ptr, h, b, s_idx, nmask, H, T_CAP,
                   D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, FIELDS: tl.constexpr, SIGN: tl.constexpr,
                   COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr,
-                  PER_SEQ: tl.constexpr):
+                  PER_SEQ: tl.constexpr, BY_POSITION: tl.constexpr):
     """Encode BLOCK_N tokens — sequence ``b``, position ``s_idx`` among the new ones (each a scalar or
     [BLOCK_N]; ``nmask``: which exist) — of head ``h`` of one tensor kind into its cache part (K levels per
     channel's LUT, bounds [H, K-1, D] level-major; codes at the field shifts ``FIELDS`` compiled in when every
     head shares them, else those of this head's layout row ``lay_ptr``).
 
-    A prefill (``PER_SEQ``) has many programs and is bound by instructions: the level compares run as a loop
+    A prefill (``PER_SEQ``) has many programs and is bound by instructions. With ``BY_POSITION`` (field shifts
+    compiled in) the channels are split by their place in a group of 8, whose widths are then constants, so a
+    w-bit channel runs 2^w − 1 compares, not K − 1 (:func:`_field_code`); otherwise the compares run as a loop
     that carries the centroid reached for the sign. A decode step has a few programs and is bound by their
     latency: the compares are unrolled and the centroid is gathered once after them
-    (results/gpu/quantize_session11_h100.txt)."""
+    (results/gpu/quantize_session11_h100.txt, quantize_session14_h100.txt)."""
     offs_d = tl.arange(0, D)
     zero = tl.zeros((BLOCK_N,), dtype=tl.int64)
     x_rows = zero + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + s_idx.to(tl.int64) * sxs
-    y = rotate_rows(x_ptr, x_rows, nmask, rot_ptr + h * D * D, D, PRECISION, SPLIT16)
+    y = rotate_rows(x_ptr, x_rows, nmask, rot_ptr + h * (1 + (SPLIT16 == 2)) * D * D, D, PRECISION, SPLIT16)
     y = (y - tl.load(offset_ptr + h * D + offs_d)[None, :]) / tl.load(scale_ptr + h * D + offs_d)[None, :]
-
-    idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
-    cent_rows = cent_ptr + (h * D + offs_d) * K  # centroids [H, D, K]
-    if PER_SEQ:  # bounds ascend, so y > b_k holds for a prefix of k: the last level passed is idx
-        cy = tl.zeros((BLOCK_N, D), dtype=tl.float32) + tl.load(cent_rows)[None, :]
-        for k in range(K - 1):
-            up = y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]
-            idx += up.to(tl.int32)
-            if SIGN:
-                cy = tl.where(up, tl.load(cent_rows + k + 1)[None, :], cy)
-    else:
-        for k in tl.static_range(K - 1):
-            idx += (y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]).to(tl.int32)
-        if SIGN:
-            cy = tl.load(cent_rows[None, :] + idx)
 
     D8: tl.constexpr = D // 8
     g = tl.arange(0, D8)
     r = tl.arange(0, 8)
     pos = tl.load(pos_ptr + (zero + b), mask=nmask, other=0)
     rows = (b * H + h).to(tl.int64) * T_CAP + pos + s_idx  # cache rows [BLOCK_N]
-    if SIGN:
-        s = (y >= cy).to(tl.int32)
-        if COMBINE:  # one code 2·idx + sign of BITS + 1 bits
-            idx = idx * 2 + s
-        else:
-            sword = tl.sum(tl.reshape(s, (BLOCK_N, D8, 8)) << r[None, None, :], axis=2)
-            tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
-    WIDTH: tl.constexpr = BITS + COMBINE
-    NB: tl.constexpr = D * WIDTH // 8
-    if FIELDS >= 0:  # field j of every group word at bit (FIELDS >> 6j) & 63 (packing.packed_shifts)
-        shift = tl.zeros((8,), dtype=tl.int32)
+    if BY_POSITION:
+        ys = _split8(tl.reshape(y, (BLOCK_N, D8, 2, 2, 2)))
+        word = tl.zeros((BLOCK_N, D8), dtype=tl.int32)
+        sword = tl.zeros((BLOCK_N, D8), dtype=tl.int32)
         for j in tl.static_range(8):
-            shift = tl.where(r == j, (FIELDS >> (6 * j)) & 63, shift)
-        word = tl.sum(tl.reshape(idx, (BLOCK_N, D8, 8)) << shift[None, None, :], axis=2)
+            code, s = _field_code(ys[j], j, h, bounds_ptr, cent_ptr, D, K, FIELDS, SIGN, COMBINE)
+            word |= code << ((FIELDS >> (6 * j)) & 63)
+            sword |= s << j
+        if SIGN and not COMBINE:
+            tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
     else:
-        shift = tl.load(lay_ptr + h * D + offs_d) & 255
-        word = tl.sum(tl.reshape(idx << shift[None, :], (BLOCK_N, D8, 8)), axis=2)  # the fields do not overlap
+        idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
+        cent_rows = cent_ptr + (h * D + offs_d) * K  # centroids [H, D, K]
+        if PER_SEQ:  # bounds ascend, so y > b_k holds for a prefix of k: the last level passed is idx
+            cy = tl.zeros((BLOCK_N, D), dtype=tl.float32) + tl.load(cent_rows)[None, :]
+            for k in range(K - 1):
+                up = y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]
+                idx += up.to(tl.int32)
+                if SIGN:
+                    cy = tl.where(up, tl.load(cent_rows + k + 1)[None, :], cy)
+        else:
+            for k in tl.static_range(K - 1):
+                idx += (y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]).to(tl.int32)
+            if SIGN:
+                cy = tl.load(cent_rows[None, :] + idx)
+
+        if SIGN:
+            s = (y >= cy).to(tl.int32)
+            if COMBINE:  # one code 2·idx + sign of BITS + 1 bits
+                idx = idx * 2 + s
+            else:
+                sword = tl.sum(tl.reshape(s, (BLOCK_N, D8, 8)) << r[None, None, :], axis=2)
+                tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
+        if FIELDS >= 0:  # field j of every group word at bit (FIELDS >> 6j) & 63 (packing.packed_shifts)
+            shift = tl.zeros((8,), dtype=tl.int32)
+            for j in tl.static_range(8):
+                shift = tl.where(r == j, (FIELDS >> (6 * j)) & 63, shift)
+            word = tl.sum(tl.reshape(idx, (BLOCK_N, D8, 8)) << shift[None, None, :], axis=2)
+        else:
+            shift = tl.load(lay_ptr + h * D + offs_d) & 255
+            word = tl.sum(tl.reshape(idx << shift[None, :], (BLOCK_N, D8, 8)), axis=2)  # the fields do not overlap
+    _store_words(idx_ptr, rows, word, nmask, D, BITS + COMBINE)
+
+
+@triton.jit
+def _split8(y):
+    """y [N, G, 2, 2, 2] (channel 8g + 4a + 2b + c at [n, g, a, b, c]) → the 8 tensors [N, G] of channels
+    8g + j, j = 0..7."""
+    c0, c1 = tl.split(y)
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    y0, y4 = tl.split(c0b0)
+    y2, y6 = tl.split(c0b1)
+    y1, y5 = tl.split(c1b0)
+    y3, y7 = tl.split(c1b1)
+    return y0, y1, y2, y3, y4, y5, y6, y7
+
+
+@triton.jit
+def _field_code(yj, J: tl.constexpr, h, bounds_ptr, cent_ptr, D: tl.constexpr, K: tl.constexpr,
+                FIELDS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr):
+    """Codes of yj [N, D/8] (affine domain; channels 8g + J, whose field width the shifts FIELDS fix): a w-bit
+    channel's bounds past its 2^w − 1 are +inf (``lut_bounds``), so only those are compared; the sign's
+    centroid is gathered after. Returns (code, sign bit) int32 [N, D/8]; code = 2·idx + sign if COMBINE."""
+    W: tl.constexpr = ((FIELDS >> (6 * J + 6)) & 63) - ((FIELDS >> (6 * J)) & 63) - COMBINE
+    chan = tl.arange(0, D // 8) * 8 + J
+    idx = tl.zeros(yj.shape, dtype=tl.int32)
+    for k in tl.static_range((1 << W) - 1):
+        idx += (yj > tl.load(bounds_ptr + (h * (K - 1) + k) * D + chan)[None, :]).to(tl.int32)
+    s = tl.zeros(yj.shape, dtype=tl.int32)
+    if SIGN:
+        s = (yj >= tl.load(cent_ptr + ((h * D + chan) * K)[None, :] + idx)).to(tl.int32)
+        if COMBINE:
+            idx = idx * 2 + s
+    return idx, s
+
+
+@triton.jit
+def _store_words(idx_ptr, rows, word, nmask, D: tl.constexpr, WIDTH: tl.constexpr):
+    """Group words [N, D/8] (8 codes of WIDTH bits on average each) into cache rows ``rows`` [N]."""
+    D8: tl.constexpr = D // 8
+    NB: tl.constexpr = D * WIDTH // 8
+    g = tl.arange(0, D8)
     if WIDTH == 4:  # a group of 8 codes is one aligned int32
         tl.store(idx_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * D8 + g[None, :], word, mask=nmask[:, None])
     else:
@@ -91,7 +144,7 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
                           KSIGN: tl.constexpr, KCOMB: tl.constexpr, VBITS: tl.constexpr, VK: tl.constexpr,
                           VFIELDS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
                           BLOCK_N: tl.constexpr, PER_SEQ: tl.constexpr, PRECISION: tl.constexpr,
-                          KSPLIT: tl.constexpr, VSPLIT: tl.constexpr):
+                          KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, KPOS: tl.constexpr, VPOS: tl.constexpr):
     """Programs [0, H) of grid axis 0 encode keys, [H, 2H) values. ``PER_SEQ`` (a prefill, S > 1): grid
     (2·H, cdiv(S, BLOCK_N), B), each program BLOCK_N new tokens of one sequence; else (a decode step, S = 1):
     grid (2·H, cdiv(B, BLOCK_N)), each program the new token of BLOCK_N sequences, so one head's Π serves
@@ -109,57 +162,63 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
     if pid < H:
         _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
                       pos_ptr, pid, b, s_idx, nmask, H, T_CAP, D, KBITS, KK, KFIELDS, KSIGN, KCOMB, BLOCK_N, PRECISION,
-                      KSPLIT, PER_SEQ)
+                      KSPLIT, PER_SEQ, KPOS)
     else:
         _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
                       pos_ptr, pid - H, b, s_idx, nmask, H, T_CAP, D, VBITS, VK, VFIELDS, VSIGN, VCOMB, BLOCK_N,
-                      PRECISION, VSPLIT, PER_SEQ)
+                      PRECISION, VSPLIT, PER_SEQ, VPOS)
 
 
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
                          k_out: tuple, v_out: tuple, pos: torch.Tensor, k_code: tuple, v_code: tuple,
-                         k_fields: int = -1, v_fields: int = -1, config: dict | None = None) -> None:
+                         k_fields: int = -1, v_fields: int = -1, rot_halves: tuple | None = None,
+                         config: dict | None = None) -> None:
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
     k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d],
     bounds [H,K-1,d] (level-major: ``FusedTables.k_bounds``), centroids [H,d,K], field layout [H,d] int32 or
     empty: equal widths); ``*_out`` = (codes part, sign part or empty) written in place; ``*_code`` = (bits,
     combine); ``*_fields``: the layout's field shifts when every head shares them (compiled in, see
-    ``esm_turbo.ops.compressed.shared_fields``), or −1 (each head's layout row is read).
-    ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) for tuning."""
+    ``esm_turbo.ops.compressed.shared_fields``), or −1 (each head's layout row is read); ``rot_halves``:
+    (keys', values') Π in fp16 halves [H, 2, d, d] (``esm_turbo.ops.compressed.split_rotation``; empty: none),
+    read for fp16 inputs instead of splitting Π in every program.
+    ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) / by_position for
+    tuning."""
     batch, heads, s, d = k.shape
     # 32-token blocks of 4 warps: results/gpu/quantize_session9_h100.txt (128 spilled registers at 1024 tokens);
     # tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
-    cfg = dict(block_n=32, num_warps=4, precision=dot_precision(k))
+    cfg = dict(block_n=32, num_warps=4, precision=dot_precision(k), by_position=True)
     cfg.update(config or {})
     if dot_precision(k) == "ieee":  # the interpreter has nothing else
         cfg["precision"] = "ieee"
     block_n = cfg["block_n"]
-
-    def kind(out, code):
-        main, sign = out
-        bits, combine = code
-        has_sign = combine or sign.numel() > 0
-        return (main, part_or(sign, main)), (bits, has_sign, combine)
-
-    (k_main, k_sign), k_c = kind(k_out, k_code)
-    (v_main, v_sign), v_c = kind(v_out, v_code)
     per_seq = s > 1
     grid = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
     k, k_strides = token_strides(k)
     v, v_strides = token_strides(v)
-    prec = cfg["precision"]
+    halves = rot_halves or (k.new_empty(0), v.new_empty(0))
 
-    def tabs(t):  # an empty layout (equal widths) is never read: any pointer stands in
-        return (*t[:5], part_or(t[5], t[4]))
+    def kind(x, tables, out, code, given, rot16):
+        """(kernel args of one kind, its constexprs)."""
+        main, sign = out
+        bits, combine = code
+        layout = tables[5]
+        # equal widths: fields of bits (+ 1 for a combined sign) each, compiled in; an empty part is never read
+        fields = packed_shifts([bits + combine] * 8) if layout.numel() == 0 else given
+        split = split16(x, cfg["precision"])
+        rot = rot16 if split and rot16.numel() else tables[0]
+        args = (rot, *tables[1:5], part_or(layout, tables[4]), main, part_or(sign, main))
+        has_sign = combine or sign.numel() > 0
+        # by position pays where it skips compares (allocated widths) or gathers the sign's centroid; equal
+        # widths without a sign run the loop faster (results/gpu/quantize_session14_h100.txt)
+        by_position = cfg["by_position"] and per_seq and fields >= 0 and (layout.numel() > 0 or has_sign)
+        return args, (bits, tables[4].shape[-1], fields, has_sign, combine, 2 if rot is rot16 else int(split),
+                      by_position)
 
-    def fields(given, layout, code):  # equal widths: fields of bits (+ 1 for a combined sign) each
-        return packed_shifts([code[0] + code[1]] * 8) if layout.numel() == 0 else given
-
+    k_args, kc = kind(k, k_tables, k_out, k_code, k_fields, halves[0])
+    v_args, vc = kind(v, v_tables, v_out, v_code, v_fields, halves[1])
     _quantize_pack_kernel[grid](
-        k, *k_strides, *tabs(k_tables), k_main, k_sign, v, *v_strides, *tabs(v_tables), v_main, v_sign,
-        pos, batch, heads, s, k_main.shape[2], D=d, KBITS=k_c[0], KK=k_tables[4].shape[-1],
-        KFIELDS=fields(k_fields, k_tables[5], k_code), KSIGN=k_c[1], KCOMB=k_c[2], VBITS=v_c[0],
-        VK=v_tables[4].shape[-1], VFIELDS=fields(v_fields, v_tables[5], v_code), VSIGN=v_c[1], VCOMB=v_c[2],
-        BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION=prec,
-        KSPLIT=split16(k, prec), VSPLIT=split16(v, prec), num_warps=cfg["num_warps"])
+        k, *k_strides, *k_args, v, *v_strides, *v_args, pos, batch, heads, s, k_out[0].shape[2], D=d,
+        KBITS=kc[0], KK=kc[1], KFIELDS=kc[2], KSIGN=kc[3], KCOMB=kc[4], VBITS=vc[0], VK=vc[1], VFIELDS=vc[2],
+        VSIGN=vc[3], VCOMB=vc[4], BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION=cfg["precision"], KSPLIT=kc[5],
+        VSPLIT=vc[5], KPOS=kc[6], VPOS=vc[6], num_warps=cfg["num_warps"])

@@ -61,7 +61,8 @@ class FusedTables:
     k_layout / v_layout [H, d] int32 field layouts of the packed codes (``esm_turbo.quant.packing.field_layout``),
     empty when every channel has the same width; k_codes / v_codes: where the packed codes are stored;
     k_fields / v_fields: the field shifts every head shares, packed for the kernels to compile in
-    (:func:`shared_fields`), or −1.
+    (:func:`shared_fields`), or −1; k_rot16 / v_rot16 [H, 2, d, d] float16: the rotations' halves
+    (:func:`split_rotation`) the quantize kernel reads for fp16 inputs, on CUDA (elsewhere empty).
     """
 
     k_tab: torch.Tensor
@@ -74,6 +75,8 @@ class FusedTables:
     v_codes: StoredCodes
     k_fields: int = -1
     v_fields: int = -1
+    k_rot16: torch.Tensor | None = None
+    v_rot16: torch.Tensor | None = None
 
     def packed(self, parts: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, sign bits or an empty tensor) of ``kind`` ('k' or 'v') in a layer's cache parts."""
@@ -94,9 +97,23 @@ def fused_tables(codec: KVCodec) -> FusedTables:
                          v_bounds=_level_major(lut_bounds(value.centroids)),
                          k_layout=k_layout, v_layout=v_layout,
                          k_codes=StoredCodes.of(key), v_codes=StoredCodes.of(value),
-                         k_fields=shared_fields(key), v_fields=shared_fields(value))
+                         k_fields=shared_fields(key), v_fields=shared_fields(value),
+                         k_rot16=_kernel_halves(key), v_rot16=_kernel_halves(value))
     codec._fused_tables = tables
     return tables
+
+
+def split_rotation(rot: torch.Tensor) -> torch.Tensor:
+    """Π [H, d, d] float32 → [H, 2, d, d] float16: Π_hi = fp16(Π) and Π_lo = fp16((Π − Π_hi)·2048), whose two
+    fp16 dots with fp32 accumulation give x Πᵀ of fp16 x to fp32 accuracy (``esm_turbo.kernels.common.rotate``)."""
+    hi = rot.to(torch.float16)
+    lo = ((rot - hi.float()) * 2048.0).to(torch.float16)
+    return torch.stack([hi, lo], dim=1).contiguous()
+
+
+def _kernel_halves(q: VectorQuantizer) -> torch.Tensor:
+    """:func:`split_rotation` of q's Π where the kernels run (CUDA), else empty (nothing reads it)."""
+    return split_rotation(q.rot) if q.rot.is_cuda else q.rot.new_empty(0, dtype=torch.float16)
 
 
 def _level_major(bounds: torch.Tensor) -> torch.Tensor:
@@ -219,15 +236,18 @@ def quantize_pack(k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor, k_offse
                   k_main: torch.Tensor, k_sign: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor,
                   v_scale: torch.Tensor, v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_layout: torch.Tensor,
                   v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_bits: int, k_combine: bool,
-                  v_bits: int, v_combine: bool, k_fields: int = -1, v_fields: int = -1) -> None:
+                  v_bits: int, v_combine: bool, k_fields: int = -1, v_fields: int = -1,
+                  k_rot16: torch.Tensor | None = None, v_rot16: torch.Tensor | None = None) -> None:
     """Keys and values of one layer into their cache parts (one Triton launch on CUDA). Bounds [H, K-1, d]
-    level-major (``FusedTables``); ``*_fields``: shared field shifts or −1 (see :func:`shared_fields`)."""
+    level-major (``FusedTables``); ``*_fields``: shared field shifts or −1 (see :func:`shared_fields`);
+    ``*_rot16``: the rotations' fp16 halves (:func:`split_rotation`) for the kernel, or None / empty."""
     k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
     v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
     if _kernels_for(k):
         from ..kernels.quantize import quantize_pack_triton
+        halves = None if k_rot16 is None or v_rot16 is None else (k_rot16, v_rot16)
         quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos,
-                             (k_bits, k_combine), (v_bits, v_combine), k_fields, v_fields)
+                             (k_bits, k_combine), (v_bits, v_combine), k_fields, v_fields, halves)
     else:
         quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_bits, k_combine)
         quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_bits, v_combine)
@@ -272,7 +292,7 @@ def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Te
     quantize_pack(k, v, *_codec_tables(key), tables.k_bounds, key.centroids, tables.k_layout,
                   *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
                   tables.v_layout, *tables.packed(parts, "v"), pos, key.bits, key.combined_sign, value.bits,
-                  value.combined_sign, tables.k_fields, tables.v_fields)
+                  value.combined_sign, tables.k_fields, tables.v_fields, tables.k_rot16, tables.v_rot16)
 
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
