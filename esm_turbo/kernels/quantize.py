@@ -53,8 +53,6 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             code, s = _field_code(ys[j], j, h, bounds_ptr, cent_ptr, D, K, FIELDS, SIGN, COMBINE)
             word |= code << ((FIELDS >> (6 * j)) & 63)
             sword |= s << j
-        if SIGN and not COMBINE:
-            tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
     else:
         idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
         cent_rows = cent_ptr + (h * D + offs_d) * K  # centroids [H, D, K]
@@ -77,7 +75,6 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
                 idx = idx * 2 + s
             else:
                 sword = tl.sum(tl.reshape(s, (BLOCK_N, D8, 8)) << r[None, None, :], axis=2)
-                tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
         if FIELDS >= 0:  # field j of every group word at bit (FIELDS >> 6j) & 63 (packing.packed_shifts)
             shift = tl.zeros((8,), dtype=tl.int32)
             for j in tl.static_range(8):
@@ -86,6 +83,8 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
         else:
             shift = tl.load(lay_ptr + h * D + offs_d) & 255
             word = tl.sum(tl.reshape(idx << shift[None, :], (BLOCK_N, D8, 8)), axis=2)  # the fields do not overlap
+    if SIGN and not COMBINE:  # the sign bits of a group of 8 in one byte
+        tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
     _store_words(idx_ptr, rows, word, nmask, D, BITS + COMBINE)
 
 
