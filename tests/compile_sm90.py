@@ -52,11 +52,11 @@ def main() -> None:
                  dict(valid_ptr=u8, out_ptr=f16), num_warps=4)
     # quantize-and-pack: shared allocated fields compiled in for keys (split by position in a prefill), each head's
     # layout row read for values; Π's fp16 halves read for keys, split in the kernel for values; a prefill
-    # (programs per sequence) and a decode step
-    for per_seq in (True, False):
+    # (programs per sequence, in blocks of 32 and in the 64-token blocks of the place-major path) and a decode step
+    for per_seq, block_n in ((True, 32), (True, 64), (False, 32)):
         compile_sm90(quantize._quantize_pack_kernel,
                      dict(D=64, KBITS=3, KK=16, KFIELDS=shared, KSIGN=True, KCOMB=True, VBITS=3, VK=8, VFIELDS=-1,
-                          VSIGN=True, VCOMB=False, BLOCK_N=32, PER_SEQ=per_seq, PRECISION="tf32x3", KSPLIT=2,
+                          VSIGN=True, VCOMB=False, BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION="tf32x3", KSPLIT=2,
                           VSPLIT=1, KPOS=per_seq, VPOS=False),
                      strides | {"B", "H", "S", "T_CAP"},
                      dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",

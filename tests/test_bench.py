@@ -13,6 +13,7 @@ def test_attention_rows_have_their_baselines():
         assert r["fused_path"] == "pytorch-reference"
         assert r["fused_us"] > 0 and r["sdpa_fp16_us"] > 0 and r["two_step_us"] > 0
         assert r["speedup_vs_sdpa_fp16"] == r["sdpa_fp16_us"] / r["fused_us"]
+        assert r["fused_step_us"] > 0 and r["step_speedup_vs_sdpa_fp16"] == r["sdpa_fp16_step_us"] / r["fused_step_us"]
     text = format_result(BenchResult(device="cpu", attention=rows))
     assert "tiny" in text and "fp16 SDPA" in text
 

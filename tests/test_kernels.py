@@ -150,6 +150,22 @@ def test_decode_kernel_both_paths(bits, residual, d, dtype, path):
 
 
 @needs_triton
+@needs_triton
+def test_one_launch_counts_stay_zero():
+    """The one-launch path's arrival counts are kept between launches (no memset): each launch leaves them zero,
+    so the next one merges as the first did."""
+    from esm_turbo.kernels.decode import compressed_attention_triton, split_counters
+    codec = random_turbo_codec(2, 16, 3, 3, "sign", seed=0).to(DEVICE)
+    cache = filled_cache(codec, 3, [1, 70, 0], DEVICE, 0)
+    args = _reference_args(codec, cache, *step_inputs(3, 2, 1, 16, DEVICE, 1), torch.float32)
+    first = compressed_attention_triton(*args, config=dict(path="one"))
+    counts = split_counters(6, torch.device(DEVICE))
+    assert not counts.any()
+    second = compressed_attention_triton(*args, config=dict(path="one"))
+    assert split_counters(6, torch.device(DEVICE)).data_ptr() == counts.data_ptr() and not counts.any()
+    assert torch.equal(first, second)
+
+
 def test_one_launch_rule():
     from esm_turbo.kernels.decode import SMALL_MAX_SLOTS, one_launch
     assert one_launch(1, 20, 1, 64, 1024)
@@ -224,9 +240,22 @@ def test_decode_kernel_fp16_inputs():
                                                           ((3, 1), "none", 16, torch.float32, False)])
 @pytest.mark.parametrize("s", [7, 1])
 def test_quantize_pack_kernel(bits, residual, d, dtype, shared, s):
+    check_quantize_matches(bits, residual, d, dtype, shared, s, block_n=16)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,residual,d,dtype", [(3, "sign", 64, torch.float16), ((4, 2), "sign", 64, torch.float16),
+                                                   (2, "sign", 32, torch.float32), (3, "none", 16, torch.float16)])
+@pytest.mark.parametrize("s", [7, 100])
+def test_quantize_pack_kernel_wide_blocks(bits, residual, d, dtype, s):
+    """64-token blocks of a prefill split by position: Π's rows place-major, the compares channel-major."""
+    check_quantize_matches(bits, residual, d, dtype, True, s, block_n=64)
+
+
+def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n):
     """One launch encodes keys and values (different tables, strided inputs) into their parts, as the
-    reference does: a prefill of S = 7 tokens per sequence (programs per sequence) or a decode step of one
-    token per sequence (programs across sequences), blocks of 16 partly masked. Allocated widths, read from each
+    reference does: a prefill of S tokens per sequence (programs per sequence) or a decode step of one
+    token per sequence (programs across sequences), blocks of ``block_n`` partly masked. Allocated widths, read from each
     head's layout row or (``shared``: every head has the same widths) compiled in as field shifts (a prefill then
     splits the channels by their place in a group of 8)."""
     from esm_turbo.kernels.quantize import quantize_pack_triton
@@ -249,14 +278,14 @@ def test_quantize_pack_kernel(bits, residual, d, dtype, shared, s):
 
     outs = []
     for use_kernel in (False, True):
-        cache = KVCache([codec], batch, capacity=16, device=DEVICE)
+        cache = KVCache([codec], batch, capacity=s + 9, device=DEVICE)
         parts = {kind: tables.packed(cache.parts[0], kind) for kind in "kv"}
         code = {kind: (quantizer[kind].bits, quantizer[kind].combined_sign) for kind in "kv"}
         if use_kernel:
             # Π's fp16 halves as the op passes them (read for fp16 inputs on CUDA)
             halves = (split_rotation(codec.key.rot), split_rotation(codec.value.rot))
             quantize_pack_triton(x["k"], x["v"], args("k"), args("v"), parts["k"], parts["v"], pos, code["k"],
-                                 code["v"], *fields, halves, config=dict(block_n=16))
+                                 code["v"], *fields, halves, config=dict(block_n=block_n))
         else:
             for kind in "kv":
                 quantize_pack_reference(x[kind], *args(kind), *parts[kind], pos, *code[kind])
@@ -329,7 +358,7 @@ def test_kernels_compile_for_sm90():
     run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = [line for line in run.stdout.splitlines() if line.startswith("compiled ")]
-    assert len(compiled) == 8, run.stdout  # quantize-and-pack twice: a prefill and a decode step
+    assert len(compiled) == 9, run.stdout  # quantize-and-pack thrice: prefills in blocks of 32 and 64, a decode step
 
 
 def test_custom_ops_compile_without_graph_breaks():

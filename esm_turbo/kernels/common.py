@@ -16,16 +16,22 @@ def token_offsets(h, offs_n, S, stride_b, stride_h, stride_s):
 
 
 @triton.jit
-def rotate_rows(x_ptr, offs, nmask, rot_ptr, D: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
-    """Rows of x at element offsets ``offs`` [BLOCK_N] (any float dtype) times Πᵀ of one head: [BLOCK_N, D]
+def load_rows(x_ptr, offs, nmask, D: tl.constexpr):
+    """Rows of x at element offsets ``offs`` [BLOCK_N] (a contiguous last dim of D): [BLOCK_N, D] in x's dtype,
+    zeros where ``nmask`` is False."""
+    offs_d = tl.arange(0, D)
+    return tl.load(x_ptr + offs[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+
+
+@triton.jit
+def rotate(x, rot_ptr, rows, D: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
+    """x [BLOCK_N, D] (any float dtype) times rows ``rows`` [E] of Π of one head: x Π[rows]ᵀ [BLOCK_N, E]
     float32 on tensor cores (BLOCK_N ≥ 16). ``rot_ptr`` → Π [D, D] float32, or with ``SPLIT16 == 2`` its fp16
     halves [2, D, D] (``esm_turbo.ops.compressed.split_rotation``).
 
     ``SPLIT16`` (fp16 x, which fp16 holds exactly): Π = Π_hi + Π_lo / 2048 in two fp16 halves, two fp16
     dots with fp32 accumulation — as accurate as fp32 and cheaper than tf32x3; 1: split here, 2: read split."""
-    offs_d = tl.arange(0, D)
-    x = tl.load(x_ptr + offs[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
-    at = offs_d[:, None] * D + offs_d[None, :]  # Π[e, d]
+    at = rows[:, None] * D + tl.arange(0, D)[None, :]  # Π[e, d]
     if SPLIT16 == 2:
         hi = tl.load(rot_ptr + at)
         lo = tl.load(rot_ptr + D * D + at)
@@ -39,6 +45,12 @@ def rotate_rows(x_ptr, offs, nmask, rot_ptr, D: tl.constexpr, PRECISION: tl.cons
     else:
         y = tl.dot(x.to(tl.float32), tl.trans(tl.load(rot_ptr + at)), input_precision=PRECISION)
     return y
+
+
+@triton.jit
+def rotate_rows(x_ptr, offs, nmask, rot_ptr, D: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
+    """Rows of x at element offsets ``offs`` [BLOCK_N] times Πᵀ: [BLOCK_N, D] float32 (:func:`rotate`)."""
+    return rotate(load_rows(x_ptr, offs, nmask, D), rot_ptr, tl.arange(0, D), D, PRECISION, SPLIT16)
 
 
 def token_strides(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:

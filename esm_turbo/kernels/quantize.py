@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import dot_precision, rotate_rows, part_or, split16, token_strides
+from .common import dot_precision, load_rows, part_or, rotate, split16, token_strides
 
 
 @triton.jit
@@ -37,8 +37,8 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     offs_d = tl.arange(0, D)
     zero = tl.zeros((BLOCK_N,), dtype=tl.int64)
     x_rows = zero + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + s_idx.to(tl.int64) * sxs
-    y = rotate_rows(x_ptr, x_rows, nmask, rot_ptr + h * (1 + (SPLIT16 == 2)) * D * D, D, PRECISION, SPLIT16)
-    y = (y - tl.load(offset_ptr + h * D + offs_d)[None, :]) / tl.load(scale_ptr + h * D + offs_d)[None, :]
+    x = load_rows(x_ptr, x_rows, nmask, D)
+    rot_ptr += h * (1 + (SPLIT16 == 2)) * D * D
 
     D8: tl.constexpr = D // 8
     g = tl.arange(0, D8)
@@ -46,14 +46,35 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     pos = tl.load(pos_ptr + (zero + b), mask=nmask, other=0)
     rows = (b * H + h).to(tl.int64) * T_CAP + pos + s_idx  # cache rows [BLOCK_N]
     if BY_POSITION:
+        # WIDE (64-token blocks, one warpgroup's wgmma): Π's rows taken place-major (product column j·D/8 + g is
+        # channel 8g + j) leave the place j in the dot's register index, so the places split apart without moving
+        # data, and the compares run channel-major ([D/8, N]: a thread's values share two channels, so few bound
+        # loads). 32-token blocks run faster in channel order, token-major (results/gpu/quantize_session15_h100.txt)
+        WIDE: tl.constexpr = BLOCK_N >= 64
+        if WIDE:
+            perm = (offs_d % D8) * 8 + offs_d // D8
+        else:
+            perm = offs_d
+        y = _affine(rotate(x, rot_ptr, perm, D, PRECISION, SPLIT16), offset_ptr, scale_ptr, h * D + perm)
+        if WIDE:
+            y = tl.permute(tl.reshape(y, (BLOCK_N, 8, D8)), (0, 2, 1))
+            word = tl.zeros((D8, BLOCK_N), dtype=tl.int32)
+        else:
+            word = tl.zeros((BLOCK_N, D8), dtype=tl.int32)
+        sword = tl.zeros_like(word)
         ys = _split8(tl.reshape(y, (BLOCK_N, D8, 2, 2, 2)))
-        word = tl.zeros((BLOCK_N, D8), dtype=tl.int32)
-        sword = tl.zeros((BLOCK_N, D8), dtype=tl.int32)
         for j in tl.static_range(8):
-            code, s = _field_code(ys[j], j, h, bounds_ptr, cent_ptr, D, K, FIELDS, SIGN, COMBINE)
+            yj = ys[j]
+            if WIDE:
+                yj = tl.trans(yj)
+            code, s = _field_code(yj, j, h, bounds_ptr, cent_ptr, D, K, FIELDS, SIGN, COMBINE, WIDE)
             word |= code << ((FIELDS >> (6 * j)) & 63)
             sword |= s << j
+        if WIDE:
+            word = tl.trans(word)
+            sword = tl.trans(sword)
     else:
+        y = _affine(rotate(x, rot_ptr, offs_d, D, PRECISION, SPLIT16), offset_ptr, scale_ptr, h * D + offs_d)
         idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
         cent_rows = cent_ptr + (h * D + offs_d) * K  # centroids [H, D, K]
         if PER_SEQ:  # bounds ascend, so y > b_k holds for a prefix of k: the last level passed is idx
@@ -103,22 +124,41 @@ def _split8(y):
 
 
 @triton.jit
+def _affine(xr, offset_ptr, scale_ptr, at):
+    """(x Πᵀ − offset) / scale of rotated rows xr [N, E], the channels' offset and scale at ``at`` [E]: one
+    multiply-add per value (a division per value costs seven instructions)."""
+    inv = 1.0 / tl.load(scale_ptr + at)
+    return xr * inv[None, :] - (tl.load(offset_ptr + at) * inv)[None, :]
+
+
+@triton.jit
 def _field_code(yj, J: tl.constexpr, h, bounds_ptr, cent_ptr, D: tl.constexpr, K: tl.constexpr,
-                FIELDS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr):
-    """Codes of yj [N, D/8] (affine domain; channels 8g + J, whose field width the shifts FIELDS fix): a w-bit
-    channel's bounds past its 2^w − 1 are +inf (``lut_bounds``), so only those are compared; the sign's
-    centroid is gathered after. Returns (code, sign bit) int32 [N, D/8]; code = 2·idx + sign if COMBINE."""
+                FIELDS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr):
+    """Codes of yj [N, D/8] (or [D/8, N] if CHANNEL_MAJOR; affine domain; channels 8g + J, whose field width the
+    shifts FIELDS fix): a w-bit channel's bounds past its 2^w − 1 are +inf (``lut_bounds``), so only those are
+    compared; the sign's centroid is gathered after. Returns (code, sign bit) int32 shaped as yj; code =
+    2·idx + sign if COMBINE."""
     W: tl.constexpr = ((FIELDS >> (6 * J + 6)) & 63) - ((FIELDS >> (6 * J)) & 63) - COMBINE
     chan = tl.arange(0, D // 8) * 8 + J
+    row = bounds_ptr + h * ((K - 1) * D) + chan  # level k at row + k·D: constant offsets from one address
     idx = tl.zeros(yj.shape, dtype=tl.int32)
     for k in tl.static_range((1 << W) - 1):
-        idx += (yj > tl.load(bounds_ptr + (h * (K - 1) + k) * D + chan)[None, :]).to(tl.int32)
+        idx += (yj > _per_channel(tl.load(row + k * D), CHANNEL_MAJOR)).to(tl.int32)
     s = tl.zeros(yj.shape, dtype=tl.int32)
     if SIGN:
-        s = (yj >= tl.load(cent_ptr + ((h * D + chan) * K)[None, :] + idx)).to(tl.int32)
+        s = (yj >= tl.load(_per_channel((h * D + chan) * K, CHANNEL_MAJOR) + cent_ptr + idx)).to(tl.int32)
         if COMBINE:
             idx = idx * 2 + s
     return idx, s
+
+
+@triton.jit
+def _per_channel(v, CHANNEL_MAJOR: tl.constexpr):
+    """A per-channel vector [D/8] broadcast along the tokens of a [D/8, N] (CHANNEL_MAJOR) or [N, D/8] tensor."""
+    if CHANNEL_MAJOR:
+        return v[:, None]
+    else:
+        return v[None, :]
 
 
 @triton.jit
@@ -186,13 +226,11 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     batch, heads, s, d = k.shape
     # 32-token blocks of 4 warps: results/gpu/quantize_session9_h100.txt (128 spilled registers at 1024 tokens);
     # tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
-    cfg = dict(block_n=32, num_warps=4, precision=dot_precision(k), by_position=True)
+    cfg = dict(block_n=None, num_warps=4, precision=dot_precision(k), by_position=True)
     cfg.update(config or {})
     if dot_precision(k) == "ieee":  # the interpreter has nothing else
         cfg["precision"] = "ieee"
-    block_n = cfg["block_n"]
     per_seq = s > 1
-    grid = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
     k, k_strides = token_strides(k)
     v, v_strides = token_strides(v)
     halves = rot_halves or (k.new_empty(0), v.new_empty(0))
@@ -216,6 +254,12 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
 
     k_args, kc = kind(k, k_tables, k_out, k_code, k_fields, halves[0])
     v_args, vc = kind(v, v_tables, v_out, v_code, v_fields, halves[1])
+    # 64-token blocks (WIDE in _quantize_one) for 3-bit codes split by position in prefills of 1024 tokens or more:
+    # 6–18% faster there; 32 where 64 runs slower: shorter prefills, 2- and 4-bit codes
+    # (results/gpu/quantize_session15_h100.txt)
+    wide = per_seq and kc[6] and vc[6] and batch * s >= 1024 and kc[0] == vc[0] == 3
+    block_n = cfg["block_n"] or (64 if wide else 32)
+    grid = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
     _quantize_pack_kernel[grid](
         k, *k_strides, *k_args, v, *v_strides, *v_args, pos, batch, heads, s, k_out[0].shape[2], D=d,
         KBITS=kc[0], KK=kc[1], KFIELDS=kc[2], KSIGN=kc[3], KCOMB=kc[4], VBITS=vc[0], VK=vc[1], VFIELDS=vc[2],
