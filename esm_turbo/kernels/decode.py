@@ -453,7 +453,7 @@ _RETIRED: list[torch.Tensor] = []
 def split_counters(n: int, device: torch.device) -> torch.Tensor:
     """At least ``n`` int32 arrival counts, all zero, for a ``_small_kernel`` launch, which leaves them zero again
     (the merging program of each (b, h) zeroes its own): one buffer per device and stream, so a decode step needs no
-    memset launch (1.5 µs of 18 at B=1 T=1K on an H100, results/gpu/decode_session15_h100.txt). Launches on one
+    memset launch (1.4 µs of 17.8 at B=1 T=1K on an H100, results/gpu/decode_session15_h100.txt). Launches on one
     stream run in order and share it safely; a CUDA graph keeps the buffer of the stream it was captured on, so two
     graphs captured on one stream must not be replayed concurrently on different streams. A new buffer found
     missing during a capture is zeroed inside it."""
