@@ -11,14 +11,15 @@ from esm_turbo.kernels import decode, quantize
 from esm_turbo.quant.packing import packed_shifts
 
 
-def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2) -> int:
+def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, maxnreg: int | None = None) -> int:
     """Constexprs from ``consts``, i32 scalars ``ints``, every other parameter a pointer (``ptrs`` names
-    its dtype, default fp32); returns the cubin size."""
+    its dtype, default fp32), registers capped at ``maxnreg`` as the wrapper launches it; returns the cubin size."""
     sig = {}
     for name in inspect.signature(fn.fn).parameters:
         sig[name] = "constexpr" if name in consts else "i32" if name in ints else ptrs.get(name, "*fp32")
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps) | (dict(maxnreg=maxnreg) if maxnreg else {})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     size = len(kernel.asm["cubin"])
     print("compiled", fn.fn.__name__, size, flush=True)
     return size
@@ -60,7 +61,7 @@ def main() -> None:
                           VSPLIT=1, KPOS=per_seq, VPOS=False),
                      strides | {"B", "H", "S", "T_CAP"},
                      dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",
-                          v_lay="*i32"), num_warps=4)
+                          v_lay="*i32"), num_warps=4, maxnreg=96 if block_n == 64 else None)
 
 
 if __name__ == "__main__":

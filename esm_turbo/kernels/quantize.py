@@ -221,12 +221,12 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     ``esm_turbo.ops.compressed.shared_fields``), or −1 (each head's layout row is read); ``rot_halves``:
     (keys', values') Π in fp16 halves [H, 2, d, d] (``esm_turbo.ops.compressed.split_rotation``; empty: none),
     read for fp16 inputs instead of splitting Π in every program.
-    ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) / by_position for
-    tuning."""
+    ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) / by_position / maxnreg (a
+    register cap) for tuning."""
     batch, heads, s, d = k.shape
     # 32-token blocks of 4 warps: results/gpu/quantize_session9_h100.txt (128 spilled registers at 1024 tokens);
     # tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
-    cfg = dict(block_n=None, num_warps=4, precision=dot_precision(k), by_position=True)
+    cfg = dict(block_n=None, num_warps=4, precision=dot_precision(k), by_position=True, maxnreg=None)
     cfg.update(config or {})
     if dot_precision(k) == "ieee":  # the interpreter has nothing else
         cfg["precision"] = "ieee"
@@ -259,9 +259,12 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     # (results/gpu/quantize_session15_h100.txt)
     wide = per_seq and kc[6] and vc[6] and batch * s >= 1024 and kc[0] == vc[0] == 3
     block_n = cfg["block_n"] or (64 if wide else 32)
+    # capped at 96 registers (108 uncapped, 8 bytes of stack), five 64-token programs share an SM: a 1024-token
+    # prefill's 640 programs run in one wave, not 1.2 (13.7 → 11.9 µs per 650M layer; caps at 32 tokens gained nothing)
+    maxnreg = cfg["maxnreg"] or (96 if block_n >= 64 else None)
     grid = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
     _quantize_pack_kernel[grid](
         k, *k_strides, *k_args, v, *v_strides, *v_args, pos, batch, heads, s, k_out[0].shape[2], D=d,
         KBITS=kc[0], KK=kc[1], KFIELDS=kc[2], KSIGN=kc[3], KCOMB=kc[4], VBITS=vc[0], VK=vc[1], VFIELDS=vc[2],
         VSIGN=vc[3], VCOMB=vc[4], BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION=cfg["precision"], KSPLIT=kc[5],
-        VSPLIT=vc[5], KPOS=kc[6], VPOS=vc[6], num_warps=cfg["num_warps"])
+        VSPLIT=vc[5], KPOS=kc[6], VPOS=vc[6], num_warps=cfg["num_warps"], maxnreg=maxnreg)
