@@ -150,7 +150,6 @@ def test_decode_kernel_both_paths(bits, residual, d, dtype, path):
 
 
 @needs_triton
-@needs_triton
 def test_one_launch_counts_stay_zero():
     """The one-launch path's arrival counts are kept between launches (no memset): each launch leaves them zero,
     so the next one merges as the first did."""
@@ -166,6 +165,7 @@ def test_one_launch_counts_stay_zero():
     assert torch.equal(first, second)
 
 
+@needs_triton
 def test_one_launch_rule():
     from esm_turbo.kernels.decode import SMALL_MAX_SLOTS, one_launch
     assert one_launch(1, 20, 1, 64, 1024)

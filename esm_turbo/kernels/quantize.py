@@ -224,8 +224,8 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) / by_position / maxnreg (a
     register cap) for tuning."""
     batch, heads, s, d = k.shape
-    # 32-token blocks of 4 warps: results/gpu/quantize_session9_h100.txt (128 spilled registers at 1024 tokens);
-    # tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
+    # 4 warps: results/gpu/quantize_session9_h100.txt (128 spilled registers at 1024 tokens); the block size is
+    # chosen below; tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
     cfg = dict(block_n=None, num_warps=4, precision=dot_precision(k), by_position=True, maxnreg=None)
     cfg.update(config or {})
     if dot_precision(k) == "ieee":  # the interpreter has nothing else
