@@ -58,7 +58,7 @@ def main() -> None:
         compile_sm90(quantize._quantize_pack_kernel,
                      dict(D=64, KBITS=3, KK=16, KFIELDS=shared, KSIGN=True, KCOMB=True, VBITS=3, VK=8, VFIELDS=-1,
                           VSIGN=True, VCOMB=False, BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION="tf32x3", KSPLIT=2,
-                          VSPLIT=1, KPOS=per_seq, VPOS=False),
+                          VSPLIT=1, KPOS=per_seq, VPOS=False, ASM=True),
                      strides | {"B", "H", "S", "T_CAP"},
                      dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",
                           v_lay="*i32"), num_warps=4, maxnreg=96 if block_n == 64 else None)

@@ -226,6 +226,29 @@ def test_decode_kernel_several_queries():
 
 
 @needs_triton
+def test_decode_merge_ignores_unwritten_partials(monkeypatch):
+    """Three queries take partial slots for four (a power of two): the fourth is never written, and its lanes
+    must not be read as data. Scratch buffers poisoned with NaN — what an uninitialised one may hold — change
+    nothing and raise no floating-point warning."""
+    import warnings
+    from esm_turbo.kernels.decode import compressed_attention_triton
+    codec = random_turbo_codec(2, 16, 3, 3, "sign", seed=0).to(DEVICE)
+    cache = filled_cache(codec, 2, [33, 9], DEVICE, 0)
+    args = _reference_args(codec, cache, *step_inputs(2, 2, 3, 16, DEVICE, 1), torch.float32)
+    clean = compressed_attention_triton(*args, config=dict(path="split"))
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        out = empty(*shape, **kw)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    monkeypatch.setattr(torch, "empty", poisoned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        dirty = compressed_attention_triton(*args, config=dict(path="split"))
+    assert torch.equal(clean, dirty)
+
+
+@needs_triton
 def test_decode_kernel_fp16_inputs():
     check_kernel_matches(3, "sign", 32, batch=2, lengths=[40, 3], s=2, dtype=torch.float16)
 

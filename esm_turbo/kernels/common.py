@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -59,6 +61,11 @@ def token_strides(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     if t.stride(-1) != 1:
         t = t.contiguous()
     return t, (t.stride(0), t.stride(1), t.stride(2))
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``: CPU tensors, no PTX)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def dot_precision(t: torch.Tensor) -> str:

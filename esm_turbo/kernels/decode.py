@@ -26,14 +26,13 @@ split of each (b, h) to finish merges. No dequantized tensor is written to globa
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import dot_precision, rotate_rows, part_or, split16, token_offsets, token_strides
+from .common import dot_precision, interpreting, part_or, rotate_rows, split16, token_offsets, token_strides
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -78,9 +77,10 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     nmask = offs_n < NS
 
     part = (pid_bh * NS + offs_n[:, None]) * BLOCK_S + offs_s[None, :]  # [BLOCK_NS, BLOCK_S]
-    m = tl.load(m_ptr + part, mask=nmask[:, None], other=float("-inf"))
-    lp = tl.load(l_ptr + part, mask=nmask[:, None], other=0.0)
-    accp = tl.load(acc_ptr + part[:, :, None] * D + offs_d[None, None, :], mask=nmask[:, None, None], other=0.0)
+    pmask = nmask[:, None] & smask[None, :]  # partials of padded queries (qi ≥ S) are never written
+    m = tl.load(m_ptr + part, mask=pmask, other=float("-inf"))
+    lp = tl.load(l_ptr + part, mask=pmask, other=0.0)
+    accp = tl.load(acc_ptr + part[:, :, None] * D + offs_d[None, None, :], mask=pmask[:, :, None], other=0.0)
 
     # the step's own tokens (full precision, affine domain): queries × keys both over offs_s
     q_row = qt_ptr + (pid_bh * S + offs_s) * (D + 1)
@@ -405,10 +405,6 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
         tl.store(count_ptr + pid_bh, 0)  # every split has counted: zero again for the next launch
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, in tests
         return 4
@@ -490,7 +486,7 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
         D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields,
         KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
         BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab[0].numel(), NV=v_tab[0].numel(),
-        PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, ROWS=cfg["rows"],
+        PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     return out
 
@@ -584,7 +580,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         chunk, splits, D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields,
         KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
-        PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if _interpreting() else 0, ROWS=cfg["rows"],
+        PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"],
         num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     _merge_kernel[(batch * heads,)](
         qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, heads, s, splits,

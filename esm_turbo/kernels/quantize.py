@@ -9,12 +9,14 @@ For each (sequence b, head h) and token n < S: ``y = (x Πᵀ − offset) / scal
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import dot_precision, load_rows, part_or, rotate, split16, token_strides
+from .common import dot_precision, interpreting, load_rows, part_or, rotate, split16, token_strides
 
 
 @triton.jit
@@ -22,7 +24,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
                   sign_ptr, pos_ptr, h, b, s_idx, nmask, H, T_CAP,
                   D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, FIELDS: tl.constexpr, SIGN: tl.constexpr,
                   COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr,
-                  PER_SEQ: tl.constexpr, BY_POSITION: tl.constexpr):
+                  PER_SEQ: tl.constexpr, BY_POSITION: tl.constexpr, ASM: tl.constexpr):
     """Encode BLOCK_N tokens — sequence ``b``, position ``s_idx`` among the new ones (each a scalar or
     [BLOCK_N]; ``nmask``: which exist) — of head ``h`` of one tensor kind into its cache part (K levels per
     channel's LUT, bounds [H, K-1, D] level-major; codes at the field shifts ``FIELDS`` compiled in when every
@@ -67,7 +69,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             yj = ys[j]
             if WIDE:
                 yj = tl.trans(yj)
-            code, s = _field_code(yj, j, h, bounds_ptr, cent_ptr, D, K, FIELDS, SIGN, COMBINE, WIDE)
+            code, s = _field_code(yj, j, h, bounds_ptr, cent_ptr, D, K, FIELDS, SIGN, COMBINE, WIDE, ASM)
             word |= code << ((FIELDS >> (6 * j)) & 63)
             sword |= s << j
         if WIDE:
@@ -77,16 +79,19 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
         y = _affine(rotate(x, rot_ptr, offs_d, D, PRECISION, SPLIT16), offset_ptr, scale_ptr, h * D + offs_d)
         idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
         cent_rows = cent_ptr + (h * D + offs_d) * K  # centroids [H, D, K]
+        bound_row = bounds_ptr + h * ((K - 1) * D) + offs_d  # level k at bound_row + k·D
         if PER_SEQ:  # bounds ascend, so y > b_k holds for a prefix of k: the last level passed is idx
             cy = tl.zeros((BLOCK_N, D), dtype=tl.float32) + tl.load(cent_rows)[None, :]
             for k in range(K - 1):
-                up = y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]
+                up = y > tl.load(bound_row + k * D)[None, :]
                 idx += up.to(tl.int32)
                 if SIGN:
                     cy = tl.where(up, tl.load(cent_rows + k + 1)[None, :], cy)
         else:
+            above = tl.zeros((BLOCK_N, D), dtype=tl.float32)
             for k in tl.static_range(K - 1):
-                idx += (y > tl.load(bounds_ptr + (h * (K - 1) + k) * D + offs_d)[None, :]).to(tl.int32)
+                above += _above(y, tl.load(bound_row + k * D)[None, :], ASM)
+            idx = above.to(tl.int32)
             if SIGN:
                 cy = tl.load(cent_rows[None, :] + idx)
 
@@ -133,7 +138,8 @@ def _affine(xr, offset_ptr, scale_ptr, at):
 
 @triton.jit
 def _field_code(yj, J: tl.constexpr, h, bounds_ptr, cent_ptr, D: tl.constexpr, K: tl.constexpr,
-                FIELDS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr):
+                FIELDS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
+                ASM: tl.constexpr):
     """Codes of yj [N, D/8] (or [D/8, N] if CHANNEL_MAJOR; affine domain; channels 8g + J, whose field width the
     shifts FIELDS fix): a w-bit channel's bounds past its 2^w − 1 are +inf (``lut_bounds``), so only those are
     compared; the sign's centroid is gathered after. Returns (code, sign bit) int32 shaped as yj; code =
@@ -141,15 +147,29 @@ def _field_code(yj, J: tl.constexpr, h, bounds_ptr, cent_ptr, D: tl.constexpr, K
     W: tl.constexpr = ((FIELDS >> (6 * J + 6)) & 63) - ((FIELDS >> (6 * J)) & 63) - COMBINE
     chan = tl.arange(0, D // 8) * 8 + J
     row = bounds_ptr + h * ((K - 1) * D) + chan  # level k at row + k·D: constant offsets from one address
-    idx = tl.zeros(yj.shape, dtype=tl.int32)
+    above = tl.zeros(yj.shape, dtype=tl.float32)
     for k in tl.static_range((1 << W) - 1):
-        idx += (yj > _per_channel(tl.load(row + k * D), CHANNEL_MAJOR)).to(tl.int32)
+        above += _above(yj, _per_channel(tl.load(row + k * D), CHANNEL_MAJOR), ASM)
+    idx = above.to(tl.int32)
     s = tl.zeros(yj.shape, dtype=tl.int32)
     if SIGN:
         s = (yj >= tl.load(_per_channel((h * D + chan) * K, CHANNEL_MAJOR) + cent_ptr + idx)).to(tl.int32)
         if COMBINE:
             idx = idx * 2 + s
     return idx, s
+
+
+@triton.jit
+def _above(y, bound, ASM: tl.constexpr):
+    """1.0 where y > bound (broadcast to y's shape), else 0.0, float32. Compiled as one FSET.BF per value (inline
+    PTX ``set.gt.f32.f32``), which a float add counts; a compare cast to an integer took a compare, a select and an
+    add (650M layer, 1024 tokens: 12.0 → 10.6 µs, results/gpu/quantize_session16_h100.txt). ``ASM`` False:
+    Triton's interpreter, which runs no PTX, compares."""
+    bound = tl.broadcast_to(bound, y.shape)
+    if ASM:
+        return tl.inline_asm_elementwise("set.gt.f32.f32 $0, $1, $2;", "=f,f,f", [y, bound], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return (y > bound).to(tl.float32)
 
 
 @triton.jit
@@ -183,7 +203,8 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
                           KSIGN: tl.constexpr, KCOMB: tl.constexpr, VBITS: tl.constexpr, VK: tl.constexpr,
                           VFIELDS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
                           BLOCK_N: tl.constexpr, PER_SEQ: tl.constexpr, PRECISION: tl.constexpr,
-                          KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, KPOS: tl.constexpr, VPOS: tl.constexpr):
+                          KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, KPOS: tl.constexpr, VPOS: tl.constexpr,
+                          ASM: tl.constexpr):
     """Programs [0, H) of grid axis 0 encode keys, [H, 2H) values. ``PER_SEQ`` (a prefill, S > 1): grid
     (2·H, cdiv(S, BLOCK_N), B), each program BLOCK_N new tokens of one sequence; else (a decode step, S = 1):
     grid (2·H, cdiv(B, BLOCK_N)), each program the new token of BLOCK_N sequences, so one head's Π serves
@@ -201,11 +222,22 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
     if pid < H:
         _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
                       pos_ptr, pid, b, s_idx, nmask, H, T_CAP, D, KBITS, KK, KFIELDS, KSIGN, KCOMB, BLOCK_N, PRECISION,
-                      KSPLIT, PER_SEQ, KPOS)
+                      KSPLIT, PER_SEQ, KPOS, ASM)
     else:
         _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
                       pos_ptr, pid - H, b, s_idx, nmask, H, T_CAP, D, VBITS, VK, VFIELDS, VSIGN, VCOMB, BLOCK_N,
-                      PRECISION, VSPLIT, PER_SEQ, VPOS)
+                      PRECISION, VSPLIT, PER_SEQ, VPOS, ASM)
+
+
+class _KindConsts(NamedTuple):
+    """The constexprs of one tensor kind (keys or values) of ``_quantize_pack_kernel``."""
+    bits: int  # index bits per value (on average)
+    levels: int  # K: levels of each channel's LUT
+    fields: int  # field shifts compiled in (packing.packed_shifts), or −1: each head's layout row is read
+    sign: bool  # a sign residual
+    combine: bool  # … stored fused with the index as one code 2·idx + sign
+    split: int  # Π in fp32 (0), split into fp16 halves in the kernel (1) or read as halves (2)
+    by_position: bool  # channels split by their place in a group of 8 (_quantize_one)
 
 
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
@@ -235,7 +267,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     v, v_strides = token_strides(v)
     halves = rot_halves or (k.new_empty(0), v.new_empty(0))
 
-    def kind(x, tables, out, code, given, rot16):
+    def kind(x, tables, out, code, given, rot16) -> tuple[tuple, _KindConsts]:
         """(kernel args of one kind, its constexprs)."""
         main, sign = out
         bits, combine = code
@@ -249,15 +281,15 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
         # by position pays where it skips compares (allocated widths) or gathers the sign's centroid; equal
         # widths without a sign run the loop faster (results/gpu/quantize_session14_h100.txt)
         by_position = cfg["by_position"] and per_seq and fields >= 0 and (layout.numel() > 0 or has_sign)
-        return args, (bits, tables[4].shape[-1], fields, has_sign, combine, 2 if rot is rot16 else int(split),
-                      by_position)
+        return args, _KindConsts(bits, tables[4].shape[-1], fields, has_sign, combine,
+                                 2 if rot is rot16 else int(split), by_position)
 
     k_args, kc = kind(k, k_tables, k_out, k_code, k_fields, halves[0])
     v_args, vc = kind(v, v_tables, v_out, v_code, v_fields, halves[1])
     # 64-token blocks (WIDE in _quantize_one) for 3-bit codes split by position in prefills of 1024 tokens or more:
     # 6–18% faster there; 32 where 64 runs slower: shorter prefills, 2- and 4-bit codes
     # (results/gpu/quantize_session15_h100.txt)
-    wide = per_seq and kc[6] and vc[6] and batch * s >= 1024 and kc[0] == vc[0] == 3
+    wide = per_seq and kc.by_position and vc.by_position and batch * s >= 1024 and kc.bits == vc.bits == 3
     block_n = cfg["block_n"] or (64 if wide else 32)
     # capped at 96 registers (108 uncapped, 8 bytes of stack), five 64-token programs share an SM: a 1024-token
     # prefill's 640 programs run in one wave, not 1.2 (13.7 → 11.9 µs per 650M layer; caps at 32 tokens gained nothing)
@@ -265,6 +297,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     grid = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
     _quantize_pack_kernel[grid](
         k, *k_strides, *k_args, v, *v_strides, *v_args, pos, batch, heads, s, k_out[0].shape[2], D=d,
-        KBITS=kc[0], KK=kc[1], KFIELDS=kc[2], KSIGN=kc[3], KCOMB=kc[4], VBITS=vc[0], VK=vc[1], VFIELDS=vc[2],
-        VSIGN=vc[3], VCOMB=vc[4], BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION=cfg["precision"], KSPLIT=kc[5],
-        VSPLIT=vc[5], KPOS=kc[6], VPOS=vc[6], num_warps=cfg["num_warps"], maxnreg=maxnreg)
+        KBITS=kc.bits, KK=kc.levels, KFIELDS=kc.fields, KSIGN=kc.sign, KCOMB=kc.combine, VBITS=vc.bits,
+        VK=vc.levels, VFIELDS=vc.fields, VSIGN=vc.sign, VCOMB=vc.combine, BLOCK_N=block_n, PER_SEQ=per_seq,
+        PRECISION=cfg["precision"], KSPLIT=kc.split, VSPLIT=vc.split, KPOS=kc.by_position, VPOS=vc.by_position,
+        ASM=not interpreting(), num_warps=cfg["num_warps"], maxnreg=maxnreg)
