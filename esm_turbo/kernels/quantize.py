@@ -163,7 +163,7 @@ def _field_code(yj, J: tl.constexpr, h, bounds_ptr, cent_ptr, D: tl.constexpr, K
 def _above(y, bound, ASM: tl.constexpr):
     """1.0 where y > bound (broadcast to y's shape), else 0.0, float32. Compiled as one FSET.BF per value (inline
     PTX ``set.gt.f32.f32``), which a float add counts; a compare cast to an integer took a compare, a select and an
-    add (650M layer, 1024 tokens: 12.0 → 10.6 µs, results/gpu/quantize_session16_h100.txt). ``ASM`` False:
+    add (650M layer, 1024 tokens: 12.0 → 10.7 µs, results/gpu/quantize_session16_h100.txt). ``ASM`` False:
     Triton's interpreter, which runs no PTX, compares."""
     bound = tl.broadcast_to(bound, y.shape)
     if ASM:
