@@ -77,10 +77,10 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             sword = tl.trans(sword)
     else:
         y = _affine(rotate(x, rot_ptr, offs_d, D, PRECISION, SPLIT16), offset_ptr, scale_ptr, h * D + offs_d)
-        idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
         cent_rows = cent_ptr + (h * D + offs_d) * K  # centroids [H, D, K]
         bound_row = bounds_ptr + h * ((K - 1) * D) + offs_d  # level k at bound_row + k·D
         if PER_SEQ:  # bounds ascend, so y > b_k holds for a prefix of k: the last level passed is idx
+            idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
             cy = tl.zeros((BLOCK_N, D), dtype=tl.float32) + tl.load(cent_rows)[None, :]
             for k in range(K - 1):
                 up = y > tl.load(bound_row + k * D)[None, :]
@@ -88,10 +88,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
                 if SIGN:
                     cy = tl.where(up, tl.load(cent_rows + k + 1)[None, :], cy)
         else:
-            above = tl.zeros((BLOCK_N, D), dtype=tl.float32)
-            for k in tl.static_range(K - 1):
-                above += _above(y, tl.load(bound_row + k * D)[None, :], ASM)
-            idx = above.to(tl.int32)
+            idx = _levels_passed(y, bound_row, K - 1, D, False, ASM)
             if SIGN:
                 cy = tl.load(cent_rows[None, :] + idx)
 
@@ -147,16 +144,23 @@ def _field_code(yj, J: tl.constexpr, h, bounds_ptr, cent_ptr, D: tl.constexpr, K
     W: tl.constexpr = ((FIELDS >> (6 * J + 6)) & 63) - ((FIELDS >> (6 * J)) & 63) - COMBINE
     chan = tl.arange(0, D // 8) * 8 + J
     row = bounds_ptr + h * ((K - 1) * D) + chan  # level k at row + k·D: constant offsets from one address
-    above = tl.zeros(yj.shape, dtype=tl.float32)
-    for k in tl.static_range((1 << W) - 1):
-        above += _above(yj, _per_channel(tl.load(row + k * D), CHANNEL_MAJOR), ASM)
-    idx = above.to(tl.int32)
+    idx = _levels_passed(yj, row, (1 << W) - 1, D, CHANNEL_MAJOR, ASM)
     s = tl.zeros(yj.shape, dtype=tl.int32)
     if SIGN:
         s = (yj >= tl.load(_per_channel((h * D + chan) * K, CHANNEL_MAJOR) + cent_ptr + idx)).to(tl.int32)
         if COMBINE:
             idx = idx * 2 + s
     return idx, s
+
+
+@triton.jit
+def _levels_passed(y, row, LEVELS: tl.constexpr, D: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, ASM: tl.constexpr):
+    """#{k < LEVELS : y > bound_k} as int32, shaped as y; bound k of y's channels at ``row + k·D`` (a vector
+    along y's channel axis, see :func:`_per_channel`), compares unrolled."""
+    above = tl.zeros(y.shape, dtype=tl.float32)
+    for k in tl.static_range(LEVELS):
+        above += _above(y, _per_channel(tl.load(row + k * D), CHANNEL_MAJOR), ASM)
+    return above.to(tl.int32)
 
 
 @triton.jit
@@ -174,7 +178,7 @@ def _above(y, bound, ASM: tl.constexpr):
 
 @triton.jit
 def _per_channel(v, CHANNEL_MAJOR: tl.constexpr):
-    """A per-channel vector [D/8] broadcast along the tokens of a [D/8, N] (CHANNEL_MAJOR) or [N, D/8] tensor."""
+    """A per-channel vector [C] broadcast along the tokens of a [C, N] (CHANNEL_MAJOR) or [N, C] tensor."""
     if CHANNEL_MAJOR:
         return v[:, None]
     else:
