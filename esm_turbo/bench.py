@@ -5,9 +5,11 @@ speed does not depend on them.
 1. attention per layer call for 650M-shaped (20 heads, d=64) and 15B-shaped (40 heads, d=128) layers,
    B ∈ {1, 8, 64} × T ∈ {1K, 4K, 16K}: fused kernel vs (a) the two-step path (dequantize, then SDPA)
    and (b) fp16 SDPA over an uncompressed cache; achieved GB/s on the bytes the kernel must read vs a
-   device-to-device copy measured here;
+   device-to-device copy measured here; the same kernel on a grid codec's cache (``lut="grid"``: values
+   computed from the codes, no table look-ups) at the same widths and bytes;
 2. quantize-and-pack of a 650M-shaped model's prefill (L=1024) vs the prefill itself;
-3. decode tokens/s of a 650M-shaped model at 1K context, compressed vs fp16 cache under one KV budget.
+3. decode tokens/s of a 650M-shaped model at 1K context, compressed (LUT and grid codecs) vs fp16 cache under
+   one KV budget.
 
 On CPU it runs the reference paths at small sizes (a smoke run; nothing there is a speed claim).
 """
@@ -93,16 +95,19 @@ def peak_copy_gbs(device: torch.device) -> float:
 DEFAULT_RECIPE = CalibrationConfig().resolved()
 
 
-def default_codec(heads: int, dim: int, seed: int = 0):
-    """A random codec of the default calibration's widths and residual (:data:`DEFAULT_RECIPE`)."""
+def default_codec(heads: int, dim: int, seed: int = 0, grid: bool | None = None):
+    """A random codec of the default calibration's widths and residual (:data:`DEFAULT_RECIPE`) and tables (its
+    grid, unless ``grid`` says: uniform levels or per-channel LUTs)."""
+    grid = DEFAULT_RECIPE.lut == "grid" if grid is None else grid
     return random_turbo_codec(heads, dim, DEFAULT_RECIPE.key_bits, DEFAULT_RECIPE.value_bits, DEFAULT_RECIPE.residual,
-                              seed)
+                              seed, grid=grid)
 
 
-def _synthetic_cache(heads: int, dim: int, batch: int, length: int, device, seed: int = 0) -> KVCache:
+def _synthetic_cache(heads: int, dim: int, batch: int, length: int, device, seed: int = 0,
+                     grid: bool | None = None) -> KVCache:
     """A one-layer TurboESM cache of the default widths (:func:`default_codec`) full of random codes at
     ``length`` per row."""
-    codec = default_codec(heads, dim, seed).to(device)
+    codec = default_codec(heads, dim, seed, grid).to(device)
     cache = KVCache([codec], batch, capacity=length, device=device)
     fill_synthetic(cache, length, torch.Generator(device=device).manual_seed(seed))
     return cache
@@ -121,6 +126,21 @@ def fill_synthetic(cache: KVCache, length: int, generator: torch.Generator | Non
     cache._max_bound = length
 
 
+def _time_fused(cache: KVCache, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                valid: torch.Tensor) -> tuple[float, float, float]:
+    """The fused decode attention of q [B, H, 1, d] over layer 0 of ``cache`` (all rows ``cache.lengths`` long):
+    (µs as one graph, µs per call in a step's graph, GB/s on the cache bytes it reads)."""
+    codec, parts = cache.codecs[0], cache.parts[0]
+    fused_tables(codec)
+
+    def fused():
+        return attend_compressed(codec, parts, cache.lengths, q, k_new, v_new, valid)
+    device = q.device
+    us = _time(fused, device) * 1e6
+    read = cache.memory_report().bytes_per_token_per_layer * q.shape[0] * int(cache.lengths.max())
+    return us, _time_in_step(fused, device) * 1e6, read / (us * 1e-6) / 1e9
+
+
 def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> list[dict]:
     rows = []
     f16 = torch.float16 if device.type == "cuda" else torch.float32
@@ -128,17 +148,16 @@ def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> li
         for batch in batches:
             for length in lengths:
                 row = dict(shape=name, heads=heads, head_dim=dim, batch=batch, context=length)
-                cache = _synthetic_cache(heads, dim, batch, length, device)
-                codec = cache.codecs[0]
-                fused_tables(codec)
                 q = torch.randn(batch, heads, 1, dim, device=device) * dim**-0.5
                 k_new = torch.randn(batch, heads, 1, dim, device=device)
                 v_new = torch.randn_like(k_new)
                 valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
-                parts = cache.parts[0]
-
-                def fused():
-                    return attend_compressed(codec, parts, cache.lengths, q, k_new, v_new, valid)
+                grid = _synthetic_cache(heads, dim, batch, length, device, grid=True)
+                row["grid_us"], row["grid_step_us"], row["grid_gbs"] = _time_fused(grid, q, k_new, v_new, valid)
+                grid = None
+                cache = _synthetic_cache(heads, dim, batch, length, device, grid=False)
+                codec = cache.codecs[0]
+                row["fused_us"], row["fused_step_us"], row["fused_gbs"] = _time_fused(cache, q, k_new, v_new, valid)
 
                 def two_step():
                     k_hat, v_hat = codec.decode(cache.layer_parts(0, upto=length))
@@ -146,16 +165,12 @@ def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> li
                     vals = torch.cat([v_hat.to(f16), v_new.to(f16)], 2)
                     return torch.nn.functional.scaled_dot_product_attention(q.to(f16), keys, vals, scale=1.0)
 
-                row["fused_us"] = _time(fused, device) * 1e6
-                row["fused_step_us"] = _time_in_step(fused, device) * 1e6
                 row["fused_path"] = "triton" if use_kernels(q) else "pytorch-reference"
-                packed = cache.memory_report().bytes_per_token_per_layer * batch * length
-                row["fused_gbs"] = packed / (row["fused_us"] * 1e-6) / 1e9
                 try:
                     row["two_step_us"] = _time(two_step, device) * 1e6
                 except torch.OutOfMemoryError:
                     row["two_step_us"] = None
-                cache = parts = codec = None  # free the packed cache before the fp16 one
+                cache = codec = None  # free the packed cache before the fp16 one
                 try:
                     kf = torch.randn(batch, heads, length + 1, dim, device=device, dtype=f16)
                     vf = torch.randn_like(kf)
@@ -170,8 +185,10 @@ def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> li
                 for base in ("two_step", "sdpa_fp16"):
                     t = row[f"{base}_us"]
                     row[f"speedup_vs_{base}"] = t / row["fused_us"] if t else None
+                    row[f"grid_speedup_vs_{base}"] = t / row["grid_us"] if t else None
                 t = row["sdpa_fp16_step_us"]
                 row["step_speedup_vs_sdpa_fp16"] = t / row["fused_step_us"] if t else None
+                row["grid_step_speedup_vs_sdpa_fp16"] = t / row["grid_step_us"] if t else None
                 rows.append(row)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -260,8 +277,8 @@ def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: fl
     model = _model(size, device, dtype, layers)
     engine = TurboEsm(model)
     rows = []
-    for kind in ("fp16", "turbo-3+1"):
-        factory = (lambda layer, h, d: default_codec(h, d, seed=layer)) \
+    for kind in ("fp16", "turbo-3+1-lut", "turbo-3+1-grid"):
+        factory = (lambda layer, h, d, grid=kind.endswith("grid"): default_codec(h, d, layer, grid)) \
             if kind != "fp16" else "fp16"
         codecs = engine.codecs(factory)
         per_token = sum(c.bytes_per_token() for c in codecs) * engine.heads
@@ -291,7 +308,8 @@ def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: fl
         del session, cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    rows[1]["speedup_vs_fp16"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    for row in rows[1:]:
+        row["speedup_vs_fp16"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     return rows
 
 
@@ -425,22 +443,28 @@ def format_result(res: BenchResult) -> str:
     if res.attention:
         lines.append(f"\ndecode attention per layer call (1 new token per sequence; the default widths: keys "
                      f"{DEFAULT_RECIPE.key_bits} + {DEFAULT_RECIPE.residual}, values {DEFAULT_RECIPE.value_bits} + "
-                     f"{DEFAULT_RECIPE.residual} bits)")
+                     f"{DEFAULT_RECIPE.residual} bits; default tables: {DEFAULT_RECIPE.lut})")
         lines.append(f"(µs: one call replayed as a CUDA graph; step µs: per call of {STEP_CALLS} calls in one graph, as a "
                      f"decode step's layers replay)")
+        lines.append("(fused: per-channel LUT codes, lut='channel'; grid: the same kernels and bytes on a grid codec's "
+                     "cache, lut='grid', values computed from the codes, no table look-ups)")
         lines.append(f"{'shape':6} {'B':>3} {'T':>6} {'fused µs':>9} {'two-step µs':>11} {'fp16 SDPA µs':>12} "
                      f"{'×two-step':>9} {'×SDPA':>6} {'GB/s':>6} {'%copy':>6} {'fused step µs':>13} "
-                     f"{'SDPA step µs':>12} {'×SDPA step':>10}")
+                     f"{'SDPA step µs':>12} {'×SDPA step':>10} | {'grid µs':>8} {'×SDPA':>6} {'%copy':>6} "
+                     f"{'grid step µs':>12} {'×SDPA step':>10}")
 
     def f(x, fmt):
         return format(x, fmt) if x is not None else "n/a"
     for r in res.attention:
         pct = 100 * r["fused_gbs"] / res.peak_copy_gbs if res.peak_copy_gbs else None
+        grid_pct = 100 * r["grid_gbs"] / res.peak_copy_gbs if res.peak_copy_gbs else None
         lines.append(f"{r['shape']:6} {r['batch']:>3} {r['context']:>6} {r['fused_us']:>9.1f} "
                      f"{f(r['two_step_us'], '.1f'):>11} {f(r['sdpa_fp16_us'], '.1f'):>12} "
                      f"{f(r['speedup_vs_two_step'], '.2f'):>9} {f(r['speedup_vs_sdpa_fp16'], '.2f'):>6} "
                      f"{r['fused_gbs']:>6.0f} {f(pct, '.0f'):>6} {f(r.get('fused_step_us'), '.1f'):>13} "
-                     f"{f(r.get('sdpa_fp16_step_us'), '.1f'):>12} {f(r.get('step_speedup_vs_sdpa_fp16'), '.2f'):>10}")
+                     f"{f(r.get('sdpa_fp16_step_us'), '.1f'):>12} {f(r.get('step_speedup_vs_sdpa_fp16'), '.2f'):>10} | "
+                     f"{r['grid_us']:>8.1f} {f(r['grid_speedup_vs_sdpa_fp16'], '.2f'):>6} {f(grid_pct, '.0f'):>6} "
+                     f"{r['grid_step_us']:>12.1f} {f(r['grid_step_speedup_vs_sdpa_fp16'], '.2f'):>10}")
     q = res.quantize
     if q:
         lines.append(f"\nquantize-and-pack ({q['path']}), {q['model']}, prefill of {q['tokens']} tokens "
@@ -450,10 +474,9 @@ def format_result(res: BenchResult) -> str:
     if res.decode:
         lines.append("\nend-to-end decode under one KV budget")
         for r in res.decode:
-            lines.append(f"  {r['cache']:10} batch {r['batch']:>5}  KV {r['kv_gib']:.2f} GiB  "
-                         f"{r['tokens_per_s']:>10.0f} tokens/s  ({r['step_ms']:.2f} ms/step)")
-        if "speedup_vs_fp16" in res.decode[-1]:
-            lines.append(f"  throughput ratio: {res.decode[-1]['speedup_vs_fp16']:.2f}×")
+            ratio = f"  {r['speedup_vs_fp16']:.2f}× fp16" if "speedup_vs_fp16" in r else ""
+            lines.append(f"  {r['cache']:14} batch {r['batch']:>5}  KV {r['kv_gib']:.2f} GiB  "
+                         f"{r['tokens_per_s']:>10.0f} tokens/s  ({r['step_ms']:.2f} ms/step){ratio}")
     e = res.embed
     if e:
         lines.append(f"\nembedding extraction, {e['model']}, {e['sequences']} sequences / {e['tokens']} tokens "

@@ -238,8 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="value rotation; auto (default): per head, unrotated or svd-scaled by the output error")
     p.add_argument("--residual", choices=["sign", "qjl", "none"])
     p.add_argument("--sign-mode", choices=["bin", "head"])
-    p.add_argument("--lut", choices=["channel", "head"],
-                   help="a Lloyd-Max LUT per head and rotated channel (default), or one per head (the paper)")
+    p.add_argument("--lut", choices=["auto", "channel", "head", "grid"],
+                   help="per channel a uniform grid, whose values the GPU kernels compute instead of looking up "
+                        "(faster), a Lloyd-Max LUT per head and rotated channel, or one per head (the paper); auto "
+                        "(default): grid with a sign residual, channel without")
     p.add_argument("--uniform-bits", dest="bit_allocation", action="store_false", default=None,
                    help="the same index width on every channel (default: widths allocated per rotated channel "
                         "by its share of the output error, the same bytes per token)")

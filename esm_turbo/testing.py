@@ -111,12 +111,13 @@ def save_stress_model(out_dir: str | Path, fair_esm_pt: bool = True, **kwargs) -
 
 
 def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int = 3, residual: str = "sign",
-                       seed: int = 0, allocate: bool = True, max_bits: int | None = None, shared: bool = True):
+                       seed: int = 0, allocate: bool = True, max_bits: int | None = None, shared: bool = True,
+                       grid: bool = False):
     """A calibrated-style :class:`~esm_turbo.quant.codec.KVCodec` without a model: Haar rotations,
     random per-channel centring and scaling, per-channel LUTs and ε fitted on Gaussian samples of
     per-channel spread (every channel's table differs) and, with ``allocate``, channel widths allocated by a
     random importance (log-normal: widths from 0 to ``max_bits``, default bits + 1; ``shared``: the same widths
-    for every head, as calibration does by default). For kernel tests and
+    for every head, as calibration does by default; ``grid``: uniform levels, ``lut="grid"``). For kernel tests and
     speed benchmarks (values are what a calibration produces)."""
     from .quant.codec import KVCodec, VectorQuantizer
     from .quant.rotations import AffineStats, haar_orthogonal
@@ -132,6 +133,6 @@ def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int 
         importance = torch.exp(1.5 * torch.randn(heads, dim, generator=gen)) if allocate else None
         return VectorQuantizer.from_calibration(affine, (values, torch.ones_like(values)), bits, residual, "bin",
                                                 seed + salt, importance=importance, max_bits=max_bits,
-                                                shared_widths=shared)
+                                                shared_widths=shared, grid=grid)
 
     return KVCodec(one(key_bits, 1), one(value_bits, 2))

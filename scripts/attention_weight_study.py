@@ -1,6 +1,6 @@
 """Does a calibration choice help beyond the noise of the calibration set — counting tokens by the attention
 they receive (``CalibrationConfig.attention_weight``), the key rotation (``--key-rotations``), or a bit moved from
-the values to the keys (``--kv-bits``)? Calibrates a
+the values to the keys (``--kv-bits``), or uniform grids in place of Lloyd-Max LUTs (``--luts``)? Calibrates a
 stress model on the whole calibration set and on four subsets that each leave out a fifth of it (records i with
 i % 5 == j), at each weight, key rotation and bit width, and evaluates every calibration on all 29 held-out
 sequences (16 decode steps). One JSON row per run; ``--table`` summarises the rows (results/attention_weight.txt,
@@ -11,6 +11,7 @@ results/key_rotation.txt).
     python scripts/attention_weight_study.py d16 --weights 0.5 --key-rotations svd-scaled svd-query --out k.jsonl
     python scripts/attention_weight_study.py d16 --weights 0.5 --kv-bits 3/3 4/2 --out kv.jsonl   # keys-first
     python scripts/attention_weight_study.py d16 --weights 0.5 --kv-bits 4/2 --max-channel-bits 4 --out kv.jsonl
+    python scripts/attention_weight_study.py d16 --weights 0.5 --luts channel grid --out grid.jsonl   # grids
     python scripts/attention_weight_study.py --table rows.jsonl
 """
 
@@ -34,7 +35,7 @@ RECIPES = {"3+1": "default", "3": "no-residual"}
 
 
 def run(model_name: str, weights: list[float], drops: list[int], out: str, key_rotations: list[str],
-        kv_bits: list[str], max_bits: int | None = None) -> None:
+        kv_bits: list[str], max_bits: int | None = None, luts: tuple[str, ...] = ("channel",)) -> None:
     torch.set_num_threads(1)
     model = stress_esm2(seed=0, **MODELS[model_name])
     calib = read_fastas([str(CALIBRATION_DATA / "calibration.fasta")])
@@ -42,20 +43,22 @@ def run(model_name: str, weights: list[float], drops: list[int], out: str, key_r
     for drop in drops:
         recs = [r for i, r in enumerate(calib) if i % 5 != drop]  # drop = -1: every record
         for bits, recipe in RECIPES.items():
-            for a, rot, split in ((a, rot, split) for a in weights for rot in key_rotations for split in kv_bits):
+            for a, rot, split, lut in ((a, rot, split, lut) for a in weights for rot in key_rotations
+                                       for split in kv_bits for lut in luts):
                 start = time.perf_counter()
                 key_bits, value_bits = (int(b) for b in split.split("/"))
                 cal = calibrate(model, recs, replace(PRESETS[recipe], attention_weight=a, key_rotation=rot,
                                                      key_bits=key_bits, value_bits=value_bits,
-                                                     max_channel_bits=max_bits), progress=False)
+                                                     max_channel_bits=max_bits, lut=lut), progress=False)
                 rep = evaluate(TurboEsm(model), held_out, cache=lambda i, h, d: cal.codecs[i], max_steps=16,
                                progress=False)
                 seqs = [s["decode_cos_mean"] for s in rep["sequences"]]
                 row = dict(model=model_name, bits=bits, attention_weight=a, key_rotation=rot, kv_bits=split, drop=drop,
-                           max_channel_bits=max_bits,
+                           max_channel_bits=max_bits, lut=lut,
                            mean=sum(seqs) / len(seqs), worst=min(seqs), top1=rep["overall"]["top1_agreement"],
                            attn_err=statistics.mean(rep["layers"]["attn_rel_err"]),
                            score_kl=statistics.mean(rep["layers"]["score_kl"]),
+                           attn_err_layers=rep["layers"]["attn_rel_err"], score_kl_layers=rep["layers"]["score_kl"],
                            seconds=time.perf_counter() - start)
                 with open(out, "a") as fh:
                     fh.write(json.dumps(row) + "\n")
@@ -68,20 +71,23 @@ def table(path: str) -> str:
         r.setdefault("key_rotation", "svd-scaled")
         r.setdefault("kv_bits", "3/3")
         r.setdefault("max_channel_bits", None)
-    lines = ["model  bits  K/V  a     key rotation | calibration sets | worst sequence: full set, mean (min-max) | "
+        r.setdefault("lut", "channel")
+    lines = ["model  bits  K/V  a     key rotation lut     | calibration sets | worst sequence: full set, mean (min-max) | "
              "mean cos | top-1 | attn err | score KL"]
 
     def group(r: dict) -> tuple:
         cap = r["max_channel_bits"]
-        return r["model"], r["bits"], r["kv_bits"] + (f"≤{cap}" if cap else ""), r["attention_weight"], r["key_rotation"]
+        return (r["model"], r["bits"], r["kv_bits"] + (f"≤{cap}" if cap else ""), r["attention_weight"], r["key_rotation"],
+                r["lut"])
 
-    keys = sorted({group(r) for r in rows}, key=lambda k: (k[0], -len(k[1]), k[2], k[3], k[4]))
-    for model, bits, split, a, rot in keys:
-        rs = [r for r in rows if group(r) == (model, bits, split, a, rot)]
+    keys = sorted({group(r) for r in rows}, key=lambda k: (k[0], -len(k[1]), k[2], k[3], k[4], k[5]))
+    for key in keys:
+        model, bits, split, a, rot, lut = key
+        rs = [r for r in rows if group(r) == key]
         full = [r for r in rs if r["drop"] == -1]
         worst = [r["worst"] for r in rs]
         avg = {k: statistics.mean(r[k] for r in rs) for k in ("mean", "top1", "attn_err", "score_kl")}
-        lines.append(f"{model:5}  {bits:4}  {split:3}  {a:<4}  {rot:12} | {len(rs):>16} | {full[0]['worst'] if full else float('nan'):.4f}, "
+        lines.append(f"{model:5}  {bits:4}  {split:3}  {a:<4}  {rot:12} {lut:7} | {len(rs):>16} | {full[0]['worst'] if full else float('nan'):.4f}, "
                      f"{statistics.mean(worst):.4f} ({min(worst):.4f}-{max(worst):.4f})   | {avg['mean']:.4f}   | "
                      f"{avg['top1']:.3f} | {avg['attn_err']:.4f}   | {avg['score_kl']:.4f}")
     return "\n".join(lines)
@@ -97,6 +103,8 @@ def main() -> None:
                     help="key/value index bits of the 3 (+1) bit recipes, e.g. 3/3 4/2 (the same bytes)")
     ap.add_argument("--max-channel-bits", type=int, default=None,
                     help="widest channel under bit allocation (default: each kind's bits + 1)")
+    ap.add_argument("--luts", nargs="+", default=["channel"], choices=["channel", "grid"],
+                    help="per-channel tables: Lloyd-Max LUTs (the default) or uniform grids")
     ap.add_argument("--out", default="attention_weight_rows.jsonl")
     ap.add_argument("--table", metavar="ROWS", help="print the summary of a rows file and exit")
     args = ap.parse_args()
@@ -104,7 +112,7 @@ def main() -> None:
         print(table(args.table))
     elif args.model:
         run(args.model, args.weights, args.drops, args.out, args.key_rotations, args.kv_bits,
-            args.max_channel_bits)
+            args.max_channel_bits, tuple(args.luts))
     else:
         ap.error("name a model (d16, d64) or --table ROWS")
 

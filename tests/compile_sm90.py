@@ -29,13 +29,14 @@ def main() -> None:
     u8, i64, f16 = "*u8", "*i64", "*fp16"
     codes = dict(k_idx_ptr=u8, k_sign_ptr=u8, v_idx_ptr=u8, v_sign_ptr=u8, len_ptr=i64, k_lay_ptr="*i32",
                  v_lay_ptr="*i32")
-    walk = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False)
+    walk = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False, GRID=0)
     small_ints = {"sqb", "sqh", "skb", "skh", "svb", "svh", "H", "T_CAP", "CHUNK", "NS"}
     small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16)
     # fused 3+1-bit codes at d=64, and separate index/sign planes (3+1 keys, 2+1 values) at d=16; tables of
     # allocated widths (NK = d · codes per channel)
     # (field shifts compiled in for d = 64 — equal widths for keys, shared allocated ones for values — and field
-    # layouts read per head at d = 16); fp16 tables for d = 16
+    # layouts read per head at d = 16); fp16 tables for d = 16; each also as a grid codec's (values computed from the
+    # codes: 5-bit fields at most at d = 64, 3 + sign at d = 16)
     shared = packed_shifts([5, 5, 4, 4, 4, 4, 3, 3])
     for d, kbits, ksign, vbits, vsign, nk, nv, kf, vf, tab in (
             (64, 4, False, 4, False, 64 * 16, 64 * 32, packed_shifts([4] * 8), shared, "*fp32"),
@@ -44,8 +45,10 @@ def main() -> None:
                     **walk)
         codes = dict(codes, k_tab_ptr=tab, v_tab_ptr=tab)
         small_ptrs = dict(small_ptrs, k_tab_ptr=tab, v_tab_ptr=tab)
-        compile_sm90(decode._prefix_kernel, dict(bits, BLOCK_S=1), {"H", "S", "T_CAP", "CHUNK", "NS"}, codes)
-        compile_sm90(decode._small_kernel, dict(bits, BLOCK_NS=16), small_ints, small_ptrs)
+        for grid in (0, 5 if d == 64 else 4):
+            compile_sm90(decode._prefix_kernel, dict(bits, BLOCK_S=1, GRID=grid), {"H", "S", "T_CAP", "CHUNK", "NS"},
+                         codes)
+            compile_sm90(decode._small_kernel, dict(bits, BLOCK_NS=16, GRID=grid), small_ints, small_ptrs)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(decode._prep_kernel, dict(D=64, BLOCK_N=16, PRECISION="tf32x3", QSPLIT=True, KSPLIT=True, VSPLIT=True),
                  strides | {"B", "H", "S"}, dict(q_ptr=f16, k_ptr=f16, v_ptr=f16), num_warps=4)

@@ -179,3 +179,48 @@ def test_bit_allocation_spends_the_same_bytes_where_the_error_reaches_the_output
         idx = unpack_fields(parts["code"], q.layout(), q.code_width) >> 1
         assert bool((idx < (1 << q.widths)[:, None, :]).all())
     assert alloc.err < 0.7 * uniform.err
+
+
+def test_grid_tables_fit_evenly_spaced_levels():
+    """``grid_tables``: evenly spaced levels, within 0.1% of the best of a fine search over (start, step) (the
+    alternation stops where no point changes cell, a hair from the optimum of finitely many points), and within the
+    known gap of Lloyd-Max on a Gaussian (optimal uniform 4-bit 0.01154 vs Lloyd-Max 0.00950; this sample's
+    0.01195 at that step)."""
+    from esm_turbo.quant.allocation import channel_tables, grid_tables
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 50000, generator=gen, dtype=torch.float64)
+    x[1] = x[1].exp()  # skewed, heavy-tailed
+    w = torch.ones_like(x)
+    grid = grid_tables(x, w, 3, sign=True)
+    levels = torch.stack([grid.luts[3] - grid.eps[3][..., 0], grid.luts[3] + grid.eps[3][..., 1]], -1).flatten(1)
+    steps = levels.diff(dim=1)
+    assert torch.allclose(steps, steps[:, :1].expand_as(steps), rtol=1e-9)
+    best = []
+    for g in range(2):  # brute force around the fit, a ±10% lattice
+        a0, s0 = levels[g, 0], steps[g, 0]
+        errs = [((x[g] - (a + s * ((x[g] - a) / s).round().clamp(0, 15))) ** 2).mean()
+                for a in a0 + s0 * torch.linspace(-0.5, 0.5, 21, dtype=torch.float64)
+                for s in s0 * torch.linspace(0.9, 1.1, 21, dtype=torch.float64)]
+        best.append(min(errs))
+    assert bool((grid.mse[:, 3] <= torch.stack(best) * (1 + 1e-3)).all()), (grid.mse[:, 3], best)
+    lut = channel_tables(x, w, 3, "bin")
+    assert 0.0113 < float(grid.mse[0, 3]) < 0.0120 and float(lut.mse[0, 3]) < float(grid.mse[0, 3])
+    assert bool((grid.mse[:, 1:] <= grid.mse[:, :-1]).all())  # more bits, less error
+
+
+def test_grid_codec_decodes_codes_as_themselves():
+    """A grid quantizer folds each channel's (start, step) into its affine map: code j decodes to j (the kernels
+    compute values, never look them up), and encoding picks the nearest of the evenly spaced levels."""
+    from esm_turbo.quant.codec import identity_code
+    from esm_turbo.testing import random_turbo_codec
+    for key_bits, value_bits, residual in ((3, 3, "sign"), (4, 2, "none"), (4, 4, "sign")):
+        codec = random_turbo_codec(2, 32, key_bits, value_bits, residual, grid=True)
+        for q in (codec.key, codec.value):
+            assert q.grid and identity_code(q)
+            x = torch.randn(3, 2, 40, 32)
+            y = q.to_affine(x)
+            y_hat = q.decode_affine(q.encode(x))
+            top = (1 << (q.widths + int(residual == "sign"))).float() - 1  # [H, d] highest code
+            nearest = torch.minimum(y.round().clamp_min(0), top[:, None, :])
+            assert torch.equal(y_hat, nearest), (y_hat - nearest).abs().max()
+        assert not identity_code(random_turbo_codec(2, 32, key_bits, value_bits, residual).key)

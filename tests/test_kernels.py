@@ -79,7 +79,7 @@ def _reference_args(codec, cache, q, k, v, valid, dtype):
             cast(tables.k_tab), cast(tables.v_tab), tables.k_layout, tables.v_layout, cache.lengths, cast(key.rot),
             cast(key.offset), cast(key.scale),
             cast(value.rot), cast(value.offset), cast(value.scale), tables.k_codes.bits, tables.v_codes.bits,
-            tables.k_fields, tables.v_fields)
+            tables.k_fields, tables.v_fields, tables.grid)
 
 
 def strided(t):
@@ -88,16 +88,17 @@ def strided(t):
 
 
 def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto",
-                         allocate=True, shared=False):
+                         allocate=True, shared=False, grid=False):
     """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
     float64 from the same values. ``allocate``: channels of allocated widths, each head its own (the kernels
     read a field layout per head) or, ``shared``, the same for every head (compiled-in shifts, as for equal
-    widths)."""
+    widths); ``grid``: a grid codec, whose values the kernels compute from the codes."""
     from esm_turbo.kernels.decode import compressed_attention_triton
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)  # (keys, values): the default's split
     codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=seed, allocate=allocate,
-                               shared=shared).to(DEVICE)
+                               shared=shared, grid=grid).to(DEVICE)
     tables = fused_tables(codec)
+    assert (tables.grid > 0) == grid
     if not allocate or shared:
         assert tables.k_fields >= 0 and tables.v_fields >= 0
     else:  # heads of a random allocation may happen to agree: the per-head layout path is what is tested here
@@ -147,6 +148,18 @@ def test_decode_kernel_both_paths(bits, residual, d, dtype, path):
     """The one-launch path (the last split merges) and the three-launch split-K path against the
     reference: an empty row, a one-token row, rows across several tiles and splits."""
     check_kernel_matches(bits, residual, d, batch=4, lengths=[0, 1, 300, 129], s=1, dtype=dtype, path=path)
+
+
+@needs_triton
+@pytest.mark.parametrize("path", ["one", "split"])
+@pytest.mark.parametrize("bits,residual,d,allocate,shared", [(3, "sign", 16, True, True), (3, "sign", 64, True, False),
+                                                             ((4, 2), "none", 32, True, True),
+                                                             (4, "sign", 16, True, True), (2, "sign", 32, False, False)])
+def test_decode_kernel_grid_codec(bits, residual, d, allocate, shared, path):
+    """A grid codec's cache: the kernels compute values from the codes (``GRID``) instead of looking them up, in
+    both launch paths, fused and separate sign bits, compiled-in and per-head field layouts."""
+    check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1 if path == "one" else 2, path=path,
+                         allocate=allocate, shared=shared, grid=True)
 
 
 @needs_triton
@@ -381,7 +394,9 @@ def test_kernels_compile_for_sm90():
     run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = [line for line in run.stdout.splitlines() if line.startswith("compiled ")]
-    assert len(compiled) == 9, run.stdout  # quantize-and-pack thrice: prefills in blocks of 32 and 64, a decode step
+    # decode prefix and one-launch kernels in 2 layouts × (LUT, grid), prep, merge; quantize-and-pack thrice: prefills
+    # in blocks of 32 and 64, a decode step
+    assert len(compiled) == 13, run.stdout
 
 
 def test_custom_ops_compile_without_graph_breaks():
@@ -414,6 +429,23 @@ def test_decode_kernel_grid_gpu(bits, d):
     for path in ("one", "split"):  # both paths whatever the dispatch rule picks for these shapes
         check_kernel_matches(bits, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path)
         check_kernel_matches(bits, "none", d, 2, [16384, 700], s=1, heads=4, dtype=torch.float16, path=path)
+
+
+@gpu
+@pytest.mark.parametrize("bits", [3, (4, 2), 4])
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_decode_kernel_grid_codec_gpu(bits, d):
+    """Grid codecs (values computed from the codes) over batch, context and launch paths."""
+    for residual in ("sign", "none"):
+        for batch, t in ((1, 1), (4, 1000), (64, 300), (2, 16384)):
+            lengths = torch.randint(max(t // 2, 1), t + 1, (batch,)).tolist()
+            lengths[0] = t
+            check_kernel_matches(bits, residual, d, batch, lengths, s=1, heads=4, seed=d, shared=True, grid=True)
+    check_kernel_matches(bits, "sign", d, 8, [500] * 8, s=4, heads=4, dtype=torch.float16, shared=True, grid=True)
+    for path in ("one", "split"):
+        check_kernel_matches(bits, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, grid=True)
+        check_kernel_matches(bits, "none", d, 2, [16384, 700], s=1, heads=4, dtype=torch.float16, path=path,
+                             shared=True, grid=True)
 
 
 @gpu

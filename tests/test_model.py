@@ -236,7 +236,8 @@ def test_attention_weighted_calibration(stress_model, tmp_path):
     plain = calibrate(stress_model, recs, replace(cfg, attention_weight=0.0), progress=False)
     loaded = Calibration.load(a)
     assert loaded.config.attention_weight == 0.5
-    assert not torch.equal(loaded.codecs[2].key.centroids, plain.codecs[2].key.centroids)
+    weighted_key, plain_key = loaded.codecs[2].key, plain.codecs[2].key  # grids: the weights move the levels' spans
+    assert not (torch.equal(weighted_key.centroids, plain_key.centroids) and torch.equal(weighted_key.scale, plain_key.scale))
     with pytest.raises(Exception, match="attention_weight"):
         calibrate(stress_model, recs, replace(cfg, attention_weight=1.5), progress=False)
     import json
@@ -252,23 +253,25 @@ def test_attention_weighted_calibration(stress_model, tmp_path):
 
 
 def test_lut_granularity_and_its_storage(stress_model, tmp_path, calibration):
-    """Default: each (head, channel) has its own LUT, of its own allocated width (8 × bits per group of 8
-    channels); ``head-lut`` shares one per head, stored once per head (fp16) and loaded back exactly."""
+    """Preset ``channel-lut``: each (head, channel) has its own LUT, of its own allocated width (8 × bits per group
+    of 8 channels, as the default's grids); ``head-lut`` shares one per head, stored once per head (fp16) and loaded
+    back exactly."""
     from safetensors import safe_open
 
     from esm_turbo.model.checkpoint import PRESETS
-    cent = calibration.codecs[0].key.centroids  # [H, d, K]
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:40]
+    channel = calibrate(stress_model, recs, PRESETS["channel-lut"], progress=False)
+    cent = channel.codecs[0].key.centroids  # [H, d, K]
     assert not torch.equal(cent[:, 0], cent[:, 1])
     for codec in calibration.codecs:
         for q in (codec.key, codec.value):
             groups = q.widths.view(q.heads, -1, 8)
             assert bool((groups.sum(-1) == 8 * q.bits).all()) and int(q.widths.max()) <= q.bits + 1
     assert len({w for c in calibration.codecs for w in c.key.widths.unique().tolist()}) >= 3
-    recs = read_fasta("calibration_data/calibration.fasta")[0][:40]
     head = calibrate(stress_model, recs, PRESETS["head-lut"], progress=False)
     head_cent = head.codecs[0].key.centroids
     assert torch.equal(head_cent, head_cent[:, :1].expand_as(head_cent))
-    paths = {n: c.save(tmp_path / f"{n}.safetensors") for n, c in (("head", head), ("channel", calibration))}
+    paths = {n: c.save(tmp_path / f"{n}.safetensors") for n, c in (("head", head), ("channel", channel))}
     with safe_open(str(paths["head"]), framework="pt") as fh:
         stored = fh.get_tensor("layers.0.k.centroids")
     assert stored.dtype == torch.float16 and stored.shape[1] == 1
@@ -328,3 +331,32 @@ def test_value_heads_combine_from_their_chosen_candidates():
         assert all(torch.equal(a[rows], b[rows]) for a, b in zip(picked.luts, tables[c].luts))
         assert all(torch.equal(a[rows], b[rows]) for a, b in zip(picked.eps, tables[c].eps))
 
+
+
+def test_grid_calibration_and_checkpoint(stress_model, tmp_path):
+    """``lut="grid"`` calibrates evenly spaced levels per channel (allocated widths kept), saves and loads back
+    as a grid (the fused ops then compute values from the codes), and a grid checkpoint whose tables are not the
+    identity code is refused."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from esm_turbo.errors import CheckpointError
+    from esm_turbo.ops.compressed import fused_tables
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:40]
+    cal = calibrate(stress_model, recs, PRESETS["grid"], progress=False)
+    key = cal.codecs[0].key
+    assert key.grid and cal.codecs[0].value.grid and len(key.widths.unique()) >= 2
+    assert fused_tables(cal.codecs[0]).grid == int(key.widths.max()) + 1
+    path = cal.save(tmp_path / "grid.safetensors")
+    loaded = Calibration.load(path)
+    k2 = loaded.codecs[0].key
+    assert k2.grid and torch.equal(k2.centroids, key.centroids) and torch.equal(k2.scale, key.scale)
+    x = torch.randn(1, key.heads, 5, key.dim)
+    assert torch.equal(k2.decode(k2.encode(x)), key.decode(key.encode(x)))
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata()
+    tensors["layers.0.k.centroids"] = tensors["layers.0.k.centroids"] + 0.25
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(CheckpointError, match="identity code"):
+        Calibration.load(tmp_path / "bad.safetensors")

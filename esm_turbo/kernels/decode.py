@@ -35,6 +35,7 @@ from ..quant.packing import packed_shifts
 from .common import dot_precision, interpreting, part_or, rotate_rows, split16, token_offsets, token_strides
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+_ASM = tl.constexpr(not interpreting())  # inline PTX where the kernels are compiled
 
 
 @triton.jit
@@ -116,29 +117,35 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
 
 @triton.jit
 def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr,
-                BLOCK_T: tl.constexpr):
+                BLOCK_T: tl.constexpr, GRID: tl.constexpr):
     """The packed codes of BLOCK_T token rows: (words [BLOCK_T, D/8] int32 — 8 codes each — and sign bytes
-    [BLOCK_T, D/8] int32, or the words again without a sign part)."""
+    [BLOCK_T, D/8] int32, or the words again without a sign part); [BLOCK_T, D/8, 1] with ``GRID``, whose
+    codes become values without a look-up: loaded three-dimensional, the tile keeps a token's groups in one
+    thread (a load is what anchors Triton's layout; a 2-D word broadcast to 3-D got a layout of per-thread
+    slivers, shuffles and spills, SASS sm_90)."""
     D8: tl.constexpr = D // 8
     NB: tl.constexpr = D * BITS // 8
     g = tl.arange(0, D8)
-    if BITS == 4:  # a group of 8 codes is one aligned int32
-        word = tl.load(idx_ptr.to(tl.pointer_type(tl.int32)) + offs_t[:, None] * D8 + g[None, :],
-                       mask=tmask[:, None], other=0)
+    if GRID:
+        rows, cols, m = offs_t[:, None, None], g[None, :, None], tmask[:, None, None]
     else:
-        word = tl.zeros((BLOCK_T, D8), dtype=tl.int32)
+        rows, cols, m = offs_t[:, None], g[None, :], tmask[:, None]
+    if BITS == 4:  # a group of 8 codes is one aligned int32
+        word = tl.load(idx_ptr.to(tl.pointer_type(tl.int32)) + rows * D8 + cols, mask=m, other=0)
+    else:
+        word = tl.zeros(cols.shape, dtype=tl.int32) + tl.zeros(rows.shape, dtype=tl.int32)
         for i in tl.static_range(BITS):
-            byte = tl.load(idx_ptr + offs_t[:, None] * NB + g[None, :] * BITS + i, mask=tmask[:, None], other=0)
+            byte = tl.load(idx_ptr + rows * NB + cols * BITS + i, mask=m, other=0)
             word = word | (byte.to(tl.int32) << (8 * i))
     sb = word
     if SIGN:
-        sb = tl.load(sign_ptr + offs_t[:, None] * D8 + g[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+        sb = tl.load(sign_ptr + rows * D8 + cols, mask=m, other=0).to(tl.int32)
     return word, sb
 
 
 @triton.jit
 def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.constexpr, NTAB: tl.constexpr,
-                  FIXED: tl.constexpr, ROWS: tl.constexpr):
+                  FIXED: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr):
     """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r, its field
     of the group word at ``shift`` with ``mask`` ([1, 1, 8], ``_field_layout``: constants when every head
     shares one layout, ``FIXED``), looked up in that channel's row of the head's table [D, codes] (float16 or
@@ -150,36 +157,64 @@ def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.cons
     token's channels in one thread) or, ``ROWS``, the row of channel 8g (tiles that spread a token's groups
     over threads). With fixed fields the code leaves its word already scaled by the element size: a look-up
     costs a shift, a LOP3 and a move (the address's high half) where a shift, a bit-field extract and a LEA
-    pair were four (SASS, sm_90)."""
+    pair were four (SASS, sm_90).
+
+    ``GRID`` > 0 (a grid codec, whose code j decodes to j; words [BLOCK_T, D/8, 1]): the value 1 + j·2^−GRID,
+    the code OR-ed into the mantissa of 1.0 — two integer instructions, no memory access. ``_walk`` undoes the
+    offset and the scale (exactly: j < 2^GRID fits the mantissa)."""
     r = tl.arange(0, 8)[None, None, :]
-    L: tl.constexpr = 2 if tab_ptr.dtype.element_ty.primitive_bitwidth == 32 else 1  # log2 element bytes
-    w = word[:, :, None]
-    if SIGN:
-        cb = (((w >> shift) & mask) * 2 + ((sb[:, :, None] >> r) & 1)) << L
-    elif FIXED:  # constant shifts: one shift (either way) and the masking LOP3
-        cb = tl.where(shift >= L, w >> (shift - L), w << (L - shift)) & (mask << L)
+    if GRID:  # grid codecs: code j is the value j, computed as the float 1 + j·2^−GRID (mantissa bits) — no look-up
+        P: tl.constexpr = 23 - GRID
+        if SIGN:
+            cb = (((word >> shift) & mask) * 2 + ((sb >> r) & 1)) << P
+        elif FIXED:  # constant shifts
+            cb = tl.where(shift >= P, word >> (shift - P), word << (P - shift))
+        else:
+            cb = (word >> shift) << P
+        if not SIGN:  # the field's bits and the exponent of 1.0 in one LOP3 (two immediates: ptxas made it two)
+            cb = _mask_or(cb, tl.broadcast_to(mask << P, cb.shape), tl.full(cb.shape, 0x3F800000, tl.int32))
+        else:
+            cb = cb | 0x3F800000
+        val = cb.to(tl.float32, bitcast=True)
     else:
-        cb = ((w >> shift) & mask) << L
-    NT: tl.constexpr = NTAB // D  # codes per channel
-    group = tl.arange(0, D // 8)[None, :, None] * (8 * NT)  # offset of channel 8g's row
-    if ROWS:
-        base, rest = tab_ptr + group, r * NT
-    else:
-        base, rest = tab_ptr, group + r * NT
-    row = base.to(tl.uint64, bitcast=True)
-    addr = ((row >> 32) << 32) | ((row & 0xFFFFFFFF).to(tl.uint32) | cb.to(tl.uint32)).to(tl.uint64)
-    return tl.load(addr.to(tab_ptr.dtype, bitcast=True) + rest).to(tl.float32)
+        L: tl.constexpr = 2 if tab_ptr.dtype.element_ty.primitive_bitwidth == 32 else 1  # log2 element bytes
+        w = word[:, :, None]
+        if SIGN:
+            cb = (((w >> shift) & mask) * 2 + ((sb[:, :, None] >> r) & 1)) << L
+        elif FIXED:  # constant shifts: one shift (either way) and the masking LOP3
+            cb = tl.where(shift >= L, w >> (shift - L), w << (L - shift)) & (mask << L)
+        else:
+            cb = ((w >> shift) & mask) << L
+        NT: tl.constexpr = NTAB // D  # codes per channel
+        group = tl.arange(0, D // 8)[None, :, None] * (8 * NT)  # offset of channel 8g's row
+        if ROWS:
+            base, rest = tab_ptr + group, r * NT
+        else:
+            base, rest = tab_ptr, group + r * NT
+        row = base.to(tl.uint64, bitcast=True)
+        addr = ((row >> 32) << 32) | ((row & 0xFFFFFFFF).to(tl.uint32) | cb.to(tl.uint32)).to(tl.uint64)
+        val = tl.load(addr.to(tab_ptr.dtype, bitcast=True) + rest).to(tl.float32)
+    return val
+
+
+@triton.jit
+def _mask_or(x, m, e):
+    """``(x & m) | e`` as one ``lop3`` (PTX; Triton's interpreter, which runs none, computes it)."""
+    if _ASM:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", [x, m, e], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    return (x & m) | e
 
 
 @triton.jit
 def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-           KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr):
+           KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr):
     """The key and value codes of the tile at ``t0`` (rows ≥ ``end`` masked): fetched together, one memory
     round trip per tile."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     tmask = offs_t < end
-    kw, ks = _load_codes(k_idx, k_sign, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T)
-    vw, vs = _load_codes(v_idx, v_sign, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T)
+    kw, ks = _load_codes(k_idx, k_sign, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T, GRID)
+    vw, vs = _load_codes(v_idx, v_sign, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T, GRID)
     return kw, ks, vw, vs
 
 
@@ -206,10 +241,13 @@ def _field_layout(lay_ptr, FIELDS: tl.constexpr):
 @triton.jit
 def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
                   KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
-                  BLOCK_T: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr, ROWS: tl.constexpr):
+                  BLOCK_T: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr, ROWS: tl.constexpr,
+                  GRID: tl.constexpr):
     """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
-    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS)
+    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID)
+    if GRID:  # 1 + j·2^−GRID − 1, exact: the score's products carry no 2^GRID·q̃ to cancel
+        k = k - 1.0
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
@@ -220,7 +258,9 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
         m_i = m_tile
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
     l_i = l_i + tl.sum(p, axis=0)
-    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS)
+    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS, GRID)
+    if GRID:
+        v = v - 1.0
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
 
@@ -228,7 +268,7 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
 @triton.jit
 def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split, CHUNK, T_CAP,
                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
-                 VSIGN: tl.constexpr, BLOCK_T: tl.constexpr):
+                 VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr):
     """A split program's share of cache row ``pid_bh`` (= b·H + h): its rows [start, end), pointers to row 0 of
     the row in each packed part, and its first tile's codes — requested here, as early as the program can."""
     length = tl.load(len_ptr + b).to(tl.int32)
@@ -239,7 +279,8 @@ def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_b
     k_sign = k_sign_ptr + row0 * (D // 8)
     v_idx = v_idx_ptr + row0 * (D * VBITS // 8)
     v_sign = v_sign_ptr + row0 * (D // 8)
-    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T,
+                            GRID)
     return start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs
 
 
@@ -248,12 +289,16 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
           D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
           KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
           PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr,
-          ROWS: tl.constexpr):
+          ROWS: tl.constexpr, GRID: tl.constexpr):
     """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
     (kw, ks, vw, vs): the first tile's codes, ``_fetch``-ed by the caller as early as it can.
     k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
     tile's codes are requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0
-    (Triton's interpreter): that many tiles, unrolled (it needs a static loop)."""
+    (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
+    tiles hold 1 + j·2^−GRID for code j, so the query is scaled by 2^GRID and c0 lowered by 2^GRID·Σq̃ (the
+    score is the same), and Σ p·(1 + j·2^−GRID) − Σ p is scaled back at the end."""
+    if GRID:
+        q3 = q3 * (1 << GRID)
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
     l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
     acc = tl.zeros((BLOCK_T, D // 8, 8), dtype=tl.float32)
@@ -261,23 +306,26 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
         for it in tl.static_range(INTERPRET):
             t0 = start + it * BLOCK_T
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
-                                        VSIGN, BLOCK_T)
+                                        VSIGN, BLOCK_T, GRID)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS)
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
-                                        VSIGN, BLOCK_T)
+                                        VSIGN, BLOCK_T, GRID)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS)
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     else:
         for t0 in range(start, end, BLOCK_T):
-            kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T)
+            kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID)
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS)
-    return m_i, l_i, tl.sum(acc, axis=0)
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
+    acc = tl.sum(acc, axis=0)
+    if GRID:
+        acc = acc * (1 << GRID)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -289,7 +337,7 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                     VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
-                    ROWS: tl.constexpr):
+                    ROWS: tl.constexpr, GRID: tl.constexpr):
     """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -299,7 +347,7 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     h = pid_bh % H
     start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
         k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split, CHUNK, T_CAP, D, KBITS, VBITS,
-        KSIGN, VSIGN, BLOCK_T)
+        KSIGN, VSIGN, BLOCK_T, GRID)
     g = tl.arange(0, D // 8)
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
@@ -310,7 +358,7 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
                           v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
-                          PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS)
+                          PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID)
     part = (pid_bh * NS + split) * BLOCK_S + qi
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -335,7 +383,8 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
                   VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_NS: tl.constexpr, NK: tl.constexpr,
-                  NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr):
+                  NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr,
+                  GRID: tl.constexpr):
     """Grid (B·H, splits), one query per sequence (S = 1), the whole step in one launch: each program
     rotates the query itself and walks its split (the last two splits also map the step's own K and V to the
     affine domain, ``y_ptr`` [B·H, 2, D]); the last split of a (b, h) to finish (an atomic count, ``count_ptr``
@@ -352,7 +401,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     # the first tile's codes are requested before the query rotation: their latency overlaps it
     start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
         k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split, CHUNK, T_CAP, D, KBITS, VBITS,
-        KSIGN, VSIGN, BLOCK_T)
+        KSIGN, VSIGN, BLOCK_T, GRID)
     k_off = tl.load(k_offset + hd + chan)
     k_sc = tl.load(k_scale + hd + chan)
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
@@ -362,7 +411,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
                           v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
-                          PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS)
+                          PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID)
     part = pid_bh * NS + split
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -465,7 +514,7 @@ def split_counters(n: int, device: torch.device) -> torch.Tensor:
 
 def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay, v_lay,
                      lengths, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, k_fields, v_fields,
-                     cfg) -> torch.Tensor:
+                     grid, cfg) -> torch.Tensor:
     batch, heads, _, d = q.shape
     t_cap = k_idx.shape[2]
     block_t = cfg["block_t"]
@@ -487,7 +536,7 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
         KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
         BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"],
-        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+        GRID=grid, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     return out
 
 
@@ -521,7 +570,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 lengths: torch.Tensor, k_rot: torch.Tensor,
                                 k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
                                 v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int, v_bits: int,
-                                k_fields: int = -1, v_fields: int = -1, config: dict | None = None) -> torch.Tensor:
+                                k_fields: int = -1, v_fields: int = -1, grid: int = 0,
+                                config: dict | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
     ``config`` overrides the launch choice for tuning: ``path`` (auto | one | split), block_t / num_warps /
     waves (or ``splits``: split-K programs per query), ``prefetch`` (request the next tile's codes before computing
@@ -554,7 +604,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
             raise ValueError("the one-launch path takes one query per sequence")
         return _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay,
                                 v_lay, lengths, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits,
-                                k_fields, v_fields, cfg)
+                                k_fields, v_fields, grid, cfg)
     precision = dot_precision(q)
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]
@@ -581,7 +631,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"],
-        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+        GRID=grid, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
     _merge_kernel[(batch * heads,)](
         qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, heads, s, splits,
         D=d, BLOCK_S=block_s, BLOCK_NS=block_ns, PRECISION=precision, num_warps=4)

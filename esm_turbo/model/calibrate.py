@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..errors import EsmTurboError
 from ..fasta import Record, records_hash
-from ..quant.allocation import ChannelTables, channel_tables, widest_bits
+from ..quant.allocation import ChannelTables, channel_tables, grid_tables, widest_bits
 from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind, pad_levels
 from ..quant.histogram import HistogramAccumulator
 from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotations, identity_reflectors
@@ -104,7 +104,7 @@ def _histogram(second_moments: torch.Tensor, config: CalibrationConfig, device: 
     """Histograms over ±10 rms of each LUT group: a head (its largest channel rms) or a channel; accumulated on
     the model's device."""
     rms = second_moments.sqrt()  # [H, d]
-    if config.lut == "channel":
+    if config.lut != "head":
         return HistogramAccumulator(10 * rms.reshape(-1), config.channel_bins, device)
     return HistogramAccumulator(10 * rms.amax(-1), config.bins, device)
 
@@ -116,6 +116,9 @@ def combine_heads(candidates: tuple[VectorQuantizer, ...], choice: torch.Tensor)
     out = VectorQuantizer(first.heads, first.dim, first.bits, first.residual, first.normalize, first.qjl_seed,
                           max_bits=levels.bit_length() - 1)
     out = out.to(first.rot.device)
+    if len({q.grid for q in candidates}) != 1:
+        raise ValueError("cannot combine grid and LUT quantizers in one")
+    out.grid = first.grid
     eye = identity_reflectors(1, first.dim)[0]
     stored, order = [], []
     for h, c in enumerate(choice.tolist()):
@@ -150,23 +153,26 @@ def _pick_table_heads(candidates: tuple[ChannelTables, ...], choice: torch.Tenso
     parts = [candidates[c].rows(h * dim, (h + 1) * dim) for h, c in enumerate(choice.tolist())]
     return ChannelTables([torch.cat([p.luts[b] for p in parts]) for b in range(len(parts[0].luts))],
                          [torch.cat([p.eps[b] for p in parts]) if parts[0].eps[b] is not None else None
-                          for b in range(len(parts[0].eps))], torch.cat([p.mse for p in parts]))
+                          for b in range(len(parts[0].eps))], torch.cat([p.mse for p in parts]), candidates[0].grid)
 
 
 def _tables_by_layer(hists: list[HistogramAccumulator], bits: int, config: CalibrationConfig,
                      max_groups: int = 1 << 16) -> list[ChannelTables | None]:
-    """With bit allocation, each layer's :class:`ChannelTables`, fitted for as many layers at once as
+    """With bit allocation or grids, each layer's :class:`ChannelTables`, fitted for as many layers at once as
     ``max_groups`` channels allow (on a GPU the Lloyd iterations cost launches, not arithmetic); else Nones."""
-    if not config.bit_allocation:
+    grid = config.lut == "grid"
+    if not (config.bit_allocation or grid):
         return [None] * len(hists)
-    top = widest_bits(bits, config.max_channel_bits)
+    top = widest_bits(bits, config.max_channel_bits) if config.bit_allocation else bits
     sign_mode = config.sign_mode if config.residual == "sign" else None
     per_layer = hists[0].count.shape[0]
     step = max(1, max_groups // per_layer)
     out: list[ChannelTables | None] = []
     for first in range(0, len(hists), step):
         points = [h.padded() for h in hists[first:first + step]]
-        fitted = channel_tables(torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points]), top, sign_mode)
+        values, weights = torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points])
+        fitted = (grid_tables(values, weights, top, sign_mode is not None) if grid
+                  else channel_tables(values, weights, top, sign_mode))
         out += [fitted.rows(i * per_layer, (i + 1) * per_layer) for i in range(len(points))]
     return out
 
@@ -222,9 +228,12 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     check_lut_kind(config.lut)
     if not 0.0 <= config.attention_weight <= 1.0:
         raise EsmTurboError(f"attention_weight {config.attention_weight} is not in [0, 1]")
-    if config.bit_allocation and (config.lut != "channel" or config.shared_lut):
-        raise EsmTurboError("bit allocation gives each channel its own LUT width: it needs lut='channel' and "
-                            "separate K and V LUTs (or pass bit_allocation=False / --uniform-bits)")
+    if config.bit_allocation and (config.lut == "head" or config.shared_lut):
+        raise EsmTurboError("bit allocation gives each channel its own LUT width: it needs lut='channel' (or "
+                            "'grid') and separate K and V LUTs (or pass bit_allocation=False / --uniform-bits)")
+    if config.lut == "grid" and (config.shared_lut or config.residual == "qjl"):
+        raise EsmTurboError("lut='grid' fits each channel's own uniform levels: it needs separate K and V tables "
+                            "and a sign residual or none (not qjl)")
     engine = TurboEsm(model)
     layers, heads, dim = engine.num_layers, engine.heads, engine.head_dim
     batches = token_batches(records, config.batch_tokens, config.max_tokens)
@@ -254,7 +263,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
                    for li in range(layers)] for kind in rotation}
 
     mix = config.attention_weight
-    per_channel = config.lut == "channel"
+    per_channel = config.lut != "head"
 
     def record_hist(layer, q, k, v, valid):
         weights = None

@@ -62,7 +62,9 @@ class FusedTables:
     empty when every channel has the same width; k_codes / v_codes: where the packed codes are stored;
     k_fields / v_fields: the field shifts every head shares, packed for the kernels to compile in
     (:func:`shared_fields`), or −1; k_rot16 / v_rot16 [H, 2, d, d] float16: the rotations' halves
-    (:func:`split_rotation`) the quantize kernel reads for fp16 inputs, on CUDA (elsewhere empty).
+    (:func:`split_rotation`) the quantize kernel reads for fp16 inputs, on CUDA (elsewhere empty); grid: for a
+    codec whose keys and values are both grids (code j decodes to j, :attr:`VectorQuantizer.grid`) the widest
+    code's bits, which the decode kernels compute values with instead of looking them up; else 0.
     """
 
     k_tab: torch.Tensor
@@ -77,6 +79,7 @@ class FusedTables:
     v_fields: int = -1
     k_rot16: torch.Tensor | None = None
     v_rot16: torch.Tensor | None = None
+    grid: int = 0
 
     def packed(self, parts: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, sign bits or an empty tensor) of ``kind`` ('k' or 'v') in a layer's cache parts."""
@@ -98,9 +101,18 @@ def fused_tables(codec: KVCodec) -> FusedTables:
                          k_layout=k_layout, v_layout=v_layout,
                          k_codes=StoredCodes.of(key), v_codes=StoredCodes.of(value),
                          k_fields=shared_fields(key), v_fields=shared_fields(value),
-                         k_rot16=_kernel_halves(key), v_rot16=_kernel_halves(value))
+                         k_rot16=_kernel_halves(key), v_rot16=_kernel_halves(value), grid=grid_bits(codec))
     codec._fused_tables = tables
     return tables
+
+
+def grid_bits(codec: KVCodec) -> int:
+    """The ``grid`` argument of the decode op: the bits of the widest code (index + sign bit) when keys and values
+    are both grids, else 0. Reads the host (at table build)."""
+    key, value = codec.key, codec.value
+    if not (key.grid and value.grid):
+        return 0
+    return max(int(q.widths.max()) + int(q.residual == "sign") for q in (key, value))
 
 
 def split_rotation(rot: torch.Tensor) -> torch.Tensor:
@@ -189,7 +201,7 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
                                    lengths: torch.Tensor, k_rot: torch.Tensor,
                                    k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
                                    v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int,
-                                   v_bits: int, k_fields: int = -1, v_fields: int = -1) -> torch.Tensor:
+                                   v_bits: int, k_fields: int = -1, v_fields: int = -1, grid: int = 0) -> torch.Tensor:
     """Attention of S new tokens over the packed prefix plus themselves, computed in each codec's affine
     domain ``y = (x Πᵀ − offset) / scale``: no cached key is rotated back.
 
@@ -199,7 +211,8 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     code (``2·code + sign`` when sign bits are separate); layouts [H, d] int32 of the packed codes (or empty:
     equal widths); lengths [B] valid prefix rows; rot [H,d,d], offset/scale [H,d] of the key and value
     codecs; k_fields / v_fields: the layouts' field shifts when every head shares them (:func:`shared_fields`,
-    compiled into the kernels; the layouts say the same) or −1. The score of a cached key is
+    compiled into the kernels; the layouts say the same) or −1; ``grid`` > 0: the tables are the identity code
+    (a grid codec, :func:`grid_bits`), which the kernels compute rather than read (here the tables serve). The score of a cached key is
     ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as
     ``Σ p ŷ`` and mapped back once (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype
     (computed in the rotations' float dtype); a query with no valid key gets zeros.
@@ -264,9 +277,9 @@ def compressed_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                          k_tab: torch.Tensor, v_tab: torch.Tensor, k_layout: torch.Tensor, v_layout: torch.Tensor,
                          lengths: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor,
                          v_rot: torch.Tensor, v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int,
-                         v_bits: int, k_fields: int = -1, v_fields: int = -1) -> torch.Tensor:
+                         v_bits: int, k_fields: int = -1, v_fields: int = -1, grid: int = 0) -> torch.Tensor:
     args = (q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_layout, v_layout, lengths,
-            k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, k_fields, v_fields)
+            k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, k_fields, v_fields, grid)
     if _kernels_for(q):
         from ..kernels.decode import compressed_attention_triton
         return compressed_attention_triton(*args)
@@ -305,4 +318,5 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
                                 *tables.packed(parts, "k"), *tables.packed(parts, "v"), tables.k_tab,
                                 tables.v_tab, tables.k_layout, tables.v_layout, lengths, *_codec_tables(codec.key),
                                 *_codec_tables(codec.value),
-                                tables.k_codes.bits, tables.v_codes.bits, tables.k_fields, tables.v_fields)
+                                tables.k_codes.bits, tables.v_codes.bits, tables.k_fields, tables.v_fields,
+                                tables.grid)

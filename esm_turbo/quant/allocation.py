@@ -41,16 +41,19 @@ def widest_bits(bits: int, max_bits: int | None) -> int:
 @dataclass
 class ChannelTables:
     """LUTs of every width 0 … B for G groups: luts[b] [G, 2^b] and sign magnitudes eps[b] [G, 2^b, 2] (None
-    without a sign residual), fp16 values in float64; mse [G, B + 1] of each width."""
+    without a sign residual), fp16 values in float64 (``grid``: uniform levels, see :func:`grid_tables`, in
+    float64); mse [G, B + 1] of each width."""
 
     luts: list[torch.Tensor]
     eps: list[torch.Tensor | None]
     mse: torch.Tensor
+    grid: bool = False
 
     def rows(self, start: int, stop: int) -> "ChannelTables":
         """The tables of groups [start, stop)."""
         return ChannelTables([t[start:stop] for t in self.luts],
-                             [t[start:stop] if t is not None else None for t in self.eps], self.mse[start:stop])
+                             [t[start:stop] if t is not None else None for t in self.eps], self.mse[start:stop],
+                             self.grid)
 
 
 def channel_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int,
@@ -67,6 +70,58 @@ def channel_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int,
         eps.append(e)
         mse.append(_mse(points, lut, e))
     return ChannelTables(luts, eps, torch.stack(mse, 1))
+
+
+def grid_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int, sign: bool,
+                iterations: int = 300) -> ChannelTables:
+    """:class:`ChannelTables` of *uniform* quantizers, widths 0 … ``max_bits``: a channel of b index bits (+ the
+    sign bit, ``sign``) has n = 2^(b + sign) evenly spaced levels ``a + s·j``, its code j the level's rank, so a
+    decoder computes a value from its code instead of looking it up (the GPU kernels' ``GRID`` path). With a sign
+    bit the index picks a pair of levels and the sign one of the two: centroid ``a + s·(2i + ½)``, ε = s/2 on
+    both sides — nearest-level coding of the n levels. Each (a, s) minimises the weighted squared error by
+    alternating nearest-level cells and the least-squares line through them (each step lowers it), starting
+    from the span of an n-level Lloyd-Max fit, until no step moves by 1e-12 of its size (or ``iterations``).
+    Width 0 without a sign is one level, the mean."""
+    points = SortedPoints(values, weights)
+    luts, eps, mse = [], [], []
+    for b in range(max_bits + 1):
+        n = 1 << (b + int(sign))
+        if n == 1:
+            levels = points.mean()[:, None]
+        else:
+            levels = _uniform_fit(points, lloyd_max_sorted(points, b + int(sign))[0], iterations)
+        if sign:
+            lut = 0.5 * (levels[:, 0::2] + levels[:, 1::2])
+            e = (0.5 * (levels[:, 1::2] - levels[:, 0::2]))[..., None].expand(-1, -1, 2).contiguous()
+        else:
+            lut, e = levels, None
+        luts.append(lut)
+        eps.append(e)
+        mse.append(_mse(points, levels, None))
+    return ChannelTables(luts, eps, torch.stack(mse, 1), grid=True)
+
+
+def _uniform_fit(points: SortedPoints, start: torch.Tensor, iterations: int) -> torch.Tensor:
+    """Evenly spaced levels [G, n] ``a + s·j`` fitted to sorted points from a first guess [G, n] (its span)."""
+    n = start.shape[1]
+    j = torch.arange(n, dtype=torch.float64, device=start.device)
+    a, s = start[:, :1], ((start[:, -1:] - start[:, :1]) / (n - 1))
+    floor = 1e-9 * (points.hi - points.lo).clamp_min(1e-12)[:, None]
+    for _ in range(iterations):
+        s = torch.maximum(s, floor)
+        edges = points.cell_edges(a + s * j)
+        w, wx, _ = points.sums(edges[:, :-1], edges[:, 1:])  # [G, n] each
+        sw, sj, sjj = w.sum(1, keepdim=True), (w * j).sum(1, keepdim=True), (w * j * j).sum(1, keepdim=True)
+        sx, sjx = wx.sum(1, keepdim=True), (wx * j).sum(1, keepdim=True)
+        det = sw * sjj - sj * sj
+        ok = det > 1e-12 * sw * sjj.clamp_min(1e-300)  # two or more cells hold points
+        new_a = torch.where(ok, (sjj * sx - sj * sjx) / det.where(ok, 1.0), a)
+        new_s = torch.where(ok, (sw * sjx - sj * sx) / det.where(ok, 1.0), s)
+        moved = torch.maximum((new_a - a).abs(), (new_s - s).abs() * n) / s
+        a, s = new_a, new_s
+        if bool((moved < 1e-12).all()):
+            break
+    return a + torch.maximum(s, floor) * j
 
 
 def _mse(points: SortedPoints, lut: torch.Tensor, eps: torch.Tensor | None) -> torch.Tensor:

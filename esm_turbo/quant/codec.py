@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .lloyd_max import check_bits, density_points, lloyd_max, lloyd_max_batched, midpoints
-from .allocation import ChannelTables, allocate, channel_tables, tier_order, widest_bits
+from .allocation import ChannelTables, allocate, channel_tables, grid_tables, tier_order, widest_bits
 from .packing import field_layout, pack_1bit_u8, pack_fields, unpack_1bit_u8, unpack_fields
 from .residual import check_residual_kind, qjl_projection, qjl_scale, sign_eps_batched, sign_eps_table
 from .rotations import FITTED_KINDS, AffineStats, affine_forward, affine_inverse, build_rotation, check_rotation_kind
@@ -34,8 +34,9 @@ PartSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 #: code widths (index bits + 1 sign bit) stored as one combined code
 COMBINED_CODE_BITS = (2, 3, 4)
 
-#: LUT granularity: one LUT per head (the paper), or one per head and (rotated) channel
-LUT_KINDS = ("head", "channel")
+#: LUT granularity: one LUT per head (the paper), one per head and (rotated) channel, or per channel a uniform grid
+#: whose values the decoder computes from the code (no look-up; ``esm_turbo.quant.allocation.grid_tables``)
+LUT_KINDS = ("head", "channel", "grid")
 
 
 def check_lut_kind(kind: str) -> str:
@@ -116,6 +117,15 @@ def code_table(q: "VectorQuantizer") -> torch.Tensor:
     return table.half().contiguous()
 
 
+def identity_code(q: "VectorQuantizer") -> bool:
+    """Whether code j decodes to j on every code a channel uses (2^(width + sign bit) of them): the tables of a
+    :attr:`VectorQuantizer.grid` quantizer. Reads the device."""
+    table = code_table(q).float()
+    j = torch.arange(table.shape[-1], device=table.device, dtype=torch.float32)
+    used = j < (1 << (q.widths + int(q.residual == "sign")))[..., None]
+    return bool(((table == j) | ~used).all())
+
+
 def check_code_table(q: "VectorQuantizer") -> "VectorQuantizer":
     """Refuse tables whose decoded levels overflow fp16 (reads the device: at calibration, not per step)."""
     if not bool(torch.isfinite(code_table(q)).all()):
@@ -155,6 +165,9 @@ class VectorQuantizer(nn.Module):
     and channel, widths [H,d] (int64: index bits of each channel; ``bits`` everywhere unless allocated, see
     ``esm_turbo.quant.allocation``; K = 2^max_bits, a channel of fewer bits repeats its last level),
     proj [m,d] (QJL sketch; m = d).
+
+    ``grid``: every channel's levels are evenly spaced and folded into its affine map, so the value of code j
+    (``2·idx + sign`` with a sign residual) is j itself — the kernels compute it instead of looking it up.
     """
 
     def __init__(self, heads: int, dim: int, bits: int, residual: str = "none",
@@ -176,6 +189,7 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("proj", proj)
         self.rot_stored: torch.Tensor | None = None
         self.rot_order: torch.Tensor | None = None  # [H, d] rows of the fitted rotation kept, in order
+        self.grid = False
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -198,11 +212,13 @@ class VectorQuantizer(nn.Module):
                          residual: str = "sign", sign_mode: str = "bin", seed: int = 0,
                          lut_points: tuple[torch.Tensor, torch.Tensor] | None = None,
                          importance: torch.Tensor | None = None, max_bits: int | None = None,
-                         tables: ChannelTables | None = None, shared_widths: bool = False) -> "VectorQuantizer":
+                         tables: ChannelTables | None = None, shared_widths: bool = False,
+                         grid: bool = False) -> "VectorQuantizer":
         """Calibrated codec: ``points`` = (values, weights) [G, N], weighted samples in the affine domain
         (after rotation, centring and scaling) of G = H groups (one LUT per head) or G = H·d (one per head
         and channel, channel-minor). LUTs are fitted on ``lut_points`` (default ``points``; other points
         give e.g. a K/V-shared LUT). Tables are rounded to fp16 values, the precision checkpoints keep.
+        ``grid`` (or grid ``tables``): uniform levels per channel instead of LUTs (:attr:`grid`; per-channel points).
 
         With ``importance`` [H, d] (how much an error of each affine channel reaches the output), channels get
         allocated widths of 0 … ``max_bits`` (default bits + 1) index bits, ``bits`` on average
@@ -213,11 +229,16 @@ class VectorQuantizer(nn.Module):
         if values.shape[0] not in (heads, heads * dim):
             raise ValueError(f"expected calibration points for {heads} heads or {heads * dim} channels, "
                              f"got {values.shape[0]} groups")
-        if importance is not None:
+        grid = grid or (tables is not None and tables.grid)
+        if importance is not None or grid:
             if values.shape[0] != heads * dim or lut_points is not None:
-                raise ValueError("bit allocation needs per-channel calibration points and the codec's own LUTs")
-            if tables is None:
-                tables = channel_tables(*points, widest_bits(bits, max_bits), sign_mode if residual == "sign" else None)
+                raise ValueError("bit allocation and grids need per-channel calibration points and the codec's "
+                                 "own tables")
+            top = widest_bits(bits, max_bits) if importance is not None else bits
+            if tables is None and grid:
+                tables = grid_tables(*points, top, residual == "sign")
+            elif tables is None:
+                tables = channel_tables(*points, top, sign_mode if residual == "sign" else None)
             return cls._allocated(affine, tables, bits, residual, seed, importance, shared_widths)
         q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1)
         q.set_rotation(affine)
@@ -233,17 +254,23 @@ class VectorQuantizer(nn.Module):
 
     @classmethod
     def _allocated(cls, affine: AffineStats, tables: ChannelTables, bits: int, residual: str, seed: int,
-                   importance: torch.Tensor, shared_widths: bool) -> "VectorQuantizer":
+                   importance: torch.Tensor | None, shared_widths: bool) -> "VectorQuantizer":
+        """A quantizer of per-channel ``tables``: widths allocated by ``importance`` (channels reordered into
+        tiers), or ``bits`` everywhere without one."""
         heads, dim = affine.offset.shape
         luts, eps, mse = tables.luts, tables.eps, tables.mse
-        imp = importance.double().to(mse.device)
-        cost = imp.reshape(-1, 1) * mse  # [H·d, top + 1]
-        order = tier_order(cost[:, bits].reshape(heads, dim).cpu()).to(mse.device)
-        rows = (order + torch.arange(heads, device=order.device)[:, None] * dim).reshape(-1)
-        widths = allocate(cost[rows].reshape(heads, dim, -1), bits, shared_widths).reshape(-1)
+        if importance is None:
+            rows = torch.arange(heads * dim, device=mse.device)
+            widths = torch.full((heads * dim,), bits, dtype=torch.long, device=mse.device)
+        else:
+            cost = importance.double().to(mse.device).reshape(-1, 1) * mse  # [H·d, top + 1]
+            order = tier_order(cost[:, bits].reshape(heads, dim).cpu()).to(mse.device)
+            rows = (order + torch.arange(heads, device=order.device)[:, None] * dim).reshape(-1)
+            widths = allocate(cost[rows].reshape(heads, dim, -1), bits, shared_widths).reshape(-1)
+            affine = affine.permuted(order)
         top = int(widths.max())  # tables only as long as the widest channel needs
         q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1, max_bits=top)
-        q.set_rotation(affine.permuted(order))
+        q.set_rotation(affine)
         k = q.centroids.shape[-1]
         centroids = torch.zeros(heads * dim, k, dtype=torch.float64, device=mse.device)
         table = torch.zeros(heads * dim, k, 2, dtype=torch.float64, device=mse.device)
@@ -253,10 +280,33 @@ class VectorQuantizer(nn.Module):
             if eps[b] is not None:
                 table[pick, :2**b] = eps[b][rows[pick]]
         widths = widths.view(heads, dim)
-        q.centroids.copy_(pad_levels(centroids.view(heads, dim, k), widths, k))
-        q.eps.copy_(pad_levels(table.view(heads, dim, k, 2), widths, k))
+        centroids, table = centroids.view(heads, dim, k), table.view(heads, dim, k, 2)
+        if tables.grid:
+            centroids, table = q._fold_grid(centroids, table, widths)
+        q.centroids.copy_(pad_levels(centroids, widths, k))
+        q.eps.copy_(pad_levels(table, widths, k))
         q.widths.copy_(widths)
         return check_code_table(q)
+
+    def _fold_grid(self, centroids: torch.Tensor, eps: torch.Tensor,
+                   widths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uniform levels ``a + s·j`` of each channel (centroids [H, d, K], eps [H, d, K, 2] of
+        :func:`~esm_turbo.quant.allocation.grid_tables`, widths [H, d]) moved into the affine map — offset += scale·a,
+        scale ·= s — leaving the identity code (level j is j): returns the new (centroids, eps), and sets
+        :attr:`grid`."""
+        sign = self.residual == "sign"
+        if sign:
+            a, s = centroids[..., 0] - eps[..., 0, 0], 2 * eps[..., 0, 0]
+        else:
+            a, s = centroids[..., 0], torch.where(widths > 0, centroids[..., 1] - centroids[..., 0], 1.0)
+        s = torch.where(s > 0, s, 1.0)
+        self.offset.copy_(self.offset.double() + self.scale.double() * a)
+        self.scale.copy_(self.scale.double() * s)
+        idx = torch.arange(centroids.shape[-1], dtype=torch.float64, device=centroids.device).expand_as(centroids)
+        self.grid = True
+        if sign:
+            return 2 * idx + 0.5, torch.full_like(eps, 0.5)
+        return idx.clone(), torch.zeros_like(eps)
 
     def set_rotation(self, affine: AffineStats) -> None:
         self.rot_stored = affine.stored  # fp16 reflectors of a fitted rotation, for checkpoints
