@@ -159,23 +159,23 @@ def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.cons
     costs a shift, a LOP3 and a move (the address's high half) where a shift, a bit-field extract and a LEA
     pair were four (SASS, sm_90).
 
-    ``GRID`` > 0 (a grid codec, whose code j decodes to j; words [BLOCK_T, D/8, 1]): the value 1 + j·2^−GRID,
-    the code OR-ed into the mantissa of 1.0 — two integer instructions, no memory access. ``_walk`` undoes the
-    offset and the scale (exactly: j < 2^GRID fits the mantissa)."""
+    ``GRID`` > 0 (a grid codec, whose code j decodes to j; words [BLOCK_T, D/8, 1]): j·2^−GRID, no memory
+    access — the code OR-ed into the mantissa of 1.0 (a shift and one LOP3), then 1 subtracted (exact: j < 2^GRID
+    fits the mantissa; folding the 1 into the query and the sums instead cancelled past the tolerance rule at
+    4 + 1 bits). ``_walk`` scales by 2^GRID."""
     r = tl.arange(0, 8)[None, None, :]
-    if GRID:  # grid codecs: code j is the value j, computed as the float 1 + j·2^−GRID (mantissa bits) — no look-up
-        P: tl.constexpr = 23 - GRID
+    if GRID:  # grid codecs: code j is the value j, computed (scaled by 2^−GRID) — no look-up
+        P: tl.constexpr = 23 - GRID  # the code's lowest bit in the mantissa
         if SIGN:
-            cb = (((word >> shift) & mask) * 2 + ((sb >> r) & 1)) << P
-        elif FIXED:  # constant shifts
-            cb = tl.where(shift >= P, word >> (shift - P), word << (P - shift))
+            cb = ((((word >> shift) & mask) * 2 + ((sb >> r) & 1)) << P) | 0x3F800000
         else:
-            cb = (word >> shift) << P
-        if not SIGN:  # the field's bits and the exponent of 1.0 in one LOP3 (two immediates: ptxas made it two)
+            if FIXED:  # constant shifts
+                cb = tl.where(shift >= P, word >> (shift - P), word << (P - shift))
+            else:
+                cb = (word >> shift) << P
+            # the field's bits and the exponent of 1.0 in one LOP3 (from two immediates ptxas made two)
             cb = _mask_or(cb, tl.broadcast_to(mask << P, cb.shape), tl.full(cb.shape, 0x3F800000, tl.int32))
-        else:
-            cb = cb | 0x3F800000
-        val = cb.to(tl.float32, bitcast=True)
+        val = cb.to(tl.float32, bitcast=True) - 1.0
     else:
         L: tl.constexpr = 2 if tab_ptr.dtype.element_ty.primitive_bitwidth == 32 else 1  # log2 element bytes
         w = word[:, :, None]
@@ -246,8 +246,6 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
     """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
     k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID)
-    if GRID:  # 1 + j·2^−GRID − 1, exact: the score's products carry no 2^GRID·q̃ to cancel
-        k = k - 1.0
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
@@ -259,8 +257,6 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
     l_i = l_i + tl.sum(p, axis=0)
     v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS, GRID)
-    if GRID:
-        v = v - 1.0
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
 
@@ -295,8 +291,7 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
     k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
     tile's codes are requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0
     (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
-    tiles hold 1 + j·2^−GRID for code j, so the query is scaled by 2^GRID and c0 lowered by 2^GRID·Σq̃ (the
-    score is the same), and Σ p·(1 + j·2^−GRID) − Σ p is scaled back at the end."""
+    tiles hold j·2^−GRID for code j, so the query and the value sums are scaled by 2^GRID (exact powers of two)."""
     if GRID:
         q3 = q3 * (1 << GRID)
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
