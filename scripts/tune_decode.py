@@ -62,14 +62,15 @@ def main():
 
 def tune_quantize():
     """Quantize-and-pack of one 650M-shaped layer (20 heads, d=64, K and V, fp16 inputs as the strided views a
-    prefill hands over) for a 1024-token prefill and a 195-sequence decode step, timed as ``esm-turbo bench``
+    prefill hands over; the default codec's tables) for a 1024-token prefill and a 195-sequence decode step,
+    timed as ``esm-turbo bench``
     times (CUDA graph replay, cold L2); the arguments are those ``ops.compressed.write_compressed`` passes."""
     from esm_turbo.bench import _time
     from esm_turbo.cache import KVCache
     from esm_turbo.kernels.quantize import quantize_pack_triton
-    from esm_turbo.testing import random_turbo_codec
+    from esm_turbo.bench import default_codec
     dev = torch.device("cuda")
-    codec = random_turbo_codec(20, 64).to(dev)
+    codec = default_codec(20, 64).to(dev)
     tab = fused_tables(codec)
     key, value = codec.key, codec.value
     for batch, s in ((1, 1024), (195, 1)):
@@ -79,7 +80,8 @@ def tune_quantize():
         args = (x, x, (key.rot, key.offset, key.scale, tab.k_bounds, key.centroids, tab.k_layout),
                 (value.rot, value.offset, value.scale, tab.v_bounds, value.centroids, tab.v_layout),
                 tab.packed(cache.parts[0], "k"), tab.packed(cache.parts[0], "v"), pos,
-                (key.bits, key.combined_sign), (value.bits, value.combined_sign), tab.k_fields, tab.v_fields)
+                (key.bits, key.combined_sign), (value.bits, value.combined_sign), tab.k_fields, tab.v_fields,
+                (tab.k_rot16, tab.v_rot16), (key.grid, value.grid))
         print(f"quantize-and-pack of K and V, B={batch} S={s}, 20 heads, d=64: default "
               f"{_time(lambda: quantize_pack_triton(*args), dev) * 1e6:.1f} µs")
         for bn, w in itertools.product((16, 32, 64, 128), (2, 4, 8)):

@@ -288,7 +288,17 @@ def test_quantize_pack_kernel_wide_blocks(bits, residual, d, dtype, s):
     check_quantize_matches(bits, residual, d, dtype, True, s, block_n=64)
 
 
-def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n):
+@needs_triton
+@pytest.mark.parametrize("bits,residual,d,shared,s,block_n", [
+    (3, "sign", 64, True, 100, 64), (3, "sign", 16, False, 7, 16), ((4, 2), "sign", 32, True, 7, 16),
+    (2, "none", 32, True, 1, 16), (4, "sign", 16, True, 1, 16), (3, "none", 16, False, 7, 16)])
+def test_quantize_pack_kernel_grid_codec(bits, residual, d, shared, s, block_n):
+    """A grid codec's codes are rounded to, not searched for (``_grid_code``): in every branch (split by position,
+    per-head layout rows, a decode step), fused and separate sign bits, and without a sign residual."""
+    check_quantize_matches(bits, residual, d, torch.float16, shared, s, block_n=block_n, grid=True)
+
+
+def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=False):
     """One launch encodes keys and values (different tables, strided inputs) into their parts, as the
     reference does: a prefill of S tokens per sequence (programs per sequence) or a decode step of one
     token per sequence (programs across sequences), blocks of ``block_n`` partly masked. Allocated widths, read from each
@@ -297,7 +307,8 @@ def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n):
     from esm_turbo.kernels.quantize import quantize_pack_triton
     heads, batch = 2, 3
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
-    codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=key_bits, shared=shared).to(DEVICE)
+    codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=key_bits, shared=shared,
+                               grid=grid).to(DEVICE)
     tables = fused_tables(codec)
     # shared: the kernel compiles the field shifts in; else it reads each head's layout row (−1)
     fields = (tables.k_fields, tables.v_fields) if shared else (-1, -1)
@@ -321,7 +332,8 @@ def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n):
             # Π's fp16 halves as the op passes them (read for fp16 inputs on CUDA)
             halves = (split_rotation(codec.key.rot), split_rotation(codec.value.rot))
             quantize_pack_triton(x["k"], x["v"], args("k"), args("v"), parts["k"], parts["v"], pos, code["k"],
-                                 code["v"], *fields, halves, config=dict(block_n=block_n))
+                                 code["v"], *fields, halves, (codec.key.grid, codec.value.grid),
+                                 config=dict(block_n=block_n))
         else:
             for kind in "kv":
                 quantize_pack_reference(x[kind], *args(kind), *parts[kind], pos, *code[kind])
@@ -372,6 +384,42 @@ def test_quantize_kernel_on_boundaries(bits):
             quantize_pack_reference(x, *tabs, *parts, pos, *code)
         outs.append(parts[0].clone())
     assert torch.equal(outs[0], outs[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("residual", ["sign", "none"])
+def test_quantize_grid_kernel_on_boundaries(residual):
+    """Rounded grid codes are the LUT search's, byte for byte, where ties decide: y on every bound and centroid of
+    a grid codec (the halves and integers from −3 to 33: every width's levels and beyond) and one float step either
+    side. Identity rotation and fp32 dots, so y = x exactly."""
+    from esm_turbo.kernels.quantize import quantize_pack_triton
+    d = 16
+    codec = random_turbo_codec(1, d, 3, 3, residual, seed=0, grid=True).to(DEVICE)
+    assert codec.key.grid and int(codec.key.widths.max()) > int(codec.key.widths.min())
+    for q in (codec.key, codec.value):
+        q.rot.copy_(torch.eye(d))
+        q.offset.zero_()
+        q.scale.fill_(1.0)
+    tables = fused_tables(codec)
+    ties = torch.arange(-6, 67, dtype=torch.float32) / 2
+    y = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    x = y[:, None].expand(-1, d).reshape(1, 1, -1, d).contiguous().to(DEVICE)
+    pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    tabs = (codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids, tables.k_layout)
+    code = (codec.key.bits, codec.key.combined_sign)
+    outs = []
+    for use_kernel in (False, True):
+        cache = KVCache([codec], 1, capacity=x.shape[2], device=DEVICE)
+        parts = tables.packed(cache.parts[0], "k")
+        if use_kernel:
+            quantize_pack_triton(x, x, tabs, tabs, parts, tables.packed(cache.parts[0], "v"), pos, code, code,
+                                 tables.k_fields, tables.k_fields, grid=(True, True),
+                                 config=dict(block_n=16, precision="ieee"))  # x Iᵀ exact on CUDA too
+        else:
+            quantize_pack_reference(x, *tabs, *parts, pos, *code)
+        outs.append([p.clone() for p in parts])
+    for ref, ker in zip(*outs):
+        assert torch.equal(ref, ker)
 
 
 def _has_nvidia_backend() -> bool:

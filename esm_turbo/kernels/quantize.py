@@ -4,7 +4,8 @@ Reference: ``esm_turbo.ops.compressed.quantize_pack_reference`` (per tensor kind
 
 For each (sequence b, head h) and token n < S: ``y = (x Πᵀ − offset) / scale``; ``idx = #{bounds < y}``
 (``torch.searchsorted`` semantics); ``sign = y ≥ c[idx]``; both packed into the cache rows
-``pos[b] + n`` (the layout of ``esm_turbo.quant.packing``).
+``pos[b] + n`` (the layout of ``esm_turbo.quant.packing``). A grid codec's (``VectorQuantizer.grid``) evenly
+spaced levels are found by rounding, not by comparing with every bound (:func:`_grid_code`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
                   sign_ptr, pos_ptr, h, b, s_idx, nmask, H, T_CAP,
                   D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, FIELDS: tl.constexpr, SIGN: tl.constexpr,
                   COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr,
-                  PER_SEQ: tl.constexpr, BY_POSITION: tl.constexpr, ASM: tl.constexpr):
+                  PER_SEQ: tl.constexpr, BY_POSITION: tl.constexpr, GRID: tl.constexpr, ASM: tl.constexpr):
     """Encode BLOCK_N tokens — sequence ``b``, position ``s_idx`` among the new ones (each a scalar or
     [BLOCK_N]; ``nmask``: which exist) — of head ``h`` of one tensor kind into its cache part (K levels per
     channel's LUT, bounds [H, K-1, D] level-major; codes at the field shifts ``FIELDS`` compiled in when every
@@ -35,7 +36,8 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     w-bit channel runs 2^w − 1 compares, not K − 1 (:func:`_field_code`); otherwise the compares run as a loop
     that carries the centroid reached for the sign. A decode step has a few programs and is bound by their
     latency: the compares are unrolled and the centroid is gathered once after them
-    (results/gpu/quantize_session11_h100.txt, quantize_session14_h100.txt)."""
+    (results/gpu/quantize_session11_h100.txt, quantize_session14_h100.txt). ``GRID`` (a grid codec: level j
+    of every channel is j): no compares and no gather, the codes are rounded (:func:`_grid_code`)."""
     offs_d = tl.arange(0, D)
     zero = tl.zeros((BLOCK_N,), dtype=tl.int64)
     x_rows = zero + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + s_idx.to(tl.int64) * sxs
@@ -69,7 +71,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             yj = ys[j]
             if WIDE:
                 yj = tl.trans(yj)
-            code, s = _field_code(yj, j, h, bounds_ptr, cent_ptr, D, K, FIELDS, SIGN, COMBINE, WIDE, ASM)
+            code, s = _field_code(yj, j, h, bounds_ptr, cent_ptr, D, K, FIELDS, SIGN, COMBINE, WIDE, GRID, ASM)
             word |= code << ((FIELDS >> (6 * j)) & 63)
             sword |= s << j
         if WIDE:
@@ -79,7 +81,9 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
         y = _affine(rotate(x, rot_ptr, offs_d, D, PRECISION, SPLIT16), offset_ptr, scale_ptr, h * D + offs_d)
         cent_rows = cent_ptr + (h * D + offs_d) * K  # centroids [H, D, K]
         bound_row = bounds_ptr + h * ((K - 1) * D) + offs_d  # level k at bound_row + k·D
-        if PER_SEQ:  # bounds ascend, so y > b_k holds for a prefix of k: the last level passed is idx
+        if GRID:
+            idx, s = _grid_code(y, _top_index(offs_d, lay_ptr + h * D, FIELDS, COMBINE)[None, :], SIGN)
+        elif PER_SEQ:  # bounds ascend, so y > b_k holds for a prefix of k: the last level passed is idx
             idx = tl.zeros((BLOCK_N, D), dtype=tl.int32)
             cy = tl.zeros((BLOCK_N, D), dtype=tl.float32) + tl.load(cent_rows)[None, :]
             for k in range(K - 1):
@@ -87,13 +91,13 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
                 idx += up.to(tl.int32)
                 if SIGN:
                     cy = tl.where(up, tl.load(cent_rows + k + 1)[None, :], cy)
+            s = (y >= cy).to(tl.int32)
         else:
             idx = _levels_passed(y, bound_row, K - 1, D, False, ASM)
             if SIGN:
-                cy = tl.load(cent_rows[None, :] + idx)
+                s = (y >= tl.load(cent_rows[None, :] + idx)).to(tl.int32)
 
         if SIGN:
-            s = (y >= cy).to(tl.int32)
             if COMBINE:  # one code 2·idx + sign of BITS + 1 bits
                 idx = idx * 2 + s
             else:
@@ -136,21 +140,58 @@ def _affine(xr, offset_ptr, scale_ptr, at):
 @triton.jit
 def _field_code(yj, J: tl.constexpr, h, bounds_ptr, cent_ptr, D: tl.constexpr, K: tl.constexpr,
                 FIELDS: tl.constexpr, SIGN: tl.constexpr, COMBINE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
-                ASM: tl.constexpr):
+                GRID: tl.constexpr, ASM: tl.constexpr):
     """Codes of yj [N, D/8] (or [D/8, N] if CHANNEL_MAJOR; affine domain; channels 8g + J, whose field width the
     shifts FIELDS fix): a w-bit channel's bounds past its 2^w − 1 are +inf (``lut_bounds``), so only those are
-    compared; the sign's centroid is gathered after. Returns (code, sign bit) int32 shaped as yj; code =
-    2·idx + sign if COMBINE."""
+    compared; the sign's centroid is gathered after (``GRID``: both rounded, :func:`_grid_code`). Returns (code,
+    sign bit) int32 shaped as yj; code = 2·idx + sign if COMBINE."""
     W: tl.constexpr = ((FIELDS >> (6 * J + 6)) & 63) - ((FIELDS >> (6 * J)) & 63) - COMBINE
-    chan = tl.arange(0, D // 8) * 8 + J
-    row = bounds_ptr + h * ((K - 1) * D) + chan  # level k at row + k·D: constant offsets from one address
-    idx = _levels_passed(yj, row, (1 << W) - 1, D, CHANNEL_MAJOR, ASM)
-    s = tl.zeros(yj.shape, dtype=tl.int32)
-    if SIGN:
-        s = (yj >= tl.load(_per_channel((h * D + chan) * K, CHANNEL_MAJOR) + cent_ptr + idx)).to(tl.int32)
-        if COMBINE:
-            idx = idx * 2 + s
+    if GRID:
+        idx, s = _grid_code(yj, (1 << W) - 1.0, SIGN)
+    else:
+        chan = tl.arange(0, D // 8) * 8 + J
+        row = bounds_ptr + h * ((K - 1) * D) + chan  # level k at row + k·D: constant offsets from one address
+        idx = _levels_passed(yj, row, (1 << W) - 1, D, CHANNEL_MAJOR, ASM)
+        s = tl.zeros(yj.shape, dtype=tl.int32)
+        if SIGN:
+            s = (yj >= tl.load(_per_channel((h * D + chan) * K, CHANNEL_MAJOR) + cent_ptr + idx)).to(tl.int32)
+    if COMBINE:
+        idx = idx * 2 + s
     return idx, s
+
+
+@triton.jit
+def _grid_code(y, top, SIGN: tl.constexpr):
+    """(index, sign bit) int32 of y (any shape; affine domain) on a grid codec's levels, where the code j of every
+    channel decodes to j (``VectorQuantizer._fold_grid``): with a sign residual index i's centroid is 2i + 0.5 and
+    its upper bound 2i + 1.5, so ``#{bounds < y} = clamp(⌈(y − 1.5)/2⌉, 0, top)`` and ``sign = y ≥ 2i + 0.5``;
+    without one the levels are i, so ``clamp(⌈y − 0.5⌉, 0, top)``. ``top`` (float32, broadcast to y): the channel's
+    last index, 2^w − 1. The LUT search's answers, ties included: y·0.5 − 0.75 and y − 0.5 are exact wherever
+    the answer is not clamped (|y| < 2^22), so a y on a bound rounds as ``#{bounds < y}`` counts it."""
+    if SIGN:
+        t = tl.ceil(y * 0.5 - 0.75)
+    else:
+        t = tl.ceil(y - 0.5)
+    idx = tl.minimum(tl.maximum(t, 0.0), top)
+    s = tl.zeros(y.shape, dtype=tl.int32)
+    if SIGN:
+        s = (y >= idx * 2.0 + 0.5).to(tl.int32)
+    return idx.to(tl.int32), s
+
+
+@triton.jit
+def _top_index(chan, lay_ptr, FIELDS: tl.constexpr, COMBINE: tl.constexpr):
+    """The last index 2^w − 1 (float32 [C]) of channels ``chan`` [C] of one head: from the field shifts FIELDS when
+    every head shares them, else from the head's layout row ``lay_ptr`` (field mask at bit 8); a combined sign
+    bit (``COMBINE``) is not the index's."""
+    if FIELDS >= 0:
+        top = tl.zeros(chan.shape, dtype=tl.float32)
+        for j in tl.static_range(8):
+            width = ((FIELDS >> (6 * j + 6)) & 63) - ((FIELDS >> (6 * j)) & 63) - COMBINE
+            top = tl.where(chan % 8 == j, (1 << width) - 1.0, top)
+    else:
+        top = ((tl.load(lay_ptr + chan) >> 8) >> COMBINE).to(tl.float32)
+    return top
 
 
 @triton.jit
@@ -208,7 +249,7 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
                           VFIELDS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
                           BLOCK_N: tl.constexpr, PER_SEQ: tl.constexpr, PRECISION: tl.constexpr,
                           KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, KPOS: tl.constexpr, VPOS: tl.constexpr,
-                          ASM: tl.constexpr):
+                          KGRID: tl.constexpr, VGRID: tl.constexpr, ASM: tl.constexpr):
     """Programs [0, H) of grid axis 0 encode keys, [H, 2H) values. ``PER_SEQ`` (a prefill, S > 1): grid
     (2·H, cdiv(S, BLOCK_N), B), each program BLOCK_N new tokens of one sequence; else (a decode step, S = 1):
     grid (2·H, cdiv(B, BLOCK_N)), each program the new token of BLOCK_N sequences, so one head's Π serves
@@ -226,11 +267,11 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
     if pid < H:
         _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
                       pos_ptr, pid, b, s_idx, nmask, H, T_CAP, D, KBITS, KK, KFIELDS, KSIGN, KCOMB, BLOCK_N, PRECISION,
-                      KSPLIT, PER_SEQ, KPOS, ASM)
+                      KSPLIT, PER_SEQ, KPOS, KGRID, ASM)
     else:
         _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
                       pos_ptr, pid - H, b, s_idx, nmask, H, T_CAP, D, VBITS, VK, VFIELDS, VSIGN, VCOMB, BLOCK_N,
-                      PRECISION, VSPLIT, PER_SEQ, VPOS, ASM)
+                      PRECISION, VSPLIT, PER_SEQ, VPOS, VGRID, ASM)
 
 
 class _KindConsts(NamedTuple):
@@ -242,12 +283,13 @@ class _KindConsts(NamedTuple):
     combine: bool  # … stored fused with the index as one code 2·idx + sign
     split: int  # Π in fp32 (0), split into fp16 halves in the kernel (1) or read as halves (2)
     by_position: bool  # channels split by their place in a group of 8 (_quantize_one)
+    grid: bool  # a grid codec's levels: codes rounded, not searched (_grid_code)
 
 
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
                          k_out: tuple, v_out: tuple, pos: torch.Tensor, k_code: tuple, v_code: tuple,
                          k_fields: int = -1, v_fields: int = -1, rot_halves: tuple | None = None,
-                         config: dict | None = None) -> None:
+                         grid: tuple[bool, bool] = (False, False), config: dict | None = None) -> None:
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
     k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d],
@@ -256,7 +298,8 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     combine); ``*_fields``: the layout's field shifts when every head shares them (compiled in, see
     ``esm_turbo.ops.compressed.shared_fields``), or −1 (each head's layout row is read); ``rot_halves``:
     (keys', values') Π in fp16 halves [H, 2, d, d] (``esm_turbo.ops.compressed.split_rotation``; empty: none),
-    read for fp16 inputs instead of splitting Π in every program.
+    read for fp16 inputs instead of splitting Π in every program; ``grid``: (keys, values) are grid codecs
+    (``VectorQuantizer.grid``, code j decodes to j), whose codes are rounded instead of searched for.
     ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) / by_position / maxnreg (a
     register cap) for tuning."""
     batch, heads, s, d = k.shape
@@ -271,7 +314,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     v, v_strides = token_strides(v)
     halves = rot_halves or (k.new_empty(0), v.new_empty(0))
 
-    def kind(x, tables, out, code, given, rot16) -> tuple[tuple, _KindConsts]:
+    def kind(x, tables, out, code, given, rot16, is_grid) -> tuple[tuple, _KindConsts]:
         """(kernel args of one kind, its constexprs)."""
         main, sign = out
         bits, combine = code
@@ -286,13 +329,14 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
         # widths without a sign run the loop faster (results/gpu/quantize_session14_h100.txt)
         by_position = cfg["by_position"] and per_seq and fields >= 0 and (layout.numel() > 0 or has_sign)
         return args, _KindConsts(bits, tables[4].shape[-1], fields, has_sign, combine,
-                                 2 if rot is rot16 else int(split), by_position)
+                                 2 if rot is rot16 else int(split), by_position, is_grid)
 
-    k_args, kc = kind(k, k_tables, k_out, k_code, k_fields, halves[0])
-    v_args, vc = kind(v, v_tables, v_out, v_code, v_fields, halves[1])
+    k_args, kc = kind(k, k_tables, k_out, k_code, k_fields, halves[0], grid[0])
+    v_args, vc = kind(v, v_tables, v_out, v_code, v_fields, halves[1], grid[1])
     # 64-token blocks (WIDE in _quantize_one) for 3-bit codes split by position in prefills of 1024 tokens or more:
     # 6–18% faster there; 32 where 64 runs slower: shorter prefills, 2- and 4-bit codes
-    # (results/gpu/quantize_session15_h100.txt)
+    # (results/gpu/quantize_session15_h100.txt); rounded grid codes too: 11.1 vs 13.4 µs per 650M layer at 1024 tokens
+    # (results/gpu/quantize_session18_h100.txt)
     wide = per_seq and kc.by_position and vc.by_position and batch * s >= 1024 and kc.bits == vc.bits == 3
     block_n = cfg["block_n"] or (64 if wide else 32)
     # capped at 96 registers (108 uncapped, 8 bytes of stack), five 64-token programs share an SM: a 1024-token
@@ -304,4 +348,4 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
         KBITS=kc.bits, KK=kc.levels, KFIELDS=kc.fields, KSIGN=kc.sign, KCOMB=kc.combine, VBITS=vc.bits,
         VK=vc.levels, VFIELDS=vc.fields, VSIGN=vc.sign, VCOMB=vc.combine, BLOCK_N=block_n, PER_SEQ=per_seq,
         PRECISION=cfg["precision"], KSPLIT=kc.split, VSPLIT=vc.split, KPOS=kc.by_position, VPOS=vc.by_position,
-        ASM=not interpreting(), num_warps=cfg["num_warps"], maxnreg=maxnreg)
+        KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), num_warps=cfg["num_warps"], maxnreg=maxnreg)

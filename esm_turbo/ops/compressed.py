@@ -250,17 +250,20 @@ def quantize_pack(k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor, k_offse
                   v_scale: torch.Tensor, v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_layout: torch.Tensor,
                   v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_bits: int, k_combine: bool,
                   v_bits: int, v_combine: bool, k_fields: int = -1, v_fields: int = -1,
-                  k_rot16: torch.Tensor | None = None, v_rot16: torch.Tensor | None = None) -> None:
+                  k_rot16: torch.Tensor | None = None, v_rot16: torch.Tensor | None = None, k_grid: bool = False,
+                  v_grid: bool = False) -> None:
     """Keys and values of one layer into their cache parts (one Triton launch on CUDA). Bounds [H, K-1, d]
     level-major (``FusedTables``); ``*_fields``: shared field shifts or −1 (see :func:`shared_fields`);
-    ``*_rot16``: the rotations' fp16 halves (:func:`split_rotation`) for the kernel, or None / empty."""
+    ``*_rot16``: the rotations' fp16 halves (:func:`split_rotation`) for the kernel, or None / empty;
+    ``*_grid``: a grid codec (code j decodes to j), whose codes the kernel rounds to (the reference searches the
+    centroids as for any LUT: the same codes)."""
     k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
     v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
     if _kernels_for(k):
         from ..kernels.quantize import quantize_pack_triton
         halves = None if k_rot16 is None or v_rot16 is None else (k_rot16, v_rot16)
         quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos,
-                             (k_bits, k_combine), (v_bits, v_combine), k_fields, v_fields, halves)
+                             (k_bits, k_combine), (v_bits, v_combine), k_fields, v_fields, halves, (k_grid, v_grid))
     else:
         quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_bits, k_combine)
         quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_bits, v_combine)
@@ -305,7 +308,8 @@ def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Te
     quantize_pack(k, v, *_codec_tables(key), tables.k_bounds, key.centroids, tables.k_layout,
                   *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
                   tables.v_layout, *tables.packed(parts, "v"), pos, key.bits, key.combined_sign, value.bits,
-                  value.combined_sign, tables.k_fields, tables.v_fields, tables.k_rot16, tables.v_rot16)
+                  value.combined_sign, tables.k_fields, tables.v_fields, tables.k_rot16, tables.v_rot16, key.grid,
+                  value.grid)
 
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
