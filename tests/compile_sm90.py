@@ -50,18 +50,23 @@ def main() -> None:
                          codes)
             compile_sm90(decode._small_kernel, dict(bits, BLOCK_NS=16, GRID=grid), small_ints, small_ptrs)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
-    compile_sm90(decode._prep_kernel, dict(D=64, BLOCK_N=16, PRECISION="tf32x3", QSPLIT=True, KSPLIT=True, VSPLIT=True),
+    compile_sm90(decode._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", QSPLIT=True, KSPLIT=True,
+                                           VSPLIT=True),
                  strides | {"B", "H", "S"}, dict(q_ptr=f16, k_ptr=f16, v_ptr=f16), num_warps=4)
-    compile_sm90(decode._merge_kernel, dict(D=64, BLOCK_S=2, BLOCK_NS=32, PRECISION="tf32x3"), {"H", "S", "NS"},
-                 dict(valid_ptr=u8, out_ptr=f16), num_warps=4)
+    for block_b, block_s, block_ns in ((16, 1, 8), (1, 2, 32)):
+        compile_sm90(decode._merge_kernel, dict(D=64, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=32,
+                                                PRECISION="tf32x3"), {"B", "H", "S", "NS"},
+                     dict(valid_ptr=u8, out_ptr=f16), num_warps=4)
     # quantize-and-pack: shared allocated fields compiled in for keys (split by position in a prefill), each head's
     # layout row read for values; Π's fp16 halves read for keys, split in the kernel for values; a prefill
-    # (programs per sequence, in blocks of 32 and in the 64-token blocks of the place-major path) and a decode step
-    for per_seq, block_n in ((True, 32), (True, 64), (False, 32)):
+    # (programs per sequence, in blocks of 32 and in the 64-token blocks of the place-major path) and a decode step;
+    # the last two also with grid codes (rounded, not searched)
+    for per_seq, block_n, grid in ((True, 32, False), (True, 64, False), (False, 32, False), (True, 64, True),
+                                   (False, 32, True)):
         compile_sm90(quantize._quantize_pack_kernel,
                      dict(D=64, KBITS=3, KK=16, KFIELDS=shared, KSIGN=True, KCOMB=True, VBITS=3, VK=8, VFIELDS=-1,
                           VSIGN=True, VCOMB=False, BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION="tf32x3", KSPLIT=2,
-                          VSPLIT=1, KPOS=per_seq, VPOS=False, ASM=True),
+                          VSPLIT=1, KPOS=per_seq, VPOS=False, KGRID=grid, VGRID=grid, ASM=True),
                      strides | {"B", "H", "S", "T_CAP"},
                      dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",
                           v_lay="*i32"), num_warps=4, maxnreg=96 if block_n == 64 else None)

@@ -88,7 +88,7 @@ def strided(t):
 
 
 def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto",
-                         allocate=True, shared=False, grid=False):
+                         allocate=True, shared=False, grid=False, config=None):
     """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
     float64 from the same values. ``allocate``: channels of allocated widths, each head its own (the kernels
     read a field layout per head) or, ``shared``, the same for every head (compiled-in shifts, as for equal
@@ -109,7 +109,7 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
     ref64 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float64))
     ref32 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float32))
     args = _reference_args(codec, cache, q, k, v, valid, torch.float32)
-    out = compressed_attention_triton(*args, config=dict(path=path))
+    out = compressed_attention_triton(*args, config=dict(path=path) | (config or {}))
     assert torch.isfinite(out).all() and out.dtype == dtype
     err = (out.double() - ref64).abs().max().item()
     err_pt = (ref32.double() - ref64).abs().max().item()
@@ -231,6 +231,17 @@ def test_split_plan_bounds_each_walk():
     assert plan_splits(1280, 16384, 64, 132) == (8, 2048)  # B=64 (650M): 1.6 waves of 16K walks → 8 splits
     assert plan_splits(1280, 1024, 64, 132) == (1, 1024)
     assert plan_splits(1280, 16384, 64, 132, splits=3) == (3, 5504)
+
+
+@needs_triton
+@pytest.mark.parametrize("rows,cols,s,dtype", [(1, 16, 1, torch.float16), (2, 32, 3, torch.float32),
+                                               (4, 16, 2, torch.float16), (16, 32, 1, torch.float32)])
+def test_decode_merge_blocks(rows, cols, s, dtype):
+    """The merge kernel's blocks: ``rows`` sequences of one head per program (five sequences: the last block
+    partly empty), the back-rotation ``cols`` output channels per dot, one or several queries per sequence, and
+    the prep kernel's rotations in ``cols``-channel dots too."""
+    check_kernel_matches(3, "sign", 32, batch=5, lengths=[40, 3, 0, 77, 12], s=s, heads=3, dtype=dtype,
+                         path="split", config=dict(merge_rows=rows, merge_cols=cols, prep_cols=cols))
 
 
 @needs_triton
@@ -442,9 +453,10 @@ def test_kernels_compile_for_sm90():
     run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = [line for line in run.stdout.splitlines() if line.startswith("compiled ")]
-    # decode prefix and one-launch kernels in 2 layouts × (LUT, grid), prep, merge; quantize-and-pack thrice: prefills
-    # in blocks of 32 and 64, a decode step
-    assert len(compiled) == 13, run.stdout
+    # decode prefix and one-launch kernels in 2 layouts × (LUT, grid), prep, merge twice (many sequences per program,
+    # several queries); quantize-and-pack five times: prefills in blocks of 32 and 64, a decode step, the last two
+    # also with grid codes
+    assert len(compiled) == 16, run.stdout
 
 
 def test_custom_ops_compile_without_graph_breaks():

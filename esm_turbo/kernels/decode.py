@@ -16,7 +16,8 @@ channel) table ``tab[h, c, code] = c[idx] ± ε`` (``tab[h, c, idx]`` without a 
 Three launches: ``_prep_kernel`` (grid H × token blocks: ``qt`` and the new tokens' affine keys and
 values, on tensor cores), ``_prefix_kernel`` (grid B·H·S × splits, one query per program; each split
 walks its share of the prefix with an online softmax and writes (m, l, acc); tiles stay [BLOCK_T, d/8, 8]
-so the packed words never need a reshape), then ``_merge_kernel`` (grid B·H) that merges the splits with
+so the packed words never need a reshape), then ``_merge_kernel`` (grid H × blocks of sequences, one read
+of the head's Πᵥ per block) that merges the splits with
 log-sum-exp, adds the step's own full-precision tokens, maps the output back to the value domain and
 casts it to the query's dtype. A small step (one query per sequence, few rows: ``one_launch``) takes
 one launch instead, ``_small_kernel``: split-K programs that rotate the query themselves, and the last
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import dot_precision, interpreting, part_or, rotate_rows, split16, token_offsets, token_strides
+from .common import dot_precision, interpreting, load_rows, part_or, rotate, split16, token_offsets, token_strides
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _ASM = tl.constexpr(not interpreting())  # inline PTX where the kernels are compiled
@@ -41,7 +42,7 @@ _ASM = tl.constexpr(not interpreting())  # inline PTX where the kernels are comp
 @triton.jit
 def _prep_kernel(q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb, svh, svs,
                  k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, qt_ptr, yk_ptr, yv_ptr,
-                 B, H, S, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 B, H, S, D: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr,
                  QSPLIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr):
     """Grid (H, cdiv(B·S, BLOCK_N)): ``qt = [(q Πₖᵀ) ⊙ scaleₖ | ⟨q Πₖᵀ, offsetₖ⟩]`` [B,H,S,D+1] and the
     new tokens' affine keys/values ``(x Πᵀ − offset) / scale`` [B,H,S,D], float32 (inputs strided)."""
@@ -49,70 +50,102 @@ def _prep_kernel(q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb, svh, sv
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < B * S
     rows = token_offsets(h, offs_n, S, H * S, S, 1)  # row of the contiguous outputs
-    offs_d = tl.arange(0, D)
-    mask = nmask[:, None]
-    k_off = tl.load(k_offset + h * D + offs_d)[None, :]
-    k_sc = tl.load(k_scale + h * D + offs_d)[None, :]
-    z = rotate_rows(q_ptr, token_offsets(h, offs_n, S, sqb, sqh, sqs), nmask, k_rot + h * D * D, D, PRECISION, QSPLIT)
-    tl.store(qt_ptr + rows[:, None] * (D + 1) + offs_d[None, :], z * k_sc, mask=mask)
-    tl.store(qt_ptr + rows * (D + 1) + D, tl.sum(z * k_off, axis=1), mask=nmask)
-    z = rotate_rows(k_ptr, token_offsets(h, offs_n, S, skb, skh, sks), nmask, k_rot + h * D * D, D, PRECISION, KSPLIT)
-    tl.store(yk_ptr + rows[:, None] * D + offs_d[None, :], (z - k_off) / k_sc, mask=mask)
-    z = rotate_rows(v_ptr, token_offsets(h, offs_n, S, svb, svh, svs), nmask, v_rot + h * D * D, D, PRECISION, VSPLIT)
-    v_off = tl.load(v_offset + h * D + offs_d)[None, :]
-    v_sc = tl.load(v_scale + h * D + offs_d)[None, :]
-    tl.store(yv_ptr + rows[:, None] * D + offs_d[None, :], (z - v_off) / v_sc, mask=mask)
+    hd = h * D
+    c0 = _rotate_store(q_ptr, token_offsets(h, offs_n, S, sqb, sqh, sqs), nmask, k_rot + hd * D, k_offset + hd,
+                       k_scale + hd, qt_ptr, rows, D + 1, True, D, COLS, PRECISION, QSPLIT)
+    tl.store(qt_ptr + rows * (D + 1) + D, c0, mask=nmask)
+    _rotate_store(k_ptr, token_offsets(h, offs_n, S, skb, skh, sks), nmask, k_rot + hd * D, k_offset + hd,
+                  k_scale + hd, yk_ptr, rows, D, False, D, COLS, PRECISION, KSPLIT)
+    _rotate_store(v_ptr, token_offsets(h, offs_n, S, svb, svh, svs), nmask, v_rot + hd * D, v_offset + hd,
+                  v_scale + hd, yv_ptr, rows, D, False, D, COLS, PRECISION, VSPLIT)
+
+
+@triton.jit
+def _rotate_store(x_ptr, offs, nmask, rot_ptr, offset_ptr, scale_ptr, out_ptr, rows, WIDTH: tl.constexpr,
+                  QUERY: tl.constexpr, D: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr,
+                  SPLIT16: tl.constexpr):
+    """Rows x [N, D] at ``offs`` (``nmask``: which exist) in one head's affine domain, stored at output rows
+    ``rows`` of WIDTH values: ``(x Πᵀ) ⊙ scale`` (``QUERY``; returns ⟨x Πᵀ, offset⟩ [N]) or
+    ``(x Πᵀ − offset) / scale``. COLS output channels per dot: a whole [D, D] Π per dot, three of them live,
+    spilled registers at D = 128 (8.9 KB of stack, SASS sm_90)."""
+    x = load_rows(x_ptr, offs, nmask, D)
+    c0 = tl.zeros(offs.shape, dtype=tl.float32)
+    for c in tl.static_range(D // COLS):
+        cols = c * COLS + tl.arange(0, COLS)
+        off = tl.load(offset_ptr + cols)[None, :]
+        sc = tl.load(scale_ptr + cols)[None, :]
+        z = rotate(x, rot_ptr, cols, D, PRECISION, SPLIT16)
+        if QUERY:
+            tl.store(out_ptr + rows[:, None] * WIDTH + cols[None, :], z * sc, mask=nmask[:, None])
+            c0 += tl.sum(z * off, axis=1)
+        else:
+            tl.store(out_ptr + rows[:, None] * WIDTH + cols[None, :], (z - off) / sc, mask=nmask[:, None])
+    return c0
 
 
 @triton.jit
 def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_scale_ptr, v_offset_ptr, v_rot_ptr,
-                  out_ptr, H, S, NS,
-                  D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, PRECISION: tl.constexpr):
-    pid_bh = tl.program_id(0)
-    b = pid_bh // H
-    h = pid_bh % H
+                  out_ptr, B, H, S, NS,
+                  D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr,
+                  COLS: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid (H, cdiv(B, BLOCK_B)): the S queries of BLOCK_B sequences of head h per program, so the head's Πᵥ is
+    read once for all of them (one read per (b, h) cost more than the merge: 57 µs of a 15B-shaped B=64 call,
+    results/gpu/decode_splits_session18_h100.txt). Tensors [BLOCK_B, BLOCK_S, …]: partials over the splits'
+    axis first."""
+    h = tl.program_id(0)
+    offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_NS)
-    smask = offs_s < S
-    nmask = offs_n < NS
+    rmask = (offs_b < B)[:, None] & (offs_s < S)[None, :]  # [BLOCK_B, BLOCK_S] queries that exist
+    row = (offs_b[:, None] * H + h) * S + offs_s[None, :]  # their (b, h, s) rows
 
-    part = (pid_bh * NS + offs_n[:, None]) * BLOCK_S + offs_s[None, :]  # [BLOCK_NS, BLOCK_S]
-    pmask = nmask[:, None] & smask[None, :]  # partials of padded queries (qi ≥ S) are never written
-    m = tl.load(m_ptr + part, mask=pmask, other=float("-inf"))
+    # partials of padded queries (s ≥ S) or rows (b ≥ B) are never written: masked at the load
+    part = (((offs_b[:, None] * H + h) * NS)[None, :, :] + offs_n[:, None, None]) * BLOCK_S  # [BLOCK_NS, BLOCK_B, 1]
+    part = part + offs_s[None, None, :]
+    pmask = (offs_n < NS)[:, None, None] & rmask[None, :, :]
+    m = tl.load(m_ptr + part, mask=pmask, other=float("-inf"))  # [BLOCK_NS, BLOCK_B, BLOCK_S]
     lp = tl.load(l_ptr + part, mask=pmask, other=0.0)
-    accp = tl.load(acc_ptr + part[:, :, None] * D + offs_d[None, None, :], mask=pmask[:, :, None], other=0.0)
+    accp = tl.load(acc_ptr + part[:, :, :, None] * D + offs_d[None, None, None, :], mask=pmask[:, :, :, None],
+                   other=0.0)
 
-    # the step's own tokens (full precision, affine domain): queries × keys both over offs_s
-    q_row = qt_ptr + (pid_bh * S + offs_s) * (D + 1)
-    q = tl.load(q_row[:, None] + offs_d[None, :], mask=smask[:, None], other=0.0) * _LOG2E
-    c0 = tl.load(q_row + D, mask=smask, other=0.0) * _LOG2E
-    kmask = smask & (tl.load(valid_ptr + b * S + offs_s, mask=smask, other=0) != 0)
-    y_row = (pid_bh * S + offs_s)[:, None] * D + offs_d[None, :]
-    yk = tl.load(yk_ptr + y_row, mask=smask[:, None], other=0.0)
-    yv = tl.load(yv_ptr + y_row, mask=smask[:, None], other=0.0)
-    s_new = tl.sum(q[:, None, :] * yk[None, :, :], axis=2) + c0[:, None]  # [BLOCK_S(query), BLOCK_S(key)]
-    s_new = tl.where(kmask[None, :], s_new, float("-inf"))
+    # the step's own tokens (full precision, affine domain): each query × its sequence's S keys
+    q_row = qt_ptr + row * (D + 1)
+    q = tl.load(q_row[:, :, None] + offs_d[None, None, :], mask=rmask[:, :, None], other=0.0) * _LOG2E
+    c0 = tl.load(q_row + D, mask=rmask, other=0.0) * _LOG2E
+    kmask = rmask & (tl.load(valid_ptr + offs_b[:, None] * S + offs_s[None, :], mask=rmask, other=0) != 0)
+    y_row = row[:, :, None] * D + offs_d[None, None, :]
+    yk = tl.load(yk_ptr + y_row, mask=rmask[:, :, None], other=0.0)  # [BLOCK_B, BLOCK_S (keys), D]
+    yv = tl.load(yv_ptr + y_row, mask=rmask[:, :, None], other=0.0)
+    s_new = tl.sum(q[:, :, None, :] * yk[:, None, :, :], axis=3) + c0[:, :, None]  # [BLOCK_B, queries, keys]
+    s_new = tl.where(kmask[:, None, :], s_new, float("-inf"))
 
-    mx = tl.maximum(tl.max(m, axis=0), tl.max(s_new, axis=1))  # [BLOCK_S]
+    mx = tl.maximum(tl.max(m, axis=0), tl.max(s_new, axis=2))  # [BLOCK_B, BLOCK_S]
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(m - mx[None, :])  # [BLOCK_NS, BLOCK_S]
-    p_new = tl.exp2(s_new - mx[:, None])
-    l_tot = tl.sum(w * lp, axis=0) + tl.sum(p_new, axis=1)
-    acc = tl.sum(w[:, :, None] * accp, axis=0) + tl.sum(p_new[:, :, None] * yv[None, :, :], axis=1)
-    acc = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+    w = tl.exp2(m - mx[None, :, :])
+    p_new = tl.exp2(s_new - mx[:, :, None])
+    l_tot = tl.sum(w * lp, axis=0) + tl.sum(p_new, axis=2)
+    acc = tl.sum(w[:, :, :, None] * accp, axis=0) + tl.sum(p_new[:, :, :, None] * yv[:, None, :, :], axis=2)
+    acc = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, :, None]
     scale = tl.load(v_scale_ptr + h * D + offs_d)
     offset = tl.load(v_offset_ptr + h * D + offs_d)
-    out = acc * scale[None, :] + tl.where(l_tot == 0.0, 0.0, 1.0)[:, None] * offset[None, :]
+    out = acc * scale[None, None, :] + tl.where(l_tot == 0.0, 0.0, 1.0)[:, :, None] * offset[None, None, :]
     # back to the value domain: out Πᵥ on tensor cores, rows padded to the 16 a dot needs
-    P: tl.constexpr = 16 if BLOCK_S < 16 else BLOCK_S
+    R: tl.constexpr = BLOCK_B * BLOCK_S
+    out = tl.reshape(out, (R, D))
+    P: tl.constexpr = 16 if R < 16 else R
     offs_p = tl.arange(0, P)
-    if BLOCK_S < 16:
-        out = tl.sum(tl.where(offs_p[:, None, None] == offs_s[None, :, None], out[None, :, :], 0.0), axis=1)
-    rot = tl.load(v_rot_ptr + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # Π[e, d]
-    out = tl.dot(out, rot, input_precision=PRECISION)
-    tl.store(out_ptr + (pid_bh * S + offs_p)[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(offs_p < S)[:, None])
+    if R < 16:
+        out = tl.sum(tl.where(offs_p[:, None, None] == tl.arange(0, R)[None, :, None], out[None, :, :], 0.0), axis=1)
+    pb = tl.program_id(1) * BLOCK_B + offs_p // BLOCK_S
+    ps = offs_p % BLOCK_S
+    keep = (offs_p < R) & (pb < B) & (ps < S)
+    out_row = out_ptr + ((pb * H + h) * S + ps)[:, None] * D
+    for c in tl.static_range(D // COLS):  # COLS output channels per dot (a whole Π spilled registers at D = 128)
+        cols = c * COLS + tl.arange(0, COLS)
+        rot = tl.load(v_rot_ptr + h * D * D + offs_d[:, None] * D + cols[None, :])  # Π[e, cols]
+        part = tl.dot(out, rot, input_precision=PRECISION)
+        tl.store(out_row + cols[None, :], part.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 
 @triton.jit
@@ -535,6 +568,17 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
     return out
 
 
+def merge_rows(batch: int, heads: int, block_s: int, block_ns: int, d: int, sms: int) -> int:
+    """Sequences per merge program (``_merge_kernel``), a power of two: up to 16 while there are at least half as
+    many programs as SMs, and fewer where its [splits, sequences, queries, d] partials (or the queries × keys × d
+    products of the step's own tokens) would pass 8192 values (64 registers a thread at four warps). H100
+    (results/gpu/decode_merge_session18_h100.txt): 650M-shaped B=64 T=1K 16 rows 71.0 µs, 8 rows 75.6, one per
+    (b, h) 76.5; B=8 T=16K one 102.3, two 103.9; 15B-shaped B=8 T=16K two to four 340, one 348."""
+    cap = 8192 // d
+    fill = 1 << max(0, (2 * batch * heads // sms).bit_length() - 1)  # the largest power of two ≤ 2·B·H / SMs
+    return max(1, min(16, fill, cap // (block_ns * block_s), cap // (block_s * block_s)))
+
+
 def aligned_table(tab: torch.Tensor) -> torch.Tensor:
     """A code table [H, d, codes] as the decode kernels read it: ``codes`` a power of two (padded with zeros
     if not) and every row starting on a multiple of its own size, as a table from the CUDA caching allocator
@@ -570,7 +614,9 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors.
     ``config`` overrides the launch choice for tuning: ``path`` (auto | one | split), block_t / num_warps /
     waves (or ``splits``: split-K programs per query), ``prefetch`` (request the next tile's codes before computing
-    this one), ``rows`` (per-group row addresses for the look-ups) and ``maxnreg`` (a register cap or None)."""
+    this one), ``rows`` (per-group row addresses for the look-ups), ``maxnreg`` (a register cap or None), and for the
+    prep and merge kernels ``prep_block`` (tokens per program), ``prep_cols`` / ``merge_cols`` (output channels per
+    rotation dot) and ``merge_rows`` (sequences per program, :func:`merge_rows`)."""
     batch, heads, s, d = q.shape
     t_cap = k_idx.shape[2]
     k_fields, v_fields = _fields(k_fields, k_lay, k_bits), _fields(v_fields, v_lay, v_bits)
@@ -592,7 +638,13 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     small = one_launch(batch, heads, s, d, t_cap)
     if small:  # results/gpu/tune_single_h100.txt
         cfg = dict(block_t=32, num_warps=2, waves=4, rows=False, maxnreg=None)
-    cfg.update(path="auto", prefetch=True)  # results/gpu/tune_prefetch_h100.txt: 5–12% faster from B·T ≈ 8K on
+    # prefetch: the next tile's codes requested before this one is computed (results/gpu/tune_prefetch_h100.txt: 5–12%
+    # faster from B·T ≈ 8K on; two tiles ahead ran 2–6% slower on grid codes, results/gpu/decode_merge_session18_h100.txt)
+    cfg.update(path="auto", prefetch=True)
+    # output channels per rotation dot of the prep and merge kernels: a whole Π spilled registers at d = 128 (SASS
+    # sm_90: 8.9 KB of stack in the prep, 0.5 KB in the merge); 64 ran fastest in the prep, 32 no slower than 128 in
+    # the merge (results/gpu/decode_merge_session18_h100.txt: 15B-shaped B=8 T=4K prep 64 121.0 µs, 32 125.4, 128 130.8)
+    cfg.update(prep_cols=64, merge_cols=64 if d <= 64 else 32)
     cfg.update(config or {})
     if cfg["path"] == "one" or (cfg["path"] == "auto" and small):
         if s != 1:
@@ -611,9 +663,11 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     yk = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
     yv = torch.empty_like(yk)
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
-    _prep_kernel[(heads, triton.cdiv(batch * s, 16))](
+    prep_n = cfg.get("prep_block", 16)
+    _prep_kernel[(heads, triton.cdiv(batch * s, prep_n))](
         q, *q_strides, k_new, *k_strides, v_new, *v_strides, k_rot, k_offset, k_scale, v_rot, v_offset,
-        v_scale, qt, yk, yv, batch, heads, s, D=d, BLOCK_N=16, PRECISION=precision, QSPLIT=split16(q, precision),
+        v_scale, qt, yk, yv, batch, heads, s, D=d, BLOCK_N=prep_n, COLS=min(d, cfg["prep_cols"]), PRECISION=precision,
+        QSPLIT=split16(q, precision),
         KSPLIT=split16(k_new, precision), VSPLIT=split16(v_new, precision), num_warps=4)
     m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
@@ -627,7 +681,9 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"],
         GRID=grid, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
-    _merge_kernel[(batch * heads,)](
-        qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, heads, s, splits,
-        D=d, BLOCK_S=block_s, BLOCK_NS=block_ns, PRECISION=precision, num_warps=4)
+    block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, _num_sms(q.device))
+    _merge_kernel[(heads, triton.cdiv(batch, block_b))](
+        qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, batch, heads, s, splits,
+        D=d, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=min(d, cfg["merge_cols"]), PRECISION=precision,
+        num_warps=4)
     return out
