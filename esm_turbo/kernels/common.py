@@ -49,12 +49,6 @@ def rotate(x, rot_ptr, rows, D: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: 
     return y
 
 
-@triton.jit
-def rotate_rows(x_ptr, offs, nmask, rot_ptr, D: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
-    """Rows of x at element offsets ``offs`` [BLOCK_N] times Πᵀ: [BLOCK_N, D] float32 (:func:`rotate`)."""
-    return rotate(load_rows(x_ptr, offs, nmask, D), rot_ptr, tl.arange(0, D), D, PRECISION, SPLIT16)
-
-
 def token_strides(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """A [B, H, S, d] tensor whose last dim is contiguous (copied only if it is not) and its
     (b, h, s) strides — post-RoPE keys and values are transposed views the kernels read in place."""

@@ -117,7 +117,7 @@ def grid_bits(codec: KVCodec) -> int:
 
 def split_rotation(rot: torch.Tensor) -> torch.Tensor:
     """Π [H, d, d] float32 → [H, 2, d, d] float16: Π_hi = fp16(Π) and Π_lo = fp16((Π − Π_hi)·2048), whose two
-    fp16 dots with fp32 accumulation give x Πᵀ of fp16 x to fp32 accuracy (``esm_turbo.kernels.common.rotate_rows``)."""
+    fp16 dots with fp32 accumulation give x Πᵀ of fp16 x to fp32 accuracy (``esm_turbo.kernels.common.rotate``)."""
     hi = rot.to(torch.float16)
     lo = ((rot - hi.float()) * 2048.0).to(torch.float16)
     return torch.stack([hi, lo], dim=1).contiguous()
