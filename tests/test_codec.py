@@ -224,3 +224,20 @@ def test_grid_codec_decodes_codes_as_themselves():
             nearest = torch.minimum(y.round().clamp_min(0), top[:, None, :])
             assert torch.equal(y_hat, nearest), (y_hat - nearest).abs().max()
         assert not identity_code(random_turbo_codec(2, 32, key_bits, value_bits, residual).key)
+
+
+def test_grid_request_refuses_lut_tables():
+    """Asking for a grid with per-channel LUT tables is refused (it would have built a LUT quantizer silently)."""
+    from esm_turbo.quant.allocation import channel_tables
+    from esm_turbo.quant.rotations import AffineStats
+    heads, dim = 2, 8
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(heads * dim, 256, generator=gen, dtype=torch.float64)
+    points = (values, torch.ones_like(values))
+    affine = AffineStats(rot=torch.eye(dim).expand(heads, dim, dim).clone(), offset=torch.zeros(heads, dim),
+                         scale=torch.ones(heads, dim))
+    lut = channel_tables(*points, 3, "bin")
+    with pytest.raises(ValueError, match="grid=True"):
+        VectorQuantizer.from_calibration(affine, points, 3, "sign", "bin", 0, tables=lut, grid=True)
+    q = VectorQuantizer.from_calibration(affine, points, 3, "sign", "bin", 0, tables=lut)
+    assert not q.grid

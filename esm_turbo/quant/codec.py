@@ -229,6 +229,9 @@ class VectorQuantizer(nn.Module):
         if values.shape[0] not in (heads, heads * dim):
             raise ValueError(f"expected calibration points for {heads} heads or {heads * dim} channels, "
                              f"got {values.shape[0]} groups")
+        if grid and tables is not None and not tables.grid:
+            raise ValueError("grid=True was asked for with per-channel LUT tables: pass grid tables "
+                             "(quant.allocation.grid_tables) or none")
         grid = grid or (tables is not None and tables.grid)
         if importance is not None or grid:
             if values.shape[0] != heads * dim or lut_points is not None:
