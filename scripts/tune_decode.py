@@ -63,12 +63,11 @@ def main():
 def tune_quantize():
     """Quantize-and-pack of one 650M-shaped layer (20 heads, d=64, K and V, fp16 inputs as the strided views a
     prefill hands over; the default codec's tables) for a 1024-token prefill and a 195-sequence decode step,
-    timed as ``esm-turbo bench``
-    times (CUDA graph replay, cold L2); the arguments are those ``ops.compressed.write_compressed`` passes."""
-    from esm_turbo.bench import _time
+    timed as ``esm-turbo bench`` times (CUDA graph replay, cold L2); the arguments are those
+    ``ops.compressed.write_compressed`` passes."""
+    from esm_turbo.bench import _time, default_codec
     from esm_turbo.cache import KVCache
     from esm_turbo.kernels.quantize import quantize_pack_triton
-    from esm_turbo.bench import default_codec
     dev = torch.device("cuda")
     codec = default_codec(20, 64).to(dev)
     tab = fused_tables(codec)

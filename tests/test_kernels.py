@@ -361,60 +361,19 @@ def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=Fa
         assert torch.equal(ref[0][0, :, :s], enc[tables.k_codes.part if kind == "k" else tables.v_codes.part][0])
 
 
-@needs_triton
-@pytest.mark.parametrize("bits", [2, 3])
-def test_quantize_kernel_on_boundaries(bits):
-    """Kernel and reference codes agree byte for byte where ties decide: y exactly on a centroid (the
-    sign's y ≥ c[idx]) or a bound (idx counts bounds < y), and two tied centroids (a Lloyd-Max fit on
-    concentrated data can leave them). Identity rotation and fp32 dots, so y = x exactly."""
-    from esm_turbo.kernels.quantize import quantize_pack_triton
-    d = 16
-    codec = random_turbo_codec(1, d, bits, bits, "sign", seed=0, allocate=False).to(DEVICE)
-    cent = torch.linspace(-2.0, 2.0, 1 << bits)
-    cent[1] = cent[2]  # a tie
+def _identity_affine(codec):
+    """Identity rotations and affine maps on both quantizers, so the kernels' y is x exactly (with fp32 dots)."""
     for q in (codec.key, codec.value):
-        q.rot.copy_(torch.eye(d))
+        q.rot.copy_(torch.eye(q.rot.shape[-1]))
         q.offset.zero_()
         q.scale.fill_(1.0)
-        q.centroids.copy_(cent)
-    tables = fused_tables(codec)
-    on_grid = torch.cat([cent, tables.k_bounds[0, 0].cpu(), torch.tensor([-9.0, 9.0])])
-    x = torch.cat([on_grid, torch.randn(40 * d - on_grid.numel(), generator=torch.Generator().manual_seed(0))])
-    x = x.reshape(1, 1, 40, d).to(DEVICE)
-    pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
-    tabs = (codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids, tables.k_layout)
-    code = (bits, codec.key.combined_sign)
-    outs = []
-    for use_kernel in (False, True):
-        cache = KVCache([codec], 1, capacity=40, device=DEVICE)
-        parts = tables.packed(cache.parts[0], "k")
-        if use_kernel:
-            quantize_pack_triton(x, x, tabs, tabs, parts, tables.packed(cache.parts[0], "v"), pos, code, code,
-                                 config=dict(block_n=16, precision="ieee"))  # x Iᵀ exact on CUDA too
-        else:
-            quantize_pack_reference(x, *tabs, *parts, pos, *code)
-        outs.append(parts[0].clone())
-    assert torch.equal(outs[0], outs[1])
 
 
-@needs_triton
-@pytest.mark.parametrize("residual", ["sign", "none"])
-def test_quantize_grid_kernel_on_boundaries(residual):
-    """Rounded grid codes are the LUT search's, byte for byte, where ties decide: y on every bound and centroid of
-    a grid codec (the halves and integers from −3 to 33: every width's levels and beyond) and one float step either
-    side. Identity rotation and fp32 dots, so y = x exactly."""
+def _keys_encoded_both_ways(codec, x, fields=(-1, -1), grid=(False, False)):
+    """The key parts x [1, 1, T, d] is encoded into by the reference and by the kernel (keys and values both get
+    the key tables; fp32 dots, so x Iᵀ is exact on CUDA too): (reference parts, kernel parts)."""
     from esm_turbo.kernels.quantize import quantize_pack_triton
-    d = 16
-    codec = random_turbo_codec(1, d, 3, 3, residual, seed=0, grid=True).to(DEVICE)
-    assert codec.key.grid and int(codec.key.widths.max()) > int(codec.key.widths.min())
-    for q in (codec.key, codec.value):
-        q.rot.copy_(torch.eye(d))
-        q.offset.zero_()
-        q.scale.fill_(1.0)
     tables = fused_tables(codec)
-    ties = torch.arange(-6, 67, dtype=torch.float32) / 2
-    y = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
-    x = y[:, None].expand(-1, d).reshape(1, 1, -1, d).contiguous().to(DEVICE)
     pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
     tabs = (codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids, tables.k_layout)
     code = (codec.key.bits, codec.key.combined_sign)
@@ -424,13 +383,50 @@ def test_quantize_grid_kernel_on_boundaries(residual):
         parts = tables.packed(cache.parts[0], "k")
         if use_kernel:
             quantize_pack_triton(x, x, tabs, tabs, parts, tables.packed(cache.parts[0], "v"), pos, code, code,
-                                 tables.k_fields, tables.k_fields, grid=(True, True),
-                                 config=dict(block_n=16, precision="ieee"))  # x Iᵀ exact on CUDA too
+                                 *fields, grid=grid, config=dict(block_n=16, precision="ieee"))
         else:
             quantize_pack_reference(x, *tabs, *parts, pos, *code)
         outs.append([p.clone() for p in parts])
-    for ref, ker in zip(*outs):
-        assert torch.equal(ref, ker)
+    return outs
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [2, 3])
+def test_quantize_kernel_on_boundaries(bits):
+    """Kernel and reference codes agree byte for byte where ties decide: y exactly on a centroid (the
+    sign's y ≥ c[idx]) or a bound (idx counts bounds < y), and two tied centroids (a Lloyd-Max fit on
+    concentrated data can leave them). Identity rotation and fp32 dots, so y = x exactly."""
+    d = 16
+    codec = random_turbo_codec(1, d, bits, bits, "sign", seed=0, allocate=False).to(DEVICE)
+    cent = torch.linspace(-2.0, 2.0, 1 << bits)
+    cent[1] = cent[2]  # a tie
+    _identity_affine(codec)
+    for q in (codec.key, codec.value):
+        q.centroids.copy_(cent)
+    tables = fused_tables(codec)
+    on_grid = torch.cat([cent, tables.k_bounds[0, 0].cpu(), torch.tensor([-9.0, 9.0])])
+    x = torch.cat([on_grid, torch.randn(40 * d - on_grid.numel(), generator=torch.Generator().manual_seed(0))])
+    ref, ker = _keys_encoded_both_ways(codec, x.reshape(1, 1, 40, d).to(DEVICE))
+    assert torch.equal(ref[0], ker[0])
+
+
+@needs_triton
+@pytest.mark.parametrize("residual", ["sign", "none"])
+def test_quantize_grid_kernel_on_boundaries(residual):
+    """Rounded grid codes are the LUT search's, byte for byte, where ties decide: y on every bound and centroid of
+    a grid codec (the halves and integers from −3 to 33: every width's levels and beyond) and one float step either
+    side. Identity rotation and fp32 dots, so y = x exactly."""
+    d = 16
+    codec = random_turbo_codec(1, d, 3, 3, residual, seed=0, grid=True).to(DEVICE)
+    assert codec.key.grid and int(codec.key.widths.max()) > int(codec.key.widths.min())
+    _identity_affine(codec)
+    tables = fused_tables(codec)
+    ties = torch.arange(-6, 67, dtype=torch.float32) / 2
+    y = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    x = y[:, None].expand(-1, d).reshape(1, 1, -1, d).contiguous().to(DEVICE)
+    ref, ker = _keys_encoded_both_ways(codec, x, (tables.k_fields, tables.k_fields), grid=(True, True))
+    for a, b in zip(ref, ker):
+        assert torch.equal(a, b)
 
 
 def _has_nvidia_backend() -> bool:

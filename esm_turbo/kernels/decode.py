@@ -644,7 +644,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     # output channels per rotation dot of the prep and merge kernels: a whole Π spilled registers at d = 128 (SASS
     # sm_90: 8.9 KB of stack in the prep, 0.5 KB in the merge); 64 ran fastest in the prep, 32 no slower than 128 in
     # the merge (results/gpu/decode_merge_session18_h100.txt: 15B-shaped B=8 T=4K prep 64 121.0 µs, 32 125.4, 128 130.8)
-    cfg.update(prep_cols=64, merge_cols=64 if d <= 64 else 32)
+    cfg.update(prep_block=16, prep_cols=64, merge_cols=64 if d <= 64 else 32)
     cfg.update(config or {})
     if cfg["path"] == "one" or (cfg["path"] == "auto" and small):
         if s != 1:
@@ -663,12 +663,11 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     yk = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
     yv = torch.empty_like(yk)
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
-    prep_n = cfg.get("prep_block", 16)
-    _prep_kernel[(heads, triton.cdiv(batch * s, prep_n))](
+    _prep_kernel[(heads, triton.cdiv(batch * s, cfg["prep_block"]))](
         q, *q_strides, k_new, *k_strides, v_new, *v_strides, k_rot, k_offset, k_scale, v_rot, v_offset,
-        v_scale, qt, yk, yv, batch, heads, s, D=d, BLOCK_N=prep_n, COLS=min(d, cfg["prep_cols"]), PRECISION=precision,
-        QSPLIT=split16(q, precision),
-        KSPLIT=split16(k_new, precision), VSPLIT=split16(v_new, precision), num_warps=4)
+        v_scale, qt, yk, yv, batch, heads, s, D=d, BLOCK_N=cfg["prep_block"], COLS=min(d, cfg["prep_cols"]),
+        PRECISION=precision, QSPLIT=split16(q, precision), KSPLIT=split16(k_new, precision),
+        VSPLIT=split16(v_new, precision), num_warps=4)
     m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)

@@ -342,8 +342,8 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     # capped at 96 registers (108 uncapped, 8 bytes of stack), five 64-token programs share an SM: a 1024-token
     # prefill's 640 programs run in one wave, not 1.2 (13.7 → 11.9 µs per 650M layer; caps at 32 tokens gained nothing)
     maxnreg = cfg["maxnreg"] or (96 if block_n >= 64 else None)
-    grid = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
-    _quantize_pack_kernel[grid](
+    launch = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
+    _quantize_pack_kernel[launch](
         k, *k_strides, *k_args, v, *v_strides, *v_args, pos, batch, heads, s, k_out[0].shape[2], D=d,
         KBITS=kc.bits, KK=kc.levels, KFIELDS=kc.fields, KSIGN=kc.sign, KCOMB=kc.combine, VBITS=vc.bits,
         VK=vc.levels, VFIELDS=vc.fields, VSIGN=vc.sign, VCOMB=vc.combine, BLOCK_N=block_n, PER_SEQ=per_seq,
