@@ -14,6 +14,8 @@ from esm_turbo.quant.packing import packed_shifts
 def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, maxnreg: int | None = None) -> int:
     """Constexprs from ``consts``, i32 scalars ``ints``, every other parameter a pointer (``ptrs`` names
     its dtype, default fp32), registers capped at ``maxnreg`` as the wrapper launches it; returns the cubin size."""
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
+    assert not missing, f"{fn.fn.__name__}: no value for constexprs {missing}"
     sig = {}
     for name in inspect.signature(fn.fn).parameters:
         sig[name] = "constexpr" if name in consts else "i32" if name in ints else ptrs.get(name, "*fp32")
@@ -46,12 +48,12 @@ def main() -> None:
         codes = dict(codes, k_tab_ptr=tab, v_tab_ptr=tab)
         small_ptrs = dict(small_ptrs, k_tab_ptr=tab, v_tab_ptr=tab)
         for grid in (0, 5 if d == 64 else 4):
-            compile_sm90(decode._prefix_kernel, dict(bits, BLOCK_S=1, GRID=grid), {"H", "S", "T_CAP", "CHUNK", "NS"},
+            compile_sm90(decode._prefix_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True), {"H", "S", "T_CAP", "CHUNK", "NS"},
                          codes)
             compile_sm90(decode._small_kernel, dict(bits, BLOCK_NS=16, GRID=grid), small_ints, small_ptrs)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(decode._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", QSPLIT=True, KSPLIT=True,
-                                           VSPLIT=True),
+                                           VSPLIT=True, PDL=True),
                  strides | {"B", "H", "S"}, dict(q_ptr=f16, k_ptr=f16, v_ptr=f16), num_warps=4)
     for block_b, block_s, block_ns in ((16, 1, 8), (1, 2, 32)):
         compile_sm90(decode._merge_kernel, dict(D=64, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=32,

@@ -180,11 +180,16 @@ def test_one_launch_counts_stay_zero():
 
 @needs_triton
 def test_one_launch_rule():
-    from esm_turbo.kernels.decode import SMALL_MAX_SLOTS, one_launch
+    from esm_turbo.kernels.decode import GRID_MAX_ROWS, GRID_MAX_SLOTS, SMALL_MAX_SLOTS, one_launch
     assert one_launch(1, 20, 1, 64, 1024)
     assert not one_launch(1, 20, 2, 64, 1024)  # several queries per row: the three-launch path
     assert not one_launch(1, 20, 1, 128, 1024)
     assert not one_launch(1, 1, 1, 64, SMALL_MAX_SLOTS + 1)
+    # a grid codec's cache (the default) takes one launch further: up to a slot and a (row, head) bound
+    assert one_launch(16, 20, 1, 64, 4096, grid=True) and not one_launch(16, 20, 1, 64, 4096)
+    assert not one_launch(1, 1, 1, 64, GRID_MAX_SLOTS + 1, grid=True)
+    assert not one_launch(GRID_MAX_ROWS + 1, 1, 1, 64, 1, grid=True)
+    assert not one_launch(1, 20, 1, 128, 1024, grid=True) and not one_launch(1, 20, 2, 64, 1024, grid=True)
 
 
 def test_split_rotation_keeps_fp32_accuracy():

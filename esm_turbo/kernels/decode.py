@@ -43,9 +43,12 @@ _ASM = tl.constexpr(not interpreting())  # inline PTX where the kernels are comp
 def _prep_kernel(q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb, svh, svs,
                  k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, qt_ptr, yk_ptr, yv_ptr,
                  B, H, S, D: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr,
-                 QSPLIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr):
+                 QSPLIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, PDL: tl.constexpr):
     """Grid (H, cdiv(B·S, BLOCK_N)): ``qt = [(q Πₖᵀ) ⊙ scaleₖ | ⟨q Πₖᵀ, offsetₖ⟩]`` [B,H,S,D+1] and the
-    new tokens' affine keys/values ``(x Πᵀ − offset) / scale`` [B,H,S,D], float32 (inputs strided)."""
+    new tokens' affine keys/values ``(x Πᵀ − offset) / scale`` [B,H,S,D], float32 (inputs strided). ``PDL``: the
+    prefix kernel may launch at once (it waits for this grid before it reads ``qt``)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     h = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < B * S
@@ -100,15 +103,6 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     rmask = (offs_b < B)[:, None] & (offs_s < S)[None, :]  # [BLOCK_B, BLOCK_S] queries that exist
     row = (offs_b[:, None] * H + h) * S + offs_s[None, :]  # their (b, h, s) rows
 
-    # partials of padded queries (s ≥ S) or rows (b ≥ B) are never written: masked at the load
-    part = (((offs_b[:, None] * H + h) * NS)[None, :, :] + offs_n[:, None, None]) * BLOCK_S  # [BLOCK_NS, BLOCK_B, 1]
-    part = part + offs_s[None, None, :]
-    pmask = (offs_n < NS)[:, None, None] & rmask[None, :, :]
-    m = tl.load(m_ptr + part, mask=pmask, other=float("-inf"))  # [BLOCK_NS, BLOCK_B, BLOCK_S]
-    lp = tl.load(l_ptr + part, mask=pmask, other=0.0)
-    accp = tl.load(acc_ptr + part[:, :, :, None] * D + offs_d[None, None, None, :], mask=pmask[:, :, :, None],
-                   other=0.0)
-
     # the step's own tokens (full precision, affine domain): each query × its sequence's S keys
     q_row = qt_ptr + row * (D + 1)
     q = tl.load(q_row[:, :, None] + offs_d[None, None, :], mask=rmask[:, :, None], other=0.0) * _LOG2E
@@ -120,6 +114,14 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     s_new = tl.sum(q[:, :, None, :] * yk[:, None, :, :], axis=3) + c0[:, :, None]  # [BLOCK_B, queries, keys]
     s_new = tl.where(kmask[:, None, :], s_new, float("-inf"))
 
+    # partials of padded queries (s ≥ S) or rows (b ≥ B) are never written: masked at the load
+    part = (((offs_b[:, None] * H + h) * NS)[None, :, :] + offs_n[:, None, None]) * BLOCK_S  # [BLOCK_NS, BLOCK_B, 1]
+    part = part + offs_s[None, None, :]
+    pmask = (offs_n < NS)[:, None, None] & rmask[None, :, :]
+    m = tl.load(m_ptr + part, mask=pmask, other=float("-inf"))  # [BLOCK_NS, BLOCK_B, BLOCK_S]
+    lp = tl.load(l_ptr + part, mask=pmask, other=0.0)
+    accp = tl.load(acc_ptr + part[:, :, :, None] * D + offs_d[None, None, None, :], mask=pmask[:, :, :, None],
+                   other=0.0)
     mx = tl.maximum(tl.max(m, axis=0), tl.max(s_new, axis=2))  # [BLOCK_B, BLOCK_S]
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp2(m - mx[None, :, :])
@@ -195,19 +197,23 @@ def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.cons
     ``GRID`` > 0 (a grid codec, whose code j decodes to j; words [BLOCK_T, D/8, 1]): j·2^−GRID, no memory
     access — the code OR-ed into the mantissa of 1.0 (a shift and one LOP3), then 1 subtracted (exact: j < 2^GRID
     fits the mantissa; folding the 1 into the query and the sums instead cancelled past the tolerance rule at
-    4 + 1 bits). ``_walk`` scales by 2^GRID."""
+    4 + 1 bits). Fixed fields without a sign plane skip the shift: j·2^(pos − 23), ``_grid_position``.
+    ``_walk`` scales back by :func:`_grid_factor`."""
     r = tl.arange(0, 8)[None, None, :]
     if GRID:  # grid codecs: code j is the value j, computed (scaled by 2^−GRID) — no look-up
         P: tl.constexpr = 23 - GRID  # the code's lowest bit in the mantissa
         if SIGN:
             cb = ((((word >> shift) & mask) * 2 + ((sb >> r) & 1)) << P) | 0x3F800000
         else:
-            if FIXED:  # constant shifts
-                cb = tl.where(shift >= P, word >> (shift - P), word << (P - shift))
+            if FIXED:  # fields left where they lie (one shift for the top ones, shared): j·2^(pos − 23)
+                pos = _grid_position(shift, mask)
+                cb = word >> (shift - pos)
+                top = mask << pos
             else:
                 cb = (word >> shift) << P
+                top = mask << P
             # the field's bits and the exponent of 1.0 in one LOP3 (from two immediates ptxas made two)
-            cb = _mask_or(cb, tl.broadcast_to(mask << P, cb.shape), tl.full(cb.shape, 0x3F800000, tl.int32))
+            cb = _mask_or(cb, tl.broadcast_to(top, cb.shape), tl.full(cb.shape, 0x3F800000, tl.int32))
         val = cb.to(tl.float32, bitcast=True) - 1.0
     else:
         L: tl.constexpr = 2 if tab_ptr.dtype.element_ty.primitive_bitwidth == 32 else 1  # log2 element bytes
@@ -228,6 +234,28 @@ def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.cons
         addr = ((row >> 32) << 32) | ((row & 0xFFFFFFFF).to(tl.uint32) | cb.to(tl.uint32)).to(tl.uint64)
         val = tl.load(addr.to(tab_ptr.dtype, bitcast=True) + rest).to(tl.float32)
     return val
+
+
+@triton.jit
+def _grid_position(shift, mask):
+    """Where ``_decode_codes`` reads each fixed field of a grid code (``_field_layout``'s constants, [1, 1, 8]):
+    its lowest bit once in the mantissa's place. A field within bits [0, 23) is OR-ed into the
+    mantissa of 1.0 in place — no shift: it decodes to j·2^(pos − 23), exact — and the fields above share one
+    9-bit shift of their word (a word holds ≤ 32 bits). A shift per value was a quarter of the walk's
+    instructions (SASS sm_90); :func:`_grid_factor` scales the query and the value sums back."""
+    high = ((mask << shift) >> 23) != 0  # (an arithmetic shift: a field up to bit 31 makes it negative)
+    return tl.where(high, shift - 9, shift)
+
+
+@triton.jit
+def _grid_factor(lay, SHIFTLESS: tl.constexpr, GRID: tl.constexpr):
+    """[1, 8] powers of two that undo ``_decode_codes``'s scale of a grid code per field: 2^(23 − pos) for fields
+    read in place (``SHIFTLESS``: fixed fields, no sign plane), else 2^GRID. Exact."""
+    if SHIFTLESS:
+        e = 23 - _grid_position(lay[0], lay[1])
+    else:
+        e = tl.full([1, 1, 8], GRID, tl.int32)
+    return tl.reshape(((e + 127) << 23).to(tl.float32, bitcast=True), (1, 8))
 
 
 @triton.jit
@@ -288,7 +316,7 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
         l_i = l_i * alpha
         m_i = m_tile
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
-    l_i = l_i + tl.sum(p, axis=0)
+    l_i = l_i + p  # [BLOCK_T]: summed over tokens once, at the end, like acc (one reduction a tile less)
     v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS, GRID)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
@@ -324,11 +352,12 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
     k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
     tile's codes are requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0
     (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
-    tiles hold j·2^−GRID for code j, so the query and the value sums are scaled by 2^GRID (exact powers of two)."""
+    tiles hold j scaled by a power of two per field, so the query and the value sums are scaled back by its
+    inverse (``_grid_factor``, exact)."""
     if GRID:
-        q3 = q3 * (1 << GRID)
+        q3 = q3 * _grid_factor(k_lay, KFIXED and not KSIGN, GRID)
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
+    l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_T, D // 8, 8), dtype=tl.float32)
     if INTERPRET > 0:
         for it in tl.static_range(INTERPRET):
@@ -351,8 +380,9 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
     acc = tl.sum(acc, axis=0)
+    l_i = tl.sum(l_i, axis=0)
     if GRID:
-        acc = acc * (1 << GRID)
+        acc = acc * _grid_factor(v_lay, VFIXED and not VSIGN, GRID)
     return m_i, l_i, acc
 
 
@@ -365,8 +395,10 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                     VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
-                    ROWS: tl.constexpr, GRID: tl.constexpr):
-    """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes)."""
+                    ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr):
+    """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes). ``PDL``
+    (launched while the prep kernel runs): the first tile's codes are requested, then the program waits for the
+    prep grid before it reads its query."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     pid_bh = pid // S
@@ -379,11 +411,13 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     g = tl.arange(0, D // 8)
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
+    k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
+    v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     q_row = qt_ptr + (pid_bh * S + qi) * (D + 1)
     q3 = tl.load(q_row + chan) * _LOG2E
     c0 = tl.load(q_row + D) * _LOG2E
-    k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
-    v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
                           v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
                           PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID)
@@ -511,11 +545,22 @@ def plan_splits(programs: int, capacity: int, block_t: int, sms: int, waves: int
 #: (row, head, position) slots: where it beat the three-launch path on an H100
 #: (results/gpu/tune_single_h100.txt; its per-program query rotation is too costly at d = 128)
 SMALL_MAX_SLOTS = 1 << 18
+#: the same for a grid codec's cache of equal widths (the default), up to this many slots and (row, head) pairs: past
+#: them each program's own query rotation and merge cost more than the prep and merge launches they save
+#: (results/gpu/decode_session19_h100.txt, H100: 650M-shaped B=16 T=4K 59.9 µs in one launch, 75 in three; B=8 T=16K
+#: 101.5 in one, 92.2 in three; B=64 T=1K 71.7 in one, 58.8 in three)
+GRID_MAX_SLOTS = 3 << 19
+GRID_MAX_ROWS = 640
 
 
-def one_launch(batch: int, heads: int, s: int, d: int, capacity: int) -> bool:
-    """Whether a decode step of this shape takes the one-launch path."""
-    return s == 1 and d <= 64 and batch * heads * capacity <= SMALL_MAX_SLOTS
+def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool = False) -> bool:
+    """Whether a decode step of this shape takes the one-launch path (``grid``: a grid codec's cache of equal
+    widths)."""
+    if s != 1 or d > 64:
+        return False
+    if grid:
+        return batch * heads * capacity <= GRID_MAX_SLOTS and batch * heads <= GRID_MAX_ROWS
+    return batch * heads * capacity <= SMALL_MAX_SLOTS
 
 
 #: the one-launch path's arrival counts, kept zero between launches, per (device, stream)
@@ -634,13 +679,19 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     lean = k_bits == v_bits and not (k_has_sign or v_has_sign)
     cfg = (dict(block_t=64, num_warps=2, waves=4) if d <= 64 else
            dict(block_t=32, num_warps=2 if lean else 4, waves=8))
+    if lean and grid:  # the default cache: one-warp programs of half the tiles ran 3–9% faster at every split-path size
+        cfg.update(block_t=cfg["block_t"] // 2, num_warps=1)  # (results/gpu/decode_session19_h100.txt)
     cfg.update(rows=d > 64 and not lean, maxnreg=168 if lean or d > 64 else None)
-    small = one_launch(batch, heads, s, d, t_cap)
-    if small:  # results/gpu/tune_single_h100.txt
-        cfg = dict(block_t=32, num_warps=2, waves=4, rows=False, maxnreg=None)
+    small = one_launch(batch, heads, s, d, t_cap, lean and grid > 0)
+    if small:  # results/gpu/tune_single_h100.txt; grid codes: results/gpu/decode_session19_h100.txt
+        cfg = (dict(block_t=64, num_warps=2, waves=4, rows=False, maxnreg=168) if lean and grid else
+               dict(block_t=32, num_warps=2, waves=4, rows=False, maxnreg=None))
     # prefetch: the next tile's codes requested before this one is computed (results/gpu/tune_prefetch_h100.txt: 5–12%
-    # faster from B·T ≈ 8K on; two tiles ahead ran 2–6% slower on grid codes, results/gpu/decode_merge_session18_h100.txt)
-    cfg.update(path="auto", prefetch=True)
+    # faster from B·T ≈ 8K on; two tiles ahead ran 2–6% slower on grid codes, results/gpu/decode_merge_session18_h100.txt).
+    # pdl: the prefix kernel launched while the prep kernel runs (programmatic dependent launch, sm_90 on): 1.5–2 µs
+    # faster at head_dim 64, even at 128; letting the merge kernel launch early too cost up to 7 µs at B=8
+    # (results/gpu/decode_session19_h100.txt)
+    cfg.update(path="auto", prefetch=True, pdl=True)
     # output channels per rotation dot of the prep and merge kernels: a whole Π spilled registers at d = 128 (SASS
     # sm_90: 8.9 KB of stack in the prep, 0.5 KB in the merge); 64 ran fastest in the prep, 32 no slower than 128 in
     # the merge (results/gpu/decode_merge_session18_h100.txt: 15B-shaped B=8 T=4K prep 64 121.0 µs, 32 125.4, 128 130.8)
@@ -653,6 +704,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 v_lay, lengths, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits,
                                 k_fields, v_fields, grid, cfg)
     precision = dot_precision(q)
+    pdl = bool(cfg["pdl"]) and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]
     programs = batch * heads * s
@@ -667,7 +719,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         q, *q_strides, k_new, *k_strides, v_new, *v_strides, k_rot, k_offset, k_scale, v_rot, v_offset,
         v_scale, qt, yk, yv, batch, heads, s, D=d, BLOCK_N=cfg["prep_block"], COLS=min(d, cfg["prep_cols"]),
         PRECISION=precision, QSPLIT=split16(q, precision), KSPLIT=split16(k_new, precision),
-        VSPLIT=split16(v_new, precision), num_warps=4)
+        VSPLIT=split16(v_new, precision), PDL=pdl, num_warps=4)
     m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
@@ -679,7 +731,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         KSIGN=k_has_sign, VSIGN=v_has_sign,
         BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"],
-        GRID=grid, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+        GRID=grid, PDL=pdl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], launch_pdl=pdl)
     block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, _num_sms(q.device))
     _merge_kernel[(heads, triton.cdiv(batch, block_b))](
         qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, batch, heads, s, splits,
