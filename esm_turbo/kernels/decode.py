@@ -19,7 +19,9 @@ walks its share of the prefix with an online softmax and writes (m, l, acc); til
 so the packed words never need a reshape), then ``_merge_kernel`` (grid H × blocks of sequences, one read
 of the head's Πᵥ per block) that merges the splits with
 log-sum-exp, adds the step's own full-precision tokens, maps the output back to the value domain and
-casts it to the query's dtype. A small step (one query per sequence, few rows: ``one_launch``) takes
+casts it to the query's dtype. On sm_90 and later a grid codec's prefix kernel is launched while the prep kernel
+still runs (programmatic dependent launch: it requests its first codes, then waits for the prep grid before it
+reads ``qt``). A small step (one query per sequence, few rows: ``one_launch``) takes
 one launch instead, ``_small_kernel``: split-K programs that rotate the query themselves, and the last
 split of each (b, h) to finish merges. No dequantized tensor is written to global memory.
 """
@@ -304,7 +306,8 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
                   KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                   BLOCK_T: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr, ROWS: tl.constexpr,
                   GRID: tl.constexpr):
-    """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units."""
+    """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units; ``l_i`` per token
+    row [BLOCK_T] with ``GRID`` (see ``_walk``), else a scalar."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
     k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
@@ -316,7 +319,10 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
         l_i = l_i * alpha
         m_i = m_tile
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
-    l_i = l_i + p  # [BLOCK_T]: summed over tokens once, at the end, like acc (one reduction a tile less)
+    if GRID:  # [BLOCK_T]: summed over tokens once, at the end, like acc (one reduction a tile less)
+        l_i = l_i + p
+    else:
+        l_i = l_i + tl.sum(p, axis=0)
     v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS, GRID)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
@@ -357,7 +363,10 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
     if GRID:
         q3 = q3 * _grid_factor(k_lay, KFIXED and not KSIGN, GRID)
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
-    l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    if GRID:  # softmax sums per token row, like acc (a LUT walk's registers spilled with them, SASS sm_90)
+        l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    else:
+        l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
     acc = tl.zeros((BLOCK_T, D // 8, 8), dtype=tl.float32)
     if INTERPRET > 0:
         for it in tl.static_range(INTERPRET):
@@ -380,8 +389,8 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
             m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
     acc = tl.sum(acc, axis=0)
-    l_i = tl.sum(l_i, axis=0)
     if GRID:
+        l_i = tl.sum(l_i, axis=0)
         acc = acc * _grid_factor(v_lay, VFIXED and not VSIGN, GRID)
     return m_i, l_i, acc
 
@@ -679,7 +688,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     lean = k_bits == v_bits and not (k_has_sign or v_has_sign)
     cfg = (dict(block_t=64, num_warps=2, waves=4) if d <= 64 else
            dict(block_t=32, num_warps=2 if lean else 4, waves=8))
-    if lean and grid:  # the default cache: one-warp programs of half the tiles ran 3–9% faster at every split-path size
+    if lean and grid:  # the default cache: one-warp programs of half the tiles ran 2–8% faster at every split-path size
         cfg.update(block_t=cfg["block_t"] // 2, num_warps=1)  # (results/gpu/decode_session19_h100.txt)
     cfg.update(rows=d > 64 and not lean, maxnreg=168 if lean or d > 64 else None)
     small = one_launch(batch, heads, s, d, t_cap, lean and grid > 0)
@@ -688,10 +697,10 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                dict(block_t=32, num_warps=2, waves=4, rows=False, maxnreg=None))
     # prefetch: the next tile's codes requested before this one is computed (results/gpu/tune_prefetch_h100.txt: 5–12%
     # faster from B·T ≈ 8K on; two tiles ahead ran 2–6% slower on grid codes, results/gpu/decode_merge_session18_h100.txt).
-    # pdl: the prefix kernel launched while the prep kernel runs (programmatic dependent launch, sm_90 on): 1.5–2 µs
-    # faster at head_dim 64, even at 128; letting the merge kernel launch early too cost up to 7 µs at B=8
-    # (results/gpu/decode_session19_h100.txt)
-    cfg.update(path="auto", prefetch=True, pdl=True)
+    # pdl: the prefix kernel launched while the prep kernel runs (programmatic dependent launch, sm_90 on), on a grid
+    # codec's cache: 1.5–2 µs faster at head_dim 64, even at 128 (on LUT codes even at 64, 2% slower at 128); letting the
+    # merge kernel launch early too cost up to 7 µs at B=8 (results/gpu/decode_session19_h100.txt)
+    cfg.update(path="auto", prefetch=True, pdl=grid > 0)
     # output channels per rotation dot of the prep and merge kernels: a whole Π spilled registers at d = 128 (SASS
     # sm_90: 8.9 KB of stack in the prep, 0.5 KB in the merge); 64 ran fastest in the prep, 32 no slower than 128 in
     # the merge (results/gpu/decode_merge_session18_h100.txt: 15B-shaped B=8 T=4K prep 64 121.0 µs, 32 125.4, 128 130.8)
