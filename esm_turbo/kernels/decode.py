@@ -202,7 +202,7 @@ def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.cons
     4 + 1 bits). Fixed fields without a sign plane skip the shift: j·2^(pos − 23), ``_grid_position``.
     ``_walk`` scales back by :func:`_grid_factor`."""
     r = tl.arange(0, 8)[None, None, :]
-    if GRID:  # grid codecs: code j is the value j, computed (scaled by 2^−GRID) — no look-up
+    if GRID:  # grid codecs: code j is the value j, computed (scaled by a power of two) — no look-up
         P: tl.constexpr = 23 - GRID  # the code's lowest bit in the mantissa
         if SIGN:
             cb = ((((word >> shift) & mask) * 2 + ((sb >> r) & 1)) << P) | 0x3F800000
@@ -243,8 +243,8 @@ def _grid_position(shift, mask):
     """Where ``_decode_codes`` reads each fixed field of a grid code (``_field_layout``'s constants, [1, 1, 8]):
     its lowest bit once in the mantissa's place. A field within bits [0, 23) is OR-ed into the
     mantissa of 1.0 in place — no shift: it decodes to j·2^(pos − 23), exact — and the fields above share one
-    9-bit shift of their word (a word holds ≤ 32 bits). A shift per value was a quarter of the walk's
-    instructions (SASS sm_90); :func:`_grid_factor` scales the query and the value sums back."""
+    9-bit shift of their word (a word holds ≤ 32 bits). A shift per value was a fifth of the walk's
+    instructions (128 of 691 a tile, SASS sm_90); :func:`_grid_factor` scales the query and the value sums back."""
     high = ((mask << shift) >> 23) != 0  # (an arithmetic shift: a field up to bit 31 makes it negative)
     return tl.where(high, shift - 9, shift)
 
@@ -686,14 +686,15 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     # 1698 → 1409 µs)
     k_has_sign, v_has_sign = k_sign.numel() > 0, v_sign.numel() > 0
     lean = k_bits == v_bits and not (k_has_sign or v_has_sign)
+    lean_grid = lean and grid > 0  # the default cache
     cfg = (dict(block_t=64, num_warps=2, waves=4) if d <= 64 else
            dict(block_t=32, num_warps=2 if lean else 4, waves=8))
-    if lean and grid:  # the default cache: one-warp programs of half the tiles ran 2–8% faster at every split-path size
+    if lean_grid:  # the default cache: one-warp programs of half the tiles ran 2–8% faster at every split-path size
         cfg.update(block_t=cfg["block_t"] // 2, num_warps=1)  # (results/gpu/decode_session19_h100.txt)
     cfg.update(rows=d > 64 and not lean, maxnreg=168 if lean or d > 64 else None)
-    small = one_launch(batch, heads, s, d, t_cap, lean and grid > 0)
+    small = one_launch(batch, heads, s, d, t_cap, lean_grid)
     if small:  # results/gpu/tune_single_h100.txt; grid codes: results/gpu/decode_session19_h100.txt
-        cfg = (dict(block_t=64, num_warps=2, waves=4, rows=False, maxnreg=168) if lean and grid else
+        cfg = (dict(block_t=64, num_warps=2, waves=4, rows=False, maxnreg=168) if lean_grid else
                dict(block_t=32, num_warps=2, waves=4, rows=False, maxnreg=None))
     # prefetch: the next tile's codes requested before this one is computed (results/gpu/tune_prefetch_h100.txt: 5–12%
     # faster from B·T ≈ 8K on; two tiles ahead ran 2–6% slower on grid codes, results/gpu/decode_merge_session18_h100.txt).
