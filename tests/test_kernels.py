@@ -163,6 +163,29 @@ def test_decode_kernel_grid_codec(bits, residual, d, allocate, shared, path):
 
 
 @needs_triton
+@pytest.mark.parametrize("stream,grid", [(1, True), (3, False), (0, True)])
+def test_decode_kernel_stream_k(stream, grid):
+    """Stream-K prefix programs (``stream`` per SM: equal runs of tiles that cross rows, so a row's partials come from
+    several programs; 0: (query, split) programs), with the prep and merge rotations in column chunks, against the
+    reference."""
+    check_kernel_matches(3, "sign", 32, batch=4, lengths=[0, 1, 300, 129], s=2, path="split", grid=grid,
+                         config=dict(stream=stream, prep_cols=8, merge_cols=16))
+
+
+@needs_triton
+def test_stream_plan_covers_every_tile_once():
+    """The runs of a stream-K cut tile every row's capacity once, and no row meets more runs than its partial slots."""
+    from esm_turbo.kernels.decode import stream_plan
+    for rows, capacity, block_t, programs in ((1280, 1024, 32, 1584), (160, 16384, 32, 1584), (2560, 1024, 16, 1584),
+                                              (3, 71, 32, 48), (8, 4096, 32, 5), (1, 1, 32, 1584)):
+        nt, run, slots, launched = stream_plan(rows, capacity, block_t, programs)
+        assert nt * block_t >= capacity and launched <= max(programs, 1)
+        assert (launched - 1) * run < rows * nt <= launched * run
+        for r in range(rows):
+            assert ((r + 1) * nt - 1) // run - (r * nt) // run + 1 <= slots
+
+
+@needs_triton
 def test_one_launch_counts_stay_zero():
     """The one-launch path's arrival counts are kept between launches (no memset): each launch leaves them zero,
     so the next one merges as the first did."""
@@ -454,10 +477,10 @@ def test_kernels_compile_for_sm90():
     run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = [line for line in run.stdout.splitlines() if line.startswith("compiled ")]
-    # decode prefix and one-launch kernels in 2 layouts × (LUT, grid), prep, merge twice (many sequences per program,
+    # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid), prep, merge twice (many sequences per program,
     # several queries); quantize-and-pack five times: prefills in blocks of 32 and 64, a decode step, the last two
     # also with grid codes
-    assert len(compiled) == 16, run.stdout
+    assert len(compiled) == 20, run.stdout
 
 
 def test_custom_ops_compile_without_graph_breaks():

@@ -3,8 +3,9 @@
 The PyTorch reference with the same contract is ``esm_turbo.ops.compressed.compressed_attention_reference``.
 
 Everything happens in each head's *affine domain* ``y = (x Πᵀ − offset) / scale`` of its codec, so no
-key is ever rotated back: the score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πᵀ) ⊙ scale`` and
-``c0 = ⟨q Πᵀ, offset⟩`` (``qt = [q̃ | c0]``, prepared once per step), and values are accumulated as
+key is ever rotated back: the score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πᵀ) ⊙ scale`` (``qt``,
+prepared once per step) and ``c0 = ⟨q Πᵀ, offset⟩`` — the same for every key of the query, new ones included,
+so the softmax drops it and the kernels never compute it — and values are accumulated as
 ``Σ p ŷ``, mapped back once at the end (``(· ⊙ scale + offset) Πᵥ``).
 
 Packed layout (see ``esm_turbo.quant.packing``): for b ∈ {1,2,3,4} bits the indices of one token-head
@@ -13,10 +14,12 @@ b-byte word ``w_g`` and value ``8g + r`` is ``(w_g >> b·r) & (2^b − 1)``. Sig
 (``byte g``, bit ``r``). Index and sign fuse into one code ``2·idx + sign`` looked up in a per-(head,
 channel) table ``tab[h, c, code] = c[idx] ± ε`` (``tab[h, c, idx]`` without a residual).
 
-Three launches: ``_prep_kernel`` (grid H × token blocks: ``qt`` and the new tokens' affine keys and
+Three launches: ``_prep_kernel`` (grid H × token blocks × 3: ``qt`` and the new tokens' affine keys and
 values, on tensor cores), ``_prefix_kernel`` (grid B·H·S × splits, one query per program; each split
 walks its share of the prefix with an online softmax and writes (m, l, acc); tiles stay [BLOCK_T, d/8, 8]
-so the packed words never need a reshape), then ``_merge_kernel`` (grid H × blocks of sequences, one read
+so the packed words never need a reshape) — or, for a grid codec's cache of equal widths (the default),
+``_stream_kernel`` (stream-K: the queries' tiles cut in equal runs, one full wave of programs, a partial per row a
+run meets) — then ``_merge_kernel`` (grid H × blocks of sequences, one read
 of the head's Πᵥ per block) that merges the splits with
 log-sum-exp, adds the step's own full-precision tokens, maps the output back to the value domain and
 casts it to the query's dtype. On sm_90 and later a grid codec's prefix kernel is launched while the prep kernel
@@ -46,51 +49,51 @@ def _prep_kernel(q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb, svh, sv
                  k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, qt_ptr, yk_ptr, yv_ptr,
                  B, H, S, D: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr,
                  QSPLIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, PDL: tl.constexpr):
-    """Grid (H, cdiv(B·S, BLOCK_N)): ``qt = [(q Πₖᵀ) ⊙ scaleₖ | ⟨q Πₖᵀ, offsetₖ⟩]`` [B,H,S,D+1] and the
-    new tokens' affine keys/values ``(x Πᵀ − offset) / scale`` [B,H,S,D], float32 (inputs strided). ``PDL``: the
-    prefix kernel may launch at once (it waits for this grid before it reads ``qt``)."""
+    """Grid (H, cdiv(B·S, BLOCK_N), 3): ``qt = (q Πₖᵀ) ⊙ scaleₖ`` [B,H,S,D] (axis 2 = 0) and the new tokens' affine
+    keys (1) / values (2) ``(x Πᵀ − offset) / scale`` [B,H,S,D], float32 (inputs strided): one rotation a program — the
+    three in one program took 8.3 µs of a 650M-shaped B=64 call (now 4.7) and 23.6 µs at 15B (now 17; H100), and
+    the prefix kernel waits for all of it. ``PDL``: the prefix kernel may launch at once (it waits for this grid
+    before it reads ``qt``)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     h = tl.program_id(0)
+    which = tl.program_id(2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < B * S
     rows = token_offsets(h, offs_n, S, H * S, S, 1)  # row of the contiguous outputs
     hd = h * D
-    c0 = _rotate_store(q_ptr, token_offsets(h, offs_n, S, sqb, sqh, sqs), nmask, k_rot + hd * D, k_offset + hd,
-                       k_scale + hd, qt_ptr, rows, D + 1, True, D, COLS, PRECISION, QSPLIT)
-    tl.store(qt_ptr + rows * (D + 1) + D, c0, mask=nmask)
-    _rotate_store(k_ptr, token_offsets(h, offs_n, S, skb, skh, sks), nmask, k_rot + hd * D, k_offset + hd,
-                  k_scale + hd, yk_ptr, rows, D, False, D, COLS, PRECISION, KSPLIT)
-    _rotate_store(v_ptr, token_offsets(h, offs_n, S, svb, svh, svs), nmask, v_rot + hd * D, v_offset + hd,
-                  v_scale + hd, yv_ptr, rows, D, False, D, COLS, PRECISION, VSPLIT)
+    if which == 0:
+        _rotate_store(q_ptr, token_offsets(h, offs_n, S, sqb, sqh, sqs), nmask, k_rot + hd * D, k_offset + hd,
+                      k_scale + hd, qt_ptr, rows, True, D, COLS, PRECISION, QSPLIT)
+    elif which == 1:
+        _rotate_store(k_ptr, token_offsets(h, offs_n, S, skb, skh, sks), nmask, k_rot + hd * D, k_offset + hd,
+                      k_scale + hd, yk_ptr, rows, False, D, COLS, PRECISION, KSPLIT)
+    else:
+        _rotate_store(v_ptr, token_offsets(h, offs_n, S, svb, svh, svs), nmask, v_rot + hd * D, v_offset + hd,
+                      v_scale + hd, yv_ptr, rows, False, D, COLS, PRECISION, VSPLIT)
 
 
 @triton.jit
-def _rotate_store(x_ptr, offs, nmask, rot_ptr, offset_ptr, scale_ptr, out_ptr, rows, WIDTH: tl.constexpr,
-                  QUERY: tl.constexpr, D: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr,
-                  SPLIT16: tl.constexpr):
+def _rotate_store(x_ptr, offs, nmask, rot_ptr, offset_ptr, scale_ptr, out_ptr, rows, QUERY: tl.constexpr,
+                  D: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
     """Rows x [N, D] at ``offs`` (``nmask``: which exist) in one head's affine domain, stored at output rows
-    ``rows`` of WIDTH values: ``(x Πᵀ) ⊙ scale`` (``QUERY``; returns ⟨x Πᵀ, offset⟩ [N]) or
-    ``(x Πᵀ − offset) / scale``. COLS output channels per dot: a whole [D, D] Π per dot, three of them live,
-    spilled registers at D = 128 (8.9 KB of stack, SASS sm_90)."""
+    ``rows`` [N, D]: ``(x Πᵀ) ⊙ scale`` (``QUERY``) or ``(x Πᵀ − offset) / scale``. COLS output channels per dot: a
+    whole [D, D] Π per dot, three of them live, spilled registers at D = 128 (8.9 KB of stack, SASS sm_90)."""
     x = load_rows(x_ptr, offs, nmask, D)
-    c0 = tl.zeros(offs.shape, dtype=tl.float32)
     for c in tl.static_range(D // COLS):
         cols = c * COLS + tl.arange(0, COLS)
-        off = tl.load(offset_ptr + cols)[None, :]
         sc = tl.load(scale_ptr + cols)[None, :]
         z = rotate(x, rot_ptr, cols, D, PRECISION, SPLIT16)
         if QUERY:
-            tl.store(out_ptr + rows[:, None] * WIDTH + cols[None, :], z * sc, mask=nmask[:, None])
-            c0 += tl.sum(z * off, axis=1)
+            y = z * sc
         else:
-            tl.store(out_ptr + rows[:, None] * WIDTH + cols[None, :], (z - off) / sc, mask=nmask[:, None])
-    return c0
+            y = (z - tl.load(offset_ptr + cols)[None, :]) / sc
+        tl.store(out_ptr + rows[:, None] * D + cols[None, :], y, mask=nmask[:, None])
 
 
 @triton.jit
 def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_scale_ptr, v_offset_ptr, v_rot_ptr,
-                  out_ptr, B, H, S, NS,
+                  out_ptr, B, H, S, NS, NT, W,
                   D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr,
                   COLS: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (H, cdiv(B, BLOCK_B)): the S queries of BLOCK_B sequences of head h per program, so the head's Πᵥ is
@@ -106,20 +109,22 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     row = (offs_b[:, None] * H + h) * S + offs_s[None, :]  # their (b, h, s) rows
 
     # the step's own tokens (full precision, affine domain): each query × its sequence's S keys
-    q_row = qt_ptr + row * (D + 1)
-    q = tl.load(q_row[:, :, None] + offs_d[None, None, :], mask=rmask[:, :, None], other=0.0) * _LOG2E
-    c0 = tl.load(q_row + D, mask=rmask, other=0.0) * _LOG2E
+    q = tl.load(qt_ptr + row[:, :, None] * D + offs_d[None, None, :], mask=rmask[:, :, None], other=0.0) * _LOG2E
     kmask = rmask & (tl.load(valid_ptr + offs_b[:, None] * S + offs_s[None, :], mask=rmask, other=0) != 0)
     y_row = row[:, :, None] * D + offs_d[None, None, :]
     yk = tl.load(yk_ptr + y_row, mask=rmask[:, :, None], other=0.0)  # [BLOCK_B, BLOCK_S (keys), D]
     yv = tl.load(yv_ptr + y_row, mask=rmask[:, :, None], other=0.0)
-    s_new = tl.sum(q[:, :, None, :] * yk[:, None, :, :], axis=3) + c0[:, :, None]  # [BLOCK_B, queries, keys]
+    s_new = tl.sum(q[:, :, None, :] * yk[:, None, :, :], axis=3)  # [BLOCK_B, queries, keys]
     s_new = tl.where(kmask[:, None, :], s_new, float("-inf"))
 
     # partials of padded queries (s ≥ S) or rows (b ≥ B) are never written: masked at the load
     part = (((offs_b[:, None] * H + h) * NS)[None, :, :] + offs_n[:, None, None]) * BLOCK_S  # [BLOCK_NS, BLOCK_B, 1]
     part = part + offs_s[None, None, :]
-    pmask = (offs_n < NS)[:, None, None] & rmask[None, :, :]
+    if W > 0:  # stream-K partials (``_stream_kernel``): as many as programs whose runs meet the query's row
+        count = ((row + 1) * NT - 1) // W - (row * NT) // W + 1
+    else:
+        count = tl.zeros_like(row) + NS
+    pmask = (offs_n[:, None, None] < count[None, :, :]) & rmask[None, :, :]
     m = tl.load(m_ptr + part, mask=pmask, other=float("-inf"))  # [BLOCK_NS, BLOCK_B, BLOCK_S]
     lp = tl.load(l_ptr + part, mask=pmask, other=0.0)
     accp = tl.load(acc_ptr + part[:, :, :, None] * D + offs_d[None, None, None, :], mask=pmask[:, :, :, None],
@@ -302,7 +307,7 @@ def _field_layout(lay_ptr, FIELDS: tl.constexpr):
 
 
 @triton.jit
-def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
+def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
                   KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                   BLOCK_T: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr, ROWS: tl.constexpr,
                   GRID: tl.constexpr):
@@ -310,7 +315,7 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
     row [BLOCK_T] with ``GRID`` (see ``_walk``), else a scalar."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
     k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID)
-    s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1) + c0  # [BLOCK_T]
+    s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1)  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
     if m_tile > m_i + 8.0:  # rescale only when the running max grows by > 2^8 (exp2 stays < 256 otherwise)
@@ -329,14 +334,14 @@ def _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, 
 
 
 @triton.jit
-def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split, CHUNK, T_CAP,
+def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, start, stop, T_CAP,
                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
                  VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr):
-    """A split program's share of cache row ``pid_bh`` (= b·H + h): its rows [start, end), pointers to row 0 of
-    the row in each packed part, and its first tile's codes — requested here, as early as the program can."""
+    """A program's share [start, stop) of cache row ``pid_bh`` (= b·H + h): its rows [start, end) (end: stop or
+    the sequence's length), pointers to row 0 of the row in each packed part, and its first tile's codes —
+    requested here, as early as the program can."""
     length = tl.load(len_ptr + b).to(tl.int32)
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, length)
+    end = tl.minimum(stop, length)
     row0 = pid_bh.to(tl.int64) * T_CAP
     k_idx = k_idx_ptr + row0 * (D * KBITS // 8)
     k_sign = k_sign_ptr + row0 * (D // 8)
@@ -348,7 +353,7 @@ def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_b
 
 
 @triton.jit
-def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay, v_lay,
+def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay, v_lay,
           D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
           KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
           PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr,
@@ -373,20 +378,20 @@ def _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_ta
             t0 = start + it * BLOCK_T
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T, GRID)
-            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
                                         VSIGN, BLOCK_T, GRID)
-            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     else:
         for t0 in range(start, end, BLOCK_T):
             kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID)
-            m_i, l_i, acc = _prefix_block(q3, c0, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
     acc = tl.sum(acc, axis=0)
     if GRID:
@@ -412,10 +417,50 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     split = tl.program_id(1)
     pid_bh = pid // S
     qi = pid % S
+    _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+                len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK, split * CHUNK + CHUNK,
+                (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN, VSIGN,
+                BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL)
+
+
+@triton.jit
+def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+                   len_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, R, NT, W, NS,
+                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                   VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_T: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr,
+                   INTERPRET: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr):
+    """``_prefix_kernel`` with the work cut evenly (stream-K): grid (programs,), the B·H·S queries' rows of NT
+    tiles each laid end to end and cut in runs of W tiles, one run per program, so every program walks as many
+    tiles and the GPU holds one full wave (a grid of (query, split) programs left SMs part-empty: 1280 one-warp
+    programs on 132 SMs that hold 12 each). A run that crosses rows writes one partial per row: row r's
+    partial k (slot r·NS + k, k < :func:`stream_slots`) comes from program ⌊r·NT / W⌋ + k."""
+    p = tl.program_id(0)
+    first = p * W
+    for r in range(first // NT, tl.minimum((first + W - 1) // NT, R - 1) + 1):
+        pid_bh = r // S
+        lo = tl.maximum(first, r * NT) - r * NT
+        hi = tl.minimum(first + W, r * NT + NT) - r * NT
+        k = p - (r * NT) // W
+        _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr,
+                    v_lay_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, r % S, lo * BLOCK_T, hi * BLOCK_T,
+                    (pid_bh * NS + k) * BLOCK_S + r % S, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN,
+                    VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL)
+
+
+@triton.jit
+def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+                len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, start, stop, part, H, S, T_CAP,
+                D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
+                NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+                ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr):
+    """Query ``qi`` of cache row ``pid_bh`` over its cached rows [start, stop): walked, its (m, l, acc) stored at
+    partial ``part``."""
     b = pid_bh // H
     h = pid_bh % H
     start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
-        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split, CHUNK, T_CAP, D, KBITS, VBITS,
+        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, start, stop, T_CAP, D, KBITS, VBITS,
         KSIGN, VSIGN, BLOCK_T, GRID)
     g = tl.arange(0, D // 8)
     r = tl.arange(0, 8)
@@ -424,13 +469,10 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    q_row = qt_ptr + (pid_bh * S + qi) * (D + 1)
-    q3 = tl.load(q_row + chan) * _LOG2E
-    c0 = tl.load(q_row + D) * _LOG2E
-    m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
+    q3 = tl.load(qt_ptr + (pid_bh * S + qi) * D + chan) * _LOG2E
+    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
                           v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
                           PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID)
-    part = (pid_bh * NS + split) * BLOCK_S + qi
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
     tl.store(acc_ptr + part * D + chan, acc)
@@ -471,16 +513,15 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     hd = h * D
     # the first tile's codes are requested before the query rotation: their latency overlaps it
     start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
-        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split, CHUNK, T_CAP, D, KBITS, VBITS,
-        KSIGN, VSIGN, BLOCK_T, GRID)
+        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split * CHUNK, split * CHUNK + CHUNK,
+        T_CAP, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID)
     k_off = tl.load(k_offset + hd + chan)
     k_sc = tl.load(k_scale + hd + chan)
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
     q3 = z * k_sc * _LOG2E
-    c0 = tl.sum(tl.sum(z * k_off, axis=1), axis=0) * _LOG2E
     k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
-    m_i, l_i, acc = _walk(q3, c0, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
+    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
                           v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
                           PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID)
     part = pid_bh * NS + split
@@ -508,7 +549,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                        cache_modifier=".cg")
         yk = tl.load(y_ptr + pid_bh * 2 * D + chan, cache_modifier=".cg")
         yv = tl.load(y_ptr + pid_bh * 2 * D + D + chan, cache_modifier=".cg")
-        s_new = tl.sum(tl.sum(q3 * yk, axis=1), axis=0) + c0
+        s_new = tl.sum(tl.sum(q3 * yk, axis=1), axis=0)
         s_new = tl.where(tl.load(valid_ptr + b) != 0, s_new, float("-inf"))
         mx = tl.maximum(tl.max(m, axis=0), s_new)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
@@ -548,6 +589,14 @@ def plan_splits(programs: int, capacity: int, block_t: int, sms: int, waves: int
     chunk = math.ceil(blocks / splits) * block_t
     splits = max(1, math.ceil(capacity / chunk))
     return splits, chunk
+
+
+def stream_plan(rows: int, capacity: int, block_t: int, programs: int) -> tuple[int, int, int, int]:
+    """A stream-K cut (``_stream_kernel``) of ``rows`` walks over ``capacity`` cached rows for about ``programs``
+    programs: (tiles a row, tiles a program, partial slots a row, programs launched)."""
+    nt = max(1, math.ceil(capacity / block_t))
+    run = math.ceil(rows * nt / max(programs, 1))
+    return nt, run, min(math.ceil(nt / run) + 1, nt), math.ceil(rows * nt / run)
 
 
 #: the one-launch path (``_small_kernel``) for S = 1, head_dim ≤ 64 and at most this many cached
@@ -701,7 +750,10 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     # pdl: the prefix kernel launched while the prep kernel runs (programmatic dependent launch, sm_90 on), on a grid
     # codec's cache: 1.5–2 µs faster at head_dim 64, even at 128 (on LUT codes even at 64, 2% slower at 128); letting the
     # merge kernel launch early too cost up to 7 µs at B=8 (results/gpu/decode_session19_h100.txt)
-    cfg.update(path="auto", prefetch=True, pdl=grid > 0)
+    # stream: the default cache's prefix programs cut its tiles evenly (stream-K, ``_stream_kernel``), this many per SM
+    # (one-warp programs of ≤ 168 registers: 12 fit) — one full wave where (query, split) programs left SMs part-empty
+    # (results/gpu/decode_session20_h100.txt: 650M B=64 T=4K 160.4 → 149.1 µs, 15B B=8 T=16K 310.2 → 282.2)
+    cfg.update(path="auto", prefetch=True, pdl=grid > 0, stream=12 if lean_grid else 0)
     # output channels per rotation dot of the prep and merge kernels: a whole Π spilled registers at d = 128 (SASS
     # sm_90: 8.9 KB of stack in the prep, 0.5 KB in the merge); 64 ran fastest in the prep, 32 no slower than 128 in
     # the merge (results/gpu/decode_merge_session18_h100.txt: 15B-shaped B=8 T=4K prep 64 121.0 µs, 32 125.4, 128 130.8)
@@ -718,14 +770,18 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]
     programs = batch * heads * s
-    splits, chunk = plan_splits(programs, t_cap, block_t, _num_sms(q.device), cfg["waves"], cfg.get("splits"))
+    if cfg["stream"]:
+        nt, run, splits, launched = stream_plan(programs, t_cap, block_t, cfg["stream"] * _num_sms(q.device))
+    else:
+        splits, chunk = plan_splits(programs, t_cap, block_t, _num_sms(q.device), cfg["waves"], cfg.get("splits"))
+        nt = run = 0
     block_ns = triton.next_power_of_2(splits)
     dev = q.device
-    qt = torch.empty(batch, heads, s, d + 1, device=dev, dtype=torch.float32)
+    qt = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
     yk = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
     yv = torch.empty_like(yk)
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
-    _prep_kernel[(heads, triton.cdiv(batch * s, cfg["prep_block"]))](
+    _prep_kernel[(heads, triton.cdiv(batch * s, cfg["prep_block"]), 3)](
         q, *q_strides, k_new, *k_strides, v_new, *v_strides, k_rot, k_offset, k_scale, v_rot, v_offset,
         v_scale, qt, yk, yv, batch, heads, s, D=d, BLOCK_N=cfg["prep_block"], COLS=min(d, cfg["prep_cols"]),
         PRECISION=precision, QSPLIT=split16(q, precision), KSPLIT=split16(k_new, precision),
@@ -734,17 +790,21 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     l_ = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
     out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
-    _prefix_kernel[(programs, splits)](
-        qt, k_idx, part_or(k_sign, k_idx), v_idx, part_or(v_sign, v_idx),
-        k_tab, v_tab, part_or(k_lay, k_tab), part_or(v_lay, v_tab), lengths, m, l_, acc, heads, s, t_cap,
-        chunk, splits, D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields,
-        KSIGN=k_has_sign, VSIGN=v_has_sign,
-        BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
-        PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"],
-        GRID=grid, PDL=pdl, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], launch_pdl=pdl)
+    codes = (qt, k_idx, part_or(k_sign, k_idx), v_idx, part_or(v_sign, v_idx), k_tab, v_tab, part_or(k_lay, k_tab),
+             part_or(v_lay, v_tab), lengths, m, l_, acc, heads, s, t_cap)
+    consts = dict(D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields, KSIGN=k_has_sign,
+                  VSIGN=v_has_sign, BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
+                  PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl, num_warps=cfg["num_warps"],
+                  maxnreg=cfg["maxnreg"], launch_pdl=pdl)
+    if run:
+        _stream_kernel[(launched,)](*codes, programs, nt, run, splits, INTERPRET=run if interpreting() else 0,
+                                    **consts)
+    else:
+        _prefix_kernel[(programs, splits)](*codes, chunk, splits, INTERPRET=chunk // block_t if interpreting() else 0,
+                                           **consts)
     block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, _num_sms(q.device))
     _merge_kernel[(heads, triton.cdiv(batch, block_b))](
-        qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, batch, heads, s, splits,
+        qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, batch, heads, s, splits, nt, run,
         D=d, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=min(d, cfg["merge_cols"]), PRECISION=precision,
         num_warps=4)
     return out
