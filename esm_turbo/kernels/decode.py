@@ -434,17 +434,19 @@ def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     tiles each laid end to end and cut in runs of W tiles, one run per program, so every program walks as many
     tiles and the GPU holds one full wave (a grid of (query, split) programs left SMs part-empty: 1280 one-warp
     programs on 132 SMs that hold 12 each). A run that crosses rows writes one partial per row: row r's
-    partial k (slot r·NS + k, k < :func:`stream_slots`) comes from program ⌊r·NT / W⌋ + k."""
+    partial k (slot r·NS + k; k below the count the merge derives, NS from :func:`stream_plan`) comes from program
+    ⌊r·NT / W⌋ + k."""
     p = tl.program_id(0)
     first = p * W
     for r in range(first // NT, tl.minimum((first + W - 1) // NT, R - 1) + 1):
         pid_bh = r // S
+        qi = r % S
         lo = tl.maximum(first, r * NT) - r * NT
         hi = tl.minimum(first + W, r * NT + NT) - r * NT
         k = p - (r * NT) // W
         _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr,
-                    v_lay_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, r % S, lo * BLOCK_T, hi * BLOCK_T,
-                    (pid_bh * NS + k) * BLOCK_S + r % S, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN,
+                    v_lay_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T, hi * BLOCK_T,
+                    (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN,
                     VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL)
 
 
@@ -770,10 +772,11 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     block_s = max(triton.next_power_of_2(s), 1)
     block_t = cfg["block_t"]
     programs = batch * heads * s
+    sms = _num_sms(q.device)
     if cfg["stream"]:
-        nt, run, splits, launched = stream_plan(programs, t_cap, block_t, cfg["stream"] * _num_sms(q.device))
+        nt, run, splits, launched = stream_plan(programs, t_cap, block_t, cfg["stream"] * sms)
     else:
-        splits, chunk = plan_splits(programs, t_cap, block_t, _num_sms(q.device), cfg["waves"], cfg.get("splits"))
+        splits, chunk = plan_splits(programs, t_cap, block_t, sms, cfg["waves"], cfg.get("splits"))
         nt = run = 0
     block_ns = triton.next_power_of_2(splits)
     dev = q.device
@@ -802,7 +805,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     else:
         _prefix_kernel[(programs, splits)](*codes, chunk, splits, INTERPRET=chunk // block_t if interpreting() else 0,
                                            **consts)
-    block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, _num_sms(q.device))
+    block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, sms)
     _merge_kernel[(heads, triton.cdiv(batch, block_b))](
         qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, batch, heads, s, splits, nt, run,
         D=d, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=min(d, cfg["merge_cols"]), PRECISION=precision,
