@@ -121,7 +121,8 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     part = (((offs_b[:, None] * H + h) * NS)[None, :, :] + offs_n[:, None, None]) * BLOCK_S  # [BLOCK_NS, BLOCK_B, 1]
     part = part + offs_s[None, None, :]
     if W > 0:  # stream-K partials (``_stream_kernel``): as many as programs whose runs meet the query's row
-        count = ((row + 1) * NT - 1) // W - (row * NT) // W + 1
+        first, last = _runs_meeting(row, NT, W)
+        count = last - first + 1
     else:
         count = tl.zeros_like(row) + NS
     pmask = (offs_n[:, None, None] < count[None, :, :]) & rmask[None, :, :]
@@ -272,6 +273,14 @@ def _mask_or(x, m, e):
         return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", [x, m, e], dtype=tl.int32,
                                          is_pure=True, pack=1)
     return (x & m) | e
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Requests the 128-byte lines at ``ptrs`` into L2 (PTX ``prefetch.global.L2``; nothing under the interpreter)."""
+    if _ASM:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -443,11 +452,18 @@ def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
         qi = r % S
         lo = tl.maximum(first, r * NT) - r * NT
         hi = tl.minimum(first + W, r * NT + NT) - r * NT
-        k = p - (r * NT) // W
+        k = p - _runs_meeting(r, NT, W)[0]
         _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr,
                     v_lay_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T, hi * BLOCK_T,
                     (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN,
                     VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL)
+
+
+@triton.jit
+def _runs_meeting(row, NT, W):
+    """The first and last stream-K runs (W tiles each, cut from rows of NT tiles laid end to end) that meet ``row``:
+    its partial k comes from run first + k (``_stream_kernel``), and the merge reads last − first + 1 of them."""
+    return (row * NT) // W, ((row + 1) * NT - 1) // W
 
 
 @triton.jit
@@ -513,6 +529,9 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
     hd = h * D
+    if split == 0:  # Πᵥ into L2 for the merge, which reads it only after the arrival count (H100: B=1 T=4K 17.8 →
+        # 17.5 µs, T=1K 13.8 → 13.7, results/gpu/decode_session21_h100.txt)
+        _prefetch_l2(v_rot + hd * D + tl.arange(0, D * D // 32) * 32)
     # the first tile's codes are requested before the query rotation: their latency overlaps it
     start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
         k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split * CHUNK, split * CHUNK + CHUNK,
@@ -757,9 +776,10 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     # (results/gpu/decode_session20_h100.txt: 650M B=64 T=4K 160.4 → 149.1 µs, 15B B=8 T=16K 310.2 → 282.2)
     cfg.update(path="auto", prefetch=True, pdl=grid > 0, stream=12 if lean_grid else 0)
     # output channels per rotation dot of the prep and merge kernels: a whole Π spilled registers at d = 128 (SASS
-    # sm_90: 8.9 KB of stack in the prep, 0.5 KB in the merge); 64 ran fastest in the prep, 32 no slower than 128 in
-    # the merge (results/gpu/decode_merge_session18_h100.txt: 15B-shaped B=8 T=4K prep 64 121.0 µs, 32 125.4, 128 130.8)
-    cfg.update(prep_block=16, prep_cols=64, merge_cols=64 if d <= 64 else 32)
+    # sm_90: 8.9 KB of stack in the prep, 0.5 KB in the merge); 64 ran fastest in the prep
+    # (results/gpu/decode_merge_session18_h100.txt: 15B-shaped B=8 T=4K prep 64 121.0 µs, 32 125.4, 128 130.8) and, by
+    # 0–2%, in the merge (results/gpu/decode_session21_h100.txt: 15B B=64 T=1K 163.7 µs, 32 166.0)
+    cfg.update(prep_block=16, prep_cols=64, merge_cols=64)
     cfg.update(config or {})
     if cfg["path"] == "one" or (cfg["path"] == "auto" and small):
         if s != 1:
