@@ -770,7 +770,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     # faster from B·T ≈ 8K on; two tiles ahead ran 2–6% slower on grid codes, results/gpu/decode_merge_session18_h100.txt).
     # pdl: the prefix kernel launched while the prep kernel runs (programmatic dependent launch, sm_90 on), on a grid
     # codec's cache: 1.5–2 µs faster at head_dim 64, even at 128 (on LUT codes even at 64, 2% slower at 128); letting the
-    # merge kernel launch early too cost up to 7 µs at B=8 (results/gpu/decode_session19_h100.txt)
+    # merge kernel launch early too cost up to 7 µs at B=8 (results/gpu/decode_session19_h100.txt), and after the
+    # stream-K kernel, Πᵥ prefetched before its wait, 1–9 µs (results/gpu/decode_session21_h100.txt)
     # stream: the default cache's prefix programs cut its tiles evenly (stream-K, ``_stream_kernel``), this many per SM
     # (one-warp programs of ≤ 168 registers: 12 fit) — one full wave where (query, split) programs left SMs part-empty
     # (results/gpu/decode_session20_h100.txt: 650M B=64 T=4K 160.4 → 149.1 µs, 15B B=8 T=16K 310.2 → 282.2)
