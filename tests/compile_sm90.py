@@ -54,13 +54,12 @@ def main() -> None:
             compile_sm90(decode._stream_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True),
                          {"H", "S", "T_CAP", "R", "NT", "W", "NS"}, codes, num_warps=1, maxnreg=168)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
-    compile_sm90(decode._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", QSPLIT=True, KSPLIT=True,
-                                           VSPLIT=True, PDL=True),
-                 strides | {"B", "H", "S"}, dict(q_ptr=f16, k_ptr=f16, v_ptr=f16), num_warps=4)
+    compile_sm90(decode._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
+                 {"sqb", "sqh", "sqs", "B", "H", "S"}, dict(q_ptr=f16), num_warps=4)
     for block_b, block_s, block_ns in ((16, 1, 8), (1, 2, 32)):
         compile_sm90(decode._merge_kernel, dict(D=64, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=32,
-                                                PRECISION="tf32x3"), {"B", "H", "S", "NS", "NT", "W"},
-                     dict(valid_ptr=u8, out_ptr=f16), num_warps=4)
+                                                PRECISION="tf32x3"), strides | {"B", "H", "S", "NS", "NT", "W"},
+                     dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, out_ptr=f16), num_warps=4)
     # quantize-and-pack: shared allocated fields compiled in for keys (split by position in a prefill), each head's
     # layout row read for values; Π's fp16 halves read for keys, split in the kernel for values; a prefill
     # (programs per sequence, in blocks of 32 and in the 64-token blocks of the place-major path) and a decode step;

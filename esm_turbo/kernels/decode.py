@@ -2,11 +2,12 @@
 
 The PyTorch reference with the same contract is ``esm_turbo.ops.compressed.compressed_attention_reference``.
 
-Everything happens in each head's *affine domain* ``y = (x Πᵀ − offset) / scale`` of its codec, so no
+Cached keys and values stay in each head's *affine domain* ``y = (x Πᵀ − offset) / scale`` of its codec, so no
 key is ever rotated back: the score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πᵀ) ⊙ scale`` (``qt``,
-prepared once per step) and ``c0 = ⟨q Πᵀ, offset⟩`` — the same for every key of the query, new ones included,
-so the softmax drops it and the kernels never compute it — and values are accumulated as
-``Σ p ŷ``, mapped back once at the end (``(· ⊙ scale + offset) Πᵥ``).
+prepared once per step) and ``c0 = ⟨q Πᵀ, offset⟩``, the same for every key of the query, so the walks drop it;
+values are accumulated as ``Σ p ŷ`` and mapped back once at the end (``(· ⊙ scale + (Σ p) offset) Πᵥ``). The step's
+own keys and values are never rotated: Π is orthogonal, so a new key's score less c0 is ``⟨q, k⟩ − c0`` and a
+new value joins the output after the rotation back.
 
 Packed layout (see ``esm_turbo.quant.packing``): for b ∈ {1,2,3,4} bits the indices of one token-head
 form a little-endian bit stream with value j at bit ``b·j``; each group of 8 values is therefore a
@@ -14,19 +15,17 @@ b-byte word ``w_g`` and value ``8g + r`` is ``(w_g >> b·r) & (2^b − 1)``. Sig
 (``byte g``, bit ``r``). Index and sign fuse into one code ``2·idx + sign`` looked up in a per-(head,
 channel) table ``tab[h, c, code] = c[idx] ± ε`` (``tab[h, c, idx]`` without a residual).
 
-Three launches: ``_prep_kernel`` (grid H × token blocks × 3: ``qt`` and the new tokens' affine keys and
-values, on tensor cores), ``_prefix_kernel`` (grid B·H·S × splits, one query per program; each split
-walks its share of the prefix with an online softmax and writes (m, l, acc); tiles stay [BLOCK_T, d/8, 8]
-so the packed words never need a reshape) — or, for a grid codec's cache of equal widths (the default),
-``_stream_kernel`` (stream-K: the queries' tiles cut in equal runs, one full wave of programs, a partial per row a
-run meets) — then ``_merge_kernel`` (grid H × blocks of sequences, one read
-of the head's Πᵥ per block) that merges the splits with
-log-sum-exp, adds the step's own full-precision tokens, maps the output back to the value domain and
-casts it to the query's dtype. On sm_90 and later a grid codec's prefix kernel is launched while the prep kernel
-still runs (programmatic dependent launch: it requests its first codes, then waits for the prep grid before it
-reads ``qt``). A small step (one query per sequence, few rows: ``one_launch``) takes
-one launch instead, ``_small_kernel``: split-K programs that rotate the query themselves, and the last
-split of each (b, h) to finish merges. No dequantized tensor is written to global memory.
+Three launches: ``_prep_kernel`` (grid H × token blocks: ``qt`` and ``c0``, on tensor cores), ``_prefix_kernel``
+(grid B·H·S × splits, one query per program; each split walks its share of the prefix with an online softmax and
+writes (m, l, acc); tiles stay [BLOCK_T, d/8, 8] so the packed words never need a reshape) — or, for a grid codec's
+cache of equal widths (the default), ``_stream_kernel`` (stream-K: the queries' tiles cut in equal runs, one full wave
+of programs, a partial per row a run meets) — then ``_merge_kernel`` (grid H × blocks of sequences, one read of the
+head's Πᵥ per block) that merges the splits with log-sum-exp, maps the output back to the value domain, adds the
+step's own tokens (full precision) and casts it to the query's dtype. On sm_90 and later a grid codec's prefix
+kernel is launched while the prep kernel still runs (programmatic dependent launch: it requests its first codes,
+then waits for the prep grid before it reads ``qt``). A small step (one query per sequence, few rows:
+``one_launch``) takes one launch instead, ``_small_kernel``: split-K programs that rotate the query themselves, and
+the last split of each (b, h) to finish merges. No dequantized tensor is written to global memory.
 """
 
 from __future__ import annotations
@@ -45,61 +44,45 @@ _ASM = tl.constexpr(not interpreting())  # inline PTX where the kernels are comp
 
 
 @triton.jit
-def _prep_kernel(q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb, svh, svs,
-                 k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, qt_ptr, yk_ptr, yv_ptr,
-                 B, H, S, D: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr,
-                 QSPLIT: tl.constexpr, KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, PDL: tl.constexpr):
-    """Grid (H, cdiv(B·S, BLOCK_N), 3): ``qt = (q Πₖᵀ) ⊙ scaleₖ`` [B,H,S,D] (axis 2 = 0) and the new tokens' affine
-    keys (1) / values (2) ``(x Πᵀ − offset) / scale`` [B,H,S,D], float32 (inputs strided): one rotation a program — the
-    three in one program took 8.3 µs of a 650M-shaped B=64 call (now 4.7) and 23.6 µs at 15B (now 17; H100), and
-    the prefix kernel waits for all of it. ``PDL``: the prefix kernel may launch at once (it waits for this grid
-    before it reads ``qt``)."""
+def _prep_kernel(q_ptr, sqb, sqh, sqs, k_rot, k_offset, k_scale, qt_ptr, c0_ptr, B, H, S, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Grid (H, cdiv(B·S, BLOCK_N)): the queries in head h's key affine domain, ``qt = (q Πₖᵀ) ⊙ scaleₖ``
+    [B,H,S,D] and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩`` [B,H,S], float32 (q strided), COLS output channels per dot (a whole
+    [D, D] Π per dot spilled registers at D = 128, SASS sm_90). The step's own keys and values are not rotated:
+    the merge takes them as they are (``_merge_kernel``). ``PDL``: the prefix kernel may launch at once (it waits
+    for this grid before it reads ``qt``)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     h = tl.program_id(0)
-    which = tl.program_id(2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < B * S
     rows = token_offsets(h, offs_n, S, H * S, S, 1)  # row of the contiguous outputs
     hd = h * D
-    if which == 0:
-        _rotate_store(q_ptr, token_offsets(h, offs_n, S, sqb, sqh, sqs), nmask, k_rot + hd * D, k_offset + hd,
-                      k_scale + hd, qt_ptr, rows, True, D, COLS, PRECISION, QSPLIT)
-    elif which == 1:
-        _rotate_store(k_ptr, token_offsets(h, offs_n, S, skb, skh, sks), nmask, k_rot + hd * D, k_offset + hd,
-                      k_scale + hd, yk_ptr, rows, False, D, COLS, PRECISION, KSPLIT)
-    else:
-        _rotate_store(v_ptr, token_offsets(h, offs_n, S, svb, svh, svs), nmask, v_rot + hd * D, v_offset + hd,
-                      v_scale + hd, yv_ptr, rows, False, D, COLS, PRECISION, VSPLIT)
-
-
-@triton.jit
-def _rotate_store(x_ptr, offs, nmask, rot_ptr, offset_ptr, scale_ptr, out_ptr, rows, QUERY: tl.constexpr,
-                  D: tl.constexpr, COLS: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr):
-    """Rows x [N, D] at ``offs`` (``nmask``: which exist) in one head's affine domain, stored at output rows
-    ``rows`` [N, D]: ``(x Πᵀ) ⊙ scale`` (``QUERY``) or ``(x Πᵀ − offset) / scale``. COLS output channels per dot: a
-    whole [D, D] Π per dot, three of them live, spilled registers at D = 128 (8.9 KB of stack, SASS sm_90)."""
-    x = load_rows(x_ptr, offs, nmask, D)
+    x = load_rows(q_ptr, token_offsets(h, offs_n, S, sqb, sqh, sqs), nmask, D)
+    c0 = tl.zeros([BLOCK_N], dtype=tl.float32)
     for c in tl.static_range(D // COLS):
         cols = c * COLS + tl.arange(0, COLS)
-        sc = tl.load(scale_ptr + cols)[None, :]
-        z = rotate(x, rot_ptr, cols, D, PRECISION, SPLIT16)
-        if QUERY:
-            y = z * sc
-        else:
-            y = (z - tl.load(offset_ptr + cols)[None, :]) / sc
-        tl.store(out_ptr + rows[:, None] * D + cols[None, :], y, mask=nmask[:, None])
+        z = rotate(x, k_rot + hd * D, cols, D, PRECISION, SPLIT16)
+        c0 += tl.sum(z * tl.load(k_offset + hd + cols)[None, :], axis=1)
+        tl.store(qt_ptr + rows[:, None] * D + cols[None, :], z * tl.load(k_scale + hd + cols)[None, :],
+                 mask=nmask[:, None])
+    tl.store(c0_ptr + rows, c0, mask=nmask)
 
 
 @triton.jit
-def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_scale_ptr, v_offset_ptr, v_rot_ptr,
-                  out_ptr, B, H, S, NS, NT, W,
+def _merge_kernel(c0_ptr, q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb, svh, svs, m_ptr, l_ptr, acc_ptr,
+                  valid_ptr, v_scale_ptr, v_offset_ptr, v_rot_ptr, out_ptr, B, H, S, NS, NT, W,
                   D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr,
                   COLS: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (H, cdiv(B, BLOCK_B)): the S queries of BLOCK_B sequences of head h per program, so the head's Πᵥ is
     read once for all of them (one read per (b, h) cost more than the merge: 57 µs of a 15B-shaped B=64 call,
     results/gpu/decode_splits_session18_h100.txt). Tensors [BLOCK_B, BLOCK_S, …]: partials over the splits'
-    axis first."""
+    axis first.
+
+    The step's own tokens (q, k, v strided, any float dtype) stay in the value domain, unrotated: a key's score
+    is ``⟨q, k⟩ − c0`` (``= ⟨q̃, y⟩``, the affine domain's score less the c0 its cached keys drop; Π orthogonal)
+    and a value is added after the partials' sum ``Σ p ŷ ⊙ scale + (Σ p) offset`` is rotated back by Πᵥ."""
     h = tl.program_id(0)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_s = tl.arange(0, BLOCK_S)
@@ -108,13 +91,14 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     rmask = (offs_b < B)[:, None] & (offs_s < S)[None, :]  # [BLOCK_B, BLOCK_S] queries that exist
     row = (offs_b[:, None] * H + h) * S + offs_s[None, :]  # their (b, h, s) rows
 
-    # the step's own tokens (full precision, affine domain): each query × its sequence's S keys
-    q = tl.load(qt_ptr + row[:, :, None] * D + offs_d[None, None, :], mask=rmask[:, :, None], other=0.0) * _LOG2E
+    # the step's own keys: each query × its sequence's S keys, log2 units
+    b3, s3, d3 = offs_b.to(tl.int64)[:, None, None], offs_s.to(tl.int64)[None, :, None], offs_d[None, None, :]
+    m3 = rmask[:, :, None]
+    q = tl.load(q_ptr + b3 * sqb + h * sqh + s3 * sqs + d3, mask=m3, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b3 * skb + h * skh + s3 * sks + d3, mask=m3, other=0.0).to(tl.float32)
+    c0 = tl.load(c0_ptr + row, mask=rmask, other=0.0)
+    s_new = (tl.sum(q[:, :, None, :] * k[:, None, :, :], axis=3) - c0[:, :, None]) * _LOG2E  # [B_, queries, keys]
     kmask = rmask & (tl.load(valid_ptr + offs_b[:, None] * S + offs_s[None, :], mask=rmask, other=0) != 0)
-    y_row = row[:, :, None] * D + offs_d[None, None, :]
-    yk = tl.load(yk_ptr + y_row, mask=rmask[:, :, None], other=0.0)  # [BLOCK_B, BLOCK_S (keys), D]
-    yv = tl.load(yv_ptr + y_row, mask=rmask[:, :, None], other=0.0)
-    s_new = tl.sum(q[:, :, None, :] * yk[:, None, :, :], axis=3)  # [BLOCK_B, queries, keys]
     s_new = tl.where(kmask[:, None, :], s_new, float("-inf"))
 
     # partials of padded queries (s ≥ S) or rows (b ≥ B) are never written: masked at the load
@@ -134,28 +118,47 @@ def _merge_kernel(qt_ptr, m_ptr, l_ptr, acc_ptr, yk_ptr, yv_ptr, valid_ptr, v_sc
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp2(m - mx[None, :, :])
     p_new = tl.exp2(s_new - mx[:, :, None])
-    l_tot = tl.sum(w * lp, axis=0) + tl.sum(p_new, axis=2)
-    acc = tl.sum(w[:, :, :, None] * accp, axis=0) + tl.sum(p_new[:, :, :, None] * yv[:, None, :, :], axis=2)
-    acc = acc / tl.where(l_tot == 0.0, 1.0, l_tot)[:, :, None]
+    l_old = tl.sum(w * lp, axis=0)
+    l_tot = l_old + tl.sum(p_new, axis=2)
+    inv = 1.0 / tl.where(l_tot == 0.0, 1.0, l_tot)  # a query with no valid key: zeros out
     scale = tl.load(v_scale_ptr + h * D + offs_d)
     offset = tl.load(v_offset_ptr + h * D + offs_d)
-    out = acc * scale[None, None, :] + tl.where(l_tot == 0.0, 0.0, 1.0)[:, :, None] * offset[None, None, :]
-    # back to the value domain: out Πᵥ on tensor cores, rows padded to the 16 a dot needs
+    out = tl.sum(w[:, :, :, None] * accp, axis=0) * scale[None, None, :] + l_old[:, :, None] * offset[None, None, :]
     R: tl.constexpr = BLOCK_B * BLOCK_S
-    out = tl.reshape(out, (R, D))
     P: tl.constexpr = 16 if R < 16 else R
+    NC: tl.constexpr = D // COLS
+    out = _pad_rows(tl.reshape(out, (R, D)), R, P)
+    pn = _pad_rows(tl.reshape(p_new * inv[:, :, None], (R, BLOCK_S)), R, P)  # [P, keys]
+    inv = tl.sum(_pad_rows(tl.reshape(inv, (R, 1)), R, P), axis=1)
     offs_p = tl.arange(0, P)
-    if R < 16:
-        out = tl.sum(tl.where(offs_p[:, None, None] == tl.arange(0, R)[None, :, None], out[None, :, :], 0.0), axis=1)
     pb = tl.program_id(1) * BLOCK_B + offs_p // BLOCK_S
     ps = offs_p % BLOCK_S
     keep = (offs_p < R) & (pb < B) & (ps < S)
     out_row = out_ptr + ((pb * H + h) * S + ps)[:, None] * D
-    for c in tl.static_range(D // COLS):  # COLS output channels per dot (a whole Π spilled registers at D = 128)
+    offs_j = tl.arange(0, BLOCK_S)
+    v_at = v_ptr + (pb.to(tl.int64) * svb + h * svh)[:, None, None] + offs_j[None, :, None] * svs
+    v_mask = (keep[:, None] & (offs_j[None, :] < S))[:, :, None]
+    vc = tl.load(v_at + tl.arange(0, COLS)[None, None, :], mask=v_mask, other=0.0)
+    for c in tl.static_range(NC):  # COLS output channels per dot (a whole Π spilled registers at D = 128); the new
+        # values' next chunk requested before this chunk's store (read after it, it cost 2 µs at 15B-shaped B=1, H100)
         cols = c * COLS + tl.arange(0, COLS)
+        if c + 1 < NC:
+            vnext = tl.load(v_at + (cols + COLS)[None, None, :], mask=v_mask, other=0.0)
         rot = tl.load(v_rot_ptr + h * D * D + offs_d[:, None] * D + cols[None, :])  # Π[e, cols]
-        part = tl.dot(out, rot, input_precision=PRECISION)
-        tl.store(out_row + cols[None, :], part.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+        res = tl.dot(out, rot, input_precision=PRECISION) * inv[:, None]
+        res += tl.sum(pn[:, :, None] * vc.to(tl.float32), axis=1)
+        tl.store(out_row + cols[None, :], res.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+        if c + 1 < NC:
+            vc = vnext
+
+
+@triton.jit
+def _pad_rows(x, R: tl.constexpr, P: tl.constexpr):
+    """x [R, N] as [P, N], P ≥ R: rows R… zero."""
+    if P > R:
+        x = tl.sum(tl.where(tl.arange(0, P)[:, None, None] == tl.arange(0, R)[None, :, None], x[None, :, :], 0.0),
+                   axis=1)
+    return x
 
 
 @triton.jit
@@ -509,7 +512,7 @@ def _rotate_vec(x_ptr, rot_ptr, chan, D: tl.constexpr):
 @triton.jit
 def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr, len_ptr,
-                  k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr, acc_ptr, y_ptr, count_ptr,
+                  k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr, acc_ptr, count_ptr,
                   out_ptr, H, T_CAP, CHUNK, NS,
                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
                   VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -517,10 +520,10 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr,
                   GRID: tl.constexpr):
     """Grid (B·H, splits), one query per sequence (S = 1), the whole step in one launch: each program
-    rotates the query itself and walks its split (the last two splits also map the step's own K and V to the
-    affine domain, ``y_ptr`` [B·H, 2, D]); the last split of a (b, h) to finish (an atomic count, ``count_ptr``
-    zero at launch) merges all splits with the step's own token, rotates the output back and zeroes its count
-    again. For small steps, where the prep and merge launches cost more than they save."""
+    rotates the query itself and walks its split; the last split of a (b, h) to finish (an atomic count,
+    ``count_ptr`` zero at launch) merges all splits, rotates the output back, adds the step's own token as
+    ``_merge_kernel`` does (unrotated: score ⟨q, k⟩ − c0) and zeroes its count again. For small steps, where the
+    prep and merge launches cost more than they save."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // H
@@ -540,6 +543,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     k_sc = tl.load(k_scale + hd + chan)
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
     q3 = z * k_sc * _LOG2E
+    c0 = tl.sum(tl.sum(z * k_off, axis=1), axis=0)
     k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
@@ -549,16 +553,6 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
     tl.store(acc_ptr + part * D + chan, acc)
-    v_off = tl.load(v_offset + hd + chan)
-    v_sc = tl.load(v_scale + hd + chan)
-    # the step's own token, full precision in the affine domain: its key and value by the last two splits, whose
-    # walks are the shortest (the last chunk is the ragged one; rows past a sequence's length are not walked)
-    if split == NS - 1:
-        yk = (_rotate_vec(k_ptr + b.to(tl.int64) * skb + h * skh, k_rot + hd * D, chan, D) - k_off) / k_sc
-        tl.store(y_ptr + pid_bh * 2 * D + chan, yk)
-    if split == tl.maximum(NS - 2, 0):
-        yv = (_rotate_vec(v_ptr + b.to(tl.int64) * svb + h * svh, v_rot + hd * D, chan, D) - v_off) / v_sc
-        tl.store(y_ptr + pid_bh * 2 * D + D + chan, yv)
     tl.debug_barrier()  # every thread's stores made before the (one-thread, releasing) count
     if tl.atomic_add(count_ptr + pid_bh, 1, sem="acq_rel") == NS - 1:
         offs_n = tl.arange(0, BLOCK_NS)
@@ -568,21 +562,24 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
         lp = tl.load(l_ptr + rows, mask=nmask, other=0.0, cache_modifier=".cg")
         accp = tl.load(acc_ptr + rows[:, None, None] * D + chan[None, :, :], mask=nmask[:, None, None], other=0.0,
                        cache_modifier=".cg")
-        yk = tl.load(y_ptr + pid_bh * 2 * D + chan, cache_modifier=".cg")
-        yv = tl.load(y_ptr + pid_bh * 2 * D + D + chan, cache_modifier=".cg")
-        s_new = tl.sum(tl.sum(q3 * yk, axis=1), axis=0)
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + b.to(tl.int64) * sqb + h * sqh + offs_d).to(tl.float32)
+        k = tl.load(k_ptr + b.to(tl.int64) * skb + h * skh + offs_d).to(tl.float32)
+        v = tl.load(v_ptr + b.to(tl.int64) * svb + h * svh + offs_d).to(tl.float32)
+        s_new = (tl.sum(q * k, axis=0) - c0) * _LOG2E
         s_new = tl.where(tl.load(valid_ptr + b) != 0, s_new, float("-inf"))
         mx = tl.maximum(tl.max(m, axis=0), s_new)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         w = tl.exp2(m - mx)
         p_new = tl.exp2(s_new - mx)
-        l_tot = tl.sum(w * lp, axis=0) + p_new
-        o = (tl.sum(w[:, None, None] * accp, axis=0) + p_new * yv) / tl.where(l_tot == 0.0, 1.0, l_tot)
-        o = o * v_sc + tl.where(l_tot == 0.0, 0.0, 1.0) * v_off
-        # back to the value domain: out[d] = Σ_e o[e] Πᵥ[e, d]
-        offs_d = tl.arange(0, D)
+        l_old = tl.sum(w * lp, axis=0)
+        l_tot = l_old + p_new
+        o = tl.sum(w[:, None, None] * accp, axis=0) * tl.load(v_scale + hd + chan)
+        o += l_old * tl.load(v_offset + hd + chan)
+        # back to the value domain: out[d] = Σ_e o[e] Πᵥ[e, d], then the new value
         rot = tl.load(v_rot + hd * D + chan[:, :, None] * D + offs_d[None, None, :])
         out = tl.sum(tl.sum(rot * o[:, :, None], axis=0), axis=0)
+        out = (out + p_new * v) / tl.where(l_tot == 0.0, 1.0, l_tot)
         tl.store(out_ptr + pid_bh * D + offs_d, out.to(out_ptr.dtype.element_ty))
         tl.store(count_ptr + pid_bh, 0)  # every split has counted: zero again for the next launch
 
@@ -675,7 +672,6 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
     m = torch.empty(batch * heads * splits, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits, d, device=dev, dtype=torch.float32)
-    y = torch.empty(batch * heads, 2, d, device=dev, dtype=torch.float32)
     count = split_counters(batch * heads, dev)
     out = torch.empty(batch, heads, 1, d, device=dev, dtype=q.dtype)
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
@@ -683,7 +679,7 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
         q, *q_strides[:2], k_new, *k_strides[:2], v_new, *v_strides[:2], new_valid,
         k_idx, part_or(k_sign, k_idx), v_idx, part_or(v_sign, v_idx), k_tab, v_tab,
         part_or(k_lay, k_tab), part_or(v_lay, v_tab), lengths, k_rot, k_offset, k_scale, v_rot, v_offset,
-        v_scale, m, l_, acc, y, count, out, heads, t_cap, chunk, splits,
+        v_scale, m, l_, acc, count, out, heads, t_cap, chunk, splits,
         D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields,
         KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
         BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab[0].numel(), NV=v_tab[0].numel(),
@@ -697,7 +693,12 @@ def merge_rows(batch: int, heads: int, block_s: int, block_ns: int, d: int, sms:
     many programs as SMs, and fewer where its [splits, sequences, queries, d] partials (or the queries × keys × d
     products of the step's own tokens) would pass 8192 values (64 registers a thread at four warps). H100
     (results/gpu/decode_merge_session18_h100.txt): 650M-shaped B=64 T=1K 16 rows 71.0 µs, 8 rows 75.6, one per
-    (b, h) 76.5; B=8 T=16K one 102.3, two 103.9; 15B-shaped B=8 T=16K two to four 340, one 348."""
+    (b, h) 76.5; B=8 T=16K one 102.3, two 103.9; 15B-shaped B=8 T=16K two to four 340, one 348. One where a row has
+    eight partials or more at head_dim ≤ 64, whose Πᵥ is a quarter of d = 128's to read again per program
+    (results/gpu/decode_session22_h100.txt: 650M-shaped B=8 T=16K 83.6 µs, two 85.8; B=16 T=16K 142.1, four 146.7;
+    15B-shaped B=8 T=16K one 287.6, four 274.0)."""
+    if d <= 64 and block_ns >= 8:
+        return 1
     cap = 8192 // d
     fill = 1 << max(0, (2 * batch * heads // sms).bit_length() - 1)  # the largest power of two ≤ 2·B·H / SMs
     return max(1, min(16, fill, cap // (block_ns * block_s), cap // (block_s * block_s)))
@@ -802,14 +803,11 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     block_ns = triton.next_power_of_2(splits)
     dev = q.device
     qt = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
-    yk = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
-    yv = torch.empty_like(yk)
+    c0 = torch.empty(batch, heads, s, device=dev, dtype=torch.float32)
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
-    _prep_kernel[(heads, triton.cdiv(batch * s, cfg["prep_block"]), 3)](
-        q, *q_strides, k_new, *k_strides, v_new, *v_strides, k_rot, k_offset, k_scale, v_rot, v_offset,
-        v_scale, qt, yk, yv, batch, heads, s, D=d, BLOCK_N=cfg["prep_block"], COLS=min(d, cfg["prep_cols"]),
-        PRECISION=precision, QSPLIT=split16(q, precision), KSPLIT=split16(k_new, precision),
-        VSPLIT=split16(v_new, precision), PDL=pdl, num_warps=4)
+    _prep_kernel[(heads, triton.cdiv(batch * s, cfg["prep_block"]))](
+        q, *q_strides, k_rot, k_offset, k_scale, qt, c0, batch, heads, s, D=d, BLOCK_N=cfg["prep_block"],
+        COLS=min(d, cfg["prep_cols"]), PRECISION=precision, SPLIT16=split16(q, precision), PDL=pdl, num_warps=4)
     m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
@@ -828,7 +826,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                            **consts)
     block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, sms)
     _merge_kernel[(heads, triton.cdiv(batch, block_b))](
-        qt, m, l_, acc, yk, yv, new_valid, v_scale, v_offset, v_rot, out, batch, heads, s, splits, nt, run,
+        c0, q, *q_strides, k_new, *k_strides, v_new, *v_strides, m, l_, acc, new_valid, v_scale, v_offset, v_rot,
+        out, batch, heads, s, splits, nt, run,
         D=d, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=min(d, cfg["merge_cols"]), PRECISION=precision,
         num_warps=4)
     return out
