@@ -230,6 +230,39 @@ def test_split_rotation_keeps_fp32_accuracy():
     assert (two - exact).abs().max() < 1e-5 * exact.abs().max()
 
 
+
+@needs_triton
+@pytest.mark.parametrize("widths", [[4] * 8, [5, 5, 4, 4, 4, 4, 3, 3], [1, 2, 3, 4, 5, 6, 7, 0]])
+def test_field_readers_invert_packed_shifts(widths):
+    """The kernels' compile-time readers of a packed layout give back the widths it was packed from and their
+    running sums as shifts (field 8: the word's width)."""
+    from esm_turbo.kernels.common import field_shift, field_width
+    from esm_turbo.quant.packing import packed_shifts
+    fields = packed_shifts(widths)
+    assert [field_width(fields, j) for j in range(8)] == widths
+    assert [field_shift(fields, j) for j in range(9)] == [sum(widths[:j]) for j in range(9)]
+
+
+@needs_triton
+def test_old_triton_takes_the_reference_path(monkeypatch):
+    """A Triton older than the kernels need (no ``triton.constexpr_function``) is reported and the PyTorch path
+    taken, even with CUDA present; a new enough one (nightly suffixes included) runs the kernels."""
+    import triton
+    from esm_turbo import kernels
+    assert kernels.triton_version_ok("3.5.0") and kernels.triton_version_ok("3.6.0+git1a2b3c")
+    assert not kernels.triton_version_ok("3.4.0") and not kernels.triton_version_ok("2.3.1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton, "__version__", "3.4.0")
+    kernels.triton_available.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="older than 3.5"):
+            assert not kernels.triton_available()
+        kernels.triton_available.cache_clear()
+        monkeypatch.setattr(triton, "__version__", "3.6.0")
+        assert kernels.triton_available()
+    finally:
+        kernels.triton_available.cache_clear()
+
 @needs_triton
 def test_aligned_table_starts_every_row_on_its_size():
     """The look-ups OR a code's offset into its row's address: a table that does not start on a row (a view

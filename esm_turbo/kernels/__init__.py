@@ -4,11 +4,30 @@ the same signature in ``esm_turbo.ops.compressed``; dispatch is in ``esm_turbo.o
 from __future__ import annotations
 
 import functools
+import re
+import warnings
+
+#: the oldest Triton the kernels build with: they read packed layouts through ``triton.constexpr_function`` (3.5)
+MIN_TRITON = (3, 5)
+
+
+def triton_version_ok(version: str) -> bool:
+    """Whether a Triton version string (``3.6.0``, ``3.5.0+git1a2b``) is at least :data:`MIN_TRITON`."""
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:2]) >= MIN_TRITON
 
 
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
+    """CUDA and a Triton of at least :data:`MIN_TRITON`: the kernels run. An older Triton is reported once and
+    the PyTorch path taken."""
     import importlib.util
 
     import torch
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+    if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
+        return False
+    import triton
+    if not triton_version_ok(triton.__version__):
+        warnings.warn(f"triton {triton.__version__} is older than {'.'.join(map(str, MIN_TRITON))}, which the "
+                      "esm_turbo kernels need: decoding takes the PyTorch path", RuntimeWarning, stacklevel=2)
+        return False
+    return True

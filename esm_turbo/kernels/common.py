@@ -8,6 +8,19 @@ import torch
 import triton
 import triton.language as tl
 
+@triton.constexpr_function
+def field_shift(fields, j):
+    """Where field j (0…8; 8: the word's width) starts in a group word of the boundaries ``fields``
+    (``esm_turbo.quant.packing.packed_shifts``), read at compile time: a constexpr inside a kernel."""
+    return (fields >> (6 * j)) & 63
+
+
+@triton.constexpr_function
+def field_width(fields, j):
+    """The width in bits of field j (0…7) of a group word of the boundaries ``fields``: a constexpr inside a
+    kernel, so it can size a comparison loop or a mask."""
+    return field_shift(fields, j + 1) - field_shift(fields, j)
+
 
 @triton.jit
 def token_offsets(h, offs_n, S, stride_b, stride_h, stride_s):

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import dot_precision, interpreting, load_rows, part_or, rotate, split16, token_offsets, token_strides
+from .common import (dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate, split16,
+                     token_offsets, token_strides)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _ASM = tl.constexpr(not interpreting())  # inline PTX where the kernels are compiled
@@ -309,8 +310,8 @@ def _field_layout(lay_ptr, FIELDS: tl.constexpr):
         shift = tl.zeros([1, 1, 8], dtype=tl.int32)
         mask = tl.zeros([1, 1, 8], dtype=tl.int32)
         for j in tl.static_range(8):
-            shift = tl.where(r == j, (FIELDS >> (6 * j)) & 63, shift)
-            mask = tl.where(r == j, (1 << (((FIELDS >> (6 * j + 6)) & 63) - ((FIELDS >> (6 * j)) & 63))) - 1, mask)
+            shift = tl.where(r == j, field_shift(FIELDS, j), shift)
+            mask = tl.where(r == j, (1 << field_width(FIELDS, j)) - 1, mask)
     else:
         lay = tl.load(lay_ptr + r)
         shift = lay & 255

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import dot_precision, interpreting, load_rows, part_or, rotate, split16, token_strides
+from .common import (dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate, split16,
+                     token_strides)
 
 
 @triton.jit
@@ -72,7 +73,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             if WIDE:
                 yj = tl.trans(yj)
             code, s = _field_code(yj, j, h, bounds_ptr, cent_ptr, D, K, FIELDS, SIGN, COMBINE, WIDE, GRID, ASM)
-            word |= code << ((FIELDS >> (6 * j)) & 63)
+            word |= code << field_shift(FIELDS, j)
             sword |= s << j
         if WIDE:
             word = tl.trans(word)
@@ -102,10 +103,10 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
                 idx = idx * 2 + s
             else:
                 sword = tl.sum(tl.reshape(s, (BLOCK_N, D8, 8)) << r[None, None, :], axis=2)
-        if FIELDS >= 0:  # field j of every group word at bit (FIELDS >> 6j) & 63 (packing.packed_shifts)
+        if FIELDS >= 0:  # field j of every group word at bit field_shift(FIELDS, j) (packing.packed_shifts)
             shift = tl.zeros((8,), dtype=tl.int32)
             for j in tl.static_range(8):
-                shift = tl.where(r == j, (FIELDS >> (6 * j)) & 63, shift)
+                shift = tl.where(r == j, field_shift(FIELDS, j), shift)
             word = tl.sum(tl.reshape(idx, (BLOCK_N, D8, 8)) << shift[None, None, :], axis=2)
         else:
             shift = tl.load(lay_ptr + h * D + offs_d) & 255
@@ -145,7 +146,7 @@ def _field_code(yj, J: tl.constexpr, h, bounds_ptr, cent_ptr, D: tl.constexpr, K
     shifts FIELDS fix): a w-bit channel's bounds past its 2^w − 1 are +inf (``lut_bounds``), so only those are
     compared; the sign's centroid is gathered after (``GRID``: both rounded, :func:`_grid_code`). Returns (code,
     sign bit) int32 shaped as yj; code = 2·idx + sign if COMBINE."""
-    W: tl.constexpr = ((FIELDS >> (6 * J + 6)) & 63) - ((FIELDS >> (6 * J)) & 63) - COMBINE
+    W: tl.constexpr = field_width(FIELDS, J) - COMBINE
     if GRID:
         idx, s = _grid_code(yj, (1 << W) - 1.0, SIGN)
     else:
@@ -187,7 +188,7 @@ def _top_index(chan, lay_ptr, FIELDS: tl.constexpr, COMBINE: tl.constexpr):
     if FIELDS >= 0:
         top = tl.zeros(chan.shape, dtype=tl.float32)
         for j in tl.static_range(8):
-            width = ((FIELDS >> (6 * j + 6)) & 63) - ((FIELDS >> (6 * j)) & 63) - COMBINE
+            width = field_width(FIELDS, j) - COMBINE
             top = tl.where(chan % 8 == j, (1 << width) - 1.0, top)
     else:
         top = ((tl.load(lay_ptr + chan) >> 8) >> COMBINE).to(tl.float32)
