@@ -230,7 +230,6 @@ def test_split_rotation_keeps_fp32_accuracy():
     assert (two - exact).abs().max() < 1e-5 * exact.abs().max()
 
 
-
 @needs_triton
 @pytest.mark.parametrize("widths", [[4] * 8, [5, 5, 4, 4, 4, 4, 3, 3], [1, 2, 3, 4, 5, 6, 7, 0]])
 def test_field_readers_invert_packed_shifts(widths):
@@ -262,6 +261,7 @@ def test_old_triton_takes_the_reference_path(monkeypatch):
         assert kernels.triton_available()
     finally:
         kernels.triton_available.cache_clear()
+
 
 @needs_triton
 def test_aligned_table_starts_every_row_on_its_size():

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.constexpr_function
 def field_shift(fields, j):
     """Where field j (0…8; 8: the word's width) starts in a group word of the boundaries ``fields``
