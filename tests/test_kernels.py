@@ -8,12 +8,11 @@
   (``TRITON_INTERPRET=1``, set in conftest) at small sizes; on a GPU at the full grid of sizes.
 """
 
-import importlib.util
-
 import pytest
 import torch
 
 from esm_turbo.cache import KVCache
+from esm_turbo.kernels import triton_supported
 from esm_turbo.ops import attend_compressed, decode_attention_reference, fused_supported
 from esm_turbo.ops.compressed import (compressed_attention_reference, fused_tables,
                                       quantize_pack_reference, split_rotation)
@@ -23,8 +22,8 @@ from esm_turbo.testing import random_turbo_codec
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (run on the GPU machine)")
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed (pip install -e '.[test]' on Linux x86-64)")
+needs_triton = pytest.mark.skipif(not triton_supported(),
+                                  reason="triton >= 3.5 is not installed (pip install -e '.[test]' on Linux x86-64)")
 
 
 def filled_cache(codec, batch, lengths, device, seed=0):
@@ -251,16 +250,22 @@ def test_old_triton_takes_the_reference_path(monkeypatch):
     assert kernels.triton_version_ok("3.5.0") and kernels.triton_version_ok("3.6.0+git1a2b3c")
     assert not kernels.triton_version_ok("3.4.0") and not kernels.triton_version_ok("2.3.1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def fresh():
+        kernels.triton_supported.cache_clear()
+        kernels.triton_available.cache_clear()
+
     monkeypatch.setattr(triton, "__version__", "3.4.0")
-    kernels.triton_available.cache_clear()
+    fresh()
     try:
         with pytest.warns(RuntimeWarning, match="older than 3.5"):
             assert not kernels.triton_available()
-        kernels.triton_available.cache_clear()
+        assert not kernels.triton_supported()
+        fresh()
         monkeypatch.setattr(triton, "__version__", "3.6.0")
-        assert kernels.triton_available()
+        assert kernels.triton_available() and kernels.triton_supported()
     finally:
-        kernels.triton_available.cache_clear()
+        fresh()
 
 
 @needs_triton
@@ -491,7 +496,7 @@ def test_quantize_grid_kernel_on_boundaries(residual):
 
 
 def _has_nvidia_backend() -> bool:
-    if importlib.util.find_spec("triton") is None:
+    if not triton_supported():
         return False
     import triton.backends
     return "nvidia" in triton.backends.backends

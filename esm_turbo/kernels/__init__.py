@@ -17,13 +17,12 @@ def triton_version_ok(version: str) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    """CUDA and a Triton of at least :data:`MIN_TRITON`: the kernels run. An older Triton is reported once and
-    the PyTorch path taken."""
+def triton_supported() -> bool:
+    """Triton installed and at least :data:`MIN_TRITON`, so the kernels build (on a GPU, or under Triton's interpreter
+    in tests). An older Triton is reported once."""
     import importlib.util
 
-    import torch
-    if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
+    if importlib.util.find_spec("triton") is None:
         return False
     import triton
     if not triton_version_ok(triton.__version__):
@@ -31,3 +30,10 @@ def triton_available() -> bool:
                       "esm_turbo kernels need: decoding takes the PyTorch path", RuntimeWarning, stacklevel=2)
         return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """CUDA and a supported Triton (:func:`triton_supported`): the kernels run; else the PyTorch path is taken."""
+    import torch
+    return torch.cuda.is_available() and triton_supported()
