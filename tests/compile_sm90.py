@@ -8,6 +8,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from esm_turbo.kernels import decode, quantize
+from esm_turbo.kernels.common import FP_FUSION
 from esm_turbo.quant.packing import packed_shifts
 
 
@@ -20,7 +21,7 @@ def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, ma
     for name in inspect.signature(fn.fn).parameters:
         sig[name] = "constexpr" if name in consts else "i32" if name in ints else ptrs.get(name, "*fp32")
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    options = dict(num_warps=num_warps) | (dict(maxnreg=maxnreg) if maxnreg else {})
+    options = dict(num_warps=num_warps, enable_fp_fusion=FP_FUSION) | (dict(maxnreg=maxnreg) if maxnreg else {})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     size = len(kernel.asm["cubin"])
     print("compiled", fn.fn.__name__, size, flush=True)

@@ -521,6 +521,24 @@ def test_kernels_compile_for_sm90():
     assert len(compiled) == 20, run.stdout
 
 
+@pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
+def test_default_walk_loads_its_codes_128_bits_at_a_time():
+    """scripts/sass_mix.py compiles the stream-K walk as a launch on the default cache compiles it: each thread's share
+    of a tile's key and value words (64 bytes) arrives in four 128-bit loads at both head_dims. Pointer arithmetic
+    that loses the alignment Triton infers would split them into 32-bit or byte loads (and more instructions)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "sass_mix.py")
+    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    loads = re.findall(r"^d=(\d+) .*?(\d+) loads \((\d+) of them 128-bit\)", run.stdout, re.M)
+    assert sorted(int(d) for d, _, _ in loads) == [64, 128], run.stdout
+    assert all(n == wide == "4" for _, n, wide in loads), run.stdout
+
+
 def test_custom_ops_compile_without_graph_breaks():
     codec = random_turbo_codec(2, 16, 3, 3, "sign")
     cache = filled_cache(codec, 2, [6, 11], "cpu")

@@ -9,6 +9,11 @@ import triton
 import triton.language as tl
 
 
+#: every launch asks for floating-point contraction (a multiply and an add as one FMA) explicitly: the kernels were
+#: tuned and validated with it, Triton's default until 3.9, which warns that 3.10 turns it off
+FP_FUSION = True
+
+
 @triton.constexpr_function
 def field_shift(fields, j):
     """Where field j (0…8; 8: the word's width) starts in a group word of the boundaries ``fields``

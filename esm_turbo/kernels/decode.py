@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import (dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate, split16,
+from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate, split16,
                      token_offsets, token_strides)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -685,7 +685,7 @@ def _attention_small(q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k
         KSIGN=k_sign.numel() > 0, VSIGN=v_sign.numel() > 0, BLOCK_T=block_t,
         BLOCK_NS=triton.next_power_of_2(splits), NK=k_tab[0].numel(), NV=v_tab[0].numel(),
         PREFETCH=cfg["prefetch"], INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"],
-        GRID=grid, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+        GRID=grid, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], enable_fp_fusion=FP_FUSION)
     return out
 
 
@@ -808,7 +808,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
     _prep_kernel[(heads, triton.cdiv(batch * s, cfg["prep_block"]))](
         q, *q_strides, k_rot, k_offset, k_scale, qt, c0, batch, heads, s, D=d, BLOCK_N=cfg["prep_block"],
-        COLS=min(d, cfg["prep_cols"]), PRECISION=precision, SPLIT16=split16(q, precision), PDL=pdl, num_warps=4)
+        COLS=min(d, cfg["prep_cols"]), PRECISION=precision, SPLIT16=split16(q, precision), PDL=pdl, num_warps=4,
+        enable_fp_fusion=FP_FUSION)
     m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
@@ -818,7 +819,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     consts = dict(D=d, KBITS=k_bits, VBITS=v_bits, KFIELDS=k_fields, VFIELDS=v_fields, KSIGN=k_has_sign,
                   VSIGN=v_has_sign, BLOCK_S=block_s, BLOCK_T=block_t, NK=k_tab[0].numel(), NV=v_tab[0].numel(),
                   PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl, num_warps=cfg["num_warps"],
-                  maxnreg=cfg["maxnreg"], launch_pdl=pdl)
+                  maxnreg=cfg["maxnreg"], launch_pdl=pdl, enable_fp_fusion=FP_FUSION)
     if run:
         _stream_kernel[(launched,)](*codes, programs, nt, run, splits, INTERPRET=run if interpreting() else 0,
                                     **consts)
@@ -830,5 +831,5 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         c0, q, *q_strides, k_new, *k_strides, v_new, *v_strides, m, l_, acc, new_valid, v_scale, v_offset, v_rot,
         out, batch, heads, s, splits, nt, run,
         D=d, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=min(d, cfg["merge_cols"]), PRECISION=precision,
-        num_warps=4)
+        num_warps=4, enable_fp_fusion=FP_FUSION)
     return out

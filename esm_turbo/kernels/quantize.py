@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import (dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate, split16,
+from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate, split16,
                      token_strides)
 
 
@@ -349,4 +349,5 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
         KBITS=kc.bits, KK=kc.levels, KFIELDS=kc.fields, KSIGN=kc.sign, KCOMB=kc.combine, VBITS=vc.bits,
         VK=vc.levels, VFIELDS=vc.fields, VSIGN=vc.sign, VCOMB=vc.combine, BLOCK_N=block_n, PER_SEQ=per_seq,
         PRECISION=cfg["precision"], KSPLIT=kc.split, VSPLIT=vc.split, KPOS=kc.by_position, VPOS=vc.by_position,
-        KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), num_warps=cfg["num_warps"], maxnreg=maxnreg)
+        KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), num_warps=cfg["num_warps"], maxnreg=maxnreg,
+        enable_fp_fusion=FP_FUSION)

@@ -1,0 +1,103 @@
+"""The instruction mix of the stream-K decode walk's tile loop (sm_90 SASS), compiled without a GPU as a launch on the
+bench's default cache compiles it: the default codec's widths, fields and grid, one warp, 168 registers, and the
+specialization Triton gives a launch (S = 1 a constant; pointers and the lengths T_CAP, R and NT divisible by 16).
+A listing compiled without that specialization loads its codes 32 bits at a time and counts other instructions.
+
+    python scripts/sass_mix.py            # head_dim 64 (650M-shaped) and 128 (15B-shaped)
+    python scripts/sass_mix.py --dump DIR # also writes each kernel's PTX and SASS there
+
+Needs Triton's NVIDIA backend (its bundled ptxas and nvdisasm); TRITON_INTERPRET must be unset."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from esm_turbo.bench import default_codec
+from esm_turbo.kernels import decode
+from esm_turbo.kernels.common import FP_FUSION
+from esm_turbo.ops.compressed import fused_tables
+
+#: block_t of the default cache's stream-K walk per head_dim (``compressed_attention_triton``)
+BLOCK_T = {64: 32, 128: 16}
+#: the stream kernel's integer arguments, and those a real launch passes as multiples of 16
+INTS = ("H", "T_CAP", "R", "NT", "W", "NS")
+DIV16 = ("T_CAP", "R", "NT")
+
+
+def compile_stream(d: int):
+    """The stream kernel for a 20- (d = 64) or 40-head (d = 128) default codec, compiled for sm_90."""
+    tables = fused_tables(default_codec(20 if d == 64 else 40, d))
+    consts = dict(D=d, KBITS=tables.k_codes.bits, VBITS=tables.v_codes.bits, KFIELDS=tables.k_fields,
+                  VFIELDS=tables.v_fields, KSIGN=False, VSIGN=False, BLOCK_S=1, BLOCK_T=BLOCK_T[d],
+                  NK=tables.k_tab[0].numel(), NV=tables.v_tab[0].numel(), PREFETCH=True, INTERPRET=0, ROWS=False,
+                  GRID=tables.grid, PDL=True, S=1)
+    names = list(inspect.signature(decode._stream_kernel.fn).parameters)
+    ptrs = dict(k_idx_ptr="*u8", k_sign_ptr="*u8", v_idx_ptr="*u8", v_sign_ptr="*u8", len_ptr="*i64",
+                k_lay_ptr="*i32", v_lay_ptr="*i32")
+    sig = {n: "constexpr" if n in consts else "i32" if n in INTS else ptrs.get(n, "*fp32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in DIV16 or sig[n].startswith("*")}
+    src = triton.compiler.ASTSource(fn=decode._stream_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    options = dict(num_warps=1, maxnreg=168, enable_fp_fusion=FP_FUSION)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def disassemble(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def tile_loop(sass: str) -> list[str]:
+    """The instructions of the innermost loop that loads (LDG): the tile loop (the row loop around it is larger)."""
+    labels, instrs = {}, []
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(instrs)
+        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
+            instrs.append(m.group(1))
+    loops = [instrs[labels[m.group(1)]:i + 1] for i, ins in enumerate(instrs)
+             if (m := re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)) and labels.get(m.group(1), i + 1) <= i]
+    loops = [body for body in loops if any(" LDG" in f" {x}" for x in body)]
+    if not loops:
+        raise RuntimeError("no loop with global loads in the listing")
+    return min(loops, key=len)
+
+
+def opcode_mix(body: list[str]) -> collections.Counter:
+    """Opcodes (predicates and modifiers dropped) of a loop body."""
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dump", help="write each kernel's PTX and SASS to this directory")
+    args = parser.parse_args(argv)
+    print(f"triton {triton.__version__}, sm_90", flush=True)
+    for d in (64, 128):
+        kernel = compile_stream(d)
+        sass = disassemble(kernel.asm["cubin"])
+        body = tile_loop(sass)
+        mix = opcode_mix(body)
+        wide = sum(1 for x in body if "LDG.E.128" in x)
+        print(f"d={d} block_t={BLOCK_T[d]}: {len(body)} instructions a tile, {mix['LDG']} loads "
+              f"({wide} of them 128-bit): " + ", ".join(f"{k} {v}" for k, v in mix.most_common(12)), flush=True)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            for ext, text in (("ptx", kernel.asm["ptx"]), ("sass", sass)):
+                with open(os.path.join(args.dump, f"stream_d{d}.{ext}"), "w") as f:
+                    f.write(text)
+
+
+if __name__ == "__main__":
+    main()
