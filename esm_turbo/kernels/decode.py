@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate, split16,
-                     token_offsets, token_strides)
+from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate,
+                     split16, token_offsets, token_strides)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _ASM = tl.constexpr(not interpreting())  # inline PTX where the kernels are compiled

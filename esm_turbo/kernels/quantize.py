@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ..quant.packing import packed_shifts
-from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate, split16,
-                     token_strides)
+from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate,
+                     split16, token_strides)
 
 
 @triton.jit
