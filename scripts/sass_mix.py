@@ -12,42 +12,32 @@ from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import os
 import re
 import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 
 from esm_turbo.bench import default_codec
 from esm_turbo.kernels import decode
-from esm_turbo.kernels.common import FP_FUSION
+from esm_turbo.kernels.offline import CODE_PTRS, compile_sm90
 from esm_turbo.ops.compressed import fused_tables
 
 #: block_t of the default cache's stream-K walk per head_dim (``compressed_attention_triton``)
 BLOCK_T = {64: 32, 128: 16}
-#: the stream kernel's integer arguments, and those a real launch passes as multiples of 16
-INTS = ("H", "T_CAP", "R", "NT", "W", "NS")
-DIV16 = ("T_CAP", "R", "NT")
 
 
 def compile_stream(d: int):
-    """The stream kernel for a 20- (d = 64) or 40-head (d = 128) default codec, compiled for sm_90."""
+    """The stream kernel for a 20- (d = 64) or 40-head (d = 128) default codec, compiled for sm_90 with a launch's
+    specialization (S = 1; pointers and the lengths T_CAP, R and NT multiples of 16)."""
     tables = fused_tables(default_codec(20 if d == 64 else 40, d))
     consts = dict(D=d, KBITS=tables.k_codes.bits, VBITS=tables.v_codes.bits, KFIELDS=tables.k_fields,
                   VFIELDS=tables.v_fields, KSIGN=False, VSIGN=False, BLOCK_S=1, BLOCK_T=BLOCK_T[d],
                   NK=tables.k_tab[0].numel(), NV=tables.v_tab[0].numel(), PREFETCH=True, INTERPRET=0, ROWS=False,
                   GRID=tables.grid, PDL=True, S=1)
-    names = list(inspect.signature(decode._stream_kernel.fn).parameters)
-    ptrs = dict(k_idx_ptr="*u8", k_sign_ptr="*u8", v_idx_ptr="*u8", v_sign_ptr="*u8", len_ptr="*i64",
-                k_lay_ptr="*i32", v_lay_ptr="*i32")
-    sig = {n: "constexpr" if n in consts else "i32" if n in INTS else ptrs.get(n, "*fp32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in DIV16 or sig[n].startswith("*")}
-    src = triton.compiler.ASTSource(fn=decode._stream_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    options = dict(num_warps=1, maxnreg=168, enable_fp_fusion=FP_FUSION)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_sm90(decode._stream_kernel, consts, ("H", "T_CAP", "R", "NT", "W", "NS"), CODE_PTRS, num_warps=1,
+                        maxnreg=168, aligned=("T_CAP", "R", "NT"))
 
 
 def disassemble(cubin: bytes) -> str:

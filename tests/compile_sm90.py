@@ -2,36 +2,22 @@
 ptxas, under the constexprs the wrappers use; prints one ``compiled <kernel> <cubin bytes>`` line each.
 Run by tests/test_kernels.py::test_kernels_compile_for_sm90 (TRITON_INTERPRET must be unset)."""
 
-import inspect
-
-import triton
-from triton.backends.compiler import GPUTarget
-
 from esm_turbo.kernels import decode, quantize
-from esm_turbo.kernels.common import FP_FUSION
+from esm_turbo.kernels.offline import CODE_PTRS, compile_sm90 as compile_kernel
 from esm_turbo.quant.packing import packed_shifts
 
 
 def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, maxnreg: int | None = None) -> int:
-    """Constexprs from ``consts``, i32 scalars ``ints``, every other parameter a pointer (``ptrs`` names
-    its dtype, default fp32), registers capped at ``maxnreg`` as the wrapper launches it; returns the cubin size."""
-    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
-    assert not missing, f"{fn.fn.__name__}: no value for constexprs {missing}"
-    sig = {}
-    for name in inspect.signature(fn.fn).parameters:
-        sig[name] = "constexpr" if name in consts else "i32" if name in ints else ptrs.get(name, "*fp32")
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    options = dict(num_warps=num_warps, enable_fp_fusion=FP_FUSION) | (dict(maxnreg=maxnreg) if maxnreg else {})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    size = len(kernel.asm["cubin"])
+    """``esm_turbo.kernels.offline.compile_sm90`` (without a launch's specialization), printed; returns the cubin
+    size."""
+    size = len(compile_kernel(fn, consts, ints, ptrs, num_warps, maxnreg).asm["cubin"])
     print("compiled", fn.fn.__name__, size, flush=True)
     return size
 
 
 def main() -> None:
     u8, i64, f16 = "*u8", "*i64", "*fp16"
-    codes = dict(k_idx_ptr=u8, k_sign_ptr=u8, v_idx_ptr=u8, v_sign_ptr=u8, len_ptr=i64, k_lay_ptr="*i32",
-                 v_lay_ptr="*i32")
+    codes = CODE_PTRS
     walk = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False, GRID=0)
     small_ints = {"sqb", "sqh", "skb", "skh", "svb", "svh", "H", "T_CAP", "CHUNK", "NS"}
     small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16)

@@ -8,6 +8,8 @@
   (``TRITON_INTERPRET=1``, set in conftest) at small sizes; on a GPU at the full grid of sizes.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -502,23 +504,29 @@ def _has_nvidia_backend() -> bool:
     return "nvidia" in triton.backends.backends
 
 
+def _compiling(script: str) -> str:
+    """The stdout of ``script`` (relative to tests/) run in a process without TRITON_INTERPRET, so that it compiles
+    the kernels; the test fails with its stderr if it fails."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas)")
 def test_kernels_compile_for_sm90():
     """Every Triton kernel compiles for sm_90 (tests/compile_sm90.py, in a process without
     TRITON_INTERPRET): the CPU interpreter runs the kernels' Python but never compiles them, so without
     this a compile error would surface only on a GPU."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "compile_sm90.py")
-    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    compiled = [line for line in run.stdout.splitlines() if line.startswith("compiled ")]
+    out = _compiling("compile_sm90.py")
+    compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid), prep, merge twice (many sequences per program,
     # several queries); quantize-and-pack five times: prefills in blocks of 32 and 64, a decode step, the last two
     # also with grid codes
-    assert len(compiled) == 20, run.stdout
+    assert len(compiled) == 20, out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
@@ -526,17 +534,11 @@ def test_default_walk_loads_its_codes_128_bits_at_a_time():
     """scripts/sass_mix.py compiles the stream-K walk as a launch on the default cache compiles it: each thread's share
     of a tile's key and value words (64 bytes) arrives in four 128-bit loads at both head_dims. Pointer arithmetic
     that loses the alignment Triton infers would split them into 32-bit or byte loads (and more instructions)."""
-    import os
     import re
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "sass_mix.py")
-    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    loads = re.findall(r"^d=(\d+) .*?(\d+) loads \((\d+) of them 128-bit\)", run.stdout, re.M)
-    assert sorted(int(d) for d, _, _ in loads) == [64, 128], run.stdout
-    assert all(n == wide == "4" for _, n, wide in loads), run.stdout
+    out = _compiling(os.path.join(os.pardir, "scripts", "sass_mix.py"))
+    loads = re.findall(r"^d=(\d+) .*?(\d+) loads \((\d+) of them 128-bit\)", out, re.M)
+    assert sorted(int(d) for d, _, _ in loads) == [64, 128], out
+    assert all(n == wide == "4" for _, n, wide in loads), out
 
 
 def test_custom_ops_compile_without_graph_breaks():
