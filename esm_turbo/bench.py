@@ -36,6 +36,7 @@ SHAPES = {"650M": (20, 64), "15B": (40, 128)}
 class BenchResult:
     device: str
     peak_copy_gbs: float | None = None
+    graph_floor_us: float | None = None
     attention: list[dict] = field(default_factory=list)
     quantize: dict = field(default_factory=dict)
     decode: list[dict] = field(default_factory=list)
@@ -89,6 +90,28 @@ def peak_copy_gbs(device: torch.device) -> float:
     dst = torch.empty_like(src)
     sec = _time(lambda: dst.copy_(src), device)
     return 2 * src.numel() / sec / 1e9
+
+
+def graph_floor_us(device: torch.device) -> float:
+    """µs of a graph holding one one-element add, timed as every call here is (:func:`_time`): what each
+    timing includes besides its kernels."""
+    one = torch.zeros(1, device=device)
+    return _time(lambda: one.add_(1), device) * 1e6
+
+
+#: programs per SM of the read-only floor: one-warp programs, 12 and 16 per SM read fastest on an H100
+#: (results/gpu/ceiling_h100.txt)
+READ_PROGRAMS_PER_SM = (12, 16)
+
+
+def read_floor_us(nbytes: int, device: torch.device) -> float:
+    """µs (as :func:`_time`) of a kernel that only reads ``nbytes`` (rounded up to whole 2 KB chunks), the
+    fastest of :data:`READ_PROGRAMS_PER_SM`: the least any kernel reading those bytes takes (CUDA)."""
+    from .kernels.read import WORDS_PER_WARP, read_words
+    words = torch.empty(-(-nbytes // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device)
+    words.random_()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(_time(lambda: read_words(words, sms * n), device) for n in READ_PROGRAMS_PER_SM) * 1e6
 
 
 #: the recipe a default calibration runs (its widths and residual, :meth:`CalibrationConfig.resolved`)
@@ -154,7 +177,9 @@ def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> li
                 valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
                 grid = _synthetic_cache(heads, dim, batch, length, device, grid=True)
                 row["grid_us"], row["grid_step_us"], row["grid_gbs"] = _time_fused(grid, q, k_new, v_new, valid)
+                nbytes = grid.memory_report().bytes_per_token_per_layer * batch * length
                 grid = None
+                row["read_us"] = read_floor_us(nbytes, device) if device.type == "cuda" else None
                 cache = _synthetic_cache(heads, dim, batch, length, device, grid=False)
                 codec = cache.codecs[0]
                 row["fused_us"], row["fused_step_us"], row["fused_gbs"] = _time_fused(cache, q, k_new, v_new, valid)
@@ -186,6 +211,8 @@ def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> li
                     t = row[f"{base}_us"]
                     row[f"speedup_vs_{base}"] = t / row["fused_us"] if t else None
                     row[f"grid_speedup_vs_{base}"] = t / row["grid_us"] if t else None
+                t = row["sdpa_fp16_us"]
+                row["ceiling_vs_sdpa_fp16"] = t / row["read_us"] if t and row["read_us"] else None
                 t = row["sdpa_fp16_step_us"]
                 row["step_speedup_vs_sdpa_fp16"] = t / row["fused_step_us"] if t else None
                 row["grid_step_speedup_vs_sdpa_fp16"] = t / row["grid_step_us"] if t else None
@@ -422,6 +449,7 @@ def run(quick: bool = False, device: str | None = None, reference: bool = False,
             return res
     if dev.type == "cuda":
         res.peak_copy_gbs = peak_copy_gbs(dev)
+        res.graph_floor_us = graph_floor_us(dev)
         batches, lengths = ((1, 8), (1024, 4096)) if quick else ((1, 8, 64), (1024, 4096, 16384))
         res.attention = bench_attention(dev, batches, lengths)
         res.quantize = bench_quantize(dev)
@@ -440,6 +468,9 @@ def format_result(res: BenchResult) -> str:
     lines = [f"device: {res.device}"]
     if res.peak_copy_gbs:
         lines.append(f"device-to-device copy: {res.peak_copy_gbs:.0f} GB/s (read + write)")
+    if res.graph_floor_us:
+        lines.append(f"a graph of one one-element add: {res.graph_floor_us:.1f} µs, timed as every call below (each µs "
+                     "includes it)")
     if res.attention:
         lines.append(f"\ndecode attention per layer call (1 new token per sequence; the default widths: keys "
                      f"{DEFAULT_RECIPE.key_bits} + {DEFAULT_RECIPE.residual}, values {DEFAULT_RECIPE.value_bits} + "
@@ -448,10 +479,12 @@ def format_result(res: BenchResult) -> str:
                      f"decode step's layers replay)")
         lines.append("(fused: per-channel LUT codes, lut='channel'; grid: the same kernels and bytes on a grid codec's "
                      "cache, lut='grid', values computed from the codes, no table look-ups)")
+        lines.append("(read µs: a kernel that only reads the bytes the grid kernel reads, the least any kernel reading "
+                     "them takes; ceiling: fp16 SDPA µs / read µs, the most ×SDPA those bytes allow on this GPU)")
         lines.append(f"{'shape':6} {'B':>3} {'T':>6} {'fused µs':>9} {'two-step µs':>11} {'fp16 SDPA µs':>12} "
                      f"{'×two-step':>9} {'×SDPA':>6} {'GB/s':>6} {'%copy':>6} {'fused step µs':>13} "
                      f"{'SDPA step µs':>12} {'×SDPA step':>10} | {'grid µs':>8} {'×SDPA':>6} {'%copy':>6} "
-                     f"{'grid step µs':>12} {'×SDPA step':>10}")
+                     f"{'grid step µs':>12} {'×SDPA step':>10} {'read µs':>8} {'ceiling':>7}")
 
     def f(x, fmt):
         return format(x, fmt) if x is not None else "n/a"
@@ -464,7 +497,8 @@ def format_result(res: BenchResult) -> str:
                      f"{r['fused_gbs']:>6.0f} {f(pct, '.0f'):>6} {f(r.get('fused_step_us'), '.1f'):>13} "
                      f"{f(r.get('sdpa_fp16_step_us'), '.1f'):>12} {f(r.get('step_speedup_vs_sdpa_fp16'), '.2f'):>10} | "
                      f"{r['grid_us']:>8.1f} {f(r['grid_speedup_vs_sdpa_fp16'], '.2f'):>6} {f(grid_pct, '.0f'):>6} "
-                     f"{r['grid_step_us']:>12.1f} {f(r['grid_step_speedup_vs_sdpa_fp16'], '.2f'):>10}")
+                     f"{r['grid_step_us']:>12.1f} {f(r['grid_step_speedup_vs_sdpa_fp16'], '.2f'):>10} "
+                     f"{f(r.get('read_us'), '.1f'):>8} {f(r.get('ceiling_vs_sdpa_fp16'), '.2f'):>7}")
     q = res.quantize
     if q:
         lines.append(f"\nquantize-and-pack ({q['path']}), {q['model']}, prefill of {q['tokens']} tokens "

@@ -2,7 +2,7 @@
 ptxas, under the constexprs the wrappers use; prints one ``compiled <kernel> <cubin bytes>`` line each.
 Run by tests/test_kernels.py::test_kernels_compile_for_sm90 (TRITON_INTERPRET must be unset)."""
 
-from esm_turbo.kernels import decode, quantize
+from esm_turbo.kernels import decode, quantize, read
 from esm_turbo.kernels.offline import CODE_PTRS, compile_sm90 as compile_kernel
 from esm_turbo.quant.packing import packed_shifts
 
@@ -60,6 +60,9 @@ def main() -> None:
                      strides | {"B", "H", "S", "T_CAP"},
                      dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",
                           v_lay="*i32"), num_warps=4, maxnreg=96 if block_n == 64 else None)
+    # the bench's read-only floor
+    compile_sm90(read._read_kernel, dict(BLOCK=read.WORDS_PER_WARP), {"n_chunks", "per_prog"},
+                 dict(x_ptr="*i32", out_ptr="*i32"), num_warps=1)
 
 
 if __name__ == "__main__":

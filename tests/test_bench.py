@@ -1,12 +1,14 @@
 """esm-turbo bench runs on CPU (reference paths, small sizes) and reports ratios against baselines
 measured in the same run; nothing here asserts a speed."""
 
+import pytest
+import torch
+
 from esm_turbo.bench import bench_attention, format_result, BenchResult
 from esm_turbo.cli import main
 
 
 def test_attention_rows_have_their_baselines():
-    import torch
     rows = bench_attention(torch.device("cpu"), (1, 2), (64,), {"tiny": (2, 16)})
     assert len(rows) == 2
     for r in rows:
@@ -14,8 +16,20 @@ def test_attention_rows_have_their_baselines():
         assert r["fused_us"] > 0 and r["sdpa_fp16_us"] > 0 and r["two_step_us"] > 0
         assert r["speedup_vs_sdpa_fp16"] == r["sdpa_fp16_us"] / r["fused_us"]
         assert r["fused_step_us"] > 0 and r["step_speedup_vs_sdpa_fp16"] == r["sdpa_fp16_step_us"] / r["fused_step_us"]
+        assert r["read_us"] is None and r["ceiling_vs_sdpa_fp16"] is None  # the read-only floor is timed on CUDA
     text = format_result(BenchResult(device="cpu", attention=rows))
     assert "tiny" in text and "fp16 SDPA" in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+def test_attention_rows_gpu_have_their_read_floor():
+    from esm_turbo.bench import graph_floor_us
+    rows = bench_attention(torch.device("cuda"), (2,), (1024,), {"tiny": (2, 64)})
+    (r,) = rows
+    assert r["fused_path"] == "triton" and r["read_us"] > 0
+    assert r["ceiling_vs_sdpa_fp16"] == r["sdpa_fp16_us"] / r["read_us"]
+    res = BenchResult(device="cuda", graph_floor_us=graph_floor_us(torch.device("cuda")), attention=rows)
+    assert res.graph_floor_us > 0 and "ceiling" in format_result(res)
 
 
 def test_cli_bench_embed_smoke(tmp_path, capsys):

@@ -216,6 +216,22 @@ def test_one_launch_rule():
     assert not one_launch(1, 20, 1, 128, 1024, grid=True) and not one_launch(1, 20, 2, 64, 1024, grid=True)
 
 
+@needs_triton
+@pytest.mark.parametrize("chunks,programs,warps", [(7, 3, 1), (2, 5, 1), (6, 2, 2)])
+def test_read_kernel_matches_reference(chunks, programs, warps):
+    """The bench's read-only floor reads every word once: uneven runs, programs left without a chunk (their rows
+    zero) and two-warp chunks XOR to what the reference gets."""
+    from esm_turbo.kernels.read import WORDS_PER_WARP, read_words, read_words_reference
+    gen = torch.Generator().manual_seed(chunks)
+    words = torch.randint(-2**31, 2**31 - 1, (chunks * WORDS_PER_WARP * warps,), generator=gen,
+                          dtype=torch.int32).to(DEVICE)
+    got = read_words(words, programs, warps)
+    assert torch.equal(got, read_words_reference(words, programs, warps))
+    assert got.shape == (programs, WORDS_PER_WARP * warps) and got.any()
+    with pytest.raises(ValueError, match="multiple of 512"):
+        read_words(words[1:], programs)
+
+
 def test_split_rotation_keeps_fp32_accuracy():
     """Π's fp16 halves (what the quantize kernel reads for fp16 inputs): Π_hi + Π_lo/2048 is Π to ~2^-22
     relative, so fp16 x times the two halves matches x Πᵀ as an fp32 product would."""
@@ -525,8 +541,8 @@ def test_kernels_compile_for_sm90():
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid), prep, merge twice (many sequences per program,
     # several queries); quantize-and-pack five times: prefills in blocks of 32 and 64, a decode step, the last two
-    # also with grid codes
-    assert len(compiled) == 20, out
+    # also with grid codes; the bench's read-only kernel
+    assert len(compiled) == 21, out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")

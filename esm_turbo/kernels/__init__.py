@@ -1,5 +1,6 @@
 """Triton kernels (CUDA; tests also run them under Triton's interpreter). Each has a PyTorch reference with
-the same signature in ``esm_turbo.ops.compressed``; dispatch is in ``esm_turbo.ops``."""
+the same signature in ``esm_turbo.ops.compressed``; dispatch is in ``esm_turbo.ops``. The bench's read-only
+kernel (``kernels.read``) keeps its reference beside it."""
 
 from __future__ import annotations
 
