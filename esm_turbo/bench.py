@@ -100,7 +100,7 @@ def graph_floor_us(device: torch.device) -> float:
 
 
 #: programs per SM of the read-only floor: one-warp programs, 12 and 16 per SM read fastest on an H100
-#: (results/gpu/ceiling_h100.txt)
+#: (results/gpu/decode_session25_h100.txt, round 1)
 READ_PROGRAMS_PER_SM = (12, 16)
 
 
@@ -149,6 +149,11 @@ def fill_synthetic(cache: KVCache, length: int, generator: torch.Generator | Non
     cache._max_bound = length
 
 
+def _bytes_read(cache: KVCache) -> int:
+    """Bytes of the cache's layer 0 that a decode call over every row (all ``cache.lengths.max()`` long) reads."""
+    return cache.memory_report().bytes_per_token_per_layer * cache.batch_size * int(cache.lengths.max())
+
+
 def _time_fused(cache: KVCache, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 valid: torch.Tensor) -> tuple[float, float, float]:
     """The fused decode attention of q [B, H, 1, d] over layer 0 of ``cache`` (all rows ``cache.lengths`` long):
@@ -160,8 +165,7 @@ def _time_fused(cache: KVCache, q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         return attend_compressed(codec, parts, cache.lengths, q, k_new, v_new, valid)
     device = q.device
     us = _time(fused, device) * 1e6
-    read = cache.memory_report().bytes_per_token_per_layer * q.shape[0] * int(cache.lengths.max())
-    return us, _time_in_step(fused, device) * 1e6, read / (us * 1e-6) / 1e9
+    return us, _time_in_step(fused, device) * 1e6, _bytes_read(cache) / (us * 1e-6) / 1e9
 
 
 def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> list[dict]:
@@ -177,7 +181,7 @@ def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> li
                 valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
                 grid = _synthetic_cache(heads, dim, batch, length, device, grid=True)
                 row["grid_us"], row["grid_step_us"], row["grid_gbs"] = _time_fused(grid, q, k_new, v_new, valid)
-                nbytes = grid.memory_report().bytes_per_token_per_layer * batch * length
+                nbytes = _bytes_read(grid)
                 grid = None
                 row["read_us"] = read_floor_us(nbytes, device) if device.type == "cuda" else None
                 cache = _synthetic_cache(heads, dim, batch, length, device, grid=False)
