@@ -4,6 +4,7 @@ and Triton kernels on CUDA. The public API is what this module exports."""
 __version__ = "0.1.0"
 
 from .cache import KVCache, MemoryReport  # noqa: E402
+from .embed.fast_esm import FastEsm  # noqa: E402
 from .errors import CheckpointError, EsmTurboError, FastaError, ModelLoadError  # noqa: E402
 from .fasta import Record, read_fasta, read_fastas  # noqa: E402
 from .model.calibrate import calibrate  # noqa: E402
@@ -16,7 +17,7 @@ from .quant.lloyd_max import lloyd_max, lloyd_max_weighted  # noqa: E402
 
 __all__ = [
     "Calibration", "CalibrationConfig", "CheckpointError", "DecodeSession", "ESM2_SIZES", "EsmTurboError",
-    "FastaError", "KVCache", "KVCodec", "MemoryReport", "ModelLoadError", "PRESETS", "Record", "StepOutput",
+    "FastEsm", "FastaError", "KVCache", "KVCodec", "MemoryReport", "ModelLoadError", "PRESETS", "Record", "StepOutput",
     "TurboEsm", "VectorQuantizer", "__version__", "calibrate", "dense_codec", "esm2_config", "load_esm",
     "lloyd_max", "lloyd_max_weighted", "model_fingerprint", "oblivious_codec", "read_fasta", "read_fastas",
 ]

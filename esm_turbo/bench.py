@@ -379,63 +379,6 @@ def bench_cpu_steps(sizes=("8M", "35M"), context: int = 256, steps: int = 8,
     return rows
 
 
-class _NullWriter:
-    """Discards outputs (after they reached the host): the embed benchmark times extraction, not disk."""
-
-    def existing_ids(self) -> set:
-        return set()
-
-    def write(self, items) -> None:
-        pass
-
-
-@torch.no_grad()
-def bench_embed(device, fasta: list[str], size: str = "650M", repeat: int = 8, hf_batch: int = 16,
-                toks_per_batch: int = 16384, layers: int | None = None) -> dict:
-    """Mean embeddings of the same FASTA (repeated ``repeat`` times): transformers' EsmModel (SDPA,
-    fp16 on GPU, batches of ``hf_batch`` in file order, padded) vs :class:`Embedder`."""
-    from .embed.extract import EmbedConfig, Embedder
-    from .fasta import Record, read_fastas
-    from .model.alphabet import encode
-    base = read_fastas(fasta)
-    records = [Record(f"{r.id}#{k}", r.sequence, r.source) for k in range(repeat) for r in base]
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    model = _model(size, device, dtype, layers)
-    tokens_total = sum(len(r.sequence) + 2 for r in records)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def hf_run():
-        for i in range(0, len(records), hf_batch):
-            chunk = records[i: i + hf_batch]
-            tokens, mask = encode([r.sequence for r in chunk])
-            out = model.esm(input_ids=tokens.to(device), attention_mask=mask.to(device))
-            m = mask.to(device)[..., None]
-            (out.last_hidden_state * m).sum(1).div(m.sum(1)).float().cpu()
-
-    embedder = Embedder(model, EmbedConfig(include=["mean"], toks_per_batch=toks_per_batch,
-                                           dtype={torch.float16: "fp16", torch.float32: "fp32"}[dtype]), device)
-
-    def ours_run():
-        embedder.run(records, _NullWriter(), progress=False)
-
-    result = dict(model=f"{size}-shaped" + (f" ({layers} layers)" if layers else ""), sequences=len(records),
-                  tokens=tokens_total, hf_batch=hf_batch, toks_per_batch=toks_per_batch)
-    for name, fn in (("hf", hf_run), ("ours", ours_run)):
-        fn()  # warm-up (kernels, allocator)
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        sec = time.perf_counter() - t0
-        result[f"{name}_seconds"] = sec
-        result[f"{name}_tokens_per_s"] = tokens_total / sec
-    result["speedup"] = result["ours_tokens_per_s"] / result["hf_tokens_per_s"]
-    return result
-
-
 EMBED_FASTA = [str(CALIBRATION_DATA / "calibration.fasta"), str(CALIBRATION_DATA / "evaluation.fasta")]
 
 
@@ -448,7 +391,8 @@ def run(quick: bool = False, device: str | None = None, reference: bool = False,
     res = BenchResult(device=name)
     if suite in ("embed", "all"):
         fasta = fasta or EMBED_FASTA
-        res.embed = bench_embed(dev, fasta) if dev.type == "cuda" else bench_embed(dev, fasta, "8M", repeat=1)
+        from .embed.benchmark import bench_embed
+        res.embed = bench_embed(dev, fasta, quick=quick)
         if suite == "embed":
             return res
     if dev.type == "cuda":
@@ -515,13 +459,9 @@ def format_result(res: BenchResult) -> str:
             ratio = f"  {r['speedup_vs_fp16']:.2f}× fp16" if "speedup_vs_fp16" in r else ""
             lines.append(f"  {r['cache']:14} batch {r['batch']:>5}  KV {r['kv_gib']:.2f} GiB  "
                          f"{r['tokens_per_s']:>10.0f} tokens/s  ({r['step_ms']:.2f} ms/step){ratio}")
-    e = res.embed
-    if e:
-        lines.append(f"\nembedding extraction, {e['model']}, {e['sequences']} sequences / {e['tokens']} tokens "
-                     f"(mean representations)")
-        lines.append(f"  transformers EsmModel, padded batches of {e['hf_batch']}: {e['hf_tokens_per_s']:>9.0f} tokens/s")
-        lines.append(f"  esm-turbo embed, sorted {e['toks_per_batch']}-token batches: {e['ours_tokens_per_s']:>9.0f} "
-                     f"tokens/s   ratio {e['speedup']:.2f}×")
+    if res.embed:
+        from .embed.benchmark import format_embed
+        lines += format_embed(res.embed)
     if res.cpu_steps:
         lines.append("\nCPU decode step, batch 1 (PyTorch reference path), and calibration of the stand-in model")
         for r in res.cpu_steps:

@@ -13,6 +13,7 @@ import torch
 
 from .errors import EsmTurboError
 from .fasta import CALIBRATION_DATA
+from .embed.extract import TOKS_PER_BATCH
 from .model.checkpoint import PRESETS
 
 log = logging.getLogger("esm_turbo")
@@ -131,7 +132,7 @@ def cmd_embed(args) -> int:
     summary = EmbedSummary()
     records, seen = [], set()
     for path in args.fasta:  # length limits are the embedder's job (truncate / windows), not an error
-        recs, problems = read_fasta(path, skip_invalid=args.skip_invalid, seen=seen)
+        recs, problems = read_fasta(path, skip_invalid=args.skip_invalid, seen=seen, strip_gaps=args.strip_gaps)
         records += recs
         summary.failed += problems
     for problem in summary.failed:
@@ -278,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repr-layers", "--repr_layers", dest="repr_layers", type=int, nargs="+", default=[-1],
                    help="layers to save (0 = embeddings; negative counts from the end, as in fair-esm)")
     p.add_argument("--include", nargs="+", default=["mean"], help="mean per_tok bos contacts logits")
-    p.add_argument("--toks-per-batch", "--toks_per_batch", dest="toks_per_batch", type=int, default=4096)
+    p.add_argument("--toks-per-batch", "--toks_per_batch", dest="toks_per_batch", type=int, default=TOKS_PER_BATCH,
+                   help="tokens per batch (packed, no padding; with contacts, padded as in fair-esm)")
     p.add_argument("--truncation-seq-length", "--truncation_seq_length", dest="truncation_seq_length", type=int,
                    default=1022, help="residues per pass (ESM-2's trained context is 1022)")
     p.add_argument("--long-policy", choices=["truncate", "windows"], default="truncate",
@@ -293,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="skip ids already written to the output")
     p.add_argument("--skip-invalid", action="store_true",
                    help="skip malformed / invalid records (reported) instead of stopping")
+    p.add_argument("--strip-gaps", action="store_true",
+                   help="remove alignment gaps ('-', '.') before embedding; without it they are embedded as the "
+                        "ESM-2 tokens they are")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_embed)
 

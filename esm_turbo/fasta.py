@@ -9,7 +9,7 @@ from pathlib import Path
 from Bio.SeqIO.FastaIO import SimpleFastaParser
 
 from .errors import EsmTurboError, FastaError
-from .model.alphabet import check_sequence
+from .model.alphabet import check_sequence, strip_gaps as _strip_gaps
 
 #: the repository's FASTA sets (calibration_data/; an editable install keeps them beside the package)
 CALIBRATION_DATA = Path(__file__).resolve().parents[1] / "calibration_data"
@@ -24,17 +24,20 @@ class Record:
 
 
 def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: bool = False,
-               seen: set[str] | None = None) -> tuple[list[Record], list[str]]:
+               seen: set[str] | None = None, strip_gaps: bool = False) -> tuple[list[Record], list[str]]:
     """Read and validate one FASTA file. Returns (records, problems skipped when ``skip_invalid``).
 
-    Checked: the file exists and starts with '>', no text before the first header, non-empty
-    sequences, ESM-2 residues only, length ≤ ``max_residues``, unique ids (also across files when
-    the caller passes the same ``seen`` set).
+    Checked: the file exists, is not empty and starts with '>', no text before the first header,
+    non-empty sequences, ESM-2 tokens only (residues, and the gaps '-' and '.', which are removed
+    first when ``strip_gaps``), length ≤ ``max_residues``, unique ids (also across files when the
+    caller passes the same ``seen`` set).
     """
     path = Path(path)
     if not path.is_file():
         raise FastaError(f"{path}: no such FASTA file")
     text = path.read_text(errors="replace")
+    if not text.strip():
+        raise FastaError(f"{path}: empty file (no FASTA records)")
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
     if not first.startswith(">"):
         raise FastaError(f"{path}: line 1 is not a FASTA header ('>' expected), found {first[:40]!r}")
@@ -52,7 +55,9 @@ def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: 
                 if rid in seen:
                     raise FastaError(f"{where}: duplicate record id {rid!r}")
                 try:
-                    clean = check_sequence(seq.replace(" ", ""), f"FASTA record {rid!r} ({where})", max_residues)
+                    seq = seq.replace(" ", "")
+                    clean = check_sequence(_strip_gaps(seq) if strip_gaps else seq,
+                                           f"FASTA record {rid!r} ({where})", max_residues)
                 except EsmTurboError as err:
                     raise FastaError(str(err)) from None
             except FastaError as err:

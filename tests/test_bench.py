@@ -37,7 +37,8 @@ def test_cli_bench_embed_smoke(tmp_path, capsys):
     fasta = tmp_path / "x.fasta"
     write_fasta(fasta, [("a", "MKTAYIAKQRQ"), ("b", "MKV" * 20)])
     assert main(["bench", "embed", "--fasta", str(fasta), "--out", str(tmp_path / "b.json")]) == 0
-    assert "ratio" in capsys.readouterr().out and (tmp_path / "b.json").is_file()
+    out = capsys.readouterr().out
+    assert "hf_sorted" in out and "ours" in out and (tmp_path / "b.json").is_file()
 
 
 def test_cpu_step_rows():

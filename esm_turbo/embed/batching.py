@@ -3,8 +3,8 @@ longer than ESM-2's trained context.
 
 A *piece* is what the model sees: a whole sequence, its first ``truncation`` residues, or one window
 of it. Batches hold pieces of similar length (sorted, longest first, so an out-of-memory batch shows
-up at once) with ``rows × (longest + 2) ≤ toks_per_batch`` — the padding-inclusive count fair-esm's
-``--toks_per_batch`` uses.
+up at once) within ``toks_per_batch`` tokens: for packed batches the tokens themselves, for padded
+ones ``rows × (longest + 2)``, the padding-inclusive count fair-esm's ``--toks_per_batch`` uses.
 """
 
 from __future__ import annotations
@@ -75,16 +75,22 @@ def plan_pieces(records: list[Record], max_residues: int, policy: str = "truncat
     return pieces, warnings
 
 
-def plan_batches(pieces: list[Piece], toks_per_batch: int) -> list[list[Piece]]:
-    """Longest first; each batch's ``rows × (longest + 2)`` stays within ``toks_per_batch``."""
+def plan_batches(pieces: list[Piece], toks_per_batch: int, packed: bool = False) -> list[list[Piece]]:
+    """Longest first; each batch's tokens stay within ``toks_per_batch``: ``rows × (longest + 2)`` for a
+    padded batch, the sum of ``length + 2`` for a packed one (no padding)."""
     order = sorted(pieces, key=lambda p: (-p.length, p.index, p.part))
     batches: list[list[Piece]] = []
     current: list[Piece] = []
+    used = 0
     for p in order:
-        width = (current[0].length if current else p.length) + 2
-        if current and (len(current) + 1) * width > toks_per_batch:
+        if packed:
+            used += p.length + 2
+            full = used > toks_per_batch
+        else:
+            full = (len(current) + 1) * ((current[0].length if current else p.length) + 2) > toks_per_batch
+        if current and full:
             batches.append(current)
-            current = []
+            current, used = [], p.length + 2
         current.append(p)
     if current:
         batches.append(current)

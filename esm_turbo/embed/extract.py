@@ -26,13 +26,16 @@ from tqdm.auto import tqdm
 
 from ..errors import EsmTurboError
 from ..fasta import Record
-from ..model.alphabet import encode
+from ..model.alphabet import encode, encode_packed
 from ..model.sizes import MAX_RESIDUES
 from .batching import Piece, owner_ranges, plan_batches, plan_pieces, window_spans
+from .fast_esm import FastEsm, PackedBatch
 
 log = logging.getLogger(__name__)
 
 INCLUDE_KINDS = ("mean", "per_tok", "bos", "contacts", "logits")
+#: default tokens per batch: a 3B model's peak stays well inside 24 GB (results/embed: peak memory per budget)
+TOKS_PER_BATCH = 16384
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -42,7 +45,7 @@ class EmbedConfig:
 
     repr_layers: list[int] = field(default_factory=lambda: [-1])
     include: list[str] = field(default_factory=lambda: ["mean"])
-    toks_per_batch: int = 4096
+    toks_per_batch: int = TOKS_PER_BATCH
     truncation_seq_length: int = MAX_RESIDUES
     long_policy: str = "truncate"  # truncate | windows
     window_overlap: int = 256
@@ -88,8 +91,43 @@ def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
     return sorted(set(out))
 
 
+@dataclass
+class BatchOutput:
+    """One batch's results on the host (float32). mean, bos: [n_layers, S, D]; tokens: residue states
+    [n_layers, M, D] of the rows in ``token_rows`` (row → (offset, residues)), ``logits`` [M', V] of every
+    row's residues at ``logit_rows``; ``contacts`` [S, T-2, T-2] (padded) when asked."""
+
+    mean: torch.Tensor
+    bos: torch.Tensor
+    tokens: torch.Tensor | None = None
+    token_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    logits: torch.Tensor | None = None
+    logit_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    contacts: torch.Tensor | None = None
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A device→host copy into pinned memory, queued (the caller syncs on an event before reading)."""
+    if t is None or t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def _row_offsets(lengths: list[int], rows: list[int]) -> dict[int, tuple[int, int]]:
+    out, offset = {}, 0
+    for r in rows:
+        out[r] = (offset, lengths[r])
+        offset += lengths[r]
+    return out
+
+
 class Embedder:
-    """Runs a loaded ``EsmForMaskedLM`` over records and hands per-sequence results to a writer."""
+    """Runs ESM-2 over records and hands per-sequence results to a writer.
+
+    The forward is :class:`~esm_turbo.embed.fast_esm.FastEsm` (packed batches, no padding); contact maps,
+    which need every attention map, take transformers' eager path over padded batches instead.
+    """
 
     def __init__(self, model, config: EmbedConfig, device: str | torch.device | None = None):
         config.check()
@@ -102,58 +140,96 @@ class Embedder:
         cfg = self.model.config
         self.num_layers = cfg.num_hidden_layers
         self.layers = resolve_layers(config.repr_layers, self.num_layers)
-        self.model.config._attn_implementation = "eager" if "contacts" in config.include else "sdpa"
+        self.padded = "contacts" in config.include
+        self.model.config._attn_implementation = "eager" if self.padded else "sdpa"
+        self.fast = None if self.padded else FastEsm.from_hf(self.model)
 
     # ---- one batch ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, seqs: list[str]) -> dict[str, torch.Tensor]:
-        """Model outputs of one batch on the host: ``hidden`` [n_layers_asked, B, T, D] float32, and
-        ``contacts`` [B, T-2, T-2] / ``logits`` [B, T, V] when asked."""
+    def forward(self, seqs: list[str], token_rows: list[int] | None = None) -> BatchOutput:
+        """One batch's outputs, copies to the host queued. Per-residue states are kept only for
+        ``token_rows`` (default: every row when ``per_tok`` is asked, else none)."""
+        if token_rows is None:
+            token_rows = list(range(len(seqs))) if "per_tok" in self.config.include else []
+        if self.padded:
+            return self._forward_padded(seqs, token_rows)
+        batch = PackedBatch.from_arrays(*encode_packed(seqs), device=self.device)
+        want_logits = "logits" in self.config.include
+        hidden = self.fast(batch, sorted(set(self.layers) | ({self.num_layers} if want_logits else set())))
+        pooled = [self.fast.pool(hidden[layer], batch) for layer in self.layers]
+        out = BatchOutput(_to_host(torch.stack([m for m, _ in pooled])), _to_host(torch.stack([b for _, b in pooled])))
+        residues = [n - 2 for n in batch.lengths]
+        starts = batch.cu_seqlens[:-1].long()
+        if token_rows:
+            idx = torch.cat([torch.arange(1, residues[r] + 1, device=self.device) + starts[r] for r in token_rows])
+            out.tokens = _to_host(torch.stack([hidden[layer][idx].float() for layer in self.layers]))
+            out.token_rows = _row_offsets(residues, token_rows)
+        if want_logits:
+            rows = list(range(len(seqs)))
+            idx = torch.cat([torch.arange(1, residues[r] + 1, device=self.device) + starts[r] for r in rows])
+            out.logits = _to_host(self.fast.logits(hidden[self.num_layers][idx]).float())
+            out.logit_rows = _row_offsets(residues, rows)
+        return out
+
+    def _forward_padded(self, seqs: list[str], token_rows: list[int]) -> BatchOutput:
+        """transformers' eager forward over a padded batch (for contact maps)."""
         tokens, mask = encode(seqs)  # <cls> residues <eos>, right-padded
         tokens, mask = tokens.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
-        want_contacts = "contacts" in self.config.include
-        out = self.model.esm(input_ids=tokens, attention_mask=mask, output_hidden_states=True,
-                             output_attentions=want_contacts)
-        result = {"hidden": torch.stack([out.hidden_states[i] for i in self.layers]).float()}
-        if want_contacts:
-            attns = torch.stack(out.attentions, dim=1)
-            attns = attns * mask[:, None, None, :, None] * mask[:, None, None, None, :]
-            result["contacts"] = self.model.esm.contact_head(tokens, attns.to(self.dtype)).float()
+        out = self.model.esm(input_ids=tokens, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+        hidden = torch.stack([out.hidden_states[i] for i in self.layers]).float()  # [nL, B, T, D]
+        residues = [len(s) for s in seqs]
+        res_mask = torch.zeros(tokens.shape, device=self.device)
+        for r, n in enumerate(residues):
+            res_mask[r, 1: n + 1] = 1
+        mean = (hidden * res_mask[None, ..., None]).sum(2) / res_mask.sum(1).clamp(min=1)[None, :, None]
+        result = BatchOutput(_to_host(mean), _to_host(hidden[:, :, 0]))
+        if token_rows:
+            result.tokens = _to_host(torch.cat([hidden[:, r, 1: residues[r] + 1] for r in token_rows], dim=1))
+            result.token_rows = _row_offsets(residues, token_rows)
         if "logits" in self.config.include:
-            result["logits"] = self.model.lm_head(out.last_hidden_state).float()
-        return {k: v.to("cpu", non_blocking=True) for k, v in result.items()}
+            logits = self.model.lm_head(out.last_hidden_state).float()
+            result.logits = _to_host(torch.cat([logits[r, 1: residues[r] + 1] for r in range(len(seqs))]))
+            result.logit_rows = _row_offsets(residues, list(range(len(seqs))))
+        attns = torch.stack(out.attentions, dim=1)
+        attns = attns * mask[:, None, None, :, None] * mask[:, None, None, None, :]
+        result.contacts = _to_host(self.model.esm.contact_head(tokens, attns.to(self.dtype)).float())
+        return result
 
     # ---- assembling per-sequence items -------------------------------------------------------------
-    def _item(self, rec: Record, pieces: list[tuple[Piece, dict, int]]) -> dict:
+    def _item(self, rec: Record, pieces: list[tuple[Piece, BatchOutput, int]]) -> dict:
         """fair-esm-style dict for one record from its piece(s): (piece, batch outputs, row)."""
         inc = self.config.include
         pieces = sorted(pieces, key=lambda x: x[0].part)
         first, out0, row0 = pieces[0]
         item: dict = {"label": rec.id}
+
+        def rows_of(tensor, table, row, lo=0, hi=None):  # residues [lo, hi) of one row
+            offset, n = table[row]
+            return tensor[..., offset + lo: offset + (n if hi is None else hi), :]
+
         if len(pieces) == 1:
-            n = first.length
-            per_tok = out0["hidden"][:, row0, 1: n + 1]
-            logits = out0["logits"][row0, 1: n + 1] if "logits" in inc else None
-        else:
+            per_tok = rows_of(out0.tokens, out0.token_rows, row0) if "per_tok" in inc else None
+            mean = out0.mean[:, row0]
+            logits = rows_of(out0.logits, out0.logit_rows, row0) if "logits" in inc else None
+        else:  # windows: every residue from the window that centres it
             spans = [(p.start, p.stop) for p, _, _ in pieces]
             chunks, lchunks = [], []
             for (p, out, row), (lo, hi) in zip(pieces, owner_ranges(spans)):
-                sl = slice(1 + lo - p.start, 1 + hi - p.start)
-                chunks.append(out["hidden"][:, row, sl])
+                chunks.append(rows_of(out.tokens, out.token_rows, row, lo - p.start, hi - p.start))
                 if "logits" in inc:
-                    lchunks.append(out["logits"][row, sl])
+                    lchunks.append(rows_of(out.logits, out.logit_rows, row, lo - p.start, hi - p.start))
             per_tok = torch.cat(chunks, dim=1)
+            mean = per_tok.mean(1)
             logits = torch.cat(lchunks, dim=0) if "logits" in inc else None
         if "per_tok" in inc:
             item["representations"] = {layer: per_tok[i].clone() for i, layer in enumerate(self.layers)}
         if "mean" in inc:
-            item["mean_representations"] = {layer: per_tok[i].mean(0).clone() for i, layer in enumerate(self.layers)}
+            item["mean_representations"] = {layer: mean[i].clone() for i, layer in enumerate(self.layers)}
         if "bos" in inc:
-            item["bos_representations"] = {layer: out0["hidden"][i, row0, 0].clone()
-                                           for i, layer in enumerate(self.layers)}
+            item["bos_representations"] = {layer: out0.bos[i, row0].clone() for i, layer in enumerate(self.layers)}
         if "contacts" in inc:
             n = first.length
-            item["contacts"] = out0["contacts"][row0, :n, :n].clone()
+            item["contacts"] = out0.contacts[row0, :n, :n].clone()
         if logits is not None:
             item["logits"] = logits.clone()
         return item
@@ -177,12 +253,12 @@ class Embedder:
         for _, message in warnings:
             log.warning("warning: %s", message)
         summary.truncated += [rid for rid, _ in warnings]
-        batches = plan_batches(pieces, cfg.toks_per_batch)
+        batches = plan_batches(pieces, cfg.toks_per_batch, packed=not self.padded)
         waiting: dict[int, list] = {}
         bar = tqdm(total=len(records), unit="seq", desc=f"embed{f' rank {rank}' if world > 1 else ''}",
                    disable=not progress, dynamic_ncols=True)
 
-        def finish(batch: list[Piece], out: dict, copied) -> list[dict]:
+        def finish(batch: list[Piece], out: BatchOutput, copied) -> list[dict]:
             if copied is not None:
                 copied.synchronize()  # this batch's host copies only; the next batch keeps running
             ready = []
@@ -198,7 +274,8 @@ class Embedder:
                 current = None
                 if batch is not None:
                     seqs = [records[p.index].sequence[p.start: p.stop] for p in batch]
-                    out = self.forward(seqs)  # queued on the GPU; the previous batch is assembled meanwhile
+                    windows = [r for r, p in enumerate(batch) if p.parts > 1]
+                    out = self.forward(seqs, list(range(len(batch))) if "per_tok" in cfg.include else windows)  # queued on the GPU; the previous batch is assembled meanwhile
                     copied = torch.cuda.Event() if self.device.type == "cuda" else None
                     if copied is not None:
                         copied.record()

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from ..errors import EsmTurboError
 
 #: residue letters ESM-2 has tokens for (20 standard + X B U Z O)
 RESIDUES = frozenset("LAGVSERTIDPKQNFYMHWCXBUZO")
+#: alignment gaps, which ESM-2's alphabet also has tokens for (aligned FASTA embeds as given, or with the
+#: gaps stripped: ``strip_gaps``)
+GAPS = frozenset("-.")
+SEQUENCE_CHARS = RESIDUES | GAPS
 
 
 @functools.lru_cache(maxsize=1)
@@ -25,8 +30,8 @@ def check_sequence(seq: str, name: str = "sequence", max_residues: int | None = 
     if not s:
         raise EsmTurboError(f"{name}: empty sequence")
     for i, ch in enumerate(s):
-        if ch not in RESIDUES:
-            raise EsmTurboError(f"{name}: position {i + 1}: character {ch!r} is not an ESM-2 residue")
+        if ch not in SEQUENCE_CHARS:
+            raise EsmTurboError(f"{name}: position {i + 1}: character {ch!r} is not an ESM-2 residue or gap")
     if max_residues is not None and len(s) > max_residues:
         raise EsmTurboError(f"{name}: {len(s)} residues exceeds the limit of {max_residues}")
     return s
@@ -50,6 +55,40 @@ def encode(sequences: list[str], names: list[str] | None = None, add_eos: bool =
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = torch.tensor(r)
     return tokens, (tokens != alpha.padding_idx).long()
+
+
+def strip_gaps(seq: str) -> str:
+    """``seq`` without alignment gaps ('-' and '.')."""
+    return seq.replace("-", "").replace(".", "")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_table() -> np.ndarray:
+    """[256] int64: token id of each ASCII byte that is an ESM-2 residue or gap, -1 elsewhere."""
+    alpha = alphabet()
+    table = np.full(256, -1, dtype=np.int64)
+    for ch in SEQUENCE_CHARS:
+        table[ord(ch)] = alpha.get_idx(ch)
+    return table
+
+
+def encode_packed(sequences: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Checked, upper-case sequences → one token stream ``<cls> residues <eos>`` after another:
+    (token ids [N] int64, position in its sequence [N] int64, sequence starts [S + 1] int64)."""
+    alpha = alphabet()
+    lengths = np.fromiter((len(s) + 2 for s in sequences), dtype=np.int64, count=len(sequences))
+    cu = np.zeros(len(sequences) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    ids = np.empty(int(cu[-1]), dtype=np.int64)
+    residue = np.ones(len(ids), dtype=bool)
+    residue[cu[:-1]] = residue[cu[1:] - 1] = False
+    ids[residue] = _byte_table()[np.frombuffer("".join(sequences).encode("latin-1"), dtype=np.uint8)]
+    ids[cu[:-1]], ids[cu[1:] - 1] = alpha.cls_idx, alpha.eos_idx
+    if (ids < 0).any():
+        raise EsmTurboError("encode_packed: a sequence holds a character that is not an ESM-2 residue or gap "
+                            "(check it with check_sequence first)")
+    positions = np.arange(len(ids)) - np.repeat(cu[:-1], lengths)
+    return ids, positions, cu
 
 
 def residue_ids() -> torch.Tensor:

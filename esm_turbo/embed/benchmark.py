@@ -1,0 +1,297 @@
+"""``esm-turbo bench embed``: embedding extraction against what a careful user writes, in one run.
+
+For each ESM-2 shape (random weights: speed does not depend on them) and the same real sequences
+(calibration_data, repeated under new ids), mean of the last layer, fp16 on CUDA:
+
+* ``ours``: :class:`~esm_turbo.embed.extract.Embedder` (what ``esm-turbo embed`` runs) into a writer that
+  discards what reached the host;
+* ``hf_sorted`` (the baseline of every claim): transformers' ``EsmModel`` with SDPA, length-sorted
+  batches under the same token budget (rows × longest), masked mean on the GPU;
+* ``hf_compiled``: the same loop with the stock model under ``torch.compile`` (a user's one-line
+  alternative; compiled in the warm-up pass, which is not timed);
+* ``hf_unsorted``: the same model over the file order in batches of 16;
+* ``fair_esm``: fair-esm's ``ESM2`` with its own length-batched loader (``get_batch_indices``).
+
+Every method runs a warm-up pass over one copy of the set, then is timed over all of it. Tokens/s
+count ``<cls>``/``<eos>``; FLOPs per token are 2 × the linear layers' weights; "% peak" is against the
+GPU's dense fp16 tensor rate, and "GEMM ceiling" is the tokens/s of the model's four matrix products
+alone (cuBLAS, fp16, the same token count per batch), measured here. Also: one L=200 sequence end to
+end (latency), and the peak GPU memory per token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..fasta import Record, read_fastas
+from ..model.alphabet import encode
+
+#: dense fp16/bf16 tensor-core peak (no sparsity), by GPU name
+DENSE_FP16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+METHODS = ("ours", "hf_sorted", "hf_compiled", "hf_unsorted", "fair_esm")
+
+
+class _NullWriter:
+    """Discards outputs (after they reached the host): the benchmark times extraction, not disk."""
+
+    def existing_ids(self) -> set:
+        return set()
+
+    def write(self, items) -> None:
+        pass
+
+
+def dense_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in DENSE_FP16_PEAK.items() if k in name), None)
+
+
+def flops_per_token(cfg) -> float:
+    """2 × the weights of the linear layers (Q, K, V, O and the feed-forward pair) per token."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return 2.0 * cfg.num_hidden_layers * (4 * d * d + 2 * d * f)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build(size: str, device: torch.device, dtype: torch.dtype):
+    from transformers import EsmForMaskedLM
+
+    from ..model.sizes import esm2_config
+    cfg = esm2_config(size)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        return EsmForMaskedLM(cfg).to(dtype).eval()
+
+
+def sorted_batches(seqs: list[str], budget: int) -> list[list[int]]:
+    """Indices, longest first, so that rows × (longest + 2) ≤ budget (the careful user's loop)."""
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * (len(seqs[cur[0]]) + 2) > budget:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
+
+
+def hf_loop(esm, seqs: list[str], batches: list[list[int]], device: torch.device) -> None:
+    """transformers' forward over the given batches, masked mean of the last layer copied to the host."""
+    with torch.inference_mode():
+        for idx in batches:
+            tokens, mask = encode([seqs[i] for i in idx])
+            tokens, mask = tokens.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+            h = esm(input_ids=tokens, attention_mask=mask).last_hidden_state
+            m = mask[..., None].to(h.dtype)
+            ((h * m).sum(1) / m.sum(1)).float().cpu()
+
+
+def fair_esm_runner(net, seqs: list[str], device: torch.device, budget: int) -> Callable[[list[str]], None] | None:
+    """fair-esm's ESM2 (same shape, fp16) over its own batches; None when fair-esm is not installed."""
+    try:
+        import esm as fair
+    except ImportError:
+        return None
+    cfg = net.config
+    alpha = fair.data.Alphabet.from_architecture("ESM-1b")
+    with torch.device(device):
+        model = fair.model.esm2.ESM2(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, alpha,
+                                     token_dropout=True).to(net.dtype).eval()
+    converter = alpha.get_batch_converter()
+    last = cfg.num_hidden_layers
+
+    def run(subset: list[str]) -> None:
+        data = fair.data.FastaBatchedDataset([str(i) for i in range(len(subset))], subset)
+        loader = torch.utils.data.DataLoader(data, collate_fn=converter,
+                                             batch_sampler=data.get_batch_indices(budget, extra_toks_per_seq=1))
+        with torch.inference_mode():
+            for _, strs, toks in loader:
+                toks = toks.to(device, non_blocking=True)
+                rep = model(toks, repr_layers=[last])["representations"][last]
+                [rep[i, 1: len(s) + 1].mean(0).float().cpu() for i, s in enumerate(strs)]
+    return run
+
+
+def gemm_ceiling(cfg, tokens: int, device: torch.device, dtype: torch.dtype) -> float | None:
+    """Tokens/s of the model's matrix products alone at ``tokens`` rows (cuBLAS), measured here."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    x, y = torch.randn(tokens, d, device=device, dtype=dtype), torch.randn(tokens, f, device=device, dtype=dtype)
+    ws = [torch.randn(o, i, device=device, dtype=dtype) for o, i in ((3 * d, d), (d, d), (f, d), (d, f))]
+
+    def layer():
+        torch.nn.functional.linear(x, ws[0])
+        torch.nn.functional.linear(x, ws[1])
+        torch.nn.functional.linear(x, ws[2])
+        torch.nn.functional.linear(y, ws[3])
+    seconds = triton.testing.do_bench(layer, warmup=50, rep=300, return_mode="median") / 1e3
+    return tokens / (seconds * cfg.num_hidden_layers)
+
+
+def _timed(fn: Callable[[], None], warm: Callable[[], None], device: torch.device) -> float:
+    warm()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def bench_size(size: str, records: list[Record], device: torch.device, budget: int, copies: int,
+               methods: tuple[str, ...] = METHODS, dtype: torch.dtype | None = None) -> dict:
+    """Tokens/s of each method over ``records`` (``copies`` copies of one set; the warm-up runs one)."""
+    from .extract import EmbedConfig, Embedder
+    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    net = _build(size, device, dtype)
+    seqs = [r.sequence for r in records]
+    warm_n = max(1, len(records) // copies)
+    tokens = sum(len(s) + 2 for s in seqs)
+    fpt = flops_per_token(net.config)
+    row: dict = dict(size=size, sequences=len(seqs), tokens=tokens, toks_per_batch=budget, flops_per_token=fpt)
+    runs: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
+    if "ours" in methods:
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+        embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype=name), device)
+        runs["ours"] = (lambda: embedder.run(records, _NullWriter(), progress=False),
+                        lambda: embedder.run(records[:warm_n], _NullWriter(), progress=False))
+    sorted_all, sorted_warm = sorted_batches(seqs, budget), sorted_batches(seqs[:warm_n], budget)
+    if "hf_sorted" in methods:
+        runs["hf_sorted"] = (lambda: hf_loop(net.esm, seqs, sorted_all, device),
+                             lambda: hf_loop(net.esm, seqs, sorted_warm, device))
+    if "hf_compiled" in methods:
+        compiled = torch.compile(net.esm)
+        runs["hf_compiled"] = (lambda: hf_loop(compiled, seqs, sorted_all, device),
+                               lambda: hf_loop(compiled, seqs, sorted_warm, device))
+    if "hf_unsorted" in methods:
+        chunks = [list(range(i, min(i + 16, len(seqs)))) for i in range(0, len(seqs), 16)]
+        runs["hf_unsorted"] = (lambda: hf_loop(net.esm, seqs, chunks, device),
+                               lambda: hf_loop(net.esm, seqs, chunks[: max(1, len(chunks) // copies)], device))
+    fair = fair_esm_runner(net, seqs, device, budget) if "fair_esm" in methods else None
+    if fair is not None:
+        runs["fair_esm"] = (lambda: fair(seqs), lambda: fair(seqs[:warm_n]))
+    peak = dense_peak(device)
+    for method, (fn, warm) in runs.items():
+        try:
+            seconds = _timed(fn, warm, device)
+        except Exception as err:  # noqa: BLE001 - a baseline that fails is reported, the others kept
+            row[method] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+            continue
+        row[method] = dict(seconds=seconds, tokens_per_s=tokens / seconds,
+                           pct_peak=100 * tokens / seconds * fpt / peak if peak else None)
+    base = row.get("hf_sorted", {}).get("tokens_per_s")
+    for method in runs:
+        if "tokens_per_s" in row[method]:
+            row[method]["x_sorted"] = row[method]["tokens_per_s"] / base if base else None
+    row["gemm_ceiling_tokens_per_s"] = gemm_ceiling(net.config, budget, device, dtype)
+    if row["gemm_ceiling_tokens_per_s"] and "ours" in row:
+        row["ours"]["pct_gemm_ceiling"] = 100 * row["ours"]["tokens_per_s"] / row["gemm_ceiling_tokens_per_s"]
+    del net
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_latency(size: str, device: torch.device, length: int = 200, reps: int = 20) -> dict:
+    """One sequence of ``length`` residues end to end (tokens in, mean embedding on the host), median ms."""
+    from ..bench import _random_protein
+    from .fast_esm import FastEsm
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    net = _build(size, device, dtype)
+    fast = FastEsm.from_hf(net)
+    seq = _random_protein(length, 0)
+    out = {}
+    for name, fn in (("ours", lambda: fast.embed([seq])),
+                     ("hf", lambda: hf_loop(net.esm, [seq], [[0]], device))):
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_ms"] = 1e3 * sorted(times)[reps // 2]
+    del net, fast
+    return dict(size=size, length=length, **out)
+
+
+def bench_memory(size: str, records: list[Record], device: torch.device, budgets: tuple[int, ...]) -> list[dict]:
+    """Peak GPU memory of ``esm-turbo embed`` (mean) per token budget, weights included."""
+    from .extract import EmbedConfig, Embedder
+    if device.type != "cuda":
+        return []
+    net = _build(size, device, torch.float16)
+    rows = []
+    for budget in budgets:
+        embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype="fp16"), device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        embedder.run(records, _NullWriter(), progress=False)
+        rows.append(dict(size=size, toks_per_batch=budget,
+                         peak_gib=torch.cuda.max_memory_allocated(device) / 2 ** 30))
+        del embedder
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_embed(device: torch.device, fasta: list[str], quick: bool = False) -> dict:
+    """The whole embed suite (CPU: the 8M shape, fp32, a smoke run; no speed claim)."""
+    base = read_fastas(fasta)
+    from .extract import TOKS_PER_BATCH
+
+    def copies_of(n: int) -> list[Record]:
+        return [Record(f"{r.id}#{k}", r.sequence, r.source) for k in range(n) for r in base]
+    if device.type != "cuda":
+        return dict(rows=[bench_size("8M", copies_of(1)[:64], device, 4096, 1,
+                                     methods=("ours", "hf_sorted", "hf_unsorted"))],
+                    latency=[bench_latency("8M", device, reps=5)], memory=[])
+    sizes = (("8M", 8), ("150M", 8), ("650M", 8), ("3B", 2)) if not quick else (("8M", 2), ("650M", 2))
+    rows = [bench_size(size, copies_of(n), device, TOKS_PER_BATCH, n) for size, n in sizes]
+    latency = [bench_latency("650M", device)]
+    memory = bench_memory("3B", copies_of(1), device, (4096, 8192, 16384, 32768)) if not quick else []
+    return dict(rows=rows, latency=latency, memory=memory)
+
+
+def format_embed(e: dict) -> list[str]:
+    lines = ["\nembedding extraction (mean of the last layer; tokens/s, % of dense fp16 peak, × the sorted "
+             "transformers loop)"]
+    for r in e.get("rows", []):
+        lines.append(f"  {r['size']}-shaped: {r['sequences']} sequences, {r['tokens']} tokens, "
+                     f"{r['toks_per_batch']}-token batches, {r['flops_per_token'] / 1e9:.2f} GFLOP/token")
+        for m in METHODS:
+            if m not in r:
+                continue
+            x = r[m]
+            if "error" in x:
+                lines.append(f"    {m:12} failed: {x['error']}")
+                continue
+            pct = f"{x['pct_peak']:5.1f}%" if x.get("pct_peak") is not None else "   n/a"
+            ratio = f"{x['x_sorted']:.2f}×" if x.get("x_sorted") else "n/a"
+            extra = f"   {x['pct_gemm_ceiling']:.0f}% of the GEMM ceiling" if "pct_gemm_ceiling" in x else ""
+            lines.append(f"    {m:12} {x['tokens_per_s']:>10.0f} tokens/s  {pct}  {ratio:>6}{extra}")
+        if r.get("gemm_ceiling_tokens_per_s"):
+            lines.append(f"    {'GEMM ceiling':12} {r['gemm_ceiling_tokens_per_s']:>10.0f} tokens/s (matrix products "
+                         f"alone, {r['toks_per_batch']} rows)")
+    for r in e.get("latency", []):
+        lines.append(f"  one {r['length']}-residue sequence through the {r['size']}-shaped model, end to end: "
+                     f"ours {r['ours_ms']:.2f} ms, transformers {r['hf_ms']:.2f} ms")
+    for r in e.get("memory", []):
+        lines.append(f"  peak GPU memory, {r['size']}-shaped fp16, {r['toks_per_batch']}-token batches: "
+                     f"{r['peak_gib']:.2f} GiB")
+    return lines
+
+
+__all__ = ["bench_embed", "bench_latency", "bench_memory", "bench_size", "format_embed", "flops_per_token"]

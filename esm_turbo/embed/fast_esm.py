@@ -1,0 +1,278 @@
+"""A fast ESM-2 forward for embeddings: the batch packed into one token stream, no padding.
+
+:class:`FastEsm` loads the weights transformers' ``EsmForMaskedLM`` holds (from a hub id, a
+``save_pretrained`` directory or a fair-esm ``.pt``, through :func:`esm_turbo.load_esm`) into one
+internal layout (Q, K and V projections fused into one matrix) and returns the same hidden states as
+``EsmModel(output_hidden_states=True)``: layer 0 the embedding output, layer ``i`` the output of block
+``i``, the last layer after ``emb_layer_norm_after``.
+
+Sequences of a batch sit one after another (``<cls> residues <eos>``, N tokens in all), so no GEMM
+touches a padding row; attention runs per sequence through flash-attention's variable-length kernel
+(:mod:`esm_turbo.embed.varlen`). Each block is two functions of plain tensors, before and after
+attention (LayerNorm, the fused QKV projection and the rotary embedding; the output projection,
+residual, LayerNorm, the GELU feed-forward and residual), which ``torch.compile`` fuses into a few
+kernels on CUDA; one compiled graph serves every layer and every token count (dynamic shapes).
+Pooling (mean over residues, ``<cls>``) is done on the device, and only the layers asked for are kept.
+
+    model = FastEsm.from_pretrained("facebook/esm2_t33_650M_UR50D", dtype=torch.float16, device="cuda")
+    out = model.embed(["MKTAYIAKQR", "GSHMLEDPV"], layers=[-1])   # {"mean": {33: [2, 1280]}, ...}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model.alphabet import check_sequence, encode_packed
+from .varlen import varlen_attention
+
+#: ESM-2's token dropout: the share of tokens masked in training (15% selected × 80% masked)
+MASK_RATIO_TRAIN = 0.15 * 0.8
+
+
+@dataclass
+class PackedBatch:
+    """Sequences one after another. tokens, positions: [N] long; cu_seqlens: [S + 1] int32;
+    lengths: tokens per sequence on the host (``<cls>`` and ``<eos>`` included); all on one device."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    lengths: list[int]
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def segment(self) -> torch.Tensor:
+        """[N] long: which sequence each token belongs to."""
+        counts = torch.tensor(self.lengths, device=self.tokens.device)
+        return torch.repeat_interleave(torch.arange(len(self.lengths), device=self.tokens.device), counts)
+
+    @classmethod
+    def from_arrays(cls, ids, positions, cu, device: torch.device | str = "cpu") -> "PackedBatch":
+        """From host arrays (numpy or tensors): ids, positions [N]; cu [S + 1] sequence starts."""
+        ids, positions, cu = (torch.as_tensor(a) for a in (ids, positions, cu))
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        if torch.device(device).type == "cuda":
+            ids, positions = ids.pin_memory(), positions.pin_memory()
+        cu32 = cu.to(torch.int32)
+        return cls(ids.to(device, non_blocking=True), positions.to(device, non_blocking=True),
+                   cu32.to(device, non_blocking=True), lengths)
+
+    @classmethod
+    def from_sequences(cls, seqs: list[str], device: torch.device | str = "cpu",
+                       names: list[str] | None = None) -> "PackedBatch":
+        """``<cls> residues <eos>`` per sequence (residues checked; errors name the sequence)."""
+        names = names or [f"sequence {i + 1}" for i in range(len(seqs))]
+        checked = [check_sequence(s, n) for s, n in zip(seqs, names)]
+        return cls.from_arrays(*encode_packed(checked), device=device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, w_qkv: torch.Tensor,
+                     b_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pre-LN, fused QKV projection, rotary embedding (in fp32, as transformers applies it).
+    h: [N, D]; w_qkv: [3D, D]; cos, sin: [N, d] float32. Returns q, k, v [N, H, d] in h's dtype."""
+    n, dim = h.shape
+    qkv = F.linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_qkv, b_qkv).view(n, 3, heads, dim // heads)
+    q, k, v = qkv.unbind(1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    q = (q.float() * c + _rotate_half(q.float()) * s).to(h.dtype)
+    k = (k.float() * c + _rotate_half(k.float()) * s).to(h.dtype)
+    return q, k, v.contiguous()
+
+
+def block_output(h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, b_o: torch.Tensor, norm_w: torch.Tensor,
+                 norm_b: torch.Tensor, w_1: torch.Tensor, b_1: torch.Tensor, w_2: torch.Tensor, b_2: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Output projection + residual, then pre-LN feed-forward (exact erf GELU) + residual.
+    h: [N, D]; attn: [N, H, d]. Returns [N, D]."""
+    n, dim = h.shape
+    h = h + F.linear(attn.reshape(n, dim), w_o, b_o)
+    x = F.linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_1, b_1)
+    x = x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    return h + F.linear(x, w_2, b_2)
+
+
+class FastEsmBlock(nn.Module):
+    """One ESM-2 transformer block's weights in the fused layout."""
+
+    def __init__(self, dim: int, heads: int, ffn: int):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, ffn)
+        self.fc2 = nn.Linear(ffn, dim)
+
+
+class FastEsm(nn.Module):
+    """ESM-2 over packed batches. Build with :meth:`from_pretrained` or :meth:`from_hf`."""
+
+    def __init__(self, config, compile: bool | None = None):
+        super().__init__()
+        self.config = config
+        dim, heads = config.hidden_size, config.num_attention_heads
+        self.num_layers = config.num_hidden_layers
+        self.eps = config.layer_norm_eps
+        self.embed_tokens = nn.Embedding(config.vocab_size, dim)
+        self.blocks = nn.ModuleList(FastEsmBlock(dim, heads, config.intermediate_size)
+                                    for _ in range(config.num_hidden_layers))
+        self.final_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim // heads, 2).float() / (dim // heads))))
+        self.lm_head = None  # transformers' EsmLMHead, when logits are wanted (from_hf keeps it)
+        self._compile = compile
+        self._fns = None
+
+    # ---- loading ---------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, net, compile: bool | None = None) -> "FastEsm":
+        """From a transformers ``EsmForMaskedLM`` (or ``EsmModel``), on the net's device and dtype. The
+        weights are shared with ``net`` (no copy), except Q, K and V, concatenated into one matrix."""
+        esm = getattr(net, "esm", net)
+        ref = esm.embeddings.word_embeddings.weight
+        with torch.device("meta"):
+            model = cls(esm.config, compile=compile)
+
+        def share(dst: nn.Module, src: nn.Module) -> None:
+            dst.weight, dst.bias = src.weight, getattr(src, "bias", None)
+
+        with torch.no_grad():
+            share(model.embed_tokens, esm.embeddings.word_embeddings)
+            for block, layer in zip(model.blocks, esm.encoder.layer):
+                att = layer.attention
+                share(block.attn_norm, att.LayerNorm)
+                block.qkv.weight = nn.Parameter(torch.cat([att.self.query.weight, att.self.key.weight,
+                                                           att.self.value.weight]), requires_grad=False)
+                block.qkv.bias = nn.Parameter(torch.cat([att.self.query.bias, att.self.key.bias,
+                                                         att.self.value.bias]), requires_grad=False)
+                share(block.out, att.output.dense)
+                share(block.ffn_norm, layer.LayerNorm)
+                share(block.fc1, layer.intermediate.dense)
+                share(block.fc2, layer.output.dense)
+            share(model.final_norm, esm.encoder.emb_layer_norm_after)
+            rotary = getattr(esm, "rotary_embeddings", None)
+            inv_freq = rotary.inv_freq if rotary is not None and hasattr(rotary, "inv_freq") else None
+            if inv_freq is None:  # older transformers keep it per layer
+                inv_freq = esm.encoder.layer[0].attention.self.rotary_embeddings.inv_freq
+            model.inv_freq = inv_freq.detach().to(ref.device, torch.float32).clone()
+        model.lm_head = getattr(net, "lm_head", None)
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path, dtype: torch.dtype = torch.float16,
+                        device: str | torch.device = "cuda", compile: bool | None = None) -> "FastEsm":
+        """Load ESM-2 by size name (``650M``), hub id, ``save_pretrained`` directory or fair-esm ``.pt``."""
+        from ..model.loading import load_esm
+        return cls.from_hf(load_esm(model, dtype=dtype, device=device), compile=compile)
+
+    # ---- the forward -----------------------------------------------------------------------------
+    def _functions(self, device: torch.device):
+        """The two per-block functions, compiled on CUDA unless ``compile=False`` was asked."""
+        if self._fns is None:
+            wanted = self._compile if self._compile is not None else device.type == "cuda"
+            if wanted:
+                self._fns = (torch.compile(attention_inputs, dynamic=True),
+                             torch.compile(block_output, dynamic=True))
+            else:
+                self._fns = (attention_inputs, block_output)
+        return self._fns
+
+    def _embed(self, batch: PackedBatch) -> torch.Tensor:
+        """Token embeddings with ESM-2's token-dropout rescaling per sequence: [N, D]."""
+        x = self.embed_tokens(batch.tokens)
+        if getattr(self.config, "token_dropout", False):
+            masked = batch.tokens == self.config.mask_token_id
+            x = x.masked_fill(masked[:, None], 0.0)
+            seg = batch.segment
+            lengths = torch.tensor(batch.lengths, device=x.device, dtype=torch.float32)
+            observed = torch.zeros(len(batch.lengths), device=x.device).index_add_(0, seg, masked.float()) / lengths
+            x = (x * ((1 - MASK_RATIO_TRAIN) / (1 - observed))[seg][:, None]).to(x.dtype)
+        return x
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch, layers: list[int] | None = None) -> dict[int, torch.Tensor]:
+        """Hidden states of ``layers`` (0 … num_layers, fair-esm numbering; default: the last):
+        ``{layer: [N, D]}`` in the model's dtype."""
+        wanted = {self.num_layers} if layers is None else set(layers)
+        pre, post = self._functions(batch.tokens.device)
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        h = self._embed(batch)
+        out = {0: h} if 0 in wanted else {}
+        max_seqlen = batch.max_seqlen
+        for i, b in enumerate(self.blocks, start=1):
+            q, k, v = pre(h, b.attn_norm.weight, b.attn_norm.bias, b.qkv.weight, b.qkv.bias, cos, sin, b.heads,
+                          self.eps)
+            a = varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, batch.lengths)
+            h = post(h, a, b.out.weight, b.out.bias, b.ffn_norm.weight, b.ffn_norm.bias, b.fc1.weight, b.fc1.bias,
+                     b.fc2.weight, b.fc2.bias, self.eps)
+            if i == self.num_layers:
+                h = self.final_norm(h)
+            if i in wanted:
+                out[i] = h
+            if i >= max(wanted, default=0):
+                break  # nothing asked for lies deeper
+        return out
+
+    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        """[N, D] last-layer states → [N, vocab] masked-LM logits (transformers' LM head)."""
+        if self.lm_head is None:
+            raise ValueError("this FastEsm was built without an LM head (load it from EsmForMaskedLM)")
+        with torch.inference_mode():
+            return self.lm_head(hidden_last)
+
+    # ---- pooling ---------------------------------------------------------------------------------
+    @staticmethod
+    def pool(h: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """On h's device, in float32: mean over each sequence's residues (``<cls>``/``<eos>`` left out)
+        [S, D] and each ``<cls>`` state [S, D]. h: [N, D]."""
+        starts = batch.cu_seqlens[:-1].long()
+        ends = batch.cu_seqlens[1:].long()
+        csum = torch.zeros(h.shape[0] + 1, h.shape[1], device=h.device, dtype=torch.float32)
+        torch.cumsum(h.float(), dim=0, out=csum[1:])
+        # residues of sequence s are tokens [start + 1, end - 1)
+        sums = csum[ends - 1] - csum[starts + 1]
+        counts = (ends - starts - 2).clamp(min=1).float()[:, None]
+        return sums / counts, h[starts].float()
+
+    @torch.inference_mode()
+    def embed(self, sequences: list[str], layers: list[int] | None = None,
+              per_token: bool = False) -> dict[str, dict[int, object]]:
+        """Embeddings of a few sequences in one packed batch (for batches of many use ``esm-turbo embed``
+        or :class:`esm_turbo.embed.extract.Embedder`). ``layers`` as in fair-esm (negative counts from the
+        end; default the last). Returns {"mean": {layer: [S, D]}, "bos": {layer: [S, D]}} float32 on the
+        host, plus "per_token": {layer: list of [L_s, D]} when asked."""
+        from .extract import resolve_layers
+        device = self.embed_tokens.weight.device
+        resolved = resolve_layers(layers if layers is not None else [-1], self.num_layers)
+        batch = PackedBatch.from_sequences(sequences, device)
+        hidden = self.forward(batch, resolved)
+        result: dict[str, dict[int, object]] = {"mean": {}, "bos": {}}
+        if per_token:
+            result["per_token"] = {}
+        for layer in resolved:
+            mean, bos = self.pool(hidden[layer], batch)
+            result["mean"][layer], result["bos"][layer] = mean.cpu(), bos.cpu()
+            if per_token:
+                parts = hidden[layer].float().cpu().split(batch.lengths)
+                result["per_token"][layer] = [p[1:-1] for p in parts]
+        return result
+
+
+__all__ = ["FastEsm", "FastEsmBlock", "PackedBatch", "attention_inputs", "block_output"]

@@ -1,0 +1,205 @@
+"""FastEsm (packed batches, variable-length attention) returns what transformers' EsmModel returns."""
+
+import pytest
+import torch
+
+from esm_turbo import FastEsm
+from esm_turbo.cli import main
+from esm_turbo.embed.fast_esm import PackedBatch
+from esm_turbo.embed.varlen import varlen_attention, varlen_attention_reference
+from esm_turbo.fasta import read_fasta, write_fasta
+from esm_turbo.model.alphabet import alphabet, encode
+from esm_turbo.model.loading import load_esm
+from esm_turbo.testing import stress_esm2
+
+# mixed lengths in one batch: a padding or boundary bug shows on the short rows
+SEQS = ["MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ", "MKV", "GSHMLEDPVDAFQ" * 5, "A", "ACDEFGHIKLMNPQRSTVWYX-B.U"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def padded_reference(net, seqs, dtype=torch.float32, device="cpu"):
+    """transformers' hidden states for the sequences in one padded batch: list over layers of [B, T, D]."""
+    tokens, mask = encode(seqs)
+    with torch.inference_mode():
+        out = net.esm(input_ids=tokens.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+    return [h.float().cpu() for h in out.hidden_states]
+
+
+def unpad(packed: torch.Tensor, batch: PackedBatch) -> list[torch.Tensor]:
+    return list(packed.float().cpu().split(batch.lengths))
+
+
+@pytest.fixture(scope="module")
+def net():
+    model = stress_esm2(layers=3, hidden=64, heads=4, seed=3).eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def test_hidden_states_match_transformers_on_mixed_lengths(net):
+    fast = FastEsm.from_hf(net)
+    batch = PackedBatch.from_sequences(SEQS)
+    hidden = fast(batch, [0, 1, 2, 3])
+    ref = padded_reference(net, SEQS)
+    for layer in range(4):
+        for row, got in enumerate(unpad(hidden[layer], batch)):
+            want = ref[layer][row, : len(got)]
+            assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), (layer, row, (got - want).abs().max())
+
+
+def test_only_layers_asked_for_are_returned(net):
+    fast = FastEsm.from_hf(net)
+    batch = PackedBatch.from_sequences(SEQS[:2])
+    assert set(fast(batch, [1])) == {1}
+    assert set(fast(batch)) == {3}  # default: the last layer
+
+
+def test_token_dropout_rescaling_follows_masks_per_sequence(net):
+    """Rows with <mask> tokens get ESM-2's per-sequence rescaling, the others not."""
+    alpha = alphabet()
+    fast = FastEsm.from_hf(net)
+    tokens, mask = encode(SEQS[:3])
+    tokens[0, 3] = tokens[0, 7] = alpha.mask_idx  # two masks in the first row only
+    rows = [t[m.bool()].tolist() for t, m in zip(tokens, mask)]
+    lengths = [len(r) for r in rows]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    batch = PackedBatch.from_arrays(torch.tensor([t for r in rows for t in r]), positions, cu)
+    got = unpad(fast(batch, [0, 3])[3], batch)
+    with torch.inference_mode():
+        ref = net.esm(input_ids=tokens, attention_mask=mask, output_hidden_states=True).hidden_states[3]
+    for row, g in enumerate(got):
+        assert torch.allclose(g, ref[row, : len(g)], atol=2e-5, rtol=1e-5), row
+
+
+def test_pooling_means_residues_and_takes_cls(net):
+    fast = FastEsm.from_hf(net)
+    out = fast.embed(SEQS, layers=[-1, 0], per_token=True)
+    ref = padded_reference(net, SEQS)
+    for row, seq in enumerate(SEQS):
+        n = len(seq)
+        for layer in (0, 3):
+            res = ref[layer][row, 1: n + 1]
+            assert torch.allclose(out["per_token"][layer][row], res, atol=2e-5)
+            assert torch.allclose(out["mean"][layer][row], res.mean(0), atol=2e-5)
+            assert torch.allclose(out["bos"][layer][row], ref[layer][row, 0], atol=2e-5)
+
+
+def test_loads_hf_directories_and_fair_esm_files_alike(stress_dir):
+    a = FastEsm.from_pretrained(stress_dir, dtype=torch.float32, device="cpu")
+    b = FastEsm.from_pretrained(stress_dir / "model.pt", dtype=torch.float32, device="cpu")
+    batch = PackedBatch.from_sequences(SEQS)
+    ha, hb = a(batch, [3])[3], b(batch, [3])[3]
+    assert torch.allclose(ha, hb, atol=1e-6)
+    ref = padded_reference(load_esm(stress_dir), SEQS)[3]
+    assert torch.allclose(unpad(ha, batch)[0], ref[0, : len(SEQS[0]) + 2], atol=2e-5)
+
+
+def test_reference_attention_matches_padded_sdpa():
+    lengths = [5, 1, 17, 9]
+    q, k, v = (torch.randn(sum(lengths), 3, 16, dtype=torch.float64) for _ in range(3))
+    got = varlen_attention_reference(q, k, v, lengths)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        s = torch.einsum("qhd,khd->hqk", q[sl], k[sl]) / 4.0
+        want = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[sl])
+        assert torch.allclose(got[sl], want, atol=1e-12)
+        start += n
+
+
+def test_gaps_are_tokens_unless_stripped(tmp_path, stress_dir):
+    path = tmp_path / "aln.fasta"
+    write_fasta(path, [("aligned", "MK-TA.YI")])
+    assert read_fasta(path)[0][0].sequence == "MK-TA.YI"
+    assert read_fasta(path, strip_gaps=True)[0][0].sequence == "MKTAYI"
+    for extra, layer_len in (([], 8), (["--strip-gaps"], 6)):
+        out = tmp_path / f"o{len(extra)}"
+        assert main(["embed", "--model", str(stress_dir), str(path), "-o", str(out), "--include", "per_tok",
+                     "--nogpu", "--quiet", *extra]) == 0
+        assert torch.load(out / "aligned.pt")["representations"][3].shape[0] == layer_len
+
+
+def test_empty_fasta_is_called_empty(tmp_path, stress_dir, capsys):
+    path = tmp_path / "empty.fasta"
+    path.write_text("")
+    assert main(["embed", "--model", str(stress_dir), str(path), "-o", str(tmp_path / "o"), "--nogpu"]) == 2
+    err = capsys.readouterr().err
+    assert "empty file" in err and str(path) in err and "Traceback" not in err
+
+
+# ---- on the GPU: the flash-attention rule -------------------------------------------------------------
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_varlen_kernel_within_twice_the_reference_error(dtype):
+    lengths = [1, 200, 3, 77, 513, 64, 1026]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lengths), 20, 64, device="cuda") for _ in range(3))
+    ref = varlen_attention_reference(q.double(), k.double(), v.double(), lengths)
+    low = [t.to(dtype) for t in (q, k, v)]
+    out = torch.full_like(low[0], float("nan"))
+    out.copy_(varlen_attention(*low, cu, max(lengths), lengths))
+    pt = varlen_attention_reference(*low, lengths)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max() <= 2 * (pt.double() - ref).abs().max()
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fast_forward_within_twice_transformers_low_precision_error(dtype):
+    """Per-token and mean embeddings against an fp32 reference: our error ≤ 2× that of transformers'
+    own forward in the same dtype, over mixed lengths in one batch (compiled, as embed runs it)."""
+    from esm_turbo.model.sizes import esm2_config
+    from transformers import EsmForMaskedLM
+    torch.manual_seed(0)
+    cfg = esm2_config(layers=6, hidden=320, heads=20)
+    cfg._attn_implementation = "sdpa"
+    net32 = EsmForMaskedLM(cfg).cuda().eval()
+    seqs = SEQS[:4] + ["MADEEKLPPGWEKRMSRSSGRVYYFNHITNASQWERPSG" * 12]
+    ref = padded_reference(net32, seqs, device="cuda")
+    low = EsmForMaskedLM(cfg).cuda().eval()
+    low.load_state_dict(net32.state_dict())
+    low = low.to(dtype)
+    theirs = padded_reference(low, seqs, device="cuda")
+    fast = FastEsm.from_hf(low, compile=True)
+    batch = PackedBatch.from_sequences(seqs, "cuda")
+    ours = fast(batch, [6])[6]
+    mean_ours, _ = fast.pool(ours, batch)
+    err_tok = err_tok_pt = err_mean = err_mean_pt = 0.0
+    for row, got in enumerate(unpad(ours, batch)):
+        n = len(got)
+        want = ref[6][row, :n]
+        err_tok = max(err_tok, (got - want).abs().max().item())
+        err_tok_pt = max(err_tok_pt, (theirs[6][row, :n] - want).abs().max().item())
+        err_mean = max(err_mean, (mean_ours[row].cpu() - want[1:-1].mean(0)).abs().max().item())
+        err_mean_pt = max(err_mean_pt, (theirs[6][row, 1: n - 1].mean(0) - want[1:-1].mean(0)).abs().max().item())
+    assert err_tok <= 2 * err_tok_pt, (err_tok, err_tok_pt)
+    assert err_mean <= 2 * err_mean_pt, (err_mean, err_mean_pt)
+
+
+def test_embed_without_contacts_takes_the_packed_path_and_matches(stress_dir, tmp_path):
+    from esm_turbo.embed.extract import EmbedConfig, Embedder
+    from esm_turbo.embed.writers import safe_name
+    path = tmp_path / "in.fasta"
+    write_fasta(path, [(f"s{i}", s) for i, s in enumerate(SEQS)])
+    net = load_esm(stress_dir)
+    assert Embedder(net, EmbedConfig(include=["mean"]), "cpu").fast is not None
+    assert Embedder(net, EmbedConfig(include=["contacts"]), "cpu").fast is None
+    out = tmp_path / "pt"
+    assert main(["embed", "--model", str(stress_dir), str(path), "-o", str(out), "--repr-layers", "0", "2", "-1",
+                 "--include", "mean", "per_tok", "bos", "logits", "--toks-per-batch", "64", "--nogpu", "--quiet"]) == 0
+    ref = padded_reference(net, SEQS)
+    with torch.inference_mode():
+        tokens, mask = encode(SEQS)
+        logits = net(input_ids=tokens, attention_mask=mask).logits
+    for i, seq in enumerate(SEQS):
+        item = torch.load(out / f"{safe_name(f's{i}')}.pt")
+        n = len(seq)
+        for layer in (0, 2, 3):
+            res = ref[layer][i, 1: n + 1]
+            assert torch.allclose(item["representations"][layer], res, atol=2e-5)
+            assert torch.allclose(item["mean_representations"][layer], res.mean(0), atol=2e-5)
+            assert torch.allclose(item["bos_representations"][layer], ref[layer][i, 0], atol=2e-5)
+        assert torch.allclose(item["logits"], logits[i, 1: n + 1], atol=1e-4)
