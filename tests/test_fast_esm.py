@@ -203,3 +203,28 @@ def test_embed_without_contacts_takes_the_packed_path_and_matches(stress_dir, tm
             assert torch.allclose(item["mean_representations"][layer], res.mean(0), atol=2e-5)
             assert torch.allclose(item["bos_representations"][layer], ref[layer][i, 0], atol=2e-5)
         assert torch.allclose(item["logits"], logits[i, 1: n + 1], atol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_graph_replays_match_the_plain_forward_for_new_inputs():
+    """One captured graph serves successive batches of the same shape class with their own inputs."""
+    from esm_turbo.model.sizes import esm2_config
+    from transformers import EsmForMaskedLM
+    torch.manual_seed(0)
+    cfg = esm2_config(layers=4, hidden=320, heads=20)
+    net = EsmForMaskedLM(cfg).cuda().half().eval()
+    fast = FastEsm.from_hf(net)
+    batches = [["MKTAYIAKQRQISFVKSHFSRQ", "GSHMLEDPVDAFQ"], ["MKV", "ACDEFGHIKLMNPQRSTVWY" * 3],
+               ["W" * 40, "MADEEKLPPGWEKRMS"]]
+    for seqs in batches:
+        graphed = fast.embed(seqs, layers=[-1, 2], per_token=True)
+        fast.cuda_graphs = False
+        plain = fast.embed(seqs, layers=[-1, 2], per_token=True)
+        fast.cuda_graphs = True
+        for layer in (2, 4):
+            assert torch.allclose(graphed["mean"][layer], plain["mean"][layer], atol=2e-3, rtol=2e-3)
+            assert torch.allclose(graphed["bos"][layer], plain["bos"][layer], atol=2e-3, rtol=2e-3)
+            for g, p in zip(graphed["per_token"][layer], plain["per_token"][layer]):
+                assert g.shape == p.shape and torch.allclose(g, p, atol=2e-3, rtol=2e-3)
+    assert len(fast._graphs) == 2  # 64- and 128-token buckets of two sequences, reused

@@ -197,10 +197,16 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
     row["gemm_ceiling_tokens_per_s"] = gemm_ceiling(net.config, budget, device, dtype)
     if row["gemm_ceiling_tokens_per_s"] and "ours" in row:
         row["ours"]["pct_gemm_ceiling"] = 100 * row["ours"]["tokens_per_s"] / row["gemm_ceiling_tokens_per_s"]
-    del net
+    return row
+
+
+def _release(device: torch.device) -> None:
+    """Free what a size left behind (compiled graphs hold their modules) before the next is measured."""
+    import gc
+    torch._dynamo.reset()
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
 
 
 def bench_latency(size: str, device: torch.device, length: int = 200, reps: int = 20) -> dict:
@@ -225,6 +231,7 @@ def bench_latency(size: str, device: torch.device, length: int = 200, reps: int 
             times.append(time.perf_counter() - t0)
         out[f"{name}_ms"] = 1e3 * sorted(times)[reps // 2]
     del net, fast
+    _release(device)
     return dict(size=size, length=length, **out)
 
 
@@ -259,7 +266,10 @@ def bench_embed(device: torch.device, fasta: list[str], quick: bool = False) -> 
                                      methods=("ours", "hf_sorted", "hf_unsorted"))],
                     latency=[bench_latency("8M", device, reps=5)], memory=[])
     sizes = (("8M", 8), ("150M", 8), ("650M", 8), ("3B", 2)) if not quick else (("8M", 2), ("650M", 2))
-    rows = [bench_size(size, copies_of(n), device, TOKS_PER_BATCH, n) for size, n in sizes]
+    rows = []
+    for size, n in sizes:
+        rows.append(bench_size(size, copies_of(n), device, TOKS_PER_BATCH, n))
+        _release(device)
     latency = [bench_latency("650M", device)]
     memory = bench_memory("3B", copies_of(1), device, (4096, 8192, 16384, 32768)) if not quick else []
     return dict(rows=rows, latency=latency, memory=memory)

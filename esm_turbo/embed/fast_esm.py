@@ -37,23 +37,20 @@ MASK_RATIO_TRAIN = 0.15 * 0.8
 
 @dataclass
 class PackedBatch:
-    """Sequences one after another. tokens, positions: [N] long; cu_seqlens: [S + 1] int32;
-    lengths: tokens per sequence on the host (``<cls>`` and ``<eos>`` included); all on one device."""
+    """Sequences one after another. tokens, positions: [N] long; cu_seqlens: [S + 1] int32 (sequence
+    starts, then N), all on one device; lengths: tokens per sequence on the host (``<cls>`` and ``<eos>``
+    included; what the PyTorch attention path loops over); max_seqlen: the longest."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     cu_seqlens: torch.Tensor
     lengths: list[int]
+    max_seqlen: int
 
-    @property
-    def max_seqlen(self) -> int:
-        return max(self.lengths)
-
-    @property
     def segment(self) -> torch.Tensor:
-        """[N] long: which sequence each token belongs to."""
-        counts = torch.tensor(self.lengths, device=self.tokens.device)
-        return torch.repeat_interleave(torch.arange(len(self.lengths), device=self.tokens.device), counts)
+        """[N] long: which sequence each token belongs to (computed on the device, no host sync)."""
+        idx = torch.arange(self.tokens.shape[0], device=self.tokens.device, dtype=torch.int32)
+        return torch.searchsorted(self.cu_seqlens[1:].contiguous(), idx, right=True)
 
     @classmethod
     def from_arrays(cls, ids, positions, cu, device: torch.device | str = "cpu") -> "PackedBatch":
@@ -64,7 +61,7 @@ class PackedBatch:
             ids, positions = ids.pin_memory(), positions.pin_memory()
         cu32 = cu.to(torch.int32)
         return cls(ids.to(device, non_blocking=True), positions.to(device, non_blocking=True),
-                   cu32.to(device, non_blocking=True), lengths)
+                   cu32.to(device, non_blocking=True), lengths, max(lengths))
 
     @classmethod
     def from_sequences(cls, seqs: list[str], device: torch.device | str = "cpu",
@@ -137,6 +134,8 @@ class FastEsm(nn.Module):
         self.lm_head = None  # transformers' EsmLMHead, when logits are wanted (from_hf keeps it)
         self._compile = compile
         self._fns = None
+        self.cuda_graphs = True  # FastEsm.embed replays CUDA graphs for short batches on CUDA
+        self._graphs: dict = {}
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -156,10 +155,12 @@ class FastEsm(nn.Module):
             for block, layer in zip(model.blocks, esm.encoder.layer):
                 att = layer.attention
                 share(block.attn_norm, att.LayerNorm)
-                block.qkv.weight = nn.Parameter(torch.cat([att.self.query.weight, att.self.key.weight,
-                                                           att.self.value.weight]), requires_grad=False)
-                block.qkv.bias = nn.Parameter(torch.cat([att.self.query.bias, att.self.key.bias,
-                                                         att.self.value.bias]), requires_grad=False)
+                for kind in ("weight", "bias"):  # fused; net's Q, K and V become views of it (no second copy)
+                    parts = [getattr(m, kind) for m in (att.self.query, att.self.key, att.self.value)]
+                    fused = torch.cat(parts)
+                    setattr(block.qkv, kind, nn.Parameter(fused, requires_grad=False))
+                    for m, part, view in zip((att.self.query, att.self.key, att.self.value), parts, fused.chunk(3)):
+                        setattr(m, kind, nn.Parameter(view, requires_grad=part.requires_grad))
                 share(block.out, att.output.dense)
                 share(block.ffn_norm, layer.LayerNorm)
                 share(block.fc1, layer.intermediate.dense)
@@ -198,9 +199,9 @@ class FastEsm(nn.Module):
         if getattr(self.config, "token_dropout", False):
             masked = batch.tokens == self.config.mask_token_id
             x = x.masked_fill(masked[:, None], 0.0)
-            seg = batch.segment
-            lengths = torch.tensor(batch.lengths, device=x.device, dtype=torch.float32)
-            observed = torch.zeros(len(batch.lengths), device=x.device).index_add_(0, seg, masked.float()) / lengths
+            seg = batch.segment()
+            lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).float()
+            observed = torch.zeros(len(lengths), device=x.device).index_add_(0, seg, masked.float()) / lengths
             x = (x * ((1 - MASK_RATIO_TRAIN) / (1 - observed))[seg][:, None]).to(x.dtype)
         return x
 
@@ -239,11 +240,12 @@ class FastEsm(nn.Module):
 
     # ---- pooling ---------------------------------------------------------------------------------
     @staticmethod
-    def pool(h: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def pool(h: torch.Tensor, batch: PackedBatch, sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """On h's device, in float32: mean over each sequence's residues (``<cls>``/``<eos>`` left out)
-        [S, D] and each ``<cls>`` state [S, D]. h: [N, D]."""
-        starts = batch.cu_seqlens[:-1].long()
-        ends = batch.cu_seqlens[1:].long()
+        [S, D] and each ``<cls>`` state [S, D]. h: [N, D]; only the first S sequences of the batch when
+        ``sequences`` = S is given."""
+        starts = batch.cu_seqlens[:-1].long()[:sequences]
+        ends = batch.cu_seqlens[1:].long()[:sequences]
         csum = torch.zeros(h.shape[0] + 1, h.shape[1], device=h.device, dtype=torch.float32)
         torch.cumsum(h.float(), dim=0, out=csum[1:])
         # residues of sequence s are tokens [start + 1, end - 1)
@@ -251,28 +253,91 @@ class FastEsm(nn.Module):
         counts = (ends - starts - 2).clamp(min=1).float()[:, None]
         return sums / counts, h[starts].float()
 
+    def _graphed(self, n_tokens: int, n_seqs: int, layers: tuple[int, ...]) -> "_GraphedEmbed":
+        key = (n_tokens, n_seqs, layers)
+        if key not in self._graphs:
+            self._graphs[key] = _GraphedEmbed(self, n_tokens, n_seqs, layers)
+        return self._graphs[key]
+
     @torch.inference_mode()
     def embed(self, sequences: list[str], layers: list[int] | None = None,
               per_token: bool = False) -> dict[str, dict[int, object]]:
         """Embeddings of a few sequences in one packed batch (for batches of many use ``esm-turbo embed``
         or :class:`esm_turbo.embed.extract.Embedder`). ``layers`` as in fair-esm (negative counts from the
         end; default the last). Returns {"mean": {layer: [S, D]}, "bos": {layer: [S, D]}} float32 on the
-        host, plus "per_token": {layer: list of [L_s, D]} when asked."""
+        host, plus "per_token": {layer: list of [L_s, D]} when asked.
+
+        On CUDA, batches of up to ``GRAPH_MAX_TOKENS`` tokens replay a CUDA graph captured once per
+        (token bucket, number of sequences, layers): a short query is not held up by launches."""
         from .extract import resolve_layers
         device = self.embed_tokens.weight.device
         resolved = resolve_layers(layers if layers is not None else [-1], self.num_layers)
-        batch = PackedBatch.from_sequences(sequences, device)
-        hidden = self.forward(batch, resolved)
-        result: dict[str, dict[int, object]] = {"mean": {}, "bos": {}}
+        names = [f"sequence {i + 1}" for i in range(len(sequences))]
+        ids, positions, cu = encode_packed([check_sequence(s, n) for s, n in zip(sequences, names)])
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        if self.cuda_graphs and device.type == "cuda" and len(ids) < GRAPH_MAX_TOKENS:
+            bucket = max(64, 1 << len(ids).bit_length())  # > N: the padding is a sequence of its own
+            hidden, means, boss = self._graphed(bucket, len(sequences), tuple(resolved)).run(ids, positions, cu)
+        else:
+            batch = PackedBatch.from_arrays(ids, positions, cu, device=device)
+            hidden = self.forward(batch, resolved)
+            pooled = {layer: self.pool(hidden[layer], batch) for layer in resolved}
+            means = {layer: m for layer, (m, _) in pooled.items()}
+            boss = {layer: b for layer, (_, b) in pooled.items()}
+        result: dict[str, dict[int, object]] = {"mean": {k: v.cpu() for k, v in means.items()},
+                                                "bos": {k: v.cpu() for k, v in boss.items()}}
         if per_token:
-            result["per_token"] = {}
-        for layer in resolved:
-            mean, bos = self.pool(hidden[layer], batch)
-            result["mean"][layer], result["bos"][layer] = mean.cpu(), bos.cpu()
-            if per_token:
-                parts = hidden[layer].float().cpu().split(batch.lengths)
-                result["per_token"][layer] = [p[1:-1] for p in parts]
+            result["per_token"] = {layer: [p[1:-1] for p in hidden[layer][: len(ids)].float().cpu().split(lengths)]
+                                   for layer in resolved}
         return result
+
+
+#: batches below this many tokens replay CUDA graphs in :meth:`FastEsm.embed`
+GRAPH_MAX_TOKENS = 4096
+
+
+class _GraphedEmbed:
+    """One CUDA graph of FastEsm's forward and pooling for ``n_seqs`` sequences in ``n_tokens`` tokens
+    (the tokens past the real ones form one more sequence of padding, attending only to itself)."""
+
+    def __init__(self, model: FastEsm, n_tokens: int, n_seqs: int, layers: tuple[int, ...]):
+        device = model.embed_tokens.weight.device
+        self.n_seqs = n_seqs
+        self.tokens = torch.full((n_tokens,), model.config.pad_token_id, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n_tokens, dtype=torch.long, device=device)
+        self.pad_positions = torch.arange(n_tokens, device=device)
+        self.pad_id = model.config.pad_token_id
+        self.cu = torch.zeros(n_seqs + 2, dtype=torch.int32, device=device)
+        self.cu[-1] = n_tokens
+        self.cu[1:-1] = torch.arange(1, n_seqs + 1, device=device, dtype=torch.int32)  # a valid warm-up layout
+        batch = PackedBatch(self.tokens, self.positions, self.cu, [], n_tokens)
+
+        def step():
+            hidden = model.forward(batch, list(layers))
+            pooled = {layer: model.pool(hidden[layer], batch, n_seqs) for layer in layers}
+            return hidden, {k: m for k, (m, _) in pooled.items()}, {k: b for k, (_, b) in pooled.items()}
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile and warm every kernel outside the capture
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = step()
+
+    def run(self, ids, positions, cu):
+        """Host arrays of one packed batch (N < n_tokens, S = n_seqs) → (hidden, means, bos), views of the
+        graph's outputs (copy before the next replay)."""
+        n = len(ids)
+        self.tokens[:n].copy_(torch.as_tensor(ids))
+        self.tokens[n:].fill_(self.pad_id)
+        self.positions[:n].copy_(torch.as_tensor(positions))
+        self.positions[n:].copy_(self.pad_positions[: len(self.positions) - n])
+        self.cu[: len(cu)].copy_(torch.as_tensor(cu, dtype=torch.int32))
+        self.graph.replay()
+        return self.out
 
 
 __all__ = ["FastEsm", "FastEsmBlock", "PackedBatch", "attention_inputs", "block_output"]
