@@ -18,6 +18,7 @@ from esm_turbo.fasta import read_fastas
 ap = argparse.ArgumentParser()
 ap.add_argument("--size", default="650M")
 ap.add_argument("--tokens", type=int, default=16384)
+ap.add_argument("--only", choices=["fast_esm", "hf_compiled"], default=None)
 args = ap.parse_args()
 dev = torch.device("cuda")
 seqs = sorted((r.sequence for r in read_fastas(EMBED_FASTA)), key=len, reverse=True)
@@ -35,6 +36,8 @@ hf_batches = sorted_batches(picked, args.tokens)
 runs = {"fast_esm": lambda: fast(batch, [fast.num_layers]),
         "hf_compiled": lambda: hf_loop(compiled, picked, hf_batches, dev)}
 for name, fn in runs.items():
+    if args.only and name != args.only:
+        continue
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -11,7 +11,7 @@ touches a padding row; attention runs per sequence through flash-attention's var
 (:mod:`esm_turbo.embed.varlen`). Each block is two functions of plain tensors, before and after
 attention (LayerNorm, the fused QKV projection and the rotary embedding; the output projection,
 residual, LayerNorm, the GELU feed-forward and residual), which ``torch.compile`` fuses into a few
-kernels on CUDA; one compiled graph serves every layer and every token count (dynamic shapes).
+kernels on CUDA; one compiled graph serves every layer and every token count (the token count dynamic).
 Pooling (mean over residues, ``<cls>``) is done on the device, and only the layers asked for are kept.
 
     model = FastEsm.from_pretrained("facebook/esm2_t33_650M_UR50D", dtype=torch.float16, device="cuda")
@@ -88,7 +88,7 @@ def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor
     c, s = cos[:, None, :], sin[:, None, :]
     q = (q.float() * c + _rotate_half(q.float()) * s).to(h.dtype)
     k = (k.float() * c + _rotate_half(k.float()) * s).to(h.dtype)
-    return q, k, v.contiguous()
+    return q, k, v  # v stays a view of the projection: the kernel takes any row stride
 
 
 def block_output(h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, b_o: torch.Tensor, norm_w: torch.Tensor,
@@ -187,8 +187,9 @@ class FastEsm(nn.Module):
         if self._fns is None:
             wanted = self._compile if self._compile is not None else device.type == "cuda"
             if wanted:
-                self._fns = (torch.compile(attention_inputs, dynamic=True),
-                             torch.compile(block_output, dynamic=True))
+                # shapes static first; the token count becomes dynamic once it changes, the widths stay static
+                # (every dimension dynamic costs 2-3x in the LayerNorm and rotary kernels)
+                self._fns = (torch.compile(attention_inputs), torch.compile(block_output))
             else:
                 self._fns = (attention_inputs, block_output)
         return self._fns
