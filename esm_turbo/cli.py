@@ -159,7 +159,8 @@ def cmd_embed(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import format_result, run, to_json
-    res = run(quick=args.quick, device=args.device, reference=args.reference, suite=args.suite, fasta=args.fasta)
+    res = run(quick=args.quick, device=args.device, reference=args.reference, suite=args.suite, fasta=args.fasta,
+              sizes=args.sizes)
     text = to_json(res) if args.json else format_result(res)
     print(text)
     if args.out:
@@ -306,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: attention kernel, quantize-and-pack, decode tokens/s; embed: extraction vs "
                         "transformers; all: both")
     p.add_argument("--fasta", nargs="+", default=None, help="FASTA for the embed suite (default: calibration_data)")
+    p.add_argument("--sizes", nargs="+", choices=["8M", "150M", "650M", "3B"], default=None,
+                   help="embed suite: only these ESM-2 shapes (default: all four)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--quick", action="store_true", help="fewer sizes")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

@@ -228,3 +228,14 @@ def test_graph_replays_match_the_plain_forward_for_new_inputs():
             for g, p in zip(graphed["per_token"][layer], plain["per_token"][layer]):
                 assert g.shape == p.shape and torch.allclose(g, p, atol=2e-3, rtol=2e-3)
     assert len(fast._graphs) == 2  # 64- and 128-token buckets of two sequences, reused
+
+
+def test_padded_path_matches_the_reference():
+    from esm_turbo.embed.varlen import padded_layout, varlen_attention_padded
+    lengths = [5, 1, 17, 9]
+    q, k, v = (torch.randn(sum(lengths), 3, 16, dtype=torch.float64) for _ in range(3))
+    batch = PackedBatch.from_arrays(torch.zeros(sum(lengths), dtype=torch.long),
+                                    torch.cat([torch.arange(n) for n in lengths]),
+                                    torch.tensor([0] + lengths).cumsum(0))
+    got = varlen_attention_padded(q, k, v, padded_layout(batch.positions, batch.segment(), lengths))
+    assert torch.allclose(got, varlen_attention_reference(q, k, v, lengths), atol=1e-12)

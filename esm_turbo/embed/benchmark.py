@@ -21,6 +21,7 @@ end (latency), and the peak GPU memory per token budget.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -183,6 +184,7 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
         runs["fair_esm"] = (lambda: fair(seqs), lambda: fair(seqs[:warm_n]))
     peak = dense_peak(device)
     for method, (fn, warm) in runs.items():
+        _progress(f"{size}-shaped: {method}")
         try:
             seconds = _timed(fn, warm, device)
         except Exception as err:  # noqa: BLE001 - a baseline that fails is reported, the others kept
@@ -254,8 +256,14 @@ def bench_memory(size: str, records: list[Record], device: torch.device, budgets
     return rows
 
 
-def bench_embed(device: torch.device, fasta: list[str], quick: bool = False) -> dict:
-    """The whole embed suite (CPU: the 8M shape, fp32, a smoke run; no speed claim)."""
+def _progress(message: str) -> None:
+    print(f"[bench embed {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def bench_embed(device: torch.device, fasta: list[str], quick: bool = False,
+                sizes: list[str] | None = None) -> dict:
+    """The whole embed suite (CPU: the 8M shape, fp32, a smoke run; no speed claim). ``sizes``: a subset of
+    8M, 150M, 650M, 3B (the latency row runs with 650M, the memory rows with 3B)."""
     base = read_fastas(fasta)
     from .extract import TOKS_PER_BATCH
 
@@ -265,13 +273,17 @@ def bench_embed(device: torch.device, fasta: list[str], quick: bool = False) -> 
         return dict(rows=[bench_size("8M", copies_of(1)[:64], device, 4096, 1,
                                      methods=("ours", "hf_sorted", "hf_unsorted"))],
                     latency=[bench_latency("8M", device, reps=5)], memory=[])
-    sizes = (("8M", 8), ("150M", 8), ("650M", 8), ("3B", 2)) if not quick else (("8M", 2), ("650M", 2))
+    plan = (("8M", 8), ("150M", 8), ("650M", 8), ("3B", 2)) if not quick else (("8M", 2), ("650M", 2))
+    plan = tuple((s, n) for s, n in plan if sizes is None or s in sizes)
     rows = []
-    for size, n in sizes:
+    for size, n in plan:
+        _progress(f"{size}-shaped: {len(METHODS)} methods")
         rows.append(bench_size(size, copies_of(n), device, TOKS_PER_BATCH, n))
+        _progress("\n".join(format_embed(dict(rows=rows[-1:]))[1:]))
         _release(device)
-    latency = [bench_latency("650M", device)]
-    memory = bench_memory("3B", copies_of(1), device, (4096, 8192, 16384, 32768)) if not quick else []
+    latency = [bench_latency("650M", device)] if sizes is None or "650M" in sizes else []
+    memory = (bench_memory("3B", copies_of(1), device, (4096, 8192, 16384, 32768))
+              if not quick and (sizes is None or "3B" in sizes) else [])
     return dict(rows=rows, latency=latency, memory=memory)
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.alphabet import check_sequence, encode_packed
-from .varlen import varlen_attention
+from .varlen import flash_available, padded_layout, varlen_attention
 
 #: ESM-2's token dropout: the share of tokens masked in training (15% selected × 80% masked)
 MASK_RATIO_TRAIN = 0.15 * 0.8
@@ -218,10 +218,14 @@ class FastEsm(nn.Module):
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
         max_seqlen = batch.max_seqlen
+        q0 = self.blocks[0].qkv.weight
+        layout = (None if flash_available(torch.empty(0, 1, self.config.hidden_size // self.blocks[0].heads,
+                                                      device=q0.device, dtype=q0.dtype))
+                  else padded_layout(batch.positions, batch.segment(), batch.lengths))
         for i, b in enumerate(self.blocks, start=1):
             q, k, v = pre(h, b.attn_norm.weight, b.attn_norm.bias, b.qkv.weight, b.qkv.bias, cos, sin, b.heads,
                           self.eps)
-            a = varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, batch.lengths)
+            a = varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, layout)
             h = post(h, a, b.out.weight, b.out.bias, b.ffn_norm.weight, b.ffn_norm.bias, b.fc1.weight, b.fc1.bias,
                      b.fc2.weight, b.fc2.bias, self.eps)
             if i == self.num_layers:

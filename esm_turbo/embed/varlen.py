@@ -4,8 +4,9 @@
 (``[N, H, d]``) with their boundaries ``cu_seqlens`` ([S + 1] int32, ``cu_seqlens[s]`` the first
 token of sequence ``s``). On CUDA in fp16/bf16 it runs flash-attention's variable-length kernel
 (``torch.nn.attention.varlen``, falling back to the aten op on older PyTorch); everywhere else
-``varlen_attention_reference``: scaled-dot-product attention once per sequence, the PyTorch
-reference the kernel is tested against.
+one batched scaled-dot-product attention over a padded copy with a key mask. Beside them,
+``varlen_attention_reference``: attention once per sequence, the PyTorch reference both are tested
+against.
 """
 
 from __future__ import annotations
@@ -35,6 +36,27 @@ def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out
 
 
+def padded_layout(positions: torch.Tensor, segment: torch.Tensor, lengths: list[int]) -> tuple:
+    """Where each packed token sits in a padded [S, L_max] batch, and which keys are real there:
+    (flat index [N] long, key mask [S, 1, 1, L_max] bool, S, L_max). Built once per batch."""
+    s, width = len(lengths), max(lengths)
+    index = segment.long() * width + positions
+    mask = torch.arange(width, device=positions.device)[None, :] < torch.tensor(lengths, device=positions.device)[:, None]
+    return index, mask[:, None, None, :], s, width
+
+
+def varlen_attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """The same attention as one batched SDPA call over a padded copy (the CPU path: one call per layer,
+    not one per sequence; batches are length-sorted, so little padding). q, k, v: [N, H, d] → [N, H, d]."""
+    index, mask, s, width = layout
+    n, heads, d = q.shape
+
+    def pad(x):
+        return x.new_zeros(s * width, heads, d).index_copy_(0, index, x).view(s, width, heads, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask)
+    return out.transpose(1, 2).reshape(s * width, heads, d).index_select(0, index)
+
+
 def flash_available(q: torch.Tensor) -> bool:
     """Whether the flash variable-length kernel can take ``q`` (CUDA, fp16/bf16, head dim ≤ 256, % 8)."""
     d = q.shape[-1]
@@ -42,18 +64,19 @@ def flash_available(q: torch.Tensor) -> bool:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, lengths: list[int]) -> torch.Tensor:
+                     max_seqlen: int, layout: tuple | None = None) -> torch.Tensor:
     """Attention of each sequence of a packed batch to itself (scale 1/sqrt(d)).
 
     q, k, v: [N, H, d]; cu_seqlens: [S + 1] int32 on q's device; max_seqlen: the longest sequence;
-    lengths: the same boundaries on the host (for the reference path). Returns [N, H, d].
+    layout: :func:`padded_layout` of the batch, for where the flash kernel cannot run. Returns [N, H, d].
     """
     if not flash_available(q):
-        return varlen_attention_reference(q, k, v, lengths)
+        return varlen_attention_padded(q, k, v, layout)
     if _varlen_attn is not None:
         return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     return torch.ops.aten._flash_attention_forward(  # pragma: no cover - PyTorch < 2.9
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False)[0]
 
 
-__all__ = ["flash_available", "varlen_attention", "varlen_attention_reference"]
+__all__ = ["flash_available", "padded_layout", "varlen_attention", "varlen_attention_padded",
+           "varlen_attention_reference"]
