@@ -270,7 +270,7 @@ def bench_embed(device: torch.device, fasta: list[str], quick: bool = False,
     def copies_of(n: int) -> list[Record]:
         return [Record(f"{r.id}#{k}", r.sequence, r.source) for k in range(n) for r in base]
     if device.type != "cuda":
-        return dict(rows=[bench_size("8M", copies_of(1)[:64], device, 4096, 1,
+        return dict(rows=[bench_size("8M", copies_of(1), device, TOKS_PER_BATCH, 1,
                                      methods=("ours", "hf_sorted", "hf_unsorted"))],
                     latency=[bench_latency("8M", device, reps=5)], memory=[])
     plan = (("8M", 8), ("150M", 8), ("650M", 8), ("3B", 2)) if not quick else (("8M", 2), ("650M", 2))

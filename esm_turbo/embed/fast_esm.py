@@ -218,9 +218,9 @@ class FastEsm(nn.Module):
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
         max_seqlen = batch.max_seqlen
-        q0 = self.blocks[0].qkv.weight
-        layout = (None if flash_available(torch.empty(0, 1, self.config.hidden_size // self.blocks[0].heads,
-                                                      device=q0.device, dtype=q0.dtype))
+        weight = self.embed_tokens.weight
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        layout = (None if flash_available(weight.device, weight.dtype, head_dim)
                   else padded_layout(batch.positions, batch.segment(), batch.lengths))
         for i, b in enumerate(self.blocks, start=1):
             q, k, v = pre(h, b.attn_norm.weight, b.attn_norm.bias, b.qkv.weight, b.qkv.bias, cos, sin, b.heads,
@@ -272,7 +272,7 @@ class FastEsm(nn.Module):
         end; default the last). Returns {"mean": {layer: [S, D]}, "bos": {layer: [S, D]}} float32 on the
         host, plus "per_token": {layer: list of [L_s, D]} when asked.
 
-        On CUDA, batches of up to ``GRAPH_MAX_TOKENS`` tokens replay a CUDA graph captured once per
+        On CUDA in fp16/bf16, batches of fewer than ``GRAPH_MAX_TOKENS`` tokens replay a CUDA graph captured once per
         (token bucket, number of sequences, layers): a short query is not held up by launches."""
         from .extract import resolve_layers
         device = self.embed_tokens.weight.device
@@ -280,7 +280,9 @@ class FastEsm(nn.Module):
         names = [f"sequence {i + 1}" for i in range(len(sequences))]
         ids, positions, cu = encode_packed([check_sequence(s, n) for s, n in zip(sequences, names)])
         lengths = (cu[1:] - cu[:-1]).tolist()
-        if self.cuda_graphs and device.type == "cuda" and len(ids) < GRAPH_MAX_TOKENS:
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        graphs = self.cuda_graphs and flash_available(device, self.embed_tokens.weight.dtype, head_dim)
+        if graphs and len(ids) < GRAPH_MAX_TOKENS:
             bucket = max(64, 1 << len(ids).bit_length())  # > N: the padding is a sequence of its own
             hidden, means, boss = self._graphed(bucket, len(sequences), tuple(resolved)).run(ids, positions, cu)
         else:

@@ -57,10 +57,9 @@ def varlen_attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     return out.transpose(1, 2).reshape(s * width, heads, d).index_select(0, index)
 
 
-def flash_available(q: torch.Tensor) -> bool:
-    """Whether the flash variable-length kernel can take ``q`` (CUDA, fp16/bf16, head dim ≤ 256, % 8)."""
-    d = q.shape[-1]
-    return q.is_cuda and q.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
+def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the flash variable-length kernel takes such inputs (CUDA, fp16/bf16, head dim ≤ 256, % 8)."""
+    return device.type == "cuda" and dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -70,7 +69,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     q, k, v: [N, H, d]; cu_seqlens: [S + 1] int32 on q's device; max_seqlen: the longest sequence;
     layout: :func:`padded_layout` of the batch, for where the flash kernel cannot run. Returns [N, H, d].
     """
-    if not flash_available(q):
+    if not flash_available(q.device, q.dtype, q.shape[-1]):
         return varlen_attention_padded(q, k, v, layout)
     if _varlen_attn is not None:
         return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
