@@ -7,14 +7,15 @@ import json
 import logging
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from .errors import EsmTurboError
 from .fasta import CALIBRATION_DATA
+from . import cli_checks as checks
 from .embed.extract import TOKS_PER_BATCH
 from .model.checkpoint import PRESETS
+from .quant.lloyd_max import SUPPORTED_BITS
 
 log = logging.getLogger("esm_turbo")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -27,6 +28,13 @@ def _dump_json(obj, path: str | None) -> None:
     else:
         from .io import atomic_write_text
         atomic_write_text(path, text + "\n")
+
+
+def _head_dim(text: str) -> int:
+    value = checks.int_in(8, 1024)(text)
+    if value % 8:
+        raise argparse.ArgumentTypeError(f"{value} is not a multiple of 8 (ESM-2's heads: 16, 24, 32, 64, 128)")
+    return value
 
 
 def cmd_validate_codec(args) -> int:
@@ -60,16 +68,31 @@ def _config_from_args(args):
                  if getattr(args, k, None) is not None}
     if "key_bits" in overrides or "value_bits" in overrides:
         overrides["split"] = "as-given"  # widths named outright are kept
-    return replace(cfg, **overrides)
+    cfg = replace(cfg, **overrides)
+    widest = max(cfg.key_bits, cfg.value_bits)
+    if cfg.max_channel_bits is not None and cfg.max_channel_bits < widest:
+        raise EsmTurboError(f"--max-channel-bits {cfg.max_channel_bits}: below the mean index width {widest} "
+                            f"(keys {cfg.key_bits}, values {cfg.value_bits}); give at least {widest}")
+    return cfg
+
+
+def _check_model_args(args) -> None:
+    """What every model-loading command checks first: the device, the model path, the FASTA files."""
+    checks.device(args.device)
+    checks.model_source(str(args.model))
+    for path in args.fasta:
+        checks.input_file(path, "--fasta", "FASTA file")
 
 
 def cmd_calibrate(args) -> int:
     from .fasta import read_fastas
     from .model.calibrate import calibrate
     from .model.loading import load_esm
+    _check_model_args(args)
+    checks.output_file(args.out, "--out")
+    cfg = _config_from_args(args)
     records = read_fastas(args.fasta, max_residues=args.max_residues)
     model = load_esm(args.model, DTYPES[args.dtype], args.device)
-    cfg = _config_from_args(args)
     start = time.perf_counter()
     cal = calibrate(model, records, cfg, progress=not args.quiet, model_name=str(args.model))
     path = cal.save(args.out)
@@ -90,6 +113,13 @@ def cmd_evaluate(args) -> int:
     from .model.engine import TurboEsm
     from .model.evaluate import evaluate, format_table
     from .model.loading import load_esm
+    _check_model_args(args)
+    checks.input_file(args.calibration, "--calibration", "calibration checkpoint")
+    if args.ablations:
+        for path in args.calibration_fasta:
+            checks.input_file(path, "--calibration-fasta", "FASTA file")
+    if args.json not in (None, "-"):
+        checks.output_file(args.json, "--json")
     records = read_fastas(args.fasta)
     if args.limit:
         records = records[: args.limit]
@@ -120,15 +150,27 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_embed(args) -> int:
-    from .embed.extract import EmbedConfig, Embedder, EmbedSummary, distributed_context
+    from .embed.extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
     from .embed.writers import make_writer
     from .fasta import read_fasta
     from .model.loading import load_esm
+    if args.device is not None:
+        checks.device(args.device)
+    checks.model_source(str(args.model))
+    for path in args.fasta:
+        checks.input_file(path, "fasta", "FASTA file")
+    if args.format == "h5":
+        checks.output_file(args.output, "--output", hdf5=True)
+    else:
+        checks.output_dir(args.output, "--output")
     rank, world = distributed_context()
     cfg = EmbedConfig(repr_layers=args.repr_layers, include=args.include, toks_per_batch=args.toks_per_batch,
                       truncation_seq_length=args.truncation_seq_length, long_policy=args.long_policy,
                       window_overlap=args.window_overlap, dtype=args.dtype)
     cfg.check()
+    layers = checks.known_layer_count(str(args.model))
+    if layers is not None:
+        resolve_layers(args.repr_layers, layers)  # refused here, before the model is loaded
     summary = EmbedSummary()
     records, seen = [], set()
     for path in args.fasta:  # length limits are the embedder's job (truncate / windows), not an error
@@ -159,6 +201,10 @@ def cmd_embed(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import format_result, run, to_json
+    if args.device is not None:
+        checks.device(args.device)
+    if args.out:
+        checks.output_file(args.out, "--out")
     res = run(quick=args.quick, device=args.device, reference=args.reference, suite=args.suite, fasta=args.fasta,
               sizes=args.sizes)
     text = to_json(res) if args.json else format_result(res)
@@ -177,7 +223,9 @@ def cmd_demo(args) -> int:
     from .model.engine import TurboEsm
     from .model.evaluate import evaluate, format_table
     from .testing import save_stress_model
-    out = Path(args.out)
+    for path, flag in ((args.calibration_fasta, "--calibration-fasta"), (args.eval_fasta, "--eval-fasta")):
+        checks.input_file(path, flag, "FASTA file")
+    out = checks.output_dir(args.out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     print(f"STAND-IN MODEL: pretrained ESM-2 weights cannot be downloaded here; using a {args.size}-shaped "
           f"ESM-2 with random weights and planted outliers (esm_turbo.testing.stress_esm2).")
@@ -204,22 +252,30 @@ def cmd_demo(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"esm-turbo: error: {self.prog.removeprefix('esm-turbo ')}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="esm-turbo", description=__doc__)
+    ap = _Parser(prog="esm-turbo", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("validate-codec", help="codec MSE and inner-product bias on random unit vectors")
-    p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
-    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--vectors", type=int, default=8192)
+    p.add_argument("--bits", type=int, choices=list(SUPPORTED_BITS), nargs="+", default=[2, 3, 4])
+    p.add_argument("--head-dim", type=_head_dim, nargs="+", default=[64, 128], help="multiples of 8")
+    p.add_argument("--vectors", type=checks.int_in(2), default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_validate_codec)
 
     def model_args(p):
         p.add_argument("--model", required=True, help="size (8M…15B), hub id, save_pretrained dir or fair-esm .pt")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="cpu, cuda, cuda:N or mps (default: cuda when available)")
         p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
         p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -228,11 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fasta", nargs="+", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--preset", choices=list(PRESETS), default="default")
-    p.add_argument("--bits", type=int, help="mean index bits per value (default 3); the preset's key/value split is "
+    p.add_argument("--bits", type=checks.int_in(1, 4),
+                   help="mean index bits per value (default 3); the preset's key/value split is "
                    "kept within widths 1..4 (preset keys-first: keys one bit more, values one less; the default "
                    "preset under 4 bits per value all-in, e.g. --bits 3 --residual none, gives keys 4 and values 2)")
-    p.add_argument("--key-bits", type=int, help="key index bits, kept as given (with --value-bits)")
-    p.add_argument("--value-bits", type=int)
+    p.add_argument("--key-bits", type=checks.int_in(1, 4), help="key index bits, kept as given (with --value-bits)")
+    p.add_argument("--value-bits", type=checks.int_in(1, 4))
     rot = ["svd", "svd-scaled", "hadamard", "haar", "none", "identity"]
     p.add_argument("--rotation", dest="key_rotation", choices=[*rot, "svd-query"],
                    help="key rotation; svd-query (default): the keys' PCA turned to lower the score error")
@@ -247,15 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uniform-bits", dest="bit_allocation", action="store_false", default=None,
                    help="the same index width on every channel (default: widths allocated per rotated channel "
                         "by its share of the output error, the same bytes per token)")
-    p.add_argument("--max-channel-bits", type=int, help="widest channel under bit allocation (default: bits + 1)")
+    p.add_argument("--max-channel-bits", type=checks.int_in(1, 7),
+                   help="widest channel under bit allocation (default: bits + 1)")
     p.add_argument("--shared-widths", action=argparse.BooleanOptionalAction, default=None,
                    help="one bit allocation for every head of a layer (the GPU kernels then compile its field "
                         "shifts in)")
-    p.add_argument("--attention-weight", type=float,
+    p.add_argument("--attention-weight", type=checks.float_in(0.0, 1.0),
                    help="a in [0, 1]: each token counts (1 - a) + a x (the attention it receives) in the LUT fits "
                         "and the allocation; 0 counts every token once")
-    p.add_argument("--max-tokens", type=int, help="stop after this many calibration tokens")
-    p.add_argument("--max-residues", type=int, default=1022)
+    p.add_argument("--max-tokens", type=checks.int_in(1), help="stop after this many calibration tokens")
+    p.add_argument("--max-residues", type=checks.int_in(1, 1022), default=1022)
     p.add_argument("--seed", type=int)
     p.set_defaults(func=cmd_calibrate)
 
@@ -263,9 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--calibration", required=True)
     p.add_argument("--fasta", nargs="+", required=True)
-    p.add_argument("--prefix-fraction", type=float, default=0.5)
-    p.add_argument("--max-steps", type=int, help="decode at most this many residues per sequence")
-    p.add_argument("--limit", type=int, help="evaluate only the first N sequences")
+    p.add_argument("--prefix-fraction", type=checks.float_in(0.0, 1.0), default=0.5)
+    p.add_argument("--max-steps", type=checks.int_in(1), help="decode at most this many residues per sequence")
+    p.add_argument("--limit", type=checks.int_in(1), help="evaluate only the first N sequences")
     p.add_argument("--ablations", nargs="*", choices=[n for n in PRESETS if n != "default"],
                    default=[], help="also calibrate and evaluate these recipes")
     p.add_argument("--calibration-fasta", nargs="+", default=["calibration_data/calibration.fasta"])
@@ -280,14 +338,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repr-layers", "--repr_layers", dest="repr_layers", type=int, nargs="+", default=[-1],
                    help="layers to save (0 = embeddings; negative counts from the end, as in fair-esm)")
     p.add_argument("--include", nargs="+", default=["mean"], help="mean per_tok bos contacts logits")
-    p.add_argument("--toks-per-batch", "--toks_per_batch", dest="toks_per_batch", type=int, default=TOKS_PER_BATCH,
+    p.add_argument("--toks-per-batch", "--toks_per_batch", dest="toks_per_batch", type=checks.int_in(3),
+                   default=TOKS_PER_BATCH,
                    help="tokens per batch (packed, no padding; with contacts, padded as in fair-esm)")
-    p.add_argument("--truncation-seq-length", "--truncation_seq_length", dest="truncation_seq_length", type=int,
+    p.add_argument("--truncation-seq-length", "--truncation_seq_length", dest="truncation_seq_length",
+                   type=checks.int_in(1, 1022),
                    default=1022, help="residues per pass (ESM-2's trained context is 1022)")
     p.add_argument("--long-policy", choices=["truncate", "windows"], default="truncate",
                    help="longer sequences: keep the first residues (warns, naming the record) or stitch "
                         "overlapping windows per residue")
-    p.add_argument("--window-overlap", type=int, default=256)
+    p.add_argument("--window-overlap", type=checks.int_in(0), default=None,
+                   help="residues shared by neighbouring windows (default: 256, at most a quarter of the window)")
     p.add_argument("--format", choices=["pt", "h5"], default="pt")
     p.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto",
                    help="compute dtype (auto: fp16 on CUDA, fp32 on CPU); outputs are stored as float32")
@@ -321,8 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/demo")
     p.add_argument("--calibration-fasta", default=str(CALIBRATION_DATA / "calibration.fasta"))
     p.add_argument("--eval-fasta", default=str(CALIBRATION_DATA / "evaluation.fasta"))
-    p.add_argument("--limit", type=int, default=12)
-    p.add_argument("--max-steps", type=int, default=32)
+    p.add_argument("--limit", type=checks.int_in(1), default=12)
+    p.add_argument("--max-steps", type=checks.int_in(1), default=32)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_demo)
     return ap
@@ -336,9 +397,18 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, "identity")
     try:
         return args.func(args)
-    except EsmTurboError as err:
+    except EsmTurboError as err:  # the project's expected errors: one line naming what was given
         print(f"esm-turbo: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("esm-turbo: interrupted", file=sys.stderr)
+        return 130
+    except Exception:  # a bug: keep its traceback visible
+        import traceback
+        traceback.print_exc()
+        print("esm-turbo: internal error (the traceback above); please report it with the command line you ran",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

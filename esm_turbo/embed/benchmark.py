@@ -38,7 +38,7 @@ METHODS = ("ours", "hf_sorted", "hf_compiled", "hf_unsorted", "fair_esm")
 class _NullWriter:
     """Discards outputs (after they reached the host): the benchmark times extraction, not disk."""
 
-    def existing_ids(self) -> set:
+    def written_ids(self, ids) -> set:
         return set()
 
     def write(self, items) -> None:
@@ -232,8 +232,6 @@ def bench_latency(size: str, device: torch.device, length: int = 200, reps: int 
             _sync(device)
             times.append(time.perf_counter() - t0)
         out[f"{name}_ms"] = 1e3 * sorted(times)[reps // 2]
-    del net, fast
-    _release(device)
     return dict(size=size, length=length, **out)
 
 
@@ -282,6 +280,7 @@ def bench_embed(device: torch.device, fasta: list[str], quick: bool = False,
         _progress("\n".join(format_embed(dict(rows=rows[-1:]))[1:]))
         _release(device)
     latency = [bench_latency("650M", device)] if sizes is None or "650M" in sizes else []
+    _release(device)
     memory = (bench_memory("3B", copies_of(1), device, (4096, 8192, 16384, 32768))
               if not quick and (sizes is None or "3B" in sizes) else [])
     return dict(rows=rows, latency=latency, memory=memory)

@@ -48,7 +48,7 @@ class EmbedConfig:
     toks_per_batch: int = TOKS_PER_BATCH
     truncation_seq_length: int = MAX_RESIDUES
     long_policy: str = "truncate"  # truncate | windows
-    window_overlap: int = 256
+    window_overlap: int | None = None  # default: 256, at most a quarter of the window
     dtype: str = "auto"  # auto (fp16 on CUDA, fp32 elsewhere) | fp32 | fp16 | bf16
 
     def check(self) -> None:
@@ -61,6 +61,11 @@ class EmbedConfig:
             raise EsmTurboError(f"--truncation-seq-length must be in [1, {MAX_RESIDUES}] (ESM-2's trained context)")
         if self.toks_per_batch < 3:
             raise EsmTurboError("--toks-per-batch must be at least 3 (a piece longer than it runs alone)")
+        if self.window_overlap is None:
+            self.window_overlap = min(256, self.truncation_seq_length // 4)
+        if not 0 <= self.window_overlap < self.truncation_seq_length:
+            raise EsmTurboError(f"--window-overlap {self.window_overlap}: must be below the window, "
+                                f"--truncation-seq-length {self.truncation_seq_length}")
         if "contacts" in self.include and self.long_policy == "windows":
             raise EsmTurboError("contacts need the whole sequence in one pass; use --long-policy truncate")
 
@@ -241,7 +246,7 @@ class Embedder:
         summary = summary or EmbedSummary()
         start = time.perf_counter()
         if resume:
-            done = writer.existing_ids()
+            done = writer.written_ids([r.id for r in records])
             todo = [r for r in records if r.id not in done]
             summary.skipped += len(records) - len(todo)
             records = todo
@@ -275,7 +280,8 @@ class Embedder:
                 if batch is not None:
                     seqs = [records[p.index].sequence[p.start: p.stop] for p in batch]
                     windows = [r for r, p in enumerate(batch) if p.parts > 1]
-                    out = self.forward(seqs, list(range(len(batch))) if "per_tok" in cfg.include else windows)  # queued on the GPU; the previous batch is assembled meanwhile
+                    # queued on the GPU; the previous batch is assembled meanwhile
+                    out = self.forward(seqs, list(range(len(batch))) if "per_tok" in cfg.include else windows)
                     copied = torch.cuda.Event() if self.device.type == "cuda" else None
                     if copied is not None:
                         copied.record()

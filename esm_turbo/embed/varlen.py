@@ -41,7 +41,8 @@ def padded_layout(positions: torch.Tensor, segment: torch.Tensor, lengths: list[
     (flat index [N] long, key mask [S, 1, 1, L_max] bool, S, L_max). Built once per batch."""
     s, width = len(lengths), max(lengths)
     index = segment.long() * width + positions
-    mask = torch.arange(width, device=positions.device)[None, :] < torch.tensor(lengths, device=positions.device)[:, None]
+    real = torch.tensor(lengths, device=positions.device)
+    mask = torch.arange(width, device=positions.device)[None, :] < real[:, None]
     return index, mask[:, None, None, :], s, width
 
 

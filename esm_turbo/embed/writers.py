@@ -7,11 +7,14 @@
   atomically; :meth:`H5Writer.finalize` merges the parts into ``<out>`` (temp file + rename). Resume
   reads the ids already in the parts; several ranks write their own parts and rank 0 merges.
 
-A file name or HDF5 key cannot hold '/', so ids are stored with '/' as '%2F' (and '%' as '%25').
+A file name or HDF5 key cannot hold '/', so ids are stored with '/' as '%2F' (and '%' as '%25'). An id
+whose name would pass 200 bytes (file systems allow 255) is stored as its first characters, '~' and 16 hex
+digits of its sha256; the ``.pt`` file's ``label`` and the manifest keep the whole id.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,12 +26,17 @@ from ..io import atomic_write, atomic_write_text
 FORMATS = ("pt", "h5")
 
 
+MAX_NAME_BYTES = 200
+
+
 def safe_name(rid: str) -> str:
-    return rid.replace("%", "%25").replace("/", "%2F")
-
-
-def unsafe_name(name: str) -> str:
-    return name.replace("%2F", "/").replace("%25", "%")
+    """The file name (without ``.pt``) or HDF5 key of a record id."""
+    name = rid.replace("%", "%25").replace("/", "%2F")
+    if len(name.encode()) <= MAX_NAME_BYTES:
+        return name
+    digest = hashlib.sha256(rid.encode()).hexdigest()[:16]
+    head = name.encode()[: MAX_NAME_BYTES - 17].decode(errors="ignore")
+    return f"{head}~{digest}"
 
 
 class PtWriter:
@@ -45,8 +53,10 @@ class PtWriter:
     def path_of(self, rid: str) -> Path:
         return self.out / f"{safe_name(rid)}.pt"
 
-    def existing_ids(self) -> set[str]:
-        return {unsafe_name(p.name[:-3]) for p in self.out.glob("*.pt")}
+    def written_ids(self, ids: list[str]) -> set[str]:
+        """Which of ``ids`` already have their file (resume)."""
+        names = {p.name[:-3] for p in self.out.glob("*.pt")}
+        return {rid for rid in ids if safe_name(rid) in names}
 
     def write(self, items: list[dict]) -> None:
         for item in items:
@@ -55,7 +65,8 @@ class PtWriter:
 
     def finalize(self) -> Path:
         atomic_write_text(self.out / f"manifest.rank{self.rank}.json",
-                          json.dumps({"rank": self.rank, "world": self.world, "written": self.written}, indent=1))
+                          json.dumps({"rank": self.rank, "world": self.world, "written": self.written,
+                                      "files": {rid: self.path_of(rid).name for rid in self.written}}, indent=1))
         return self.out
 
 
@@ -102,7 +113,11 @@ class H5Writer:
         self.written: list[str] = []
         self._n = len(list(self.parts.glob(f"rank{rank}-*.h5")))
 
-    def existing_ids(self) -> set[str]:
+    def written_ids(self, ids: list[str]) -> set[str]:
+        """Which of ``ids`` are already in the output or its parts (resume)."""
+        return self._labels() & set(ids)
+
+    def _labels(self) -> set[str]:
         h5py = _h5()
         ids: set[str] = set()
         for part in self.parts.glob("*.h5"):

@@ -90,7 +90,9 @@ def load_fair_esm(path: str | Path) -> EsmForMaskedLM:
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - surface any unpickling failure with the path
-            raise ModelLoadError(f"{path}: cannot read as a fair-esm checkpoint ({err})") from None
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+            raise ModelLoadError(f"{path}: cannot read as a fair-esm checkpoint ({type(err).__name__}: "
+                                 f"{first})") from None
     config, state = convert_fair_esm(data)
     model = EsmForMaskedLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)

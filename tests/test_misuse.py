@@ -1,0 +1,176 @@
+"""Wrong invocations end in one line, exit code 2, before any work, with nothing written."""
+
+import os
+
+import pytest
+import torch
+
+from esm_turbo.cli import main
+from esm_turbo.fasta import write_fasta
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+@pytest.fixture
+def place(tmp_path, stress_dir):
+    """A folder with a valid FASTA, a plain file and an existing sub-folder; the stress model's path."""
+    fasta = tmp_path / "in.fasta"
+    write_fasta(fasta, [("a", "MKTAYIAKQRQISFVK"), ("b", "GSHMLEDPV")])
+    (tmp_path / "plain.txt").write_text("not hdf5\n")
+    (tmp_path / "folder").mkdir()
+    return tmp_path, str(fasta), str(stress_dir)
+
+
+def refused(argv, capsys, tmp_path, *needles):
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's refusals
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("esm-turbo: error:"), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--bits", "0"], ["--bits", "0"]),
+    (["--bits", "9"], ["--bits", "9"]),
+    (["--bits", "5"], ["--bits", "5"]),
+    (["--head-dim", "3"], ["--head-dim", "3"]),
+    (["--head-dim", "20"], ["--head-dim", "20", "multiple of 8"]),
+    (["--vectors", "0"], ["--vectors", "0"]),
+    (["--vectors", "1"], ["--vectors", "1"]),
+    (["--bits", "three"], ["--bits", "three"]),
+])
+def test_validate_codec_ranges(args, needles, capsys, tmp_path):
+    refused(["validate-codec", *args], capsys, tmp_path, *needles)
+
+
+def test_bad_devices(place, capsys):
+    tmp, fasta, model = place
+    refused(["embed", "--model", model, fasta, "-o", str(tmp / "o"), "--device", "foo"], capsys, tmp,
+            "--device", "'foo'")
+    refused(["calibrate", "--model", model, "--fasta", fasta, "--out", str(tmp / "c.safetensors"),
+             "--device", "gpu0"], capsys, tmp, "--device", "'gpu0'")
+
+
+@no_cuda
+def test_cuda_without_cuda(place, capsys):
+    tmp, fasta, model = place
+    refused(["embed", "--model", model, fasta, "-o", str(tmp / "o"), "--device", "cuda"], capsys, tmp,
+            "--device", "no CUDA")
+    refused(["evaluate", "--model", model, "--fasta", fasta, "--calibration", fasta, "--device", "cuda:0"],
+            capsys, tmp, "no CUDA")
+
+
+def test_calibrate_output_places(place, capsys):
+    tmp, fasta, model = place
+    base = ["calibrate", "--model", model, "--fasta", fasta, "--quiet", "--out"]
+    refused(base + [str(tmp / "folder")], capsys, tmp, "--out", "is a folder")
+    refused(base + [str(tmp / "plain.txt" / "c.safetensors")], capsys, tmp, "--out", "is a file, not a folder")
+    refused(base + [str(tmp / "c.safetensors"), "--max-channel-bits", "2"], capsys, tmp,
+            "--max-channel-bits 2", "below the mean index width 3")
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write anywhere")
+def test_read_only_folder(place, capsys):
+    tmp, fasta, model = place
+    ro = tmp / "folder"
+    ro.chmod(0o500)
+    try:
+        refused(["calibrate", "--model", model, "--fasta", fasta, "--out", str(ro / "c.safetensors")], capsys, tmp,
+                "permission denied")
+        refused(["embed", "--model", model, fasta, "-o", str(ro / "emb")], capsys, tmp, "permission denied")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_model_path_that_does_not_exist(place, capsys):
+    tmp, fasta, _ = place
+    for model in ("/no/such/esm2", "./esm2_t6.pt", "my_models/esm2/8M"):
+        refused(["calibrate", "--model", model, "--fasta", fasta, "--out", str(tmp / "c.safetensors")], capsys, tmp,
+                f"'{model}'", "no such local path")
+
+
+def test_embed_output_places(place, capsys):
+    tmp, fasta, model = place
+    base = ["embed", "--model", model, fasta, "--quiet", "--nogpu"]
+    refused(base + ["--format", "h5", "-o", str(tmp / "folder")], capsys, tmp, "--output", "is a folder")
+    refused(base + ["--format", "h5", "-o", str(tmp / "plain.txt")], capsys, tmp, "not an HDF5 file")
+    refused(base + ["--format", "h5", "-o", str(tmp / "plain.txt" / "e.h5")], capsys, tmp, "is a file, not a folder")
+    refused(base + ["-o", str(tmp / "plain.txt")], capsys, tmp, "is a file; name a folder")
+    refused(base + ["-o", str(tmp / "plain.txt" / "deeper" / "emb")], capsys, tmp, "is a file, not a folder")
+    refused(["embed", "--model", model, str(tmp / "missing.fasta"), "-o", str(tmp / "o")], capsys, tmp,
+            "missing.fasta", "no such FASTA file")
+
+
+def test_evaluate_and_bench_outputs(place, capsys):
+    tmp, fasta, model = place
+    refused(["evaluate", "--model", model, "--fasta", fasta, "--calibration", str(tmp / "none.safetensors")],
+            capsys, tmp, "--calibration", "no such calibration checkpoint")
+    refused(["evaluate", "--model", model, "--fasta", fasta, "--calibration", fasta, "--json",
+             str(tmp / "plain.txt" / "r.json")], capsys, tmp, "--json", "is a file, not a folder")
+    refused(["bench", "embed", "--out", str(tmp / "folder")], capsys, tmp, "--out", "is a folder")
+
+
+def test_window_overlap(place, capsys):
+    tmp, fasta, model = place
+    refused(["embed", "--model", model, fasta, "-o", str(tmp / "o"), "--long-policy", "windows",
+             "--truncation-seq-length", "8", "--window-overlap", "8"], capsys, tmp, "--window-overlap 8")
+    # the default overlap adapts to a short window instead of failing
+    assert main(["embed", "--model", model, fasta, "-o", str(tmp / "w"), "--long-policy", "windows",
+                 "--truncation-seq-length", "8", "--include", "per_tok", "--nogpu", "--quiet"]) == 0
+    assert torch.load(tmp / "w" / "a.pt")["representations"][3].shape[0] == 16
+
+
+def test_ids_too_long_for_a_file_name_are_shortened_and_resume(place, capsys):
+    tmp, _, model = place
+    long_id = "sp|" + "Q" * 400
+    fasta = tmp / "long.fasta"
+    write_fasta(fasta, [(long_id, "MKTAYIAKQR"), ("short", "MKV")])
+    out = tmp / "emb"
+    args = ["embed", "--model", model, str(fasta), "-o", str(out), "--nogpu", "--quiet"]
+    assert main(args) == 0
+    (name,) = [p.name for p in out.glob("sp*.pt")]
+    assert len(name.encode()) <= 255 and "~" in name
+    assert torch.load(out / name)["label"] == long_id
+    assert main(args + ["--resume"]) == 0
+    assert "written 0, skipped 2" in capsys.readouterr().err
+
+
+def test_unexpected_errors_keep_their_traceback(monkeypatch, capsys):
+    import esm_turbo.quant.validate as validate
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(validate, "validate_codec", boom)
+    assert main(["validate-codec", "--bits", "3", "--head-dim", "64"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: a bug" in err and "please report it" in err
+
+
+def test_calibrate_widths_out_of_range(place, capsys):
+    tmp, fasta, model = place
+    base = ["calibrate", "--model", model, "--fasta", fasta, "--out", str(tmp / "c.safetensors")]
+    for args in (["--key-bits", "0"], ["--value-bits", "5"], ["--bits", "8"], ["--max-channel-bits", "8"]):
+        refused(base + args, capsys, tmp, args[0], args[1])
+
+
+def test_a_model_file_that_is_not_a_checkpoint(place, capsys):
+    tmp, fasta, _ = place
+    line = refused(["embed", "--model", fasta, fasta, "-o", str(tmp / "o"), "--nogpu"], capsys, tmp,
+                   "cannot read as a fair-esm checkpoint")
+    assert len(line) < 400
+
+
+def test_repr_layers_refused_before_loading(place, capsys, monkeypatch):
+    import esm_turbo.model.loading as loading
+    tmp, fasta, model = place
+    monkeypatch.setattr(loading, "load_esm", lambda *a, **k: pytest.fail("the model was loaded"))
+    refused(["embed", "--model", model, fasta, "-o", str(tmp / "o"), "--repr-layers", "7"], capsys, tmp,
+            "--repr-layers 7", "layers 0..3")
