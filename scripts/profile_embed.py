@@ -10,7 +10,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from esm_turbo.embed.benchmark import _build, hf_loop, sorted_batches
+from esm_turbo.embed.benchmark import hf_loop, random_esm2, sorted_batches
 from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
 from esm_turbo.bench import EMBED_FASTA
 from esm_turbo.fasta import read_fastas
@@ -28,7 +28,7 @@ for s in seqs[len(seqs) // 4:]:  # a batch from the middle of the length distrib
         break
     picked.append(s)
     used += len(s) + 2
-net = _build(args.size, dev, torch.float16)
+net = random_esm2(args.size, dev, torch.float16)
 fast = FastEsm.from_hf(net)
 batch = PackedBatch.from_sequences(picked, dev)
 compiled = torch.compile(net.esm)

@@ -63,7 +63,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build(size: str, device: torch.device, dtype: torch.dtype):
+def random_esm2(size: str, device: torch.device, dtype: torch.dtype):
+    """A released ESM-2 shape with random weights, built on the device (speed does not depend on weights)."""
     from transformers import EsmForMaskedLM
 
     from ..model.sizes import esm2_config
@@ -155,7 +156,7 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
     """Tokens/s of each method over ``records`` (``copies`` copies of one set; the warm-up runs one)."""
     from .extract import EmbedConfig, Embedder
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
-    net = _build(size, device, dtype)
+    net = random_esm2(size, device, dtype)
     seqs = [r.sequence for r in records]
     warm_n = max(1, len(records) // copies)
     tokens = sum(len(s) + 2 for s in seqs)
@@ -216,7 +217,7 @@ def bench_latency(size: str, device: torch.device, length: int = 200, reps: int 
     from ..bench import _random_protein
     from .fast_esm import FastEsm
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    net = _build(size, device, dtype)
+    net = random_esm2(size, device, dtype)
     fast = FastEsm.from_hf(net)
     seq = _random_protein(length, 0)
     out = {}
@@ -240,7 +241,7 @@ def bench_memory(size: str, records: list[Record], device: torch.device, budgets
     from .extract import EmbedConfig, Embedder
     if device.type != "cuda":
         return []
-    net = _build(size, device, torch.float16)
+    net = random_esm2(size, device, torch.float16)
     rows = []
     for budget in budgets:
         embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype="fp16"), device)
@@ -315,4 +316,5 @@ def format_embed(e: dict) -> list[str]:
     return lines
 
 
-__all__ = ["bench_embed", "bench_latency", "bench_memory", "bench_size", "format_embed", "flops_per_token"]
+__all__ = ["bench_embed", "bench_latency", "bench_memory", "bench_size", "flops_per_token", "format_embed", "hf_loop",
+           "random_esm2", "sorted_batches"]
