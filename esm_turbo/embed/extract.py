@@ -165,14 +165,16 @@ class Embedder:
         out = BatchOutput(_to_host(torch.stack([m for m, _ in pooled])), _to_host(torch.stack([b for _, b in pooled])))
         residues = [n - 2 for n in batch.lengths]
         starts = batch.cu_seqlens[:-1].long()
+
+        def residue_index(rows: list[int]) -> torch.Tensor:  # packed positions of these rows' residues
+            return torch.cat([torch.arange(1, residues[r] + 1, device=self.device) + starts[r] for r in rows])
         if token_rows:
-            idx = torch.cat([torch.arange(1, residues[r] + 1, device=self.device) + starts[r] for r in token_rows])
+            idx = residue_index(token_rows)
             out.tokens = _to_host(torch.stack([hidden[layer][idx].float() for layer in self.layers]))
             out.token_rows = _row_offsets(residues, token_rows)
         if want_logits:
             rows = list(range(len(seqs)))
-            idx = torch.cat([torch.arange(1, residues[r] + 1, device=self.device) + starts[r] for r in rows])
-            out.logits = _to_host(self.fast.logits(hidden[self.num_layers][idx]).float())
+            out.logits = _to_host(self.fast.logits(hidden[self.num_layers][residue_index(rows)]).float())
             out.logit_rows = _row_offsets(residues, rows)
         return out
 
