@@ -123,8 +123,8 @@ def cmd_evaluate(args) -> int:
     records = read_fastas(args.fasta)
     if args.limit:
         records = records[: args.limit]
+    variants = {"turbo": Calibration.load(args.calibration, args.device)}  # a bad checkpoint is refused first
     model = load_esm(args.model, DTYPES[args.dtype], args.device)
-    variants = {"turbo": Calibration.load(args.calibration, args.device)}
     if args.ablations:
         cal_records = read_fastas(args.calibration_fasta)
         base = variants["turbo"].config

@@ -174,3 +174,11 @@ def test_repr_layers_refused_before_loading(place, capsys, monkeypatch):
     monkeypatch.setattr(loading, "load_esm", lambda *a, **k: pytest.fail("the model was loaded"))
     refused(["embed", "--model", model, fasta, "-o", str(tmp / "o"), "--repr-layers", "7"], capsys, tmp,
             "--repr-layers 7", "layers 0..3")
+
+
+def test_bad_calibration_refused_before_the_model_loads(place, capsys, monkeypatch):
+    import esm_turbo.model.loading as loading
+    tmp, fasta, model = place
+    monkeypatch.setattr(loading, "load_esm", lambda *a, **k: pytest.fail("the model was loaded"))
+    refused(["evaluate", "--model", model, "--fasta", fasta, "--calibration", fasta], capsys, tmp,
+            "not a readable calibration checkpoint")
