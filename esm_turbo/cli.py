@@ -13,6 +13,7 @@ import torch
 from .errors import EsmTurboError
 from .fasta import CALIBRATION_DATA
 from . import cli_checks as checks
+from .embed.benchmark import EMBED_BENCH_SIZES
 from .embed.extract import TOKS_PER_BATCH
 from .model.checkpoint import PRESETS
 from .quant.lloyd_max import SUPPORTED_BITS
@@ -76,19 +77,20 @@ def _config_from_args(args):
     return cfg
 
 
-def _check_model_args(args) -> None:
+def _check_inputs(device: str | None, model: str, fastas: list[str], fasta_flag: str = "--fasta") -> None:
     """What every model-loading command checks first: the device, the model path, the FASTA files."""
-    checks.device(args.device)
-    checks.model_source(str(args.model))
-    for path in args.fasta:
-        checks.input_file(path, "--fasta", "FASTA file")
+    if device is not None:
+        checks.device(device)
+    checks.model_source(str(model))
+    for path in fastas:
+        checks.input_file(path, fasta_flag, "FASTA file")
 
 
 def cmd_calibrate(args) -> int:
     from .fasta import read_fastas
     from .model.calibrate import calibrate
     from .model.loading import load_esm
-    _check_model_args(args)
+    _check_inputs(args.device, args.model, args.fasta)
     checks.output_file(args.out, "--out")
     cfg = _config_from_args(args)
     records = read_fastas(args.fasta, max_residues=args.max_residues)
@@ -113,7 +115,7 @@ def cmd_evaluate(args) -> int:
     from .model.engine import TurboEsm
     from .model.evaluate import evaluate, format_table
     from .model.loading import load_esm
-    _check_model_args(args)
+    _check_inputs(args.device, args.model, args.fasta)
     checks.input_file(args.calibration, "--calibration", "calibration checkpoint")
     if args.ablations:
         for path in args.calibration_fasta:
@@ -154,11 +156,7 @@ def cmd_embed(args) -> int:
     from .embed.writers import make_writer
     from .fasta import read_fasta
     from .model.loading import load_esm
-    if args.device is not None:
-        checks.device(args.device)
-    checks.model_source(str(args.model))
-    for path in args.fasta:
-        checks.input_file(path, "fasta", "FASTA file")
+    _check_inputs(args.device, args.model, args.fasta, "fasta")
     if args.format == "h5":
         checks.output_file(args.output, "--output", hdf5=True)
     else:
@@ -368,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: attention kernel, quantize-and-pack, decode tokens/s; embed: extraction vs "
                         "transformers; all: both")
     p.add_argument("--fasta", nargs="+", default=None, help="FASTA for the embed suite (default: calibration_data)")
-    p.add_argument("--sizes", nargs="+", choices=["8M", "150M", "650M", "3B"], default=None,
+    p.add_argument("--sizes", nargs="+", choices=list(EMBED_BENCH_SIZES), default=None,
                    help="embed suite: only these ESM-2 shapes (default: all four)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--quick", action="store_true", help="fewer sizes")

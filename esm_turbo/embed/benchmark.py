@@ -33,6 +33,8 @@ from ..model.alphabet import encode
 #: dense fp16/bf16 tensor-core peak (no sparsity), by GPU name
 DENSE_FP16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 METHODS = ("ours", "hf_sorted", "hf_compiled", "hf_unsorted", "fair_esm")
+#: shapes of the GPU suite and how many copies of the sequence set each embeds
+EMBED_BENCH_SIZES = {"8M": 8, "150M": 8, "650M": 8, "3B": 2}
 
 
 class _NullWriter:
@@ -154,7 +156,7 @@ def _timed(fn: Callable[[], None], warm: Callable[[], None], device: torch.devic
 def bench_size(size: str, records: list[Record], device: torch.device, budget: int, copies: int,
                methods: tuple[str, ...] = METHODS, dtype: torch.dtype | None = None) -> dict:
     """Tokens/s of each method over ``records`` (``copies`` copies of one set; the warm-up runs one)."""
-    from .extract import EmbedConfig, Embedder
+    from .extract import DTYPES, EmbedConfig, Embedder
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     net = random_esm2(size, device, dtype)
     seqs = [r.sequence for r in records]
@@ -164,7 +166,7 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
     row: dict = dict(size=size, sequences=len(seqs), tokens=tokens, toks_per_batch=budget, flops_per_token=fpt)
     runs: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
     if "ours" in methods:
-        name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+        name = next(k for k, v in DTYPES.items() if v == dtype)
         embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype=name), device)
         runs["ours"] = (lambda: embedder.run(records, _NullWriter(), progress=False),
                         lambda: embedder.run(records[:warm_n], _NullWriter(), progress=False))
@@ -272,7 +274,7 @@ def bench_embed(device: torch.device, fasta: list[str], quick: bool = False,
         return dict(rows=[bench_size("8M", copies_of(1), device, TOKS_PER_BATCH, 1,
                                      methods=("ours", "hf_sorted", "hf_unsorted"))],
                     latency=[bench_latency("8M", device, reps=5)], memory=[])
-    plan = (("8M", 8), ("150M", 8), ("650M", 8), ("3B", 2)) if not quick else (("8M", 2), ("650M", 2))
+    plan = tuple(EMBED_BENCH_SIZES.items()) if not quick else (("8M", 2), ("650M", 2))
     plan = tuple((s, n) for s, n in plan if sizes is None or s in sizes)
     rows = []
     for size, n in plan:

@@ -152,10 +152,9 @@ class Embedder:
     # ---- one batch ----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, seqs: list[str], token_rows: list[int] | None = None) -> BatchOutput:
-        """One batch's outputs, copies to the host queued. Per-residue states are kept only for
-        ``token_rows`` (default: every row when ``per_tok`` is asked, else none)."""
-        if token_rows is None:
-            token_rows = list(range(len(seqs))) if "per_tok" in self.config.include else []
+        """One batch's outputs, copies to the host queued. Per-residue states are kept for every row when
+        ``per_tok`` is asked, else only for ``token_rows`` (the rows that are windows of a longer record)."""
+        token_rows = list(range(len(seqs))) if "per_tok" in self.config.include else (token_rows or [])
         if self.padded:
             return self._forward_padded(seqs, token_rows)
         batch = PackedBatch.from_arrays(*encode_packed(seqs), device=self.device)
@@ -282,8 +281,7 @@ class Embedder:
                 if batch is not None:
                     seqs = [records[p.index].sequence[p.start: p.stop] for p in batch]
                     windows = [r for r, p in enumerate(batch) if p.parts > 1]
-                    # queued on the GPU; the previous batch is assembled meanwhile
-                    out = self.forward(seqs, list(range(len(batch))) if "per_tok" in cfg.include else windows)
+                    out = self.forward(seqs, windows)  # queued on the GPU; the previous batch is assembled meanwhile
                     copied = torch.cuda.Event() if self.device.type == "cuda" else None
                     if copied is not None:
                         copied.record()

@@ -64,12 +64,14 @@ class PackedBatch:
                    cu32.to(device, non_blocking=True), lengths, max(lengths))
 
     @classmethod
-    def from_sequences(cls, seqs: list[str], device: torch.device | str = "cpu",
-                       names: list[str] | None = None) -> "PackedBatch":
+    def from_sequences(cls, seqs: list[str], device: torch.device | str = "cpu") -> "PackedBatch":
         """``<cls> residues <eos>`` per sequence (residues checked; errors name the sequence)."""
-        names = names or [f"sequence {i + 1}" for i in range(len(seqs))]
-        checked = [check_sequence(s, n) for s, n in zip(seqs, names)]
-        return cls.from_arrays(*encode_packed(checked), device=device)
+        return cls.from_arrays(*pack_sequences(seqs), device=device)
+
+
+def pack_sequences(seqs: list[str]) -> tuple:
+    """Checked sequences (errors name "sequence i") → host arrays of :func:`encode_packed`."""
+    return encode_packed([check_sequence(s, f"sequence {i + 1}") for i, s in enumerate(seqs)])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -218,10 +220,7 @@ class FastEsm(nn.Module):
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
         max_seqlen = batch.max_seqlen
-        weight = self.embed_tokens.weight
-        head_dim = self.config.hidden_size // self.config.num_attention_heads
-        layout = (None if flash_available(weight.device, weight.dtype, head_dim)
-                  else padded_layout(batch.positions, batch.segment(), batch.lengths))
+        layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
         for i, b in enumerate(self.blocks, start=1):
             q, k, v = pre(h, b.attn_norm.weight, b.attn_norm.bias, b.qkv.weight, b.qkv.bias, cos, sin, b.heads,
                           self.eps)
@@ -235,6 +234,11 @@ class FastEsm(nn.Module):
             if i >= max(wanted, default=0):
                 break  # nothing asked for lies deeper
         return out
+
+    def _flash(self) -> bool:
+        """Whether attention runs in the flash variable-length kernel (else one padded SDPA per layer)."""
+        weight = self.embed_tokens.weight
+        return flash_available(weight.device, weight.dtype, self.config.hidden_size // self.config.num_attention_heads)
 
     def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         """[N, D] last-layer states → [N, vocab] masked-LM logits (transformers' LM head)."""
@@ -277,12 +281,9 @@ class FastEsm(nn.Module):
         from .extract import resolve_layers
         device = self.embed_tokens.weight.device
         resolved = resolve_layers(layers if layers is not None else [-1], self.num_layers)
-        names = [f"sequence {i + 1}" for i in range(len(sequences))]
-        ids, positions, cu = encode_packed([check_sequence(s, n) for s, n in zip(sequences, names)])
+        ids, positions, cu = pack_sequences(sequences)
         lengths = (cu[1:] - cu[:-1]).tolist()
-        head_dim = self.config.hidden_size // self.config.num_attention_heads
-        graphs = self.cuda_graphs and flash_available(device, self.embed_tokens.weight.dtype, head_dim)
-        if graphs and len(ids) < GRAPH_MAX_TOKENS:
+        if self.cuda_graphs and self._flash() and len(ids) < GRAPH_MAX_TOKENS:
             bucket = max(64, 1 << len(ids).bit_length())  # > N: the padding is a sequence of its own
             hidden, means, boss = self._graphed(bucket, len(sequences), tuple(resolved)).run(ids, positions, cu)
         else:
@@ -309,7 +310,6 @@ class _GraphedEmbed:
 
     def __init__(self, model: FastEsm, n_tokens: int, n_seqs: int, layers: tuple[int, ...]):
         device = model.embed_tokens.weight.device
-        self.n_seqs = n_seqs
         self.tokens = torch.full((n_tokens,), model.config.pad_token_id, dtype=torch.long, device=device)
         self.positions = torch.zeros(n_tokens, dtype=torch.long, device=device)
         self.pad_positions = torch.arange(n_tokens, device=device)
@@ -347,4 +347,4 @@ class _GraphedEmbed:
         return self.out
 
 
-__all__ = ["FastEsm", "FastEsmBlock", "PackedBatch", "attention_inputs", "block_output"]
+__all__ = ["FastEsm", "FastEsmBlock", "PackedBatch", "attention_inputs", "block_output", "pack_sequences"]
