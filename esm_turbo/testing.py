@@ -14,6 +14,7 @@ each in later layers:
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -72,6 +73,49 @@ def stress_esm2(layers: int = 4, hidden: int = 64, heads: int = 4, seed: int = 0
             wv[c] *= s
             bv[c] *= s
             wo[:, c] /= s
+    return model
+
+
+@torch.no_grad()
+def plant_outliers(model: EsmForMaskedLM, max_scale: float = 200.0, seed: int = 0,
+                   min_scale: float | None = None) -> EsmForMaskedLM:
+    """Plant function-preserving K/V outliers into ``model`` in place (and return it): the logits do not change.
+
+    In each layer, a share of the heads growing from a quarter (first layer) to all (last) gets
+
+    * a key outlier: one RoPE channel pair (i, i + d/2) of W_k and its bias × s, the same pair of W_q and its
+      bias × 1/s (RoPE turns a pair by one angle, so every score q·k is unchanged);
+    * a value outlier: a channel c of W_v and its bias × s, column c of W_o × 1/s (the attention output's
+      channel c is s× larger and W_o takes it back).
+
+    s is log-uniform in [``min_scale``, ``max_scale``] (``min_scale`` default ``max_scale``/4) times 0.5 … 1 from
+    the first layer to the last: real ESM-2 650M has K/V channels 50–200× the median channel's RMS, more in
+    later layers. A trained model keeps its attention patterns; only the coordinates a quantizer sees change."""
+    gen = torch.Generator().manual_seed(seed)
+    lo = math.log(min_scale if min_scale is not None else max_scale / 4)
+    hi = math.log(max_scale)
+    heads = model.config.num_attention_heads
+    d = model.config.hidden_size // heads
+    layers = model.esm.encoder.layer
+    for li, layer in enumerate(layers):
+        attn = getattr(layer.attention.self, "inner", layer.attention.self)  # under TurboEsm too
+        wo = layer.attention.output.dense.weight
+        depth = li / max(1, len(layers) - 1)
+        picked = torch.randperm(heads, generator=gen)[: max(1, round(heads * (0.25 + 0.75 * depth)))]
+        for h in picked.tolist():
+            scales = torch.exp(lo + (hi - lo) * torch.rand(2, generator=gen, dtype=torch.float64)) * (0.5 + depth / 2)
+            s_k, s_v = (float(x) for x in scales)
+            i = int(torch.randint(0, d // 2, (1,), generator=gen))
+            pair = [h * d + i, h * d + i + d // 2]
+            for lin, factor in ((attn.key, s_k), (attn.query, 1 / s_k)):
+                lin.weight[pair] *= factor
+                if lin.bias is not None:
+                    lin.bias[pair] *= factor
+            c = h * d + int(torch.randint(0, d, (1,), generator=gen))
+            attn.value.weight[c] *= s_v
+            if attn.value.bias is not None:
+                attn.value.bias[c] *= s_v
+            wo[:, c] /= s_v
     return model
 
 

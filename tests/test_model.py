@@ -360,3 +360,50 @@ def test_grid_calibration_and_checkpoint(stress_model, tmp_path):
     save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
     with pytest.raises(CheckpointError, match="identity code"):
         Calibration.load(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("cache", ["turbo", "windowed-int4"])
+def test_parallel_evaluation_matches_the_session(stress_model, calibration, cache):
+    """Every decode step at once (teacher_forced_attention) gives what the decode session gives a step at a time,
+    for the calibrated codec and for a codec with an fp16 recent-token window."""
+    from esm_turbo.model.evaluate import evaluate_sequence
+    from esm_turbo.fasta import Record
+    from esm_turbo.quant.codec import KVCodec
+    from esm_turbo.quant.methods import AffineIntQuantizer
+    if cache != "turbo":
+        cache = lambda i, h, d: KVCodec(AffineIntQuantizer(h, d, 4), AffineIntQuantizer(h, d, 4), window=5)  # noqa
+    engine = TurboEsm(stress_model, calibration)
+    rec = Record("s", SEQS[0], "test:1")
+    fast = evaluate_sequence(engine, rec, cache, 0.5, 24, parallel=True)
+    slow = evaluate_sequence(engine, rec, cache, 0.5, 24, parallel=False)
+    assert fast.decode_tokens == slow.decode_tokens == 24
+    for name in ("decode_cos_mean", "decode_cos_min", "top1_agreement", "logit_kl", "decode_tail_share"):
+        assert getattr(fast, name) == pytest.approx(getattr(slow, name), abs=2e-5), name
+    torch.testing.assert_close(torch.tensor(fast.layer_attn_rel_err), torch.tensor(slow.layer_attn_rel_err),
+                               rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(fast.layer_score_kl), torch.tensor(slow.layer_score_kl),
+                               rtol=1e-3, atol=1e-6)
+    assert fast.decode_cos_min < 1 - 1e-4  # the codec does change something
+
+
+def test_planted_outliers_preserve_the_function_and_grow_channels():
+    from esm_turbo.testing import plant_outliers, stress_esm2
+    model = stress_esm2(layers=3, hidden=64, heads=4, outlier_scale=1.0)
+    tok, mask = encode(SEQS)
+    engine = TurboEsm(model)
+    spread = {}
+
+    def record(layer, q, k, v, valid):
+        for name, x in (("k", k), ("v", v)):
+            rms = x.permute(1, 3, 0, 2)[:, :, valid].pow(2).mean(-1).sqrt()  # [H, d]
+            spread.setdefault(name, []).append(float((rms.amax(-1) / rms.median(-1).values).max()))
+
+    from esm_turbo.model.attention import RunContext
+    with torch.no_grad():
+        before = model(input_ids=tok, attention_mask=mask).logits
+        plant_outliers(model, max_scale=200.0, seed=1)
+        after = model(input_ids=tok, attention_mask=mask).logits
+        with engine.context(RunContext(mode="prefill", recorder=record, valid=mask.bool())):
+            engine.esm(input_ids=tok, attention_mask=mask)
+    torch.testing.assert_close(after, before, atol=2e-4, rtol=1e-4)
+    assert min(spread["k"]) > 20 and min(spread["v"]) > 20  # every layer has planted K and V channels

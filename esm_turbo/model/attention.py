@@ -8,7 +8,9 @@ Modes, set through a shared :class:`RunContext`:
   by its codec) and/or handed to ``ctx.recorder`` (calibration);
 * ``decode``: new tokens attend to the cached prefix (dequantized, or read packed by the fused
   kernel) plus their own full-precision K/V; with ``ctx.commit`` their K/V are then written to the
-  cache. Cached prefix states are never recomputed.
+  cache. Cached prefix states are never recomputed;
+* ``custom``: ``ctx.attend(layer, q, k, v)`` computes the attention output [B, H, S, d] (evaluation's
+  teacher-forced decode of every step at once).
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from .. import ops
 class RunContext:
     """What the attention layers of one forward pass should do besides attending."""
 
-    mode: str = "plain"  # plain | prefill | decode
+    mode: str = "plain"  # plain | prefill | decode | custom
     cache: object | None = None
     new_valid: torch.Tensor | None = None  # [B, S] bool, decode only
     commit: bool = True
     recorder: Callable | None = None  # recorder(layer, q, k, v, valid [B,S] or None)
     probe: Callable | None = None  # probe(layer, q, k, v, out) during decode (evaluation)
     valid: torch.Tensor | None = None  # [B, S] bool, prefill token validity for recorders
+    attend: Callable | None = None  # attend(layer, q, k, v) → out [B, H, S, d], custom mode only
     extras: dict = field(default_factory=dict)
 
 
@@ -81,6 +84,9 @@ class TurboEsmSelfAttention(nn.Module):
                 if ctx.cache is not None:
                     ctx.cache.write(self.layer_idx, k, v, ctx.valid)
             return out.reshape(batch, seq, -1).contiguous(), weights
+        if ctx.mode == "custom":
+            out = ctx.attend(self.layer_idx, q, k, v).to(q.dtype)
+            return out.transpose(1, 2).reshape(batch, seq, -1).contiguous(), None
         if ctx.mode != "decode":
             raise ValueError(f"unknown attention mode {ctx.mode!r}")
         out = ops.decode_attention(q, ctx.cache, self.layer_idx, k, v, ctx.new_valid, write=ctx.commit)

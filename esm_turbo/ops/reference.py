@@ -29,3 +29,37 @@ def decode_attention_reference(q: torch.Tensor, cache, layer: int, k_new: torch.
     """Two-step path: dequantize the whole cached prefix of ``layer``, then attend."""
     k_hat, v_hat, valid = cache.dequantize(layer)
     return attend(q, k_hat, v_hat, valid, k_new, v_new, new_valid)
+
+
+def teacher_forced_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cached: torch.Tensor,
+                             v_cached: torch.Tensor, prefix: int, window: int = 0,
+                             k_recent: torch.Tensor | None = None, v_recent: torch.Tensor | None = None,
+                             return_probs: bool = False):
+    """Every step of a teacher-forced decode at once: what :func:`attend` gives, one token per step.
+
+    Positions < ``prefix`` are the exact prefill (they attend to the prefix only, exactly). Position
+    t ≥ ``prefix`` is the step that feeds token t: it attends to the tokens before it as the cache holds them
+    (``k_cached``/``v_cached``, the codec's decode of its encode) and to itself exactly; with a recent-token
+    ``window`` the last ``window`` tokens before it come back as ``k_recent``/``v_recent`` (their fp16 copies).
+    q, k, v, k_cached, v_cached (and the recent ones): [B, H, N, d]. Returns out [B, H, N, d] (float32) and, if
+    asked, probs [B, H, N, N] (float32)."""
+    n = q.shape[2]
+    t = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    in_prefix = t < prefix
+    exact = (in_prefix & (j < prefix)) | (~in_prefix & (j == t))  # [N, N]
+    recent = ~in_prefix & (j < t) & (j >= t - window) if window else torch.zeros_like(exact)
+    cached = ~in_prefix & (j < t) & ~recent
+    qf = q.float()
+
+    def scores(keys: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bhsd,bhtd->bhst", qf, keys.float()).masked_fill(~where, 0.0)
+
+    s = scores(k, exact) + scores(k_cached, cached)
+    if window:
+        s = s + scores(k_recent, recent)
+    probs = torch.softmax(s.masked_fill(~(exact | cached | recent), float("-inf")), dim=-1)
+    out = probs.masked_fill(~exact, 0.0) @ v.float() + probs.masked_fill(~cached, 0.0) @ v_cached.float()
+    if window:
+        out = out + probs.masked_fill(~recent, 0.0) @ v_recent.float()
+    return (out, probs) if return_probs else out
