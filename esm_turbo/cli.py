@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--value-bits", type=checks.int_in(1, 4))
     rot = ["svd", "svd-scaled", "hadamard", "haar", "none", "identity"]
     p.add_argument("--rotation", dest="key_rotation", choices=[*rot, "svd-query"],
-                   help="key rotation; svd-query (default): the keys' PCA turned to lower the score error")
+                   help="key rotation; identity (default): keys per channel; svd-query: the keys' PCA turned to "
+                        "lower the score error (preset query-keys)")
     p.add_argument("--value-rotation", choices=[*rot, "auto"],
                    help="value rotation; auto (default): per head, unrotated or svd-scaled by the output error")
     p.add_argument("--residual", choices=["sign", "qjl", "none"])

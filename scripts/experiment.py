@@ -21,7 +21,8 @@ def main(cfg) -> None:
     exp: ExperimentConf = OmegaConf.to_object(cfg)
     row = run_experiment(exp)
     print(f"{row['model']:>16} {row['quant']:<22} {row['bits_per_value']:6.3f} bits/value  "
-          f"decode cos {row['decode_cos_mean']:.4f} (worst seq {row['decode_cos_worst_seq']:.4f})  "
+          f"decode cos {row['decode_cos_mean']:.4f} (worst seq {row['decode_cos_worst_seq']:.4f}, worst token "
+          f"{row['decode_cos_min']:.4f}, {row['decode_tail_share']:.2%} under 0.95)  "
           f"top-1 {row['top1_agreement']:.3f}  attn err {row['attn_rel_err_mean']:.4f}")
 
 

@@ -61,11 +61,13 @@ def test_prefill_is_exact(stress_model, calibration, cache):
 
 
 def test_decode_fidelity_bars(stress_model):
+    """The stress model is the second opinion (the recipe is chosen on trained models, results/fidelity/): what is
+    asserted here is what holds on it, so a regression fails."""
     recs = read_fasta("calibration_data/calibration.fasta")[0]
     ev = read_fasta("calibration_data/evaluation.fasta")[0][::4]
     results = {}
-    for name in ("default", "paper", "uniform-bits", "per-head-widths", "uniform-tokens", "head-lut", "no-rotation",
-                 "no-residual", "pca-keys", "keys-first", "default-3"):
+    for name in ("default", "query-keys", "paper", "uniform-bits", "per-head-widths", "uniform-tokens", "head-lut",
+                 "no-rotation", "no-residual", "pca-keys", "keys-first", "default-3"):
         # the default at 3 bits all-in: its split resolves to keys 4, values 2 (CalibrationConfig.split)
         cfg = replace(PRESETS["default"], residual="none") if name == "default-3" else PRESETS[name]
         engine = TurboEsm(stress_model, calibrate(stress_model, recs, cfg, progress=False))
@@ -73,49 +75,43 @@ def test_decode_fidelity_bars(stress_model):
     per_seq = lambda n: [s["decode_cos_mean"] for s in results[n]["sequences"]]  # noqa: E731
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     err = lambda n: sum(results[n]["layers"]["attn_rel_err"])  # noqa: E731
-    # the issue's per-sequence bars: 3+1 bits ≥ 0.97 (0.985 on these 8 sequences, 0.971 on all 29 held-out ones,
-    # results/REPORT.md) and 3 bits ≥ 0.95 (0.964 here; on all 29 this model's worst is 0.939, under the bar):
-    # asserted is what holds, so a regression fails
+    # per-sequence bars: 3+1 bits ≥ 0.97 (0.989 on these 8 sequences) and 3 bits ≥ 0.955 (0.973)
     assert min(per_seq("default")) >= 0.97, per_seq("default")
     assert min(per_seq("no-residual")) >= 0.955, per_seq("no-residual")
-    # tokens counted by the attention they receive (attention_weight 0.5) against every token once: the attention
-    # error falls 18% here (0.275 vs 0.334), the mean and the worst sequence rise (0.9931 / 0.9853 vs 0.9898 /
-    # 0.9802); across five calibration sets on both stress models, results/attention_weight.txt
-    assert err("default") < 0.9 * err("uniform-tokens")
-    assert mean(per_seq("default")) >= mean(per_seq("uniform-tokens"))
-    assert min(per_seq("default")) >= min(per_seq("uniform-tokens"))
-    # allocating bits by channel lowers the attention error at the same bytes; on these 8 sequences the mean
-    # decode cos of the two is within noise (0.9931 vs 0.9930)
+    # tokens counted by the attention they receive (attention_weight 0.5) against every token once: a lower
+    # attention error (0.265 vs 0.276) and a worst sequence as high
+    assert err("default") < err("uniform-tokens")
+    assert min(per_seq("default")) >= min(per_seq("uniform-tokens")) - 0.001
+    # allocating bits by channel lowers the attention error at the same bytes (0.265 vs 0.305)
     assert err("default") < 0.97 * err("uniform-bits")
-    assert mean(per_seq("default")) >= mean(per_seq("uniform-bits")) - 0.001
+    assert mean(per_seq("default")) >= mean(per_seq("uniform-bits")) - 0.002
     # one allocation for every head of a layer (what lets the kernels compile the field shifts in) costs nothing
     # measurable against each head its own
     assert mean(per_seq("default")) >= mean(per_seq("per-head-widths")) - 0.001
     assert min(per_seq("default")) >= min(per_seq("per-head-widths")) - 0.003
     assert err("default") < 1.03 * err("per-head-widths")
-    # a LUT per channel is what lifts the worst sequences over one LUT per head (0.980 vs 0.970 here)
+    # a LUT per channel is what lifts the worst sequences over one LUT per head (0.989 vs 0.969 here)
     assert min(per_seq("uniform-bits")) >= min(per_seq("head-lut")) + 0.005
     assert mean(per_seq("uniform-bits")) >= mean(per_seq("head-lut")) + 0.003
-    # a rotation barely matters at head_dim 16 (no rotation: mean 0.9943 here, attention error 7% higher; it helps
-    # at 64: results/REPORT.md)
+    # values chosen per head (rotated or not) against no rotation at all: a lower attention error
     assert mean(per_seq("default")) >= mean(per_seq("no-rotation")) - 0.002
     assert err("default") < err("no-rotation")
-    # the keys' PCA turned for their queries (svd-query) against plain PCA: a lower attention error, a mean at
-    # least as high (results/key_rotation.txt has both stress models over several calibration sets)
+    # keys turned for their queries (query-keys, the former default): on this random-weight model they lower the
+    # attention error (0.249 vs 0.265) and lift the mean (0.9943 vs 0.9924), not the worst sequence; on trained
+    # models they lose the worst tokens (results/fidelity/), which is why the default leaves keys unrotated
+    assert err("query-keys") < err("default")
+    assert min(per_seq("default")) >= min(per_seq("query-keys")) - 0.002
     assert err("default") < err("pca-keys")
-    assert mean(per_seq("default")) >= mean(per_seq("pca-keys")) - 0.001
+    assert min(per_seq("default")) >= min(per_seq("pca-keys"))
     assert err("default") < 0.8 * err("paper")
     assert mean(per_seq("default")) >= mean(per_seq("paper")) + 0.02
     assert results["default"]["overall"]["prefill_max_abs_diff"] <= 1e-5
     # a bit moved from the values to the keys, the same bytes (results/kv_bits.txt): the score KL falls to about
-    # a third, and at 3 bits (the default's split there) the worst sequence clears 0.95 on every calibration set
-    # measured, where equal widths (no-residual: 3 and 3) do not
+    # a third; at 3 bits (the default's split there) the worst sequence clears 0.95
     kl = lambda n: sum(results[n]["layers"]["score_kl"])  # noqa: E731
     assert kl("keys-first") < 0.6 * kl("default")
     assert kl("default-3") < 0.6 * kl("no-residual")
-    assert min(per_seq("default-3")) >= max(0.95, min(per_seq("no-residual")))
-    # the 3+1 mean moves either way within noise (here 0.9929 vs 0.9944; on all 29 held-out sequences 0.9930 vs
-    # 0.9919): asserted is the bar
+    assert min(per_seq("default-3")) >= 0.95
     assert min(per_seq("keys-first")) >= 0.97
 
 

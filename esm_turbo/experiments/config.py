@@ -8,13 +8,16 @@ with optional bit / residual overrides, so a sweep calibrates exactly what ``esm
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
 from ..model.checkpoint import PRESETS, CalibrationConfig, with_mean_bits
 
 
 @dataclass
 class ModelConf:
-    """``kind``: stress (a built stress model, see esm_turbo.testing) or pretrained (``path``)."""
+    """``kind``: stress (a built stress model, see esm_turbo.testing) or pretrained (``path``: a released ESM-2 or
+    a testbed trained on real proteins). ``outliers`` > 0 plants function-preserving K/V outliers up to that
+    many times a channel's scale (:func:`esm_turbo.testing.plant_outliers`, seed ``outlier_seed``)."""
 
     name: str = "stress-6L-d64"
     kind: str = "stress"
@@ -23,10 +26,13 @@ class ModelConf:
     hidden: int = 256
     heads: int = 4
     seed: int = 0
+    outliers: float = 0.0
+    outlier_seed: int = 0
 
 
 @dataclass
 class DataConf:
+    name: str = "default"  # rows of another calibration set are stored as <quant>@<name>.json
     calibration: list[str] = field(default_factory=lambda: ["calibration_data/calibration.fasta"])
     evaluation: list[str] = field(default_factory=lambda: ["calibration_data/evaluation.fasta"])
     eval_every: int = 1  # take every n-th evaluation record
@@ -69,7 +75,7 @@ class QuantConf:
 @dataclass
 class EvalConf:
     prefix_fraction: float = 0.5
-    max_steps: int = 16
+    max_steps: Optional[int] = None  # decode at most this many residues per sequence (None: the rest of it)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from .methods import layout_codecs
 
 COLUMNS = ("quant", "method", "bits_per_value", "bytes_per_token_per_layer", "decode_cos_mean",
            "decode_cos_worst_seq", "top1_agreement", "logit_kl", "attn_rel_err_mean", "score_kl_mean", "fit_seconds")
-ABLATIONS = ("turboesm", "turboesm_paper", "turboesm_no_rotation", "turboesm_pca_keys", "turboesm_uniform_bits", "turboesm_per_head_widths",
+ABLATIONS = ("turboesm", "turboesm_paper", "turboesm_query_keys", "turboesm_no_rotation", "turboesm_pca_keys", "turboesm_uniform_bits", "turboesm_per_head_widths",
              "turboesm_uniform_tokens", "turboesm_v_unrotated", "turboesm_kv_rotated", "turboesm_head_lut", "turboesm_channel_lut",
              "turboesm_shared_lut", "turboesm_no_residual", "turboesm_keys_first", "turboesm_keys_first_3")
 FAMILY_COLORS = {"dense": "black", "int": "tab:orange", "fp8": "tab:brown", "turboquant": "tab:blue",
