@@ -59,7 +59,7 @@ def _config_from_args(args):
     from dataclasses import replace
 
     from .model.checkpoint import PRESETS, with_mean_bits
-    cfg = PRESETS[args.preset]
+    cfg = PRESETS[args.preset if args.preset in PRESETS else "default"]  # "auto": the default's bits, then candidates
     if getattr(args, "bits", None) is not None:
         cfg = with_mean_bits(cfg, args.bits)
     overrides = {k: getattr(args, k) for k in ("key_bits", "value_bits", "key_rotation", "value_rotation",
@@ -88,21 +88,30 @@ def _check_inputs(device: str | None, model: str, fastas: list[str], fasta_flag:
 
 def cmd_calibrate(args) -> int:
     from .fasta import read_fastas
-    from .model.calibrate import calibrate
+    from .model.holdout import calibrate_held_out, format_summary
     from .model.loading import load_esm
     _check_inputs(args.device, args.model, args.fasta)
     checks.output_file(args.out, "--out")
     cfg = _config_from_args(args)
     records = read_fastas(args.fasta, max_residues=args.max_residues)
+    if args.preset == "auto" and (args.holdout == 0 or len(records) < 2):
+        raise EsmTurboError("--preset auto picks a recipe on a held-out part of the calibration set: give --holdout > 0 "
+                            "and at least two sequences")
     model = load_esm(args.model, DTYPES[args.dtype], args.device)
     start = time.perf_counter()
-    cal = calibrate(model, records, cfg, progress=not args.quiet, model_name=str(args.model))
+    result = calibrate_held_out(model, records, cfg, args.preset, args.holdout, seed=cfg.seed,
+                                progress=not args.quiet, model_name=str(args.model))
+    cal = result.calibration
     path = cal.save(args.out)
     seconds = time.perf_counter() - start
     size = path.stat().st_size
     log.info("wrote %s (%.2f MB) in %.1f s on %s", path, size / 1e6, seconds, args.device)
-    print(f"calibration: {len(records)} sequences, {cal.meta['calibration_tokens']} tokens, {seconds:.1f} s; "
-          f"checkpoint {path} ({size / 1e6:.2f} MB)")
+    for name, summary in result.candidates.items():
+        print(f"  {name:<12} on the held-out part: {format_summary(summary)}")
+    print(f"calibration ({result.chosen}): {cal.meta['calibration_sequences']} sequences, "
+          f"{cal.meta['calibration_tokens']} tokens, {seconds:.1f} s; checkpoint {path} ({size / 1e6:.2f} MB)")
+    if result.summary is not None:
+        print(f"expect, on {result.summary['sequences']} held-out sequences: {format_summary(result.summary)}")
     return 0
 
 
@@ -281,7 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--fasta", nargs="+", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--preset", choices=list(PRESETS), default="default")
+    p.add_argument("--preset", choices=[*PRESETS, "auto"], default="default",
+                   help="a recipe; auto: try default, query-keys, no-rotation and keys-first at the same bits and keep "
+                        "the best on the held-out part (worst sequence, then worst token, then mean)")
+    p.add_argument("--holdout", type=checks.float_in(0.0, 0.9), default=0.2,
+                   help="share of the calibration sequences (at most 32) held out to measure the checkpoint on; the "
+                        "result is printed and stored in its metadata (0: fit on all, measure nothing)")
     p.add_argument("--bits", type=checks.int_in(1, 4),
                    help="mean index bits per value (default 3); the preset's key/value split is "
                    "kept within widths 1..4 (preset keys-first: keys one bit more, values one less; the default "

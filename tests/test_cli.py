@@ -52,3 +52,40 @@ def test_three_bit_calibration_splits_toward_the_keys(stress_dir, tmp_path):
     assert per_token[0] == per_token[1] == 48  # 4 heads × d16 × (4 + 2) bits / 8
     ablation = reports["no-rotation"]["config"]
     assert (ablation["key_bits"], ablation["value_bits"], ablation["residual"]) == (4, 2, "none")
+
+
+def test_calibrate_measures_a_held_out_part_and_auto_keeps_the_best_recipe(stress_dir, tmp_path, capsys):
+    from esm_turbo.fasta import read_fasta, write_fasta
+    from esm_turbo.model.holdout import AUTO_CANDIDATES, _rank
+    small = tmp_path / "small.fasta"
+    write_fasta(small, [(r.id, r.sequence[:120]) for r in read_fasta(CAL)[0][:12]])
+    ckpt = tmp_path / "auto.safetensors"
+    assert main(["calibrate", "--model", str(stress_dir), "--fasta", str(small), "--out", str(ckpt), "--preset", "auto",
+                 "--holdout", "0.25", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "expect, on 3 held-out sequences: mean decode cos" in out
+    assert all(f"{name} " in out for name in AUTO_CANDIDATES)
+    meta = Calibration.load(ckpt).meta
+    assert meta["calibration_sequences"] == 9 and meta["holdout_sequences"] == 3
+    tried = meta["preset_auto"]
+    assert set(tried) == set(AUTO_CANDIDATES) and meta["preset"] in tried
+    assert all(_rank(tried[meta["preset"]]) >= _rank(s) for s in tried.values())
+    assert meta["holdout"] == tried[meta["preset"]]
+    assert 0.5 < meta["holdout"]["decode_cos_min"] <= meta["holdout"]["decode_cos_mean"] <= 1
+    capsys.readouterr()
+    assert main(["calibrate", "--model", str(stress_dir), "--fasta", str(small), "--out", str(ckpt), "--preset", "auto",
+                 "--holdout", "0", "--quiet"]) == 2
+    assert "--preset auto picks a recipe on a held-out part" in capsys.readouterr().err
+
+
+def test_holdout_split_is_seeded_disjoint_and_bounded():
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model.holdout import MAX_HELD_OUT, split_holdout
+    records = read_fasta(CAL)[0]
+    fit, held = split_holdout(records, 0.2, seed=3)
+    assert (fit, held) == split_holdout(records, 0.2, seed=3)
+    assert len(held) == 23 and len(fit) == len(records) - 23
+    assert not {r.id for r in fit} & {r.id for r in held}
+    assert len(split_holdout(records, 0.5)[1]) == MAX_HELD_OUT
+    assert split_holdout(records, 0.0) == (records, [])
+    assert len(split_holdout(records[:2], 0.1)[1]) == 1  # a share that rounds to none still holds one out

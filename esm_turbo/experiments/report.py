@@ -20,11 +20,12 @@ from omegaconf import OmegaConf
 
 from ..cache import KVCache
 from ..io import atomic_write, atomic_write_text
+from ..model.evaluate import TAIL_COS
 from .config import QuantConf
 from .methods import layout_codecs
 
 COLUMNS = ("quant", "method", "bits_per_value", "bytes_per_token_per_layer", "decode_cos_mean",
-           "decode_cos_worst_seq", "top1_agreement", "logit_kl", "attn_rel_err_mean", "score_kl_mean", "fit_seconds")
+           "decode_cos_worst_seq", "decode_cos_min", "decode_tail_share", "top1_agreement", "logit_kl", "attn_rel_err_mean", "score_kl_mean", "fit_seconds")
 ABLATIONS = ("turboesm", "turboesm_paper", "turboesm_query_keys", "turboesm_no_rotation", "turboesm_pca_keys", "turboesm_uniform_bits", "turboesm_per_head_widths",
              "turboesm_uniform_tokens", "turboesm_v_unrotated", "turboesm_kv_rotated", "turboesm_head_lut", "turboesm_channel_lut",
              "turboesm_shared_lut", "turboesm_no_residual", "turboesm_keys_first", "turboesm_keys_first_3")
@@ -32,10 +33,10 @@ FAMILY_COLORS = {"dense": "black", "int": "tab:orange", "fp8": "tab:brown", "tur
                  "turboesm": "tab:red", "outlier": "tab:green", "rvq": "tab:purple"}
 
 
-def load_rows(root: str | Path) -> dict[str, list[dict]]:
-    """model name → rows (every sweep under ``root``)."""
+def load_rows(root: str | Path, sweep: str = "methods") -> dict[str, list[dict]]:
+    """model name → rows of one sweep under ``root`` (``<root>/<sweep>/<model>/<quant>[@<data>].json``)."""
     by_model: dict[str, list[dict]] = defaultdict(list)
-    for path in sorted(Path(root).glob("*/*/*.json")):
+    for path in sorted(Path(root).glob(f"{sweep}/*/*.json")):
         row = json.loads(path.read_text())
         by_model[row["model"]].append(row)
     return by_model
@@ -116,6 +117,80 @@ def memory_table(conf_dir: Path, heads: int = 20, dim: int = 64) -> str:
                 "bytes per token-head by part", "fixed bytes/sequence/layer (fp16 window)"], rows)
 
 
+#: the recipes of the fidelity sweep, by name in its rows at 3 + sign, 2 + sign and 1 + sign index bits
+FIDELITY_RECIPES = {"default": ("turboesm", "turboesm_default_2s", "turboesm_default_1s"),
+                    "query-keys": ("turboesm_query_keys", "turboesm_query-keys_2s", "turboesm_query-keys_1s"),
+                    "no-rotation": ("turboesm_no_rotation", "turboesm_no-rotation_2s", "turboesm_no-rotation_1s")}
+#: per all-in bits per value: the bars of the worst sequence (and at 4.0 of the mean and the worst token)
+FIDELITY_BARS = {4.0: dict(mean=0.995, worst_seq=0.99, worst_token=0.95), 3.0: dict(worst_seq=0.98),
+                 2.0: dict(worst_seq=0.95)}
+
+
+def _spread(rows: list[dict], key: str) -> str:
+    """``lowest (spread)`` of one metric over a recipe's calibration sets."""
+    vals = [r[key] for r in rows]
+    return f"{min(vals):.4f} (±{(max(vals) - min(vals)) / 2:.4f})" if len(vals) > 1 else f"{vals[0]:.4f}"
+
+
+def fidelity_section(by_model: dict[str, list[dict]], out: Path) -> str:
+    """The recipes of :data:`FIDELITY_RECIPES` on every testbed and calibration set: for each metric the lowest over
+    the calibration sets and half their range; a plot of the worst token per model."""
+    lines = ["## Fidelity across models and calibration sets", "",
+             "Each recipe calibrated on three disjoint sets of 115 real sequences (calibration_data/: the default "
+             "set, alt1, alt2) and evaluated on the same 29 held-out ones; each cell is the lowest of the three "
+             "(± half their range). Bars: at 4.0 bits all-in mean ≥ 0.995, worst sequence ≥ 0.99, worst token ≥ 0.95; "
+             "at 3.0 worst sequence ≥ 0.98; at 2.0 worst sequence ≥ 0.95.", "",
+             "![worst tokens](plots/fidelity_worst_token.png)", ""]
+    for i, bits in enumerate((4.0, 3.0, 2.0)):
+        table = []
+        for model in sorted(by_model, key=lambda m: (int(m.split("-d")[1].split("-")[0]), m)):
+            named = defaultdict(list)
+            for r in by_model[model]:
+                named[r["quant"]].append(r)
+            for recipe, names in FIDELITY_RECIPES.items():
+                rows = named.get(names[i])
+                if not rows:
+                    continue
+                met = [rows_key for rows_key, bar in FIDELITY_BARS[bits].items()
+                       if min(r[{"mean": "decode_cos_mean", "worst_seq": "decode_cos_worst_seq",
+                                 "worst_token": "decode_cos_min"}[rows_key]] for r in rows) < bar]
+                table.append([model, recipe, len(rows), _spread(rows, "decode_cos_mean"),
+                              _spread(rows, "decode_cos_worst_seq"), _spread(rows, "decode_cos_min"),
+                              f"{max(r['decode_tail_share'] for r in rows):.2%}",
+                              "yes" if not met else "misses " + ", ".join(m.replace("_", " ") for m in met)])
+        lines += [f"### {bits:.1f} bits per value all-in", "",
+                  _md(["model", "recipe", "sets", "mean", "worst seq", "worst token", f"< {TAIL_COS} (most)", "bars"],
+                      table), ""]
+    _fidelity_plot(by_model, out / "plots" / "fidelity_worst_token.png")
+    return "\n".join(lines)
+
+
+def _fidelity_plot(by_model: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = sorted(by_model, key=lambda m: (int(m.split("-d")[1].split("-")[0]), m))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5), sharey=False)
+    colors = {"default": "tab:red", "query-keys": "tab:blue", "no-rotation": "tab:gray"}
+    for i, (ax, bits) in enumerate(zip(axes, (4.0, 3.0, 2.0))):
+        for j, (recipe, names) in enumerate(FIDELITY_RECIPES.items()):
+            for x, model in enumerate(models):
+                ys = [r["decode_cos_min"] for r in by_model[model] if r["quant"] == names[i]]
+                ax.scatter([x + 0.2 * (j - 1)] * len(ys), ys, color=colors[recipe], s=22,
+                           label=recipe if x == 0 else None)
+        bar = 0.95 if bits == 4.0 else None
+        if bar:
+            ax.axhline(bar, color="black", lw=0.8, ls="--")
+        ax.set_xticks(range(len(models)), models, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"{bits:.1f} bits/value all-in: worst decode token", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("lowest decode-token cos vs FP32 cache (one dot per calibration set)")
+    axes[0].legend()
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
 def latency_tables(bench: Path) -> str:
     if not bench.is_file():
         return "_no GPU results yet: run `esm-turbo bench all --out results/gpu/bench_h100.json` on a GPU_"
@@ -146,8 +221,16 @@ def make_report(rows_root: str | Path = "results/rows", out: str | Path = "resul
                 conf_dir: str | Path = "conf") -> Path:
     out, conf_dir = Path(out), Path(conf_dir)
     by_model = load_rows(rows_root)
-    lines = ["# esm_turbo results (generated by `python scripts/report.py`; do not edit by hand)", ""]
-    for model, rows in sorted(by_model.items()):
+    lines = ["# esm_turbo results (generated by `python scripts/report.py`; do not edit by hand)", "",
+             "Models: `trained-*` are ESM-2s trained with masked-LM on real proteins (the first testbed; `-outliers`: "
+             "function-preserving K/V outliers planted), `stress-*` random-weight stress models (a second opinion). "
+             "Decode cos: final hidden state of each teacher-forced decode token (the second half of each held-out "
+             f"sequence) against the FP32 cache; worst seq: the lowest sequence mean; worst token: the lowest token; "
+             f"< {TAIL_COS}: the share of decode tokens under {TAIL_COS}.", ""]
+    fidelity = load_rows(rows_root, "fidelity")
+    if fidelity:
+        lines += fidelity_section(fidelity, out), ""
+    for model, rows in sorted(by_model.items(), key=lambda kv: (not kv[0].startswith("trained"), kv[0])):
         write_csv(rows, out / "sweeps" / f"{model}.csv")
         pareto_plot(rows, model, out / "plots" / f"pareto_{model}.png")
         by_name = {r["quant"]: r for r in rows}
@@ -155,8 +238,10 @@ def make_report(rows_root: str | Path = "results/rows", out: str | Path = "resul
                   "### Best method within a bits-per-value budget (all-in bits, best mean decode cos)", "",
                   _md(["budget", "method", "bits/value", "decode cos", "top-1"], best_at_bits(rows)), "",
                   "### Ablations (paper's Table 7)", "",
-                  _md(["recipe", "bits/value", "decode cos", "worst seq", "top-1", "attn err", "score KL"],
+                  _md(["recipe", "bits/value", "decode cos", "worst seq", "worst token", f"< {TAIL_COS}", "top-1",
+                       "attn err", "score KL"],
                       [[n, by_name[n]["bits_per_value"], by_name[n]["decode_cos_mean"], by_name[n]["decode_cos_worst_seq"],
+                        by_name[n]["decode_cos_min"], f"{by_name[n]['decode_tail_share']:.2%}",
                         by_name[n]["top1_agreement"], by_name[n]["attn_rel_err_mean"], by_name[n]["score_kl_mean"]]
                        for n in ABLATIONS if n in by_name]), ""]
         if "turboesm" in by_name:
