@@ -136,26 +136,31 @@ def cmd_evaluate(args) -> int:
         records = records[: args.limit]
     variants = {"turbo": Calibration.load(args.calibration, args.device)}  # a bad checkpoint is refused first
     model = load_esm(args.model, DTYPES[args.dtype], args.device)
-    if args.ablations:
-        cal_records = read_fastas(args.calibration_fasta)
-        base = variants["turbo"].config
-        for name in args.ablations:
-            preset = PRESETS[name]
-            cfg = with_mean_bits(preset, (base.key_bits + base.value_bits) // 2)  # the same index bits
-            if base.residual == "none":  # and no residual bit where the checkpoint has none: the same memory
-                cfg = replace(cfg, residual="none")
-            variants[name] = calibrate(model, cal_records, cfg, progress=not args.quiet)
+    cal_records = read_fastas(args.calibration_fasta) if args.ablations else []
+    base = variants["turbo"].config
     reports = {}
-    for name, cal in variants.items():
-        engine = TurboEsm(model, cal)
-        reports[name] = evaluate(engine, records, "turbo", args.prefix_fraction, args.max_steps,
-                                 progress=not args.quiet)
-        reports[name]["config"] = cal.config.__dict__
+    for name in ["turbo", *(args.ablations or [])]:
+        try:  # an ablation that fails is reported as an error row; the others are kept
+            cal = variants.get(name)
+            if cal is None:
+                cfg = with_mean_bits(PRESETS[name], (base.key_bits + base.value_bits) // 2)  # the same index bits
+                if base.residual == "none":  # and no residual bit where the checkpoint has none: the same memory
+                    cfg = replace(cfg, residual="none")
+                cal = calibrate(model, cal_records, cfg, progress=not args.quiet)
+            reports[name] = evaluate(TurboEsm(model, cal), records, "turbo", args.prefix_fraction, args.max_steps,
+                                     progress=not args.quiet)
+            reports[name]["config"] = cal.config.__dict__
+        except (EsmTurboError, ValueError, RuntimeError) as err:
+            if name == "turbo":
+                raise
+            reports[name] = {"error": f"{type(err).__name__}: {err}"}
+            log.error("ablation %s failed: %s (the other rows are kept)", name, err)
     if args.json:
         _dump_json(reports, args.json)
     if not args.json or args.json != "-":
         for name, rep in reports.items():
-            print(format_table(rep, f"== {name}: {rep['config']}"))
+            print(f"== {name}: error: {rep['error']}" if "error" in rep
+                  else format_table(rep, f"== {name}: {rep['config']}"))
             print()
     return 0
 

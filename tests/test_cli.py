@@ -89,3 +89,43 @@ def test_holdout_split_is_seeded_disjoint_and_bounded():
     assert len(split_holdout(records, 0.5)[1]) == MAX_HELD_OUT
     assert split_holdout(records, 0.0) == (records, [])
     assert len(split_holdout(records[:2], 0.1)[1]) == 1  # a share that rounds to none still holds one out
+
+
+def test_paper_recipe_measurable_past_fp16_and_a_failing_ablation_keeps_the_others(tmp_path, capsys, monkeypatch):
+    """Keys 10^5 times their scale: the paper's unscaled per-head LUTs overflow fp16 and are kept in fp32 (decoded on
+    the PyTorch path, saved and loaded as such); an ablation that fails is an error row, the other rows stay."""
+    import torch
+    from esm_turbo import TurboEsm, calibrate, read_fasta
+    from esm_turbo.model.checkpoint import PRESETS
+    from esm_turbo.testing import plant_outliers, stress_esm2
+    model = plant_outliers(stress_esm2(layers=2, hidden=64, heads=4, seed=3, outlier_scale=1.0), 1e5, seed=0,
+                           min_scale=1e5)
+    model.save_pretrained(tmp_path / "big")
+    recs = read_fasta(CAL)[0][:20]
+    cal = calibrate(model, recs, PRESETS["paper"], progress=False)
+    assert any(c.key.wide for c in cal.codecs)
+    path = cal.save(tmp_path / "paper.safetensors")
+    loaded = type(cal).load(path)
+    assert [c.key.wide for c in loaded.codecs] == [c.key.wide for c in cal.codecs]
+    k = torch.randn(1, 4, 5, 16) * 1e4
+    for a, b in zip(cal.codecs, loaded.codecs):
+        torch.testing.assert_close(b.key.decode(b.key.encode(k)), a.key.decode(a.key.encode(k)))
+    session = TurboEsm(model, loaded).session()
+    session.start(["MKTAYIAKQRQ"])
+    assert torch.isfinite(session.step(["A"]).logits).all()
+
+    import esm_turbo.model.calibrate as calibrate_module
+    real = calibrate_module.calibrate
+
+    def failing(model, records, config, **kw):
+        if config.lut == "head":
+            raise ValueError("planted failure")
+        return real(model, records, config, **kw)
+
+    monkeypatch.setattr(calibrate_module, "calibrate", failing)
+    out = tmp_path / "ablations.json"
+    assert main(["evaluate", "--model", str(tmp_path / "big"), "--calibration", str(path), "--fasta", EV, "--limit",
+                 "1", "--max-steps", "2", "--quiet", "--ablations", "head-lut", "no-rotation", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows["head-lut"] == {"error": "ValueError: planted failure"}
+    assert rows["turbo"]["overall"]["decode_tokens"] == 2 and rows["no-rotation"]["overall"]["decode_tokens"] == 2

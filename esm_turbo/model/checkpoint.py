@@ -159,7 +159,7 @@ class Calibration:
                 allocated = q.rot_order is not None
                 for name in _TABLES:
                     tensors[f"layers.{li}.{kind}.{name}"] = _stored_table(name, getattr(q, name),
-                                                                          q.widths if allocated else None)
+                                                                          q.widths if allocated else None, q.wide)
                 if allocated:
                     tensors[f"layers.{li}.{kind}.widths"] = q.widths.to(torch.uint8).cpu().contiguous()
                     tensors[f"layers.{li}.{kind}.order"] = q.rot_order.to(torch.uint8).cpu().contiguous()
@@ -236,6 +236,7 @@ class Calibration:
                 except RuntimeError as err:
                     raise CheckpointError(f"{path}: layer {li} {kind}: table shapes do not match ({err})") from None
                 q.grid = cfg.lut == "grid"
+                q.wide = tensors[prefix + "centroids"].dtype == torch.float32  # levels beyond fp16, kept in fp32
                 if q.grid and not identity_code(q):
                     raise CheckpointError(f"{path}: layer {li} {kind}: a lut='grid' calibration whose tables are "
                                           f"not the identity code (corrupt checkpoint)")
@@ -259,17 +260,17 @@ def _stored_reflectors(stored: torch.Tensor | None, choice: torch.Tensor | None,
     return full
 
 
-def _stored_table(name: str, t: torch.Tensor, widths: torch.Tensor | None = None) -> torch.Tensor:
-    """A table as saved: LUTs (centroids, eps; fp16 values by construction) as fp16 — under a bit allocation
-    (``widths`` [H, d]) only each channel's own levels, flattened; else one row per head when all its
-    channels share the LUT; offsets and scales as they are."""
+def _stored_table(name: str, t: torch.Tensor, widths: torch.Tensor | None = None, wide: bool = False) -> torch.Tensor:
+    """A table as saved: LUTs (centroids, eps; fp16 values by construction) as fp16 (fp32 for a ``wide``
+    quantizer, whose levels overflow fp16) — under a bit allocation (``widths`` [H, d]) only each channel's own
+    levels, flattened; else one row per head when all its channels share the LUT; offsets and scales as they are."""
     t = t.detach().cpu()
     if name in _LUTS:
         if widths is not None:
             t = t[_level_mask(widths.cpu(), t.shape[2])]
         elif bool((t == t[:, :1]).all()):
             t = t[:, :1]
-        t = t.half()
+        t = t.float() if wide else t.half()
     return t.contiguous()
 
 

@@ -27,7 +27,7 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     if getattr(codec, "window", 0):
         return False
     for q in (codec.key, codec.value):
-        if not isinstance(q, VectorQuantizer) or q.normalize or q.residual not in ("none", "sign"):
+        if not isinstance(q, VectorQuantizer) or q.normalize or q.residual not in ("none", "sign") or q.wide:
             return False
         if q.bits not in FUSED_BITS:
             return False

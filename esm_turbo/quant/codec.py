@@ -108,13 +108,14 @@ def table_lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def code_table(q: "VectorQuantizer") -> torch.Tensor:
     """[H, d, n_codes] float16 values of a fused code: ``2·idx + sign → c[idx] + ε₁ | c[idx] − ε₀`` with a
     sign residual, ``idx → c[idx]`` without, rounded to fp16. These are the values decoding reconstructs, on
-    every path: the kernels may read the table in fp16 (half the bytes of fp32) and still match."""
+    every path: the kernels may read the table in fp16 (half the bytes of fp32) and still match. A
+    :attr:`VectorQuantizer.wide` quantizer's table stays float32."""
     table = q.centroids
     if q.residual == "sign":
         lo = q.centroids - q.eps[..., 0]
         hi = q.centroids + q.eps[..., 1]
         table = torch.stack([lo, hi], dim=-1).reshape(q.heads, q.dim, -1)
-    return table.half().contiguous()
+    return (table.float() if q.wide else table.half()).contiguous()
 
 
 def identity_code(q: "VectorQuantizer") -> bool:
@@ -190,6 +191,9 @@ class VectorQuantizer(nn.Module):
         self.rot_stored: torch.Tensor | None = None
         self.rot_order: torch.Tensor | None = None  # [H, d] rows of the fitted rotation kept, in order
         self.grid = False
+        # fp32 tables: a calibration whose levels overflow fp16 (unscaled rotations of large activations, the
+        # paper's recipe) keeps them in fp32; such a codec decodes on the PyTorch path (the kernels read fp16)
+        self.wide = False
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -246,10 +250,11 @@ class VectorQuantizer(nn.Module):
         q = cls(heads, dim, bits, residual, normalize=False, qjl_seed=seed + 1)
         q.set_rotation(affine)
         lut, _ = lloyd_max_batched(*(lut_points or points), q.bits)
-        if not bool(torch.isfinite(lut.half()).all()):
-            raise ValueError("LUT values beyond the fp16 range: use a scaled rotation (svd-scaled)")
-        lut = lut.half().double()
-        eps = sign_eps_batched(values, weights, lut, sign_mode).half()
+        fits = bool(torch.isfinite(lut.half()).all())
+        q.wide = not fits  # levels beyond the fp16 range: kept in fp32 (see :attr:`wide`)
+        lut = lut.half().double() if fits else lut.double()
+        eps = sign_eps_batched(values, weights, lut, sign_mode)
+        eps = eps.half() if fits and bool(torch.isfinite(eps.half()).all()) else eps.float()
         groups = values.shape[0] // heads
         q.centroids.copy_(lut.view(heads, groups, -1).expand(heads, dim, -1))
         q.eps.copy_(eps.view(heads, groups, -1, 2).expand(heads, dim, -1, 2))
