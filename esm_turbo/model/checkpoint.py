@@ -49,8 +49,8 @@ class CalibrationConfig:
     # at 3 + sign the equal split stays (aligned 4-bit codes, the kernels' fastest). "as-given": never moved
     split: str = "auto"
     # keys per channel, unrotated: on ESM-2s trained on real proteins, across head sizes 16-128 and calibration sets,
-    # it holds the worst decode tokens where the keys' PCA turned for the queries ("svd-query", preset query-keys)
-    # loses them to values a rotated channel never saw in calibration, and its mean is as high (results/fidelity/)
+    # it holds the worst decode tokens that the keys' PCA turned for the queries ("svd-query", preset query-keys)
+    # loses, at a mean as high (results/fidelity/README.md)
     key_rotation: str = "identity"
     value_rotation: str = "auto"  # per head: unrotated or svd-scaled, whichever error reaches the output less
     residual: str = "sign"
