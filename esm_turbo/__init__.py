@@ -12,12 +12,13 @@ from .model.checkpoint import PRESETS, Calibration, CalibrationConfig  # noqa: E
 from .model.engine import DecodeSession, StepOutput, TurboEsm  # noqa: E402
 from .model.loading import load_esm, model_fingerprint  # noqa: E402
 from .model.sizes import ESM2_SIZES, esm2_config  # noqa: E402
-from .quant.codec import KVCodec, VectorQuantizer, dense_codec, oblivious_codec  # noqa: E402
+from .quant.codec import KVCodec, VectorQuantizer, dense_codec  # noqa: E402
+from .quant.fit import FitOptions, fit_quantizer, oblivious_codec  # noqa: E402
 from .quant.lloyd_max import lloyd_max, lloyd_max_weighted  # noqa: E402
 
 __all__ = [
     "Calibration", "CalibrationConfig", "CheckpointError", "DecodeSession", "ESM2_SIZES", "EsmTurboError",
-    "FastEsm", "FastaError", "KVCache", "KVCodec", "MemoryReport", "ModelLoadError", "PRESETS", "Record", "StepOutput",
-    "TurboEsm", "VectorQuantizer", "__version__", "calibrate", "dense_codec", "esm2_config", "load_esm",
+    "FastEsm", "FastaError", "FitOptions", "KVCache", "KVCodec", "MemoryReport", "ModelLoadError", "PRESETS", "Record", "StepOutput",
+    "TurboEsm", "VectorQuantizer", "__version__", "calibrate", "dense_codec", "esm2_config", "fit_quantizer", "load_esm",
     "lloyd_max", "lloyd_max_weighted", "model_fingerprint", "oblivious_codec", "read_fasta", "read_fastas",
 ]

@@ -78,6 +78,8 @@ class KVCache:
         self._written = 0
         self.parts: list[dict[str, torch.Tensor]] = [self._alloc(c, batch_size, self.capacity) for c in codecs]
         self.rings: list[dict[str, torch.Tensor] | None] = [self._alloc_ring(c, batch_size) for c in codecs]
+        #: per layer: the fused ops (Triton on CUDA) write and read it, or the PyTorch reference (ops.kernel_path)
+        self.fused: list[bool] = [ops.kernel_path(c, self.device) for c in codecs]
         self.ring_hi = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # 1 + last position in rings
 
     @property
@@ -112,6 +114,15 @@ class KVCache:
         ring["k"][b_idx, :, slot] = k[b_idx, :, j_idx].half()
         ring["v"][b_idx, :, slot] = v[b_idx, :, j_idx].half()
         self.ring_hi = torch.maximum(self.ring_hi, self.lengths + n)
+
+    def set_lengths(self, length: int) -> None:
+        """Declare every row ``length`` tokens long, taking the stored parts as they are (a benchmark fills them with
+        random codes; 0 empties the cache)."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"length {length} outside the cache's capacity 0..{self.capacity}")
+        self.lengths.fill_(length)
+        self._max_bound = length
+        self._written = 0
 
     def reserve(self, tokens: int) -> None:
         """Make room for ``tokens`` more tokens per row now (before capturing a CUDA graph)."""
@@ -149,7 +160,7 @@ class KVCache:
         self._ensure_capacity(self._max_bound + s)
         self._written = s
         codec = self.codecs[layer]
-        if ops.use_kernels(k) and ops.fused_supported(codec, need_kernel_shape=True):
+        if self.fused[layer]:
             ops.write_compressed(codec, self.parts[layer], k, v, self.lengths)
             return
         for name, val in codec.encode(k, v).items():

@@ -15,11 +15,11 @@ from .fasta import CALIBRATION_DATA
 from . import cli_checks as checks
 from .embed.benchmark import EMBED_BENCH_SIZES
 from .embed.extract import TOKS_PER_BATCH
-from .model.checkpoint import PRESETS
+from .model.recipe import PRESETS, CalibrationConfig
 from .quant.lloyd_max import SUPPORTED_BITS
+from .schema import DTYPES, add_flags
 
 log = logging.getLogger("esm_turbo")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _dump_json(obj, path: str | None) -> None:
@@ -56,25 +56,21 @@ def cmd_validate_codec(args) -> int:
 
 
 def _config_from_args(args):
-    from dataclasses import replace
+    """The recipe a calibrate command asks for: its preset ("auto": the default's, then the candidates) at
+    ``--index-bits``, with every recipe flag given (:class:`~esm_turbo.model.recipe.CalibrationConfig`'s fields)."""
+    import re
+    from dataclasses import fields
 
-    from .model.checkpoint import PRESETS, with_mean_bits
-    cfg = PRESETS[args.preset if args.preset in PRESETS else "default"]  # "auto": the default's bits, then candidates
-    if getattr(args, "bits", None) is not None:
-        cfg = with_mean_bits(cfg, args.bits)
-    overrides = {k: getattr(args, k) for k in ("key_bits", "value_bits", "key_rotation", "value_rotation",
-                                                "residual", "sign_mode", "lut", "bit_allocation",
-                                                "max_channel_bits", "shared_widths", "attention_weight",
-                                                "max_tokens", "seed")
-                 if getattr(args, k, None) is not None}
-    if "key_bits" in overrides or "value_bits" in overrides:
-        overrides["split"] = "as-given"  # widths named outright are kept
-    cfg = replace(cfg, **overrides)
-    widest = max(cfg.key_bits, cfg.value_bits)
-    if cfg.max_channel_bits is not None and cfg.max_channel_bits < widest:
-        raise EsmTurboError(f"--max-channel-bits {cfg.max_channel_bits}: below the mean index width {widest} "
-                            f"(keys {cfg.key_bits}, values {cfg.value_bits}); give at least {widest}")
-    return cfg
+    from .model.recipe import PRESETS, CalibrationConfig, recipe
+    from .schema import overrides_from_args
+    preset = args.preset if args.preset in PRESETS else "default"
+    try:
+        return recipe(preset, args.index_bits, **overrides_from_args(args, CalibrationConfig))
+    except ValueError as err:  # named by their flags, as the user gave them
+        message = str(err)
+        for f in fields(CalibrationConfig):
+            message = re.sub(rf"\b{f.name}\b", f"--{f.name.replace('_', '-')}", message)
+        raise EsmTurboError(message) from None
 
 
 def _check_inputs(device: str | None, model: str, fastas: list[str], fasta_flag: str = "--fasta") -> None:
@@ -143,7 +139,7 @@ def cmd_evaluate(args) -> int:
         try:  # an ablation that fails is reported as an error row; the others are kept
             cal = variants.get(name)
             if cal is None:
-                cfg = with_mean_bits(PRESETS[name], (base.key_bits + base.value_bits) // 2)  # the same index bits
+                cfg = with_mean_bits(PRESETS[name], (base.key_index_bits + base.value_index_bits) // 2)  # the same index bits
                 if base.residual == "none":  # and no residual bit where the checkpoint has none: the same memory
                     cfg = replace(cfg, residual="none")
                 cal = calibrate(model, cal_records, cfg, progress=not args.quiet)
@@ -301,38 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--holdout", type=checks.float_in(0.0, 0.9), default=0.2,
                    help="share of the calibration sequences (at most 32) held out to measure the checkpoint on; the "
                         "result is printed and stored in its metadata (0: fit on all, measure nothing)")
-    p.add_argument("--bits", type=checks.int_in(1, 4),
-                   help="mean index bits per value (default 3); the preset's key/value split is "
-                   "kept within widths 1..4 (preset keys-first: keys one bit more, values one less; the default "
-                   "preset under 4 bits per value all-in, e.g. --bits 3 --residual none, gives keys 4 and values 2)")
-    p.add_argument("--key-bits", type=checks.int_in(1, 4), help="key index bits, kept as given (with --value-bits)")
-    p.add_argument("--value-bits", type=checks.int_in(1, 4))
-    rot = ["svd", "svd-scaled", "hadamard", "haar", "none", "identity"]
-    p.add_argument("--rotation", dest="key_rotation", choices=[*rot, "svd-query"],
-                   help="key rotation; identity (default): keys per channel; svd-query: the keys' PCA turned to "
-                        "lower the score error (preset query-keys)")
-    p.add_argument("--value-rotation", choices=[*rot, "auto"],
-                   help="value rotation; auto (default): per head, unrotated or svd-scaled by the output error")
-    p.add_argument("--residual", choices=["sign", "qjl", "none"])
-    p.add_argument("--sign-mode", choices=["bin", "head"])
-    p.add_argument("--lut", choices=["auto", "channel", "head", "grid"],
-                   help="per channel a uniform grid, whose values the GPU kernels compute instead of looking up "
-                        "(faster), a Lloyd-Max LUT per head and rotated channel, or one per head (the paper); auto "
-                        "(default): grid with a sign residual, channel without")
-    p.add_argument("--uniform-bits", dest="bit_allocation", action="store_false", default=None,
-                   help="the same index width on every channel (default: widths allocated per rotated channel "
-                        "by its share of the output error, the same bytes per token)")
-    p.add_argument("--max-channel-bits", type=checks.int_in(1, 7),
-                   help="widest channel under bit allocation (default: bits + 1)")
-    p.add_argument("--shared-widths", action=argparse.BooleanOptionalAction, default=None,
-                   help="one bit allocation for every head of a layer (the GPU kernels then compile its field "
-                        "shifts in)")
-    p.add_argument("--attention-weight", type=checks.float_in(0.0, 1.0),
-                   help="a in [0, 1]: each token counts (1 - a) + a x (the attention it receives) in the LUT fits "
-                        "and the allocation; 0 counts every token once")
-    p.add_argument("--max-tokens", type=checks.int_in(1), help="stop after this many calibration tokens")
+    p.add_argument("--index-bits", type=checks.int_in(1, 4),
+                   help="mean index bits per value (default 3; + 1 sign bit: 4.0 bits all-in); the preset's key/value "
+                        "split is kept within widths 1..4 (keys-first: keys one bit more, values one less; the "
+                        "default under 4 bits all-in, e.g. --index-bits 3 --residual none, gives keys 4 and values 2)")
+    recipe_flags = p.add_argument_group("recipe (each overrides the preset's value)")
+    add_flags(recipe_flags, CalibrationConfig, PRESETS["default"])
     p.add_argument("--max-residues", type=checks.int_in(1, 1022), default=1022)
-    p.add_argument("--seed", type=int)
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("evaluate", help="decode fidelity vs the FP32-cache reference")
@@ -397,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="offline end-to-end run on a stand-in model: calibrate + evaluate")
     p.add_argument("--size", default="8M")
-    p.add_argument("--out", default="results/demo")
+    p.add_argument("--out", default="demo_output", help="folder for the stand-in model, checkpoints and report")
     p.add_argument("--calibration-fasta", default=str(CALIBRATION_DATA / "calibration.fasta"))
     p.add_argument("--eval-fasta", default=str(CALIBRATION_DATA / "evaluation.fasta"))
     p.add_argument("--limit", type=checks.int_in(1), default=12)
@@ -410,9 +381,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    for name in ("key_rotation", "value_rotation"):
-        if getattr(args, name, None) == "none":
-            setattr(args, name, "identity")
     try:
         return args.func(args)
     except EsmTurboError as err:  # the project's expected errors: one line naming what was given

@@ -164,6 +164,7 @@ def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int 
     for every head, as calibration does by default; ``grid``: uniform levels, ``lut="grid"``). For kernel tests and
     speed benchmarks (values are what a calibration produces)."""
     from .quant.codec import KVCodec, VectorQuantizer
+    from .quant.fit import FitOptions, fit_quantizer
     from .quant.rotations import AffineStats, haar_orthogonal
 
     gen = torch.Generator().manual_seed(seed)
@@ -175,8 +176,7 @@ def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int 
         spread = 0.6 + 0.8 * torch.rand(heads * dim, 1, generator=gen, dtype=torch.float64)
         values = torch.randn(heads * dim, 512, generator=gen, dtype=torch.float64) * spread
         importance = torch.exp(1.5 * torch.randn(heads, dim, generator=gen)) if allocate else None
-        return VectorQuantizer.from_calibration(affine, (values, torch.ones_like(values)), bits, residual, "bin",
-                                                seed + salt, importance=importance, max_bits=max_bits,
-                                                shared_widths=shared, grid=grid)
+        fit = FitOptions(bits, residual, "bin", seed + salt, max_bits, shared, grid)
+        return fit_quantizer(affine, (values, torch.ones_like(values)), fit, importance=importance)
 
     return KVCodec(one(key_bits, 1), one(value_bits, 2))

@@ -1,8 +1,6 @@
 """Calibration time and checkpoint size on a 650M-shaped stress model (random weights with planted
-outliers: pretrained weights cannot be downloaded here): the default recipe (a LUT per channel, allocated
-widths, keys turned for their queries), plain PCA keys (pca-keys), equal widths (uniform-bits) and one LUT per
-head (head-lut). Run on a GPU:
-results/gpu/calibrate_650M_h100.txt.
+outliers: pretrained weights cannot be downloaded here): the default recipe, plain PCA keys (pca-keys), equal
+widths (uniform-bits) and one LUT per head (head-lut). Prints a table. Run on a GPU:
 
     python scripts/calibration_cost.py OUT_DIR [--size 650M] [--device cuda]
 """

@@ -2,13 +2,20 @@
 ptxas, under the constexprs the wrappers use; prints one ``compiled <kernel> <cubin bytes>`` line each.
 Run by tests/test_kernels.py::test_kernels_compile_for_sm90 (TRITON_INTERPRET must be unset)."""
 
-from esm_turbo.kernels import decode, quantize, read
-from esm_turbo.kernels.offline import CODE_PTRS, compile_sm90 as compile_kernel
-from esm_turbo.quant.packing import packed_shifts
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
+
+from esm_turbo.bench import read  # noqa: E402
+from esm_turbo.kernels import quantize  # noqa: E402
+from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
+from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel  # noqa: E402
+from esm_turbo.quant.packing import packed_shifts  # noqa: E402
 
 
 def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, maxnreg: int | None = None) -> int:
-    """``esm_turbo.kernels.offline.compile_sm90`` (without a launch's specialization), printed; returns the cubin
+    """``tools/sm90.compile_sm90`` (without a launch's specialization), printed; returns the cubin
     size."""
     size = len(compile_kernel(fn, consts, ints, ptrs, num_warps, maxnreg).asm["cubin"])
     print("compiled", fn.fn.__name__, size, flush=True)
@@ -18,7 +25,7 @@ def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, ma
 def main() -> None:
     u8, i64, f16 = "*u8", "*i64", "*fp16"
     codes = CODE_PTRS
-    walk = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False, GRID=0)
+    walk_consts = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False, GRID=0)
     small_ints = {"sqb", "sqh", "skb", "skh", "svb", "svh", "H", "T_CAP", "CHUNK", "NS"}
     small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16)
     # fused 3+1-bit codes at d=64, and separate index/sign planes (3+1 keys, 2+1 values) at d=16; tables of
@@ -31,20 +38,20 @@ def main() -> None:
             (64, 4, False, 4, False, 64 * 16, 64 * 32, packed_shifts([4] * 8), shared, "*fp32"),
             (16, 3, True, 2, True, 16 * 32, 16 * 16, -1, -1, f16)):
         bits = dict(D=d, KBITS=kbits, KSIGN=ksign, VBITS=vbits, VSIGN=vsign, NK=nk, NV=nv, KFIELDS=kf, VFIELDS=vf,
-                    **walk)
+                    **walk_consts)
         codes = dict(codes, k_tab_ptr=tab, v_tab_ptr=tab)
         small_ptrs = dict(small_ptrs, k_tab_ptr=tab, v_tab_ptr=tab)
         for grid in (0, 5 if d == 64 else 4):
-            compile_sm90(decode._prefix_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True), {"H", "S", "T_CAP", "CHUNK", "NS"},
+            compile_sm90(walk._prefix_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True), {"H", "S", "T_CAP", "CHUNK", "NS"},
                          codes)
-            compile_sm90(decode._small_kernel, dict(bits, BLOCK_NS=16, GRID=grid), small_ints, small_ptrs)
-            compile_sm90(decode._stream_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True),
+            compile_sm90(small._small_kernel, dict(bits, BLOCK_NS=16, GRID=grid), small_ints, small_ptrs)
+            compile_sm90(walk._stream_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True),
                          {"H", "S", "T_CAP", "R", "NT", "W", "NS"}, codes, num_warps=1, maxnreg=168)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
-    compile_sm90(decode._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
+    compile_sm90(merge._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
                  {"sqb", "sqh", "sqs", "B", "H", "S"}, dict(q_ptr=f16), num_warps=4)
     for block_b, block_s, block_ns in ((16, 1, 8), (1, 2, 32)):
-        compile_sm90(decode._merge_kernel, dict(D=64, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=32,
+        compile_sm90(merge._merge_kernel, dict(D=64, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=32,
                                                 PRECISION="tf32x3"), strides | {"B", "H", "S", "NS", "NT", "W"},
                      dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, out_ptr=f16), num_warps=4)
     # quantize-and-pack: shared allocated fields compiled in for keys (split by position in a prefill), each head's

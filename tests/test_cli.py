@@ -33,14 +33,14 @@ def test_calibrate_then_evaluate_from_the_command_line(stress_dir, tmp_path, cap
 
 
 def test_three_bit_calibration_splits_toward_the_keys(stress_dir, tmp_path):
-    """--bits 3 --residual none (3 bits all-in): the default recipe's split gives keys 4 and values 2, saved
+    """--index-bits 3 --residual none (3 bits all-in): the default recipe's split gives keys 4 and values 2, saved
     resolved; widths named outright stay as given."""
-    for extra, widths in (([], (4, 2)), (["--key-bits", "3", "--value-bits", "3"], (3, 3))):
+    for extra, widths in (([], (4, 2)), (["--key-index-bits", "3", "--value-index-bits", "3"], (3, 3))):
         ckpt = tmp_path / f"k{len(extra)}.safetensors"
         assert main(["calibrate", "--model", str(stress_dir), "--fasta", CAL, "--out", str(ckpt), "--max-tokens",
-                     "1000", "--bits", "3", "--residual", "none", "--quiet", *extra]) == 0
+                     "1000", "--index-bits", "3", "--residual", "none", "--quiet", *extra]) == 0
         cal = Calibration.load(ckpt)
-        assert (cal.config.key_bits, cal.config.value_bits, cal.config.split) == (*widths, "as-given")
+        assert (cal.config.key_index_bits, cal.config.value_index_bits, cal.config.split) == (*widths, "as-given")
         assert (cal.codecs[0].key.bits, cal.codecs[0].value.bits) == widths
     # ablations of a 3-bit checkpoint hold its memory: no sign bit added (no-rotation: 4 and 2 bits, no residual)
     report = tmp_path / "ablation.json"
@@ -51,7 +51,7 @@ def test_three_bit_calibration_splits_toward_the_keys(stress_dir, tmp_path):
     per_token = [reports[n]["memory"]["bytes_per_token_per_layer"] for n in ("turbo", "no-rotation")]
     assert per_token[0] == per_token[1] == 48  # 4 heads × d16 × (4 + 2) bits / 8
     ablation = reports["no-rotation"]["config"]
-    assert (ablation["key_bits"], ablation["value_bits"], ablation["residual"]) == (4, 2, "none")
+    assert (ablation["key_index_bits"], ablation["value_index_bits"], ablation["residual"]) == (4, 2, "none")
 
 
 def test_calibrate_measures_a_held_out_part_and_auto_keeps_the_best_recipe(stress_dir, tmp_path, capsys):

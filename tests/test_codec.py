@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from esm_turbo.quant.codec import KVCodec, VectorQuantizer, dense_codec, oblivious_codec
+from esm_turbo.quant.codec import KVCodec, VectorQuantizer, dense_codec
+from esm_turbo.quant.fit import FitOptions, fit_quantizer, oblivious_codec, oblivious_quantizer
 from esm_turbo.quant.validate import validate_codec
 
 
@@ -29,7 +30,7 @@ def test_sign_residual_reduces_error_and_bits_are_exact():
     x = torch.randn(2, 4, 300, 32)
     errs, bits = {}, {}
     for res in ("none", "sign", "qjl"):
-        q = VectorQuantizer.oblivious(4, 32, 3, "hadamard", res, seed=0)
+        q = oblivious_quantizer(4, 32, 3, "hadamard", res, seed=0)
         errs[res] = float(((q.decode(q.encode(x)) - x) ** 2).mean())
         bits[res] = q.bits_per_value()
     assert errs["sign"] < 0.4 * errs["none"]
@@ -58,7 +59,7 @@ def test_bad_inputs_are_named():
         VectorQuantizer(2, 20, 3)
     with pytest.raises(ValueError, match="unsupported bit width"):
         VectorQuantizer(2, 16, 5)
-    q = VectorQuantizer.oblivious(2, 16, 3)
+    q = oblivious_quantizer(2, 16, 3)
     bad = torch.randn(1, 2, 3, 16)
     bad[0, 1, 2, 3] = math.nan
     with pytest.raises(ValueError, match="NaN or Inf"):
@@ -70,14 +71,14 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="on meta but the codec is on cpu"):
         q.encode(torch.randn(1, 2, 3, 16, device="meta"))
     with pytest.raises(ValueError, match="needs calibration"):
-        VectorQuantizer.oblivious(2, 16, 3, rotation="svd")
+        oblivious_quantizer(2, 16, 3, rotation="svd")
     assert isinstance(KVCodec(q, q).constant_nbytes(), int)
 
 
 def test_table_lookup_matches_a_loop():
     """table [H, d, K, *tail] at idx [..., H, T, d]: value (h, c) comes from table[h, c] (leading dims and a
     trailing table dim included)."""
-    from esm_turbo.quant.codec import table_lookup
+    from esm_turbo.quant.tables import table_lookup
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(3, 4, 8, 2, generator=gen)
     idx = torch.randint(0, 8, (2, 3, 5, 4), generator=gen)
@@ -98,13 +99,13 @@ def _identity_quantizer(bits: int, residual: str, heads: int = 2, dim: int = 16)
                          scale=torch.ones(heads, dim))
     values = torch.randn(heads * dim, 2048, generator=gen, dtype=torch.float64)
     values = values * torch.linspace(0.5, 2.0, heads * dim, dtype=torch.float64)[:, None]  # a LUT per channel
-    return VectorQuantizer.from_calibration(affine, (values, torch.ones_like(values)), bits, residual, "bin", 0), gen
+    return fit_quantizer(affine, (values, torch.ones_like(values)), FitOptions(bits, residual, "bin", 0)), gen
 
 
 def test_sign_residual_decodes_through_the_fused_code_table():
     """Decoding a sign residual with one look-up of code 2·idx + sign in ``code_table`` gives exactly
     c[idx] + ε₁ or c[idx] − ε₀ rounded to fp16, for combined codes (3+1) and separate planes (4+1)."""
-    from esm_turbo.quant.codec import lut_index, table_lookup
+    from esm_turbo.quant.tables import lut_index, table_lookup
     for bits in (3, 4):
         q, gen = _identity_quantizer(bits, "sign")
         heads, dim = q.heads, q.dim
@@ -118,7 +119,7 @@ def test_sign_residual_decodes_through_the_fused_code_table():
 
 def test_lut_index_is_searchsorted():
     """#{bounds < y} per head and channel, ties on a bound included, as torch.searchsorted counts it."""
-    from esm_turbo.quant.codec import lut_bounds, lut_index
+    from esm_turbo.quant.tables import lut_bounds, lut_index
     gen = torch.Generator().manual_seed(0)
     for k in (2, 8, 16):
         cent = torch.sort(torch.randn(3, 16, k, generator=gen), dim=-1).values
@@ -133,7 +134,7 @@ def test_lut_index_is_searchsorted():
 @pytest.mark.parametrize("bits", [2, 4])
 def test_lut_decode_without_residual(bits):
     """No residual: decode is c[idx] — through the byte-pair table at 4 bits, unpacked codes at 2."""
-    from esm_turbo.quant.codec import lut_index, table_lookup
+    from esm_turbo.quant.tables import lut_index, table_lookup
     q, gen = _identity_quantizer(bits, "none")
     heads, dim = q.heads, q.dim
     y = torch.randn(3, heads, 5, dim, generator=gen)
@@ -168,15 +169,15 @@ def test_bit_allocation_spends_the_same_bytes_where_the_error_reaches_the_output
     affine = AffineStats(torch.eye(dim).expand(heads, dim, dim).clone(), torch.zeros(heads, dim),
                          torch.ones(heads, dim))
     points = (values, torch.ones_like(values))
-    uniform = VectorQuantizer.from_calibration(affine, points, bits, "sign")
-    alloc = VectorQuantizer.from_calibration(affine, points, bits, "sign", importance=importance)
+    uniform = fit_quantizer(affine, points, FitOptions(bits, "sign"))
+    alloc = fit_quantizer(affine, points, FitOptions(bits, "sign"), importance=importance)
     assert alloc.part_specs() == uniform.part_specs()
     x = torch.randn(1, heads, 4096, dim, generator=gen)
     for q in (uniform, alloc):
         parts = q.encode(x)
         q.err = ((q.decode(parts) - x) ** 2 * importance[:, None, :]).sum().item()
         # every code stays inside its own channel's levels (2·idx + sign, packed at the allocated widths)
-        idx = unpack_fields(parts["code"], q.layout(), q.code_width) >> 1
+        idx = unpack_fields(parts["code"], q.layout(), q.code_layout().code_bits) >> 1
         assert bool((idx < (1 << q.widths)[:, None, :]).all())
     assert alloc.err < 0.7 * uniform.err
 
@@ -211,7 +212,7 @@ def test_grid_tables_fit_evenly_spaced_levels():
 def test_grid_codec_decodes_codes_as_themselves():
     """A grid quantizer folds each channel's (start, step) into its affine map: code j decodes to j (the kernels
     compute values, never look them up), and encoding picks the nearest of the evenly spaced levels."""
-    from esm_turbo.quant.codec import identity_code
+    from esm_turbo.quant.tables import identity_code
     from esm_turbo.testing import random_turbo_codec
     for key_bits, value_bits, residual in ((3, 3, "sign"), (4, 2, "none"), (4, 4, "sign")):
         codec = random_turbo_codec(2, 32, key_bits, value_bits, residual, grid=True)
@@ -238,6 +239,6 @@ def test_grid_request_refuses_lut_tables():
                          scale=torch.ones(heads, dim))
     lut = channel_tables(*points, 3, "bin")
     with pytest.raises(ValueError, match="grid=True"):
-        VectorQuantizer.from_calibration(affine, points, 3, "sign", "bin", 0, tables=lut, grid=True)
-    q = VectorQuantizer.from_calibration(affine, points, 3, "sign", "bin", 0, tables=lut)
+        fit_quantizer(affine, points, FitOptions(3, "sign", "bin", 0, grid=True), tables=lut)
+    q = fit_quantizer(affine, points, FitOptions(3, "sign", "bin", 0), tables=lut)
     assert not q.grid

@@ -16,9 +16,10 @@ import torch
 from esm_turbo.cache import KVCache
 from esm_turbo.kernels import triton_supported
 from esm_turbo.ops import attend_compressed, decode_attention_reference, fused_supported
-from esm_turbo.ops.compressed import (compressed_attention_reference, fused_tables,
+from esm_turbo.ops.compressed import (cached_codes, compressed_attention_reference, fused_tables,
                                       quantize_pack_reference, split_rotation)
-from esm_turbo.quant.codec import oblivious_codec
+from esm_turbo.quant.layout import decode_grid
+from esm_turbo.quant.fit import oblivious_codec
 from esm_turbo.testing import random_turbo_codec
 
 CUDA = torch.cuda.is_available()
@@ -71,16 +72,16 @@ def test_fused_support_rules():
     assert fused_supported(random_turbo_codec(2, 24)) and not fused_supported(random_turbo_codec(2, 24), True)
 
 
-def _reference_args(codec, cache, q, k, v, valid, dtype):
-    tables = fused_tables(codec)
-    parts = cache.parts[0]
+def _reference_args(codec, cache, q, k, v, valid, dtype, per_head=False):
+    """Arguments of the decode attention reference and kernel (``per_head``: field shifts read from each head's
+    layout row instead of compiled in)."""
     cast = (lambda t: t.to(dtype)) if dtype != torch.float32 else (lambda t: t)
-    key, value = codec.key, codec.value
-    return (cast(q), cast(k), cast(v), valid.to(torch.uint8), *tables.packed(parts, "k"), *tables.packed(parts, "v"),
-            cast(tables.k_tab), cast(tables.v_tab), tables.k_layout, tables.v_layout, cache.lengths, cast(key.rot),
-            cast(key.offset), cast(key.scale),
-            cast(value.rot), cast(value.offset), cast(value.scale), tables.k_codes.bits, tables.v_codes.bits,
-            tables.k_fields, tables.v_fields, tables.grid)
+
+    def codes(kind):
+        c = cached_codes(codec, cache.parts[0], kind)
+        return c._replace(table=cast(c.table), rot=cast(c.rot), offset=cast(c.offset), scale=cast(c.scale),
+                          code=c.code.per_head() if per_head else c.code)
+    return cast(q), cast(k), cast(v), valid.to(torch.uint8), cache.lengths, codes("k"), codes("v")
 
 
 def strided(t):
@@ -99,17 +100,17 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
     codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=seed, allocate=allocate,
                                shared=shared, grid=grid).to(DEVICE)
     tables = fused_tables(codec)
-    assert (tables.grid > 0) == grid
+    assert (decode_grid(tables.k_code, tables.v_code) > 0) == grid
     if not allocate or shared:
-        assert tables.k_fields >= 0 and tables.v_fields >= 0
-    else:  # heads of a random allocation may happen to agree: the per-head layout path is what is tested here
-        tables.k_fields = tables.v_fields = -1
+        assert tables.k_code.fields >= 0 and tables.v_code.fields >= 0
+    # heads of a random allocation may happen to agree: the per-head layout path is what is tested without sharing
+    per_head = allocate and not shared
     cache = filled_cache(codec, batch, lengths, DEVICE, seed)
     q, k, v, valid = (strided(t.to(dtype)) if t.is_floating_point() else t
                       for t in step_inputs(batch, heads, s, d, DEVICE, seed + 1))
-    ref64 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float64))
-    ref32 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float32))
-    args = _reference_args(codec, cache, q, k, v, valid, torch.float32)
+    ref64 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float64, per_head))
+    ref32 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float32, per_head))
+    args = _reference_args(codec, cache, q, k, v, valid, torch.float32, per_head)
     out = compressed_attention_triton(*args, config=dict(path=path) | (config or {}))
     assert torch.isfinite(out).all() and out.dtype == dtype
     err = (out.double() - ref64).abs().max().item()
@@ -121,7 +122,7 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
 @pytest.mark.parametrize("bits,residual,d,path", [(3, "sign", 16, "one"), (3, "sign", 64, "split"),
                                                   (4, "sign", 32, "split"), (2, "none", 16, "one")])
 def test_decode_kernel_equal_widths(bits, residual, d, path):
-    """Equal widths (``--uniform-bits``): the kernels shift by constants instead of reading a field layout."""
+    """Equal widths (``--no-bit-allocation``): the kernels shift by constants instead of reading a field layout."""
     check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1, path=path, allocate=False)
 
 
@@ -204,7 +205,7 @@ def test_one_launch_counts_stay_zero():
 
 @needs_triton
 def test_one_launch_rule():
-    from esm_turbo.kernels.decode import GRID_MAX_ROWS, GRID_MAX_SLOTS, SMALL_MAX_SLOTS, one_launch
+    from esm_turbo.kernels.decode.plan import GRID_MAX_ROWS, GRID_MAX_SLOTS, SMALL_MAX_SLOTS, one_launch
     assert one_launch(1, 20, 1, 64, 1024)
     assert not one_launch(1, 20, 2, 64, 1024)  # several queries per row: the three-launch path
     assert not one_launch(1, 20, 1, 128, 1024)
@@ -221,7 +222,7 @@ def test_one_launch_rule():
 def test_read_kernel_matches_reference(chunks, programs, warps):
     """The bench's read-only floor reads every word once: uneven runs, programs left without a chunk (their rows
     zero) and two-warp chunks XOR to what the reference gets."""
-    from esm_turbo.kernels.read import WORDS_PER_WARP, read_words, read_words_reference
+    from esm_turbo.bench.read import WORDS_PER_WARP, read_words, read_words_reference
     gen = torch.Generator().manual_seed(chunks)
     words = torch.randint(-2**31, 2**31 - 1, (chunks * WORDS_PER_WARP * warps,), generator=gen,
                           dtype=torch.int32).to(DEVICE)
@@ -291,7 +292,7 @@ def test_aligned_table_starts_every_row_on_its_size():
     """The look-ups OR a code's offset into its row's address: a table that does not start on a row (a view
     12 bytes in) is copied to one that does, values unchanged; codes not a power of two are padded; an aligned
     table is passed through as is."""
-    from esm_turbo.kernels.decode import aligned_table
+    from esm_turbo.kernels.decode.codes import aligned_table
     tab = torch.randn(2, 16, 16)
     view = torch.empty(tab.numel() + 3)[3:].view(2, 16, 16)
     view.copy_(tab)
@@ -306,7 +307,7 @@ def test_aligned_table_starts_every_row_on_its_size():
 
 @needs_triton
 def test_split_plan_bounds_each_walk():
-    from esm_turbo.kernels.decode import MAX_CHUNK, plan_splits
+    from esm_turbo.kernels.decode.plan import MAX_CHUNK, plan_splits
     for programs, capacity, block_t in ((1280, 16384, 64), (160, 16384, 64), (1280, 1024, 64), (20, 1024, 32),
                                         (2560, 16384, 32), (4, 5, 32)):
         splits, chunk = plan_splits(programs, capacity, block_t, 132)
@@ -405,9 +406,12 @@ def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=Fa
     codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=key_bits, shared=shared,
                                grid=grid).to(DEVICE)
     tables = fused_tables(codec)
-    # shared: the kernel compiles the field shifts in; else it reads each head's layout row (−1)
-    fields = (tables.k_fields, tables.v_fields) if shared else (-1, -1)
-    assert min(fields) >= 0 or not shared
+    # shared: the kernel compiles the field shifts in; else it reads each head's layout row
+    layouts = {"k": tables.k_code, "v": tables.v_code}
+    if shared:
+        assert min(c.fields for c in layouts.values()) >= 0
+    else:
+        layouts = {kind: c.per_head() for kind, c in layouts.items()}
     gen = torch.Generator().manual_seed(key_bits)
     x = {kind: strided((torch.randn(batch, heads, s, d, generator=gen) * 2).to(DEVICE, dtype)) for kind in "kv"}
     pos = torch.tensor([0, 7, 3], device=DEVICE)
@@ -422,16 +426,14 @@ def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=Fa
     for use_kernel in (False, True):
         cache = KVCache([codec], batch, capacity=s + 9, device=DEVICE)
         parts = {kind: tables.packed(cache.parts[0], kind) for kind in "kv"}
-        code = {kind: (quantizer[kind].bits, quantizer[kind].combined_sign) for kind in "kv"}
         if use_kernel:
             # Π's fp16 halves as the op passes them (read for fp16 inputs on CUDA)
             halves = (split_rotation(codec.key.rot), split_rotation(codec.value.rot))
-            quantize_pack_triton(x["k"], x["v"], args("k"), args("v"), parts["k"], parts["v"], pos, code["k"],
-                                 code["v"], *fields, halves, (codec.key.grid, codec.value.grid),
-                                 config=dict(block_n=block_n))
+            quantize_pack_triton(x["k"], x["v"], args("k"), args("v"), parts["k"], parts["v"], pos, layouts["k"],
+                                 layouts["v"], halves, config=dict(block_n=block_n))
         else:
             for kind in "kv":
-                quantize_pack_reference(x[kind], *args(kind), *parts[kind], pos, *code[kind])
+                quantize_pack_reference(x[kind], *args(kind), *parts[kind], pos, layouts[kind])
         outs.append(parts)
     for kind in "kv":
         ref, ker = outs[0][kind], outs[1][kind]
@@ -442,7 +444,7 @@ def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=Fa
         assert ker[0][1, :, 7:7 + s].any() and not ker[0][1, :, :7].any() and not ker[0][1, :, 7 + s:].any()
         # and the reference writes what the codec's own encoder makes
         enc = quantizer[kind].encode(x[kind])
-        assert torch.equal(ref[0][0, :, :s], enc[tables.k_codes.part if kind == "k" else tables.v_codes.part][0])
+        assert torch.equal(ref[0][0, :, :s], enc[layouts[kind].part][0])
 
 
 def _identity_affine(codec):
@@ -453,23 +455,24 @@ def _identity_affine(codec):
         q.scale.fill_(1.0)
 
 
-def _keys_encoded_both_ways(codec, x, fields=(-1, -1), grid=(False, False)):
+def _keys_encoded_both_ways(codec, x, per_head=True):
     """The key parts x [1, 1, T, d] is encoded into by the reference and by the kernel (keys and values both get
-    the key tables; fp32 dots, so x Iᵀ is exact on CUDA too): (reference parts, kernel parts)."""
+    the key tables; fp32 dots, so x Iᵀ is exact on CUDA too; ``per_head``: field shifts read from each head's
+    layout row): (reference parts, kernel parts)."""
     from esm_turbo.kernels.quantize import quantize_pack_triton
     tables = fused_tables(codec)
     pos = torch.zeros(1, dtype=torch.long, device=DEVICE)
     tabs = (codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids, tables.k_layout)
-    code = (codec.key.bits, codec.key.combined_sign)
+    code = tables.k_code.per_head() if per_head else tables.k_code
     outs = []
     for use_kernel in (False, True):
         cache = KVCache([codec], 1, capacity=x.shape[2], device=DEVICE)
         parts = tables.packed(cache.parts[0], "k")
         if use_kernel:
             quantize_pack_triton(x, x, tabs, tabs, parts, tables.packed(cache.parts[0], "v"), pos, code, code,
-                                 *fields, grid=grid, config=dict(block_n=16, precision="ieee"))
+                                 config=dict(block_n=16, precision="ieee"))
         else:
-            quantize_pack_reference(x, *tabs, *parts, pos, *code)
+            quantize_pack_reference(x, *tabs, *parts, pos, code)
         outs.append([p.clone() for p in parts])
     return outs
 
@@ -504,11 +507,10 @@ def test_quantize_grid_kernel_on_boundaries(residual):
     codec = random_turbo_codec(1, d, 3, 3, residual, seed=0, grid=True).to(DEVICE)
     assert codec.key.grid and int(codec.key.widths.max()) > int(codec.key.widths.min())
     _identity_affine(codec)
-    tables = fused_tables(codec)
     ties = torch.arange(-6, 67, dtype=torch.float32) / 2
     y = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
     x = y[:, None].expand(-1, d).reshape(1, 1, -1, d).contiguous().to(DEVICE)
-    ref, ker = _keys_encoded_both_ways(codec, x, (tables.k_fields, tables.k_fields), grid=(True, True))
+    ref, ker = _keys_encoded_both_ways(codec, x, per_head=False)
     for a, b in zip(ref, ker):
         assert torch.equal(a, b)
 
@@ -547,11 +549,11 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
 def test_default_walk_loads_its_codes_128_bits_at_a_time():
-    """scripts/sass_mix.py compiles the stream-K walk as a launch on the default cache compiles it: each thread's share
+    """tools/sass_mix.py compiles the stream-K walk as a launch on the default cache compiles it: each thread's share
     of a tile's key and value words (64 bytes) arrives in four 128-bit loads at both head_dims. Pointer arithmetic
     that loses the alignment Triton infers would split them into 32-bit or byte loads (and more instructions)."""
     import re
-    out = _compiling(os.path.join(os.pardir, "scripts", "sass_mix.py"))
+    out = _compiling(os.path.join(os.pardir, "tools", "sass_mix.py"))
     loads = re.findall(r"^d=(\d+) .*?(\d+) loads \((\d+) of them 128-bit\)", out, re.M)
     assert sorted(int(d) for d, _, _ in loads) == [64, 128], out
     assert all(n == wide == "4" for _, n, wide in loads), out

@@ -157,7 +157,8 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch, capsys):
 def test_calibrate_widths_out_of_range(place, capsys):
     tmp, fasta, model = place
     base = ["calibrate", "--model", model, "--fasta", fasta, "--out", str(tmp / "c.safetensors")]
-    for args in (["--key-bits", "0"], ["--value-bits", "5"], ["--bits", "8"], ["--max-channel-bits", "8"]):
+    for args in (["--key-index-bits", "0"], ["--value-index-bits", "5"], ["--index-bits", "8"],
+                 ["--max-channel-bits", "8"], ["--rotation", "spin"], ["--attention-weight", "2"]):
         refused(base + args, capsys, tmp, args[0], args[1])
 
 

@@ -106,7 +106,7 @@ def test_decode_fidelity_bars(stress_model):
     assert err("default") < 0.8 * err("paper")
     assert mean(per_seq("default")) >= mean(per_seq("paper")) + 0.02
     assert results["default"]["overall"]["prefill_max_abs_diff"] <= 1e-5
-    # a bit moved from the values to the keys, the same bytes (results/kv_bits.txt): the score KL falls to about
+    # a bit moved from the values to the keys, the same bytes (results/studies/kv_bits.txt): the score KL falls to about
     # a third; at 3 bits (the default's split there) the worst sequence clears 0.95
     kl = lambda n: sum(results[n]["layers"]["score_kl"])  # noqa: E731
     assert kl("keys-first") < 0.6 * kl("default")
@@ -120,9 +120,9 @@ def test_mean_bits_keep_a_preset_split():
     assert kv_bits(3, 1) == (4, 2) and kv_bits(2, 1) == (3, 1)
     assert kv_bits(4, 1) == (4, 4) and kv_bits(1, 1) == (1, 1) and kv_bits(8, 1) == (8, 8)  # widths stay in 1..4
     split = PRESETS["keys-first"]
-    assert (split.key_bits, split.value_bits) == (4, 2)
-    assert (with_mean_bits(split, 2).key_bits, with_mean_bits(split, 2).value_bits) == (3, 1)
-    assert (with_mean_bits(PRESETS["default"], 2).key_bits, with_mean_bits(PRESETS["default"], 2).value_bits) == (2, 2)
+    assert (split.key_index_bits, split.value_index_bits) == (4, 2)
+    assert (with_mean_bits(split, 2).key_index_bits, with_mean_bits(split, 2).value_index_bits) == (3, 1)
+    assert (with_mean_bits(PRESETS["default"], 2).key_index_bits, with_mean_bits(PRESETS["default"], 2).value_index_bits) == (2, 2)
 
 
 def test_default_split_under_four_bits_all_in():
@@ -130,7 +130,7 @@ def test_default_split_under_four_bits_all_in():
 
     def widths(cfg):
         r = cfg.resolved()
-        return r.key_bits, r.value_bits, r.split
+        return r.key_index_bits, r.value_index_bits, r.split
 
     default = PRESETS["default"]
     assert widths(default) == (3, 3, "as-given")  # 3 + sign: aligned 4-bit codes, kept equal
@@ -184,7 +184,7 @@ def test_checkpoint_roundtrip_determinism_and_refusals(stress_model, tmp_path, c
     # not are allocated together), so the kernels compile the field shifts in
     from esm_turbo.ops.compressed import fused_tables
     for codec in loaded.codecs:
-        assert fused_tables(codec).k_fields >= 0 and fused_tables(codec).v_fields >= 0
+        assert fused_tables(codec).k_code.fields >= 0 and fused_tables(codec).v_code.fields >= 0
     other = EsmForMaskedLM(stress_model.config).eval()
     with pytest.raises(Exception, match="made for another model"):
         TurboEsm(other, loaded)
@@ -340,11 +340,13 @@ def test_grid_calibration_and_checkpoint(stress_model, tmp_path):
 
     from esm_turbo.errors import CheckpointError
     from esm_turbo.ops.compressed import fused_tables
+    from esm_turbo.quant.layout import decode_grid
     recs = read_fasta("calibration_data/calibration.fasta")[0][:40]
     cal = calibrate(stress_model, recs, PRESETS["grid"], progress=False)
     key = cal.codecs[0].key
     assert key.grid and cal.codecs[0].value.grid and len(key.widths.unique()) >= 2
-    assert fused_tables(cal.codecs[0]).grid == int(key.widths.max()) + 1
+    tables = fused_tables(cal.codecs[0])
+    assert decode_grid(tables.k_code, tables.v_code) == int(key.widths.max()) + 1
     path = cal.save(tmp_path / "grid.safetensors")
     loaded = Calibration.load(path)
     k2 = loaded.codecs[0].key

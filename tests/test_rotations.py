@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from esm_turbo.quant.compare import compare_rotations, planted_outlier_data
+from rotation_study import compare_rotations, planted_outlier_data
 from esm_turbo.quant.rotations import (ROTATION_KINDS, CovarianceAccumulator, RandomizedHadamard, build_rotation,
                                        fwht, from_reflectors, identity_reflectors, to_reflectors)
 

@@ -216,7 +216,7 @@ def _release(device: torch.device) -> None:
 
 def bench_latency(size: str, device: torch.device, length: int = 200, reps: int = 20) -> dict:
     """One sequence of ``length`` residues end to end (tokens in, mean embedding on the host), median ms."""
-    from ..bench import _random_protein
+    from ..bench.synthetic import random_protein as _random_protein
     from .fast_esm import FastEsm
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     net = random_esm2(size, device, dtype)

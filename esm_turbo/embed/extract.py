@@ -28,6 +28,7 @@ from ..errors import EsmTurboError
 from ..fasta import Record
 from ..model.alphabet import encode, encode_packed
 from ..model.sizes import MAX_RESIDUES
+from ..schema import DTYPES
 from .batching import Piece, owner_ranges, plan_batches, plan_pieces, window_spans
 from .fast_esm import FastEsm, PackedBatch
 
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 INCLUDE_KINDS = ("mean", "per_tok", "bos", "contacts", "logits")
 #: default tokens per batch: a 3B model's peak stays well inside 24 GB (results/embed: peak memory per budget)
 TOKS_PER_BATCH = 16384
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass

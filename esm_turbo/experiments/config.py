@@ -7,10 +7,11 @@ with optional bit / residual overrides, so a sweep calibrates exactly what ``esm
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
-from ..model.checkpoint import PRESETS, CalibrationConfig, with_mean_bits
+from ..model.recipe import CalibrationConfig, recipe
+from ..schema import overrides_schema, set_fields
 
 
 @dataclass
@@ -39,22 +40,29 @@ class DataConf:
     calibration_samples: int = 8192  # tokens of K/V kept per layer to fit the calibrated baselines
 
 
+#: a Hydra node of :class:`CalibrationConfig`'s fields, each optional: those set override the recipe's
+CalibrationOverrides = overrides_schema(CalibrationConfig, "CalibrationOverrides")
+
+
 @dataclass
 class QuantConf:
     """A KV-compression method. ``method``: dense | int | fp8 | turboquant | turboesm | outlier | rvq.
 
-    dense: ``dtype`` (fp32/fp16); int: ``bits`` (keys per channel, values per token), ``window``; turboquant:
-    ``bits``, ``residual`` (none/qjl); turboesm: ``recipe`` (a PRESETS name) with ``bits`` /
-    ``residual`` overriding it when set; outlier: ``bits`` (regular), ``outlier_bits``,
-    ``outlier_frac``; rvq: ``depth``, ``group``.
+    turboesm: ``recipe`` (a PRESETS name) at ``index_bits`` mean index bits per value (None: the recipe's), with the
+    fields set under ``calibration`` (:class:`~esm_turbo.model.recipe.CalibrationConfig`'s) overriding it — exactly
+    what ``esm-turbo calibrate --preset R --index-bits B --FIELD V`` calibrates. dense: ``dtype``; int: ``bits`` (keys
+    per channel, values per token), ``window``; turboquant: ``bits``, ``residual`` (none/qjl); outlier: ``bits``
+    (regular), ``outlier_bits``, ``outlier_frac``; rvq: ``depth``, ``group``.
     """
 
     name: str = "turboesm"
     method: str = "turboesm"
-    bits: int = 0  # 0: the recipe's own
-    dtype: str = "fp16"
-    residual: str = ""  # "": the recipe's own
     recipe: str = "default"
+    index_bits: Optional[int] = None
+    calibration: CalibrationOverrides = field(default_factory=CalibrationOverrides)
+    bits: Optional[int] = None
+    dtype: str = "fp16"
+    residual: Optional[str] = None
     outlier_bits: int = 8
     outlier_frac: float = 0.125
     depth: int = 3
@@ -62,14 +70,7 @@ class QuantConf:
     window: int = 0  # int: the most recent tokens kept in fp16 (KIVI's residual window)
 
     def calibration_config(self) -> CalibrationConfig:
-        if self.recipe not in PRESETS:
-            raise ValueError(f"unknown TurboESM recipe {self.recipe!r}: choose one of {sorted(PRESETS)}")
-        cfg = PRESETS[self.recipe]
-        if self.bits:
-            cfg = with_mean_bits(cfg, self.bits)
-        if self.residual:
-            cfg = replace(cfg, residual=self.residual)
-        return cfg
+        return recipe(self.recipe, self.index_bits, **set_fields(self.calibration))
 
 
 @dataclass

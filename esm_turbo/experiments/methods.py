@@ -10,7 +10,9 @@ from ..fasta import Record
 from ..model.calibrate import _run, calibrate, token_batches
 from ..model.engine import TurboEsm
 from ..quant.codec import KVCodec, VectorQuantizer, dense_codec
+from ..quant.fit import oblivious_codec
 from ..quant.methods import AffineIntQuantizer, Fp8Quantizer, OutlierSplitQuantizer, RVQQuantizer
+from ..schema import dtype_of
 from .config import QuantConf
 
 CALIBRATED = ("int", "turboesm", "outlier", "rvq")
@@ -48,14 +50,13 @@ def build_codecs(q: QuantConf, model, calibration: list[Record], samples_fn) -> 
     dim = cfg.hidden_size // heads
     info: dict = {}
     if q.method == "dense":
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[q.dtype]
+        dtype = dtype_of(q.dtype)
         return [dense_codec(heads, dim, dtype) for _ in range(layers)], info
     if q.method == "fp8":
         return [KVCodec(Fp8Quantizer(heads, dim), Fp8Quantizer(heads, dim)) for _ in range(layers)], info
     if q.method == "turboquant":
         bits = q.bits or 3
-        return [KVCodec(VectorQuantizer.oblivious(heads, dim, bits, "hadamard", q.residual or "none", seed=i),
-                        VectorQuantizer.oblivious(heads, dim, bits, "hadamard", q.residual or "none", seed=i + 7919))
+        return [oblivious_codec(heads, dim, bits, "hadamard", q.residual or "none", seed=i)
                 for i in range(layers)], info
     if q.method == "turboesm":
         cal = calibrate(model, calibration, q.calibration_config(), progress=False)
@@ -83,6 +84,6 @@ def layout_codecs(q: QuantConf, heads: int, dim: int) -> KVCodec:
     if q.method == "turboesm":
         cc = q.calibration_config().resolved()
         mk = functools.partial(VectorQuantizer, heads, dim, residual=cc.residual)
-        return KVCodec(mk(cc.key_bits), mk(cc.value_bits))
+        return KVCodec(mk(cc.key_index_bits), mk(cc.value_index_bits))
     codecs, _ = build_codecs(q, type("M", (), {"config": model_cfg})(), [], lambda: [(fake, fake)])
     return codecs[0]

@@ -28,7 +28,7 @@ COLUMNS = ("quant", "method", "bits_per_value", "bytes_per_token_per_layer", "de
            "decode_cos_worst_seq", "decode_cos_min", "decode_tail_share", "top1_agreement", "logit_kl", "attn_rel_err_mean", "score_kl_mean", "fit_seconds")
 ABLATIONS = ("turboesm", "turboesm_paper", "turboesm_query_keys", "turboesm_no_rotation", "turboesm_pca_keys", "turboesm_uniform_bits", "turboesm_per_head_widths",
              "turboesm_uniform_tokens", "turboesm_v_unrotated", "turboesm_kv_rotated", "turboesm_head_lut", "turboesm_channel_lut",
-             "turboesm_shared_lut", "turboesm_no_residual", "turboesm_keys_first", "turboesm_keys_first_3")
+             "turboesm_shared_lut", "turboesm_no_residual", "turboesm_keys_first", "turboesm_keys_first_3bit_nosign")
 FAMILY_COLORS = {"dense": "black", "int": "tab:orange", "fp8": "tab:brown", "turboquant": "tab:blue",
                  "turboesm": "tab:red", "outlier": "tab:green", "rvq": "tab:purple"}
 
@@ -118,9 +118,9 @@ def memory_table(conf_dir: Path, heads: int = 20, dim: int = 64) -> str:
 
 
 #: the recipes of the fidelity sweep, by name in its rows at 3 + sign, 2 + sign and 1 + sign index bits
-FIDELITY_RECIPES = {"default": ("turboesm", "turboesm_default_2s", "turboesm_default_1s"),
-                    "query-keys": ("turboesm_query_keys", "turboesm_query-keys_2s", "turboesm_query-keys_1s"),
-                    "no-rotation": ("turboesm_no_rotation", "turboesm_no-rotation_2s", "turboesm_no-rotation_1s")}
+FIDELITY_RECIPES = {"default": ("turboesm", "turboesm_default_3bit", "turboesm_default_2bit"),
+                    "query-keys": ("turboesm_query_keys", "turboesm_query-keys_3bit", "turboesm_query-keys_2bit"),
+                    "no-rotation": ("turboesm_no_rotation", "turboesm_no-rotation_3bit", "turboesm_no-rotation_2bit")}
 #: per all-in bits per value: the bars of the worst sequence (and at 4.0 of the mean and the worst token)
 FIDELITY_BARS = {4.0: dict(mean=0.995, worst_seq=0.99, worst_token=0.95), 3.0: dict(worst_seq=0.98),
                  2.0: dict(worst_seq=0.95)}

@@ -1,6 +1,6 @@
-"""Triton kernels (CUDA; tests also run them under Triton's interpreter). Each has a PyTorch reference with
-the same signature in ``esm_turbo.ops.compressed``; dispatch is in ``esm_turbo.ops``. The bench's read-only
-kernel (``kernels.read``) keeps its reference beside it."""
+"""Triton kernels (CUDA; tests also run them under Triton's interpreter): ``quantize`` (quantize-and-pack into the
+cache) and ``decode`` (fused decode attention over it). Each has a PyTorch reference with the same contract in
+``esm_turbo.ops.compressed``; which one runs is decided in ``esm_turbo.ops``."""
 
 from __future__ import annotations
 

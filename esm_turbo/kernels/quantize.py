@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.packing import packed_shifts
+from ..quant.layout import CodeLayout
 from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate,
                      split16, token_strides)
 
@@ -36,8 +36,8 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     compiled in) the channels are split by their place in a group of 8, whose widths are then constants, so a
     w-bit channel runs 2^w − 1 compares, not K − 1 (:func:`_field_code`); otherwise the compares run as a loop
     that carries the centroid reached for the sign. A decode step has a few programs and is bound by their
-    latency: the compares are unrolled and the centroid is gathered once after them
-    (results/gpu/quantize_session11_h100.txt, quantize_session14_h100.txt). ``GRID`` (a grid codec: level j
+    latency: the compares are unrolled and the centroid is gathered once after them (each measured faster
+    on an H100, ``docs/kernels.md``). ``GRID`` (a grid codec: level j
     of every channel is j): no compares and no gather, the codes are rounded (:func:`_grid_code`)."""
     offs_d = tl.arange(0, D)
     zero = tl.zeros((BLOCK_N,), dtype=tl.int64)
@@ -54,7 +54,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
         # WIDE (64-token blocks, one warpgroup's wgmma): Π's rows taken place-major (product column j·D/8 + g is
         # channel 8g + j) leave the place j in the dot's register index, so the places split apart without moving
         # data, and the compares run channel-major ([D/8, N]: a thread's values share two channels, so few bound
-        # loads). 32-token blocks run faster in channel order, token-major (results/gpu/quantize_session15_h100.txt)
+        # loads). 32-token blocks run faster in channel order, token-major
         WIDE: tl.constexpr = BLOCK_N >= 64
         if WIDE:
             perm = (offs_d % D8) * 8 + offs_d // D8
@@ -164,7 +164,7 @@ def _field_code(yj, J: tl.constexpr, h, bounds_ptr, cent_ptr, D: tl.constexpr, K
 @triton.jit
 def _grid_code(y, top, SIGN: tl.constexpr):
     """(index, sign bit) int32 of y (any shape; affine domain) on a grid codec's levels, where the code j of every
-    channel decodes to j (``VectorQuantizer._fold_grid``): with a sign residual index i's centroid is 2i + 0.5 and
+    channel decodes to j (``esm_turbo.quant.fit._fold_grid``): with a sign residual index i's centroid is 2i + 0.5 and
     its upper bound 2i + 1.5, so ``#{bounds < y} = clamp(⌈(y − 1.5)/2⌉, 0, top)`` and ``sign = y ≥ 2i + 0.5``;
     without one the levels are i, so ``clamp(⌈y − 0.5⌉, 0, top)``. ``top`` (float32, broadcast to y): the channel's
     last index, 2^w − 1. The LUT search's answers, ties included: y·0.5 − 0.75 and y − 0.5 are exact wherever
@@ -209,7 +209,7 @@ def _levels_passed(y, row, LEVELS: tl.constexpr, D: tl.constexpr, CHANNEL_MAJOR:
 def _above(y, bound, ASM: tl.constexpr):
     """1.0 where y > bound (broadcast to y's shape), else 0.0, float32. Compiled as one FSET.BF per value (inline
     PTX ``set.gt.f32.f32``), which a float add counts; a compare cast to an integer took a compare, a select and an
-    add (650M layer, 1024 tokens: 12.0 → 10.7 µs, results/gpu/quantize_session16_h100.txt). ``ASM`` False:
+    add (a tenth of a 1024-token prefill's launch). ``ASM`` False:
     Triton's interpreter, which runs no PTX, compares."""
     bound = tl.broadcast_to(bound, y.shape)
     if ASM:
@@ -288,24 +288,21 @@ class _KindConsts(NamedTuple):
 
 
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
-                         k_out: tuple, v_out: tuple, pos: torch.Tensor, k_code: tuple, v_code: tuple,
-                         k_fields: int = -1, v_fields: int = -1, rot_halves: tuple | None = None,
-                         grid: tuple[bool, bool] = (False, False), config: dict | None = None) -> None:
+                         k_out: tuple, v_out: tuple, pos: torch.Tensor, k_code: CodeLayout, v_code: CodeLayout,
+                         rot_halves: tuple | None = None, config: dict | None = None) -> None:
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
     k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d],
     bounds [H,K-1,d] (level-major: ``FusedTables.k_bounds``), centroids [H,d,K], field layout [H,d] int32 or
-    empty: equal widths); ``*_out`` = (codes part, sign part or empty) written in place; ``*_code`` = (bits,
-    combine); ``*_fields``: the layout's field shifts when every head shares them (compiled in, see
-    ``esm_turbo.ops.compressed.shared_fields``), or −1 (each head's layout row is read); ``rot_halves``:
-    (keys', values') Π in fp16 halves [H, 2, d, d] (``esm_turbo.ops.compressed.split_rotation``; empty: none),
-    read for fp16 inputs instead of splitting Π in every program; ``grid``: (keys, values) are grid codecs
-    (``VectorQuantizer.grid``, code j decodes to j), whose codes are rounded instead of searched for.
-    ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or ``tf32x3``) / by_position / maxnreg (a
-    register cap) for tuning."""
+    empty: equal widths); ``*_out`` = (codes part, sign plane or empty) written in place; ``*_code``: how the codes
+    are stored (:class:`~esm_turbo.quant.layout.CodeLayout`: shared field shifts are compiled in, else each head's
+    layout row is read; a grid codec's codes are rounded instead of searched for); ``rot_halves``: (keys', values')
+    Π in fp16 halves [H, 2, d, d] (``esm_turbo.ops.compressed.split_rotation``; empty: none), read for fp16 inputs
+    instead of splitting Π in every program. ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or
+    ``tf32x3``) / by_position / maxnreg (a register cap) for tuning."""
     batch, heads, s, d = k.shape
-    # 4 warps: results/gpu/quantize_session9_h100.txt (128 spilled registers at 1024 tokens); the block size is
-    # chosen below; tf32x3 (or the fp16 split) keeps fp32 accuracy on tensor cores
+    # 4 warps (2 spilled registers at 1024-token blocks); the block size is chosen below; tf32x3 (or the fp16 split)
+    # keeps fp32 accuracy on tensor cores
     cfg = dict(block_n=None, num_warps=4, precision=dot_precision(k), by_position=True, maxnreg=None)
     cfg.update(config or {})
     if dot_precision(k) == "ieee":  # the interpreter has nothing else
@@ -315,33 +312,28 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     v, v_strides = token_strides(v)
     halves = rot_halves or (k.new_empty(0), v.new_empty(0))
 
-    def kind(x, tables, out, code, given, rot16, is_grid) -> tuple[tuple, _KindConsts]:
+    def kind(x, tables, out, code: CodeLayout, rot16) -> tuple[tuple, _KindConsts]:
         """(kernel args of one kind, its constexprs)."""
         main, sign = out
-        bits, combine = code
         layout = tables[5]
-        # equal widths: fields of bits (+ 1 for a combined sign) each, compiled in; an empty part is never read
-        fields = packed_shifts([bits + combine] * 8) if layout.numel() == 0 else given
+        fields = code.kernel_fields()  # −1: each head's layout row is read; an empty part is never read
         split = split16(x, cfg["precision"])
         rot = rot16 if split and rot16.numel() else tables[0]
         args = (rot, *tables[1:5], part_or(layout, tables[4]), main, part_or(sign, main))
-        has_sign = combine or sign.numel() > 0
         # by position pays where it skips compares (allocated widths) or gathers the sign's centroid; equal
-        # widths without a sign run the loop faster (results/gpu/quantize_session14_h100.txt)
-        by_position = cfg["by_position"] and per_seq and fields >= 0 and (layout.numel() > 0 or has_sign)
-        return args, _KindConsts(bits, tables[4].shape[-1], fields, has_sign, combine,
-                                 2 if rot is rot16 else int(split), by_position, is_grid)
+        # widths without a sign run the loop faster
+        by_position = cfg["by_position"] and per_seq and fields >= 0 and (layout.numel() > 0 or code.has_sign)
+        return args, _KindConsts(code.index_bits, tables[4].shape[-1], fields, code.has_sign,
+                                 code.sign == "combined", 2 if rot is rot16 else int(split), by_position, code.grid)
 
-    k_args, kc = kind(k, k_tables, k_out, k_code, k_fields, halves[0], grid[0])
-    v_args, vc = kind(v, v_tables, v_out, v_code, v_fields, halves[1], grid[1])
-    # 64-token blocks (WIDE in _quantize_one) for 3-bit codes split by position in prefills of 1024 tokens or more:
-    # 6–18% faster there; 32 where 64 runs slower: shorter prefills, 2- and 4-bit codes
-    # (results/gpu/quantize_session15_h100.txt); rounded grid codes too: 11.1 vs 13.4 µs per 650M layer at 1024 tokens
-    # (results/gpu/quantize_session18_h100.txt)
+    k_args, kc = kind(k, k_tables, k_out, k_code, halves[0])
+    v_args, vc = kind(v, v_tables, v_out, v_code, halves[1])
+    # 64-token blocks (WIDE in _quantize_one) for 3-bit codes split by position in prefills of 1024 tokens or more,
+    # 32 where 64 runs slower: shorter prefills, 2- and 4-bit codes (docs/kernels.md)
     wide = per_seq and kc.by_position and vc.by_position and batch * s >= 1024 and kc.bits == vc.bits == 3
     block_n = cfg["block_n"] or (64 if wide else 32)
     # capped at 96 registers (108 uncapped, 8 bytes of stack), five 64-token programs share an SM: a 1024-token
-    # prefill's 640 programs run in one wave, not 1.2 (13.7 → 11.9 µs per 650M layer; caps at 32 tokens gained nothing)
+    # prefill's 640 programs run in one wave, not 1.2 (caps at 32 tokens gained nothing)
     maxnreg = cfg["maxnreg"] or (96 if block_n >= 64 else None)
     launch = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
     _quantize_pack_kernel[launch](

@@ -27,7 +27,9 @@ from .. import __version__
 from ..errors import EsmTurboError
 from ..fasta import Record, records_hash
 from ..quant.allocation import ChannelTables, channel_tables, grid_tables, widest_bits
-from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind, pad_levels
+from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind
+from ..quant.fit import FitOptions, fit_quantizer
+from ..quant.tables import pad_levels
 from ..quant.histogram import HistogramAccumulator
 from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotations, identity_reflectors
 from .alphabet import encode
@@ -230,7 +232,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         raise EsmTurboError(f"attention_weight {config.attention_weight} is not in [0, 1]")
     if config.bit_allocation and (config.lut == "head" or config.shared_lut):
         raise EsmTurboError("bit allocation gives each channel its own LUT width: it needs lut='channel' (or "
-                            "'grid') and separate K and V LUTs (or pass bit_allocation=False / --uniform-bits)")
+                            "'grid') and separate K and V LUTs (or pass bit_allocation=False / --no-bit-allocation)")
     if config.lut == "grid" and (config.shared_lut or config.residual == "qjl"):
         raise EsmTurboError("lut='grid' fits each channel's own uniform levels: it needs separate K and V tables "
                             "and a sign residual or none (not qjl)")
@@ -276,7 +278,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
 
     _run(engine, batches, record_hist, "calibrate: LUTs", progress)
 
-    bits = {"k": config.key_bits, "v": config.value_bits}
+    bits = {"k": config.key_index_bits, "v": config.value_index_bits}
     tables = {kind: _tables_by_layer(hist[kind], bits[source[kind]], config) for kind in rotation}
     quantizers: dict[str, list[VectorQuantizer]] = {kind: [] for kind in rotation}
     importances: dict[str, list[torch.Tensor | None]] = {kind: [] for kind in rotation}
@@ -291,21 +293,22 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
                 reach = cov["q"][li] if source[kind] == "k" else _output_weights(engine, li)
                 importance = channel_importance(affine[kind][li], reach)
             importances[kind].append(importance)
-            quantizers[kind].append(VectorQuantizer.from_calibration(
-                affine[kind][li], points[kind], bits[source[kind]], config.residual, config.sign_mode,
-                quantizer_seed(config, li, source[kind]), shared, importance,
-                config.max_channel_bits, tables[kind][li], config.shared_widths).to(engine.device))
+            fit = FitOptions(bits[source[kind]], config.residual, config.sign_mode,
+                             quantizer_seed(config, li, source[kind]), config.max_channel_bits, config.shared_widths)
+            quantizers[kind].append(fit_quantizer(affine[kind][li], points[kind], fit, shared, importance,
+                                                  tables[kind][li]).to(engine.device))
 
     choice = None
     if "v*" in rotation:
         choice = _choose_value_codecs(engine, batches, quantizers["v"], quantizers["v*"], progress)
         if config.bit_allocation and config.shared_widths:  # one allocation over the heads as chosen
-            quantizers["v"] = [VectorQuantizer.from_calibration(
-                combine_affine((affine["v"][li], affine["v*"][li]), c), hist["v"][li].padded(), config.value_bits,
-                config.residual, config.sign_mode, quantizer_seed(config, li, "v"),
+            quantizers["v"] = [fit_quantizer(
+                combine_affine((affine["v"][li], affine["v*"][li]), c), hist["v"][li].padded(),
+                FitOptions(config.value_index_bits, config.residual, config.sign_mode, quantizer_seed(config, li, "v"),
+                           shared_widths=True),
                 importance=_pick_heads((importances["v"][li], importances["v*"][li]), c),
-                tables=_pick_table_heads((tables["v"][li], tables["v*"][li]), c, dim),
-                shared_widths=True).to(engine.device) for li, c in enumerate(choice)]
+                tables=_pick_table_heads((tables["v"][li], tables["v*"][li]), c, dim)).to(engine.device)
+                for li, c in enumerate(choice)]
         else:
             quantizers["v"] = [combine_heads((a, b), c) for a, b, c in zip(quantizers["v"], quantizers["v*"], choice)]
     codecs = [KVCodec(k, v) for k, v in zip(quantizers["k"], quantizers["v"])]

@@ -15,7 +15,7 @@ count, package version). Writes are atomic (temporary file + rename); loading ch
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,8 +24,10 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..io import atomic_write
-from ..quant.codec import KVCodec, VectorQuantizer, identity_code, pad_levels
+from ..quant.codec import KVCodec, VectorQuantizer
+from ..quant.tables import identity_code, pad_levels
 from ..quant.rotations import FITTED_KINDS, build_rotation, from_reflectors, identity_reflectors
+from .recipe import PRESETS, CalibrationConfig, config_from_meta, kv_bits, with_mean_bits  # noqa: F401 - re-exported
 
 FORMAT_VERSION = 4  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16; 3: bit allocations;
 # 4: rotations as fp16 Householder vectors
@@ -33,95 +35,6 @@ _TABLES = ("centroids", "eps", "offset", "scale")
 _LUTS = ("centroids", "eps")
 #: rotations fitted from data (stored in the checkpoint); "auto" picks, per head, unrotated or svd-scaled
 FITTED_ROTATIONS = (*FITTED_KINDS, "auto")
-
-
-@dataclass(frozen=True)
-class CalibrationConfig:
-    """Recipe of a calibration: one schema for the CLI, the Python API and Hydra configs."""
-
-    # index bits per value. Preset "keys-first" moves one from the values to the keys (4 and 2, the same bytes): a
-    # key's error is amplified by the softmax of a peaked head, a value's averaged, so it is more accurate, but the
-    # GPU kernels are slower with its wider key codes (results/kv_bits.txt)
-    key_bits: int = 3
-    value_bits: int = 3
-    # "auto": equal widths under 4 bits per value all-in (index + residual bit) become keys-first ones (3 → 4 and 2,
-    # 2 + sign → 3 and 1), where the equal split misses the accuracy bar and its odd-width codes are no faster;
-    # at 3 + sign the equal split stays (aligned 4-bit codes, the kernels' fastest). "as-given": never moved
-    split: str = "auto"
-    # keys per channel, unrotated: on ESM-2s trained on real proteins, across head sizes 16-128 and calibration sets,
-    # it holds the worst decode tokens that the keys' PCA turned for the queries ("svd-query", preset query-keys)
-    # loses, at a mean as high (results/fidelity/README.md)
-    key_rotation: str = "identity"
-    value_rotation: str = "auto"  # per head: unrotated or svd-scaled, whichever error reaches the output less
-    residual: str = "sign"
-    sign_mode: str = "bin"
-    # "channel": a Lloyd-Max LUT per head and rotated channel; "head": one per head (the paper); "grid": per channel
-    # evenly spaced levels, which the GPU kernels compute from the code (no table look-up: 1.4-1.6x faster decode
-    # attention on an H100). "auto": grid with a sign residual (as accurate there: index + sign is itself a
-    # constrained 2^(b+1)-level code), channel LUTs without one (grids measured less accurate); results/grid.txt
-    lut: str = "auto"
-    shared_lut: bool = False
-    max_tokens: int | None = None
-    batch_tokens: int = 8192
-    bins: int = 4096  # histogram bins per LUT fit with lut="head"
-    channel_bins: int = 512  # … with lut="channel" (per channel: values are standardised, ±10 rms)
-    bit_allocation: bool = True  # index bits per rotated channel by its share of the output error (lut="channel")
-    max_channel_bits: int | None = None  # widest channel under bit allocation (default: bits + 1)
-    shared_widths: bool = True  # one allocation for every head of a layer (the kernels compile its shifts in)
-    # how much a token counts in the LUT fits and the allocation: (1 − a) + a · (the attention it receives,
-    # Σ_s p[s, t], mean 1 over a sequence's tokens); 0 counts every token once
-    attention_weight: float = 0.5
-    seed: int = 0
-
-    def resolved(self) -> "CalibrationConfig":
-        """The recipe a calibration runs: ``split`` applied to the widths (then "as-given"), ``lut="auto"`` to the
-        tables (then "grid" or "channel")."""
-        if self.split not in ("auto", "as-given"):
-            raise ValueError(f"split must be 'auto' or 'as-given', not {self.split!r}")
-        key_bits, value_bits = self.key_bits, self.value_bits
-        if self.split == "auto" and key_bits == value_bits and key_bits + (self.residual != "none") < 4:
-            key_bits, value_bits = kv_bits(key_bits, 1)
-        lut = self.lut
-        if lut == "auto":
-            lut = "grid" if self.residual == "sign" and not self.shared_lut else "channel"
-        return replace(self, key_bits=key_bits, value_bits=value_bits, split="as-given", lut=lut)
-
-
-#: the paper's literal recipe (plain SVD on K, V unrotated, one LUT and one ε per head) and measured ablations;
-#: "v-unrotated" and "kv-rotated" are the two fixed choices the default's per-head V choice picks from
-PRESETS: dict[str, CalibrationConfig] = {
-    "default": CalibrationConfig(),
-    "paper": CalibrationConfig(key_bits=3, value_bits=3, split="as-given", key_rotation="svd",
-                               value_rotation="identity", residual="sign", sign_mode="head", lut="head",
-                               bit_allocation=False, attention_weight=0.0),
-    "keys-first": CalibrationConfig(key_bits=4, value_bits=2),  # a bit moved from the values to the keys
-    "uniform-bits": CalibrationConfig(bit_allocation=False),  # every channel the same width (until allocation)
-    "per-head-widths": CalibrationConfig(shared_widths=False),  # each head its own allocation (until shared)
-    "uniform-tokens": CalibrationConfig(attention_weight=0.0),  # every token counts once in the fits
-    "head-lut": CalibrationConfig(lut="head", bit_allocation=False),  # one LUT per head, equal widths
-    "grid": CalibrationConfig(lut="grid"),  # uniform levels per channel (the default's choice with a sign residual)
-    "channel-lut": CalibrationConfig(lut="channel"),  # Lloyd-Max LUTs per channel
-    "no-rotation": CalibrationConfig(key_rotation="identity", value_rotation="identity"),
-    "query-keys": CalibrationConfig(key_rotation="svd-query"),  # keys' PCA turned for the queries (the old default)
-    "pca-keys": CalibrationConfig(key_rotation="svd-scaled"),  # keys' PCA, not turned for the queries
-    "kv-rotated": CalibrationConfig(value_rotation="svd-scaled"),
-    "v-unrotated": CalibrationConfig(value_rotation="identity"),
-    "shared-lut": CalibrationConfig(shared_lut=True, value_rotation="identity", bit_allocation=False),
-    "no-residual": CalibrationConfig(residual="none", split="as-given"),  # the sign bit dropped, nothing else
-}
-
-
-def kv_bits(mean: int, shift: int) -> tuple[int, int]:
-    """(key bits, value bits) averaging ``mean``: keys take ``shift`` bits from the values, fewer where a width
-    would leave 1..4 (the split LUT widths; 8 bits stay 8 and 8)."""
-    shift = max(0, min(shift, 4 - mean, mean - 1))
-    return mean + shift, mean - shift
-
-
-def with_mean_bits(cfg: CalibrationConfig, mean: int) -> CalibrationConfig:
-    """``cfg`` at ``mean`` index bits per value, keeping its key/value split (clamped by :func:`kv_bits`)."""
-    key_bits, value_bits = kv_bits(mean, (cfg.key_bits - cfg.value_bits) // 2)
-    return replace(cfg, key_bits=key_bits, value_bits=value_bits)
 
 
 class Calibration:
@@ -193,14 +106,13 @@ class Calibration:
         if meta.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')}, this esm_turbo reads "
                                   f"format {FORMAT_VERSION}: recalibrate with `esm-turbo calibrate`")
-        # a format-4 file written before attention_weight existed counted every token once; its widths are as
-        # calibrated (a saved config is resolved)
-        cfg = CalibrationConfig(**{"attention_weight": 0.0, "split": "as-given", **meta["config"]})
+        # a saved config is resolved: its widths are as calibrated
+        cfg = config_from_meta(meta["config"])
         heads, dim = meta["heads"], meta["head_dim"]
         codecs = []
         for li in range(meta["layers"]):
             pair = []
-            for kind, bits, rot_kind in (("k", cfg.key_bits, cfg.key_rotation), ("v", cfg.value_bits, cfg.value_rotation)):
+            for kind, bits, rot_kind in (("k", cfg.key_index_bits, cfg.key_rotation), ("v", cfg.value_index_bits, cfg.value_rotation)):
                 prefix = f"layers.{li}.{kind}."
                 widths, order = tensors.get(prefix + "widths"), tensors.get(prefix + "order")
                 if (widths is None) != (order is None) or (widths is None) == cfg.bit_allocation:

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, MemoryReport
-from ..quant.codec import KVCodec, dense_codec, oblivious_codec
+from ..schema import dtype_of
+from ..quant.codec import KVCodec, dense_codec
+from ..quant.fit import oblivious_codec
 from .alphabet import alphabet, encode
 from .attention import RunContext, install
 
@@ -72,7 +74,7 @@ class TurboEsm:
                 raise ValueError("cache='turbo' needs a calibration: TurboEsm(model, Calibration.load(path))")
             made = self.calibration.codecs
         elif cache in ("fp32", "fp16", "bf16"):
-            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[cache]
+            dtype = dtype_of(cache)
             made = [dense_codec(h, d, dtype) for _ in range(self.num_layers)]
         elif cache.startswith("turboquant-"):
             bits = int(cache.split("-")[1])
@@ -204,7 +206,7 @@ class DecodeSession:
         result = self._heads(hidden)
         if commit:
             cache.commit(counts)
-            self._grow_tokens()
+            self.fit_to_cache()
             rows = torch.arange(cache.batch_size, device=eng.device)[:, None]
             self.tokens[rows, positions.clamp_max(self.tokens.shape[1] - 1)] = torch.where(
                 valid, tokens, self.tokens[rows, positions.clamp_max(self.tokens.shape[1] - 1)])
@@ -227,7 +229,7 @@ class DecodeSession:
                   else torch.as_tensor(counts, dtype=torch.long, device=cache.device).clone())
         if commit:
             cache.reserve(reserve * tokens.shape[1])
-            self._grow_tokens()
+            self.fit_to_cache()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compiles kernels and builds the fused tables
@@ -241,7 +243,8 @@ class DecodeSession:
         cache._max_bound = bound  # capture ran no kernels; replays advance it
         return CapturedStep(self, graph, tokens, counts, out, commit, tokens.shape[1])
 
-    def _grow_tokens(self) -> None:
+    def fit_to_cache(self) -> None:
+        """Grow the session's token record to the cache's capacity (after the cache grew)."""
         cache = self.cache
         if self.tokens.shape[1] < cache.capacity:
             grown = torch.full((cache.batch_size, cache.capacity), alphabet().padding_idx,

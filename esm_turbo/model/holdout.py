@@ -77,7 +77,7 @@ def calibrate_held_out(model, records: list[Record], config: CalibrationConfig |
         raise ValueError("--preset auto picks a recipe on a held-out part of the calibration set: give --holdout > 0 "
                          "and at least two sequences")
     base = config if config is not None else PRESETS["default"]
-    mean_bits = (base.key_bits + base.value_bits) // 2
+    mean_bits = (base.key_index_bits + base.value_index_bits) // 2
     best: tuple | None = None
     candidates: dict[str, dict] = {}
     for name in AUTO_CANDIDATES:

@@ -1,6 +1,8 @@
-"""One dispatch seam: CUDA tensors go to the Triton kernels, everything else to the PyTorch reference.
+"""Where a cache layer's work runs, decided once when the cache is built (:func:`kernel_path`): the fused ops
+(Triton kernels on CUDA) for the codecs they cover, else the PyTorch reference (two steps: decode, then attend).
 
-Set ``ESM_TURBO_FORCE_REFERENCE=1`` (or call :func:`force_reference`) to use the reference everywhere.
+Set ``ESM_TURBO_FORCE_REFERENCE=1`` (or call :func:`force_reference` before building a cache) to use the reference
+everywhere.
 """
 
 from __future__ import annotations
@@ -22,13 +24,22 @@ def force_reference(flag: bool = True) -> None:
     _FORCE_REFERENCE = bool(flag)
 
 
-def use_kernels(t: torch.Tensor) -> bool:
+def use_kernels(where: torch.Tensor | torch.device) -> bool:
+    """Whether the Triton kernels run for tensors on ``where`` (a tensor or a device): CUDA, a supported Triton, and
+    the reference not forced."""
     if _FORCE_REFERENCE or os.environ.get("ESM_TURBO_FORCE_REFERENCE", "0") not in ("", "0"):
         return False
-    if not t.is_cuda:
+    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
+    if device.type != "cuda":
         return False
     from ..kernels import triton_available
     return triton_available()
+
+
+def kernel_path(codec, device: torch.device) -> bool:
+    """Whether a cache layer of ``codec`` on ``device`` runs the fused ops (writes and decode attention): the one
+    place this is decided, when a cache is built (``KVCache.fused``)."""
+    return use_kernels(device) and fused_supported(codec, need_kernel_shape=True)
 
 
 def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -41,7 +52,7 @@ def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_
     codec = cache.codecs[layer]
     if q.is_cuda and isinstance(codec.key, DenseQuantizer):
         return attend_dense(q, cache, layer, k_new, v_new, new_valid)  # writes the new tokens itself
-    if use_kernels(q) and fused_supported(codec, need_kernel_shape=True):
+    if cache.fused[layer]:
         out = attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid)
     else:
         out = decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
@@ -69,4 +80,4 @@ def attend_dense(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new:
 
 
 __all__ = ["attend", "attend_compressed", "attend_dense", "decode_attention", "decode_attention_reference", "force_reference",
-           "fused_supported", "scatter_rows", "use_kernels", "write_compressed"]
+           "fused_supported", "kernel_path", "scatter_rows", "use_kernels", "write_compressed"]

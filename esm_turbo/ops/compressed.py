@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.codec import KVCodec, VectorQuantizer, code_table, lookup_codes, lut_bounds, lut_code_parts
-from ..quant.packing import layout_of, packed_shifts
+from ..quant.codec import KVCodec, VectorQuantizer
+from ..quant.tables import code_table, lookup_codes, lut_bounds, lut_code_parts
+from ..quant.layout import CachedCodes, CodeLayout
+from ..quant.packing import layout_of
 from ..quant.rotations import affine_forward
 
 FUSED_BITS = (1, 2, 3, 4)
@@ -37,55 +39,33 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
 
 
 @dataclass
-class StoredCodes:
-    """How one quantizer's codes sit in the cache: the packed part (``code`` or ``idx``), its width in
-    bits, and the separate sign-bit part (``sign``) or None."""
-
-    part: str
-    bits: int
-    sign_part: str | None
-
-    @classmethod
-    def of(cls, q: VectorQuantizer) -> "StoredCodes":
-        if q.combined_sign:
-            return cls("code", q.bits + 1, None)
-        return cls("idx", q.bits, "sign" if q.residual == "sign" else None)
-
-
-@dataclass
 class FusedTables:
     """Per-layer constants of the fused ops, derived once from a codec.
 
-    k_tab / v_tab [H, d, codes] (fp16 values, in a float16 or float32 tensor); k_bounds / v_bounds [H, K-1, d]
-    (level-major: the quantize kernel reads one level of every channel at a time, coalesced);
+    k_code / v_code: how the keys' and values' codes are stored (:class:`~esm_turbo.quant.layout.CodeLayout`, the
+    quantizers' own); k_tab / v_tab [H, d, codes] (fp16 values, in a float16 or float32 tensor); k_bounds / v_bounds
+    [H, K-1, d] (level-major: the quantize kernel reads one level of every channel at a time, coalesced);
     k_layout / v_layout [H, d] int32 field layouts of the packed codes (``esm_turbo.quant.packing.field_layout``),
-    empty when every channel has the same width; k_codes / v_codes: where the packed codes are stored;
-    k_fields / v_fields: the field shifts every head shares, packed for the kernels to compile in
-    (:func:`shared_fields`), or −1; k_rot16 / v_rot16 [H, 2, d, d] float16: the rotations' halves
-    (:func:`split_rotation`) the quantize kernel reads for fp16 inputs, on CUDA (elsewhere empty); grid: for a
-    codec whose keys and values are both grids (code j decodes to j, :attr:`VectorQuantizer.grid`) the widest
-    code's bits, which the decode kernels compute values with instead of looking them up; else 0.
+    empty when every channel has the same width; k_rot16 / v_rot16 [H, 2, d, d] float16: the rotations' halves
+    (:func:`split_rotation`) the quantize kernel reads for fp16 inputs, on CUDA (elsewhere empty).
     """
 
+    k_code: CodeLayout
+    v_code: CodeLayout
     k_tab: torch.Tensor
     v_tab: torch.Tensor
     k_bounds: torch.Tensor
     v_bounds: torch.Tensor
     k_layout: torch.Tensor
     v_layout: torch.Tensor
-    k_codes: StoredCodes
-    v_codes: StoredCodes
-    k_fields: int = -1
-    v_fields: int = -1
     k_rot16: torch.Tensor | None = None
     v_rot16: torch.Tensor | None = None
-    grid: int = 0
 
     def packed(self, parts: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, sign bits or an empty tensor) of ``kind`` ('k' or 'v') in a layer's cache parts."""
-        codes = self.k_codes if kind == "k" else self.v_codes
-        main = parts[f"{kind}.{codes.part}"]
-        return main, parts[f"{kind}.{codes.sign_part}"] if codes.sign_part else main.new_empty(0)
+        code = self.k_code if kind == "k" else self.v_code
+        main = parts[f"{kind}.{code.part}"]
+        return main, parts[f"{kind}.{code.sign_part}"] if code.sign_part else main.new_empty(0)
 
 
 def fused_tables(codec: KVCodec) -> FusedTables:
@@ -94,25 +74,12 @@ def fused_tables(codec: KVCodec) -> FusedTables:
     key, value = codec.key, codec.value
     if cached is not None and cached.k_tab.device == key.rot.device:
         return cached
-    k_layout, v_layout = _kernel_layout(key), _kernel_layout(value)
-    tables = FusedTables(k_tab=_op_table(key), v_tab=_op_table(value),
-                         k_bounds=_level_major(lut_bounds(key.centroids)),
-                         v_bounds=_level_major(lut_bounds(value.centroids)),
-                         k_layout=k_layout, v_layout=v_layout,
-                         k_codes=StoredCodes.of(key), v_codes=StoredCodes.of(value),
-                         k_fields=shared_fields(key), v_fields=shared_fields(value),
-                         k_rot16=_kernel_halves(key), v_rot16=_kernel_halves(value), grid=grid_bits(codec))
+    tables = FusedTables(k_code=key.code_layout(), v_code=value.code_layout(), k_tab=_op_table(key),
+                         v_tab=_op_table(value), k_bounds=_level_major(lut_bounds(key.centroids)),
+                         v_bounds=_level_major(lut_bounds(value.centroids)), k_layout=_kernel_layout(key),
+                         v_layout=_kernel_layout(value), k_rot16=_kernel_halves(key), v_rot16=_kernel_halves(value))
     codec._fused_tables = tables
     return tables
-
-
-def grid_bits(codec: KVCodec) -> int:
-    """The ``grid`` argument of the decode op: the bits of the widest code (index + sign bit) when keys and values
-    are both grids, else 0. Reads the host (at table build)."""
-    key, value = codec.key, codec.value
-    if not (key.grid and value.grid):
-        return 0
-    return max(int(q.widths.max()) + int(q.residual == "sign") for q in (key, value))
 
 
 def split_rotation(rot: torch.Tensor) -> torch.Tensor:
@@ -136,26 +103,15 @@ def _level_major(bounds: torch.Tensor) -> torch.Tensor:
 def _op_table(q: VectorQuantizer) -> torch.Tensor:
     """The code table the ops read: its fp16 values (:func:`code_table`) held in float32 up to head_dim 64 and
     in float16 beyond (a head's tables twice as long), whichever the H100 read faster in 9 of 10 layouts
-    (``results/gpu/allocation_kernel_h100.txt``); the values are the same."""
+    (``tools/bench_layouts.py``); the values are the same."""
     table = code_table(q)
     return table if q.dim >= 128 else table.float()
-
-
-def shared_fields(q: VectorQuantizer) -> int:
-    """The field boundaries of a group word (``esm_turbo.quant.packing.packed_shifts``) when every head has the
-    same field widths (equal widths always do; a bit allocation shared across heads too): the kernels compile
-    them in and shift by constants. −1 when heads differ: the kernels read each head's layout. Reads the host (at table
-    build)."""
-    widths = q.field_widths[:, :8]
-    if not bool((widths == widths[:1]).all()):
-        return -1
-    return packed_shifts(widths[0].tolist())
 
 
 def _kernel_layout(q: VectorQuantizer) -> torch.Tensor:
     """The field layout the ops take: empty for equal widths (read on the host once, at table build); else
     [H, d], the same in every group of 8 channels (what bit allocation makes: the kernels read 8 per head)."""
-    if bool((q.widths == q.bits).all()):
+    if q.code_layout().equal_widths:
         return q.rot.new_empty(0, dtype=torch.int32)
     layout = q.layout()
     if not torch.equal(layout, layout[:, :8].repeat(1, q.dim // 8)):
@@ -179,68 +135,59 @@ def scatter_rows(buf: torch.Tensor, val: torch.Tensor, pos: torch.Tensor) -> Non
 
 def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                             bounds: torch.Tensor, centroids: torch.Tensor, layout: torch.Tensor,
-                            idx_out: torch.Tensor, sign_out: torch.Tensor, pos: torch.Tensor, bits: int,
-                            combine: bool) -> None:
-    """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,d,K] of ``bits`` bits on average,
-    bounds [H,K-1,d] unused here, field layout [H,d] of the packed part) at rows pos[b] + j of the cache
-    parts: ``combine`` → idx_out holds codes ``2·idx + sign`` of bits+1 bits; else idx_out
-    [B,H,T_cap,d·bits/8] and sign_out [B,H,T_cap,d/8] (or empty: no residual)."""
-    width = bits + combine
-    layout = _full_layout(layout, *centroids.shape[:2], width, x.device)
-    parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, layout, width,
-                              sign=combine or sign_out.numel() > 0, combined=combine)
-    scatter_rows(idx_out, parts["code" if combine else "idx"], pos)
-    if "sign" in parts:
-        scatter_rows(sign_out, parts["sign"], pos)
+                            main_out: torch.Tensor, sign_out: torch.Tensor, pos: torch.Tensor,
+                            code: CodeLayout) -> None:
+    """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,d,K], bounds [H,K-1,d] unused here, field
+    layout [H,d] of the packed part or empty: equal widths) at rows pos[b] + j of the cache parts stored as ``code``
+    says: main_out [B,H,T_cap,d·code_bits/8] (``code``, or ``idx``) and sign_out [B,H,T_cap,d/8] (a sign plane) or
+    empty."""
+    layout = _full_layout(layout, *centroids.shape[:2], code.code_bits, x.device)
+    parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, layout, code.code_bits,
+                              sign=code.has_sign, combined=code.sign == "combined")
+    scatter_rows(main_out, parts[code.part], pos)
+    if code.sign_part:
+        scatter_rows(sign_out, parts[code.sign_part], pos)
 
 
 def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                                   new_valid: torch.Tensor, k_idx: torch.Tensor, k_sign: torch.Tensor,
-                                   v_idx: torch.Tensor, v_sign: torch.Tensor, k_tab: torch.Tensor,
-                                   v_tab: torch.Tensor, k_layout: torch.Tensor, v_layout: torch.Tensor,
-                                   lengths: torch.Tensor, k_rot: torch.Tensor,
-                                   k_offset: torch.Tensor, k_scale: torch.Tensor, v_rot: torch.Tensor,
-                                   v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int,
-                                   v_bits: int, k_fields: int = -1, v_fields: int = -1, grid: int = 0) -> torch.Tensor:
+                                   new_valid: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes,
+                                   values: CachedCodes) -> torch.Tensor:
     """Attention of S new tokens over the packed prefix plus themselves, computed in each codec's affine
     domain ``y = (x Πᵀ − offset) / scale``: no cached key is rotated back.
 
     q [B,H,S,d] (scaled, post-RoPE), k_new/v_new [B,H,S,d] the step's own keys/values, new_valid [B,S]
-    (bool or uint8); k_idx/v_idx [B,H,T_cap,d·bits/8] uint8 packed codes of k_bits/v_bits bits;
-    k_sign/v_sign [B,H,T_cap,d/8] uint8 separate sign bits (or empty); tabs [H, d, codes] indexed by the
-    code (``2·code + sign`` when sign bits are separate); layouts [H, d] int32 of the packed codes (or empty:
-    equal widths); lengths [B] valid prefix rows; rot [H,d,d], offset/scale [H,d] of the key and value
-    codecs; k_fields / v_fields: the layouts' field shifts when every head shares them (:func:`shared_fields`,
-    compiled into the kernels; the layouts say the same) or −1; ``grid`` > 0: the tables are the identity code
-    (a grid codec, :func:`grid_bits`), which the kernels compute rather than read (here the tables serve). The score of a cached key is
-    ``⟨q̃, ŷ⟩ + c0`` with ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as
-    ``Σ p ŷ`` and mapped back once (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype
-    (computed in the rotations' float dtype); a query with no valid key gets zeros.
+    (bool or uint8), lengths [B] valid prefix rows; keys / values: each kind's packed cache and codec constants
+    (:class:`~esm_turbo.quant.layout.CachedCodes`; a grid codec's tables are the identity code, which the kernels
+    compute rather than read: here the tables serve). The score of a cached key is ``⟨q̃, ŷ⟩ + c0`` with
+    ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped back once
+    (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the rotations' float dtype); a
+    query with no valid key gets zeros.
     """
+    k_rot, k_offset, k_scale = keys.rot, keys.offset, keys.scale
+    v_rot, v_offset, v_scale = values.rot, values.offset, values.scale
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
     qk, c0 = z * k_scale[:, None, :], (z * k_offset[:, None, :]).sum(-1, keepdim=True)
-    k_layout = _full_layout(k_layout, *k_tab.shape[:2], k_bits, q.device)
-    v_layout = _full_layout(v_layout, *v_tab.shape[:2], v_bits, q.device)
-    k_hat = lookup_codes(k_tab, k_idx, k_sign, k_layout, k_bits)
-    v_hat = lookup_codes(v_tab, v_idx, v_sign, v_layout, v_bits)
+    k_hat, v_hat = (lookup_codes(c.table, c.main, c.sign, _full_layout(c.layout, *c.table.shape[:2], c.code.code_bits,
+                                                                        q.device), c.code.code_bits)
+                    for c in (keys, values))
     t = k_hat.shape[2]
-    keys = torch.cat([k_hat.to(k_rot.dtype), affine_forward(k_new, k_rot, k_offset, k_scale)], dim=2)
-    values = torch.cat([v_hat.to(v_rot.dtype), affine_forward(v_new, v_rot, v_offset, v_scale)], dim=2)
+    k_all = torch.cat([k_hat.to(k_rot.dtype), affine_forward(k_new, k_rot, k_offset, k_scale)], dim=2)
+    v_all = torch.cat([v_hat.to(v_rot.dtype), affine_forward(v_new, v_rot, v_offset, v_scale)], dim=2)
     valid = torch.cat([torch.arange(t, device=lengths.device)[None, :] < lengths[:, None], new_valid.bool()], 1)
-    scores = torch.einsum("bhsd,bhtd->bhst", qk, keys) + c0
+    scores = torch.einsum("bhsd,bhtd->bhst", qk, k_all) + c0
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     any_valid = valid.any(dim=1)[:, None, None, None]
     probs = torch.softmax(scores.masked_fill(~any_valid, 0.0), dim=-1)
-    out = torch.einsum("bhst,bhtd->bhsd", probs, values) * v_scale[:, None, :] + v_offset[:, None, :]
+    out = torch.einsum("bhst,bhtd->bhsd", probs, v_all) * v_scale[:, None, :] + v_offset[:, None, :]
     out = torch.einsum("bhse,hed->bhsd", torch.where(any_valid, out, torch.zeros_like(out)), v_rot)
     return out.to(q.dtype)
 
 
 # ---- custom ops -------------------------------------------------------------------------------------
 
-def _kernels_for(t: torch.Tensor) -> bool:
-    from . import use_kernels
-    return use_kernels(t)
+def _triton() -> bool:
+    from ..kernels import triton_available
+    return triton_available()
 
 
 @torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=("k_main", "k_sign", "v_main", "v_sign"))
@@ -248,25 +195,32 @@ def quantize_pack(k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor, k_offse
                   k_scale: torch.Tensor, k_bounds: torch.Tensor, k_centroids: torch.Tensor, k_layout: torch.Tensor,
                   k_main: torch.Tensor, k_sign: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor,
                   v_scale: torch.Tensor, v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_layout: torch.Tensor,
-                  v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_bits: int, k_combine: bool,
-                  v_bits: int, v_combine: bool, k_fields: int = -1, v_fields: int = -1,
-                  k_rot16: torch.Tensor | None = None, v_rot16: torch.Tensor | None = None, k_grid: bool = False,
-                  v_grid: bool = False) -> None:
-    """Keys and values of one layer into their cache parts (one Triton launch on CUDA). Bounds [H, K-1, d]
-    level-major (``FusedTables``); ``*_fields``: shared field shifts or −1 (see :func:`shared_fields`);
-    ``*_rot16``: the rotations' fp16 halves (:func:`split_rotation`) for the kernel, or None / empty;
-    ``*_grid``: a grid codec (code j decodes to j), whose codes the kernel rounds to (the reference searches the
-    centroids as for any LUT: the same codes)."""
+                  v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_code: list[int], v_code: list[int],
+                  k_rot16: torch.Tensor | None = None, v_rot16: torch.Tensor | None = None) -> None:
+    """Keys and values of one layer into their cache parts (the reference here; one Triton launch on CUDA). Bounds [H, K-1, d]
+    level-major (``FusedTables``); ``*_code``: the :class:`CodeLayout` as :meth:`~CodeLayout.to_op` gives it;
+    ``*_rot16``: the rotations' fp16 halves (:func:`split_rotation`) for the kernel, or None / empty. A grid codec's
+    codes the kernel rounds to (the reference searches the centroids as for any LUT: the same codes)."""
     k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
     v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
-    if _kernels_for(k):
-        from ..kernels.quantize import quantize_pack_triton
-        halves = None if k_rot16 is None or v_rot16 is None else (k_rot16, v_rot16)
-        quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos,
-                             (k_bits, k_combine), (v_bits, v_combine), k_fields, v_fields, halves, (k_grid, v_grid))
-    else:
-        quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_bits, k_combine)
-        quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_bits, v_combine)
+    quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, CodeLayout.from_op(k_code))
+    quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, CodeLayout.from_op(v_code))
+
+
+@quantize_pack.register_kernel("cuda")
+def _quantize_pack_cuda(k, v, k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout, k_main, k_sign, v_rot,
+                        v_offset, v_scale, v_bounds, v_centroids, v_layout, v_main, v_sign, pos, k_code, v_code,
+                        k_rot16=None, v_rot16=None) -> None:
+    k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
+    v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
+    k_code, v_code = CodeLayout.from_op(k_code), CodeLayout.from_op(v_code)
+    if not _triton():
+        quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_code)
+        quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_code)
+        return
+    from ..kernels.quantize import quantize_pack_triton
+    halves = None if k_rot16 is None or v_rot16 is None else (k_rot16, v_rot16)
+    quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos, k_code, v_code, halves)
 
 
 @quantize_pack.register_fake
@@ -276,17 +230,28 @@ def _quantize_pack_fake(*args) -> None:
 
 @torch.library.custom_op("esm_turbo::compressed_attention", mutates_args=())
 def compressed_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
-                         k_idx: torch.Tensor, k_sign: torch.Tensor, v_idx: torch.Tensor, v_sign: torch.Tensor,
-                         k_tab: torch.Tensor, v_tab: torch.Tensor, k_layout: torch.Tensor, v_layout: torch.Tensor,
-                         lengths: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor,
-                         v_rot: torch.Tensor, v_offset: torch.Tensor, v_scale: torch.Tensor, k_bits: int,
-                         v_bits: int, k_fields: int = -1, v_fields: int = -1, grid: int = 0) -> torch.Tensor:
-    args = (q, k_new, v_new, new_valid, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_layout, v_layout, lengths,
-            k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, k_bits, v_bits, k_fields, v_fields, grid)
-    if _kernels_for(q):
-        from ..kernels.decode import compressed_attention_triton
-        return compressed_attention_triton(*args)
-    return compressed_attention_reference(*args)
+                         lengths: torch.Tensor, k_main: torch.Tensor, k_sign: torch.Tensor, k_tab: torch.Tensor,
+                         k_layout: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor,
+                         k_code: list[int], v_main: torch.Tensor, v_sign: torch.Tensor, v_tab: torch.Tensor,
+                         v_layout: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor, v_scale: torch.Tensor,
+                         v_code: list[int]) -> torch.Tensor:
+    """:func:`compressed_attention_reference` (or the Triton kernel on CUDA) with each kind's
+    :class:`~esm_turbo.quant.layout.CachedCodes` flattened, its code layout as :meth:`CodeLayout.to_op` gives it."""
+    keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code))
+    values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code))
+    return compressed_attention_reference(q, k_new, v_new, new_valid, lengths, keys, values)
+
+
+@compressed_attention.register_kernel("cuda")
+def _compressed_attention_cuda(q, k_new, v_new, new_valid, lengths, k_main, k_sign, k_tab, k_layout, k_rot, k_offset,
+                               k_scale, k_code, v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale,
+                               v_code) -> torch.Tensor:
+    keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code))
+    values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code))
+    if not _triton():
+        return compressed_attention_reference(q, k_new, v_new, new_valid, lengths, keys, values)
+    from ..kernels.decode import compressed_attention_triton
+    return compressed_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values)
 
 
 @compressed_attention.register_fake
@@ -307,9 +272,17 @@ def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Te
     key, value = codec.key, codec.value
     quantize_pack(k, v, *_codec_tables(key), tables.k_bounds, key.centroids, tables.k_layout,
                   *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
-                  tables.v_layout, *tables.packed(parts, "v"), pos, key.bits, key.combined_sign, value.bits,
-                  value.combined_sign, tables.k_fields, tables.v_fields, tables.k_rot16, tables.v_rot16, key.grid,
-                  value.grid)
+                  tables.v_layout, *tables.packed(parts, "v"), pos, tables.k_code.to_op(), tables.v_code.to_op(),
+                  tables.k_rot16, tables.v_rot16)
+
+
+def cached_codes(codec: KVCodec, parts: dict[str, torch.Tensor], kind: str) -> CachedCodes:
+    """One kind's ('k' or 'v') packed cache of a layer and the constants that decode it."""
+    tables = fused_tables(codec)
+    q = codec.key if kind == "k" else codec.value
+    table, layout, code = ((tables.k_tab, tables.k_layout, tables.k_code) if kind == "k" else
+                           (tables.v_tab, tables.v_layout, tables.v_code))
+    return CachedCodes(*tables.packed(parts, kind), table, layout, q.rot, q.offset, q.scale, code)
 
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
@@ -317,10 +290,6 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
                       new_valid: torch.Tensor) -> torch.Tensor:
     """Decode attention of q [B,H,S,d] over one layer's packed prefix (``lengths`` [B] rows) plus the
     step's own k_new/v_new [B,H,S,d] (new_valid [B,S]). Returns [B,H,S,d] in q's dtype."""
-    tables = fused_tables(codec)
-    return compressed_attention(q, k_new, v_new, new_valid.contiguous().view(torch.uint8),
-                                *tables.packed(parts, "k"), *tables.packed(parts, "v"), tables.k_tab,
-                                tables.v_tab, tables.k_layout, tables.v_layout, lengths, *_codec_tables(codec.key),
-                                *_codec_tables(codec.value),
-                                tables.k_codes.bits, tables.v_codes.bits, tables.k_fields, tables.v_fields,
-                                tables.grid)
+    keys, values = cached_codes(codec, parts, "k"), cached_codes(codec, parts, "v")
+    return compressed_attention(q, k_new, v_new, new_valid.contiguous().view(torch.uint8), lengths,
+                                *keys[:-1], keys.code.to_op(), *values[:-1], values.code.to_op())

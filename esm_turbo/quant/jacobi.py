@@ -23,7 +23,7 @@ The query moments are ridged (``M / mean diag M + ridge · I``, default :data:`R
 by how much the *average* query reads them, and a held-out sequence whose queries read a neglected direction pays
 for it. Without the ridge, one of 29 held-out sequences of the head_dim-64 stress model fell to 0.896 decode cos at
 3 bits (0.951 with plain PCA); with 0.3 it is 0.958, and at head_dim 16 the turn still lifts the mean and the worst
-sequence over PCA (session 10, ``results/key_rotation.txt``).
+sequence over PCA. On trained testbeds the tail is held better by unrotated keys, the default (``docs/recipe.md``).
 """
 
 from __future__ import annotations

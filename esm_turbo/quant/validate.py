@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .codec import VectorQuantizer
+from .fit import oblivious_quantizer
 
 
 def validate_codec(bits: int, head_dim: int, n: int = 8192, seed: int = 0, rotation: str = "hadamard") -> dict:
@@ -19,7 +19,7 @@ def validate_codec(bits: int, head_dim: int, n: int = 8192, seed: int = 0, rotat
     row = {"bits": bits, "head_dim": head_dim, "vectors": n,
            "mse_lower_bound": 4.0**-bits, "mse_upper_bound": math.sqrt(3) * math.pi / 2 * 4.0**-bits}
     for residual in ("none", "qjl"):
-        q = VectorQuantizer.oblivious(1, head_dim, bits, rotation, residual, seed)
+        q = oblivious_quantizer(1, head_dim, bits, rotation, residual, seed)
         xh = q.decode(q.encode(x))
         err = ((x - xh) ** 2).sum(-1)
         ip = (x * xh).sum(-1) - 1.0

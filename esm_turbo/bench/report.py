@@ -1,0 +1,86 @@
+"""The bench's result and how it is printed (tables) or stored (JSON)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from .synthetic import DEFAULT_RECIPE
+from .timing import STEP_CALLS
+
+
+@dataclass
+class BenchResult:
+    device: str
+    peak_copy_gbs: float | None = None
+    graph_floor_us: float | None = None
+    attention: list[dict] = field(default_factory=list)
+    quantize: dict = field(default_factory=dict)
+    decode: list[dict] = field(default_factory=list)
+    embed: dict = field(default_factory=dict)
+    cpu_steps: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def format_result(res: BenchResult) -> str:
+    lines = [f"device: {res.device}"]
+    if res.peak_copy_gbs:
+        lines.append(f"device-to-device copy: {res.peak_copy_gbs:.0f} GB/s (read + write)")
+    if res.graph_floor_us:
+        lines.append(f"a graph of one one-element add: {res.graph_floor_us:.1f} µs, timed as every call below (each µs "
+                     "includes it)")
+    if res.attention:
+        lines.append(f"\ndecode attention per layer call (1 new token per sequence; the default widths: keys "
+                     f"{DEFAULT_RECIPE.key_index_bits} + {DEFAULT_RECIPE.residual}, values {DEFAULT_RECIPE.value_index_bits} + "
+                     f"{DEFAULT_RECIPE.residual} bits; default tables: {DEFAULT_RECIPE.lut})")
+        lines.append(f"(µs: one call replayed as a CUDA graph; step µs: per call of {STEP_CALLS} calls in one graph, as a "
+                     f"decode step's layers replay)")
+        lines.append("(fused: per-channel LUT codes, lut='channel'; grid: the same kernels and bytes on a grid codec's "
+                     "cache, lut='grid', values computed from the codes, no table look-ups)")
+        lines.append("(read µs: a kernel that only reads the bytes the grid kernel reads, the least any kernel reading "
+                     "them takes; ceiling: fp16 SDPA µs / read µs, the most ×SDPA those bytes allow on this GPU)")
+        lines.append(f"{'shape':6} {'B':>3} {'T':>6} {'fused µs':>9} {'two-step µs':>11} {'fp16 SDPA µs':>12} "
+                     f"{'×two-step':>9} {'×SDPA':>6} {'GB/s':>6} {'%copy':>6} {'fused step µs':>13} "
+                     f"{'SDPA step µs':>12} {'×SDPA step':>10} | {'grid µs':>8} {'×SDPA':>6} {'%copy':>6} "
+                     f"{'grid step µs':>12} {'×SDPA step':>10} {'read µs':>8} {'ceiling':>7}")
+
+    def f(x, fmt):
+        return format(x, fmt) if x is not None else "n/a"
+    for r in res.attention:
+        pct = 100 * r["fused_gbs"] / res.peak_copy_gbs if res.peak_copy_gbs else None
+        grid_pct = 100 * r["grid_gbs"] / res.peak_copy_gbs if res.peak_copy_gbs else None
+        lines.append(f"{r['shape']:6} {r['batch']:>3} {r['context']:>6} {r['fused_us']:>9.1f} "
+                     f"{f(r['two_step_us'], '.1f'):>11} {f(r['sdpa_fp16_us'], '.1f'):>12} "
+                     f"{f(r['speedup_vs_two_step'], '.2f'):>9} {f(r['speedup_vs_sdpa_fp16'], '.2f'):>6} "
+                     f"{r['fused_gbs']:>6.0f} {f(pct, '.0f'):>6} {f(r.get('fused_step_us'), '.1f'):>13} "
+                     f"{f(r.get('sdpa_fp16_step_us'), '.1f'):>12} {f(r.get('step_speedup_vs_sdpa_fp16'), '.2f'):>10} | "
+                     f"{r['grid_us']:>8.1f} {f(r['grid_speedup_vs_sdpa_fp16'], '.2f'):>6} {f(grid_pct, '.0f'):>6} "
+                     f"{r['grid_step_us']:>12.1f} {f(r['grid_step_speedup_vs_sdpa_fp16'], '.2f'):>10} "
+                     f"{f(r.get('read_us'), '.1f'):>8} {f(r.get('ceiling_vs_sdpa_fp16'), '.2f'):>7}")
+    q = res.quantize
+    if q:
+        lines.append(f"\nquantize-and-pack ({q['path']}), {q['model']}, prefill of {q['tokens']} tokens "
+                     f"({q['prefill_ms']:.2f} ms):\n  prefill writing the compressed cache {q['prefill_writing_ms']:.2f} ms,"
+                     f" added {q['added_ms']:.3f} ms = {100 * q['added_fraction']:.1f}%\n"
+                     f"  its launches timed alone {q['quantize_pack_ms']:.3f} ms = {100 * q['fraction']:.1f}%")
+    if res.decode:
+        lines.append("\nend-to-end decode under one KV budget")
+        for r in res.decode:
+            ratio = f"  {r['speedup_vs_fp16']:.2f}× fp16" if "speedup_vs_fp16" in r else ""
+            lines.append(f"  {r['cache']:14} batch {r['batch']:>5}  KV {r['kv_gib']:.2f} GiB  "
+                         f"{r['tokens_per_s']:>10.0f} tokens/s  ({r['step_ms']:.2f} ms/step){ratio}")
+    if res.embed:
+        from ..embed.benchmark import format_embed
+        lines += format_embed(res.embed)
+    if res.cpu_steps:
+        lines.append("\nCPU decode step, batch 1 (PyTorch reference path), and calibration of the stand-in model")
+        for r in res.cpu_steps:
+            lines.append(f"  {r['size']:>4}-shaped, {r['context']} cached tokens, {r['threads']} threads: "
+                         f"3+1-bit cache {r['turbo-3+1_step_ms']:.1f} ms/step, fp32 cache {r['fp32_step_ms']:.1f} ms/step; "
+                         f"calibration on {r['calibration_tokens']} tokens {r['calibration_s']:.1f} s")
+    lines += [f"note: {n}" for n in res.notes]
+    return "\n".join(lines)
+
+
+def to_json(res: BenchResult) -> str:
+    return json.dumps(asdict(res), indent=2)

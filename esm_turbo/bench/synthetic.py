@@ -1,0 +1,73 @@
+"""Random caches, codecs, models and sessions for speed measurements: speed does not depend on the values, so
+nothing is calibrated or prefilled."""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache
+from ..model.checkpoint import CalibrationConfig
+from ..testing import random_turbo_codec
+
+#: the recipe a default calibration runs (its widths and residual, :meth:`CalibrationConfig.resolved`)
+DEFAULT_RECIPE = CalibrationConfig().resolved()
+
+
+def default_codec(heads: int, dim: int, seed: int = 0, grid: bool | None = None):
+    """A random codec of the default calibration's widths and residual (:data:`DEFAULT_RECIPE`) and tables (its
+    grid, unless ``grid`` says: uniform levels or per-channel LUTs)."""
+    grid = DEFAULT_RECIPE.lut == "grid" if grid is None else grid
+    return random_turbo_codec(heads, dim, DEFAULT_RECIPE.key_index_bits, DEFAULT_RECIPE.value_index_bits, DEFAULT_RECIPE.residual,
+                              seed, grid=grid)
+
+
+def synthetic_cache(heads: int, dim: int, batch: int, length: int, device, seed: int = 0,
+                     grid: bool | None = None) -> KVCache:
+    """A one-layer TurboESM cache of the default widths (:func:`default_codec`) full of random codes at
+    ``length`` per row."""
+    codec = default_codec(heads, dim, seed, grid).to(device)
+    cache = KVCache([codec], batch, capacity=length, device=device)
+    fill_synthetic(cache, length, torch.Generator(device=device).manual_seed(seed))
+    return cache
+
+
+def fill_synthetic(cache: KVCache, length: int, generator: torch.Generator | None = None) -> None:
+    """Make every row of ``cache`` hold ``length`` tokens of random codes (packed parts) or values
+    (dense parts): speed only, nothing is prefilled."""
+    for layer in cache.parts:
+        for buf in layer.values():
+            if buf.dtype == torch.uint8:
+                buf.random_(0, 256, generator=generator)
+            else:
+                buf.normal_(generator=generator)
+    cache.set_lengths(length)
+
+
+def bytes_read(cache: KVCache) -> int:
+    """Bytes of the cache's layer 0 that a decode call over every row (all ``cache.lengths.max()`` long) reads."""
+    return cache.memory_report().bytes_per_token_per_layer * cache.batch_size * int(cache.lengths.max())
+
+
+def stand_in_model(size: str, device, dtype, layers: int | None = None):
+    from ..model.sizes import esm2_config
+    from transformers import EsmForMaskedLM
+    cfg = esm2_config(size, layers=layers)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return EsmForMaskedLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def random_protein(n: int, seed: int) -> str:
+    gen = torch.Generator().manual_seed(seed)
+    aa = "ACDEFGHIKLMNPQRSTVWY"
+    return "".join(aa[i] for i in torch.randint(0, 20, (n,), generator=gen).tolist())
+
+
+def synthetic_session(engine, factory, batch: int, context: int, extra: int):
+    """A decode session of ``batch`` rows whose caches hold ``context`` tokens of random codes/values
+    (speed only: nothing is prefilled), with room for ``extra`` more."""
+    session = engine.session(factory, capacity=context + extra)
+    session.start(["M"] * batch)
+    fill_synthetic(session.cache, context)
+    session.fit_to_cache()
+    return session

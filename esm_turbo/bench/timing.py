@@ -1,0 +1,75 @@
+"""How the bench times GPU work: CUDA-graph replays with a cold L2 (a call alone, or among a decode step's layer
+calls), and the hardware floors each timing is compared with (a device copy, an empty graph, a pure read)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+def time_graph(fn, device: torch.device, reps: int = 20) -> float:
+    """Median seconds of ``fn`` (CUDA: replayed as a CUDA graph, timed with events; CPU: wall clock)."""
+    if device.type != "cuda":
+        fn()
+        times = []
+        for _ in range(max(3, reps // 5)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+    import triton.testing
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+#: layer calls captured in one CUDA graph for the "in a step" timings: a decode step of the 650M model replays its
+#: 33 layers' calls as one graph, so the graph's launch is paid once per step, not once per call
+STEP_CALLS = 33
+
+
+def time_in_step(fn, device: torch.device, calls: int = STEP_CALLS) -> float:
+    """Median seconds per call of ``fn`` among ``calls`` calls captured in one CUDA graph (CPU: :func:`time_graph`)."""
+    if device.type != "cuda":
+        return time_graph(fn, device)
+
+    def step():
+        for _ in range(calls):
+            fn()
+    return time_graph(step, device, reps=10) / calls
+
+
+def peak_copy_gbs(device: torch.device) -> float:
+    """Device-to-device copy bandwidth (bytes read + written) over a 2 GiB buffer."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    sec = time_graph(lambda: dst.copy_(src), device)
+    return 2 * src.numel() / sec / 1e9
+
+
+def graph_floor_us(device: torch.device) -> float:
+    """µs of a graph holding one one-element add, timed as every call here is (:func:`time_graph`): what each
+    timing includes besides its kernels."""
+    one = torch.zeros(1, device=device)
+    return time_graph(lambda: one.add_(1), device) * 1e6
+
+
+#: programs per SM of the read-only floor: one-warp programs, 12 and 16 per SM read fastest on an H100
+READ_PROGRAMS_PER_SM = (12, 16)
+
+
+def read_floor_us(nbytes: int, device: torch.device) -> float:
+    """µs (as :func:`time_graph`) of a kernel that only reads ``nbytes`` (rounded up to whole 2 KB chunks), the
+    fastest of :data:`READ_PROGRAMS_PER_SM`: the least any kernel reading those bytes takes (CUDA)."""
+    from .read import WORDS_PER_WARP, read_words
+    words = torch.empty(-(-nbytes // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device)
+    words.random_()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(time_graph(lambda: read_words(words, sms * n), device) for n in READ_PROGRAMS_PER_SM) * 1e6

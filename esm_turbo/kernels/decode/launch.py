@@ -1,0 +1,80 @@
+"""``compressed_attention_triton``: the fused decode attention launcher (the PyTorch reference with the same
+contract is ``esm_turbo.ops.compressed.compressed_attention_reference``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ...quant.layout import CachedCodes, decode_grid
+from ..common import FP_FUSION, dot_precision, interpreting, part_or, split16, token_strides
+from .codes import aligned_table
+from .merge import _merge_kernel, _prep_kernel
+from .plan import launch_config, merge_rows, num_sms, plan_splits, stream_plan
+from .small import attention_one_launch
+from .walk import _prefix_kernel, _stream_kernel
+
+
+def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
+                                lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes,
+                                config: dict | None = None) -> torch.Tensor:
+    """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors (or CPU under
+    Triton's interpreter). ``config`` overrides the launch choice (:func:`~.plan.launch_config`) for tuning:
+    ``path`` (auto | one | split), block_t / num_warps / waves (or ``splits``: split-K programs per query),
+    ``prefetch``, ``rows``, ``maxnreg``, ``pdl``, ``stream`` and for the prep and merge kernels ``prep_block``,
+    ``prep_cols`` / ``merge_cols`` and ``merge_rows``."""
+    batch, heads, s, d = q.shape
+    t_cap = keys.main.shape[2]
+    keys = keys._replace(table=aligned_table(keys.table))
+    values = values._replace(table=aligned_table(values.table))
+    cfg = launch_config(d, keys.code, values.code, batch, heads, s, t_cap, config)
+    if cfg["path"] == "one" or (cfg["path"] == "auto" and cfg["small"]):
+        if s != 1:
+            raise ValueError("the one-launch path takes one query per sequence")
+        return attention_one_launch(q, k_new, v_new, new_valid, lengths, keys, values, cfg)
+    grid = decode_grid(keys.code, values.code)
+    precision = dot_precision(q)
+    pdl = bool(cfg["pdl"]) and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
+    block_s = max(triton.next_power_of_2(s), 1)
+    block_t = cfg["block_t"]
+    programs = batch * heads * s
+    sms = num_sms(q.device)
+    if cfg["stream"]:
+        nt, run, splits, launched = stream_plan(programs, t_cap, block_t, cfg["stream"] * sms)
+    else:
+        splits, chunk = plan_splits(programs, t_cap, block_t, sms, cfg["waves"], cfg.get("splits"))
+        nt = run = 0
+    block_ns = triton.next_power_of_2(splits)
+    dev = q.device
+    qt = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
+    c0 = torch.empty(batch, heads, s, device=dev, dtype=torch.float32)
+    (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
+    _prep_kernel[(heads, triton.cdiv(batch * s, cfg["prep_block"]))](
+        q, *q_strides, keys.rot, keys.offset, keys.scale, qt, c0, batch, heads, s, D=d, BLOCK_N=cfg["prep_block"],
+        COLS=min(d, cfg["prep_cols"]), PRECISION=precision, SPLIT16=split16(q, precision), PDL=pdl, num_warps=4,
+        enable_fp_fusion=FP_FUSION)
+    m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
+    out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
+    codes = (qt, keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
+             keys.table, values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table),
+             lengths, m, l_, acc, heads, s, t_cap)
+    consts = dict(D=d, KBITS=keys.code.code_bits, VBITS=values.code.code_bits, KFIELDS=keys.code.kernel_fields(),
+                  VFIELDS=values.code.kernel_fields(), KSIGN=keys.code.sign == "plane",
+                  VSIGN=values.code.sign == "plane", BLOCK_S=block_s, BLOCK_T=block_t, NK=keys.table[0].numel(),
+                  NV=values.table[0].numel(), PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl,
+                  num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], launch_pdl=pdl, enable_fp_fusion=FP_FUSION)
+    if run:
+        _stream_kernel[(launched,)](*codes, programs, nt, run, splits, INTERPRET=run if interpreting() else 0,
+                                    **consts)
+    else:
+        _prefix_kernel[(programs, splits)](*codes, chunk, splits, INTERPRET=chunk // block_t if interpreting() else 0,
+                                           **consts)
+    block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, sms)
+    _merge_kernel[(heads, triton.cdiv(batch, block_b))](
+        c0, q, *q_strides, k_new, *k_strides, v_new, *v_strides, m, l_, acc, new_valid, values.scale, values.offset,
+        values.rot, out, batch, heads, s, splits, nt, run,
+        D=d, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=min(d, cfg["merge_cols"]), PRECISION=precision,
+        num_warps=4, enable_fp_fusion=FP_FUSION)
+    return out

@@ -1,0 +1,209 @@
+"""The walk over a cached prefix: one query's online softmax over its share of the packed rows, and the two
+kernels that launch walks (``_prefix_kernel``: a grid of (query, split) programs; ``_stream_kernel``: stream-K, the
+queries' tiles cut in equal runs, one full wave of programs). Each writes partials (m, l, Σ p·ŷ) that the merge
+(``merge.py``) combines."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .codes import _decode_codes, _field_layout, _grid_factor, _load_codes
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+           KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr):
+    """The key and value codes of the tile at ``t0`` (rows ≥ ``end`` masked): fetched together, one memory
+    round trip per tile."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    tmask = offs_t < end
+    kw, ks = _load_codes(k_idx, k_sign, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T, GRID)
+    vw, vs = _load_codes(v_idx, v_sign, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T, GRID)
+    return kw, ks, vw, vs
+
+
+
+@triton.jit
+def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
+                  KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+                  BLOCK_T: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr, ROWS: tl.constexpr,
+                  GRID: tl.constexpr):
+    """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units; ``l_i`` per token
+    row [BLOCK_T] with ``GRID`` (see ``_walk``), else a scalar."""
+    tmask = t0 + tl.arange(0, BLOCK_T) < end
+    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID)
+    s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1)  # [BLOCK_T]
+    s = tl.where(tmask, s, float("-inf"))
+    m_tile = tl.max(s, axis=0)
+    if m_tile > m_i + 8.0:  # rescale only when the running max grows by > 2^8 (exp2 stays < 256 otherwise)
+        alpha = tl.exp2(m_i - m_tile)
+        acc = acc * alpha
+        l_i = l_i * alpha
+        m_i = m_tile
+    p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
+    if GRID:  # [BLOCK_T]: summed over tokens once, at the end, like acc (one reduction a tile less)
+        l_i = l_i + p
+    else:
+        l_i = l_i + tl.sum(p, axis=0)
+    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS, GRID)
+    acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, start, stop, T_CAP,
+                 D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
+                 VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr):
+    """A program's share [start, stop) of cache row ``pid_bh`` (= b·H + h): its rows [start, end) (end: stop or
+    the sequence's length), pointers to row 0 of the row in each packed part, and its first tile's codes —
+    requested here, as early as the program can."""
+    length = tl.load(len_ptr + b).to(tl.int32)
+    end = tl.minimum(stop, length)
+    row0 = pid_bh.to(tl.int64) * T_CAP
+    k_idx = k_idx_ptr + row0 * (D * KBITS // 8)
+    k_sign = k_sign_ptr + row0 * (D // 8)
+    v_idx = v_idx_ptr + row0 * (D * VBITS // 8)
+    v_sign = v_sign_ptr + row0 * (D // 8)
+    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T,
+                            GRID)
+    return start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs
+
+
+@triton.jit
+def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay, v_lay,
+          D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+          KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
+          PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr,
+          ROWS: tl.constexpr, GRID: tl.constexpr):
+    """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
+    (kw, ks, vw, vs): the first tile's codes, ``_fetch``-ed by the caller as early as it can.
+    k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
+    tile's codes are requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0
+    (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
+    tiles hold j scaled by a power of two per field, so the query and the value sums are scaled back by its
+    inverse (``_grid_factor``, exact)."""
+    if GRID:
+        q3 = q3 * _grid_factor(k_lay, KFIXED and not KSIGN, GRID)
+    m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
+    if GRID:  # softmax sums per token row, like acc (a LUT walk's registers spilled with them, SASS sm_90)
+        l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    else:
+        l_i = tl.sum(tl.zeros((2,), dtype=tl.float32), axis=0)
+    acc = tl.zeros((BLOCK_T, D // 8, 8), dtype=tl.float32)
+    if INTERPRET > 0:
+        for it in tl.static_range(INTERPRET):
+            t0 = start + it * BLOCK_T
+            nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
+                                        VSIGN, BLOCK_T, GRID)
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
+            kw, ks, vw, vs = nkw, nks, nvw, nvs
+    elif PREFETCH:
+        for t0 in range(start, end, BLOCK_T):
+            nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
+                                        VSIGN, BLOCK_T, GRID)
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
+            kw, ks, vw, vs = nkw, nks, nvw, nvs
+    else:
+        for t0 in range(start, end, BLOCK_T):
+            kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID)
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
+                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
+    acc = tl.sum(acc, axis=0)
+    if GRID:
+        l_i = tl.sum(l_i, axis=0)
+        acc = acc * _grid_factor(v_lay, VFIXED and not VSIGN, GRID)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+                   len_ptr,
+                    m_ptr, l_ptr, acc_ptr,
+                    H, S, T_CAP, CHUNK, NS,
+                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                    VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_T: tl.constexpr,
+                    NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+                    ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr):
+    """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes). ``PDL``
+    (launched while the prep kernel runs): the first tile's codes are requested, then the program waits for the
+    prep grid before it reads its query."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_bh = pid // S
+    qi = pid % S
+    _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+                len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK, split * CHUNK + CHUNK,
+                (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN, VSIGN,
+                BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL)
+
+
+@triton.jit
+def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+                   len_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, R, NT, W, NS,
+                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                   VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_T: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr,
+                   INTERPRET: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr):
+    """``_prefix_kernel`` with the work cut evenly (stream-K): grid (programs,), the B·H·S queries' rows of NT
+    tiles each laid end to end and cut in runs of W tiles, one run per program, so every program walks as many
+    tiles and the GPU holds one full wave (a grid of (query, split) programs left SMs part-empty: 1280 one-warp
+    programs on 132 SMs that hold 12 each). A run that crosses rows writes one partial per row: row r's
+    partial k (slot r·NS + k; k below the count the merge derives, NS from :func:`stream_plan`) comes from program
+    ⌊r·NT / W⌋ + k."""
+    p = tl.program_id(0)
+    first = p * W
+    for r in range(first // NT, tl.minimum((first + W - 1) // NT, R - 1) + 1):
+        pid_bh = r // S
+        qi = r % S
+        lo = tl.maximum(first, r * NT) - r * NT
+        hi = tl.minimum(first + W, r * NT + NT) - r * NT
+        k = p - _runs_meeting(r, NT, W)[0]
+        _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr,
+                    v_lay_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T, hi * BLOCK_T,
+                    (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN,
+                    VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL)
+
+
+@triton.jit
+def _runs_meeting(row, NT, W):
+    """The first and last stream-K runs (W tiles each, cut from rows of NT tiles laid end to end) that meet ``row``:
+    its partial k comes from run first + k (``_stream_kernel``), and the merge reads last − first + 1 of them."""
+    return (row * NT) // W, ((row + 1) * NT - 1) // W
+
+
+@triton.jit
+def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+                len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, start, stop, part, H, S, T_CAP,
+                D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
+                NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+                ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr):
+    """Query ``qi`` of cache row ``pid_bh`` over its cached rows [start, stop): walked, its (m, l, acc) stored at
+    partial ``part``."""
+    b = pid_bh // H
+    h = pid_bh % H
+    start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
+        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, start, stop, T_CAP, D, KBITS, VBITS,
+        KSIGN, VSIGN, BLOCK_T, GRID)
+    g = tl.arange(0, D // 8)
+    r = tl.arange(0, 8)
+    chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
+    k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
+    v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    q3 = tl.load(qt_ptr + (pid_bh * S + qi) * D + chan) * LOG2E
+    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
+                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
+                          PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID)
+    tl.store(m_ptr + part, m_i)
+    tl.store(l_ptr + part, l_i)
+    tl.store(acc_ptr + part * D + chan, acc)
+
+

@@ -1,0 +1,137 @@
+"""The calibration recipe: :class:`CalibrationConfig`, one schema for the Python API, the command line (flags made
+from its fields, ``esm_turbo.schema.add_flags``) and Hydra sweeps (``QuantConf.calibration`` nests its fields), and
+the named recipes (:data:`PRESETS`). Why the default is what it is: ``docs/recipe.md``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from ..quant.rotations import ROTATION_KINDS
+
+_ROTATIONS = (*ROTATION_KINDS, "none")  # "none" is "identity"
+
+
+def _f(default, help: str, **meta):
+    return field(default=default, metadata=dict(help=help, **meta))
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """A calibration recipe. Bits are *index bits* (a channel's LUT index; the sign residual's bit comes on top):
+    the default's 3 index bits + 1 sign bit store 4.0 bits per value all-in."""
+
+    key_index_bits: int = _f(3, "index bits per key value (a mean over channels under bit allocation)",
+                             range=(1, 4))
+    value_index_bits: int = _f(3, "index bits per value", range=(1, 4))
+    split: str = _f("auto", "auto: equal widths under 4 bits per value all-in become keys-first ones (3 -> 4 and 2, "
+                            "2 + sign -> 3 and 1); as-given: kept", choices=("auto", "as-given"))
+    key_rotation: str = _f("identity", "key rotation; identity: keys per channel; svd-query: the keys' PCA turned to "
+                                       "lower the score error (preset query-keys)", choices=_ROTATIONS,
+                           flags=("--rotation",))
+    value_rotation: str = _f("auto", "value rotation; auto: per head, unrotated or svd-scaled, whichever error "
+                                     "reaches the output less",
+                           choices=(*(r for r in _ROTATIONS if r != "svd-query"), "auto"))
+    residual: str = _f("sign", "residual after the index: a sign bit, a QJL sketch, or none",
+                       choices=("sign", "qjl", "none"))
+    sign_mode: str = _f("bin", "sign magnitudes per LUT bin or per head", choices=("bin", "head"))
+    lut: str = _f("auto", "levels: grid (evenly spaced per channel, computed by the GPU kernels), channel (a "
+                          "Lloyd-Max LUT per channel), head (one per head, the paper); auto: grid with a sign "
+                          "residual, channel without", choices=("auto", "channel", "head", "grid"))
+    shared_lut: bool = _f(False, "one LUT for keys and values")
+    max_tokens: Optional[int] = _f(None, "stop after this many calibration tokens", range=(1, None))
+    batch_tokens: int = _f(8192, "padded tokens per calibration batch", range=(16, None))
+    bins: int = _f(4096, "histogram bins per LUT fit with lut=head", range=(16, None))
+    channel_bins: int = _f(512, "histogram bins per channel (values standardised, +-10 rms)", range=(16, None))
+    bit_allocation: bool = _f(True, "index widths per channel by its share of the output error (the same bytes); "
+                                    "--no-bit-allocation: every channel the same width")
+    max_channel_bits: Optional[int] = _f(None, "widest channel under bit allocation (None: index bits + 1)",
+                                         range=(1, 7))
+    shared_widths: bool = _f(True, "one bit allocation for every head of a layer (the GPU kernels then compile its "
+                                   "field shifts in)")
+    attention_weight: float = _f(0.5, "a: each token counts (1 - a) + a x (the attention it receives) in the fits and "
+                                      "the allocation; 0 counts every token once", range=(0.0, 1.0))
+    seed: int = _f(0, "seed of seeded rotations and sketches")
+
+    def __post_init__(self):
+        for name in ("key_rotation", "value_rotation"):
+            if getattr(self, name) == "none":
+                object.__setattr__(self, name, "identity")
+
+    def resolved(self) -> "CalibrationConfig":
+        """The recipe a calibration runs: ``split`` applied to the widths (then "as-given"), ``lut="auto"`` to the
+        tables (then "grid" or "channel")."""
+        if self.split not in ("auto", "as-given"):
+            raise ValueError(f"split must be 'auto' or 'as-given', not {self.split!r}")
+        key_bits, value_bits = self.key_index_bits, self.value_index_bits
+        if self.split == "auto" and key_bits == value_bits and key_bits + (self.residual != "none") < 4:
+            key_bits, value_bits = kv_bits(key_bits, 1)
+        lut = self.lut
+        if lut == "auto":
+            lut = "grid" if self.residual == "sign" and not self.shared_lut else "channel"
+        return replace(self, key_index_bits=key_bits, value_index_bits=value_bits, split="as-given", lut=lut)
+
+
+#: the paper's literal recipe (plain SVD on K, V unrotated, one LUT and one ε per head) and measured ablations;
+#: "v-unrotated" and "kv-rotated" are the two fixed choices the default's per-head V choice picks from
+PRESETS: dict[str, CalibrationConfig] = {
+    "default": CalibrationConfig(),
+    "paper": CalibrationConfig(key_index_bits=3, value_index_bits=3, split="as-given", key_rotation="svd",
+                               value_rotation="identity", residual="sign", sign_mode="head", lut="head",
+                               bit_allocation=False, attention_weight=0.0),
+    "keys-first": CalibrationConfig(key_index_bits=4, value_index_bits=2),  # a bit moved from the values to the keys
+    "uniform-bits": CalibrationConfig(bit_allocation=False),  # every channel the same width
+    "per-head-widths": CalibrationConfig(shared_widths=False),  # each head its own allocation
+    "uniform-tokens": CalibrationConfig(attention_weight=0.0),  # every token counts once in the fits
+    "head-lut": CalibrationConfig(lut="head", bit_allocation=False),  # one LUT per head, equal widths
+    "grid": CalibrationConfig(lut="grid"),  # uniform levels per channel (the default's choice with a sign residual)
+    "channel-lut": CalibrationConfig(lut="channel"),  # Lloyd-Max LUTs per channel
+    "no-rotation": CalibrationConfig(key_rotation="identity", value_rotation="identity"),
+    "query-keys": CalibrationConfig(key_rotation="svd-query"),  # keys' PCA turned for the queries
+    "pca-keys": CalibrationConfig(key_rotation="svd-scaled"),  # keys' PCA, not turned for the queries
+    "kv-rotated": CalibrationConfig(value_rotation="svd-scaled"),
+    "v-unrotated": CalibrationConfig(value_rotation="identity"),
+    "shared-lut": CalibrationConfig(shared_lut=True, value_rotation="identity", bit_allocation=False),
+    "no-residual": CalibrationConfig(residual="none", split="as-given"),  # the sign bit dropped, nothing else
+}
+
+
+def kv_bits(mean: int, shift: int) -> tuple[int, int]:
+    """(key bits, value bits) averaging ``mean``: keys take ``shift`` bits from the values, fewer where a width
+    would leave 1..4 (the split LUT widths; 8 bits stay 8 and 8)."""
+    shift = max(0, min(shift, 4 - mean, mean - 1))
+    return mean + shift, mean - shift
+
+
+def with_mean_bits(cfg: CalibrationConfig, mean: int) -> CalibrationConfig:
+    """``cfg`` at ``mean`` index bits per value, keeping its key/value split (clamped by :func:`kv_bits`)."""
+    key_bits, value_bits = kv_bits(mean, (cfg.key_index_bits - cfg.value_index_bits) // 2)
+    return replace(cfg, key_index_bits=key_bits, value_index_bits=value_bits)
+
+
+def recipe(preset: str = "default", index_bits: int | None = None, **overrides: Any) -> CalibrationConfig:
+    """A preset, at ``index_bits`` mean index bits per value (its key/value split kept), with fields overridden: what
+    ``esm-turbo calibrate`` and a Hydra sweep's ``quant`` both calibrate. Widths named outright are kept as given."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown recipe {preset!r}: choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[preset]
+    if index_bits is not None:
+        cfg = with_mean_bits(cfg, index_bits)
+    if "key_index_bits" in overrides or "value_index_bits" in overrides:
+        overrides.setdefault("split", "as-given")
+    cfg = replace(cfg, **overrides)
+    widest = max(cfg.key_index_bits, cfg.value_index_bits)
+    if cfg.max_channel_bits is not None and cfg.max_channel_bits < widest:
+        raise ValueError(f"max_channel_bits {cfg.max_channel_bits} is below the mean index width {widest} (keys "
+                         f"{cfg.key_index_bits}, values {cfg.value_index_bits}); give at least {widest}")
+    return cfg
+
+
+#: legacy field names of checkpoints written before the index-bit names
+LEGACY_FIELDS = {"key_bits": "key_index_bits", "value_bits": "value_index_bits"}
+
+
+def config_from_meta(stored: dict) -> CalibrationConfig:
+    """The config a checkpoint's metadata stored (older names mapped; fields it predates at their value then)."""
+    fields = {LEGACY_FIELDS.get(k, k): v for k, v in stored.items()}
+    return CalibrationConfig(**{"attention_weight": 0.0, "split": "as-given", **fields})

@@ -1,0 +1,100 @@
+"""The instruction mix of the stream-K decode walk's tile loop (sm_90 SASS), compiled without a GPU as a launch on the
+bench's default cache compiles it: the default codec's widths, fields and grid, one warp, 168 registers, and the
+specialization Triton gives a launch (S = 1 a constant; pointers and the lengths T_CAP, R and NT divisible by 16).
+A listing compiled without that specialization loads its codes 32 bits at a time and counts other instructions.
+
+    python tools/sass_mix.py            # head_dim 64 (650M-shaped) and 128 (15B-shaped)
+    python tools/sass_mix.py --dump DIR # also writes each kernel's PTX and SASS there
+
+Needs Triton's NVIDIA backend (its bundled ptxas and nvdisasm); TRITON_INTERPRET must be unset."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import sys
+
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))  # the repository's tools/
+
+from esm_turbo.bench.synthetic import default_codec  # noqa: E402
+from esm_turbo.kernels.decode import launch_config, walk  # noqa: E402
+from esm_turbo.ops.compressed import fused_tables  # noqa: E402
+from esm_turbo.quant.layout import decode_grid  # noqa: E402
+from tools.sm90 import CODE_PTRS, compile_sm90  # noqa: E402
+
+
+def compile_stream(d: int):
+    """The stream kernel for a 20- (d = 64) or 40-head (d = 128) default codec, compiled for sm_90 with a launch's
+    specialization (S = 1; pointers and the lengths T_CAP, R and NT multiples of 16): (kernel, its block_t)."""
+    heads = 20 if d == 64 else 40
+    tables = fused_tables(default_codec(heads, d))
+    key, value = tables.k_code, tables.v_code
+    cfg = launch_config(d, key, value, 64, heads, 1, 16384)  # a step the stream-K walk takes
+    consts = dict(D=d, KBITS=key.code_bits, VBITS=value.code_bits, KFIELDS=key.kernel_fields(),
+                  VFIELDS=value.kernel_fields(), KSIGN=key.sign == "plane", VSIGN=value.sign == "plane", BLOCK_S=1,
+                  BLOCK_T=cfg["block_t"], NK=tables.k_tab[0].numel(), NV=tables.v_tab[0].numel(),
+                  PREFETCH=cfg["prefetch"], INTERPRET=0, ROWS=cfg["rows"], GRID=decode_grid(key, value), PDL=True, S=1)
+    assert cfg["stream"], "the default cache's walk at this shape is the stream-K kernel"
+    kernel = compile_sm90(walk._stream_kernel, consts, ("H", "T_CAP", "R", "NT", "W", "NS"), CODE_PTRS,
+                          num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], aligned=("T_CAP", "R", "NT"))
+    return kernel, cfg["block_t"]
+
+
+def disassemble(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def tile_loop(sass: str) -> list[str]:
+    """The instructions of the innermost loop that loads (LDG): the tile loop (the row loop around it is larger)."""
+    labels, instrs = {}, []
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(instrs)
+        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
+            instrs.append(m.group(1))
+    loops = [instrs[labels[m.group(1)]:i + 1] for i, ins in enumerate(instrs)
+             if (m := re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)) and labels.get(m.group(1), i + 1) <= i]
+    loops = [body for body in loops if any(" LDG" in f" {x}" for x in body)]
+    if not loops:
+        raise RuntimeError("no loop with global loads in the listing")
+    return min(loops, key=len)
+
+
+def opcode_mix(body: list[str]) -> collections.Counter:
+    """Opcodes (predicates and modifiers dropped) of a loop body."""
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dump", help="write each kernel's PTX and SASS to this directory")
+    args = parser.parse_args(argv)
+    print(f"triton {triton.__version__}, sm_90", flush=True)
+    for d in (64, 128):
+        kernel, block_t = compile_stream(d)
+        sass = disassemble(kernel.asm["cubin"])
+        body = tile_loop(sass)
+        mix = opcode_mix(body)
+        wide = sum(1 for x in body if "LDG.E.128" in x)
+        print(f"d={d} block_t={block_t}: {len(body)} instructions a tile, {mix['LDG']} loads "
+              f"({wide} of them 128-bit): " + ", ".join(f"{k} {v}" for k, v in mix.most_common(12)), flush=True)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            for ext, text in (("ptx", kernel.asm["ptx"]), ("sass", sass)):
+                with open(os.path.join(args.dump, f"stream_d{d}.{ext}"), "w") as f:
+                    f.write(text)
+
+
+if __name__ == "__main__":
+    main()

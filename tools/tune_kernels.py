@@ -1,0 +1,126 @@
+"""The launch constants of the decode-attention and quantize-and-pack kernels, each against its alternatives (GPU).
+
+For every shape, the default launch (``esm_turbo.kernels.decode.launch_config``) is timed, then each knob changed
+alone; an alternative must give the default's output (to 2e-3) before it is timed. Timing as ``esm-turbo bench``
+times: one call replayed as a CUDA graph after an L2 flush, median µs. Writes a table whose ``× default`` column is
+the alternative's time over the default's: every entry ≥ 1 (within noise) says the default is the fastest choice.
+
+    python tools/tune_kernels.py                    # decode attention and quantize-and-pack
+    python tools/tune_kernels.py --out results/gpu/launch_constants_h100.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from esm_turbo.bench.synthetic import default_codec, synthetic_cache
+from esm_turbo.bench.timing import time_graph
+from esm_turbo.cache import KVCache
+from esm_turbo.kernels.decode import compressed_attention_triton, launch_config
+from esm_turbo.kernels.quantize import quantize_pack_triton
+from esm_turbo.ops.compressed import cached_codes, fused_tables
+
+#: (name, heads, head_dim): ESM-2 650M's and 15B's attention layers
+SHAPES = (("650M", 20, 64), ("15B", 40, 128))
+#: (batch, cached tokens per row) of a decode step with one query per row
+STEPS = ((1, 1024), (1, 4096), (8, 4096), (8, 16384), (16, 4096), (64, 1024), (64, 4096), (64, 16384))
+
+
+def alternatives(cfg: dict, d: int) -> list[tuple[str, dict]]:
+    """(label, overrides) of each launch knob changed alone from the default ``cfg``."""
+    alts = [("path=" + ("split" if cfg["small"] else "one"), dict(path="split" if cfg["small"] else "one"))]
+    alts += [(f"block_t={b}", dict(block_t=b)) for b in (cfg["block_t"] // 2, cfg["block_t"] * 2) if b >= 16]
+    alts += [(f"num_warps={w}", dict(num_warps=w)) for w in (1, 2, 4) if w != cfg["num_warps"]]
+    alts += [("prefetch=False", dict(prefetch=False)),
+             ("maxnreg=" + str(None if cfg["maxnreg"] else 168), dict(maxnreg=None if cfg["maxnreg"] else 168))]
+    if not cfg["small"]:
+        alts += [("pdl=" + str(not cfg["pdl"]), dict(pdl=not cfg["pdl"]))]
+        alts += [(f"stream={n}", dict(stream=n)) for n in (0, 8, 16) if n != cfg["stream"]]
+        alts += [(f"merge_rows={r}", dict(merge_rows=r)) for r in (1, 4, 16)]
+        if d > 64:
+            alts += [(f"prep_cols={c}", dict(prep_cols=c)) for c in (32, 128)]
+            alts += [(f"merge_cols={c}", dict(merge_cols=c)) for c in (32, 128)]
+    return alts
+
+
+def tune_decode(out) -> None:
+    dev = torch.device("cuda")
+    print("## decode attention: µs per call (CUDA graph, cold L2); × default = alternative / default", file=out)
+    for name, heads, d in SHAPES:
+        for batch, t in STEPS:
+            cache = synthetic_cache(heads, d, batch, t, dev)
+            codec = cache.codecs[0]
+            keys, values = (cached_codes(codec, cache.parts[0], kind) for kind in "kv")
+            q = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
+            y = torch.randn_like(q)
+            valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
+            args = (q, y, y, valid, cache.lengths, keys, values)
+            cfg = launch_config(d, keys.code, values.code, batch, heads, 1, t)
+            ref = compressed_attention_triton(*args)
+            base = time_graph(lambda: compressed_attention_triton(*args), dev) * 1e6
+            cells = []
+            for label, over in alternatives(cfg, d):
+                try:
+                    got = compressed_attention_triton(*args, config=over)
+                    if not torch.allclose(got.float(), ref.float(), atol=2e-3, rtol=2e-3):
+                        cells.append(f"{label} WRONG")
+                        continue
+                    us = time_graph(lambda: compressed_attention_triton(*args, config=over), dev) * 1e6
+                    cells.append(f"{label} {us / base:.2f}")
+                except Exception as err:  # noqa: BLE001 - a launch that does not compile or fit is reported
+                    cells.append(f"{label} {type(err).__name__}")
+            path = "one launch" if cfg["small"] else ("stream-K" if cfg["stream"] else "split-K")
+            print(f"{name} B={batch} T={t}: default ({path}, block_t {cfg['block_t']}, {cfg['num_warps']} warps) "
+                  f"{base:.1f} µs | " + ", ".join(cells), file=out, flush=True)
+            del cache, codec, keys, values
+            torch.cuda.empty_cache()
+
+
+def tune_quantize(out) -> None:
+    """Quantize-and-pack of one 650M-shaped layer's keys and values (fp16 strided inputs, as a prefill hands them
+    over; the default codec) for a 1024-token prefill and a decode step of 195 sequences."""
+    dev = torch.device("cuda")
+    codec = default_codec(20, 64).to(dev)
+    tab = fused_tables(codec)
+    key, value = codec.key, codec.value
+    print("\n## quantize-and-pack, one 650M-shaped layer (K and V): µs per launch; × default", file=out)
+    for batch, s in ((1, 1024), (195, 1)):
+        cache = KVCache([codec], batch, capacity=s, device=dev)
+        x = torch.randn(batch, s, 20, 64, device=dev, dtype=torch.float16).transpose(1, 2)
+        pos = torch.zeros(batch, dtype=torch.long, device=dev)
+        args = (x, x, (key.rot, key.offset, key.scale, tab.k_bounds, key.centroids, tab.k_layout),
+                (value.rot, value.offset, value.scale, tab.v_bounds, value.centroids, tab.v_layout),
+                tab.packed(cache.parts[0], "k"), tab.packed(cache.parts[0], "v"), pos, tab.k_code, tab.v_code,
+                (tab.k_rot16, tab.v_rot16))
+        base = time_graph(lambda: quantize_pack_triton(*args), dev) * 1e6
+        cells = []
+        for block_n in (16, 32, 64, 128):
+            for warps in (2, 4, 8):
+                over = dict(block_n=block_n, num_warps=warps)
+                try:
+                    us = time_graph(lambda: quantize_pack_triton(*args, config=over), dev) * 1e6
+                    cells.append(f"block_n={block_n}/warps={warps} {us / base:.2f}")
+                except Exception as err:  # noqa: BLE001
+                    cells.append(f"block_n={block_n}/warps={warps} {type(err).__name__}")
+        print(f"B={batch} S={s}: default {base:.1f} µs | " + ", ".join(cells), file=out, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write the table here (default: stdout)")
+    args = parser.parse_args(argv)
+    out = open(args.out, "w") if args.out else sys.stdout
+    import triton
+    print(f"# tools/tune_kernels.py on {torch.cuda.get_device_name()} (triton {triton.__version__}, "
+          f"torch {torch.__version__})", file=out)
+    tune_decode(out)
+    tune_quantize(out)
+    if args.out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()
