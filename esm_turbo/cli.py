@@ -1,4 +1,4 @@
-"""``esm-turbo``: validate-codec, calibrate, evaluate, demo."""
+"""``esm-turbo``: calibrate, evaluate, embed, quantize-weights, bench, validate-codec, demo."""
 
 from __future__ import annotations
 
@@ -161,6 +161,28 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_quantize_weights(args) -> int:
+    from .model.loading import load_esm
+    from .weights import WeightQuantConfig, quantize_model, save_quantized, weight_memory
+    _check_inputs(args.device, args.model, [])
+    out = checks.output_dir(args.out, "--out")
+    if out.is_dir() and any(out.iterdir()):
+        raise EsmTurboError(f"--out {str(out)!r}: folder is not empty; name a new folder")
+    if args.group & (args.group - 1):
+        raise EsmTurboError(f"--group {args.group}: not a power of two")
+    cfg = WeightQuantConfig(bits=args.bits, group=args.group, residual=args.residual, seed=args.seed)
+    start = time.perf_counter()
+    model = quantize_model(load_esm(args.model, device=args.device), cfg, source=str(args.model),
+                           progress=not args.quiet)
+    save_quantized(model, out)
+    mem = weight_memory(model)
+    print(f"quantized {len(model.weight_quant['quantized'])} linears of {args.model} to {cfg.bits} bits"
+          f"{' + a residual pass' if cfg.residual else ''} in {time.perf_counter() - start:.1f} s; {out}: weights "
+          f"{mem['total_bytes'] / 2**20:.1f} MiB, {mem['ratio_vs_fp16']:.3f}x the fp16 model "
+          f"({mem['fp16_bytes'] / 2**20:.1f} MiB)")
+    return 0
+
+
 def cmd_embed(args) -> int:
     from .embed.extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
     from .embed.writers import make_writer
@@ -305,6 +327,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(recipe_flags, CalibrationConfig, PRESETS["default"])
     p.add_argument("--max-residues", type=checks.int_in(1, 1022), default=1022)
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("quantize-weights", help="ESM-2's block linears in 2-4 bits (rotated groups, a codebook, "
+                                                "per-row scales); the folder loads wherever --model is taken")
+    p.add_argument("--model", required=True, help="size (8M…15B), hub id, save_pretrained dir or fair-esm .pt")
+    p.add_argument("--out", required=True, help="a new folder for the quantized model")
+    p.add_argument("--bits", type=checks.int_in(2, 4), default=4, help="bits per weight (default 4)")
+    p.add_argument("--group", type=checks.int_in(8, 4096), default=32,
+                   help="input channels per rotation group and scale, a power of two (default 32; a layer it does not divide "
+                        "takes the largest power of two that does)")
+    p.add_argument("--residual", action="store_true", help="a second pass over the first's error (twice the bytes)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the rotations")
+    p.add_argument("--device", default="cpu", help="where to quantize: cpu, cuda, cuda:N (default: cpu)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_quantize_weights)
 
     p = sub.add_parser("evaluate", help="decode fidelity vs the FP32-cache reference")
     model_args(p)

@@ -8,7 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import quantize  # noqa: E402
+from esm_turbo.kernels import quantize, weights  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel  # noqa: E402
 from esm_turbo.quant.packing import packed_shifts  # noqa: E402
@@ -67,6 +67,12 @@ def main() -> None:
                      strides | {"B", "H", "S", "T_CAP"},
                      dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",
                           v_lay="*i32"), num_warps=4, maxnreg=96 if block_n == 64 else None)
+    # 4-bit weights: groups of 32 (several scales per tile) and of 128 (one), fp16 activations on tensor cores
+    for group in (32, 128):
+        compile_sm90(weights._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=64, BLOCK_K=64, GROUP=group,
+                                                          PRECISION="tf32"),
+                     {"B", "M", "N", "G", "sxb", "sob"}, dict(x_ptr=f16, codes_ptr=u8, scales_ptr=f16, cb_ptr=f16),
+                     num_warps=4)
     # the bench's read-only floor
     compile_sm90(read._read_kernel, dict(BLOCK=read.WORDS_PER_WARP), {"n_chunks", "per_prog"},
                  dict(x_ptr="*i32", out_ptr="*i32"), num_warps=1)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.alphabet import check_sequence, encode_packed
+from ..weights.linear import QuantizedLinear
 from .varlen import flash_available, padded_layout, varlen_attention
 
 #: ESM-2's token dropout: the share of tokens masked in training (15% selected × 80% masked)
@@ -117,6 +118,18 @@ class FastEsmBlock(nn.Module):
         self.ffn_norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, ffn)
         self.fc2 = nn.Linear(ffn, dim)
+        # quantized weights (esm_turbo.weights): the source net's (q, k, v, out, fc1, fc2) QuantizedLinear modules,
+        # dequantized per forward in the biases' dtype; None: the weights above
+        self.quantized: tuple | None = None
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W_qkv [3D, D], W_o [D, D], W_1 [F, D], W_2 [D, F]) as the block functions take them."""
+        if self.quantized is None:
+            return self.qkv.weight, self.out.weight, self.fc1.weight, self.fc2.weight
+        dtype = self.qkv.bias.dtype
+        q, k, v, o, f1, f2 = self.quantized
+        return (torch.cat([m.dequantize(dtype) for m in (q, k, v)]), o.dequantize(dtype), f1.dequantize(dtype),
+                f2.dequantize(dtype))
 
 
 class FastEsm(nn.Module):
@@ -150,14 +163,21 @@ class FastEsm(nn.Module):
             model = cls(esm.config, compile=compile)
 
         def share(dst: nn.Module, src: nn.Module) -> None:
-            dst.weight, dst.bias = src.weight, getattr(src, "bias", None)
+            dst.weight = None if isinstance(src, QuantizedLinear) else src.weight
+            dst.bias = getattr(src, "bias", None)
 
         with torch.no_grad():
             share(model.embed_tokens, esm.embeddings.word_embeddings)
             for block, layer in zip(model.blocks, esm.encoder.layer):
                 att = layer.attention
                 share(block.attn_norm, att.LayerNorm)
-                for kind in ("weight", "bias"):  # fused; net's Q, K and V become views of it (no second copy)
+                projections = (att.self.query, att.self.key, att.self.value)
+                if isinstance(att.self.query, QuantizedLinear):  # quantized weights: dequantized per forward
+                    block.quantized = (*projections, att.output.dense, layer.intermediate.dense, layer.output.dense)
+                    block.qkv.weight = None
+                    block.qkv.bias = nn.Parameter(torch.cat([m.bias for m in projections]), requires_grad=False)
+                for kind in ("weight", "bias") if block.quantized is None else ():  # fused; net's Q, K and V
+                    # become views of it (no second copy)
                     parts = [getattr(m, kind) for m in (att.self.query, att.self.key, att.self.value)]
                     fused = torch.cat(parts)
                     setattr(block.qkv, kind, nn.Parameter(fused, requires_grad=False))
@@ -222,11 +242,11 @@ class FastEsm(nn.Module):
         max_seqlen = batch.max_seqlen
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
         for i, b in enumerate(self.blocks, start=1):
-            q, k, v = pre(h, b.attn_norm.weight, b.attn_norm.bias, b.qkv.weight, b.qkv.bias, cos, sin, b.heads,
-                          self.eps)
+            w_qkv, w_o, w_1, w_2 = b.weights()
+            q, k, v = pre(h, b.attn_norm.weight, b.attn_norm.bias, w_qkv, b.qkv.bias, cos, sin, b.heads, self.eps)
             a = varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, layout)
-            h = post(h, a, b.out.weight, b.out.bias, b.ffn_norm.weight, b.ffn_norm.bias, b.fc1.weight, b.fc1.bias,
-                     b.fc2.weight, b.fc2.bias, self.eps)
+            h = post(h, a, w_o, b.out.bias, b.ffn_norm.weight, b.ffn_norm.bias, w_1, b.fc1.bias, w_2, b.fc2.bias,
+                     self.eps)
             if i == self.num_layers:
                 h = self.final_norm(h)
             if i in wanted:

@@ -115,11 +115,14 @@ def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
     """Load ESM-2 for masked-LM inference in eval mode.
 
     ``model``: a size name (``8M`` … ``15B``), a hub id (``facebook/esm2_t33_650M_UR50D``), a local
-    directory written by ``save_pretrained``, or a fair-esm ``.pt`` file.
+    directory written by ``save_pretrained`` or by ``esm-turbo quantize-weights``, or a fair-esm ``.pt`` file.
     """
+    from ..weights.model import is_quantized_dir, load_quantized
     path = Path(str(model)).expanduser()
     if path.is_file():
         net = load_fair_esm(path)
+    elif is_quantized_dir(path):  # esm-turbo quantize-weights
+        net = load_quantized(path)
     elif path.is_dir():
         try:
             net = EsmForMaskedLM.from_pretrained(path, dtype=torch.float32)

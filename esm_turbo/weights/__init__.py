@@ -1,0 +1,8 @@
+"""Quantized weights: ESM-2's block linears in 2-4 bits (rotated groups, a Lloyd-Max codebook, per-row scales)."""
+
+from .codec import WeightQuantConfig
+from .linear import QuantizedLinear
+from .model import is_quantized_dir, load_quantized, quantize_model, save_quantized, weight_memory
+
+__all__ = ["QuantizedLinear", "WeightQuantConfig", "is_quantized_dir", "load_quantized", "quantize_model",
+           "save_quantized", "weight_memory"]

@@ -1,0 +1,190 @@
+"""A whole ESM-2 with quantized linear layers: quantize it, save it, load it, account for its bytes.
+
+The checkpoint is a folder, self-contained (no fp16 copy of the model is needed to load it, so a model that does not
+fit a GPU in fp16 can be loaded onto it):
+
+* ``config.json``: the transformers ``EsmConfig``;
+* ``weights.safetensors``: every tensor of the model, the quantized linears as their codes, scales and codebooks,
+  the rest (embeddings, LayerNorms, the LM head) in fp16; metadata ``esm_turbo_weights`` (JSON): format version,
+  bits, group, passes, seed, which linears are quantized, the source model's name and fingerprint.
+
+Writes are atomic; loading checks completeness and the format version.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ..errors import CheckpointError
+from ..io import atomic_write, atomic_write_text
+from .codec import WeightQuantConfig
+from .linear import QuantizedLinear
+
+FORMAT_VERSION = 1
+META_KEY = "esm_turbo_weights"
+WEIGHTS_FILE = "weights.safetensors"
+#: the linear layers of each ESM-2 block that are quantized
+LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+           "intermediate.dense", "output.dense")
+
+
+def _linears(model) -> list[tuple[str, nn.Module, str]]:
+    """(qualified name, parent module, attribute) of every block linear of an ``EsmForMaskedLM``."""
+    out = []
+    for i, layer in enumerate(model.esm.encoder.layer):
+        for path in LINEARS:
+            *parents, attr = path.split(".")
+            parent = layer
+            for name in parents:
+                parent = getattr(parent, name)
+            out.append((f"esm.encoder.layer.{i}.{path}", parent, attr))
+    return out
+
+
+def quantize_model(model, config: WeightQuantConfig, source: str = "", progress: bool = False):
+    """Replace every block linear of ``model`` (in place) by a :class:`QuantizedLinear` and round the other
+    parameters to fp16 values (as the checkpoint stores them); returns the model with its quantization recorded in
+    ``model.weight_quant`` (a dict, the checkpoint's metadata)."""
+    from tqdm.auto import tqdm
+
+    from ..model.loading import model_fingerprint
+    fingerprint = model_fingerprint(model)
+    names = []
+    for k, (name, parent, attr) in enumerate(tqdm(_linears(model), desc="quantize weights", disable=not progress)):
+        linear = getattr(parent, attr)
+        setattr(parent, attr, QuantizedLinear.from_linear(linear, config, config.seed + k))
+        names.append(name)
+    with torch.no_grad():  # the rest is stored in fp16: round it here too, so the model is what its checkpoint holds
+        for p in model.parameters():
+            p.copy_(p.half().to(p.dtype))
+    model.weight_quant = dict(format_version=FORMAT_VERSION, config=asdict(config), quantized=names,
+                              source_model=str(source), source_fingerprint=fingerprint)
+    return model
+
+
+def is_quantized_dir(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / WEIGHTS_FILE).is_file()
+
+
+def save_quantized(model, out: str | Path) -> Path:
+    """Write ``model`` (quantized by :func:`quantize_model`) to the folder ``out``."""
+    out = Path(out)
+    meta = getattr(model, "weight_quant", None)
+    if meta is None:
+        raise ValueError("the model has no quantized weights: run quantize_model first")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu()
+        keep = "inv_freq" in name or not t.is_floating_point()  # rotary frequencies stay exact
+        tensors[name] = (t if keep else t.to(torch.float16)).contiguous()
+    if model.config.tie_word_embeddings:  # one copy of the tied LM decoder
+        tensors.pop("lm_head.decoder.weight", None)
+    atomic_write_text(out / "config.json", model.config.to_json_string())
+    header = {META_KEY: json.dumps(meta, sort_keys=True)}
+    atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata=header))
+    return out
+
+
+def load_quantized(path: str | Path):
+    """An ``EsmForMaskedLM`` with :class:`QuantizedLinear` block linears from a folder of :func:`save_quantized`."""
+    from transformers import EsmConfig, EsmForMaskedLM
+    path = Path(path)
+    try:
+        config = EsmConfig.from_json_file(str(path / "config.json"))
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as fh:
+            header = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as err:  # noqa: BLE001 - truncated, missing or not safetensors
+        raise CheckpointError(f"{path}: not a readable quantized-weights checkpoint ({type(err).__name__}: "
+                              f"{str(err)[:200]})") from None
+    if META_KEY not in header:
+        raise CheckpointError(f"{path / WEIGHTS_FILE}: safetensors file without {META_KEY} metadata")
+    meta = json.loads(header[META_KEY])
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: quantized-weights format {meta.get('format_version')}, this esm_turbo reads "
+                              f"format {FORMAT_VERSION}: quantize again with `esm-turbo quantize-weights`")
+    cfg = WeightQuantConfig(**meta["config"])
+    with torch.device("meta"):
+        model = EsmForMaskedLM(config)
+    for k, (name, parent, attr) in enumerate(_linears(model)):
+        linear = getattr(parent, attr)
+        if f"{name}.scales0" not in tensors:
+            raise CheckpointError(f"{path}: incomplete checkpoint (no codes for {name})")
+        passes = 2 if f"{name}.codes1" in tensors else 1
+        groups = tensors[f"{name}.scales0"].shape[1]
+        with torch.device("cpu"):
+            setattr(parent, attr, QuantizedLinear(linear.in_features, linear.out_features, cfg.bits,
+                                                  linear.in_features // groups, passes, cfg.seed + k,
+                                                  linear.bias is not None))
+    model = model.to_empty(device="cpu")
+    if config.tie_word_embeddings:
+        tensors["lm_head.decoder.weight"] = tensors["esm.embeddings.word_embeddings.weight"]
+    missing, unexpected = model.load_state_dict({k: v.float() if v.dtype == torch.float16 and "scales" not in k
+                                                 and "codebook" not in k else v for k, v in tensors.items()},
+                                                strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: incomplete checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
+    _restore_buffers(model)
+    model.tie_weights()
+    model.weight_quant = meta
+    return model.eval()
+
+
+def _restore_buffers(model) -> None:
+    """Buffers no checkpoint stores (non-persistent: position ids, rotary frequencies), left uninitialised by
+    ``to_empty``: rebuilt as the model's constructor builds them."""
+    for module in model.modules():
+        for name in list(getattr(module, "_non_persistent_buffers_set", ())):
+            buf = getattr(module, name)
+            if name == "position_ids":
+                setattr(module, name, torch.arange(buf.shape[-1]).expand(buf.shape).clone())
+            elif name == "inv_freq" and hasattr(module, "compute_default_rope_parameters"):
+                setattr(module, name, module.compute_default_rope_parameters(model.config)[0])
+            else:
+                raise CheckpointError(f"cannot rebuild the buffer {name!r} of {type(module).__name__}")
+
+
+def weight_memory(model) -> dict:
+    """Bytes of the model's weights as held: quantized linears (codes, scales, codebooks), everything else, and the
+    same model's fp16 and fp32 bytes (every parameter at 2 and 4 bytes)."""
+    quantized = other = 0
+    params = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            quantized += module.nbytes()
+            params += module.in_features * module.out_features
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        other += p.numel() * 2  # held in fp16
+        params += p.numel()
+    return dict(quantized_linear_bytes=quantized, other_bytes_fp16=other, total_bytes=quantized + other,
+                fp16_bytes=2 * params, fp32_bytes=4 * params, ratio_vs_fp16=(quantized + other) / (2 * params))
+
+
+def estimate_bytes(shape: dict, config: WeightQuantConfig) -> dict:
+    """The bytes :func:`weight_memory` would count for an ESM-2 of ``shape`` (``layers``, ``hidden``, ``ffn``,
+    ``vocab``) quantized by ``config``, without building it: for sizes that do not fit here (15B)."""
+    from .codec import group_size
+    layers, d, f, vocab = shape["layers"], shape["hidden"], shape["ffn"], shape["vocab"]
+    linears = [(d, d)] * 4 + [(d, f), (f, d)]  # (in, out) of Q, K, V, O, FFN in, FFN out
+    passes = 2 if config.residual else 1
+    per_layer = sum(passes * (o * i * config.bits // 8 + 2 * o * (i // group_size(i, config.group)) + 2 * 2**config.bits)
+                    for i, o in linears)
+    linear_params = layers * sum(i * o for i, o in linears)
+    other = layers * (sum(o for _, o in linears) + 4 * d) + vocab * d + 2 * d + d * d + 2 * d + vocab  # biases, LNs, head
+    quantized = layers * per_layer
+    total_params = linear_params + other
+    return dict(quantized_linear_bytes=quantized, other_bytes_fp16=2 * other, total_bytes=quantized + 2 * other,
+                fp16_bytes=2 * total_params, ratio_vs_fp16=(quantized + 2 * other) / (2 * total_params))

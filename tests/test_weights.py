@@ -1,0 +1,163 @@
+"""Quantized weights: the codec, the linear, the whole model, its checkpoint, and every place a model is taken."""
+
+import copy
+
+import pytest
+import torch
+
+from esm_turbo import FastEsm, TurboEsm, calibrate, load_esm, read_fasta
+from esm_turbo.cli import main
+from esm_turbo.errors import CheckpointError
+from esm_turbo.testing import stress_esm2
+from esm_turbo.weights import (QuantizedLinear, WeightQuantConfig, is_quantized_dir, load_quantized, quantize_model,
+                               save_quantized, weight_memory)
+from esm_turbo.weights.codec import group_size
+from esm_turbo.weights.model import estimate_bytes
+
+
+def _linear(m=48, n=96, seed=0, outlier=True):
+    gen = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(n, m)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(m, n, generator=gen) / n**0.5)
+        if outlier:  # an input channel 30x the rest: the rotation spreads it over its group
+            lin.weight[:, 5] *= 30
+        lin.bias.copy_(torch.randn(m, generator=gen))
+    return lin
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@torch.no_grad()
+def test_quantized_linear_error_falls_with_bits_and_the_residual_pass(bits):
+    lin = _linear()
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
+    ref = lin(x)
+    errors = []
+    for residual in (False, True):
+        q = QuantizedLinear.from_linear(lin, WeightQuantConfig(bits=bits, group=32, residual=residual), seed=3)
+        out = q(x)
+        # the rotated-input forward is the original-domain weight's product
+        assert torch.allclose(out, x @ q.dequantize().T + lin.bias, atol=1e-4, rtol=1e-4)
+        errors.append(float((out - ref).norm() / ref.norm()))
+    assert errors[1] < errors[0] / 2  # the residual pass removes most of the first pass's error
+    assert errors[0] < {2: 0.25, 3: 0.13, 4: 0.08}[bits], errors  # Lloyd-Max on near-Gaussian values
+
+
+def test_the_rotation_spreads_an_outlier_channel():
+    lin = _linear()
+    q = QuantizedLinear.from_linear(lin, WeightQuantConfig(bits=4, group=32), seed=0)
+    err = (q.dequantize() - lin.weight).pow(2).sum(0)  # per input channel
+    assert err[5] / err.mean() < 10  # without the rotation, the 30x channel would take nearly all of it
+
+
+def test_group_sizes_and_config_checks():
+    assert group_size(320, 128) == 64 and group_size(1280, 128) == 128 and group_size(480, 128) == 32
+    with pytest.raises(ValueError, match="power of two"):
+        WeightQuantConfig(group=48)
+    with pytest.raises(ValueError, match="2-4 bits"):
+        WeightQuantConfig(bits=8)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    base = stress_esm2(layers=2, hidden=64, heads=4, seed=0)
+    model = quantize_model(copy.deepcopy(base), WeightQuantConfig(bits=4, group=32), source="stress")
+    out = tmp_path_factory.mktemp("w") / "q"
+    save_quantized(model, out)
+    return base, model, out
+
+
+def test_a_quantized_model_round_trips_and_stays_close(quantized):
+    base, model, out = quantized
+    assert is_quantized_dir(out) and len(model.weight_quant["quantized"]) == 2 * 6
+    ids = torch.randint(4, 24, (2, 30), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = load_quantized(out)(input_ids=ids).logits
+    assert torch.equal(want, got)  # the checkpoint holds exactly the quantized model
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    for layer, original in zip(model.esm.encoder.layer, base.esm.encoder.layer):
+        q, ref = layer.attention.self.query, original.attention.self.query
+        with torch.no_grad():
+            assert float((q(x) - ref(x)).norm() / ref(x).norm()) < 0.15  # 4-bit Lloyd-Max: ~10% RMS
+    loaded = load_esm(out, dtype=torch.float16)  # anywhere a model is taken
+    q = loaded.esm.encoder.layer[0].attention.self.query
+    assert isinstance(q, QuantizedLinear) and q.scales0.dtype == torch.float16 and q.bias.dtype == torch.float16
+
+
+def test_memory_is_counted_whole(quantized):
+    _, model, _ = quantized
+    mem = weight_memory(model)
+    linear_params = 2 * (4 * 64 * 64 + 2 * 64 * 256)
+    codes = linear_params // 2  # 4 bits
+    scales = 2 * linear_params // 32
+    codebooks = 2 * 6 * 16 * 2
+    assert mem["quantized_linear_bytes"] == codes + scales + codebooks
+    assert mem["fp16_bytes"] == 2 * sum(p.numel() for p in stress_esm2(layers=2, hidden=64, heads=4).parameters())
+    big = estimate_bytes(dict(layers=48, hidden=5120, ffn=20480, vocab=33), WeightQuantConfig(bits=4, group=32))
+    assert big["total_bytes"] < 9e9 and big["ratio_vs_fp16"] <= 0.30  # ESM-2 15B fits a 24 GB GPU
+
+
+def test_truncated_or_foreign_checkpoints_are_refused(quantized, tmp_path):
+    _, _, out = quantized
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((out / "config.json").read_bytes())
+    (bad / "weights.safetensors").write_bytes((out / "weights.safetensors").read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match="not a readable"):
+        load_quantized(bad)
+
+
+def test_fast_embed_and_the_kv_cache_run_on_quantized_weights(quantized):
+    _, model, out = quantized
+    fast = FastEsm.from_pretrained(out, dtype=torch.float32, device="cpu")
+    seqs = ["MKTAYIAKQRQISFVKSHFSRQ", "GSHMLEDPVDAFQ"]
+    emb = fast.embed(seqs, layers=[2])["mean"][2]
+    from esm_turbo.model.alphabet import encode
+    tokens, mask = encode(seqs, add_eos=True)
+    with torch.no_grad():
+        hidden = model.esm(input_ids=tokens, attention_mask=mask, output_hidden_states=True).last_hidden_state
+    for i, s in enumerate(seqs):
+        want = hidden[i, 1:len(s) + 1].mean(0)
+        assert torch.allclose(emb[i], want, atol=1e-4), (emb[i] - want).abs().max()
+    records = read_fasta("calibration_data/calibration.fasta")[0][:8]
+    cal = calibrate(model, records, progress=False)
+    session = TurboEsm(model, cal).session()
+    session.start(seqs[:1])
+    assert torch.isfinite(session.step(["A"]).logits).all()
+    base, _, _ = quantized  # a KV calibration of the fp16 weights does not fit the quantized model's K and V
+    with pytest.raises(CheckpointError, match="made for another model"):
+        TurboEsm(model, calibrate(base, records, progress=False))
+
+
+def test_cli_quantize_weights(tmp_path, capsys):
+    from esm_turbo.testing import save_stress_model
+    src = save_stress_model(tmp_path / "m", fair_esm_pt=False, layers=2, hidden=64, heads=4)
+    out = tmp_path / "q"
+    assert main(["quantize-weights", "--model", str(src), "--out", str(out), "--bits", "3", "--quiet"]) == 0
+    assert "to 3 bits" in capsys.readouterr().out and is_quantized_dir(out)
+    assert main(["quantize-weights", "--model", str(src), "--out", str(out), "--quiet"]) == 2  # not a new folder
+    assert "not empty" in capsys.readouterr().err
+    assert main(["quantize-weights", "--model", str(src), "--out", str(tmp_path / "g"), "--group", "48"]) == 2
+    assert "--group 48" in capsys.readouterr().err and not (tmp_path / "g").exists()
+
+
+@pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
+                    reason="triton >= 3.5 is not installed")
+@pytest.mark.parametrize("n,group,batch", [(96, 32, 5), (256, 128, 3), (320, 64, 17), (1280, 32, 1)])
+def test_weight_kernel_matches_its_reference(n, group, batch):
+    """The fused 4-bit dequantize-and-multiply kernel (Triton's interpreter on CPU; compiled on a GPU) against the
+    PyTorch reference, under the flash-attention rule: its error against fp64 at most twice the fp32 reference's."""
+    from esm_turbo.kernels.weights import matmul_reference, matmul_triton
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = QuantizedLinear.from_linear(_linear(80, n, seed=n), WeightQuantConfig(bits=4, group=group), seed=1)
+    x = torch.randn(batch, n, generator=torch.Generator().manual_seed(batch))
+    args = [t.to(device) for t in (q.codes0, q.scales0, q.codebook0)]
+    ref64 = x.double() @ q.rotated_weight(torch.float64).T
+    ref32 = matmul_reference(x.to(device), *args).double().cpu()
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    out = matmul_triton(x.to(device, dtype), *args).double().cpu()
+    err, err_ref = (out - ref64).abs().max().item(), (ref32 - ref64).abs().max().item()
+    bound = 2 * err_ref + 1e-5 if dtype == torch.float32 else 2e-2 * ref64.abs().max().item()
+    assert err <= bound, (err, err_ref)
