@@ -159,3 +159,17 @@ def test_torchrun_two_ranks_gloo(stress_dir, fasta, tmp_path):
         labels = {fh[k].attrs["label"] for k in fh.keys()}
     assert labels == {rid for rid, _ in SEQS}
     assert "rank 0/2" in proc.stderr and "rank 1/2" in proc.stderr
+
+
+def test_ranks_are_balanced_by_tokens():
+    from esm_turbo.embed.batching import shard_by_tokens
+    gen = torch.Generator().manual_seed(0)
+    tokens = (torch.rand(997, generator=gen) ** 3 * 1000).long().add(22).tolist()  # a long tail of long records
+    for world in (2, 3, 4, 8):
+        shards = shard_by_tokens(tokens, world)
+        assert sorted(i for s in shards for i in s) == list(range(len(tokens)))  # every record once
+        loads = [sum(tokens[i] for i in s) for s in shards]
+        assert max(loads) - sum(loads) / world <= max(tokens)
+        assert max(loads) / min(loads) < 1.01, loads
+    # round-robin by length would give rank 0 the two longest records here
+    assert [sum([500, 499, 1, 1, 1, 1][i] for i in s) for s in shard_by_tokens([500, 499, 1, 1, 1, 1], 2)] == [502, 501]

@@ -9,6 +9,7 @@ ones ``rows × (longest + 2)``, the padding-inclusive count fair-esm's ``--toks_
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -41,6 +42,19 @@ def window_spans(length: int, window: int, overlap: int) -> list[tuple[int, int]
     step = window - overlap
     starts = list(range(0, length - window, step)) + [length - window]
     return [(s, s + window) for s in starts]
+
+
+def shard_by_tokens(tokens: list[int], world: int) -> list[list[int]]:
+    """Record indices per rank (torchrun), balanced by tokens: longest first, each to the rank holding the fewest tokens
+    so far (ties to the lower rank), every rank's indices in input order. No rank ends more than one record's tokens
+    above the mean."""
+    loads = [(0, r) for r in range(world)]
+    shards: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        load, rank = heapq.heappop(loads)
+        shards[rank].append(i)
+        heapq.heappush(loads, (load + tokens[i], rank))
+    return [sorted(shard) for shard in shards]
 
 
 def owner_ranges(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

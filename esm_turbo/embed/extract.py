@@ -29,7 +29,7 @@ from ..fasta import Record
 from ..model.alphabet import encode, encode_packed
 from ..model.sizes import MAX_RESIDUES
 from ..schema import DTYPES
-from .batching import Piece, owner_ranges, plan_batches, plan_pieces, window_spans
+from .batching import Piece, owner_ranges, plan_batches, plan_pieces, shard_by_tokens, window_spans
 from .fast_esm import FastEsm, PackedBatch
 
 log = logging.getLogger(__name__)
@@ -252,9 +252,9 @@ class Embedder:
             summary.skipped += len(records) - len(todo)
             records = todo
         cfg = self.config
-        if world > 1:  # shard whole records (windows of one record stay together), balanced by length
-            by_len = sorted(range(len(records)), key=lambda i: (-len(records[i].sequence), i))
-            records = [records[i] for i in sorted(by_len[rank::world])]
+        if world > 1:  # shard whole records (windows of one record stay together), balanced by tokens
+            mine = shard_by_tokens([len(r.sequence) + 2 for r in records], world)[rank]
+            records = [records[i] for i in mine]
         pieces, warnings = plan_pieces(records, cfg.truncation_seq_length, cfg.long_policy, cfg.window_overlap)
         for _, message in warnings:
             log.warning("warning: %s", message)
