@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
+import re
 import sys
 import time
 
@@ -58,17 +61,22 @@ def cmd_validate_codec(args) -> int:
 def _config_from_args(args):
     """The recipe a calibrate command asks for: its preset ("auto": the default's, then the candidates) at
     ``--index-bits``, with every recipe flag given (:class:`~esm_turbo.model.recipe.CalibrationConfig`'s fields)."""
-    import re
-    from dataclasses import fields
-
     from .model.recipe import PRESETS, CalibrationConfig, recipe
     from .schema import overrides_from_args
     preset = args.preset if args.preset in PRESETS else "default"
-    try:
+    with _fields_as_flags(CalibrationConfig):
         return recipe(preset, args.index_bits, **overrides_from_args(args, CalibrationConfig))
-    except ValueError as err:  # named by their flags, as the user gave them
+
+
+@contextlib.contextmanager
+def _fields_as_flags(cls):
+    """A ValueError of a config dataclass ``cls`` as the one-line error of the command, its field names written as the
+    flags the user gave (``max_channel_bits`` → ``--max-channel-bits``)."""
+    try:
+        yield
+    except ValueError as err:
         message = str(err)
-        for f in fields(CalibrationConfig):
+        for f in dataclasses.fields(cls):
             message = re.sub(rf"\b{f.name}\b", f"--{f.name.replace('_', '-')}", message)
         raise EsmTurboError(message) from None
 
@@ -168,9 +176,8 @@ def cmd_quantize_weights(args) -> int:
     out = checks.output_dir(args.out, "--out")
     if out.is_dir() and any(out.iterdir()):
         raise EsmTurboError(f"--out {str(out)!r}: folder is not empty; name a new folder")
-    if args.group & (args.group - 1):
-        raise EsmTurboError(f"--group {args.group}: not a power of two")
-    cfg = WeightQuantConfig(bits=args.bits, group=args.group, residual=args.residual, seed=args.seed)
+    with _fields_as_flags(WeightQuantConfig):
+        cfg = WeightQuantConfig(bits=args.bits, group=args.group, residual=args.residual, seed=args.seed)
     start = time.perf_counter()
     model = quantize_model(load_esm(args.model, device=args.device), cfg, source=str(args.model),
                            progress=not args.quiet)

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from esm_turbo import FastEsm, TurboEsm, calibrate, load_esm, read_fasta
+from esm_turbo import FastEsm, TurboEsm, calibrate, esm2_config, load_esm, read_fasta
 from esm_turbo.cli import main
 from esm_turbo.errors import CheckpointError
 from esm_turbo.testing import stress_esm2
@@ -95,7 +95,9 @@ def test_memory_is_counted_whole(quantized):
     codebooks = 2 * 6 * 16 * 2
     assert mem["quantized_linear_bytes"] == codes + scales + codebooks
     assert mem["fp16_bytes"] == 2 * sum(p.numel() for p in stress_esm2(layers=2, hidden=64, heads=4).parameters())
-    big = estimate_bytes(dict(layers=48, hidden=5120, ffn=20480, vocab=33), WeightQuantConfig(bits=4, group=32))
+    small = estimate_bytes(model.config, WeightQuantConfig(bits=4, group=32))
+    assert small == mem  # counted on a meta-device shell, as on the model itself
+    big = estimate_bytes(esm2_config("15B"), WeightQuantConfig(bits=4, group=32))
     assert big["total_bytes"] < 9e9 and big["ratio_vs_fp16"] <= 0.30  # ESM-2 15B fits a 24 GB GPU
 
 

@@ -10,6 +10,7 @@ calibrated or Hadamard LUT quantizers without per-vector norms, 1–4 bits, resi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -190,37 +191,44 @@ def _triton() -> bool:
     return triton_available()
 
 
-@torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=("k_main", "k_sign", "v_main", "v_sign"))
-def quantize_pack(k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor,
-                  k_scale: torch.Tensor, k_bounds: torch.Tensor, k_centroids: torch.Tensor, k_layout: torch.Tensor,
-                  k_main: torch.Tensor, k_sign: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor,
-                  v_scale: torch.Tensor, v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_layout: torch.Tensor,
-                  v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_code: list[int], v_code: list[int],
-                  k_rot16: torch.Tensor | None = None, v_rot16: torch.Tensor | None = None) -> None:
-    """Keys and values of one layer into their cache parts (the reference here; one Triton launch on CUDA). Bounds [H, K-1, d]
-    level-major (``FusedTables``); ``*_code``: the :class:`CodeLayout` as :meth:`~CodeLayout.to_op` gives it;
-    ``*_rot16``: the rotations' fp16 halves (:func:`split_rotation`) for the kernel, or None / empty. A grid codec's
-    codes the kernel rounds to (the reference searches the centroids as for any LUT: the same codes)."""
-    k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
-    v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
-    quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, CodeLayout.from_op(k_code))
-    quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, CodeLayout.from_op(v_code))
+def _never() -> bool:
+    return False
 
 
-@quantize_pack.register_kernel("cuda")
-def _quantize_pack_cuda(k, v, k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout, k_main, k_sign, v_rot,
-                        v_offset, v_scale, v_bounds, v_centroids, v_layout, v_main, v_sign, pos, k_code, v_code,
-                        k_rot16=None, v_rot16=None) -> None:
-    k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
-    v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
-    k_code, v_code = CodeLayout.from_op(k_code), CodeLayout.from_op(v_code)
-    if not _triton():
-        quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_code)
-        quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_code)
-        return
-    from ..kernels.quantize import quantize_pack_triton
-    halves = None if k_rot16 is None or v_rot16 is None else (k_rot16, v_rot16)
-    quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos, k_code, v_code, halves)
+def _quantize_pack_with(kernel: Callable[[], bool]) -> Callable:
+    """The body of ``esm_turbo::quantize_pack``: the Triton kernel when ``kernel()`` says so (the CUDA
+    implementation: Triton available), else the reference (the default implementation)."""
+
+    def quantize_pack(k: torch.Tensor, v: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor,
+                      k_scale: torch.Tensor, k_bounds: torch.Tensor, k_centroids: torch.Tensor, k_layout: torch.Tensor,
+                      k_main: torch.Tensor, k_sign: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor,
+                      v_scale: torch.Tensor, v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_layout: torch.Tensor,
+                      v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_code: list[int],
+                      v_code: list[int], k_rot16: torch.Tensor | None = None,
+                      v_rot16: torch.Tensor | None = None) -> None:
+        """Keys and values of one layer into their cache parts (the reference; one Triton launch on CUDA). Bounds
+        [H, K-1, d] level-major (``FusedTables``); ``*_code``: the :class:`CodeLayout` as :meth:`~CodeLayout.to_op`
+        gives it; ``*_rot16``: the rotations' fp16 halves (:func:`split_rotation`) for the kernel, or None / empty. A
+        grid codec's codes the kernel rounds to (the reference searches the centroids as for any LUT: the same
+        codes)."""
+        k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
+        v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
+        k_code, v_code = CodeLayout.from_op(k_code), CodeLayout.from_op(v_code)
+        if kernel():
+            from ..kernels.quantize import quantize_pack_triton
+            halves = None if k_rot16 is None or v_rot16 is None else (k_rot16, v_rot16)
+            quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos, k_code, v_code,
+                                 halves)
+        else:
+            quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_code)
+            quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_code)
+
+    return quantize_pack
+
+
+quantize_pack = torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=("k_main", "k_sign", "v_main",
+                                                                                  "v_sign"))(_quantize_pack_with(_never))
+quantize_pack.register_kernel("cuda")(_quantize_pack_with(_triton))
 
 
 @quantize_pack.register_fake
@@ -228,30 +236,31 @@ def _quantize_pack_fake(*args) -> None:
     return None
 
 
-@torch.library.custom_op("esm_turbo::compressed_attention", mutates_args=())
-def compressed_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
-                         lengths: torch.Tensor, k_main: torch.Tensor, k_sign: torch.Tensor, k_tab: torch.Tensor,
-                         k_layout: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor, k_scale: torch.Tensor,
-                         k_code: list[int], v_main: torch.Tensor, v_sign: torch.Tensor, v_tab: torch.Tensor,
-                         v_layout: torch.Tensor, v_rot: torch.Tensor, v_offset: torch.Tensor, v_scale: torch.Tensor,
-                         v_code: list[int]) -> torch.Tensor:
-    """:func:`compressed_attention_reference` (or the Triton kernel on CUDA) with each kind's
-    :class:`~esm_turbo.quant.layout.CachedCodes` flattened, its code layout as :meth:`CodeLayout.to_op` gives it."""
-    keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code))
-    values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code))
-    return compressed_attention_reference(q, k_new, v_new, new_valid, lengths, keys, values)
+def _compressed_attention_with(kernel: Callable[[], bool]) -> Callable:
+    """The body of ``esm_turbo::compressed_attention``, as :func:`_quantize_pack_with` makes quantize_pack's."""
 
-
-@compressed_attention.register_kernel("cuda")
-def _compressed_attention_cuda(q, k_new, v_new, new_valid, lengths, k_main, k_sign, k_tab, k_layout, k_rot, k_offset,
-                               k_scale, k_code, v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale,
-                               v_code) -> torch.Tensor:
-    keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code))
-    values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code))
-    if not _triton():
+    def compressed_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
+                             lengths: torch.Tensor, k_main: torch.Tensor, k_sign: torch.Tensor, k_tab: torch.Tensor,
+                             k_layout: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor,
+                             k_scale: torch.Tensor, k_code: list[int], v_main: torch.Tensor, v_sign: torch.Tensor,
+                             v_tab: torch.Tensor, v_layout: torch.Tensor, v_rot: torch.Tensor,
+                             v_offset: torch.Tensor, v_scale: torch.Tensor, v_code: list[int]) -> torch.Tensor:
+        """:func:`compressed_attention_reference` (or the Triton kernel on CUDA) with each kind's
+        :class:`~esm_turbo.quant.layout.CachedCodes` flattened, its code layout as :meth:`CodeLayout.to_op` gives
+        it."""
+        keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code))
+        values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code))
+        if kernel():
+            from ..kernels.decode import compressed_attention_triton
+            return compressed_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values)
         return compressed_attention_reference(q, k_new, v_new, new_valid, lengths, keys, values)
-    from ..kernels.decode import compressed_attention_triton
-    return compressed_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values)
+
+    return compressed_attention
+
+
+compressed_attention = torch.library.custom_op("esm_turbo::compressed_attention",
+                                               mutates_args=())(_compressed_attention_with(_never))
+compressed_attention.register_kernel("cuda")(_compressed_attention_with(_triton))
 
 
 @compressed_attention.register_fake

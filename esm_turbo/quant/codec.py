@@ -121,12 +121,6 @@ class VectorQuantizer(nn.Module):
             self._code_layout_key = key
         return self._code_layout
 
-    @property
-    def combined_sign(self) -> bool:
-        """A sign residual over ≤3 index bits is stored fused as one (bits+1)-bit code ``2·idx + sign``
-        (3 + 1 bits → one nibble per value): the same bytes as separate planes, one aligned load less."""
-        return self.code_layout().sign == "combined"
-
     def layout(self) -> torch.Tensor:
         """Field layout [H, d] int32 of the main packed part (``esm_turbo.quant.packing.field_layout``), kept with
         :meth:`code_layout`."""

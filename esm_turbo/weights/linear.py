@@ -30,7 +30,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer(f"codes{p}", torch.zeros(out_features, in_features * bits // 8, dtype=torch.uint8))
             self.register_buffer(f"scales{p}", torch.zeros(out_features, groups, dtype=torch.float16))
             self.register_buffer(f"codebook{p}", torch.zeros(1 << bits, dtype=torch.float16))
-        self._rot = rotation(group, seed)  # float32 whatever the module's dtype; not stored (its seed is)
+        self._rot: torch.Tensor | None = None  # Π [d, d] float32, built from the seed on first use (not stored)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
@@ -84,6 +84,8 @@ class QuantizedLinear(nn.Module):
         return (x.float().reshape(*x.shape[:-1], self.in_features // d, d) @ rot.T).reshape(x.shape).to(x.dtype)
 
     def _rotation(self, device: torch.device) -> torch.Tensor:
+        if self._rot is None:
+            self._rot = rotation(self.group, self.seed)
         if self._rot.device != device:
             self._rot = self._rot.to(device)
         return self._rot

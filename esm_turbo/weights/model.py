@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,9 +95,23 @@ def save_quantized(model, out: str | Path) -> Path:
     return out
 
 
+def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, int], tuple[int, int]]):
+    """An ``EsmForMaskedLM`` of ``config`` on the meta device whose block linears are :class:`QuantizedLinear` (no
+    memory is allocated); ``shape_of(name, in_features)`` gives each one's (group, passes)."""
+    from transformers import EsmForMaskedLM
+    with torch.device("meta"):
+        model = EsmForMaskedLM(config)
+        for k, (name, parent, attr) in enumerate(_linears(model)):
+            linear = getattr(parent, attr)
+            group, passes = shape_of(name, linear.in_features)
+            setattr(parent, attr, QuantizedLinear(linear.in_features, linear.out_features, quant.bits, group, passes,
+                                                  quant.seed + k, linear.bias is not None))
+    return model
+
+
 def load_quantized(path: str | Path):
     """An ``EsmForMaskedLM`` with :class:`QuantizedLinear` block linears from a folder of :func:`save_quantized`."""
-    from transformers import EsmConfig, EsmForMaskedLM
+    from transformers import EsmConfig
     path = Path(path)
     try:
         config = EsmConfig.from_json_file(str(path / "config.json"))
@@ -113,18 +128,13 @@ def load_quantized(path: str | Path):
         raise CheckpointError(f"{path}: quantized-weights format {meta.get('format_version')}, this esm_turbo reads "
                               f"format {FORMAT_VERSION}: quantize again with `esm-turbo quantize-weights`")
     cfg = WeightQuantConfig(**meta["config"])
-    with torch.device("meta"):
-        model = EsmForMaskedLM(config)
-    for k, (name, parent, attr) in enumerate(_linears(model)):
-        linear = getattr(parent, attr)
+
+    def stored(name: str, in_features: int) -> tuple[int, int]:
         if f"{name}.scales0" not in tensors:
             raise CheckpointError(f"{path}: incomplete checkpoint (no codes for {name})")
-        passes = 2 if f"{name}.codes1" in tensors else 1
-        groups = tensors[f"{name}.scales0"].shape[1]
-        with torch.device("cpu"):
-            setattr(parent, attr, QuantizedLinear(linear.in_features, linear.out_features, cfg.bits,
-                                                  linear.in_features // groups, passes, cfg.seed + k,
-                                                  linear.bias is not None))
+        return in_features // tensors[f"{name}.scales0"].shape[1], 2 if f"{name}.codes1" in tensors else 1
+
+    model = _quantized_shell(config, cfg, stored)
     model = model.to_empty(device="cpu")
     if config.tie_word_embeddings:
         tensors["lm_head.decoder.weight"] = tensors["esm.embeddings.word_embeddings.weight"]
@@ -173,18 +183,9 @@ def weight_memory(model) -> dict:
                 fp16_bytes=2 * params, fp32_bytes=4 * params, ratio_vs_fp16=(quantized + other) / (2 * params))
 
 
-def estimate_bytes(shape: dict, config: WeightQuantConfig) -> dict:
-    """The bytes :func:`weight_memory` would count for an ESM-2 of ``shape`` (``layers``, ``hidden``, ``ffn``,
-    ``vocab``) quantized by ``config``, without building it: for sizes that do not fit here (15B)."""
+def estimate_bytes(config, quant: WeightQuantConfig) -> dict:
+    """:func:`weight_memory` of an ESM-2 of ``config`` (an ``EsmConfig``) quantized by ``quant``, counted on a shell of
+    the model on the meta device: for sizes that do not fit here (15B)."""
     from .codec import group_size
-    layers, d, f, vocab = shape["layers"], shape["hidden"], shape["ffn"], shape["vocab"]
-    linears = [(d, d)] * 4 + [(d, f), (f, d)]  # (in, out) of Q, K, V, O, FFN in, FFN out
-    passes = 2 if config.residual else 1
-    per_layer = sum(passes * (o * i * config.bits // 8 + 2 * o * (i // group_size(i, config.group)) + 2 * 2**config.bits)
-                    for i, o in linears)
-    linear_params = layers * sum(i * o for i, o in linears)
-    other = layers * (sum(o for _, o in linears) + 4 * d) + vocab * d + 2 * d + d * d + 2 * d + vocab  # biases, LNs, head
-    quantized = layers * per_layer
-    total_params = linear_params + other
-    return dict(quantized_linear_bytes=quantized, other_bytes_fp16=2 * other, total_bytes=quantized + 2 * other,
-                fp16_bytes=2 * total_params, ratio_vs_fp16=(quantized + 2 * other) / (2 * total_params))
+    passes = 2 if quant.residual else 1
+    return weight_memory(_quantized_shell(config, quant, lambda name, n: (group_size(n, quant.group), passes)))
