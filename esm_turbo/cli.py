@@ -194,6 +194,7 @@ def cmd_embed(args) -> int:
     from .embed.extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
     from .embed.writers import make_writer
     from .fasta import read_fasta
+    from .io import seconds_since_start
     from .model.loading import load_esm
     _check_inputs(args.device, args.model, args.fasta, "fasta")
     if args.format == "h5":
@@ -220,6 +221,9 @@ def cmd_embed(args) -> int:
     model = load_esm(args.model)
     embedder = Embedder(model, cfg, device)
     writer = make_writer(args.format, args.output, rank, world)
+    if args.format == "h5" and rank == 0:
+        writer.start_merging()
+    summary.startup_s = seconds_since_start() or 0.0
     embedder.run(records, writer, resume=args.resume, progress=not args.quiet, rank=rank, world=world,
                  summary=summary)
     writer.finalize()
@@ -227,7 +231,9 @@ def cmd_embed(args) -> int:
         import torch.distributed as dist
         dist.barrier()
     if args.format == "h5" and rank == 0:
+        merging = time.perf_counter()
         writer.merge()
+        summary.merge_s = time.perf_counter() - merging
     print(f"esm-turbo embed{f' (rank {rank}/{world})' if world > 1 else ''}: {summary.line()}", file=sys.stderr)
     for problem in summary.failed:
         print(f"  failed: {problem}", file=sys.stderr)
@@ -242,6 +248,11 @@ def cmd_bench(args) -> int:
         checks.device(args.device)
     if args.out:
         checks.output_file(args.out, "--out")
+    if args.suite == "weights":
+        return _bench_weights(args)
+    if args.sizes and set(args.sizes) - set(EMBED_BENCH_SIZES):
+        raise EsmTurboError(f"--sizes {' '.join(sorted(set(args.sizes) - set(EMBED_BENCH_SIZES)))}: the embed suite "
+                            f"takes {', '.join(EMBED_BENCH_SIZES)}")
     res = run(quick=args.quick, device=args.device, reference=args.reference, suite=args.suite, fasta=args.fasta,
               sizes=args.sizes)
     text = to_json(res) if args.json else format_result(res)
@@ -249,6 +260,24 @@ def cmd_bench(args) -> int:
     if args.out:
         from .io import atomic_write_text
         atomic_write_text(args.out, to_json(res) if args.out.endswith(".json") else format_result(res) + "\n")
+    return 0
+
+
+def _bench_weights(args) -> int:
+    from .bench.weights import WEIGHT_SIZES, bench_weights, format_weights, weights_json
+    if not torch.cuda.is_available() or (args.device or "cuda").startswith("cpu"):
+        raise EsmTurboError("bench weights times the CUDA kernel against cuBLAS: it needs a CUDA device")
+    sizes = args.sizes or list(WEIGHT_SIZES)
+    unknown = sorted(set(sizes) - set(WEIGHT_SIZES))
+    if unknown:
+        raise EsmTurboError(f"--sizes {' '.join(unknown)}: bench weights takes {', '.join(WEIGHT_SIZES)}")
+    res = bench_weights(torch.device(args.device or "cuda"), sizes, tune=args.tune, progress=True)
+    text = json.dumps(weights_json(res), indent=1) if args.json else format_weights(res)
+    print(text)
+    if args.out:
+        from .io import atomic_write_text
+        atomic_write_text(args.out, json.dumps(weights_json(res), indent=1) if args.out.endswith(".json")
+                          else format_weights(res) + "\n")
     return 0
 
 
@@ -396,12 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("bench", help="kernel / quantize / decode speed vs baselines measured in the same run")
-    p.add_argument("suite", nargs="?", choices=["decode", "embed", "all"], default="decode",
+    p.add_argument("suite", nargs="?", choices=["decode", "embed", "weights", "all"], default="decode",
                    help="decode: attention kernel, quantize-and-pack, decode tokens/s; embed: extraction vs "
-                        "transformers; all: both")
+                        "transformers; weights: the 4-bit weight kernel vs fp16 (CUDA); all: decode and embed")
     p.add_argument("--fasta", nargs="+", default=None, help="FASTA for the embed suite (default: calibration_data)")
-    p.add_argument("--sizes", nargs="+", choices=list(EMBED_BENCH_SIZES), default=None,
-                   help="embed suite: only these ESM-2 shapes (default: all four)")
+    p.add_argument("--sizes", nargs="+", choices=list(EMBED_BENCH_SIZES) + ["15B"], default=None,
+                   help="embed suite: only these ESM-2 shapes (default: 8M 150M 650M 3B); weights suite: of "
+                        "650M 3B 15B (default: all three)")
+    p.add_argument("--tune", action="store_true", help="weights suite: also time a grid of launch constants")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--quick", action="store_true", help="fewer sizes")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")

@@ -38,10 +38,12 @@ def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: 
     text = path.read_text(errors="replace")
     if not text.strip():
         raise FastaError(f"{path}: empty file (no FASTA records)")
-    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    lines = text.splitlines()
+    first = next((ln for ln in lines if ln.strip()), "")
     if not first.startswith(">"):
         raise FastaError(f"{path}: line 1 is not a FASTA header ('>' expected), found {first[:40]!r}")
-    header_lines = [i + 1 for i, ln in enumerate(text.splitlines()) if ln.startswith(">")]
+    header_lines = [i + 1 for i, ln in enumerate(lines) if ln.startswith(">")]
+    del lines
     seen = set() if seen is None else seen
     records: list[Record] = []
     problems: list[str] = []

@@ -39,3 +39,13 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def seconds_since_start() -> float | None:
+    """Wall-clock seconds since this process started (Linux's /proc; None where that is missing)."""
+    try:
+        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -161,6 +161,54 @@ def test_torchrun_two_ranks_gloo(stress_dir, fasta, tmp_path):
     assert "rank 0/2" in proc.stderr and "rank 1/2" in proc.stderr
 
 
+@pytest.mark.slow
+def test_killed_two_rank_run_resumes(stress_dir, fasta, tmp_path):
+    """A two-rank run killed after rank 1 wrote one part: --resume keeps that part's record (not recomputed)
+    and embeds the rest, every record once."""
+    import h5py
+    from esm_turbo.embed.writers import H5Writer
+    out = tmp_path / "dist.h5"
+    H5Writer(out, rank=1, world=2).write([{"label": SEQS[2][0], "mean_representations": {3: torch.zeros(32)}}])
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", "29534", "-m", "esm_turbo.cli", "embed", "--model", str(stress_dir),
+                           str(fasta), "-o", str(out), "--format", "h5", "--include", "mean", "--resume", "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with h5py.File(out, "r") as fh:
+        items = [read_h5_item(fh[k]) for k in fh.keys()]
+    assert sorted(i["label"] for i in items) == sorted(rid for rid, _ in SEQS)
+    kept = next(i for i in items if i["label"] == SEQS[2][0])
+    assert kept["mean_representations"][3].abs().sum() == 0
+    assert all(i["mean_representations"][3].abs().sum() > 0 for i in items if i is not kept)
+    assert proc.stderr.count("skipped 1 (already there)") == 2  # both ranks saw the same finished record
+    assert not out.with_name(out.name + ".parts").exists()
+
+
+def test_parts_are_folded_in_as_they_land(tmp_path):
+    """The follower copies parts written while it runs and stops only once told every rank is done."""
+    import threading
+
+    import h5py
+    from esm_turbo.embed.writers import H5Writer, follow_parts
+    out = tmp_path / "o.h5"
+    writer = H5Writer(out)
+    item = lambda k: {"label": f"r{k}", "mean_representations": {1: torch.full((4,), float(k))}}  # noqa: E731
+    writer.write([item(0), item(1)])
+    done = threading.Event()
+    follower = threading.Thread(target=follow_parts, args=(out, done.is_set, 0.01))
+    follower.start()
+    for k in range(2, 6):
+        writer.write([item(k)])
+    writer.finalize()
+    done.set()
+    follower.join(timeout=60)
+    with h5py.File(out, "r") as fh:
+        got = {fh[k].attrs["label"]: fh[k]["mean_representations"]["1"][0] for k in fh.keys()}
+    assert got == {f"r{k}": float(k) for k in range(6)}
+    assert not writer.parts.exists()
+
+
 def test_ranks_are_balanced_by_tokens():
     from esm_turbo.embed.batching import shard_by_tokens
     gen = torch.Generator().manual_seed(0)

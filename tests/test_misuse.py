@@ -116,6 +116,9 @@ def test_evaluate_and_bench_outputs(place, capsys):
     refused(["evaluate", "--model", model, "--fasta", fasta, "--calibration", fasta, "--json",
              str(tmp / "plain.txt" / "r.json")], capsys, tmp, "--json", "is a file, not a folder")
     refused(["bench", "embed", "--out", str(tmp / "folder")], capsys, tmp, "--out", "is a folder")
+    refused(["bench", "embed", "--sizes", "15B"], capsys, tmp, "--sizes 15B", "the embed suite takes")
+    if not torch.cuda.is_available():
+        refused(["bench", "weights"], capsys, tmp, "bench weights", "needs a CUDA device")
 
 
 def test_window_overlap(place, capsys):

@@ -77,12 +77,19 @@ class EmbedSummary:
     failed: list[str] = field(default_factory=list)  # invalid records (skip-invalid)
     truncated: list[str] = field(default_factory=list)
     tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the embedding loop, first batch included
+    startup_s: float = 0.0  # process start to the loop: imports, FASTA, model load
+    first_batch_s: float = 0.0  # the loop's start to the first batch's outputs (compilation)
+    write_wait_s: float = 0.0  # the loop waiting on the writer thread
+    merge_s: float = 0.0  # after the last batch: the rest of the parts merged (rank 0, HDF5)
 
     def line(self) -> str:
+        times = ", ".join(f"{name} {sec:.1f} s" for name, sec in (
+            ("start-up", self.startup_s), ("first batch", self.first_batch_s),
+            ("waiting on writes", self.write_wait_s), ("final merge", self.merge_s)) if sec)
         return (f"written {self.written}, skipped {self.skipped} (already there), failed {len(self.failed)}, "
                 f"truncated {len(self.truncated)}; {self.tokens} tokens in {self.seconds:.1f} s "
-                f"({self.tokens / max(self.seconds, 1e-9):.0f} tokens/s)")
+                f"({self.tokens / max(self.seconds, 1e-9):.0f} tokens/s)" + (f"; {times}" if times else ""))
 
 
 def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -251,6 +258,9 @@ class Embedder:
             todo = [r for r in records if r.id not in done]
             summary.skipped += len(records) - len(todo)
             records = todo
+            if world > 1:  # every rank has read the same parts before any rank writes a new one
+                import torch.distributed as dist
+                dist.barrier()
         cfg = self.config
         if world > 1:  # shard whole records (windows of one record stay together), balanced by tokens
             mine = shard_by_tokens([len(r.sequence) + 2 for r in records], world)[rank]
@@ -289,8 +299,12 @@ class Embedder:
                     current = (batch, out, copied)
                 if previous is not None:
                     items = finish(*previous)
+                    if not summary.first_batch_s:
+                        summary.first_batch_s = time.perf_counter() - start
                     if writes:
+                        waited = time.perf_counter()
                         writes.pop().result()
+                        summary.write_wait_s += time.perf_counter() - waited
                     writes.append(pool.submit(writer.write, items))
                     summary.written += len(items)
                     bar.update(len(items))

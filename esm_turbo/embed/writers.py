@@ -4,8 +4,9 @@
   ``mean_representations``, ``bos_representations``, ``contacts``) plus ``logits`` when asked.
 * ``h5``: one HDF5 file keyed by sequence id (``/<id>/representations/<layer>``, …; the id is also the
   group's ``label`` attribute). Each batch goes to its own part file under ``<out>.parts/``, written
-  atomically; :meth:`H5Writer.finalize` merges the parts into ``<out>`` (temp file + rename). Resume
-  reads the ids already in the parts; several ranks write their own parts and rank 0 merges.
+  atomically; rank 0 folds the parts into ``<out>`` (temp file + rename), as they land when a follower
+  process is started (:meth:`H5Writer.start_merging`), else at the end. Resume reads the ids already in the
+  parts; several ranks write their own parts and rank 0 merges.
 
 A file name or HDF5 key cannot hold '/', so ids are stored with '/' as '%2F' (and '%' as '%25'). An id
 whose name would pass 200 bytes (file systems allow 255) is stored as its first characters, '~' and 16 hex
@@ -16,7 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -144,23 +148,67 @@ class H5Writer:
                           json.dumps({"rank": self.rank, "world": self.world, "written": self.written}, indent=1))
         return self.out
 
-    def merge(self) -> Path:
-        """Fold the existing output (if any) and every part into ``out`` (atomically), then drop the parts."""
-        h5py = _h5()
-        sources = ([self.out] if self.out.is_file() else []) + sorted(self.parts.glob("*.h5"))
+    def start_merging(self) -> None:
+        """Fold parts into ``out`` while the run goes on (rank 0): a follower process copies each part as it
+        lands, so only the last few are left when every rank is done. :meth:`merge` waits for it."""
+        self._follower = subprocess.Popen([sys.executable, "-m", "esm_turbo.embed.h5merge", str(self.out)],
+                                          stdin=subprocess.PIPE)
 
-        def dump(tmp: str) -> None:
-            with h5py.File(tmp, "w") as dst:
-                for src_path in sources:
-                    with h5py.File(src_path, "r") as src:
-                        for key in sorted(src.keys()):
-                            if key not in dst:
-                                src.copy(src[key], dst, name=key)
-        atomic_write(self.out, dump)
-        for part in self.parts.iterdir():
-            part.unlink()
-        os.rmdir(self.parts)
+    def merge(self) -> Path:
+        """Fold the existing output (if any) and every part into ``out`` (atomically), then drop the parts.
+        Call it once every rank has finished writing; with a follower started, this tells it so and waits."""
+        follower = getattr(self, "_follower", None)
+        if follower is None:
+            follow_parts(self.out, done=lambda: True)
+            return self.out
+        follower.stdin.close()
+        if follower.wait():
+            raise RuntimeError(f"{self.out}: merging the parts failed (exit {follower.returncode}); they are kept "
+                               f"in {self.parts}, and --resume folds them in")
         return self.out
+
+
+def _fold(dst, src_path: Path) -> None:
+    h5py = _h5()
+    with h5py.File(src_path, "r") as src:
+        for key in src.keys():
+            if key not in dst:
+                h5py.h5o.copy(src.id, key.encode(), dst.id, key.encode())
+
+
+def follow_parts(out: str | Path, done: Callable[[], bool], poll: float = 0.25) -> Path:
+    """Copy ``out`` (if it exists) and then each part file under ``<out>.parts/`` into a new ``out``, written
+    atomically, until ``done()`` is true and no part is left unread; then drop the parts. Parts appear whole
+    (each is renamed into place), so one listed is complete."""
+    out = Path(out)
+    parts = out.with_name(out.name + ".parts")
+    h5py = _h5()
+
+    read: set[str] = set()
+
+    def dump(tmp: str) -> None:
+        with h5py.File(tmp, "w", libver="latest") as dst:
+            if out.is_file():
+                _fold(dst, out)
+            while True:
+                finished = done()  # asked before listing: a part written before the answer is listed below
+                for part in sorted(parts.glob("*.h5")):
+                    if part.name not in read:
+                        _fold(dst, part)
+                        read.add(part.name)
+                if finished:
+                    return
+                time.sleep(poll)
+    atomic_write(out, dump)
+    for name in read:  # only what was folded in: a rank still writing (a killed run) keeps its new parts
+        (parts / name).unlink()
+    for manifest in parts.glob("manifest.rank*.json"):
+        manifest.unlink()
+    try:
+        parts.rmdir()
+    except OSError:
+        pass  # not empty: parts written after the last listing wait for the next merge (--resume)
+    return out
 
 
 def make_writer(fmt: str, out: str | Path, rank: int = 0, world: int = 1):

@@ -57,6 +57,17 @@ def matmul_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return x.float() @ w.view(m, n).T
 
 
+def launch_config(rows: int, out_features: int) -> dict:
+    """Launch constants for ``rows`` × ``out_features``: the fastest of ``esm-turbo bench weights --tune``'s grid on
+    an H100 (results/weights/bench_weights_h100.txt). Few rows read weights: narrow row blocks (more programs) and
+    long input tiles, wider blocks as the layer grows; many rows multiply: 64 × 128 tiles."""
+    if rows <= 16:
+        block_m = 16 if out_features <= 5120 else 32 if out_features <= 10240 else 64
+        return dict(block_b=16, block_m=block_m, block_k=256 if block_m == 16 else 128, num_warps=4, num_stages=3)
+    block_b = triton.next_power_of_2(min(rows, 64))
+    return dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
+
+
 def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
                   config: dict | None = None) -> torch.Tensor:
     """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter). ``config`` overrides
@@ -64,8 +75,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     b, n = x.shape
     m, groups = scales.shape
     group = n // groups
-    block_b = triton.next_power_of_2(max(16, min(b, 64)))
-    cfg = dict(block_b=block_b, block_m=64, block_k=64, num_warps=4, num_stages=3)
+    cfg = launch_config(b, m)
     cfg.update(config or {})
     while n % cfg["block_k"]:
         cfg["block_k"] //= 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ RESIDUES = frozenset("LAGVSERTIDPKQNFYMHWCXBUZO")
 #: gaps stripped: ``strip_gaps``)
 GAPS = frozenset("-.")
 SEQUENCE_CHARS = RESIDUES | GAPS
+_NOT_A_TOKEN = re.compile(f"[^{re.escape(''.join(sorted(SEQUENCE_CHARS)))}]")
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,9 +31,10 @@ def check_sequence(seq: str, name: str = "sequence", max_residues: int | None = 
     s = seq.strip().upper()
     if not s:
         raise EsmTurboError(f"{name}: empty sequence")
-    for i, ch in enumerate(s):
-        if ch not in SEQUENCE_CHARS:
-            raise EsmTurboError(f"{name}: position {i + 1}: character {ch!r} is not an ESM-2 residue or gap")
+    bad = _NOT_A_TOKEN.search(s)
+    if bad:
+        raise EsmTurboError(f"{name}: position {bad.start() + 1}: character {bad.group()!r} is not an ESM-2 residue "
+                            f"or gap")
     if max_residues is not None and len(s) > max_residues:
         raise EsmTurboError(f"{name}: {len(s)} residues exceeds the limit of {max_residues}")
     return s

@@ -117,7 +117,7 @@ def quantize_weight(weight: torch.Tensor, config: WeightQuantConfig, seed: int) 
     """(passes, group size) of weight [M, N]: one pass, or two with ``config.residual``."""
     m, n = weight.shape
     d = group_size(n, config.group)
-    rot = rotation(d, seed)
+    rot = rotation(d, seed).to(weight.device)
     w_rot = (weight.detach().float().view(m, n // d, d) @ rot.T).view(m, n)
     passes = [quantize_pass(w_rot, d, config.bits)]
     if config.residual:
