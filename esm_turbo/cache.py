@@ -39,6 +39,7 @@ class MemoryReport:
     fp32_bytes_per_token_per_layer: int
     fp16_bytes_per_token_per_layer: int
     window_bytes: int = 0  # fp16 recent-token windows (KIVI), a fixed cost per sequence, in allocated_bytes
+    shared_saved_bytes: int = 0  # a paged cache: what rows sharing blocks would hold more with blocks of their own
 
     @property
     def bits_per_value(self) -> float:
@@ -61,6 +62,9 @@ class MemoryReport:
 
 class KVCache:
     """Batched, ragged KV cache over per-layer codecs (compressed or dense)."""
+
+    #: rows stored as [B, H, T_cap, …] buffers that ops may read in place (a paged cache gathers them)
+    contiguous = True
 
     def __init__(self, codecs: list[KVCodec], batch_size: int, capacity: int = 64,
                  device: torch.device | str | None = None):

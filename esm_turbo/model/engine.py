@@ -105,17 +105,24 @@ class TurboEsm:
             for layer, mod in zip(layers, self.attention):
                 layer.attention.self = mod
 
-    def session(self, cache: str | Callable = "turbo", capacity: int = 256) -> "DecodeSession":
-        return DecodeSession(self, cache, capacity)
+    def session(self, cache: str | Callable = "turbo", capacity: int = 256, paged: bool = False,
+                block_size: int = 64) -> "DecodeSession":
+        """A decode session over a ``cache`` kind. ``paged``: the cache is kept in blocks of ``block_size`` tokens
+        that forks share (:class:`~esm_turbo.paged.PagedKVCache`): ``fork(k)`` copies block tables, not rows."""
+        return DecodeSession(self, cache, capacity, paged, block_size)
 
 
 class DecodeSession:
     """Batched prefill + incremental decode over a KV cache, with rollback and beam fork/select."""
 
-    def __init__(self, engine: TurboEsm, cache: str | Callable = "turbo", capacity: int = 256):
+    def __init__(self, engine: TurboEsm, cache: str | Callable = "turbo", capacity: int = 256, paged: bool = False,
+                 block_size: int = 64):
+        if block_size < 1:
+            raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
         self.engine = engine
         self.cache_kind = cache
         self.capacity = capacity
+        self.paged, self.block_size = paged, block_size
         self.cache: KVCache | None = None
         self.tokens: torch.Tensor | None = None  # [B, T_cap] committed token ids
         self.mask_counts: torch.Tensor | None = None  # [B]
@@ -152,7 +159,12 @@ class DecodeSession:
         tokens, mask = encode(sequences, names, add_eos=add_eos)
         tokens, mask = tokens.to(eng.device), mask.to(eng.device)
         batch, width = tokens.shape
-        self.cache = KVCache(eng.codecs(self.cache_kind), batch, max(self.capacity, width), eng.device)
+        if self.paged:
+            from ..paged import PagedKVCache
+            self.cache = PagedKVCache(eng.codecs(self.cache_kind), batch, max(self.capacity, width), eng.device,
+                                      self.block_size)
+        else:
+            self.cache = KVCache(eng.codecs(self.cache_kind), batch, max(self.capacity, width), eng.device)
         ctx = RunContext(mode="prefill", cache=self.cache, valid=mask.bool(), recorder=recorder)
         with eng.context(ctx):
             out = eng.esm(input_ids=tokens, attention_mask=mask)
@@ -222,6 +234,9 @@ class DecodeSession:
         made now (the graph holds the cache buffers, so they may not grow later). Re-capture after
         ``select``/``fork``."""
         cache = self._require_started()
+        if not cache.contiguous:
+            raise RuntimeError("capture_step needs the contiguous cache: a paged cache takes blocks on the host "
+                               "as rows grow")
         if not cache.device.type == "cuda":
             raise RuntimeError("capture_step needs the model and cache on a CUDA device")
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=cache.device).clone()

@@ -50,7 +50,7 @@ def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_
     q, k_new, v_new: [B, H, S, d]; new_valid: [B, S] bool. Returns [B, H, S, d].
     """
     codec = cache.codecs[layer]
-    if q.is_cuda and isinstance(codec.key, DenseQuantizer):
+    if q.is_cuda and cache.contiguous and isinstance(codec.key, DenseQuantizer):
         return attend_dense(q, cache, layer, k_new, v_new, new_valid)  # writes the new tokens itself
     if cache.fused[layer]:
         out = attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid)

@@ -1,0 +1,125 @@
+"""The paged cache: the same contents as the contiguous cache under any sequence of writes, peeks, commits,
+rollbacks and forks (copy-on-write never shows a row another's tokens), shared prefixes counted once, and a decode
+session that gives the contiguous session's outputs."""
+
+import random
+
+import pytest
+import torch
+
+from esm_turbo.cache import KVCache
+from esm_turbo.model.engine import TurboEsm
+from esm_turbo.paged import PagedKVCache
+from esm_turbo.testing import random_turbo_codec
+
+HEADS, DIM, LAYERS = 2, 16, 2
+
+
+def codecs():
+    return [random_turbo_codec(HEADS, DIM, 3, 3, "sign", seed=i) for i in range(LAYERS)]
+
+
+def assert_same(paged: PagedKVCache, flat: KVCache, peeked: bool = False) -> None:
+    assert torch.equal(paged.lengths, flat.lengths)
+    for layer in range(LAYERS):
+        kp, vp, valid = paged.dequantize(layer)
+        kf, vf, valid_f = flat.dequantize(layer)
+        assert torch.equal(valid, valid_f)
+        mask = valid[:, None, :, None]
+        assert torch.equal(torch.where(mask, kp, 0), torch.where(mask, kf, 0)), layer
+        assert torch.equal(torch.where(mask, vp, 0), torch.where(mask, vf, 0)), layer
+    # the bookkeeping: every block's count is the number of tables holding it, free blocks are unreferenced
+    held = [0] * paged.blocks
+    for table in paged.tables:
+        for block in table:
+            held[block] += 1
+    assert held == paged.refs
+    assert sorted(paged.free) == [i for i, r in enumerate(paged.refs) if r == 0]
+    for table, length in zip(paged.tables, paged.lengths.tolist()):  # a peek's blocks stay until a commit
+        assert len(table) >= -(-length // paged.block_size) if peeked else len(table) == -(-length // paged.block_size)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_operations_match_the_contiguous_cache(seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cs = codecs()
+    paged, flat = PagedKVCache(cs, 3, capacity=4, block_size=4), KVCache(cs, 3, capacity=4)
+    for _ in range(40):
+        op = rng.choice(["append", "append", "peek", "truncate", "select"])
+        b = paged.batch_size
+        if op in ("append", "peek"):
+            s = rng.randint(1, 5)
+            for layer in range(LAYERS):
+                k, v = torch.randn(2, b, HEADS, s, DIM, generator=gen)
+                paged.write(layer, k, v)
+                flat.write(layer, k, v)
+            if op == "append":
+                counts = torch.tensor([rng.randint(0, s) for _ in range(b)])
+                paged.commit(counts)
+                flat.commit(counts)
+        elif op == "truncate":
+            n = torch.tensor([rng.randint(0, 4) for _ in range(b)])
+            paged.truncate(n)
+            flat.truncate(n)
+        else:
+            rows = [rng.randrange(b) for _ in range(rng.randint(1, 6))]
+            paged.select(rows)
+            flat.select(rows)
+        assert_same(paged, flat, peeked=op in ("peek", "select"))  # select keeps a peek's blocks
+
+
+def test_forks_share_their_prefix():
+    """32 candidates forked from one 64-token prefix, each extended by 16 tokens: one prefix plus the tails held."""
+    cs, block = codecs(), 16
+    cache = PagedKVCache(cs, 1, capacity=64, block_size=block)
+    gen = torch.Generator().manual_seed(0)
+    cache.append(*[list(t) for t in torch.randn(2, LAYERS, 1, HEADS, 64, DIM, generator=gen)])
+    cache.select([0] * 32)
+    cache.append(*[list(t) for t in torch.randn(2, LAYERS, 32, HEADS, block, DIM, generator=gen)])
+    report = cache.memory_report()
+    block_bytes = report.bytes_per_token_per_layer * LAYERS * block
+    assert report.tokens == 32 * (64 + block)
+    assert report.used_bytes == (64 // block + 32) * block_bytes + 4 * 32 * (64 // block + 1)
+    assert report.used_bytes <= 1.3 * (64 + 32 * block) * report.bytes_per_token_per_layer * LAYERS
+    assert report.shared_saved_bytes == 31 * (64 // block) * block_bytes
+    # rolling every candidate back to the prefix frees the tails; keeping one row frees the other tables
+    cache.truncate(block)
+    cache.select([5])
+    assert cache.memory_report().used_bytes == (64 // block) * block_bytes + 4 * (64 // block)
+
+
+def test_a_paged_session_decodes_as_the_contiguous_one(stress_model):
+    engine = TurboEsm(stress_model)
+    outputs = []
+    for paged in (False, True):
+        session = engine.session("turboquant-3", capacity=8, paged=paged, block_size=4)
+        first = session.start(["MKTAYIAKQR", "GSHMLE"])
+        session.fork(3)
+        steps = [first.logits[:, :6]]
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(5):
+            tokens = torch.randint(4, 24, (session.cache.batch_size, 2), generator=gen)
+            steps.append(session.step(tokens).logits)
+        session.rollback(3)
+        session.select([5, 0, 0, 2])
+        steps.append(session.step(torch.full((4, 1), 32)).logits)  # <mask> after the rollback
+        steps.append(session.step(torch.full((4, 1), 5), commit=False).logits)
+        outputs.append((steps, session.sequences()))
+        if paged:
+            assert session.cache.memory_report().shared_saved_bytes > 0  # rows 1 and 2 share their blocks
+            with pytest.raises(RuntimeError, match="contiguous cache"):
+                session.capture_step(torch.zeros(4, 1, dtype=torch.long))
+    (flat, seqs_flat), (paged, seqs_paged) = outputs
+    assert seqs_flat == seqs_paged
+    for a, b in zip(flat, paged):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+
+
+def test_paged_cache_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="block_size"):
+        PagedKVCache(codecs(), 1, block_size=0)
+    windowed = codecs()[0]
+    windowed.window = 4  # as a KIVI codec carries
+    with pytest.raises(ValueError, match="recent-token windows"):
+        PagedKVCache([windowed], 1)
