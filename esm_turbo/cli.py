@@ -250,6 +250,8 @@ def cmd_bench(args) -> int:
         checks.output_file(args.out, "--out")
     if args.suite == "weights":
         return _bench_weights(args)
+    if args.suite == "design":
+        return _bench_design(args)
     if args.sizes and set(args.sizes) - set(EMBED_BENCH_SIZES):
         raise EsmTurboError(f"--sizes {' '.join(sorted(set(args.sizes) - set(EMBED_BENCH_SIZES)))}: the embed suite "
                             f"takes {', '.join(EMBED_BENCH_SIZES)}")
@@ -263,6 +265,23 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _bench_design(args) -> int:
+    from .bench.design import bench_design, design_json, format_design
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    small = args.quick or device.type == "cpu"  # on CPU a smoke run at a small shape, not a speed claim
+    res = (bench_design(device, "8M", prefix=128, candidates=16, tail=16, block_size=16) if small
+           else bench_design(device))
+    _print_and_save(args, format_design(res), design_json(res))
+    return 0
+
+
+def _print_and_save(args, text: str, data: dict) -> None:
+    print(json.dumps(data, indent=1) if args.json else text)
+    if args.out:
+        from .io import atomic_write_text
+        atomic_write_text(args.out, json.dumps(data, indent=1) if args.out.endswith(".json") else text + "\n")
+
+
 def _bench_weights(args) -> int:
     from .bench.weights import WEIGHT_SIZES, bench_weights, format_weights, weights_json
     if not torch.cuda.is_available() or (args.device or "cuda").startswith("cpu"):
@@ -272,12 +291,7 @@ def _bench_weights(args) -> int:
     if unknown:
         raise EsmTurboError(f"--sizes {' '.join(unknown)}: bench weights takes {', '.join(WEIGHT_SIZES)}")
     res = bench_weights(torch.device(args.device or "cuda"), sizes, tune=args.tune, progress=True)
-    text = json.dumps(weights_json(res), indent=1) if args.json else format_weights(res)
-    print(text)
-    if args.out:
-        from .io import atomic_write_text
-        atomic_write_text(args.out, json.dumps(weights_json(res), indent=1) if args.out.endswith(".json")
-                          else format_weights(res) + "\n")
+    _print_and_save(args, format_weights(res), weights_json(res))
     return 0
 
 
@@ -425,9 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("bench", help="kernel / quantize / decode speed vs baselines measured in the same run")
-    p.add_argument("suite", nargs="?", choices=["decode", "embed", "weights", "all"], default="decode",
+    p.add_argument("suite", nargs="?", choices=["decode", "embed", "weights", "design", "all"], default="decode",
                    help="decode: attention kernel, quantize-and-pack, decode tokens/s; embed: extraction vs "
-                        "transformers; weights: the 4-bit weight kernel vs fp16 (CUDA); all: decode and embed")
+                        "transformers; weights: the 4-bit weight kernel vs fp16 (CUDA); design: forks of one "
+                        "scaffold on the paged, contiguous and fp16 caches; all: decode and embed")
     p.add_argument("--fasta", nargs="+", default=None, help="FASTA for the embed suite (default: calibration_data)")
     p.add_argument("--sizes", nargs="+", choices=list(EMBED_BENCH_SIZES) + ["15B"], default=None,
                    help="embed suite: only these ESM-2 shapes (default: 8M 150M 650M 3B); weights suite: of "

@@ -46,3 +46,21 @@ def test_cpu_step_rows():
     (row,) = bench_cpu_steps(sizes=("8M",), context=16, steps=2, calibration_tokens=256)
     assert row["size"] == "8M" and row["turbo-3+1_step_ms"] > 0 and row["fp32_step_ms"] > 0
     assert row["calibration_s"] > 0
+
+
+def test_bench_design_counts_what_each_cache_holds():
+    """Forks of one scaffold: the paged cache holds one scaffold plus the tails (block-aligned here, so exactly the
+    least), a contiguous cache every row's copy, and the fp16 cache 4x the compressed bytes per token or more."""
+    from esm_turbo.bench.design import bench_design, format_design
+    prefix, candidates, tail = 32, 4, 16
+    res = bench_design(torch.device("cpu"), "8M", prefix=prefix, candidates=candidates, tail=tail, block_size=16,
+                       layers=1)
+    paged, flat, fp16 = res.rows
+    assert paged["vs_least"] == pytest.approx(1.0, abs=0.01)  # + the block tables' 4 bytes an entry
+    assert flat["vs_least"] == pytest.approx(candidates * (prefix + tail) / (prefix + candidates * tail))
+    shared_blocks, table_bytes = prefix // 16, 4 * candidates * (prefix // 16 + 1)
+    block_bytes = (paged["held_bytes"] - table_bytes) // (shared_blocks + candidates)
+    assert paged["held_bytes"] == (shared_blocks + candidates) * block_bytes + table_bytes
+    assert paged["shared_saved_bytes"] == (candidates - 1) * shared_blocks * block_bytes
+    assert fp16["vs_fp16"] == 1.0 and flat["vs_fp16"] <= 0.25
+    assert "compressed, paged" in format_design(res)
