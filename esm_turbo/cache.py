@@ -40,6 +40,7 @@ class MemoryReport:
     fp16_bytes_per_token_per_layer: int
     window_bytes: int = 0  # fp16 recent-token windows (KIVI), a fixed cost per sequence, in allocated_bytes
     shared_saved_bytes: int = 0  # a paged cache: what rows sharing blocks would hold more with blocks of their own
+    host_bytes: int = 0  # a paged cache over a device budget: blocks moved to host memory (counted in used_bytes)
 
     @property
     def bits_per_value(self) -> float:

@@ -3,14 +3,19 @@ of block ids, and blocks are reference-counted, so forks share their prefix.
 
 Contract (shapes once)::
 
-    pool part   : [N_blocks, H, block_size, *part_shape]   one per codec part per layer (ids shared by all layers)
-    tables[b]   : list of block ids, position t of row b at (tables[b][t // block_size], t % block_size)
+    device pool : [N_slots, H, block_size, *part_shape]   one per codec part per layer (a slot: the same in all)
+    tables[b]   : list of block ids; position t of row b is in block tables[b][t // block_size], at t % block_size
     refs[i]     : how many rows' tables hold block i (0: free)
 
 ``select`` / ``fork`` copy tables, never data. A write into a block other rows also hold copies that block first
-(copy-on-write, every layer at once), so siblings never see each other's tokens. ``truncate`` frees the blocks a row
-no longer reaches. Reading gathers a row's blocks in order: the PyTorch reference path (dequantize, then attend)
-runs on that view, so outputs equal :class:`~esm_turbo.cache.KVCache`'s exactly. Block bookkeeping is on the host.
+(copy-on-write, every layer at once), so siblings never see each other's tokens. ``commit`` / ``truncate`` release
+the blocks past each row's end. Reading gathers a row's blocks in order: the PyTorch reference path (dequantize, then
+attend) runs on that view, so outputs equal :class:`~esm_turbo.cache.KVCache`'s exactly.
+
+With a device budget (``device_budget_bytes``) the pool holds at most that many bytes of blocks on the device; the
+least recently used blocks that the rows being read or written do not need move to host memory (pinned on CUDA) and
+come back when a row needs them. :meth:`PagedKVCache.view` gives a cache over some of the rows (a step that touches
+a subset), sharing the pool. Block bookkeeping is on the host.
 """
 
 from __future__ import annotations
@@ -18,9 +23,151 @@ from __future__ import annotations
 import torch
 
 from .cache import KVCache, MemoryReport
+from .errors import EsmTurboError
 from .quant.codec import KVCodec
 
 BLOCK_SIZE = 64
+
+
+class BlockPool:
+    """Reference-counted blocks of every layer's parts, each in a device slot or, over the budget, a host slot."""
+
+    def __init__(self, specs: list[dict], heads: int, block_size: int, device: torch.device, slots: int,
+                 device_slots: int | None = None):
+        self.specs, self.heads, self.block_size, self.device = specs, heads, block_size, device
+        self.limit = device_slots  # None: no budget
+        if self.limit is not None and self.limit < 1:
+            raise EsmTurboError("the device budget holds less than one cache block; raise gpu_budget_gib")
+        slots = max(1, slots if self.limit is None else min(slots, self.limit))
+        self.dev = self._zeros(slots, device)
+        self.host: list[dict[str, torch.Tensor]] | None = None
+        self.refs: list[int] = []
+        self.slot: list[int] = []  # device slot of each block, -1 while on the host
+        self.host_slot: list[int] = []
+        self.last_use: list[int] = []
+        self.free_ids: list[int] = []
+        self.free_slots = list(range(slots - 1, -1, -1))
+        self.free_host: list[int] = []
+        self.clock = 0
+
+    def _zeros(self, n: int, device, pin: bool = False) -> list[dict[str, torch.Tensor]]:
+        return [{name: torch.zeros(n, self.heads, self.block_size, *shape, dtype=dtype, device=device,
+                                   pin_memory=pin)
+                 for name, (shape, dtype) in spec.items()} for spec in self.specs]
+
+    @property
+    def slots(self) -> int:
+        return next(iter(self.dev[0].values())).shape[0]
+
+    def held(self) -> tuple[int, int]:
+        """(blocks on the device, blocks on the host) that rows hold."""
+        live = [i for i, r in enumerate(self.refs) if r > 0]
+        return sum(self.slot[i] >= 0 for i in live), sum(self.slot[i] < 0 for i in live)
+
+    # ---- slots ---------------------------------------------------------------------------------------
+    def _grow_device(self) -> None:
+        n = self.slots
+        extra = n if self.limit is None else min(n, self.limit - n)
+        fresh = self._zeros(extra, self.device)
+        for layer, bufs in zip(self.dev, fresh):
+            for name in layer:
+                layer[name] = torch.cat([layer[name], bufs[name]])
+        self.free_slots = list(range(n + extra - 1, n - 1, -1)) + self.free_slots
+
+    def _device_slot(self, keep: set[int]) -> int:
+        if not self.free_slots:
+            if self.limit is None or self.slots < self.limit:
+                self._grow_device()
+            else:
+                self._evict(keep)
+        return self.free_slots.pop()
+
+    def _evict(self, keep: set[int]) -> None:
+        """Move the least recently used device block not in ``keep`` to the host."""
+        resident = [i for i, s in enumerate(self.slot) if s >= 0 and self.refs[i] > 0 and i not in keep]
+        if not resident:
+            raise EsmTurboError(f"a step needs more cache blocks on the device than its budget holds ({self.limit} "
+                                f"blocks of {self.block_size} tokens): raise gpu_budget_gib or step fewer rows")
+        victim = min(resident, key=lambda i: self.last_use[i])
+        if not self.free_host:
+            self._grow_host()
+        h = self.free_host.pop()
+        for dev, host in zip(self.dev, self.host):
+            for name in dev:
+                host[name][h].copy_(dev[name][self.slot[victim]], non_blocking=True)
+        self.free_slots.append(self.slot[victim])
+        self.slot[victim], self.host_slot[victim] = -1, h
+
+    def _grow_host(self) -> None:
+        pin = self.device.type == "cuda"
+        n = 0 if self.host is None else next(iter(self.host[0].values())).shape[0]
+        extra = max(n, self.slots)
+        fresh = self._zeros(extra, "cpu", pin)
+        if self.host is None:
+            self.host = fresh
+        else:
+            for layer, bufs in zip(self.host, fresh):
+                for name in layer:
+                    grown = torch.empty((n + extra, *layer[name].shape[1:]), dtype=layer[name].dtype, pin_memory=pin)
+                    grown[:n].copy_(layer[name])
+                    grown[n:].copy_(bufs[name])
+                    layer[name] = grown
+        self.free_host = list(range(n + extra - 1, n - 1, -1)) + self.free_host
+
+    # ---- blocks --------------------------------------------------------------------------------------
+    def take(self, keep: set[int]) -> int:
+        """A new block (one reference), on the device."""
+        slot = self._device_slot(keep)
+        if self.free_ids:
+            block = self.free_ids.pop()
+            self.refs[block], self.slot[block], self.host_slot[block] = 1, slot, -1
+        else:
+            block = len(self.refs)
+            self.refs.append(1)
+            self.slot.append(slot)
+            self.host_slot.append(-1)
+            self.last_use.append(0)
+        self.last_use[block] = self.clock
+        return block
+
+    def drop(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if self.slot[block] >= 0:
+                self.free_slots.append(self.slot[block])
+            if self.host_slot[block] >= 0:
+                self.free_host.append(self.host_slot[block])
+            self.slot[block] = self.host_slot[block] = -1
+            self.free_ids.append(block)
+
+    def copy(self, block: int, keep: set[int]) -> int:
+        """A new block holding ``block``'s data in every layer (``block`` on the device)."""
+        fresh = self.take(keep | {block})
+        for layer in self.dev:
+            for buf in layer.values():
+                buf[self.slot[fresh]] = buf[self.slot[block]]
+        return fresh
+
+    def resident(self, blocks: set[int]) -> None:
+        """Bring ``blocks`` to the device (others may move to the host) and mark them used now."""
+        self.clock += 1
+        for block in blocks:
+            if self.slot[block] < 0:
+                slot = self._device_slot(blocks)
+                h = self.host_slot[block]
+                for dev, host in zip(self.dev, self.host):
+                    for name in dev:
+                        dev[name][slot].copy_(host[name][h], non_blocking=True)
+                self.free_host.append(h)
+                self.slot[block], self.host_slot[block] = slot, -1
+            self.last_use[block] = self.clock
+
+    def slots_of(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Device slots of resident ``blocks`` (any shape, long)."""
+        if not self.slot:
+            return torch.zeros(blocks.shape, dtype=torch.long, device=self.device)
+        table = torch.tensor(self.slot, dtype=torch.long)
+        return table[blocks.cpu()].to(self.device)
 
 
 class PagedKVCache(KVCache):
@@ -29,63 +176,75 @@ class PagedKVCache(KVCache):
     contiguous = False
 
     def __init__(self, codecs: list[KVCodec], batch_size: int, capacity: int = 64,
-                 device: torch.device | str | None = None, block_size: int = BLOCK_SIZE):
+                 device: torch.device | str | None = None, block_size: int = BLOCK_SIZE,
+                 device_budget_bytes: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if any(getattr(c, "window", 0) for c in codecs):
             raise ValueError("a paged cache holds no recent-token windows (KIVI); use the contiguous cache")
         self.block_size = block_size
-        self.blocks = max(1, -(-max(int(capacity), 1) // block_size) * batch_size)
         super().__init__(codecs, batch_size, capacity, device)
         self.fused = [False] * len(codecs)  # reads go through the gathered view (the reference path)
+        block_bytes = sum(c.bytes_per_token() for c in codecs) * self.heads * block_size
+        limit = None if device_budget_bytes is None else int(device_budget_bytes // block_bytes)
+        blocks = -(-max(int(capacity), 1) // block_size) * batch_size
+        self.pool = BlockPool([c.part_specs() for c in codecs], self.heads, block_size, self.device, blocks, limit)
+        self.parts = self.pool.dev
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
-        self.refs: list[int] = [0] * self.blocks
-        self.free: list[int] = list(range(self.blocks - 1, -1, -1))
 
-    # ---- storage ---------------------------------------------------------------------------------
-    def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict[str, torch.Tensor]:
-        return {name: torch.zeros(self.blocks, self.heads, self.block_size, *shape, dtype=dtype, device=self.device)
-                for name, (shape, dtype) in codec.part_specs().items()}
+    def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict:
+        return {}  # the pool holds the parts
 
     def _alloc_ring(self, codec: KVCodec, batch: int) -> None:
         return None
 
-    def _grow_pool(self) -> None:
-        extra = self.blocks
-        for layer, codec in enumerate(self.codecs):
-            for name, (shape, dtype) in codec.part_specs().items():
-                fresh = torch.zeros(extra, self.heads, self.block_size, *shape, dtype=dtype, device=self.device)
-                self.parts[layer][name] = torch.cat([self.parts[layer][name], fresh])
-        self.refs += [0] * extra
-        self.free = list(range(self.blocks + extra - 1, self.blocks - 1, -1)) + self.free
-        self.blocks += extra
+    def view(self, rows: list[int]) -> "PagedKVCache":
+        """A cache over ``rows`` (distinct) sharing this one's pool and tables: a step on it reads and writes only
+        their blocks. Afterwards :meth:`absorb` takes its lengths back."""
+        if len(set(rows)) != len(rows) or not rows:
+            raise ValueError("a view needs distinct rows, at least one")
+        if min(rows) < 0 or max(rows) >= self.batch_size:
+            raise IndexError(f"row index out of range for a batch of {self.batch_size}")
+        view = object.__new__(PagedKVCache)
+        view.__dict__.update(self.__dict__)
+        view.tables = [self.tables[r] for r in rows]  # the same lists: block changes land here too
+        view.lengths = self.lengths[torch.as_tensor(rows, device=self.device)].clone()
+        view.ring_hi = torch.zeros_like(view.lengths)
+        view.batch_size = len(rows)
+        view._written = 0
+        return view
 
-    def _take(self) -> int:
-        if not self.free:
-            self._grow_pool()
-        block = self.free.pop()
-        self.refs[block] = 1
-        return block
+    def absorb(self, view: "PagedKVCache", rows: list[int]) -> None:
+        """Take a view's lengths (after its step) back into ``rows``."""
+        self.lengths[torch.as_tensor(rows, device=self.device)] = view.lengths
+        self._max_bound = max(self._max_bound, view._max_bound)
+        self.capacity = max(self.capacity, view.capacity)
+        self.parts = self.pool.dev
 
-    def _drop(self, block: int) -> None:
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            self.free.append(block)
+    # ---- blocks of rows ----------------------------------------------------------------------------
+    def _mine(self) -> set[int]:
+        return {b for table in self.tables for b in table}
 
-    def _own(self, row: int, index: int) -> int:
-        """Block ``index`` of ``row``, made this row's alone (allocated, or copied if shared)."""
+    def _own(self, row: int, index: int, keep: set[int]) -> int:
+        """Block ``index`` of ``row``, made this row's alone (taken, or copied if shared)."""
         table = self.tables[row]
         while len(table) <= index:
-            table.append(self._take())
+            table.append(self.pool.take(keep))
+            keep.add(table[-1])
         block = table[index]
-        if self.refs[block] > 1:  # copy-on-write, every layer
-            fresh = self._take()
-            for layer in self.parts:
-                for buf in layer.values():
-                    buf[fresh] = buf[block]
-            self._drop(block)
+        if self.pool.refs[block] > 1:  # copy-on-write, every layer
+            fresh = self.pool.copy(block, keep)
+            keep.add(fresh)
+            self.pool.drop(block)
             table[index] = block = fresh
         return block
+
+    def _release_past_ends(self) -> None:
+        for row, length in enumerate(self.lengths.tolist()):
+            keep = -(-length // self.block_size)
+            for block in self.tables[row][keep:]:
+                self.pool.drop(block)
+            del self.tables[row][keep:]
 
     # ---- KVCache's interface ----------------------------------------------------------------------
     def _ensure_capacity(self, needed: int) -> None:
@@ -100,13 +259,18 @@ class PagedKVCache(KVCache):
         s = k.shape[2]
         self._ensure_capacity(self._max_bound + s)
         self._written = s
+        keep = self._mine()
+        self.pool.resident(keep)
         starts = self.lengths.tolist()
-        slots = [self._own(b, (start + j) // self.block_size) for b, start in enumerate(starts) for j in range(s)]
-        block = torch.tensor(slots, dtype=torch.long, device=self.device).view(self.batch_size, s)
+        blocks = [self._own(b, (start + j) // self.block_size, keep) for b, start in enumerate(starts)
+                  for j in range(s)]
+        self.parts = self.pool.dev
+        slot = self.pool.slots_of(torch.tensor(blocks, dtype=torch.long)).view(self.batch_size, s)
         pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(s, device=self.device)[None, :]
         offset = pos % self.block_size
         for name, val in self.codecs[layer].encode(k, v).items():  # val [B, H, S, *shape]
-            self.parts[layer][name][block, :, offset] = val.transpose(1, 2).to(self.parts[layer][name].dtype)
+            buf = self.pool.dev[layer][name]
+            buf[slot, :, offset] = val.transpose(1, 2).to(buf.dtype)
 
     def commit(self, counts: torch.Tensor | int) -> None:
         """Make the written tokens visible; blocks taken for tokens not committed (a ragged step) are released."""
@@ -118,13 +282,6 @@ class PagedKVCache(KVCache):
         super().truncate(n)
         self._release_past_ends()
 
-    def _release_past_ends(self) -> None:
-        for row, length in enumerate(self.lengths.tolist()):
-            keep = -(-length // self.block_size)
-            for block in self.tables[row][keep:]:
-                self._drop(block)
-            del self.tables[row][keep:]
-
     def select(self, rows: torch.Tensor | list[int]) -> None:
         """Keep rows ``rows`` (may repeat: forking): the tables are copied and their blocks shared, no data moves."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
@@ -135,10 +292,10 @@ class PagedKVCache(KVCache):
         tables = [list(self.tables[r]) for r in rows.tolist()]
         for table in tables:
             for block in table:
-                self.refs[block] += 1
+                self.pool.refs[block] += 1
         for table in self.tables:
             for block in table:
-                self._drop(block)
+                self.pool.drop(block)
         self.tables = tables
         self.lengths = self.lengths.index_select(0, rows)
         self.ring_hi = self.ring_hi.index_select(0, rows)
@@ -149,38 +306,43 @@ class PagedKVCache(KVCache):
         t = int(self.lengths.max()) if upto is None else upto
         width = max(1, -(-t // self.block_size))
         padded = [(table + [table[-1] if table else 0] * width)[:width] for table in self.tables]
-        return torch.tensor(padded, dtype=torch.long, device=self.device)
+        return torch.tensor(padded, dtype=torch.long)
 
     def layer_parts(self, layer: int, upto: int | None = None) -> dict[str, torch.Tensor]:
         """The stored parts of one layer gathered through the block tables: [B, H, upto, *part_shape]."""
         t = int(self.lengths.max()) if upto is None else upto
         table = self.block_table(t)
+        needed = {int(b) for b in table.flatten()} if self.pool.refs else set()
+        self.pool.resident({b for b in needed if self.pool.refs[b] > 0})
+        slots = self.pool.slots_of(table).clamp(min=0)  # a padded entry past a row's end may name a freed block
         out = {}
-        for name, pool in self.parts[layer].items():
-            rows = pool[table]  # [B, nb, H, block, *shape]
+        for name, pool in self.pool.dev[layer].items():
+            rows = pool[slots]  # [B, nb, H, block, *shape]
             rows = rows.transpose(1, 2).reshape(self.batch_size, self.heads, -1, *pool.shape[3:])
             out[name] = rows[:, :, :t]
         return out
 
     def memory_report(self) -> MemoryReport:
         """Every block held counted once (a block is whole even when a row fills part of it), the block tables at
-        4 bytes an entry; ``shared_saved_bytes``: what the rows would hold more if each had its own blocks."""
-        per_part = {name: buf[0, :, 0].numel() * buf.element_size() for name, buf in self.parts[0].items()}
+        4 bytes an entry; ``host_bytes``: the blocks moved to host memory (in ``used_bytes`` too);
+        ``shared_saved_bytes``: what the rows would hold more if each had its own blocks."""
+        per_part = {name: buf[0, :, 0].numel() * buf.element_size() for name, buf in self.pool.dev[0].items()}
         per_token = sum(c.bytes_per_token() for c in self.codecs) * self.heads // self.num_layers
         block_bytes = per_token * self.num_layers * self.block_size
-        held = sum(1 for r in self.refs if r > 0)
+        on_device, on_host = self.pool.held()
         referenced = sum(len(t) for t in self.tables)
         table_bytes = 4 * referenced
+        host_slots = 0 if self.pool.host is None else next(iter(self.pool.host[0].values())).shape[0]
         values_per_token = 2 * self.heads * self.head_dim
         return MemoryReport(
             layers=self.num_layers, heads=self.heads, head_dim=self.head_dim,
             bytes_per_token_per_layer=per_token, part_bytes_per_token_per_layer=per_part,
-            tokens=int(self.lengths.sum()), used_bytes=held * block_bytes + table_bytes,
-            allocated_bytes=self.blocks * block_bytes + table_bytes,
+            tokens=int(self.lengths.sum()), used_bytes=(on_device + on_host) * block_bytes + table_bytes,
+            allocated_bytes=(self.pool.slots + host_slots) * block_bytes + table_bytes,
             constant_bytes=sum(c.constant_nbytes() for c in self.codecs),
             fp32_bytes_per_token_per_layer=4 * values_per_token,
             fp16_bytes_per_token_per_layer=2 * values_per_token,
-            shared_saved_bytes=(referenced - held) * block_bytes)
+            shared_saved_bytes=(referenced - on_device - on_host) * block_bytes, host_bytes=on_host * block_bytes)
 
 
-__all__ = ["BLOCK_SIZE", "PagedKVCache"]
+__all__ = ["BLOCK_SIZE", "BlockPool", "PagedKVCache"]

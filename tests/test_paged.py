@@ -29,12 +29,13 @@ def assert_same(paged: PagedKVCache, flat: KVCache, peeked: bool = False) -> Non
         assert torch.equal(torch.where(mask, kp, 0), torch.where(mask, kf, 0)), layer
         assert torch.equal(torch.where(mask, vp, 0), torch.where(mask, vf, 0)), layer
     # the bookkeeping: every block's count is the number of tables holding it, free blocks are unreferenced
-    held = [0] * paged.blocks
+    refs = paged.pool.refs
+    held = [0] * len(refs)
     for table in paged.tables:
         for block in table:
             held[block] += 1
-    assert held == paged.refs
-    assert sorted(paged.free) == [i for i, r in enumerate(paged.refs) if r == 0]
+    assert held == refs
+    assert sorted(paged.pool.free_ids) == [i for i, r in enumerate(refs) if r == 0]
     for table, length in zip(paged.tables, paged.lengths.tolist()):  # a peek's blocks stay until a commit
         assert len(table) >= -(-length // paged.block_size) if peeked else len(table) == -(-length // paged.block_size)
 
@@ -123,3 +124,79 @@ def test_paged_cache_refuses_what_it_cannot_hold():
     windowed.window = 4  # as a KIVI codec carries
     with pytest.raises(ValueError, match="recent-token windows"):
         PagedKVCache([windowed], 1)
+
+
+def per_row(cache: PagedKVCache, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each row's decoded keys and values, read through a one-row view (only its blocks on the device)."""
+    out = []
+    for r in range(cache.batch_size):
+        k, v, valid = cache.view([r]).dequantize(layer)
+        n = int(valid.sum())
+        out.append((k[0, :, :n], v[0, :, :n]))
+    return out
+
+
+def test_host_tier_round_trips_exactly():
+    """Under a device budget of a few blocks, rows stepped one or two at a time push the others' blocks to host
+    memory and fetch them back: every row reads what an unbudgeted cache holds, bit for bit."""
+    cs, block = codecs(), 4
+    block_bytes = sum(c.bytes_per_token() for c in cs) * HEADS * block
+    small = PagedKVCache(cs, 1, capacity=4, block_size=block, device_budget_bytes=12 * block_bytes)
+    free = PagedKVCache(cs, 1, capacity=4, block_size=block)
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    kv = torch.randn(2, LAYERS, 1, HEADS, 6, DIM, generator=gen)
+    for cache in (small, free):
+        cache.append(list(kv[0]), list(kv[1]))
+        cache.select([0, 0, 0, 0, 0])
+    moved = 0
+    for _ in range(20):
+        rows = rng.sample(range(5), rng.choice([1, 1, 2]))
+        s = rng.randint(1, 2)
+        kv = torch.randn(2, LAYERS, len(rows), HEADS, s, DIM, generator=gen)
+        for cache in (small, free):
+            view = cache.view(rows)
+            view.append(list(kv[0]), list(kv[1]))
+            cache.absorb(view, rows)
+        moved = max(moved, small.memory_report().host_bytes)
+        assert small.pool.slots <= 12
+    assert moved > 0  # the budget did push blocks out
+    assert torch.equal(small.lengths, free.lengths)
+    for layer in range(LAYERS):
+        for (ks, vs), (kf, vf) in zip(per_row(small, layer), per_row(free, layer)):
+            assert torch.equal(ks, kf) and torch.equal(vs, vf)
+    report = small.memory_report()
+    assert report.used_bytes == free.memory_report().used_bytes  # the same blocks, wherever they are
+    with pytest.raises(Exception, match="budget"):  # every row at once needs more blocks than the device holds
+        small.dequantize(0)
+
+
+def test_a_budgeted_session_steps_some_rows(stress_model):
+    """Stepping a subset of rows under a tiny device budget gives what the same steps give with no budget, and a
+    contiguous session refuses a subset step."""
+    engine = TurboEsm(stress_model)
+    results, budget = [], None
+    for _ in range(2):
+        session = engine.session("turboquant-3", paged=True, block_size=4, gpu_budget_gib=budget)
+        session.start(["MKTAYIAKQRQISFVK"])  # 17 tokens: 4 full blocks and one more, shared by the forks
+        session.fork(4)
+        gen = torch.Generator().manual_seed(1)
+        outs, host = [], 0
+        for step in range(6):  # two rows a step: the 4 shared blocks and the two rows' own tail blocks
+            rows = [step % 4, (step + 2) % 4]
+            outs.append(session.step(torch.randint(4, 24, (2, 1), generator=gen), rows=rows).logits)
+            host = max(host, session.memory_report().host_bytes)
+        outs.append(session.step(torch.full((1, 1), 32), rows=[3], commit=False).logits)
+        results.append((outs, session.sequences(), host))
+        rep = session.memory_report()
+        budget = 7 * rep.bytes_per_token_per_layer * rep.layers * 4 / 2**30  # 7 blocks; the rows hold 8
+    (plain, seqs, _), (budgeted, seqs_b, host) = results
+    assert seqs == seqs_b and host > 0
+    for a, b in zip(plain, budgeted):
+        assert torch.equal(a, b)
+    flat = engine.session("turboquant-3")
+    flat.start(["MKTAYIAK"])
+    with pytest.raises(ValueError, match="paged session"):
+        flat.step(torch.zeros(1, 1, dtype=torch.long), rows=[0])
+    with pytest.raises(ValueError, match="paged=True"):
+        engine.session("turboquant-3", gpu_budget_gib=1)

@@ -106,23 +106,27 @@ class TurboEsm:
                 layer.attention.self = mod
 
     def session(self, cache: str | Callable = "turbo", capacity: int = 256, paged: bool = False,
-                block_size: int = 64) -> "DecodeSession":
+                block_size: int = 64, gpu_budget_gib: float | None = None) -> "DecodeSession":
         """A decode session over a ``cache`` kind. ``paged``: the cache is kept in blocks of ``block_size`` tokens
-        that forks share (:class:`~esm_turbo.paged.PagedKVCache`): ``fork(k)`` copies block tables, not rows."""
-        return DecodeSession(self, cache, capacity, paged, block_size)
+        that forks share (:class:`~esm_turbo.paged.PagedKVCache`): ``fork(k)`` copies block tables, not rows.
+        ``gpu_budget_gib`` (paged): the most cache bytes kept on the device; blocks of rows not being stepped move
+        to host memory past it, and come back when a step needs them."""
+        return DecodeSession(self, cache, capacity, paged, block_size, gpu_budget_gib)
 
 
 class DecodeSession:
     """Batched prefill + incremental decode over a KV cache, with rollback and beam fork/select."""
 
     def __init__(self, engine: TurboEsm, cache: str | Callable = "turbo", capacity: int = 256, paged: bool = False,
-                 block_size: int = 64):
+                 block_size: int = 64, gpu_budget_gib: float | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
+        if gpu_budget_gib is not None and (not paged or gpu_budget_gib <= 0):
+            raise ValueError(f"gpu_budget_gib={gpu_budget_gib}: a device budget needs paged=True and a positive size")
         self.engine = engine
         self.cache_kind = cache
         self.capacity = capacity
-        self.paged, self.block_size = paged, block_size
+        self.paged, self.block_size, self.gpu_budget_gib = paged, block_size, gpu_budget_gib
         self.cache: KVCache | None = None
         self.tokens: torch.Tensor | None = None  # [B, T_cap] committed token ids
         self.mask_counts: torch.Tensor | None = None  # [B]
@@ -161,8 +165,9 @@ class DecodeSession:
         batch, width = tokens.shape
         if self.paged:
             from ..paged import PagedKVCache
+            budget = None if self.gpu_budget_gib is None else int(self.gpu_budget_gib * 2**30)
             self.cache = PagedKVCache(eng.codecs(self.cache_kind), batch, max(self.capacity, width), eng.device,
-                                      self.block_size)
+                                      self.block_size, budget)
         else:
             self.cache = KVCache(eng.codecs(self.cache_kind), batch, max(self.capacity, width), eng.device)
         ctx = RunContext(mode="prefill", cache=self.cache, valid=mask.bool(), recorder=recorder)
@@ -191,10 +196,14 @@ class DecodeSession:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor | list[str], counts: torch.Tensor | None = None,
-             commit: bool = True) -> StepOutput:
+             commit: bool = True, rows: list[int] | None = None) -> StepOutput:
         """Feed S new tokens per row at the next positions. ``tokens``: [B, S] ids or B strings of
         equal length (one residue or ``<mask>`` is one token); ``counts`` [B]: how many of the S are
-        real per row (default all). With ``commit=False`` (peek) the cache is left unchanged."""
+        real per row (default all). With ``commit=False`` (peek) the cache is left unchanged. ``rows``
+        (a paged session): step only these distinct rows (``tokens`` has one row each); the others wait,
+        their blocks free to move to host memory under a device budget."""
+        if rows is not None:
+            return self._step_rows(tokens, counts, commit, [int(r) for r in rows])
         cache = self._require_started()
         eng = self.engine
         if isinstance(tokens, (list, tuple)):
@@ -224,6 +233,23 @@ class DecodeSession:
                 valid, tokens, self.tokens[rows, positions.clamp_max(self.tokens.shape[1] - 1)])
             self.mask_counts.add_(((tokens == alphabet().mask_idx) & valid).sum(1))
         return result
+
+    def _step_rows(self, tokens, counts, commit: bool, rows: list[int]) -> StepOutput:
+        cache = self._require_started()
+        if cache.contiguous:
+            raise ValueError("stepping some rows needs a paged session: turbo.session(paged=True)")
+        view = cache.view(rows)
+        idx = torch.as_tensor(rows, device=cache.device)
+        sub = object.__new__(DecodeSession)
+        sub.__dict__.update(self.__dict__)
+        sub.cache, sub.tokens, sub.mask_counts = view, self.tokens[idx], self.mask_counts[idx]
+        out = sub.step(tokens, counts, commit)
+        if commit:
+            cache.absorb(view, rows)
+            self.fit_to_cache()
+            self.tokens[idx, : sub.tokens.shape[1]] = sub.tokens[:, : self.tokens.shape[1]]
+            self.mask_counts[idx] = sub.mask_counts
+        return out
 
     def capture_step(self, tokens: torch.Tensor, counts: torch.Tensor | None = None, commit: bool = False,
                      reserve: int = 64) -> "CapturedStep":
