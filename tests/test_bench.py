@@ -63,4 +63,6 @@ def test_bench_design_counts_what_each_cache_holds():
     assert paged["held_bytes"] == (shared_blocks + candidates) * block_bytes + table_bytes
     assert paged["shared_saved_bytes"] == (candidates - 1) * shared_blocks * block_bytes
     assert fp16["vs_fp16"] == 1.0 and flat["vs_fp16"] <= 0.25
-    assert "compressed, paged" in format_design(res)
+    inside, over = res.offload  # a quarter of the rows a step under a quarter of the cache: the rest on the host
+    assert inside["host_bytes"] == 0 and over["host_bytes"] >= over["held_bytes"] / 2
+    assert "compressed, paged" in format_design(res) and "host tier" in format_design(res)

@@ -26,6 +26,7 @@ class DesignBench:
     tail: int
     block_size: int
     rows: list[dict] = field(default_factory=list)
+    offload: list[dict] = field(default_factory=list)  # a quarter of distinct rows a step, in and over a budget
 
 
 def _sync(device: torch.device) -> None:
@@ -69,7 +70,39 @@ def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, c
     fp16 = res.rows[-1]["held_bytes"]
     for r in res.rows:
         r["vs_fp16"] = r["held_bytes"] / fp16
+    res.offload = _bench_offload(engine, device, prefix, candidates, tail, block_size)
     return res
+
+
+def _bench_offload(engine, device: torch.device, prefix: int, rows: int, steps: int, block_size: int) -> list[dict]:
+    """``rows`` distinct sequences of ``prefix`` tokens, a quarter of them stepped at a time (in turn), with every
+    block on the device and then under a device budget of a quarter of the cache (and room for the step's new
+    blocks): decode tokens/s of each, and the cache's share on the host."""
+    from ..model.alphabet import alphabet
+    factory = (lambda layer, h, d: default_codec(h, d, layer))  # noqa: E731
+    quarter = max(1, rows // 4)
+    step = torch.full((quarter, 1), alphabet().get_idx("A"), device=device)
+    out, budget = [], None
+    for _ in range(2):
+        session = engine.session(factory, capacity=prefix + steps, paged=True, block_size=block_size,
+                                 gpu_budget_gib=budget)
+        session.start([random_protein(prefix - 1, seed) for seed in range(rows)])
+        groups = [list(range(q * quarter, (q + 1) * quarter)) for q in range(rows // quarter)]
+        session.step(step, rows=groups[0])
+        _sync(device)
+        t0 = time.perf_counter()
+        for i in range(1, steps):
+            session.step(step, rows=groups[i % len(groups)])
+        _sync(device)
+        sec = time.perf_counter() - t0
+        rep = session.memory_report()
+        out.append(dict(budget_gib=budget, rows=rows, rows_per_step=quarter, held_bytes=rep.used_bytes,
+                        host_bytes=rep.host_bytes, tokens_per_s=quarter * (steps - 1) / sec))
+        block = rep.bytes_per_token_per_layer * rep.layers * block_size
+        budget = (rep.used_bytes / 4 + 2 * quarter * block) / 2**30
+        del session
+    out[1]["vs_in_device"] = out[1]["tokens_per_s"] / out[0]["tokens_per_s"]
+    return out
 
 
 def format_design(res: DesignBench) -> str:
@@ -81,6 +114,14 @@ def format_design(res: DesignBench) -> str:
                      f"{r['tokens_per_s']:>11.0f}{r['step_ms']:>9.2f}")
     lines.append("  least: one scaffold plus every tail at the cache's bytes per token; the paged cache reads through "
                  "the PyTorch path (no block-table kernel yet)")
+    if res.offload:
+        inside, over = res.offload
+        lines.append(f"host tier: {inside['rows']} distinct {res.prefix}-token sequences on the paged cache, "
+                     f"{inside['rows_per_step']} stepped at a time in turn")
+        lines.append(f"  every block on the device: {inside['tokens_per_s']:.0f} tokens/s; under a "
+                     f"{over['budget_gib'] * 2**10:.1f} MiB budget ({over['host_bytes'] / max(over['held_bytes'], 1):.0%}"
+                     f" of {over['held_bytes'] / 2**20:.1f} MiB on the host): {over['tokens_per_s']:.0f} tokens/s "
+                     f"({over['vs_in_device']:.2f}x)")
     return "\n".join(lines)
 
 
