@@ -214,11 +214,15 @@ class KVCache:
             raise ValueError("select needs a non-empty 1-D list of row indices")
         if bool(((rows < 0) | (rows >= self.batch_size)).any()):
             raise IndexError(f"row index out of range for a batch of {self.batch_size}")
-        self.parts = [{n: b.index_select(0, rows) for n, b in layer.items()} for layer in self.parts]
-        self.rings = [None if r is None else {n: b.index_select(0, rows) for n, b in r.items()} for r in self.rings]
+        self._select_storage(rows)
         self.lengths = self.lengths.index_select(0, rows)
         self.ring_hi = self.ring_hi.index_select(0, rows)
         self.batch_size = rows.numel()
+
+    def _select_storage(self, rows: torch.Tensor) -> None:
+        """The stored rows of :meth:`select` (copied: a fork holds its own copy)."""
+        self.parts = [{n: b.index_select(0, rows) for n, b in layer.items()} for layer in self.parts]
+        self.rings = [None if r is None else {n: b.index_select(0, rows) for n, b in r.items()} for r in self.rings]
 
     def layer_parts(self, layer: int, upto: int | None = None) -> dict[str, torch.Tensor]:
         """The stored parts of one layer, cut to the first ``upto`` positions (default: max length)."""

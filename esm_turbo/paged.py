@@ -282,13 +282,8 @@ class PagedKVCache(KVCache):
         super().truncate(n)
         self._release_past_ends()
 
-    def select(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep rows ``rows`` (may repeat: forking): the tables are copied and their blocks shared, no data moves."""
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        if rows.dim() != 1 or rows.numel() == 0:
-            raise ValueError("select needs a non-empty 1-D list of row indices")
-        if bool(((rows < 0) | (rows >= self.batch_size)).any()):
-            raise IndexError(f"row index out of range for a batch of {self.batch_size}")
+    def _select_storage(self, rows: torch.Tensor) -> None:
+        """:meth:`select`'s rows: the tables are copied and their blocks shared, no data moves."""
         tables = [list(self.tables[r]) for r in rows.tolist()]
         for table in tables:
             for block in table:
@@ -297,9 +292,6 @@ class PagedKVCache(KVCache):
             for block in table:
                 self.pool.drop(block)
         self.tables = tables
-        self.lengths = self.lengths.index_select(0, rows)
-        self.ring_hi = self.ring_hi.index_select(0, rows)
-        self.batch_size = rows.numel()
 
     def block_table(self, upto: int | None = None) -> torch.Tensor:
         """[B, ceil(upto / block_size)] long: each row's block ids (past a row's end: its last block, or 0)."""
