@@ -201,6 +201,9 @@ def cmd_embed(args) -> int:
         checks.output_file(args.output, "--output", hdf5=True)
     else:
         checks.output_dir(args.output, "--output")
+    if args.quiet:  # transformers' own loading bar too
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
     rank, world = distributed_context()
     cfg = EmbedConfig(repr_layers=args.repr_layers, include=args.include, toks_per_batch=args.toks_per_batch,
                       truncation_seq_length=args.truncation_seq_length, long_policy=args.long_policy,

@@ -114,6 +114,7 @@ def test_bad_input_is_named(stress_dir, tmp_path, capsys):
                  "--skip-invalid"]) == 0
     err = capsys.readouterr().err
     assert "written 1" in err and "failed 2" in err
+    assert "Loading weights" not in err  # --quiet quiets transformers' bar too
     assert main(["embed", "--model", str(stress_dir), str(bad), "-o", str(tmp_path / "o"), "--include",
                  "everything"]) == 2
 
