@@ -219,6 +219,11 @@ class KVCache:
         self.ring_hi = self.ring_hi.index_select(0, rows)
         self.batch_size = rows.numel()
 
+    def prefill_groups(self, width: int) -> list[list[int]]:
+        """Rows a prefill of ``width`` tokens writes together: every row (a paged cache under a device budget splits
+        them)."""
+        return [list(range(self.batch_size))]
+
     def _select_storage(self, rows: torch.Tensor) -> None:
         """The stored rows of :meth:`select` (copied: a fork holds its own copy)."""
         self.parts = [{n: b.index_select(0, rows) for n, b in layer.items()} for layer in self.parts]

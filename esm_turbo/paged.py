@@ -65,13 +65,19 @@ class BlockPool:
         return sum(self.slot[i] >= 0 for i in live), sum(self.slot[i] < 0 for i in live)
 
     # ---- slots ---------------------------------------------------------------------------------------
+    def _extended(self, pools: list[dict[str, torch.Tensor]], extra: int, device, pin: bool = False) -> None:
+        """Grow every buffer of ``pools`` by ``extra`` zeroed slots, in place of the old ones."""
+        n = next(iter(pools[0].values())).shape[0]
+        grown = self._zeros(n + extra, device, pin)
+        for layer, bufs in zip(pools, grown):
+            for name in layer:
+                bufs[name][:n].copy_(layer[name])
+                layer[name] = bufs[name]
+
     def _grow_device(self) -> None:
         n = self.slots
         extra = n if self.limit is None else min(n, self.limit - n)
-        fresh = self._zeros(extra, self.device)
-        for layer, bufs in zip(self.dev, fresh):
-            for name in layer:
-                layer[name] = torch.cat([layer[name], bufs[name]])
+        self._extended(self.dev, extra, self.device)
         self.free_slots = list(range(n + extra - 1, n - 1, -1)) + self.free_slots
 
     def _device_slot(self, keep: set[int]) -> int:
@@ -100,18 +106,15 @@ class BlockPool:
 
     def _grow_host(self) -> None:
         pin = self.device.type == "cuda"
-        n = 0 if self.host is None else next(iter(self.host[0].values())).shape[0]
-        extra = max(n, self.slots)
-        fresh = self._zeros(extra, "cpu", pin)
         if self.host is None:
-            self.host = fresh
+            n, extra = 0, self.slots
+            self.host = self._zeros(extra, "cpu", pin)
         else:
-            for layer, bufs in zip(self.host, fresh):
-                for name in layer:
-                    grown = torch.empty((n + extra, *layer[name].shape[1:]), dtype=layer[name].dtype, pin_memory=pin)
-                    grown[:n].copy_(layer[name])
-                    grown[n:].copy_(bufs[name])
-                    layer[name] = grown
+            n = next(iter(self.host[0].values())).shape[0]
+            extra = max(n, self.slots)
+            if pin:  # device-to-host copies into the old buffers may still be in flight
+                torch.cuda.current_stream(self.device).synchronize()
+            self._extended(self.host, extra, "cpu", pin)
         self.free_host = list(range(n + extra - 1, n - 1, -1)) + self.free_host
 
     # ---- blocks --------------------------------------------------------------------------------------
@@ -197,6 +200,13 @@ class PagedKVCache(KVCache):
 
     def _alloc_ring(self, codec: KVCodec, batch: int) -> None:
         return None
+
+    def prefill_groups(self, width: int) -> list[list[int]]:
+        """Rows prefilled together: all, or under a device budget as many as its blocks hold (at least one)."""
+        if self.pool.limit is None:
+            return super().prefill_groups(width)
+        size = max(1, self.pool.limit // -(-width // self.block_size))
+        return [list(range(i, min(i + size, self.batch_size))) for i in range(0, self.batch_size, size)]
 
     def view(self, rows: list[int]) -> "PagedKVCache":
         """A cache over ``rows`` (distinct) sharing this one's pool and tables: a step on it reads and writes only

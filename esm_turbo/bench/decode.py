@@ -11,7 +11,7 @@ from ..cache import KVCache
 from ..fasta import CALIBRATION_DATA
 from ..ops import attend_compressed, use_kernels
 from ..ops.compressed import fused_tables
-from .synthetic import (bytes_read, default_codec, random_protein, stand_in_model, synthetic_cache,
+from .synthetic import (bytes_read, default_codec, layer_codec, random_protein, stand_in_model, synthetic_cache,
                         synthetic_session)
 from .timing import read_floor_us, time_graph, time_in_step
 
@@ -102,13 +102,10 @@ def bench_quantize(device, size: str = "650M", length: int = 1024, layers: int |
     h, d = engine.heads, engine.head_dim
     seq = random_protein(length - 2, 0)
 
-    def factory(layer, heads, dim):
-        return default_codec(heads, dim, seed=layer)
-
     from ..model.alphabet import encode
     tokens, mask = encode([seq], add_eos=True)
     tokens, mask = tokens.to(device), mask.to(device)
-    session = engine.session(factory, capacity=length + 8)
+    session = engine.session(layer_codec, capacity=length + 8)
     session.start([seq], add_eos=True)  # builds tables, compiles kernels
     cache = session.cache
     plain = time_graph(lambda: engine.esm(input_ids=tokens, attention_mask=mask), device, reps=10)

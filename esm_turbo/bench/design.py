@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .synthetic import default_codec, random_protein, stand_in_model
+from .synthetic import layer_codec, random_protein, stand_in_model
 
 
 @dataclass
@@ -34,6 +34,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _timed_steps(step, steps: int, device: torch.device) -> float:
+    """Seconds of steps 2..``steps`` of ``step(i)``; the first (blocks taken, copies on write) runs untimed."""
+    step(0)
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(1, steps):
+        step(i)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 @torch.no_grad()
 def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, candidates: int = 256, tail: int = 64,
                  block_size: int = 64, layers: int | None = None) -> DesignBench:
@@ -47,17 +58,11 @@ def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, c
                       block_size)
     step = torch.full((candidates, 1), alphabet().get_idx("A"), device=device)
     for kind, paged in (("compressed, paged", True), ("compressed, contiguous", False), ("fp16, contiguous", False)):
-        factory = "fp16" if kind.startswith("fp16") else (lambda layer, h, d: default_codec(h, d, layer))
+        factory = "fp16" if kind.startswith("fp16") else layer_codec
         session = engine.session(factory, capacity=prefix + tail, paged=paged, block_size=block_size)
         session.start([scaffold])
         session.fork(candidates)
-        session.step(step)  # the first step copies-on-write or allocates; timed below with the rest
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(tail - 1):
-            session.step(step)
-        _sync(device)
-        sec = time.perf_counter() - t0
+        sec = _timed_steps(lambda i, s=session: s.step(step), tail, device)
         rep = session.memory_report()
         per_token = rep.bytes_per_token_per_layer * rep.layers
         least = (prefix + candidates * tail) * per_token
@@ -79,22 +84,15 @@ def _bench_offload(engine, device: torch.device, prefix: int, rows: int, steps: 
     block on the device and then under a device budget of a quarter of the cache (and room for the step's new
     blocks): decode tokens/s of each, and the cache's share on the host."""
     from ..model.alphabet import alphabet
-    factory = (lambda layer, h, d: default_codec(h, d, layer))  # noqa: E731
     quarter = max(1, rows // 4)
     step = torch.full((quarter, 1), alphabet().get_idx("A"), device=device)
     out, budget = [], None
     for _ in range(2):
-        session = engine.session(factory, capacity=prefix + steps, paged=True, block_size=block_size,
+        session = engine.session(layer_codec, capacity=prefix + steps, paged=True, block_size=block_size,
                                  gpu_budget_gib=budget)
         session.start([random_protein(prefix - 1, seed) for seed in range(rows)])
         groups = [list(range(q * quarter, (q + 1) * quarter)) for q in range(rows // quarter)]
-        session.step(step, rows=groups[0])
-        _sync(device)
-        t0 = time.perf_counter()
-        for i in range(1, steps):
-            session.step(step, rows=groups[i % len(groups)])
-        _sync(device)
-        sec = time.perf_counter() - t0
+        sec = _timed_steps(lambda i, s=session: s.step(step, rows=groups[i % len(groups)]), steps, device)
         rep = session.memory_report()
         out.append(dict(budget_gib=budget, rows=rows, rows_per_step=quarter, held_bytes=rep.used_bytes,
                         host_bytes=rep.host_bytes, tokens_per_s=quarter * (steps - 1) / sec))

@@ -21,6 +21,11 @@ def default_codec(heads: int, dim: int, seed: int = 0, grid: bool | None = None)
                               seed, grid=grid)
 
 
+def layer_codec(layer: int, heads: int, dim: int):
+    """A cache factory (``engine.session(layer_codec)``): layer ``layer``'s :func:`default_codec`, seeded by it."""
+    return default_codec(heads, dim, seed=layer)
+
+
 def synthetic_cache(heads: int, dim: int, batch: int, length: int, device, seed: int = 0,
                      grid: bool | None = None) -> KVCache:
     """A one-layer TurboESM cache of the default widths (:func:`default_codec`) full of random codes at

@@ -171,7 +171,7 @@ class DecodeSession:
         else:
             self.cache = KVCache(eng.codecs(self.cache_kind), batch, max(self.capacity, width), eng.device)
         hidden = []
-        for rows in self._prefill_groups(batch, width):  # under a device budget: groups of rows that fit it
+        for rows in self.cache.prefill_groups(width):  # under a device budget: groups of rows that fit it
             cache = self.cache if len(rows) == batch else self.cache.view(rows)
             ctx = RunContext(mode="prefill", cache=cache, valid=mask[rows].bool(), recorder=recorder)
             with eng.context(ctx):
@@ -185,15 +185,6 @@ class DecodeSession:
         self.tokens[:, :width] = tokens
         self.mask_counts = ((tokens == alphabet().mask_idx) & mask.bool()).sum(1)
         return StepOutput(logits=eng.model.lm_head(last).float(), hidden=last.float())
-
-    def _prefill_groups(self, batch: int, width: int) -> list[list[int]]:
-        """Rows prefilled together: all, or under a device budget as many as its blocks hold (at least one)."""
-        limit = getattr(getattr(self.cache, "pool", None), "limit", None)
-        if limit is None:
-            return [list(range(batch))]
-        per_row = -(-width // self.cache.block_size)
-        size = max(1, limit // per_row)
-        return [list(range(i, min(i + size, batch))) for i in range(0, batch, size)]
 
     def _embed(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         emb_mod = self.engine.esm.embeddings
