@@ -15,13 +15,16 @@ attend) runs on that view, so outputs equal :class:`~esm_turbo.cache.KVCache`'s 
 With a device budget (``device_budget_bytes``) the pool holds at most that many bytes of blocks on the device; the
 least recently used blocks that the rows being read or written do not need move to host memory (pinned on CUDA) and
 come back when a row needs them. :meth:`PagedKVCache.view` gives a cache over some of the rows (a step that touches
-a subset), sharing the pool. Block bookkeeping is on the host.
+a subset), sharing the pool. Block bookkeeping is on the host, once a step: the slots a step reads
+(:meth:`PagedKVCache.pages`, the fused decode kernel's block table) and writes are kept until the pool moves, frees or
+copies a block (``BlockPool.epoch``) or the rows' lengths change.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import ops
 from .cache import KVCache, MemoryReport
 from .errors import EsmTurboError
 from .quant.codec import KVCodec
@@ -49,6 +52,7 @@ class BlockPool:
         self.free_slots = list(range(slots - 1, -1, -1))
         self.free_host: list[int] = []
         self.clock = 0
+        self.epoch = 0  # bumped whenever a held block's slot or contents may change under a cached block table
 
     def _zeros(self, n: int, device, pin: bool = False) -> list[dict[str, torch.Tensor]]:
         return [{name: torch.zeros(n, self.heads, self.block_size, *shape, dtype=dtype, device=device,
@@ -103,6 +107,7 @@ class BlockPool:
                 host[name][h].copy_(dev[name][self.slot[victim]], non_blocking=True)
         self.free_slots.append(self.slot[victim])
         self.slot[victim], self.host_slot[victim] = -1, h
+        self.epoch += 1
 
     def _grow_host(self) -> None:
         pin = self.device.type == "cuda"
@@ -142,6 +147,7 @@ class BlockPool:
                 self.free_host.append(self.host_slot[block])
             self.slot[block] = self.host_slot[block] = -1
             self.free_ids.append(block)
+            self.epoch += 1
 
     def copy(self, block: int, keep: set[int]) -> int:
         """A new block holding ``block``'s data in every layer (``block`` on the device)."""
@@ -149,6 +155,7 @@ class BlockPool:
         for layer in self.dev:
             for buf in layer.values():
                 buf[self.slot[fresh]] = buf[self.slot[block]]
+        self.epoch += 1
         return fresh
 
     def resident(self, blocks: set[int]) -> None:
@@ -163,6 +170,7 @@ class BlockPool:
                         dev[name][slot].copy_(host[name][h], non_blocking=True)
                 self.free_host.append(h)
                 self.slot[block], self.host_slot[block] = slot, -1
+                self.epoch += 1
             self.last_use[block] = self.clock
 
     def slots_of(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -187,13 +195,18 @@ class PagedKVCache(KVCache):
             raise ValueError("a paged cache holds no recent-token windows (KIVI); use the contiguous cache")
         self.block_size = block_size
         super().__init__(codecs, batch_size, capacity, device)
-        self.fused = [False] * len(codecs)  # reads go through the gathered view (the reference path)
         block_bytes = sum(c.bytes_per_token() for c in codecs) * self.heads * block_size
         limit = None if device_budget_bytes is None else int(device_budget_bytes // block_bytes)
         blocks = -(-max(int(capacity), 1) // block_size) * batch_size
         self.pool = BlockPool([c.part_specs() for c in codecs], self.heads, block_size, self.device, blocks, limit)
         self.parts = self.pool.dev
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """Forget the step's cached slots (lengths or tables changed)."""
+        self._reads: tuple[int, torch.Tensor] | None = None  # (pool epoch, pages)
+        self._writes: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # (epoch, S, slots, offsets)
 
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict:
         return {}  # the pool holds the parts
@@ -222,6 +235,7 @@ class PagedKVCache(KVCache):
         view.ring_hi = torch.zeros_like(view.lengths)
         view.batch_size = len(rows)
         view._written = 0
+        view._new_step()
         return view
 
     def absorb(self, view: "PagedKVCache", rows: list[int]) -> None:
@@ -230,6 +244,7 @@ class PagedKVCache(KVCache):
         self._max_bound = max(self._max_bound, view._max_bound)
         self.capacity = max(self.capacity, view.capacity)
         self.parts = self.pool.dev
+        self._new_step()
 
     # ---- blocks of rows ----------------------------------------------------------------------------
     def _mine(self) -> set[int]:
@@ -263,34 +278,60 @@ class PagedKVCache(KVCache):
     def set_lengths(self, length: int) -> None:
         raise NotImplementedError("set_lengths fills a contiguous cache's buffers; a paged cache is written")
 
+    def pages(self) -> tuple[torch.Tensor, int]:
+        """(pages [B, ceil(max length / block_size)] int32 on the device: each row's blocks' device slots, past a
+        row's end its last block's or 0; block_size) — what the fused decode kernel reads the pool through. The
+        rows' blocks are brought to the device first. Kept for the step (``_new_step``, ``BlockPool.epoch``)."""
+        if self._reads is None or self._reads[0] != self.pool.epoch:
+            self.pool.resident(self._mine())
+            slots = self.pool.slots_of(self.block_table()).clamp(min=0)  # a padded entry may name a freed block
+            self._reads = (self.pool.epoch, slots.to(torch.int32))
+        return self._reads[1], self.block_size
+
+    def _write_slots(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, offsets) [B, S] on the device where the step's S tokens go: blocks taken as rows reach them,
+        a shared block copied first (every layer). Once a step: the first layer's write decides for all."""
+        if self._writes is None or self._writes[:2] != (self.pool.epoch, s):
+            keep = self._mine()
+            self.pool.resident(keep)
+            starts = self.lengths.tolist()
+            blocks = [self._own(b, (start + j) // self.block_size, keep) for b, start in enumerate(starts)
+                      for j in range(s)]
+            slots = self.pool.slots_of(torch.tensor(blocks, dtype=torch.long)).view(self.batch_size, s)
+            pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(s, device=self.device)[None, :]
+            self._writes = (self.pool.epoch, s, slots, pos % self.block_size)
+            self.parts = self.pool.dev
+        return self._writes[2], self._writes[3]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed)."""
+        """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed): by the fused
+        quantize kernel where the layer runs it (into a [B, H, S] buffer, then into the blocks), else the codec."""
         self._check_kv(layer, k, v)
         s = k.shape[2]
         self._ensure_capacity(self._max_bound + s)
         self._written = s
-        keep = self._mine()
-        self.pool.resident(keep)
-        starts = self.lengths.tolist()
-        blocks = [self._own(b, (start + j) // self.block_size, keep) for b, start in enumerate(starts)
-                  for j in range(s)]
-        self.parts = self.pool.dev
-        slot = self.pool.slots_of(torch.tensor(blocks, dtype=torch.long)).view(self.batch_size, s)
-        pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(s, device=self.device)[None, :]
-        offset = pos % self.block_size
-        for name, val in self.codecs[layer].encode(k, v).items():  # val [B, H, S, *shape]
+        slots, offsets = self._write_slots(s)
+        codec = self.codecs[layer]
+        if self.fused[layer]:
+            encoded = KVCache._alloc(self, codec, self.batch_size, s)
+            ops.write_compressed(codec, encoded, k, v, torch.zeros_like(self.lengths))
+        else:
+            encoded = codec.encode(k, v)
+        for name, val in encoded.items():  # val [B, H, S, *shape]
             buf = self.pool.dev[layer][name]
-            buf[slot, :, offset] = val.transpose(1, 2).to(buf.dtype)
+            buf[slots, :, offsets] = val.transpose(1, 2).to(buf.dtype)
 
     def commit(self, counts: torch.Tensor | int) -> None:
         """Make the written tokens visible; blocks taken for tokens not committed (a ragged step) are released."""
         super().commit(counts)
         self._release_past_ends()
+        self._new_step()
 
     def truncate(self, n: torch.Tensor | int) -> None:
         """Roll back the last ``n`` tokens of each row; blocks a row no longer reaches are released."""
         super().truncate(n)
         self._release_past_ends()
+        self._new_step()
 
     def _select_storage(self, rows: torch.Tensor) -> None:
         """:meth:`select`'s rows: the tables are copied and their blocks shared, no data moves."""
@@ -302,6 +343,7 @@ class PagedKVCache(KVCache):
             for block in table:
                 self.pool.drop(block)
         self.tables = tables
+        self._new_step()
 
     def block_table(self, upto: int | None = None) -> torch.Tensor:
         """[B, ceil(upto / block_size)] long: each row's block ids (past a row's end: its last block, or 0)."""
@@ -313,16 +355,11 @@ class PagedKVCache(KVCache):
     def layer_parts(self, layer: int, upto: int | None = None) -> dict[str, torch.Tensor]:
         """The stored parts of one layer gathered through the block tables: [B, H, upto, *part_shape]."""
         t = int(self.lengths.max()) if upto is None else upto
-        table = self.block_table(t)
-        needed = {int(b) for b in table.flatten()} if self.pool.refs else set()
-        self.pool.resident({b for b in needed if self.pool.refs[b] > 0})
-        slots = self.pool.slots_of(table).clamp(min=0)  # a padded entry past a row's end may name a freed block
-        out = {}
-        for name, pool in self.pool.dev[layer].items():
-            rows = pool[slots]  # [B, nb, H, block, *shape]
-            rows = rows.transpose(1, 2).reshape(self.batch_size, self.heads, -1, *pool.shape[3:])
-            out[name] = rows[:, :, :t]
-        return out
+        pages, _ = self.pages()
+        if pages.shape[1] * self.block_size < t:  # past every row's end: padded with each row's last block
+            extra = -(-t // self.block_size) - pages.shape[1]
+            pages = torch.cat([pages, pages[:, -1:].expand(-1, extra)], dim=1)
+        return {name: ops.gather_blocks(pool, pages)[:, :, :t] for name, pool in self.pool.dev[layer].items()}
 
     def memory_report(self) -> MemoryReport:
         """Every block held counted once (a block is whole even when a row fills part of it), the block tables at

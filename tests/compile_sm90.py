@@ -41,12 +41,16 @@ def main() -> None:
                     **walk_consts)
         codes = dict(codes, k_tab_ptr=tab, v_tab_ptr=tab)
         small_ptrs = dict(small_ptrs, k_tab_ptr=tab, v_tab_ptr=tab)
-        for grid in (0, 5 if d == 64 else 4):
-            compile_sm90(walk._prefix_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True), {"H", "S", "T_CAP", "CHUNK", "NS"},
-                         codes)
-            compile_sm90(small._small_kernel, dict(bits, BLOCK_NS=16, GRID=grid), small_ints, small_ptrs)
-            compile_sm90(walk._stream_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True),
-                         {"H", "S", "T_CAP", "R", "NT", "W", "NS"}, codes, num_warps=1, maxnreg=168)
+        # each contiguous (PAGE = 0) and, for the grid codec, paged: blocks of whole tiles at d = 64 (a table entry
+        # a tile), smaller than a tile at d = 16 (an entry a token)
+        for grid, page in ((0, 0), (5 if d == 64 else 4, 0), (5 if d == 64 else 4, 64 if d == 64 else 16)):
+            paged = dict(page_ptr="*i32" if page else "*i64")
+            compile_sm90(walk._prefix_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True, PAGE=page),
+                         {"H", "S", "T_CAP", "CHUNK", "NS"}, dict(codes, **paged))
+            compile_sm90(small._small_kernel, dict(bits, BLOCK_NS=16, GRID=grid, PAGE=page), small_ints,
+                         dict(small_ptrs, **paged))
+            compile_sm90(walk._stream_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True, PAGE=page),
+                         {"H", "S", "T_CAP", "R", "NT", "W", "NS"}, dict(codes, **paged), num_warps=1, maxnreg=168)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(merge._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
                  {"sqb", "sqh", "sqs", "B", "H", "S"}, dict(q_ptr=f16), num_warps=4)

@@ -66,3 +66,5 @@ def test_bench_design_counts_what_each_cache_holds():
     inside, over = res.offload  # a quarter of the rows a step under a quarter of the cache: the rest on the host
     assert inside["host_bytes"] == 0 and over["host_bytes"] >= over["held_bytes"] / 2
     assert "compressed, paged" in format_design(res) and "host tier" in format_design(res)
+    tables = res.block_tables
+    assert tables["paged_us"] > 0 and tables["contiguous_us"] > 0 and "block tables" in format_design(res)

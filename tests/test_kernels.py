@@ -89,12 +89,29 @@ def strided(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def paged_args(args, block_size, seed=0):
+    """The same cache as ``_reference_args`` gives, laid out as a paged cache does: each kind's parts as a pool
+    [slots, H, block_size, ·] whose blocks sit at shuffled slots (spare slots full of junk), and the block table.
+    Returns (args with pooled parts, pages [B, blocks] int32)."""
+    from esm_turbo.bench.synthetic import as_blocks, shuffled_pages
+    keys = args[5]
+    batch, _, t_cap = keys.main.shape[:3]
+    pages = shuffled_pages(batch, -(-t_cap // block_size), spare=3, seed=seed, device=keys.main.device)
+    slots = pages.numel() + 3
+
+    def pooled(part):
+        return as_blocks(part, pages, block_size, slots, fill=255) if part.numel() else part
+    kinds = [c._replace(main=pooled(c.main), sign=pooled(c.sign)) for c in args[5:7]]
+    return (*args[:5], *kinds), pages
+
+
 def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto",
-                         allocate=True, shared=False, grid=False, config=None):
+                         allocate=True, shared=False, grid=False, config=None, block_size=0):
     """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
     float64 from the same values. ``allocate``: channels of allocated widths, each head its own (the kernels
     read a field layout per head) or, ``shared``, the same for every head (compiled-in shifts, as for equal
-    widths); ``grid``: a grid codec, whose values the kernels compute from the codes."""
+    widths); ``grid``: a grid codec, whose values the kernels compute from the codes. ``block_size`` > 0: the
+    kernel reads the cache laid out in blocks of that many tokens through a block table (:func:`paged_args`)."""
     from esm_turbo.kernels.decode import compressed_attention_triton
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)  # (keys, values): the default's split
     codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=seed, allocate=allocate,
@@ -111,7 +128,13 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
     ref64 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float64, per_head))
     ref32 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float32, per_head))
     args = _reference_args(codec, cache, q, k, v, valid, torch.float32, per_head)
-    out = compressed_attention_triton(*args, config=dict(path=path) | (config or {}))
+    pages = {}
+    if block_size:
+        args, table = paged_args(args, block_size, seed)
+        pages = dict(pages=table, block_size=block_size)
+        paged_ref = compressed_attention_reference(*args, **pages)
+        assert torch.equal(paged_ref, ref32)  # the reference reads the pool through the table
+    out = compressed_attention_triton(*args, config=dict(path=path) | (config or {}), **pages)
     assert torch.isfinite(out).all() and out.dtype == dtype
     err = (out.double() - ref64).abs().max().item()
     err_pt = (ref32.double() - ref64).abs().max().item()
@@ -172,6 +195,17 @@ def test_decode_kernel_stream_k(stream, grid):
     reference."""
     check_kernel_matches(3, "sign", 32, batch=4, lengths=[0, 1, 300, 129], s=2, path="split", grid=grid,
                          config=dict(stream=stream, prep_cols=8, merge_cols=16))
+
+
+@needs_triton
+@pytest.mark.parametrize("block_size,path,stream,grid", [(64, "split", 1, True), (16, "split", 3, False),
+                                                         (64, "one", 0, False), (128, "split", 0, True),
+                                                         (16, "one", 0, True)])
+def test_decode_kernel_paged(block_size, path, stream, grid):
+    """A paged cache read through its block table (blocks holding whole tiles: one table entry a tile; smaller
+    blocks: one a token), every launch path, against the reference over the same rows stored contiguously."""
+    check_kernel_matches(3, "sign", 32, batch=4, lengths=[0, 1, 300, 129], s=1, path=path, grid=grid,
+                         shared=grid, config=dict(stream=stream), block_size=block_size)
 
 
 @needs_triton
@@ -541,10 +575,10 @@ def test_kernels_compile_for_sm90():
     this a compile error would surface only on a GPU."""
     out = _compiling("compile_sm90.py")
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
-    # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid), prep, merge twice (many sequences per program,
+    # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid, grid paged), prep, merge twice (many sequences per program,
     # several queries); quantize-and-pack five times: prefills in blocks of 32 and 64, a decode step, the last two
     # also with grid codes; the 4-bit weight matmul twice (groups of 32 and 128); the bench's read-only kernel
-    assert len(compiled) == 23, out
+    assert len(compiled) == 29, out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
@@ -620,6 +654,24 @@ def test_decode_kernel_split_widths_gpu(bits, d):
     check_kernel_matches(bits, "sign", d, 8, [500] * 8, s=4, heads=4, dtype=torch.float16, shared=True)
     for path in ("one", "split"):
         check_kernel_matches(bits, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True)
+
+
+@gpu
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+def test_decode_kernel_paged_gpu(d, block_size):
+    """The paged layout over batch, context, codecs and launch paths."""
+    for grid in (False, True):
+        for batch, t in ((1, 1), (64, 300), (2, 16384)):
+            lengths = torch.randint(max(t // 2, 1), t + 1, (batch,)).tolist()
+            lengths[0] = t
+            check_kernel_matches(3, "sign", d, batch, lengths, s=1, heads=4, seed=d, shared=grid, grid=grid,
+                                 block_size=block_size)
+        check_kernel_matches(3, "sign", d, 8, [500] * 8, s=4, heads=4, dtype=torch.float16, shared=grid, grid=grid,
+                             block_size=block_size)
+        for path in ("one", "split"):
+            check_kernel_matches((4, 2), "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True, grid=grid,
+                                 block_size=block_size)
 
 
 @gpu

@@ -2,11 +2,13 @@
 rollbacks and forks (copy-on-write never shows a row another's tokens), shared prefixes counted once, and a decode
 session that gives the contiguous session's outputs."""
 
+import copy
 import random
 
 import pytest
 import torch
 
+from esm_turbo import ops
 from esm_turbo.cache import KVCache
 from esm_turbo.model.engine import TurboEsm
 from esm_turbo.paged import PagedKVCache
@@ -40,12 +42,16 @@ def assert_same(paged: PagedKVCache, flat: KVCache, peeked: bool = False) -> Non
         assert len(table) >= -(-length // paged.block_size) if peeked else len(table) == -(-length // paged.block_size)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_operations_match_the_contiguous_cache(seed):
+@pytest.mark.parametrize("seed,fused", [(0, False), (1, False), (2, True), (3, True)])
+def test_random_operations_match_the_contiguous_cache(seed, fused):
+    """``fused``: both caches take the fused ops' path (on the CPU their reference bodies: the quantize kernel's
+    encode into a step buffer, decode attention reading the pool through :meth:`PagedKVCache.pages`), and every
+    operation is followed by a decode attention step on both."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     cs = codecs()
     paged, flat = PagedKVCache(cs, 3, capacity=4, block_size=4), KVCache(cs, 3, capacity=4)
+    paged.fused = flat.fused = [fused] * LAYERS
     for _ in range(40):
         op = rng.choice(["append", "append", "peek", "truncate", "select"])
         b = paged.batch_size
@@ -68,6 +74,13 @@ def test_random_operations_match_the_contiguous_cache(seed):
             paged.select(rows)
             flat.select(rows)
         assert_same(paged, flat, peeked=op in ("peek", "select"))  # select keeps a peek's blocks
+        if fused:
+            q, k, v = torch.randn(3, paged.batch_size, HEADS, 2, DIM, generator=gen)
+            valid = torch.ones(paged.batch_size, 2, dtype=torch.bool)
+            for layer in range(LAYERS):
+                out_p = ops.decode_attention(q, paged, layer, k, v, valid)
+                out_f = ops.decode_attention(q, flat, layer, k, v, valid)
+                assert torch.allclose(out_p, out_f, atol=1e-5, rtol=1e-5), (out_p - out_f).abs().max()
 
 
 def test_forks_share_their_prefix():
@@ -90,11 +103,10 @@ def test_forks_share_their_prefix():
     assert cache.memory_report().used_bytes == (64 // block) * block_bytes + 4 * (64 // block)
 
 
-def test_a_paged_session_decodes_as_the_contiguous_one(stress_model):
-    engine = TurboEsm(stress_model)
+def _paged_and_contiguous_outputs(engine, factory, block_size):
     outputs = []
     for paged in (False, True):
-        session = engine.session("turboquant-3", capacity=8, paged=paged, block_size=4)
+        session = engine.session(factory, capacity=8, paged=paged, block_size=block_size)
         first = session.start(["MKTAYIAKQR", "GSHMLE"])
         session.fork(3)
         steps = [first.logits[:, :6]]
@@ -107,14 +119,31 @@ def test_a_paged_session_decodes_as_the_contiguous_one(stress_model):
         steps.append(session.step(torch.full((4, 1), 32)).logits)  # <mask> after the rollback
         steps.append(session.step(torch.full((4, 1), 5), commit=False).logits)
         outputs.append((steps, session.sequences()))
-        if paged:
+        if paged and block_size == 4:
             assert session.cache.memory_report().shared_saved_bytes > 0  # rows 1 and 2 share their blocks
             with pytest.raises(RuntimeError, match="contiguous cache"):
                 session.capture_step(torch.zeros(4, 1, dtype=torch.long))
-    (flat, seqs_flat), (paged, seqs_paged) = outputs
+    return outputs
+
+
+def test_a_paged_session_decodes_as_the_contiguous_one(stress_model):
+    (flat, seqs_flat), (paged, seqs_paged) = _paged_and_contiguous_outputs(TurboEsm(stress_model), "turboquant-3", 4)
     assert seqs_flat == seqs_paged
     for a, b in zip(flat, paged):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("block_size", [4, 64])
+def test_a_paged_session_runs_the_kernels_as_the_contiguous_one(stress_model, block_size):
+    """On CUDA both caches write with the quantize kernel and read with the decode kernel (the paged one through its
+    block tables)."""
+    from esm_turbo.bench.synthetic import layer_codec
+    engine = TurboEsm(copy.deepcopy(stress_model).cuda())  # the fixture stays on the CPU
+    (flat, seqs_flat), (paged, seqs_paged) = _paged_and_contiguous_outputs(engine, layer_codec, block_size)
+    assert seqs_flat == seqs_paged
+    for a, b in zip(flat, paged):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
 
 
 def test_paged_cache_refuses_what_it_cannot_hold():

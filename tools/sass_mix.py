@@ -40,7 +40,8 @@ def compile_stream(d: int):
     consts = dict(D=d, KBITS=key.code_bits, VBITS=value.code_bits, KFIELDS=key.kernel_fields(),
                   VFIELDS=value.kernel_fields(), KSIGN=key.sign == "plane", VSIGN=value.sign == "plane", BLOCK_S=1,
                   BLOCK_T=cfg["block_t"], NK=tables.k_tab[0].numel(), NV=tables.v_tab[0].numel(),
-                  PREFETCH=cfg["prefetch"], INTERPRET=0, ROWS=cfg["rows"], GRID=decode_grid(key, value), PDL=True, S=1)
+                  PREFETCH=cfg["prefetch"], INTERPRET=0, ROWS=cfg["rows"], GRID=decode_grid(key, value), PDL=True, S=1,
+                  PAGE=0)
     assert cfg["stream"], "the default cache's walk at this shape is the stream-K kernel"
     kernel = compile_sm90(walk._stream_kernel, consts, ("H", "T_CAP", "R", "NT", "W", "NS"), CODE_PTRS,
                           num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], aligned=("T_CAP", "R", "NT"))

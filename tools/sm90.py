@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget
 from esm_turbo.kernels.common import FP_FUSION
 
 #: pointer dtypes of the decode kernels' packed-cache arguments (others default to fp32)
-CODE_PTRS = dict(k_idx_ptr="*u8", k_sign_ptr="*u8", v_idx_ptr="*u8", v_sign_ptr="*u8", len_ptr="*i64",
+CODE_PTRS = dict(k_idx_ptr="*u8", k_sign_ptr="*u8", v_idx_ptr="*u8", v_sign_ptr="*u8", len_ptr="*i64", page_ptr="*i64",
                  k_lay_ptr="*i32", v_lay_ptr="*i32")
 
 

@@ -48,6 +48,25 @@ def fill_synthetic(cache: KVCache, length: int, generator: torch.Generator | Non
     cache.set_lengths(length)
 
 
+def shuffled_pages(batch: int, blocks: int, spare: int = 0, seed: int = 0, device=None) -> torch.Tensor:
+    """A block table [batch, blocks] int32 naming distinct slots of a pool of ``batch·blocks + spare``, in random
+    order (a paged cache after forks and frees holds its rows' blocks anywhere)."""
+    order = torch.randperm(batch * blocks + spare, generator=torch.Generator().manual_seed(seed))
+    return order[:batch * blocks].view(batch, blocks).to(device=device, dtype=torch.int32)
+
+
+def as_blocks(part: torch.Tensor, pages: torch.Tensor, block_size: int, slots: int, fill: int = 0) -> torch.Tensor:
+    """A contiguous cache part [B, H, T, *] as a paged cache's pool [slots, H, block_size, *]: row b's blocks at the
+    slots ``pages`` [B, ceil(T / block_size)] names, the other slots holding ``fill``."""
+    batch, heads, t = part.shape[:3]
+    blocks = pages.shape[1]
+    padded = part.new_zeros(batch, heads, blocks * block_size, *part.shape[3:])
+    padded[:, :, :t] = part
+    pool = part.new_full((slots, heads, block_size, *part.shape[3:]), fill)
+    pool[pages.long()] = padded.view(batch, heads, blocks, block_size, *part.shape[3:]).transpose(1, 2)
+    return pool
+
+
 def bytes_read(cache: KVCache) -> int:
     """Bytes of the cache's layer 0 that a decode call over every row (all ``cache.lengths.max()`` long) reads."""
     return cache.memory_report().bytes_per_token_per_layer * cache.batch_size * int(cache.lengths.max())

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .compressed import attend_compressed, fused_supported, scatter_rows, write_compressed
+from .compressed import attend_compressed, fused_supported, gather_blocks, scatter_rows, write_compressed
 from ..quant.codec import DenseQuantizer
 from .reference import attend, decode_attention_reference
 
@@ -53,7 +53,9 @@ def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_
     if q.is_cuda and cache.contiguous and isinstance(codec.key, DenseQuantizer):
         return attend_dense(q, cache, layer, k_new, v_new, new_valid)  # writes the new tokens itself
     if cache.fused[layer]:
-        out = attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid)
+        pages, block_size = (None, 0) if cache.contiguous else cache.pages()
+        out = attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid, pages,
+                                block_size)
     else:
         out = decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
     if write:
@@ -80,4 +82,4 @@ def attend_dense(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new:
 
 
 __all__ = ["attend", "attend_compressed", "attend_dense", "decode_attention", "decode_attention_reference", "force_reference",
-           "fused_supported", "kernel_path", "scatter_rows", "use_kernels", "write_compressed"]
+           "fused_supported", "gather_blocks", "kernel_path", "scatter_rows", "use_kernels", "write_compressed"]

@@ -134,6 +134,13 @@ def scatter_rows(buf: torch.Tensor, val: torch.Tensor, pos: torch.Tensor) -> Non
     buf[rows, :, at] = val.transpose(1, 2)  # advanced indices split by a slice put [B, S] first
 
 
+def gather_blocks(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """A paged cache's rows: pool [slots, H, block, *] read through pages [B, blocks] (slot ids) → [B, H,
+    blocks·block, *]."""
+    rows = pool[pages.long()]  # [B, blocks, H, block, *]
+    return rows.transpose(1, 2).reshape(pages.shape[0], pool.shape[1], -1, *pool.shape[3:])
+
+
 def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                             bounds: torch.Tensor, centroids: torch.Tensor, layout: torch.Tensor,
                             main_out: torch.Tensor, sign_out: torch.Tensor, pos: torch.Tensor,
@@ -152,7 +159,8 @@ def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Te
 
 def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                    new_valid: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes,
-                                   values: CachedCodes) -> torch.Tensor:
+                                   values: CachedCodes, pages: torch.Tensor | None = None,
+                                   block_size: int = 0) -> torch.Tensor:
     """Attention of S new tokens over the packed prefix plus themselves, computed in each codec's affine
     domain ``y = (x Πᵀ − offset) / scale``: no cached key is rotated back.
 
@@ -163,7 +171,14 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     ``q̃ = (q Πₖᵀ) ⊙ scaleₖ`` and ``c0 = ⟨q Πₖᵀ, offsetₖ⟩``; values are summed as ``Σ p ŷ`` and mapped back once
     (``(· ⊙ scaleᵥ + offsetᵥ) Πᵥ``). Returns [B,H,S,d] in q's dtype (computed in the rotations' float dtype); a
     query with no valid key gets zeros.
+
+    A paged cache (``pages`` [B, blocks] int32, non-empty): each kind's parts are pools [slots, H, block_size, ·]
+    and row b's position t lies in slot ``pages[b, t // block_size]`` (:func:`gather_blocks`).
     """
+    if pages is not None and pages.numel():
+        keys, values = (c._replace(main=gather_blocks(c.main, pages),
+                                   sign=gather_blocks(c.sign, pages) if c.sign.numel() else c.sign)
+                        for c in (keys, values))
     k_rot, k_offset, k_scale = keys.rot, keys.offset, keys.scale
     v_rot, v_offset, v_scale = values.rot, values.offset, values.scale
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
@@ -244,16 +259,18 @@ def _compressed_attention_with(kernel: Callable[[], bool]) -> Callable:
                              k_layout: torch.Tensor, k_rot: torch.Tensor, k_offset: torch.Tensor,
                              k_scale: torch.Tensor, k_code: list[int], v_main: torch.Tensor, v_sign: torch.Tensor,
                              v_tab: torch.Tensor, v_layout: torch.Tensor, v_rot: torch.Tensor,
-                             v_offset: torch.Tensor, v_scale: torch.Tensor, v_code: list[int]) -> torch.Tensor:
+                             v_offset: torch.Tensor, v_scale: torch.Tensor, v_code: list[int], pages: torch.Tensor,
+                             block_size: int) -> torch.Tensor:
         """:func:`compressed_attention_reference` (or the Triton kernel on CUDA) with each kind's
         :class:`~esm_turbo.quant.layout.CachedCodes` flattened, its code layout as :meth:`CodeLayout.to_op` gives
-        it."""
+        it; ``pages`` empty for a contiguous cache."""
         keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code))
         values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code))
         if kernel():
             from ..kernels.decode import compressed_attention_triton
-            return compressed_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values)
-        return compressed_attention_reference(q, k_new, v_new, new_valid, lengths, keys, values)
+            return compressed_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values, pages=pages,
+                                               block_size=block_size)
+        return compressed_attention_reference(q, k_new, v_new, new_valid, lengths, keys, values, pages, block_size)
 
     return compressed_attention
 
@@ -296,9 +313,14 @@ def cached_codes(codec: KVCodec, parts: dict[str, torch.Tensor], kind: str) -> C
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
                       q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                      new_valid: torch.Tensor) -> torch.Tensor:
+                      new_valid: torch.Tensor, pages: torch.Tensor | None = None,
+                      block_size: int = 0) -> torch.Tensor:
     """Decode attention of q [B,H,S,d] over one layer's packed prefix (``lengths`` [B] rows) plus the
-    step's own k_new/v_new [B,H,S,d] (new_valid [B,S]). Returns [B,H,S,d] in q's dtype."""
+    step's own k_new/v_new [B,H,S,d] (new_valid [B,S]). Returns [B,H,S,d] in q's dtype. A paged cache's parts
+    are pools read through ``pages`` [B, blocks] int32 (:func:`compressed_attention_reference`)."""
     keys, values = cached_codes(codec, parts, "k"), cached_codes(codec, parts, "v")
+    if pages is None:
+        pages = lengths.new_empty(0, dtype=torch.int32)
     return compressed_attention(q, k_new, v_new, new_valid.contiguous().view(torch.uint8), lengths,
-                                *keys[:-1], keys.code.to_op(), *values[:-1], values.code.to_op())
+                                *keys[:-1], keys.code.to_op(), *values[:-1], values.code.to_op(), pages,
+                                int(block_size))

@@ -17,21 +17,25 @@ from .walk import _prefix_kernel, _stream_kernel
 
 def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
                                 lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes,
-                                config: dict | None = None) -> torch.Tensor:
-    """Same contract as ``compressed_attention_reference`` (see there for shapes); CUDA tensors (or CPU under
-    Triton's interpreter). ``config`` overrides the launch choice (:func:`~.plan.launch_config`) for tuning:
+                                config: dict | None = None, pages: torch.Tensor | None = None,
+                                block_size: int = 0) -> torch.Tensor:
+    """Same contract as ``compressed_attention_reference`` (see there for shapes, and for a paged cache's
+    ``pages`` [B, blocks] int32 and ``block_size``); CUDA tensors (or CPU under Triton's interpreter). ``config`` overrides the launch choice (:func:`~.plan.launch_config`) for tuning:
     ``path`` (auto | one | split), block_t / num_warps / waves (or ``splits``: split-K programs per query),
     ``prefetch``, ``rows``, ``maxnreg``, ``pdl``, ``stream`` and for the prep and merge kernels ``prep_block``,
     ``prep_cols`` / ``merge_cols`` and ``merge_rows``."""
     batch, heads, s, d = q.shape
-    t_cap = keys.main.shape[2]
+    page = int(block_size) if pages is not None and pages.numel() else 0
+    t_cap = pages.shape[1] * page if page else keys.main.shape[2]
+    if not page:
+        pages = lengths  # never read
     keys = keys._replace(table=aligned_table(keys.table))
     values = values._replace(table=aligned_table(values.table))
     cfg = launch_config(d, keys.code, values.code, batch, heads, s, t_cap, config)
     if cfg["path"] == "one" or (cfg["path"] == "auto" and cfg["small"]):
         if s != 1:
             raise ValueError("the one-launch path takes one query per sequence")
-        return attention_one_launch(q, k_new, v_new, new_valid, lengths, keys, values, cfg)
+        return attention_one_launch(q, k_new, v_new, new_valid, lengths, keys, values, cfg, pages, page, t_cap)
     grid = decode_grid(keys.code, values.code)
     precision = dot_precision(q)
     pdl = bool(cfg["pdl"]) and q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
@@ -59,11 +63,11 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
     codes = (qt, keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
              keys.table, values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table),
-             lengths, m, l_, acc, heads, s, t_cap)
+             lengths, pages, m, l_, acc, heads, s, t_cap)
     consts = dict(D=d, KBITS=keys.code.code_bits, VBITS=values.code.code_bits, KFIELDS=keys.code.kernel_fields(),
                   VFIELDS=values.code.kernel_fields(), KSIGN=keys.code.sign == "plane",
                   VSIGN=values.code.sign == "plane", BLOCK_S=block_s, BLOCK_T=block_t, NK=keys.table[0].numel(),
-                  NV=values.table[0].numel(), PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl,
+                  NV=values.table[0].numel(), PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl, PAGE=page,
                   num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], launch_pdl=pdl, enable_fp_fusion=FP_FUSION)
     if run:
         _stream_kernel[(launched,)](*codes, programs, nt, run, splits, INTERPRET=run if interpreting() else 0,

@@ -28,13 +28,13 @@ def _rotate_vec(x_ptr, rot_ptr, chan, D: tl.constexpr):
 @triton.jit
 def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr, len_ptr,
-                  k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr, acc_ptr, count_ptr,
+                  page_ptr, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr, acc_ptr, count_ptr,
                   out_ptr, H, T_CAP, CHUNK, NS,
                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
                   VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_NS: tl.constexpr, NK: tl.constexpr,
                   NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr,
-                  GRID: tl.constexpr):
+                  GRID: tl.constexpr, PAGE: tl.constexpr):
     """Grid (B·H, splits), one query per sequence (S = 1), the whole step in one launch: each program
     rotates the query itself and walks its split; the last split of a (b, h) to finish (an atomic count,
     ``count_ptr`` zero at launch) merges all splits, rotates the output back, adds the step's own token as
@@ -51,9 +51,9 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     if split == 0:  # Πᵥ into L2 for the merge, which reads it only after the arrival count
         _prefetch_l2(v_rot + hd * D + tl.arange(0, D * D // 32) * 32)
     # the first tile's codes are requested before the query rotation: their latency overlaps it
-    start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
-        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, split * CHUNK, split * CHUNK + CHUNK,
-        T_CAP, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID)
+    start, end, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, kw, ks, vw, vs = _split_codes(
+        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, split * CHUNK,
+        split * CHUNK + CHUNK, H, T_CAP, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
     k_off = tl.load(k_offset + hd + chan)
     k_sc = tl.load(k_scale + hd + chan)
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
@@ -61,9 +61,9 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     c0 = tl.sum(tl.sum(z * k_off, axis=1), axis=0)
     k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
-    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
-                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
-                          PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID)
+    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride,
+                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK,
+                          NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID, PAGE)
     part = pid_bh * NS + split
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -101,11 +101,12 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
 
 
 def attention_one_launch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
-                         lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes, cfg: dict) -> torch.Tensor:
+                         lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes, cfg: dict,
+                         pages: torch.Tensor, page: int, t_cap: int) -> torch.Tensor:
     """A decode step of one query per sequence in one launch (``_small_kernel``); arguments as
-    ``compressed_attention_triton`` takes them (tables aligned), ``cfg`` its launch configuration."""
+    ``compressed_attention_triton`` takes them (tables aligned; ``pages`` read only if ``page`` > 0; ``t_cap``
+    positions a row may hold), ``cfg`` its launch configuration."""
     batch, heads, _, d = q.shape
-    t_cap = keys.main.shape[2]
     block_t = cfg["block_t"]
     splits, chunk = plan_splits(batch * heads, t_cap, block_t, num_sms(q.device), cfg["waves"], cfg.get("splits"))
     dev = q.device
@@ -118,12 +119,12 @@ def attention_one_launch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     _small_kernel[(batch * heads, splits)](
         q, *q_strides[:2], k_new, *k_strides[:2], v_new, *v_strides[:2], new_valid,
         keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main), keys.table,
-        values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table), lengths, keys.rot,
+        values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table), lengths, pages, keys.rot,
         keys.offset, keys.scale, values.rot, values.offset, values.scale, m, l_, acc, count, out, heads, t_cap,
         chunk, splits, D=d, KBITS=keys.code.code_bits, VBITS=values.code.code_bits,
         KFIELDS=keys.code.kernel_fields(), VFIELDS=values.code.kernel_fields(), KSIGN=keys.code.sign == "plane",
         VSIGN=values.code.sign == "plane", BLOCK_T=block_t, BLOCK_NS=triton.next_power_of_2(splits),
         NK=keys.table[0].numel(), NV=values.table[0].numel(), PREFETCH=cfg["prefetch"],
         INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"], GRID=decode_grid(keys.code, values.code),
-        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], enable_fp_fusion=FP_FUSION)
+        PAGE=page, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], enable_fp_fusion=FP_FUSION)
     return out

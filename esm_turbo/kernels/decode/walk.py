@@ -14,16 +14,34 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-           KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr):
+def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, pg_tab, pg_base, pg_stride, D: tl.constexpr,
+           KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
+           GRID: tl.constexpr, PAGE: tl.constexpr):
     """The key and value codes of the tile at ``t0`` (rows ≥ ``end`` masked): fetched together, one memory
-    round trip per tile."""
+    round trip per tile. ``PAGE`` > 0 (a paged cache of blocks of PAGE tokens): token t lies in row
+    ``table[t // PAGE] · pg_stride + pg_base + t % PAGE`` of the pool (``_rows``)."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     tmask = offs_t < end
-    kw, ks = _load_codes(k_idx, k_sign, offs_t, tmask, D, KBITS, KSIGN, BLOCK_T, GRID)
-    vw, vs = _load_codes(v_idx, v_sign, offs_t, tmask, D, VBITS, VSIGN, BLOCK_T, GRID)
+    rows = _rows(offs_t, t0, end, pg_tab, pg_base, pg_stride, BLOCK_T, PAGE)
+    kw, ks = _load_codes(k_idx, k_sign, rows, tmask, D, KBITS, KSIGN, BLOCK_T, GRID)
+    vw, vs = _load_codes(v_idx, v_sign, rows, tmask, D, VBITS, VSIGN, BLOCK_T, GRID)
     return kw, ks, vw, vs
 
+
+@triton.jit
+def _rows(offs_t, t0, end, pg_tab, pg_base, pg_stride, BLOCK_T: tl.constexpr, PAGE: tl.constexpr):
+    """Where the tile's tokens ``offs_t`` lie: themselves (a contiguous row, ``PAGE`` = 0), or rows of a paged
+    pool [slots, H, PAGE, ·] through the sequence's block table ``pg_tab`` (slot ids): one table entry a tile when
+    blocks hold whole tiles (tiles start on multiples of BLOCK_T), else one a token."""
+    if PAGE == 0:
+        rows = offs_t
+    elif PAGE % BLOCK_T == 0:
+        slot = tl.load(pg_tab + t0 // PAGE, mask=t0 < end, other=0).to(tl.int64)
+        rows = slot * pg_stride + pg_base + (offs_t % PAGE)
+    else:
+        slot = tl.load(pg_tab + offs_t // PAGE, mask=offs_t < end, other=0).to(tl.int64)
+        rows = slot * pg_stride + pg_base + (offs_t % PAGE)
+    return rows
 
 
 @triton.jit
@@ -54,30 +72,41 @@ def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_la
 
 
 @triton.jit
-def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, start, stop, T_CAP,
-                 D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
-                 VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr):
+def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, start, stop, H,
+                 T_CAP, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
+                 VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr):
     """A program's share [start, stop) of cache row ``pid_bh`` (= b·H + h): its rows [start, end) (end: stop or
-    the sequence's length), pointers to row 0 of the row in each packed part, and its first tile's codes —
-    requested here, as early as the program can."""
+    the sequence's length), pointers to row 0 of the row in each packed part (``PAGE`` > 0: to the pool, the rows
+    found through the block table ``page_ptr`` [B, T_CAP / PAGE] int32, ``_rows``), and its first tile's codes —
+    requested here, as early as the program can. Returns (start, end, (k_idx, k_sign, v_idx, v_sign), (pg_tab,
+    pg_base, pg_stride), codes)."""
     length = tl.load(len_ptr + b).to(tl.int32)
     end = tl.minimum(stop, length)
-    row0 = pid_bh.to(tl.int64) * T_CAP
+    if PAGE:
+        row0 = pid_bh.to(tl.int64) * 0
+        pg_tab = page_ptr + b.to(tl.int64) * (T_CAP // PAGE)
+        pg_base = (pid_bh % H) * PAGE
+        pg_stride = H * PAGE
+    else:
+        row0 = pid_bh.to(tl.int64) * T_CAP
+        pg_tab = page_ptr
+        pg_base = 0
+        pg_stride = 0
     k_idx = k_idx_ptr + row0 * (D * KBITS // 8)
     k_sign = k_sign_ptr + row0 * (D // 8)
     v_idx = v_idx_ptr + row0 * (D * VBITS // 8)
     v_sign = v_sign_ptr + row0 * (D // 8)
-    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T,
-                            GRID)
-    return start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs
+    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, pg_tab, pg_base, pg_stride, D, KBITS, VBITS,
+                            KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
+    return start, end, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, kw, ks, vw, vs
 
 
 @triton.jit
-def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v_tab, k_lay, v_lay,
-          D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, k_tab, v_tab,
+          k_lay, v_lay, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
           KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
           PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr,
-          ROWS: tl.constexpr, GRID: tl.constexpr):
+          ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr):
     """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
     (kw, ks, vw, vs): the first tile's codes, ``_fetch``-ed by the caller as early as it can.
     k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
@@ -96,21 +125,22 @@ def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v
     if INTERPRET > 0:
         for it in tl.static_range(INTERPRET):
             t0 = start + it * BLOCK_T
-            nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
-                                        VSIGN, BLOCK_T, GRID)
+            nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, pg_tab, pg_base,
+                                        pg_stride, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
             m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
-            nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, D, KBITS, VBITS, KSIGN,
-                                        VSIGN, BLOCK_T, GRID)
+            nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, pg_tab, pg_base,
+                                        pg_stride, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
             m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     else:
         for t0 in range(start, end, BLOCK_T):
-            kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID)
+            kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, pg_tab, pg_base, pg_stride, D, KBITS,
+                                    VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
             m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
     acc = tl.sum(acc, axis=0)
@@ -122,14 +152,14 @@ def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab, v
 
 @triton.jit
 def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                   len_ptr,
+                   len_ptr, page_ptr,
                     m_ptr, l_ptr, acc_ptr,
                     H, S, T_CAP, CHUNK, NS,
                     D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
                     VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
-                    ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr):
+                    ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr):
     """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes). ``PDL``
     (launched while the prep kernel runs): the first tile's codes are requested, then the program waits for the
     prep grid before it reads its query."""
@@ -138,18 +168,19 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     pid_bh = pid // S
     qi = pid % S
     _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK, split * CHUNK + CHUNK,
+                len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK, split * CHUNK + CHUNK,
                 (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN, VSIGN,
-                BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL)
+                BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE)
 
 
 @triton.jit
 def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                   len_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, R, NT, W, NS,
+                   len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, R, NT, W, NS,
                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
                    VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_T: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr,
-                   INTERPRET: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr):
+                   INTERPRET: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr,
+                   PAGE: tl.constexpr):
     """``_prefix_kernel`` with the work cut evenly (stream-K): grid (programs,), the B·H·S queries' rows of NT
     tiles each laid end to end and cut in runs of W tiles, one run per program, so every program walks as many
     tiles and the GPU holds one full wave (a grid of (query, split) programs left SMs part-empty: 1280 one-warp
@@ -165,9 +196,9 @@ def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
         hi = tl.minimum(first + W, r * NT + NT) - r * NT
         k = p - _runs_meeting(r, NT, W)[0]
         _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr,
-                    v_lay_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T, hi * BLOCK_T,
+                    v_lay_ptr, len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T, hi * BLOCK_T,
                     (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN,
-                    VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL)
+                    VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE)
 
 
 @triton.jit
@@ -179,18 +210,18 @@ def _runs_meeting(row, NT, W):
 
 @triton.jit
 def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                len_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, start, stop, part, H, S, T_CAP,
+                len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, start, stop, part, H, S, T_CAP,
                 D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
                 VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                 NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
-                ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr):
+                ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr):
     """Query ``qi`` of cache row ``pid_bh`` over its cached rows [start, stop): walked, its (m, l, acc) stored at
     partial ``part``."""
     b = pid_bh // H
     h = pid_bh % H
-    start, end, k_idx, k_sign, v_idx, v_sign, kw, ks, vw, vs = _split_codes(
-        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, b, pid_bh, start, stop, T_CAP, D, KBITS, VBITS,
-        KSIGN, VSIGN, BLOCK_T, GRID)
+    start, end, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, kw, ks, vw, vs = _split_codes(
+        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, start, stop, H, T_CAP, D, KBITS,
+        VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
     g = tl.arange(0, D // 8)
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
@@ -199,9 +230,9 @@ def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
     if PDL:
         tl.extra.cuda.gdc_wait()
     q3 = tl.load(qt_ptr + (pid_bh * S + qi) * D + chan) * LOG2E
-    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, k_tab_ptr + h * NK,
-                          v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK, NV, BLOCK_T,
-                          PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID)
+    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride,
+                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK,
+                          NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID, PAGE)
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
     tl.store(acc_ptr + part * D + chan, acc)
