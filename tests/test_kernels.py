@@ -132,8 +132,8 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
     if block_size:
         args, table = paged_args(args, block_size, seed)
         pages = dict(pages=table, block_size=block_size)
-        paged_ref = compressed_attention_reference(*args, **pages)
-        assert torch.equal(paged_ref, ref32)  # the reference reads the pool through the table
+        paged_ref = compressed_attention_reference(*args, **pages)  # reads the pool through the table
+        assert (paged_ref.double() - ref64).abs().max().item() <= 2 * (ref32.double() - ref64).abs().max().item() + 1e-6
     out = compressed_attention_triton(*args, config=dict(path=path) | (config or {}), **pages)
     assert torch.isfinite(out).all() and out.dtype == dtype
     err = (out.double() - ref64).abs().max().item()
