@@ -3,6 +3,9 @@ nothing is calibrated or prefilled."""
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import torch
 
 from ..cache import KVCache
@@ -22,7 +25,13 @@ def default_codec(heads: int, dim: int, seed: int = 0, grid: bool | None = None)
 
 
 def layer_codec(layer: int, heads: int, dim: int):
-    """A cache factory (``engine.session(layer_codec)``): layer ``layer``'s :func:`default_codec`, seeded by it."""
+    """A cache factory (``engine.session(layer_codec)``): layer ``layer``'s :func:`default_codec`, seeded by it (fit
+    once a process, a copy each call: sessions may move their codecs)."""
+    return copy.deepcopy(_fitted_codec(layer, heads, dim))
+
+
+@functools.lru_cache(maxsize=None)
+def _fitted_codec(layer: int, heads: int, dim: int):
     return default_codec(heads, dim, seed=layer)
 
 
