@@ -84,48 +84,77 @@ class BlockPool:
         self._extended(self.dev, extra, self.device)
         self.free_slots = list(range(n + extra - 1, n - 1, -1)) + self.free_slots
 
-    def _device_slot(self, keep: set[int]) -> int:
-        if not self.free_slots:
-            if self.limit is None or self.slots < self.limit:
-                self._grow_device()
-            else:
-                self._evict(keep)
-        return self.free_slots.pop()
-
-    def _evict(self, keep: set[int]) -> None:
-        """Move the least recently used device block not in ``keep`` to the host."""
-        resident = [i for i, s in enumerate(self.slot) if s >= 0 and self.refs[i] > 0 and i not in keep]
-        if not resident:
+    def reserve(self, n: int, keep: set[int]) -> None:
+        """At least ``n`` free device slots: the pool grows up to its budget, then the least recently used blocks not
+        in ``keep`` move to the host, all in one batch."""
+        while len(self.free_slots) < n and (self.limit is None or self.slots < self.limit):
+            self._grow_device()
+        short = n - len(self.free_slots)
+        if short <= 0:
+            return
+        movable = sorted((i for i, s in enumerate(self.slot) if s >= 0 and self.refs[i] > 0 and i not in keep),
+                         key=lambda i: self.last_use[i])
+        if len(movable) < short:
             raise EsmTurboError(f"a step needs more cache blocks on the device than its budget holds ({self.limit} "
                                 f"blocks of {self.block_size} tokens): raise gpu_budget_gib or step fewer rows")
-        victim = min(resident, key=lambda i: self.last_use[i])
-        if not self.free_host:
+        self._to_host(movable[:short])
+
+    def _staged(self, like: torch.Tensor, n: int) -> torch.Tensor:
+        """A host buffer for ``n`` slots of ``like``'s part, pinned on CUDA (copies with the device run async)."""
+        return torch.empty(n, *like.shape[1:], dtype=like.dtype, pin_memory=self.device.type == "cuda")
+
+    def _to_host(self, blocks: list[int]) -> None:
+        """Move device ``blocks`` to host slots: per layer and part one gather, one copy, one scatter."""
+        while len(self.free_host) < len(blocks):
             self._grow_host()
-        h = self.free_host.pop()
+        hosts = [self.free_host.pop() for _ in blocks]
+        dev_idx = torch.tensor([self.slot[b] for b in blocks], device=self.device)
+        host_idx = torch.tensor(hosts)
+        staged = []
+        for layer in self.dev:
+            for buf in layer.values():
+                out = self._staged(buf, len(blocks))
+                staged.append(out.copy_(buf.index_select(0, dev_idx), non_blocking=True))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the staged copies land before the host reads them
+        for buf, out in zip((b for layer in self.host for b in layer.values()), staged):
+            buf.index_copy_(0, host_idx, out)
+        for block, h in zip(blocks, hosts):
+            self.free_slots.append(self.slot[block])
+            self.slot[block], self.host_slot[block] = -1, h
+        self.epoch += 1
+
+    def _to_device(self, blocks: list[int], keep: set[int]) -> None:
+        """Bring host ``blocks`` back to device slots (others may leave for them): per layer and part one gather on
+        the host into a pinned buffer, one asynchronous copy, one scatter on the device."""
+        self.reserve(len(blocks), keep)
+        slots = [self.free_slots.pop() for _ in blocks]
+        host_idx = torch.tensor([self.host_slot[b] for b in blocks])
+        dev_idx = torch.tensor(slots, device=self.device)
         for dev, host in zip(self.dev, self.host):
-            for name in dev:
-                host[name][h].copy_(dev[name][self.slot[victim]], non_blocking=True)
-        self.free_slots.append(self.slot[victim])
-        self.slot[victim], self.host_slot[victim] = -1, h
+            for name, buf in dev.items():
+                out = torch.index_select(host[name], 0, host_idx, out=self._staged(buf, len(blocks)))
+                buf.index_copy_(0, dev_idx, out.to(self.device, non_blocking=True))
+        for block, slot in zip(blocks, slots):
+            self.free_host.append(self.host_slot[block])
+            self.slot[block], self.host_slot[block] = slot, -1
         self.epoch += 1
 
     def _grow_host(self) -> None:
-        pin = self.device.type == "cuda"
         if self.host is None:
             n, extra = 0, self.slots
-            self.host = self._zeros(extra, "cpu", pin)
+            self.host = self._zeros(extra, "cpu")
         else:
             n = next(iter(self.host[0].values())).shape[0]
             extra = max(n, self.slots)
-            if pin:  # device-to-host copies into the old buffers may still be in flight
-                torch.cuda.current_stream(self.device).synchronize()
-            self._extended(self.host, extra, "cpu", pin)
+            self._extended(self.host, extra, "cpu")
         self.free_host = list(range(n + extra - 1, n - 1, -1)) + self.free_host
 
     # ---- blocks --------------------------------------------------------------------------------------
     def take(self, keep: set[int]) -> int:
         """A new block (one reference), on the device."""
-        slot = self._device_slot(keep)
+        self.reserve(1, keep)
+        slot = self.free_slots.pop()
         if self.free_ids:
             block = self.free_ids.pop()
             self.refs[block], self.slot[block], self.host_slot[block] = 1, slot, -1
@@ -149,28 +178,25 @@ class BlockPool:
             self.free_ids.append(block)
             self.epoch += 1
 
-    def copy(self, block: int, keep: set[int]) -> int:
-        """A new block holding ``block``'s data in every layer (``block`` on the device)."""
-        fresh = self.take(keep | {block})
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block ``src``'s data into block ``dst`` for each (src, dst) of ``pairs`` (both on the device), every
+        layer and part in one gather-scatter."""
+        if not pairs:
+            return
+        src = torch.tensor([self.slot[a] for a, _ in pairs], device=self.device)
+        dst = torch.tensor([self.slot[b] for _, b in pairs], device=self.device)
         for layer in self.dev:
             for buf in layer.values():
-                buf[self.slot[fresh]] = buf[self.slot[block]]
+                buf.index_copy_(0, dst, buf.index_select(0, src))
         self.epoch += 1
-        return fresh
 
     def resident(self, blocks: set[int]) -> None:
         """Bring ``blocks`` to the device (others may move to the host) and mark them used now."""
         self.clock += 1
+        away = [b for b in blocks if self.slot[b] < 0]
+        if away:
+            self._to_device(away, blocks)
         for block in blocks:
-            if self.slot[block] < 0:
-                slot = self._device_slot(blocks)
-                h = self.host_slot[block]
-                for dev, host in zip(self.dev, self.host):
-                    for name in dev:
-                        dev[name][slot].copy_(host[name][h], non_blocking=True)
-                self.free_host.append(h)
-                self.slot[block], self.host_slot[block] = slot, -1
-                self.epoch += 1
             self.last_use[block] = self.clock
 
     def slots_of(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -250,17 +276,19 @@ class PagedKVCache(KVCache):
     def _mine(self) -> set[int]:
         return {b for table in self.tables for b in table}
 
-    def _own(self, row: int, index: int, keep: set[int]) -> int:
-        """Block ``index`` of ``row``, made this row's alone (taken, or copied if shared)."""
+    def _own(self, row: int, index: int, keep: set[int], copies: list[tuple[int, int]]) -> int:
+        """Block ``index`` of ``row``, made this row's alone: taken, or if shared a fresh block whose copy of the
+        shared one is queued in ``copies`` (copy-on-write, every layer; :meth:`BlockPool.copy_blocks`)."""
         table = self.tables[row]
         while len(table) <= index:
             table.append(self.pool.take(keep))
             keep.add(table[-1])
         block = table[index]
-        if self.pool.refs[block] > 1:  # copy-on-write, every layer
-            fresh = self.pool.copy(block, keep)
+        if self.pool.refs[block] > 1:
+            fresh = self.pool.take(keep | {block})
             keep.add(fresh)
-            self.pool.drop(block)
+            copies.append((block, fresh))
+            self.pool.refs[block] -= 1  # still held by another row: its data stays until the copy below
             table[index] = block = fresh
         return block
 
@@ -295,8 +323,14 @@ class PagedKVCache(KVCache):
             keep = self._mine()
             self.pool.resident(keep)
             starts = self.lengths.tolist()
-            blocks = [self._own(b, (start + j) // self.block_size, keep) for b, start in enumerate(starts)
-                      for j in range(s)]
+            wanted = [(b, i) for b, start in enumerate(starts)
+                      for i in range(start // self.block_size, (start + s - 1) // self.block_size + 1)]
+            self.pool.reserve(sum(i >= len(self.tables[b]) or self.pool.refs[self.tables[b][i]] > 1
+                                  for b, i in wanted), keep)  # one batch of moves to the host, if any
+            copies: list[tuple[int, int]] = []
+            owned = {(b, i): self._own(b, i, keep, copies) for b, i in wanted}
+            self.pool.copy_blocks(copies)
+            blocks = [owned[b, (start + j) // self.block_size] for b, start in enumerate(starts) for j in range(s)]
             slots = self.pool.slots_of(torch.tensor(blocks, dtype=torch.long)).view(self.batch_size, s)
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(s, device=self.device)[None, :]
             self._writes = (self.pool.epoch, s, slots, pos % self.block_size)

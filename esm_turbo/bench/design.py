@@ -9,6 +9,7 @@ the size's shape and random codecs of the default recipe's widths: memory and sp
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -67,6 +68,7 @@ def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, c
         session.start([scaffold])
         session.fork(candidates)
         sec = _timed_steps(lambda i, s=session: s.step(step), tail, device)
+        print(f"bench design: {kind} done", file=sys.stderr, flush=True)
         rep = session.memory_report()
         per_token = rep.bytes_per_token_per_layer * rep.layers
         least = (prefix + candidates * tail) * per_token
@@ -123,6 +125,7 @@ def _bench_offload(engine, device: torch.device, prefix: int, rows: int, steps: 
         session.start([random_protein(prefix - 1, seed) for seed in range(rows)])
         groups = [list(range(q * quarter, (q + 1) * quarter)) for q in range(rows // quarter)]
         sec = _timed_steps(lambda i, s=session: s.step(step, rows=groups[i % len(groups)]), steps, device)
+        print(f"bench design: host tier, budget {budget} GiB, done", file=sys.stderr, flush=True)
         rep = session.memory_report()
         out.append(dict(budget_gib=budget, rows=rows, rows_per_step=quarter, held_bytes=rep.used_bytes,
                         host_bytes=rep.host_bytes, tokens_per_s=quarter * (steps - 1) / sec))
