@@ -104,29 +104,43 @@ class BlockPool:
         return torch.empty(n, *like.shape[1:], dtype=like.dtype, pin_memory=self.device.type == "cuda")
 
     def _to_host(self, blocks: list[int]) -> None:
-        """Move device ``blocks`` to host slots: per layer and part one gather, one copy, one scatter."""
-        while len(self.free_host) < len(blocks):
-            self._grow_host()
-        hosts = [self.free_host.pop() for _ in blocks]
-        dev_idx = torch.tensor([self.slot[b] for b in blocks], device=self.device)
-        host_idx = torch.tensor(hosts)
-        staged = []
-        for layer in self.dev:
-            for buf in layer.values():
-                out = self._staged(buf, len(blocks))
-                staged.append(out.copy_(buf.index_select(0, dev_idx), non_blocking=True))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the staged copies land before the host reads them
-        for buf, out in zip((b for layer in self.host for b in layer.values()), staged):
-            buf.index_copy_(0, host_idx, out)
-        for block, h in zip(blocks, hosts):
+        """Move device ``blocks`` to the host. A block whose host copy is current (brought back and not written since,
+        :meth:`written`) only gives up its device slot; the others are copied, per layer and part one gather, one
+        copy and one scatter."""
+        dirty = [b for b in blocks if self.host_slot[b] < 0]
+        if dirty:
+            while len(self.free_host) < len(dirty):
+                self._grow_host()
+            hosts = [self.free_host.pop() for _ in dirty]
+            dev_idx = torch.tensor([self.slot[b] for b in dirty], device=self.device)
+            host_idx = torch.tensor(hosts)
+            staged = []
+            for layer in self.dev:
+                for buf in layer.values():
+                    out = self._staged(buf, len(dirty))
+                    staged.append(out.copy_(buf.index_select(0, dev_idx), non_blocking=True))
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the staged copies land before the host reads
+            for buf, out in zip((b for layer in self.host for b in layer.values()), staged):
+                buf.index_copy_(0, host_idx, out)
+            for block, h in zip(dirty, hosts):
+                self.host_slot[block] = h
+        for block in blocks:
             self.free_slots.append(self.slot[block])
-            self.slot[block], self.host_slot[block] = -1, h
+            self.slot[block] = -1
         self.epoch += 1
+
+    def written(self, blocks) -> None:
+        """``blocks`` (on the device) are about to change: their host copies, if any, are stale and let go."""
+        for block in blocks:
+            if self.host_slot[block] >= 0:
+                self.free_host.append(self.host_slot[block])
+                self.host_slot[block] = -1
 
     def _to_device(self, blocks: list[int], keep: set[int]) -> None:
         """Bring host ``blocks`` back to device slots (others may leave for them): per layer and part one gather on
-        the host into a pinned buffer, one asynchronous copy, one scatter on the device."""
+        the host into a pinned buffer, one asynchronous copy, one scatter on the device. Their host copies stay
+        (current until written)."""
         self.reserve(len(blocks), keep)
         slots = [self.free_slots.pop() for _ in blocks]
         host_idx = torch.tensor([self.host_slot[b] for b in blocks])
@@ -136,8 +150,7 @@ class BlockPool:
                 out = torch.index_select(host[name], 0, host_idx, out=self._staged(buf, len(blocks)))
                 buf.index_copy_(0, dev_idx, out.to(self.device, non_blocking=True))
         for block, slot in zip(blocks, slots):
-            self.free_host.append(self.host_slot[block])
-            self.slot[block], self.host_slot[block] = slot, -1
+            self.slot[block] = slot
         self.epoch += 1
 
     def _grow_host(self) -> None:
@@ -330,6 +343,7 @@ class PagedKVCache(KVCache):
             copies: list[tuple[int, int]] = []
             owned = {(b, i): self._own(b, i, keep, copies) for b, i in wanted}
             self.pool.copy_blocks(copies)
+            self.pool.written(owned.values())
             blocks = [owned[b, (start + j) // self.block_size] for b, start in enumerate(starts) for j in range(s)]
             slots = self.pool.slots_of(torch.tensor(blocks, dtype=torch.long)).view(self.batch_size, s)
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(s, device=self.device)[None, :]
@@ -346,8 +360,9 @@ class PagedKVCache(KVCache):
         self._written = s
         slots, offsets = self._write_slots(s)
         codec = self.codecs[layer]
-        if self.fused[layer]:
-            encoded = KVCache._alloc(self, codec, self.batch_size, s)
+        if self.fused[layer]:  # every byte of the step's rows is written
+            encoded = {name: torch.empty(self.batch_size, self.heads, s, *shape, dtype=dtype, device=self.device)
+                       for name, (shape, dtype) in codec.part_specs().items()}
             ops.write_compressed(codec, encoded, k, v, torch.zeros_like(self.lengths))
         else:
             encoded = codec.encode(k, v)

@@ -200,6 +200,32 @@ def test_host_tier_round_trips_exactly():
         small.dequantize(0)
 
 
+def test_clean_blocks_leave_the_device_without_a_copy(monkeypatch):
+    """A block brought back from the host and only read keeps its host copy: sent out again, it gives up its device
+    slot and nothing is copied; a block written since is copied."""
+    cs, block = codecs(), 4
+    block_bytes = sum(c.bytes_per_token() for c in cs) * HEADS * block
+    cache = PagedKVCache(cs, 2, capacity=8, block_size=block, device_budget_bytes=3 * block_bytes)
+    gen = torch.Generator().manual_seed(0)
+    for row in (0, 1):  # each row: one full block, then one token of a second
+        view = cache.view([row])
+        view.append(*[list(t) for t in torch.randn(2, LAYERS, 1, HEADS, block + 1, DIM, generator=gen)])
+        cache.absorb(view, [row])
+    copied = []
+    monkeypatch.setattr(cache.pool, "_staged", lambda like, n, real=cache.pool._staged: copied.append(n) or
+                        real(like, n))
+    full0 = cache.tables[0][0]
+    cache.view([0]).dequantize(0)  # row 0 back on the device (its blocks read, not written)
+    assert cache.pool.slot[full0] >= 0 and cache.pool.host_slot[full0] >= 0
+    copied.clear()
+    cache.view([1]).dequantize(0)  # row 1 back: row 0's blocks leave again, clean: no device-to-host copy
+    assert cache.pool.slot[full0] < 0 and len(copied) == len(cache.pool.dev[0]) * LAYERS  # only the way back in
+    view = cache.view([0])
+    view.append(*[list(t) for t in torch.randn(2, LAYERS, 1, HEADS, 1, DIM, generator=gen)])  # writes its 2nd block
+    cache.absorb(view, [0])
+    assert cache.pool.host_slot[cache.tables[0][1]] < 0  # written: its host copy let go
+
+
 def test_a_budgeted_session_steps_some_rows(stress_model):
     """Stepping a subset of rows under a tiny device budget gives what the same steps give with no budget, and a
     contiguous session refuses a subset step."""
