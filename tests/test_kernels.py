@@ -745,16 +745,18 @@ def test_dense_cache_sdpa_path_matches_reference():
                     "only without CUDA; on a GPU the ops' CUDA bodies run in the GPU tests")
 def test_the_ops_cuda_bodies_run_the_kernels():
     """The custom ops' CUDA implementations are their bodies with the kernel switched on: run here on CPU tensors
-    under Triton's interpreter, they agree with the default (reference) bodies."""
+    under Triton's interpreter, they agree with the default (reference) bodies, on a contiguous and a paged cache."""
     from esm_turbo.ops.compressed import _compressed_attention_with, _quantize_pack_with
     codec = random_turbo_codec(2, 16, 3, 3, "sign", seed=0)
     cache = filled_cache(codec, 2, [9, 20], "cpu")
     q, k, v, valid = step_inputs(2, 2, 1, 16, "cpu")
     keys, values = (cached_codes(codec, cache.parts[0], kind) for kind in "kv")
-    flat = (q, k, v, valid.to(torch.uint8), cache.lengths, *keys[:-1], keys.code.to_op(), *values[:-1],
-            values.code.to_op())
-    want = _compressed_attention_with(lambda: False)(*flat)
-    assert torch.allclose(_compressed_attention_with(lambda: True)(*flat), want, atol=1e-4, rtol=1e-3)
+    args = (q, k, v, valid.to(torch.uint8), cache.lengths, keys, values)
+    (*head, pk, pv), pages = paged_args(args, 8)
+    for (*lead, kk, vv), table, block in ((args, torch.empty(0, dtype=torch.int32), 0), ((*head, pk, pv), pages, 8)):
+        flat = (*lead, *kk[:-1], kk.code.to_op(), *vv[:-1], vv.code.to_op(), table, block)
+        want = _compressed_attention_with(lambda: False)(*flat)
+        assert torch.allclose(_compressed_attention_with(lambda: True)(*flat), want, atol=1e-4, rtol=1e-3)
     tables = fused_tables(codec)
     x = {kind: torch.randn(2, 2, 5, 16, generator=torch.Generator().manual_seed(i)) * 2 for i, kind in enumerate("kv")}
     written = []
