@@ -245,7 +245,7 @@ class PagedKVCache(KVCache):
     def _new_step(self) -> None:
         """Forget the step's cached slots (lengths or tables changed)."""
         self._reads: tuple[int, torch.Tensor] | None = None  # (pool epoch, pages)
-        self._writes: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # (epoch, S, slots, offsets)
+        self._writes: tuple[int, int, torch.Tensor] | None = None  # (epoch, S, pool rows)
 
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict:
         return {}  # the pool holds the parts
@@ -329,9 +329,10 @@ class PagedKVCache(KVCache):
             self._reads = (self.pool.epoch, slots.to(torch.int32))
         return self._reads[1], self.block_size
 
-    def _write_slots(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots, offsets) [B, S] on the device where the step's S tokens go: blocks taken as rows reach them,
-        a shared block copied first (every layer). Once a step: the first layer's write decides for all."""
+    def _write_slots(self, s: int) -> torch.Tensor:
+        """[B·H·S] long on the device: the row of a pool viewed as [slots·H·block_size, *part_shape] where each
+        (b, h, j) of the step's S tokens goes, blocks taken as rows reach them, a shared block copied first (every
+        layer). Once a step: the first layer's write decides for all."""
         if self._writes is None or self._writes[:2] != (self.pool.epoch, s):
             keep = self._mine()
             self.pool.resident(keep)
@@ -345,11 +346,13 @@ class PagedKVCache(KVCache):
             self.pool.copy_blocks(copies)
             self.pool.written(owned.values())
             blocks = [owned[b, (start + j) // self.block_size] for b, start in enumerate(starts) for j in range(s)]
-            slots = self.pool.slots_of(torch.tensor(blocks, dtype=torch.long)).view(self.batch_size, s)
+            slots = self.pool.slots_of(torch.tensor(blocks, dtype=torch.long)).view(self.batch_size, 1, s)
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(s, device=self.device)[None, :]
-            self._writes = (self.pool.epoch, s, slots, pos % self.block_size)
+            heads = torch.arange(self.heads, device=self.device)[None, :, None]
+            rows = (slots * self.heads + heads) * self.block_size + (pos % self.block_size)[:, None, :]
+            self._writes = (self.pool.epoch, s, rows.flatten())
             self.parts = self.pool.dev
-        return self._writes[2], self._writes[3]
+        return self._writes[2]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed): by the fused
@@ -358,7 +361,7 @@ class PagedKVCache(KVCache):
         s = k.shape[2]
         self._ensure_capacity(self._max_bound + s)
         self._written = s
-        slots, offsets = self._write_slots(s)
+        rows = self._write_slots(s)
         codec = self.codecs[layer]
         if self.fused[layer]:  # every byte of the step's rows is written
             encoded = {name: torch.empty(self.batch_size, self.heads, s, *shape, dtype=dtype, device=self.device)
@@ -368,7 +371,7 @@ class PagedKVCache(KVCache):
             encoded = codec.encode(k, v)
         for name, val in encoded.items():  # val [B, H, S, *shape]
             buf = self.pool.dev[layer][name]
-            buf[slots, :, offsets] = val.transpose(1, 2).to(buf.dtype)
+            buf.view(-1, *buf.shape[3:]).index_copy_(0, rows, val.reshape(-1, *buf.shape[3:]).to(buf.dtype))
 
     def commit(self, counts: torch.Tensor | int) -> None:
         """Make the written tokens visible; blocks taken for tokens not committed (a ragged step) are released."""
