@@ -1,5 +1,5 @@
 """Atomic file writes: write to a temporary file in the target's folder, then rename over it, so a
-killed job leaves either the old file or the new one, never half of one."""
+killed job leaves either the old file or the new one, never half of one. And queued device-to-host copies."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 
 def _read_umask() -> int:
@@ -49,3 +51,12 @@ def seconds_since_start() -> float | None:
         return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def to_host_queued(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A CUDA tensor's device→host copy into pinned memory, queued on the current stream (the caller syncs before
+    reading it); anything else as it is."""
+    if t is None or t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

@@ -9,12 +9,13 @@ Contract (shapes once)::
 
 ``select`` / ``fork`` copy tables, never data. A write into a block other rows also hold copies that block first
 (copy-on-write, every layer at once), so siblings never see each other's tokens. ``commit`` / ``truncate`` release
-the blocks past each row's end. Reading gathers a row's blocks in order: the PyTorch reference path (dequantize, then
-attend) runs on that view, so outputs equal :class:`~esm_turbo.cache.KVCache`'s exactly.
+the blocks past each row's end. Reads go through a block table of device slots (:meth:`PagedKVCache.pages`): the fused
+decode kernel takes it with the pool, and the PyTorch reference path gathers a row's blocks in order through it, so
+outputs equal :class:`~esm_turbo.cache.KVCache`'s.
 
 With a device budget (``device_budget_bytes``) the pool holds at most that many bytes of blocks on the device; the
-least recently used blocks that the rows being read or written do not need move to host memory (pinned on CUDA) and
-come back when a row needs them. :meth:`PagedKVCache.view` gives a cache over some of the rows (a step that touches
+least recently used blocks that the rows being read or written do not need move to host memory (through pinned
+staging buffers on CUDA) and come back when a row needs them. :meth:`PagedKVCache.view` gives a cache over some of the rows (a step that touches
 a subset), sharing the pool. Block bookkeeping is on the host, once a step: the slots a step reads
 (:meth:`PagedKVCache.pages`, the fused decode kernel's block table) and writes are kept until the pool moves, frees or
 copies a block (``BlockPool.epoch``) or the rows' lengths change.
@@ -27,6 +28,7 @@ import torch
 from . import ops
 from .cache import KVCache, MemoryReport
 from .errors import EsmTurboError
+from .io import to_host_queued
 from .quant.codec import KVCodec
 
 BLOCK_SIZE = 64
@@ -54,9 +56,8 @@ class BlockPool:
         self.clock = 0
         self.epoch = 0  # bumped whenever a held block's slot or contents may change under a cached block table
 
-    def _zeros(self, n: int, device, pin: bool = False) -> list[dict[str, torch.Tensor]]:
-        return [{name: torch.zeros(n, self.heads, self.block_size, *shape, dtype=dtype, device=device,
-                                   pin_memory=pin)
+    def _zeros(self, n: int, device) -> list[dict[str, torch.Tensor]]:
+        return [{name: torch.zeros(n, self.heads, self.block_size, *shape, dtype=dtype, device=device)
                  for name, (shape, dtype) in spec.items()} for spec in self.specs]
 
     @property
@@ -69,10 +70,11 @@ class BlockPool:
         return sum(self.slot[i] >= 0 for i in live), sum(self.slot[i] < 0 for i in live)
 
     # ---- slots ---------------------------------------------------------------------------------------
-    def _extended(self, pools: list[dict[str, torch.Tensor]], extra: int, device, pin: bool = False) -> None:
-        """Grow every buffer of ``pools`` by ``extra`` zeroed slots, in place of the old ones."""
+    def _extended(self, pools: list[dict[str, torch.Tensor]], extra: int, device) -> None:
+        """Grow every buffer of ``pools`` by ``extra`` zeroed slots, in place of the old ones (the dicts and the list
+        stay the same objects: a cache's ``parts`` is ``pool.dev``)."""
         n = next(iter(pools[0].values())).shape[0]
-        grown = self._zeros(n + extra, device, pin)
+        grown = self._zeros(n + extra, device)
         for layer, bufs in zip(pools, grown):
             for name in layer:
                 bufs[name][:n].copy_(layer[name])
@@ -100,7 +102,7 @@ class BlockPool:
         self._to_host(movable[:short])
 
     def _staged(self, like: torch.Tensor, n: int) -> torch.Tensor:
-        """A host buffer for ``n`` slots of ``like``'s part, pinned on CUDA (copies with the device run async)."""
+        """A host buffer for ``n`` slots of ``like``'s part, pinned on CUDA (its copy to the device runs async)."""
         return torch.empty(n, *like.shape[1:], dtype=like.dtype, pin_memory=self.device.type == "cuda")
 
     def _to_host(self, blocks: list[int]) -> None:
@@ -114,11 +116,7 @@ class BlockPool:
             hosts = [self.free_host.pop() for _ in dirty]
             dev_idx = torch.tensor([self.slot[b] for b in dirty], device=self.device)
             host_idx = torch.tensor(hosts)
-            staged = []
-            for layer in self.dev:
-                for buf in layer.values():
-                    out = self._staged(buf, len(dirty))
-                    staged.append(out.copy_(buf.index_select(0, dev_idx), non_blocking=True))
+            staged = [to_host_queued(buf.index_select(0, dev_idx)) for layer in self.dev for buf in layer.values()]
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the staged copies land before the host reads
             for buf, out in zip((b for layer in self.host for b in layer.values()), staged):
@@ -282,7 +280,6 @@ class PagedKVCache(KVCache):
         self.lengths[torch.as_tensor(rows, device=self.device)] = view.lengths
         self._max_bound = max(self._max_bound, view._max_bound)
         self.capacity = max(self.capacity, view.capacity)
-        self.parts = self.pool.dev
         self._new_step()
 
     # ---- blocks of rows ----------------------------------------------------------------------------
@@ -351,7 +348,6 @@ class PagedKVCache(KVCache):
             heads = torch.arange(self.heads, device=self.device)[None, :, None]
             rows = (slots * self.heads + heads) * self.block_size + (pos % self.block_size)[:, None, :]
             self._writes = (self.pool.epoch, s, rows.flatten())
-            self.parts = self.pool.dev
         return self._writes[2]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
@@ -397,10 +393,9 @@ class PagedKVCache(KVCache):
         self.tables = tables
         self._new_step()
 
-    def block_table(self, upto: int | None = None) -> torch.Tensor:
-        """[B, ceil(upto / block_size)] long: each row's block ids (past a row's end: its last block, or 0)."""
-        t = int(self.lengths.max()) if upto is None else upto
-        width = max(1, -(-t // self.block_size))
+    def block_table(self) -> torch.Tensor:
+        """[B, ceil(max length / block_size)] long: each row's block ids (past a row's end: its last block, or 0)."""
+        width = max(1, -(-int(self.lengths.max()) // self.block_size))
         padded = [(table + [table[-1] if table else 0] * width)[:width] for table in self.tables]
         return torch.tensor(padded, dtype=torch.long)
 

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..errors import EsmTurboError
 from ..fasta import Record
+from ..io import to_host_queued
 from ..model.alphabet import encode, encode_packed
 from ..model.sizes import MAX_RESIDUES
 from ..schema import DTYPES
@@ -118,14 +119,6 @@ class BatchOutput:
     contacts: torch.Tensor | None = None
 
 
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A device→host copy into pinned memory, queued (the caller syncs on an event before reading)."""
-    if t is None or t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
-
-
 def _row_offsets(lengths: list[int], rows: list[int]) -> dict[int, tuple[int, int]]:
     out, offset = {}, 0
     for r in rows:
@@ -168,7 +161,8 @@ class Embedder:
         want_logits = "logits" in self.config.include
         hidden = self.fast(batch, sorted(set(self.layers) | ({self.num_layers} if want_logits else set())))
         pooled = [self.fast.pool(hidden[layer], batch) for layer in self.layers]
-        out = BatchOutput(_to_host(torch.stack([m for m, _ in pooled])), _to_host(torch.stack([b for _, b in pooled])))
+        out = BatchOutput(to_host_queued(torch.stack([m for m, _ in pooled])),
+                          to_host_queued(torch.stack([b for _, b in pooled])))
         residues = [n - 2 for n in batch.lengths]
         starts = batch.cu_seqlens[:-1].long()
 
@@ -176,11 +170,11 @@ class Embedder:
             return torch.cat([torch.arange(1, residues[r] + 1, device=self.device) + starts[r] for r in rows])
         if token_rows:
             idx = residue_index(token_rows)
-            out.tokens = _to_host(torch.stack([hidden[layer][idx].float() for layer in self.layers]))
+            out.tokens = to_host_queued(torch.stack([hidden[layer][idx].float() for layer in self.layers]))
             out.token_rows = _row_offsets(residues, token_rows)
         if want_logits:
             rows = list(range(len(seqs)))
-            out.logits = _to_host(self.fast.logits(hidden[self.num_layers][residue_index(rows)]).float())
+            out.logits = to_host_queued(self.fast.logits(hidden[self.num_layers][residue_index(rows)]).float())
             out.logit_rows = _row_offsets(residues, rows)
         return out
 
@@ -195,17 +189,17 @@ class Embedder:
         for r, n in enumerate(residues):
             res_mask[r, 1: n + 1] = 1
         mean = (hidden * res_mask[None, ..., None]).sum(2) / res_mask.sum(1).clamp(min=1)[None, :, None]
-        result = BatchOutput(_to_host(mean), _to_host(hidden[:, :, 0]))
+        result = BatchOutput(to_host_queued(mean), to_host_queued(hidden[:, :, 0]))
         if token_rows:
-            result.tokens = _to_host(torch.cat([hidden[:, r, 1: residues[r] + 1] for r in token_rows], dim=1))
+            result.tokens = to_host_queued(torch.cat([hidden[:, r, 1: residues[r] + 1] for r in token_rows], dim=1))
             result.token_rows = _row_offsets(residues, token_rows)
         if "logits" in self.config.include:
             logits = self.model.lm_head(out.last_hidden_state).float()
-            result.logits = _to_host(torch.cat([logits[r, 1: residues[r] + 1] for r in range(len(seqs))]))
+            result.logits = to_host_queued(torch.cat([logits[r, 1: residues[r] + 1] for r in range(len(seqs))]))
             result.logit_rows = _row_offsets(residues, list(range(len(seqs))))
         attns = torch.stack(out.attentions, dim=1)
         attns = attns * mask[:, None, None, :, None] * mask[:, None, None, None, :]
-        result.contacts = _to_host(self.model.esm.contact_head(tokens, attns.to(self.dtype)).float())
+        result.contacts = to_host_queued(self.model.esm.contact_head(tokens, attns.to(self.dtype)).float())
         return result
 
     # ---- assembling per-sequence items -------------------------------------------------------------
