@@ -35,12 +35,12 @@ def _rows(offs_t, t0, end, pg_tab, pg_base, pg_stride, BLOCK_T: tl.constexpr, PA
     blocks hold whole tiles (tiles start on multiples of BLOCK_T), else one a token."""
     if PAGE == 0:
         rows = offs_t
-    elif PAGE % BLOCK_T == 0:
-        slot = tl.load(pg_tab + t0 // PAGE, mask=t0 < end, other=0).to(tl.int64)
-        rows = slot * pg_stride + pg_base + (offs_t % PAGE)
     else:
-        slot = tl.load(pg_tab + offs_t // PAGE, mask=offs_t < end, other=0).to(tl.int64)
-        rows = slot * pg_stride + pg_base + (offs_t % PAGE)
+        if PAGE % BLOCK_T == 0:
+            slot = tl.load(pg_tab + t0 // PAGE, mask=t0 < end, other=0)
+        else:
+            slot = tl.load(pg_tab + offs_t // PAGE, mask=offs_t < end, other=0)
+        rows = slot.to(tl.int64) * pg_stride + pg_base + (offs_t % PAGE)
     return rows
 
 
