@@ -64,7 +64,7 @@ class MemoryReport:
 class KVCache:
     """Batched, ragged KV cache over per-layer codecs (compressed or dense)."""
 
-    #: rows stored as [B, H, T_cap, …] buffers that ops may read in place (a paged cache gathers them)
+    #: rows stored as [B, H, T_cap, …] buffers that ops may read in place (a paged cache reads through block tables)
     contiguous = True
 
     def __init__(self, codecs: list[KVCodec], batch_size: int, capacity: int = 64,
@@ -218,6 +218,11 @@ class KVCache:
         self.lengths = self.lengths.index_select(0, rows)
         self.ring_hi = self.ring_hi.index_select(0, rows)
         self.batch_size = rows.numel()
+
+    def pages(self) -> tuple[torch.Tensor | None, int]:
+        """(block table, block size) that decode attention reads the parts through: none here, rows are contiguous
+        (:meth:`~esm_turbo.paged.PagedKVCache.pages`)."""
+        return None, 0
 
     def prefill_groups(self, width: int) -> list[list[int]]:
         """Rows a prefill of ``width`` tokens writes together: every row (a paged cache under a device budget splits

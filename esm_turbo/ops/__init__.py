@@ -53,9 +53,8 @@ def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_
     if q.is_cuda and cache.contiguous and isinstance(codec.key, DenseQuantizer):
         return attend_dense(q, cache, layer, k_new, v_new, new_valid)  # writes the new tokens itself
     if cache.fused[layer]:
-        pages, block_size = (None, 0) if cache.contiguous else cache.pages()
-        out = attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid, pages,
-                                block_size)
+        out = attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid,
+                                *cache.pages())
     else:
         out = decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
     if write:

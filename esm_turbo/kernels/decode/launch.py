@@ -20,10 +20,10 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 config: dict | None = None, pages: torch.Tensor | None = None,
                                 block_size: int = 0) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes, and for a paged cache's
-    ``pages`` [B, blocks] int32 and ``block_size``); CUDA tensors (or CPU under Triton's interpreter). ``config`` overrides the launch choice (:func:`~.plan.launch_config`) for tuning:
-    ``path`` (auto | one | split), block_t / num_warps / waves (or ``splits``: split-K programs per query),
-    ``prefetch``, ``rows``, ``maxnreg``, ``pdl``, ``stream`` and for the prep and merge kernels ``prep_block``,
-    ``prep_cols`` / ``merge_cols`` and ``merge_rows``."""
+    ``pages`` [B, blocks] int32 and ``block_size``); CUDA tensors (or CPU under Triton's interpreter). ``config``
+    overrides the launch choice (:func:`~.plan.launch_config`) for tuning: ``path`` (auto | one | split), block_t /
+    num_warps / waves (or ``splits``: split-K programs per query), ``prefetch``, ``rows``, ``maxnreg``, ``pdl``,
+    ``stream`` and for the prep and merge kernels ``prep_block``, ``prep_cols`` / ``merge_cols`` and ``merge_rows``."""
     batch, heads, s, d = q.shape
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]
@@ -67,8 +67,9 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     consts = dict(D=d, KBITS=keys.code.code_bits, VBITS=values.code.code_bits, KFIELDS=keys.code.kernel_fields(),
                   VFIELDS=values.code.kernel_fields(), KSIGN=keys.code.sign == "plane",
                   VSIGN=values.code.sign == "plane", BLOCK_S=block_s, BLOCK_T=block_t, NK=keys.table[0].numel(),
-                  NV=values.table[0].numel(), PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl, PAGE=page,
-                  num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], launch_pdl=pdl, enable_fp_fusion=FP_FUSION)
+                  NV=values.table[0].numel(), PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl,
+                  PAGE=page, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], launch_pdl=pdl,
+                  enable_fp_fusion=FP_FUSION)
     if run:
         _stream_kernel[(launched,)](*codes, programs, nt, run, splits, INTERPRET=run if interpreting() else 0,
                                     **consts)
