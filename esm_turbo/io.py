@@ -53,6 +53,15 @@ def seconds_since_start() -> float | None:
         return None
 
 
+def to_device_queued(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list (or CPU tensor) as a tensor on ``device``; on CUDA through pinned memory, queued on the current
+    stream, so the host does not wait for the device's queued work (a plain copy from pageable memory does)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def to_host_queued(t: torch.Tensor | None) -> torch.Tensor | None:
     """A CUDA tensor's device→host copy into pinned memory, queued on the current stream (the caller syncs before
     reading it); anything else as it is."""

@@ -28,14 +28,34 @@ import torch
 from . import ops
 from .cache import KVCache, MemoryReport
 from .errors import EsmTurboError
-from .io import to_host_queued
+from .io import to_device_queued
+from .ops.blocks import BlockLayout
 from .quant.codec import KVCodec
 
 BLOCK_SIZE = 64
+#: bytes of one pinned host chunk of the host tier (whole blocks), and most bytes of a move's device staging buffer
+HOST_CHUNK_BYTES = STAGE_BYTES = 256 * 2**20
+
+
+def _runs(host_slots: list[int], per_chunk: int) -> list[tuple[int, int, int]]:
+    """(first index, first host slot, length) of each run of ``host_slots`` that are consecutive within one chunk
+    of ``per_chunk`` slots."""
+    runs: list[list[int]] = []
+    for i, h in enumerate(host_slots):
+        if runs and h == runs[-1][1] + runs[-1][2] and h % per_chunk:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, h, 1])
+    return [tuple(r) for r in runs]
 
 
 class BlockPool:
-    """Reference-counted blocks of every layer's parts, each in a device slot or, over the budget, a host slot."""
+    """Reference-counted blocks of every layer's parts, each in a device slot or, over the budget, a host slot.
+
+    On the host a block is one row of bytes (every layer's and part's slot side by side, :class:`BlockLayout`) in
+    pinned chunks of :data:`HOST_CHUNK_BYTES`, so blocks with adjacent host slots cross the link in one copy. Moves go
+    through a device staging buffer of at most :data:`STAGE_BYTES` (whole blocks), all queued on the current stream:
+    the host never waits for them, and the step that reads the blocks runs after them."""
 
     def __init__(self, specs: list[dict], heads: int, block_size: int, device: torch.device, slots: int,
                  device_slots: int | None = None):
@@ -45,7 +65,9 @@ class BlockPool:
             raise EsmTurboError("the device budget holds less than one cache block; raise gpu_budget_gib")
         slots = max(1, slots if self.limit is None else min(slots, self.limit))
         self.dev = self._zeros(slots, device)
-        self.host: list[dict[str, torch.Tensor]] | None = None
+        self.layout = BlockLayout(specs, heads, block_size)
+        self.per_chunk = max(1, HOST_CHUNK_BYTES // self.layout.row_bytes)  # host slots a pinned chunk holds
+        self.host: list[torch.Tensor] = []  # chunks [per_chunk, row_bytes] uint8
         self.refs: list[int] = []
         self.slot: list[int] = []  # device slot of each block, -1 while on the host
         self.host_slot: list[int] = []
@@ -53,6 +75,7 @@ class BlockPool:
         self.free_ids: list[int] = []
         self.free_slots = list(range(slots - 1, -1, -1))
         self.free_host: list[int] = []
+        self.moved = {"in": 0, "out": 0}  # blocks copied to the device, and to the host
         self.clock = 0
         self.epoch = 0  # bumped whenever a held block's slot or contents may change under a cached block table
 
@@ -64,27 +87,36 @@ class BlockPool:
     def slots(self) -> int:
         return next(iter(self.dev[0].values())).shape[0]
 
+    @property
+    def host_slots(self) -> int:
+        return len(self.host) * self.per_chunk
+
     def held(self) -> tuple[int, int]:
         """(blocks on the device, blocks on the host) that rows hold."""
         live = [i for i, r in enumerate(self.refs) if r > 0]
         return sum(self.slot[i] >= 0 for i in live), sum(self.slot[i] < 0 for i in live)
 
     # ---- slots ---------------------------------------------------------------------------------------
-    def _extended(self, pools: list[dict[str, torch.Tensor]], extra: int, device) -> None:
-        """Grow every buffer of ``pools`` by ``extra`` zeroed slots, in place of the old ones (the dicts and the list
-        stay the same objects: a cache's ``parts`` is ``pool.dev``)."""
-        n = next(iter(pools[0].values())).shape[0]
-        grown = self._zeros(n + extra, device)
-        for layer, bufs in zip(pools, grown):
+    def _grow_device(self) -> None:
+        """More zeroed device slots (doubling, up to the budget), in place of the old buffers (the dicts and the
+        list stay the same objects: a cache's ``parts`` is ``pool.dev``)."""
+        n = self.slots
+        extra = n if self.limit is None else min(n, self.limit - n)
+        grown = self._zeros(n + extra, self.device)
+        for layer, bufs in zip(self.dev, grown):
             for name in layer:
                 bufs[name][:n].copy_(layer[name])
                 layer[name] = bufs[name]
-
-    def _grow_device(self) -> None:
-        n = self.slots
-        extra = n if self.limit is None else min(n, self.limit - n)
-        self._extended(self.dev, extra, self.device)
         self.free_slots = list(range(n + extra - 1, n - 1, -1)) + self.free_slots
+
+    def _grow_host(self) -> None:
+        """More host slots (at least as many as there are, and as the device holds), in new pinned chunks."""
+        n = self.host_slots
+        chunks = -(-max(n, self.slots, 1) // self.per_chunk)
+        pin = self.device.type == "cuda"
+        self.host += [torch.empty(self.per_chunk, self.layout.row_bytes, dtype=torch.uint8, pin_memory=pin)
+                      for _ in range(chunks)]
+        self.free_host = list(range(self.host_slots - 1, n - 1, -1)) + self.free_host
 
     def reserve(self, n: int, keep: set[int]) -> None:
         """At least ``n`` free device slots: the pool grows up to its budget, then the least recently used blocks not
@@ -101,28 +133,40 @@ class BlockPool:
                                 f"blocks of {self.block_size} tokens): raise gpu_budget_gib or step fewer rows")
         self._to_host(movable[:short])
 
-    def _staged(self, like: torch.Tensor, n: int) -> torch.Tensor:
-        """A host buffer for ``n`` slots of ``like``'s part, pinned on CUDA (its copy to the device runs async)."""
-        return torch.empty(n, *like.shape[1:], dtype=like.dtype, pin_memory=self.device.type == "cuda")
+    def _copy(self, dev_slots: list[int], host_slots: list[int], to_device: bool) -> None:
+        """Copy blocks between device slots and host slots (pairwise), queued: staged a buffer-full of whole blocks
+        at a time, each run of adjacent host slots one copy over the link, each staging fill one
+        :meth:`BlockLayout.move` to or from the pool's buffers."""
+        row = self.layout.row_bytes
+        per = max(1, min(len(dev_slots), STAGE_BYTES // row))
+        stage = torch.empty(per, row, dtype=torch.uint8, device=self.device)
+        slots = to_device_queued(dev_slots, self.device)
+        for start in range(0, len(dev_slots), per):
+            fill = slice(start, start + per)
+            if not to_device:
+                self.layout.move(self.dev, stage, slots[fill], to_pool=False)
+            for i, h, n in _runs(host_slots[fill], self.per_chunk):
+                host = self.host[h // self.per_chunk][h % self.per_chunk:h % self.per_chunk + n]
+                if to_device:
+                    stage[i:i + n].copy_(host, non_blocking=True)
+                else:
+                    host.copy_(stage[i:i + n], non_blocking=True)
+            if to_device:
+                self.layout.move(self.dev, stage, slots[fill], to_pool=True)
 
     def _to_host(self, blocks: list[int]) -> None:
         """Move device ``blocks`` to the host. A block whose host copy is current (brought back and not written since,
-        :meth:`written`) only gives up its device slot; the others are copied, per layer and part one gather, one
-        copy and one scatter."""
+        :meth:`written`) only gives up its device slot; the others are copied (:meth:`_copy`), to adjacent host
+        slots in the order given."""
         dirty = [b for b in blocks if self.host_slot[b] < 0]
         if dirty:
             while len(self.free_host) < len(dirty):
                 self._grow_host()
-            hosts = [self.free_host.pop() for _ in dirty]
-            dev_idx = torch.tensor([self.slot[b] for b in dirty], device=self.device)
-            host_idx = torch.tensor(hosts)
-            staged = [to_host_queued(buf.index_select(0, dev_idx)) for layer in self.dev for buf in layer.values()]
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the staged copies land before the host reads
-            for buf, out in zip((b for layer in self.host for b in layer.values()), staged):
-                buf.index_copy_(0, host_idx, out)
+            hosts = sorted(self.free_host.pop() for _ in dirty)
+            self._copy([self.slot[b] for b in dirty], hosts, to_device=False)
             for block, h in zip(dirty, hosts):
                 self.host_slot[block] = h
+            self.moved["out"] += len(dirty)
         for block in blocks:
             self.free_slots.append(self.slot[block])
             self.slot[block] = -1
@@ -136,30 +180,16 @@ class BlockPool:
                 self.host_slot[block] = -1
 
     def _to_device(self, blocks: list[int], keep: set[int]) -> None:
-        """Bring host ``blocks`` back to device slots (others may leave for them): per layer and part one gather on
-        the host into a pinned buffer, one asynchronous copy, one scatter on the device. Their host copies stay
-        (current until written)."""
+        """Bring host ``blocks`` back to device slots (others may leave for them), in host-slot order (runs copy in
+        one piece, :meth:`_copy`). Their host copies stay (current until written)."""
         self.reserve(len(blocks), keep)
+        blocks = sorted(blocks, key=lambda b: self.host_slot[b])
         slots = [self.free_slots.pop() for _ in blocks]
-        host_idx = torch.tensor([self.host_slot[b] for b in blocks])
-        dev_idx = torch.tensor(slots, device=self.device)
-        for dev, host in zip(self.dev, self.host):
-            for name, buf in dev.items():
-                out = torch.index_select(host[name], 0, host_idx, out=self._staged(buf, len(blocks)))
-                buf.index_copy_(0, dev_idx, out.to(self.device, non_blocking=True))
+        self._copy(slots, [self.host_slot[b] for b in blocks], to_device=True)
         for block, slot in zip(blocks, slots):
             self.slot[block] = slot
+        self.moved["in"] += len(blocks)
         self.epoch += 1
-
-    def _grow_host(self) -> None:
-        if self.host is None:
-            n, extra = 0, self.slots
-            self.host = self._zeros(extra, "cpu")
-        else:
-            n = next(iter(self.host[0].values())).shape[0]
-            extra = max(n, self.slots)
-            self._extended(self.host, extra, "cpu")
-        self.free_host = list(range(n + extra - 1, n - 1, -1)) + self.free_host
 
     # ---- blocks --------------------------------------------------------------------------------------
     def take(self, keep: set[int]) -> int:
@@ -194,8 +224,8 @@ class BlockPool:
         layer and part in one gather-scatter."""
         if not pairs:
             return
-        src = torch.tensor([self.slot[a] for a, _ in pairs], device=self.device)
-        dst = torch.tensor([self.slot[b] for _, b in pairs], device=self.device)
+        src = to_device_queued([self.slot[a] for a, _ in pairs], self.device)
+        dst = to_device_queued([self.slot[b] for _, b in pairs], self.device)
         for layer in self.dev:
             for buf in layer.values():
                 buf.index_copy_(0, dst, buf.index_select(0, src))
@@ -203,6 +233,8 @@ class BlockPool:
 
     def resident(self, blocks: set[int]) -> None:
         """Bring ``blocks`` to the device (others may move to the host) and mark them used now."""
+        if self.limit is None:  # every block is on the device
+            return
         self.clock += 1
         away = [b for b in blocks if self.slot[b] < 0]
         if away:
@@ -211,11 +243,10 @@ class BlockPool:
             self.last_use[block] = self.clock
 
     def slots_of(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Device slots of resident ``blocks`` (any shape, long)."""
+        """Device slots of resident ``blocks`` (a CPU tensor, any shape, long), on the device (queued)."""
         if not self.slot:
             return torch.zeros(blocks.shape, dtype=torch.long, device=self.device)
-        table = torch.tensor(self.slot, dtype=torch.long)
-        return table[blocks.cpu()].to(self.device)
+        return to_device_queued(torch.tensor(self.slot, dtype=torch.long)[blocks], self.device)
 
 
 class PagedKVCache(KVCache):
@@ -238,6 +269,7 @@ class PagedKVCache(KVCache):
         self.pool = BlockPool([c.part_specs() for c in codecs], self.heads, block_size, self.device, blocks, limit)
         self.parts = self.pool.dev
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
+        self.host_lengths = [0] * batch_size  # ``lengths`` on the host: block bookkeeping never waits for the device
         self._new_step()
 
     def _new_step(self) -> None:
@@ -268,7 +300,8 @@ class PagedKVCache(KVCache):
         view = object.__new__(PagedKVCache)
         view.__dict__.update(self.__dict__)
         view.tables = [self.tables[r] for r in rows]  # the same lists: block changes land here too
-        view.lengths = self.lengths[torch.as_tensor(rows, device=self.device)].clone()
+        view.lengths = self.lengths[to_device_queued(rows, self.device)]
+        view.host_lengths = [self.host_lengths[r] for r in rows]
         view.ring_hi = torch.zeros_like(view.lengths)
         view.batch_size = len(rows)
         view._written = 0
@@ -277,7 +310,9 @@ class PagedKVCache(KVCache):
 
     def absorb(self, view: "PagedKVCache", rows: list[int]) -> None:
         """Take a view's lengths (after its step) back into ``rows``."""
-        self.lengths[torch.as_tensor(rows, device=self.device)] = view.lengths
+        self.lengths[to_device_queued(rows, self.device)] = view.lengths
+        for row, length in zip(rows, view.host_lengths):
+            self.host_lengths[row] = length
         self._max_bound = max(self._max_bound, view._max_bound)
         self.capacity = max(self.capacity, view.capacity)
         self._new_step()
@@ -303,7 +338,7 @@ class PagedKVCache(KVCache):
         return block
 
     def _release_past_ends(self) -> None:
-        for row, length in enumerate(self.lengths.tolist()):
+        for row, length in enumerate(self.host_lengths):
             keep = -(-length // self.block_size)
             for block in self.tables[row][keep:]:
                 self.pool.drop(block)
@@ -333,7 +368,7 @@ class PagedKVCache(KVCache):
         if self._writes is None or self._writes[:2] != (self.pool.epoch, s):
             keep = self._mine()
             self.pool.resident(keep)
-            starts = self.lengths.tolist()
+            starts = self.host_lengths
             wanted = [(b, i) for b, start in enumerate(starts)
                       for i in range(start // self.block_size, (start + s - 1) // self.block_size + 1)]
             self.pool.reserve(sum(i >= len(self.tables[b]) or self.pool.refs[self.tables[b][i]] > 1
@@ -344,7 +379,7 @@ class PagedKVCache(KVCache):
             self.pool.written(owned.values())
             blocks = [owned[b, (start + j) // self.block_size] for b, start in enumerate(starts) for j in range(s)]
             slots = self.pool.slots_of(torch.tensor(blocks, dtype=torch.long)).view(self.batch_size, 1, s)
-            pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(s, device=self.device)[None, :]
+            pos = self.lengths[:, None] + torch.arange(s, device=self.device)[None, :]
             heads = torch.arange(self.heads, device=self.device)[None, :, None]
             rows = (slots * self.heads + heads) * self.block_size + (pos % self.block_size)[:, None, :]
             self._writes = (self.pool.epoch, s, rows.flatten())
@@ -372,12 +407,22 @@ class PagedKVCache(KVCache):
     def commit(self, counts: torch.Tensor | int) -> None:
         """Make the written tokens visible; blocks taken for tokens not committed (a ragged step) are released."""
         super().commit(counts)
+        self._mirror(counts)
         self._release_past_ends()
         self._new_step()
+
+    def _mirror(self, added: torch.Tensor | int | None) -> None:
+        """Bring ``host_lengths`` up to ``lengths`` after ``added`` tokens each (an int: no wait for the device),
+        else read back."""
+        if isinstance(added, int):
+            self.host_lengths = [n + added for n in self.host_lengths]
+        else:
+            self.host_lengths = self.lengths.tolist()
 
     def truncate(self, n: torch.Tensor | int) -> None:
         """Roll back the last ``n`` tokens of each row; blocks a row no longer reaches are released."""
         super().truncate(n)
+        self._mirror(None)
         self._release_past_ends()
         self._new_step()
 
@@ -391,11 +436,12 @@ class PagedKVCache(KVCache):
             for block in table:
                 self.pool.drop(block)
         self.tables = tables
+        self.host_lengths = [self.host_lengths[r] for r in rows.tolist()]
         self._new_step()
 
     def block_table(self) -> torch.Tensor:
         """[B, ceil(max length / block_size)] long: each row's block ids (past a row's end: its last block, or 0)."""
-        width = max(1, -(-int(self.lengths.max()) // self.block_size))
+        width = max(1, -(-max(self.host_lengths) // self.block_size))
         padded = [(table + [table[-1] if table else 0] * width)[:width] for table in self.tables]
         return torch.tensor(padded, dtype=torch.long)
 
@@ -418,7 +464,7 @@ class PagedKVCache(KVCache):
         on_device, on_host = self.pool.held()
         referenced = sum(len(t) for t in self.tables)
         table_bytes = 4 * referenced
-        host_slots = 0 if self.pool.host is None else next(iter(self.pool.host[0].values())).shape[0]
+        host_slots = self.pool.host_slots
         values_per_token = 2 * self.heads * self.head_dim
         return MemoryReport(
             layers=self.num_layers, heads=self.heads, head_dim=self.head_dim,

@@ -8,7 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import quantize, weights  # noqa: E402
+from esm_turbo.kernels import blocks, quantize, weights  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel  # noqa: E402
 from esm_turbo.quant.packing import packed_shifts  # noqa: E402
@@ -77,6 +77,10 @@ def main() -> None:
                                                           PRECISION="tf32"),
                      {"B", "M", "N", "G", "sxb", "sob"}, dict(x_ptr=f16, codes_ptr=u8, scales_ptr=f16, cb_ptr=f16),
                      num_warps=4)
+    # a paged pool's blocks to and from staging rows (8-byte words)
+    for to_pool in (True, False):
+        compile_sm90(blocks._blocks_kernel, dict(TO_POOL=to_pool, BLOCK=2048), {"row_words"},
+                     dict(stage_ptr=i64, base_ptr=i64, offset_ptr=i64, words_ptr=i64, slot_ptr=i64), num_warps=4)
     # the bench's read-only floor
     compile_sm90(read._read_kernel, dict(BLOCK=read.WORDS_PER_WARP), {"n_chunks", "per_prog"},
                  dict(x_ptr="*i32", out_ptr="*i32"), num_warps=1)

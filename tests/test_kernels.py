@@ -577,8 +577,9 @@ def test_kernels_compile_for_sm90():
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid, grid paged), prep, merge twice (many sequences per program,
     # several queries); quantize-and-pack five times: prefills in blocks of 32 and 64, a decode step, the last two
-    # also with grid codes; the 4-bit weight matmul twice (groups of 32 and 128); the bench's read-only kernel
-    assert len(compiled) == 29, out
+    # also with grid codes; the 4-bit weight matmul twice (groups of 32 and 128); a paged pool's block moves both ways;
+    # the bench's read-only kernel
+    assert len(compiled) == 31, out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
@@ -770,3 +771,39 @@ def test_the_ops_cuda_bodies_run_the_kernels():
         written.append(parts)
     for name, ref in written[0].items():  # the same bytes but where rounding flips a value on a boundary
         assert (ref != written[1][name]).float().mean() < 2e-3 and written[1][name].any(), name
+
+
+@needs_triton
+@pytest.mark.parametrize("shapes,heads,word", [({"k.main": ((24,), torch.uint8), "k.norm": ((4,), torch.float16)}, 2, 8),
+                                               ({"k.main": ((3,), torch.uint8), "v.scale": ((), torch.float32)}, 2, 2),
+                                               ({"k.main": ((3,), torch.uint8), "v.scale": ((), torch.float16)}, 1, 1)])
+def test_block_moves_match_the_reference(shapes, heads, word):
+    """A paged pool's blocks to staging rows and back (kernels/blocks.py against ops/blocks.py's reference): the
+    same bytes in the same places, other slots untouched."""
+    from esm_turbo.ops.blocks import BlockLayout, move_blocks_reference
+    from esm_turbo.kernels.blocks import move_blocks_triton
+    specs, block = [shapes, shapes, shapes], 3
+    layout = BlockLayout(specs, heads, block)
+    assert layout.word == word
+    gen = torch.Generator().manual_seed(0)
+
+    def pools():
+        return [{n: torch.randint(0, 256, (7, heads, block, *shape), generator=gen).to(dtype).to(DEVICE)
+                 for n, (shape, dtype) in spec.items()} for spec in specs]
+
+    src, slots = pools(), torch.tensor([5, 0, 3, 6], device=DEVICE)
+    ref = torch.zeros(4, layout.row_bytes, dtype=torch.uint8, device=DEVICE)
+    out = torch.full_like(ref, 7)
+    move_blocks_reference(layout, src, ref, slots, to_pool=False)
+    words = layout._word_dtype()
+    move_blocks_triton(out.view(words), *layout._segments(src, out.device), slots, to_pool=False)
+    assert torch.equal(out, ref)
+    assert torch.equal(ref[1, :layout.sizes[0]], src[0]["k.main"][0].reshape(-1).view(torch.uint8)[:layout.sizes[0]])
+    into_ref = pools()
+    into = [{n: b.clone() for n, b in layer.items()} for layer in into_ref]
+    move_blocks_reference(layout, into_ref, ref, slots, to_pool=True)
+    move_blocks_triton(ref.view(words), *layout._segments(into, ref.device), slots, to_pool=True)
+    for a, b, s in zip(into, into_ref, src):
+        for name in a:
+            assert torch.equal(a[name], b[name])
+            assert torch.equal(a[name][slots], s[name][slots])

@@ -29,8 +29,8 @@ class DesignBench:
     candidates: int
     tail: int
     block_size: int
-    rows: list[dict] = field(default_factory=list)
-    offload: list[dict] = field(default_factory=list)  # a quarter of distinct rows a step, in and over a budget
+    rows: list[dict] = field(default_factory=list)  # tokens/s: the fastest of ROUNDS interleaved rounds
+    offload: dict = field(default_factory=dict)  # a quarter of distinct rows a step, in and over a budget
     block_tables: dict = field(default_factory=dict)  # decode attention through block tables vs contiguous
 
 
@@ -39,15 +39,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed_steps(step, steps: int, device: torch.device) -> float:
-    """Seconds of steps 2..``steps`` of ``step(i)``; the first (blocks taken, copies on write) runs untimed."""
-    step(0)
-    _sync(device)
-    t0 = time.perf_counter()
-    for i in range(1, steps):
-        step(i)
-    _sync(device)
-    return time.perf_counter() - t0
+#: timed steps of each session run in this many interleaved rounds (each session a round in turn) and the fastest
+#: round counts: an eager step is bound by the host, whose pace drifts over a run
+ROUNDS = 3
+
+
+def _interleaved(steps: dict, count: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds per step of each ``steps[name](i)`` (i: the step's index) over :data:`ROUNDS` rounds of ``count //
+    ROUNDS`` steps, the sessions taking turns each round; the first step of each (blocks taken, copies on write)
+    runs untimed before."""
+    for step in steps.values():
+        step(0)
+    per = max(1, count // ROUNDS)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(ROUNDS):
+        for name, step in steps.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            for i in range(per):
+                step(1 + r * per + i)
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) / per)
+    return times
+
+
+def link_gbps(device: torch.device, nbytes: int = 256 * 2**20) -> float:
+    """GB/s of one host-to-device copy of ``nbytes`` from pinned memory (the host tier's ceiling); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0.0
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host)
+    times = []
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times) / 1e9
 
 
 @torch.no_grad()
@@ -62,22 +92,26 @@ def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, c
     res = DesignBench(name, f"{size}-shaped" + (f" ({layers} layers)" if layers else ""), prefix, candidates, tail,
                       block_size)
     step = torch.full((candidates, 1), alphabet().get_idx("A"), device=device)
+    sessions = {}
     for kind, paged in (("compressed, paged", True), ("compressed, contiguous", False), ("fp16, contiguous", False)):
         factory = "fp16" if kind.startswith("fp16") else layer_codec
         session = engine.session(factory, capacity=prefix + tail, paged=paged, block_size=block_size)
         session.start([scaffold])
         session.fork(candidates)
-        sec = _timed_steps(lambda i, s=session: s.step(step), tail, device)
-        print(f"bench design: {kind} done", file=sys.stderr, flush=True)
+        sessions[kind] = session
+    times = _interleaved({kind: (lambda i, s=s: s.step(step)) for kind, s in sessions.items()}, tail - 1, device)
+    print("bench design: forks done", file=sys.stderr, flush=True)
+    for kind, session in sessions.items():
         rep = session.memory_report()
         per_token = rep.bytes_per_token_per_layer * rep.layers
         least = (prefix + candidates * tail) * per_token
-        held = rep.used_bytes if paged else rep.tokens * per_token  # contiguous: every row's tokens, at its bytes
+        held = rep.used_bytes if session.paged else rep.tokens * per_token  # contiguous: every row's tokens
+        sec = min(times[kind])
         res.rows.append(dict(cache=kind, held_bytes=held, least_bytes=least, vs_least=held / least,
-                             shared_saved_bytes=rep.shared_saved_bytes,
-                             tokens_per_s=candidates * (tail - 1) / sec, step_ms=sec / (tail - 1) * 1e3))
-        del session
-        _sync(device)
+                             shared_saved_bytes=rep.shared_saved_bytes, tokens_per_s=candidates / sec,
+                             step_ms=sec * 1e3, round_ms=[t * 1e3 for t in times[kind]]))
+    del sessions, session
+    _sync(device)
     fp16 = res.rows[-1]["held_bytes"]
     for r in res.rows:
         r["vs_fp16"] = r["held_bytes"] / fp16
@@ -111,28 +145,54 @@ def bench_block_tables(device: torch.device, heads: int, dim: int, batch: int, c
                 contiguous_over_paged=flat_us / paged_us)
 
 
-def _bench_offload(engine, device: torch.device, prefix: int, rows: int, steps: int, block_size: int) -> list[dict]:
+def _bench_offload(engine, device: torch.device, prefix: int, rows: int, steps: int, block_size: int) -> dict:
     """``rows`` distinct sequences of ``prefix`` tokens, a quarter of them stepped at a time (in turn), with every
-    block on the device and then under a device budget of a quarter of the cache (and room for the step's new
-    blocks): decode tokens/s of each, and the cache's share on the host."""
+    block on the device and under a device budget of a quarter of the cache (and room for the step's new blocks),
+    in interleaved rounds: decode tokens/s of each, the cache's share on the host, the bytes a budgeted step brings
+    in, and the link's ceiling: a step can be no faster than its bytes' copy at the measured host-to-device rate,
+    nor than the step with every block on the device."""
     from ..model.alphabet import alphabet
     quarter = max(1, rows // 4)
     step = torch.full((quarter, 1), alphabet().get_idx("A"), device=device)
-    out, budget = [], None
-    for _ in range(2):
-        session = engine.session(layer_codec, capacity=prefix + steps, paged=True, block_size=block_size,
-                                 gpu_budget_gib=budget)
-        session.start([random_protein(prefix - 1, seed) for seed in range(rows)])
-        groups = [list(range(q * quarter, (q + 1) * quarter)) for q in range(rows // quarter)]
-        sec = _timed_steps(lambda i, s=session: s.step(step, rows=groups[i % len(groups)]), steps, device)
-        print(f"bench design: host tier, budget {budget} GiB, done", file=sys.stderr, flush=True)
-        rep = session.memory_report()
-        out.append(dict(budget_gib=budget, rows=rows, rows_per_step=quarter, held_bytes=rep.used_bytes,
-                        host_bytes=rep.host_bytes, tokens_per_s=quarter * (steps - 1) / sec))
-        block = rep.bytes_per_token_per_layer * rep.layers * block_size
-        budget = (rep.used_bytes / 4 + 2 * quarter * block) / 2**30
-        del session
-    out[1]["vs_in_device"] = out[1]["tokens_per_s"] / out[0]["tokens_per_s"]
+    groups = [list(range(q * quarter, (q + 1) * quarter)) for q in range(rows // quarter)]
+    sequences = [random_protein(prefix - 1, seed) for seed in range(rows)]
+
+    def session(budget):
+        s = engine.session(layer_codec, capacity=prefix + steps, paged=True, block_size=block_size,
+                           gpu_budget_gib=budget)
+        s.start(sequences)
+        return s
+
+    inside = session(None)
+    rep = inside.memory_report()
+    block = rep.bytes_per_token_per_layer * rep.layers * block_size
+    budget = (rep.used_bytes / 4 + 2 * quarter * block) / 2**30
+    over = session(budget)
+    moved = over.cache.pool.moved
+    runs = {"device": inside, "budget": over}
+    counted = {}
+
+    def stepper(name):
+        def run(i):
+            if i == 1 and name == "budget":  # the untimed first steps are done: count the moves from here
+                counted["in"] = moved["in"]
+            runs[name].step(step, rows=groups[i % len(groups)])
+        return run
+
+    times = _interleaved({name: stepper(name) for name in runs}, steps - 1, device)
+    print("bench design: host tier done", file=sys.stderr, flush=True)
+    timed = ROUNDS * max(1, (steps - 1) // ROUNDS)
+    bytes_in = (moved["in"] - counted["in"]) * over.cache.pool.layout.row_bytes / timed
+    link = link_gbps(device)
+    t_in, t_over = min(times["device"]), min(times["budget"])
+    ceiling = max(t_in, bytes_in / (link * 1e9)) if link else t_in
+    out = dict(rows=rows, rows_per_step=quarter, budget_gib=budget, held_bytes=over.memory_report().used_bytes,
+               host_bytes=over.memory_report().host_bytes, in_device_tokens_per_s=quarter / t_in,
+               budget_tokens_per_s=quarter / t_over, vs_in_device=t_in / t_over, bytes_in_per_step=bytes_in,
+               link_gbps=link, ceiling_tokens_per_s=quarter / ceiling, vs_ceiling=ceiling / t_over,
+               round_ms={name: [t * 1e3 for t in ts] for name, ts in times.items()})
+    runs.clear()
+    del inside, over
     return out
 
 
@@ -145,13 +205,17 @@ def format_design(res: DesignBench) -> str:
                      f"{r['tokens_per_s']:>11.0f}{r['step_ms']:>9.2f}")
     lines.append("  least: one scaffold plus every tail at the cache's bytes per token")
     if res.offload:
-        inside, over = res.offload
-        lines.append(f"host tier: {inside['rows']} distinct {res.prefix}-token sequences on the paged cache, "
-                     f"{inside['rows_per_step']} stepped at a time in turn")
-        lines.append(f"  every block on the device: {inside['tokens_per_s']:.0f} tokens/s; under a "
-                     f"{over['budget_gib'] * 2**10:.1f} MiB budget ({over['host_bytes'] / max(over['held_bytes'], 1):.0%}"
-                     f" of {over['held_bytes'] / 2**20:.1f} MiB on the host): {over['tokens_per_s']:.0f} tokens/s "
-                     f"({over['vs_in_device']:.2f}x)")
+        o = res.offload
+        lines.append(f"host tier: {o['rows']} distinct {res.prefix}-token sequences on the paged cache, "
+                     f"{o['rows_per_step']} stepped at a time in turn")
+        lines.append(f"  every block on the device: {o['in_device_tokens_per_s']:.0f} tokens/s; under a "
+                     f"{o['budget_gib'] * 2**10:.1f} MiB budget ({o['host_bytes'] / max(o['held_bytes'], 1):.0%} of "
+                     f"{o['held_bytes'] / 2**20:.1f} MiB on the host): {o['budget_tokens_per_s']:.0f} tokens/s "
+                     f"({o['vs_in_device']:.2f}x)")
+        if o["link_gbps"]:
+            lines.append(f"  each budgeted step brings {o['bytes_in_per_step'] / 2**20:.0f} MiB in; at the link's "
+                         f"{o['link_gbps']:.1f} GB/s (pinned, host to device) the ceiling is "
+                         f"{o['ceiling_tokens_per_s']:.0f} tokens/s: {o['vs_ceiling']:.0%} of it reached")
     if res.block_tables:
         b = res.block_tables
         lines.append(f"decode attention, one layer, B={b['batch']} T={b['context']} ({b['path']}): contiguous "

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, MemoryReport
+from ..io import to_device_queued
 from ..schema import dtype_of
 from ..quant.codec import KVCodec, dense_codec
 from ..quant.fit import oblivious_codec
@@ -218,6 +219,7 @@ class DecodeSession:
         if tokens.shape[0] != cache.batch_size:
             raise ValueError(f"step got {tokens.shape[0]} rows, the session has {cache.batch_size}")
         seq = tokens.shape[1]
+        added = seq if counts is None else None  # every token real: the cache commits an int, no copy to the device
         counts = (torch.full((cache.batch_size,), seq, device=eng.device) if counts is None
                   else torch.as_tensor(counts, dtype=torch.long, device=eng.device))
         valid = torch.arange(seq, device=eng.device)[None, :] < counts[:, None]
@@ -230,7 +232,7 @@ class DecodeSession:
                 hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
         result = self._heads(hidden)
         if commit:
-            cache.commit(counts)
+            cache.commit(counts if added is None else added)
             self.fit_to_cache()
             rows = torch.arange(cache.batch_size, device=eng.device)[:, None]
             self.tokens[rows, positions.clamp_max(self.tokens.shape[1] - 1)] = torch.where(
@@ -243,7 +245,7 @@ class DecodeSession:
         if cache.contiguous:
             raise ValueError("stepping some rows needs a paged session: turbo.session(paged=True)")
         view = cache.view(rows)
-        idx = torch.as_tensor(rows, device=cache.device)
+        idx = to_device_queued(rows, cache.device)
         sub = object.__new__(DecodeSession)
         sub.__dict__.update(self.__dict__)
         sub.cache, sub.tokens, sub.mask_counts = view, self.tokens[idx], self.mask_counts[idx]
