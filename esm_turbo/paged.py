@@ -14,11 +14,14 @@ decode kernel takes it with the pool, and the PyTorch reference path gathers a r
 outputs equal :class:`~esm_turbo.cache.KVCache`'s.
 
 With a device budget (``device_budget_bytes``) the pool holds at most that many bytes of blocks on the device; the
-least recently used blocks that the rows being read or written do not need move to host memory (through pinned
-staging buffers on CUDA) and come back when a row needs them. :meth:`PagedKVCache.view` gives a cache over some of the rows (a step that touches
-a subset), sharing the pool. Block bookkeeping is on the host, once a step: the slots a step reads
-(:meth:`PagedKVCache.pages`, the fused decode kernel's block table) and writes are kept until the pool moves, frees or
-copies a block (``BlockPool.epoch``) or the rows' lengths change.
+least recently used blocks that the rows being read or written do not need move to host memory and come back when a
+row needs them (:class:`BlockPool`: whole blocks as rows of pinned memory, copied in runs through a staging buffer).
+:meth:`PagedKVCache.view` gives a cache over some of the rows (a step that touches a subset), sharing the pool.
+
+Block bookkeeping is on the host and never waits for the device (``host_lengths`` mirrors ``lengths``; index tensors
+travel through pinned memory): a step costs host work only for rows that reach a new or shared block. The device
+block tables are kept until a table or a slot changes (``BlockPool.epoch``); a step's write rows are computed on
+the device from them and ``lengths``.
 """
 
 from __future__ import annotations
@@ -270,11 +273,13 @@ class PagedKVCache(KVCache):
         self.parts = self.pool.dev
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
         self.host_lengths = [0] * batch_size  # ``lengths`` on the host: block bookkeeping never waits for the device
+        self._tables: tuple[int, dict[int, torch.Tensor]] = (-1, {})  # (epoch, {width: [B, width] slots})
+        self._scratch: dict[tuple, torch.Tensor] = {}  # the fused write's [B, H, S, *] parts, reused by layers
         self._new_step()
 
     def _new_step(self) -> None:
-        """Forget the step's cached slots (lengths or tables changed)."""
-        self._reads: tuple[int, torch.Tensor] | None = None  # (pool epoch, pages)
+        """Forget the step's write rows (the lengths changed). Block tables on the device stay while the pool's epoch
+        does (every change of a table or a slot bumps it)."""
         self._writes: tuple[int, int, torch.Tensor] | None = None  # (epoch, S, pool rows)
 
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict:
@@ -305,6 +310,7 @@ class PagedKVCache(KVCache):
         view.ring_hi = torch.zeros_like(view.lengths)
         view.batch_size = len(rows)
         view._written = 0
+        view._tables, view._scratch = (-1, {}), {}
         view._new_step()
         return view
 
@@ -328,6 +334,7 @@ class PagedKVCache(KVCache):
         while len(table) <= index:
             table.append(self.pool.take(keep))
             keep.add(table[-1])
+            self.pool.epoch += 1
         block = table[index]
         if self.pool.refs[block] > 1:
             fresh = self.pool.take(keep | {block})
@@ -335,14 +342,17 @@ class PagedKVCache(KVCache):
             copies.append((block, fresh))
             self.pool.refs[block] -= 1  # still held by another row: its data stays until the copy below
             table[index] = block = fresh
+            self.pool.epoch += 1
         return block
 
     def _release_past_ends(self) -> None:
         for row, length in enumerate(self.host_lengths):
             keep = -(-length // self.block_size)
-            for block in self.tables[row][keep:]:
-                self.pool.drop(block)
-            del self.tables[row][keep:]
+            if len(self.tables[row]) > keep:
+                for block in self.tables[row][keep:]:
+                    self.pool.drop(block)
+                del self.tables[row][keep:]
+                self.pool.epoch += 1
 
     # ---- KVCache's interface ----------------------------------------------------------------------
     def _ensure_capacity(self, needed: int) -> None:
@@ -351,39 +361,62 @@ class PagedKVCache(KVCache):
     def set_lengths(self, length: int) -> None:
         raise NotImplementedError("set_lengths fills a contiguous cache's buffers; a paged cache is written")
 
+    def _table(self, width: int) -> torch.Tensor:
+        """[B, width] int32 on the device: each row's blocks' device slots (past a row's end its last block's, or 0),
+        the rows' blocks brought to the device first; kept while the pool's epoch stays."""
+        if self._tables[0] != self.pool.epoch:
+            if self.pool.limit is not None:
+                self.pool.resident(self._mine())
+            self._tables = (self.pool.epoch, {})
+        tables = self._tables[1]
+        if width not in tables:
+            tables[width] = self.pool.slots_of(self.block_table(width)).clamp_(min=0).to(torch.int32)
+        return tables[width]
+
     def pages(self) -> tuple[torch.Tensor, int]:
-        """(pages [B, ceil(max length / block_size)] int32 on the device: each row's blocks' device slots, past a
-        row's end its last block's or 0; block_size) — what the fused decode kernel reads the pool through. The
-        rows' blocks are brought to the device first. Kept for the step (``_new_step``, ``BlockPool.epoch``)."""
-        if self._reads is None or self._reads[0] != self.pool.epoch:
-            self.pool.resident(self._mine())
-            slots = self.pool.slots_of(self.block_table()).clamp(min=0)  # a padded entry may name a freed block
-            self._reads = (self.pool.epoch, slots.to(torch.int32))
-        return self._reads[1], self.block_size
+        """(pages [B, ceil(max length / block_size)] int32 on the device, block_size): what the fused decode kernel
+        reads the pool through (:meth:`_table`)."""
+        return self._table(max(1, -(-max(self.host_lengths) // self.block_size))), self.block_size
 
     def _write_slots(self, s: int) -> torch.Tensor:
         """[B·H·S] long on the device: the row of a pool viewed as [slots·H·block_size, *part_shape] where each
         (b, h, j) of the step's S tokens goes, blocks taken as rows reach them, a shared block copied first (every
-        layer). Once a step: the first layer's write decides for all."""
+        layer). Once a step: the first layer's write decides for all. Only rows reaching a new or shared block cost
+        host work; the rows themselves are computed on the device from the block table and ``lengths``."""
         if self._writes is None or self._writes[:2] != (self.pool.epoch, s):
-            keep = self._mine()
-            self.pool.resident(keep)
-            starts = self.host_lengths
-            wanted = [(b, i) for b, start in enumerate(starts)
-                      for i in range(start // self.block_size, (start + s - 1) // self.block_size + 1)]
-            self.pool.reserve(sum(i >= len(self.tables[b]) or self.pool.refs[self.tables[b][i]] > 1
-                                  for b, i in wanted), keep)  # one batch of moves to the host, if any
-            copies: list[tuple[int, int]] = []
-            owned = {(b, i): self._own(b, i, keep, copies) for b, i in wanted}
-            self.pool.copy_blocks(copies)
-            self.pool.written(owned.values())
-            blocks = [owned[b, (start + j) // self.block_size] for b, start in enumerate(starts) for j in range(s)]
-            slots = self.pool.slots_of(torch.tensor(blocks, dtype=torch.long)).view(self.batch_size, 1, s)
-            pos = self.lengths[:, None] + torch.arange(s, device=self.device)[None, :]
+            bs, starts = self.block_size, self.host_lengths
+            wanted = [(b, i) for b, start in enumerate(starts) for i in range(start // bs, (start + s - 1) // bs + 1)]
+            need = [(b, i) for b, i in wanted if i >= len(self.tables[b]) or self.pool.refs[self.tables[b][i]] > 1]
+            if need or self.pool.limit is not None:
+                keep = self._mine()
+                self.pool.resident(keep)
+                self.pool.reserve(len(need), keep)  # one batch of moves to the host, if any
+                copies: list[tuple[int, int]] = []
+                owned = [self._own(b, i, keep, copies) for b, i in wanted]
+                self.pool.copy_blocks(copies)
+                self.pool.written(owned)
+            table = self._table(max(1, -(-(max(starts) + s) // bs))).long()
+            pos = self.lengths[:, None] + torch.arange(s, device=self.device)[None, :]  # [B, S]
+            slots = table.gather(1, pos // bs)[:, None, :]
             heads = torch.arange(self.heads, device=self.device)[None, :, None]
-            rows = (slots * self.heads + heads) * self.block_size + (pos % self.block_size)[:, None, :]
+            rows = (slots * self.heads + heads) * bs + (pos % bs)[:, None, :]
             self._writes = (self.pool.epoch, s, rows.flatten())
         return self._writes[2]
+
+    def _encoded(self, codec: KVCodec, s: int) -> dict[str, torch.Tensor]:
+        """[B, H, S, *shape] buffers for the fused write of one layer, kept for the next layers (each layer's copy
+        into the pool is queued before the next layer writes them)."""
+        out = {}
+        for name, (shape, dtype) in codec.part_specs().items():
+            key = (name, s, tuple(shape), dtype)
+            buf = self._scratch.get(key)
+            if buf is None or buf.shape[0] != self.batch_size:
+                buf = self._scratch[key] = torch.empty(self.batch_size, self.heads, s, *shape, dtype=dtype,
+                                                       device=self.device)
+            out[name] = buf
+        if ("pos",) not in self._scratch or self._scratch["pos",].shape[0] != self.batch_size:
+            self._scratch["pos",] = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        return out
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed): by the fused
@@ -395,9 +428,8 @@ class PagedKVCache(KVCache):
         rows = self._write_slots(s)
         codec = self.codecs[layer]
         if self.fused[layer]:  # every byte of the step's rows is written
-            encoded = {name: torch.empty(self.batch_size, self.heads, s, *shape, dtype=dtype, device=self.device)
-                       for name, (shape, dtype) in codec.part_specs().items()}
-            ops.write_compressed(codec, encoded, k, v, torch.zeros_like(self.lengths))
+            encoded = self._encoded(codec, s)
+            ops.write_compressed(codec, encoded, k, v, self._scratch["pos",])
         else:
             encoded = codec.encode(k, v)
         for name, val in encoded.items():  # val [B, H, S, *shape]
@@ -437,11 +469,13 @@ class PagedKVCache(KVCache):
                 self.pool.drop(block)
         self.tables = tables
         self.host_lengths = [self.host_lengths[r] for r in rows.tolist()]
+        self.pool.epoch += 1
         self._new_step()
 
-    def block_table(self) -> torch.Tensor:
-        """[B, ceil(max length / block_size)] long: each row's block ids (past a row's end: its last block, or 0)."""
-        width = max(1, -(-max(self.host_lengths) // self.block_size))
+    def block_table(self, width: int | None = None) -> torch.Tensor:
+        """[B, width] long (default ceil(max length / block_size)): each row's block ids (past a row's end: its last
+        block, or 0)."""
+        width = max(1, -(-max(self.host_lengths) // self.block_size)) if width is None else width
         padded = [(table + [table[-1] if table else 0] * width)[:width] for table in self.tables]
         return torch.tensor(padded, dtype=torch.long)
 
