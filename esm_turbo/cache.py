@@ -177,14 +177,12 @@ class KVCache:
             if counts > self._written:
                 raise ValueError(f"commit of {counts} tokens past the {self._written} written: "
                                  f"write() every layer before commit()")
-            self._max_bound += counts
-            self.lengths.add_(counts)  # no host-to-device copy: nothing waits for the device
-            self._written = 0
-            return
-        if not counts.is_cuda and bool((counts > self._written).any()):  # no device sync on CUDA
-            raise ValueError(f"commit past the {self._written} tokens written: write() every layer first")
-        self._max_bound += self._written
-        counts = torch.as_tensor(counts, dtype=torch.long, device=self.device).expand(self.batch_size)
+            self._max_bound += counts  # added as a number: no host-to-device copy, nothing waits for the device
+        else:
+            if not counts.is_cuda and bool((counts > self._written).any()):  # no device sync on CUDA
+                raise ValueError(f"commit past the {self._written} tokens written: write() every layer first")
+            self._max_bound += self._written
+            counts = torch.as_tensor(counts, dtype=torch.long, device=self.device).expand(self.batch_size)
         self.lengths.add_(counts)  # in place: a captured CUDA graph of a committed step replays it
         self._written = 0
 

@@ -274,7 +274,7 @@ class PagedKVCache(KVCache):
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
         self.host_lengths = [0] * batch_size  # ``lengths`` on the host: block bookkeeping never waits for the device
         self._tables: tuple[int, dict[int, torch.Tensor]] = (-1, {})  # (epoch, {width: [B, width] slots})
-        self._scratch: dict[tuple, torch.Tensor] = {}  # the fused write's [B, H, S, *] parts, reused by layers
+        self._scratch: dict[tuple, torch.Tensor] = {}  # the fused write's buffers (:meth:`_reused`)
         self._new_step()
 
     def _new_step(self) -> None:
@@ -373,10 +373,14 @@ class PagedKVCache(KVCache):
             tables[width] = self.pool.slots_of(self.block_table(width)).clamp_(min=0).to(torch.int32)
         return tables[width]
 
+    def _width(self, extra: int = 0) -> int:
+        """Blocks a table needs for the longest row plus ``extra`` tokens (at least one)."""
+        return max(1, -(-(max(self.host_lengths) + extra) // self.block_size))
+
     def pages(self) -> tuple[torch.Tensor, int]:
         """(pages [B, ceil(max length / block_size)] int32 on the device, block_size): what the fused decode kernel
         reads the pool through (:meth:`_table`)."""
-        return self._table(max(1, -(-max(self.host_lengths) // self.block_size))), self.block_size
+        return self._table(self._width()), self.block_size
 
     def _write_slots(self, s: int) -> torch.Tensor:
         """[B·H·S] long on the device: the row of a pool viewed as [slots·H·block_size, *part_shape] where each
@@ -395,7 +399,7 @@ class PagedKVCache(KVCache):
                 owned = [self._own(b, i, keep, copies) for b, i in wanted]
                 self.pool.copy_blocks(copies)
                 self.pool.written(owned)
-            table = self._table(max(1, -(-(max(starts) + s) // bs))).long()
+            table = self._table(self._width(s)).long()
             pos = self.lengths[:, None] + torch.arange(s, device=self.device)[None, :]  # [B, S]
             slots = table.gather(1, pos // bs)[:, None, :]
             heads = torch.arange(self.heads, device=self.device)[None, :, None]
@@ -403,20 +407,13 @@ class PagedKVCache(KVCache):
             self._writes = (self.pool.epoch, s, rows.flatten())
         return self._writes[2]
 
-    def _encoded(self, codec: KVCodec, s: int) -> dict[str, torch.Tensor]:
-        """[B, H, S, *shape] buffers for the fused write of one layer, kept for the next layers (each layer's copy
-        into the pool is queued before the next layer writes them)."""
-        out = {}
-        for name, (shape, dtype) in codec.part_specs().items():
-            key = (name, s, tuple(shape), dtype)
-            buf = self._scratch.get(key)
-            if buf is None or buf.shape[0] != self.batch_size:
-                buf = self._scratch[key] = torch.empty(self.batch_size, self.heads, s, *shape, dtype=dtype,
-                                                       device=self.device)
-            out[name] = buf
-        if ("pos",) not in self._scratch or self._scratch["pos",].shape[0] != self.batch_size:
-            self._scratch["pos",] = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
-        return out
+    def _reused(self, key: tuple, shape: tuple, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
+        """A device buffer of ``shape`` kept under ``key`` for the next layers and steps (each layer's use of it is
+        queued before the next layer's), made anew (``zeroed``: full of zeros) when the batch or S changes."""
+        buf = self._scratch.get(key)
+        if buf is None or buf.shape != shape:
+            buf = self._scratch[key] = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=self.device)
+        return buf
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed): by the fused
@@ -428,8 +425,10 @@ class PagedKVCache(KVCache):
         rows = self._write_slots(s)
         codec = self.codecs[layer]
         if self.fused[layer]:  # every byte of the step's rows is written
-            encoded = self._encoded(codec, s)
-            ops.write_compressed(codec, encoded, k, v, self._scratch["pos",])
+            encoded = {name: self._reused((name, tuple(shape), dtype), (self.batch_size, self.heads, s, *shape), dtype)
+                       for name, (shape, dtype) in codec.part_specs().items()}
+            starts = self._reused(("pos",), (self.batch_size,), torch.long, zeroed=True)  # rows 0..S-1 of each buffer
+            ops.write_compressed(codec, encoded, k, v, starts)
         else:
             encoded = codec.encode(k, v)
         for name, val in encoded.items():  # val [B, H, S, *shape]
@@ -475,7 +474,7 @@ class PagedKVCache(KVCache):
     def block_table(self, width: int | None = None) -> torch.Tensor:
         """[B, width] long (default ceil(max length / block_size)): each row's block ids (past a row's end: its last
         block, or 0)."""
-        width = max(1, -(-max(self.host_lengths) // self.block_size)) if width is None else width
+        width = self._width() if width is None else width
         padded = [(table + [table[-1] if table else 0] * width)[:width] for table in self.tables]
         return torch.tensor(padded, dtype=torch.long)
 

@@ -18,7 +18,7 @@ import torch
 from ..ops import attend_compressed, use_kernels
 from ..ops.compressed import fused_tables
 from .synthetic import as_blocks, layer_codec, random_protein, shuffled_pages, stand_in_model, synthetic_cache
-from .timing import time_graph
+from .timing import link_h2d_gbs, time_graph
 
 
 @dataclass
@@ -61,23 +61,6 @@ def _interleaved(steps: dict, count: int, device: torch.device) -> dict[str, lis
             _sync(device)
             times[name].append((time.perf_counter() - t0) / per)
     return times
-
-
-def link_gbps(device: torch.device, nbytes: int = 256 * 2**20) -> float:
-    """GB/s of one host-to-device copy of ``nbytes`` from pinned memory (the host tier's ceiling); 0 off CUDA."""
-    if device.type != "cuda":
-        return 0.0
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dev.copy_(host)
-    times = []
-    for _ in range(5):
-        _sync(device)
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return nbytes / min(times) / 1e9
 
 
 @torch.no_grad()
@@ -183,11 +166,12 @@ def _bench_offload(engine, device: torch.device, prefix: int, rows: int, steps: 
     print("bench design: host tier done", file=sys.stderr, flush=True)
     timed = ROUNDS * max(1, (steps - 1) // ROUNDS)
     bytes_in = (moved["in"] - counted["in"]) * over.cache.pool.layout.row_bytes / timed
-    link = link_gbps(device)
+    link = link_h2d_gbs(device)
     t_in, t_over = min(times["device"]), min(times["budget"])
     ceiling = max(t_in, bytes_in / (link * 1e9)) if link else t_in
-    out = dict(rows=rows, rows_per_step=quarter, budget_gib=budget, held_bytes=over.memory_report().used_bytes,
-               host_bytes=over.memory_report().host_bytes, in_device_tokens_per_s=quarter / t_in,
+    held = over.memory_report()
+    out = dict(rows=rows, rows_per_step=quarter, budget_gib=budget, held_bytes=held.used_bytes,
+               host_bytes=held.host_bytes, in_device_tokens_per_s=quarter / t_in,
                budget_tokens_per_s=quarter / t_over, vs_in_device=t_in / t_over, bytes_in_per_step=bytes_in,
                link_gbps=link, ceiling_tokens_per_s=quarter / ceiling, vs_ceiling=ceiling / t_over,
                round_ms={name: [t * 1e3 for t in ts] for name, ts in times.items()})

@@ -54,6 +54,24 @@ def peak_copy_gbs(device: torch.device) -> float:
     return 2 * src.numel() / sec / 1e9
 
 
+def link_h2d_gbs(device: torch.device, nbytes: int = 256 * 2**20) -> float:
+    """GB/s of one host-to-device copy of ``nbytes`` from pinned memory, the fastest of five (what bounds a paged
+    cache's host tier); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0.0
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times) / 1e9
+
+
 def graph_floor_us(device: torch.device) -> float:
     """µs of a graph holding one one-element add, timed as every call here is (:func:`time_graph`): what each
     timing includes besides its kernels."""

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from ..io import to_device_queued
+
 
 def _bytes(buf: torch.Tensor) -> torch.Tensor:
     """A pool buffer [slots, …] as [slots, bytes of a slot] uint8 (a view)."""
@@ -37,9 +39,8 @@ class BlockLayout:
         stay)."""
         ptrs = tuple(buf.data_ptr() for layer in pools for buf in layer.values())
         if self._table is None or self._table[0] != ptrs:
-            table = torch.tensor([ptrs, [o // self.word for o in self.offsets], [s // self.word for s in self.sizes]],
-                                 dtype=torch.int64)
-            self._table = (ptrs, table.to(device))
+            table = [ptrs, [o // self.word for o in self.offsets], [s // self.word for s in self.sizes]]
+            self._table = (ptrs, to_device_queued(table, device))
         return self._table[1]
 
     def move(self, pools: list[dict[str, torch.Tensor]], stage: torch.Tensor, slots: torch.Tensor,
