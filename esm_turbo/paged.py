@@ -20,8 +20,8 @@ row needs them (:class:`BlockPool`: whole blocks as rows of pinned memory, copie
 
 Block bookkeeping is on the host and never waits for the device (``host_lengths`` mirrors ``lengths``; index tensors
 travel through pinned memory): a step costs host work only for rows that reach a new or shared block. The device
-block tables are kept until a table or a slot changes (``BlockPool.epoch``); a step's write rows are computed on
-the device from them and ``lengths``.
+block tables are kept until a table or a slot changes (``BlockPool.epoch``); a step's new tokens are written straight
+into the blocks through them (the quantize kernel reads a block table as the decode kernel does).
 """
 
 from __future__ import annotations
@@ -274,13 +274,12 @@ class PagedKVCache(KVCache):
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
         self.host_lengths = [0] * batch_size  # ``lengths`` on the host: block bookkeeping never waits for the device
         self._tables: tuple[int, dict[int, torch.Tensor]] = (-1, {})  # (epoch, {width: [B, width] slots})
-        self._scratch: dict[tuple, torch.Tensor] = {}  # the fused write's buffers (:meth:`_reused`)
         self._new_step()
 
     def _new_step(self) -> None:
         """Forget the step's write rows (the lengths changed). Block tables on the device stay while the pool's epoch
         does (every change of a table or a slot bumps it)."""
-        self._writes: tuple[int, int, torch.Tensor] | None = None  # (epoch, S, pool rows)
+        self._writes: tuple[int, int] | None = None  # (epoch, S) when the step's blocks were made ready
 
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict:
         return {}  # the pool holds the parts
@@ -310,7 +309,7 @@ class PagedKVCache(KVCache):
         view.ring_hi = torch.zeros_like(view.lengths)
         view.batch_size = len(rows)
         view._written = 0
-        view._tables, view._scratch = (-1, {}), {}
+        view._tables = (-1, {})
         view._new_step()
         return view
 
@@ -382,12 +381,11 @@ class PagedKVCache(KVCache):
         reads the pool through (:meth:`_table`)."""
         return self._table(self._width()), self.block_size
 
-    def _write_slots(self, s: int) -> torch.Tensor:
-        """[B·H·S] long on the device: the row of a pool viewed as [slots·H·block_size, *part_shape] where each
-        (b, h, j) of the step's S tokens goes, blocks taken as rows reach them, a shared block copied first (every
-        layer). Once a step: the first layer's write decides for all. Only rows reaching a new or shared block cost
-        host work; the rows themselves are computed on the device from the block table and ``lengths``."""
-        if self._writes is None or self._writes[:2] != (self.pool.epoch, s):
+    def _write_table(self, s: int) -> torch.Tensor:
+        """[B, width] int32 on the device: the block table (:meth:`_table`) the step's S tokens of each row are written
+        through, blocks taken as rows reach them, a shared block copied first (every layer). Once a step: the first
+        layer's write decides for all. Only rows reaching a new or shared block cost host work."""
+        if self._writes != (self.pool.epoch, s):
             bs, starts = self.block_size, self.host_lengths
             wanted = [(b, i) for b, start in enumerate(starts) for i in range(start // bs, (start + s - 1) // bs + 1)]
             need = [(b, i) for b, i in wanted if i >= len(self.tables[b]) or self.pool.refs[self.tables[b][i]] > 1]
@@ -399,41 +397,24 @@ class PagedKVCache(KVCache):
                 owned = [self._own(b, i, keep, copies) for b, i in wanted]
                 self.pool.copy_blocks(copies)
                 self.pool.written(owned)
-            table = self._table(self._width(s)).long()
-            pos = self.lengths[:, None] + torch.arange(s, device=self.device)[None, :]  # [B, S]
-            slots = table.gather(1, pos // bs)[:, None, :]
-            heads = torch.arange(self.heads, device=self.device)[None, :, None]
-            rows = (slots * self.heads + heads) * bs + (pos % bs)[:, None, :]
-            self._writes = (self.pool.epoch, s, rows.flatten())
-        return self._writes[2]
-
-    def _reused(self, key: tuple, shape: tuple, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
-        """A device buffer of ``shape`` kept under ``key`` for the next layers and steps (each layer's use of it is
-        queued before the next layer's), made anew (``zeroed``: full of zeros) when the batch or S changes."""
-        buf = self._scratch.get(key)
-        if buf is None or buf.shape != shape:
-            buf = self._scratch[key] = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=self.device)
-        return buf
+            self._writes = (self.pool.epoch, s)
+        return self._table(self._width(s))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed): by the fused
-        quantize kernel where the layer runs it (into a [B, H, S] buffer, then into the blocks), else the codec."""
+        """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed) straight into the
+        blocks, through the block table: by the fused quantize kernel where the layer runs it, else the codec."""
         self._check_kv(layer, k, v)
         s = k.shape[2]
         self._ensure_capacity(self._max_bound + s)
         self._written = s
-        rows = self._write_slots(s)
+        table = self._write_table(s)
         codec = self.codecs[layer]
-        if self.fused[layer]:  # every byte of the step's rows is written
-            encoded = {name: self._reused((name, tuple(shape), dtype), (self.batch_size, self.heads, s, *shape), dtype)
-                       for name, (shape, dtype) in codec.part_specs().items()}
-            starts = self._reused(("pos",), (self.batch_size,), torch.long, zeroed=True)  # rows 0..S-1 of each buffer
-            ops.write_compressed(codec, encoded, k, v, starts)
-        else:
-            encoded = codec.encode(k, v)
-        for name, val in encoded.items():  # val [B, H, S, *shape]
+        if self.fused[layer]:
+            ops.write_compressed(codec, self.pool.dev[layer], k, v, self.lengths, table)
+            return
+        for name, val in codec.encode(k, v).items():  # val [B, H, S, *shape]
             buf = self.pool.dev[layer][name]
-            buf.view(-1, *buf.shape[3:]).index_copy_(0, rows, val.reshape(-1, *buf.shape[3:]).to(buf.dtype))
+            ops.scatter_rows(buf, val.to(buf.dtype), self.lengths, table)
 
     def commit(self, counts: torch.Tensor | int) -> None:
         """Make the written tokens visible; blocks taken for tokens not committed (a ragged step) are released."""

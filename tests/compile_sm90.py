@@ -61,16 +61,18 @@ def main() -> None:
     # quantize-and-pack: shared allocated fields compiled in for keys (split by position in a prefill), each head's
     # layout row read for values; Π's fp16 halves read for keys, split in the kernel for values; a prefill
     # (programs per sequence, in blocks of 32 and in the 64-token blocks of the place-major path) and a decode step;
-    # the last two also with grid codes (rounded, not searched)
-    for per_seq, block_n, grid in ((True, 32, False), (True, 64, False), (False, 32, False), (True, 64, True),
-                                   (False, 32, True)):
+    # the last two also with grid codes (rounded, not searched); a decode step also into a paged pool (through a
+    # block table)
+    for per_seq, block_n, grid, paged in ((True, 32, False, False), (True, 64, False, False), (False, 32, False, False),
+                                          (False, 32, False, True), (True, 64, True, False), (False, 32, True, False)):
         compile_sm90(quantize._quantize_pack_kernel,
                      dict(D=64, KBITS=3, KK=16, KFIELDS=shared, KSIGN=True, KCOMB=True, VBITS=3, VK=8, VFIELDS=-1,
                           VSIGN=True, VCOMB=False, BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION="tf32x3", KSPLIT=2,
-                          VSPLIT=1, KPOS=per_seq, VPOS=False, KGRID=grid, VGRID=grid, ASM=True),
-                     strides | {"B", "H", "S", "T_CAP"},
-                     dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64, k_lay="*i32",
-                          v_lay="*i32"), num_warps=4, maxnreg=96 if block_n == 64 else None)
+                          VSPLIT=1, KPOS=per_seq, VPOS=False, KGRID=grid, VGRID=grid, ASM=True, PAGED=paged),
+                     strides | {"B", "H", "S", "T_CAP", "PW"},
+                     dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64,
+                          pages_ptr="*i32" if paged else i64, k_lay="*i32", v_lay="*i32"), num_warps=4,
+                     maxnreg=96 if block_n == 64 else None)
     # 4-bit weights: groups of 32 (several scales per tile) and of 128 (one), fp16 activations on tensor cores
     for group in (32, 128):
         compile_sm90(weights._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=64, BLOCK_K=64, GROUP=group,

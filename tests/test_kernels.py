@@ -15,7 +15,7 @@ import torch
 
 from esm_turbo.cache import KVCache
 from esm_turbo.kernels import triton_supported
-from esm_turbo.ops import attend_compressed, decode_attention_reference, fused_supported
+from esm_turbo.ops import attend_compressed, decode_attention_reference, fused_supported, gather_blocks
 from esm_turbo.ops.compressed import (cached_codes, compressed_attention_reference, fused_tables,
                                       quantize_pack_reference, split_rotation)
 from esm_turbo.quant.layout import decode_grid
@@ -579,7 +579,7 @@ def test_kernels_compile_for_sm90():
     # several queries); quantize-and-pack five times: prefills in blocks of 32 and 64, a decode step, the last two
     # also with grid codes; the 4-bit weight matmul twice (groups of 32 and 128); a paged pool's block moves both ways;
     # the bench's read-only kernel
-    assert len(compiled) == 31, out
+    assert len(compiled) == 32, out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
@@ -741,6 +741,30 @@ def test_dense_cache_sdpa_path_matches_reference():
     assert torch.equal(cache.lengths, torch.tensor([5, 40, 0]))  # nothing committed by a peek
 
 
+def test_eager_calls_skip_the_op_dispatch(monkeypatch):
+    """Eagerly, the write and the decode attention run the ops' bodies directly (the same outputs); with
+    ``DIRECT_IN_EAGER`` off they go through the registered ``torch.library`` ops."""
+    import esm_turbo.ops.compressed as compressed
+    codec = random_turbo_codec(2, 16, 3, 3, "sign", seed=0)
+    cache = filled_cache(codec, 2, [9, 20], "cpu")
+    q, k, v, valid = step_inputs(2, 2, 1, 16, "cpu")
+    outs = []
+    for direct in (True, False):
+        monkeypatch.setattr(compressed, "DIRECT_IN_EAGER", direct)
+        calls = []
+        for name in ("quantize_pack", "compressed_attention"):
+            op = getattr(compressed, name)
+            monkeypatch.setattr(compressed, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
+        out = attend_compressed(codec, cache.parts[0], cache.lengths, q, k, v, valid)
+        parts = KVCache([codec], 2, capacity=8, device="cpu").parts[0]
+        compressed.write_compressed(codec, parts, k, v, torch.tensor([0, 3]))
+        assert calls == ([] if direct else ["compressed_attention", "quantize_pack"])
+        outs.append((out, parts))
+        monkeypatch.undo()
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(outs[0][1][name], outs[1][1][name]) for name in outs[0][1])
+
+
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the kernels need Triton's interpreter, on "
                     "only without CUDA; on a GPU the ops' CUDA bodies run in the GPU tests")
@@ -760,17 +784,32 @@ def test_the_ops_cuda_bodies_run_the_kernels():
         assert torch.allclose(_compressed_attention_with(lambda: True)(*flat), want, atol=1e-4, rtol=1e-3)
     tables = fused_tables(codec)
     x = {kind: torch.randn(2, 2, 5, 16, generator=torch.Generator().manual_seed(i)) * 2 for i, kind in enumerate("kv")}
-    written = []
+    pos = torch.tensor([0, 3])
+    # a paged write: pools of 8 slots of 4-token blocks, row 0's positions 0..4 in slots 5, 2, row 1's 3..7 in 0, 7
+    table = torch.tensor([[5, 2], [0, 7]], dtype=torch.int32)
+    written = {}
     for kernel in (False, True):
-        parts = KVCache([codec], 2, capacity=8, device="cpu").parts[0]
-        _quantize_pack_with(lambda: kernel)(
-            x["k"], x["v"], codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids,
-            tables.k_layout, *tables.packed(parts, "k"), codec.value.rot, codec.value.offset, codec.value.scale,
-            tables.v_bounds, codec.value.centroids, tables.v_layout, *tables.packed(parts, "v"),
-            torch.tensor([0, 3]), tables.k_code.to_op(), tables.v_code.to_op())
-        written.append(parts)
-    for name, ref in written[0].items():  # the same bytes but where rounding flips a value on a boundary
-        assert (ref != written[1][name]).float().mean() < 2e-3 and written[1][name].any(), name
+        for paged in (False, True):
+            parts = (KVCache([codec], 8, capacity=4, device="cpu") if paged else
+                     KVCache([codec], 2, capacity=8, device="cpu")).parts[0]
+            _quantize_pack_with(lambda: kernel)(
+                x["k"], x["v"], codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids,
+                tables.k_layout, *tables.packed(parts, "k"), codec.value.rot, codec.value.offset, codec.value.scale,
+                tables.v_bounds, codec.value.centroids, tables.v_layout, *tables.packed(parts, "v"),
+                pos, tables.k_code.to_op(), tables.v_code.to_op(), pages=table if paged else None)
+            written[kernel, paged] = parts
+    for name, ref in written[False, False].items():
+        for paged in (False, True):  # the same bytes but where rounding flips a value on a boundary
+            got = written[True, paged][name]
+            want = written[False, paged][name]
+            assert (want != got).float().mean() < 2e-3 and got.any(), name
+        # the paged reference puts each token where the contiguous one does, read back through the table
+        rows = gather_blocks(written[False, True][name], table)
+        for b, start in enumerate(pos.tolist()):
+            assert torch.equal(rows[b, :, start:start + 5], ref[b, :, start:start + 5]), name
+        untouched = torch.ones(8, dtype=torch.bool)
+        untouched[table.flatten().long()] = False
+        assert not written[True, True][name][untouched].any(), name
 
 
 @needs_triton

@@ -4,7 +4,7 @@ Reference: ``esm_turbo.ops.compressed.quantize_pack_reference`` (per tensor kind
 
 For each (sequence b, head h) and token n < S: ``y = (x Πᵀ − offset) / scale``; ``idx = #{bounds < y}``
 (``torch.searchsorted`` semantics); ``sign = y ≥ c[idx]``; both packed into the cache rows
-``pos[b] + n`` (the layout of ``esm_turbo.quant.packing``). A grid codec's (``VectorQuantizer.grid``) evenly
+``pos[b] + n`` (the layout of ``esm_turbo.quant.packing``), or a paged cache's through its block table. A grid codec's (``VectorQuantizer.grid``) evenly
 spaced levels are found by rounding, not by comparing with every bound (:func:`_grid_code`).
 """
 
@@ -23,14 +23,16 @@ from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpr
 
 @triton.jit
 def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr, lay_ptr, idx_ptr,
-                  sign_ptr, pos_ptr, h, b, s_idx, nmask, H, T_CAP,
+                  sign_ptr, pos_ptr, pages_ptr, PW, h, b, s_idx, nmask, H, T_CAP,
                   D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, FIELDS: tl.constexpr, SIGN: tl.constexpr,
                   COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr,
-                  PER_SEQ: tl.constexpr, BY_POSITION: tl.constexpr, GRID: tl.constexpr, ASM: tl.constexpr):
+                  PER_SEQ: tl.constexpr, BY_POSITION: tl.constexpr, GRID: tl.constexpr, ASM: tl.constexpr,
+                  PAGED: tl.constexpr):
     """Encode BLOCK_N tokens — sequence ``b``, position ``s_idx`` among the new ones (each a scalar or
     [BLOCK_N]; ``nmask``: which exist) — of head ``h`` of one tensor kind into its cache part (K levels per
     channel's LUT, bounds [H, K-1, D] level-major; codes at the field shifts ``FIELDS`` compiled in when every
-    head shares them, else those of this head's layout row ``lay_ptr``).
+    head shares them, else those of this head's layout row ``lay_ptr``). ``PAGED``: the parts are pools of blocks of
+    T_CAP tokens, position t of sequence b in the slot at ``pages_ptr[b·PW + t // T_CAP]``, row ``t % T_CAP``.
 
     A prefill (``PER_SEQ``) has many programs and is bound by instructions. With ``BY_POSITION`` (field shifts
     compiled in) the channels are split by their place in a group of 8, whose widths are then constants, so a
@@ -49,7 +51,12 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     g = tl.arange(0, D8)
     r = tl.arange(0, 8)
     pos = tl.load(pos_ptr + (zero + b), mask=nmask, other=0)
-    rows = (b * H + h).to(tl.int64) * T_CAP + pos + s_idx  # cache rows [BLOCK_N]
+    if PAGED:  # one table entry per token (a decode step's tokens are in different sequences)
+        t = pos + s_idx
+        slot = tl.load(pages_ptr + (zero + b) * PW + t // T_CAP, mask=nmask, other=0)
+        rows = (slot.to(tl.int64) * H + h) * T_CAP + t % T_CAP
+    else:
+        rows = (b * H + h).to(tl.int64) * T_CAP + pos + s_idx  # cache rows [BLOCK_N]
     if BY_POSITION:
         # WIDE (64-token blocks, one warpgroup's wgmma): Π's rows taken place-major (product column j·D/8 + g is
         # channel 8g + j) leave the place j in the dot's register index, so the places split apart without moving
@@ -244,13 +251,13 @@ def _store_words(idx_ptr, rows, word, nmask, D: tl.constexpr, WIDTH: tl.constexp
 @triton.jit
 def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
                           v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
-                          pos_ptr, B, H, S, T_CAP,
+                          pos_ptr, pages_ptr, PW, B, H, S, T_CAP,
                           D: tl.constexpr, KBITS: tl.constexpr, KK: tl.constexpr, KFIELDS: tl.constexpr,
                           KSIGN: tl.constexpr, KCOMB: tl.constexpr, VBITS: tl.constexpr, VK: tl.constexpr,
                           VFIELDS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
                           BLOCK_N: tl.constexpr, PER_SEQ: tl.constexpr, PRECISION: tl.constexpr,
                           KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, KPOS: tl.constexpr, VPOS: tl.constexpr,
-                          KGRID: tl.constexpr, VGRID: tl.constexpr, ASM: tl.constexpr):
+                          KGRID: tl.constexpr, VGRID: tl.constexpr, ASM: tl.constexpr, PAGED: tl.constexpr):
     """Programs [0, H) of grid axis 0 encode keys, [H, 2H) values. ``PER_SEQ`` (a prefill, S > 1): grid
     (2·H, cdiv(S, BLOCK_N), B), each program BLOCK_N new tokens of one sequence; else (a decode step, S = 1):
     grid (2·H, cdiv(B, BLOCK_N)), each program the new token of BLOCK_N sequences, so one head's Π serves
@@ -267,12 +274,12 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
         nmask = offs < B
     if pid < H:
         _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
-                      pos_ptr, pid, b, s_idx, nmask, H, T_CAP, D, KBITS, KK, KFIELDS, KSIGN, KCOMB, BLOCK_N, PRECISION,
-                      KSPLIT, PER_SEQ, KPOS, KGRID, ASM)
+                      pos_ptr, pages_ptr, PW, pid, b, s_idx, nmask, H, T_CAP, D, KBITS, KK, KFIELDS, KSIGN, KCOMB,
+                      BLOCK_N, PRECISION, KSPLIT, PER_SEQ, KPOS, KGRID, ASM, PAGED)
     else:
         _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
-                      pos_ptr, pid - H, b, s_idx, nmask, H, T_CAP, D, VBITS, VK, VFIELDS, VSIGN, VCOMB, BLOCK_N,
-                      PRECISION, VSPLIT, PER_SEQ, VPOS, VGRID, ASM)
+                      pos_ptr, pages_ptr, PW, pid - H, b, s_idx, nmask, H, T_CAP, D, VBITS, VK, VFIELDS, VSIGN, VCOMB,
+                      BLOCK_N, PRECISION, VSPLIT, PER_SEQ, VPOS, VGRID, ASM, PAGED)
 
 
 class _KindConsts(NamedTuple):
@@ -289,7 +296,8 @@ class _KindConsts(NamedTuple):
 
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
                          k_out: tuple, v_out: tuple, pos: torch.Tensor, k_code: CodeLayout, v_code: CodeLayout,
-                         rot_halves: tuple | None = None, config: dict | None = None) -> None:
+                         rot_halves: tuple | None = None, config: dict | None = None,
+                         pages: torch.Tensor | None = None) -> None:
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
     k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d],
@@ -298,7 +306,8 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     are stored (:class:`~esm_turbo.quant.layout.CodeLayout`: shared field shifts are compiled in, else each head's
     layout row is read; a grid codec's codes are rounded instead of searched for); ``rot_halves``: (keys', values')
     Π in fp16 halves [H, 2, d, d] (``esm_turbo.ops.compressed.split_rotation``; empty: none), read for fp16 inputs
-    instead of splitting Π in every program. ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or
+    instead of splitting Π in every program. ``pages`` [B, blocks] int32 (a paged cache; None or empty: contiguous):
+    the parts are pools [slots, H, block, ·] written through it. ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or
     ``tf32x3``) / by_position / maxnreg (a register cap) for tuning."""
     batch, heads, s, d = k.shape
     # 4 warps (2 spilled registers at 1024-token blocks); the block size is chosen below; tf32x3 (or the fp16 split)
@@ -336,10 +345,14 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     # prefill's 640 programs run in one wave, not 1.2 (caps at 32 tokens gained nothing)
     maxnreg = cfg["maxnreg"] or (96 if block_n >= 64 else None)
     launch = (2 * heads, triton.cdiv(s, block_n), batch) if per_seq else (2 * heads, triton.cdiv(batch, block_n))
+    paged = pages is not None and pages.numel() > 0
+    if not paged:
+        pages = pos  # never read
     _quantize_pack_kernel[launch](
-        k, *k_strides, *k_args, v, *v_strides, *v_args, pos, batch, heads, s, k_out[0].shape[2], D=d,
+        k, *k_strides, *k_args, v, *v_strides, *v_args, pos, pages, pages.shape[-1], batch, heads, s,
+        k_out[0].shape[2], D=d,
         KBITS=kc.bits, KK=kc.levels, KFIELDS=kc.fields, KSIGN=kc.sign, KCOMB=kc.combine, VBITS=vc.bits,
         VK=vc.levels, VFIELDS=vc.fields, VSIGN=vc.sign, VCOMB=vc.combine, BLOCK_N=block_n, PER_SEQ=per_seq,
         PRECISION=cfg["precision"], KSPLIT=kc.split, VSPLIT=vc.split, KPOS=kc.by_position, VPOS=vc.by_position,
-        KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), num_warps=cfg["num_warps"], maxnreg=maxnreg,
+        KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), PAGED=paged, num_warps=cfg["num_warps"], maxnreg=maxnreg,
         enable_fp_fusion=FP_FUSION)

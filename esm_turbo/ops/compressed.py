@@ -127,10 +127,15 @@ def _full_layout(layout: torch.Tensor, heads: int, dim: int, width: int, device)
 
 # ---- references (same contracts as the Triton kernels) ----------------------------------------------
 
-def scatter_rows(buf: torch.Tensor, val: torch.Tensor, pos: torch.Tensor) -> None:
-    """buf [B, H, T_cap, *] ← val [B, H, S, *] at rows ``pos[b] + j`` of each sequence."""
+def scatter_rows(buf: torch.Tensor, val: torch.Tensor, pos: torch.Tensor, pages: torch.Tensor | None = None) -> None:
+    """buf [B, H, T_cap, *] ← val [B, H, S, *] at rows ``pos[b] + j`` of each sequence. A paged cache (``pages``
+    [B, blocks] slot ids, non-empty): buf is a pool [slots, H, block, *] and row b's position t lies in slot
+    ``pages[b, t // block]`` at ``t % block``."""
     rows = torch.arange(val.shape[0], device=val.device)[:, None]
     at = pos[:, None] + torch.arange(val.shape[2], device=val.device)  # [B, S]
+    if pages is not None and pages.numel():
+        rows = pages.long().gather(1, at // buf.shape[2])
+        at = at % buf.shape[2]
     buf[rows, :, at] = val.transpose(1, 2)  # advanced indices split by a slice put [B, S] first
 
 
@@ -144,17 +149,18 @@ def gather_blocks(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
 def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                             bounds: torch.Tensor, centroids: torch.Tensor, layout: torch.Tensor,
                             main_out: torch.Tensor, sign_out: torch.Tensor, pos: torch.Tensor,
-                            code: CodeLayout) -> None:
+                            code: CodeLayout, pages: torch.Tensor | None = None) -> None:
     """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,d,K], bounds [H,K-1,d] unused here, field
     layout [H,d] of the packed part or empty: equal widths) at rows pos[b] + j of the cache parts stored as ``code``
     says: main_out [B,H,T_cap,d·code_bits/8] (``code``, or ``idx``) and sign_out [B,H,T_cap,d/8] (a sign plane) or
-    empty."""
+    empty. ``pages`` [B, blocks] int32 (a paged cache, non-empty): the parts are pools [slots, H, block, ·] written
+    through it (:func:`scatter_rows`)."""
     layout = _full_layout(layout, *centroids.shape[:2], code.code_bits, x.device)
     parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, layout, code.code_bits,
                               sign=code.has_sign, combined=code.sign == "combined")
-    scatter_rows(main_out, parts[code.part], pos)
+    scatter_rows(main_out, parts[code.part], pos, pages)
     if code.sign_part:
-        scatter_rows(sign_out, parts[code.sign_part], pos)
+        scatter_rows(sign_out, parts[code.sign_part], pos, pages)
 
 
 def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -220,12 +226,13 @@ def _quantize_pack_with(kernel: Callable[[], bool]) -> Callable:
                       v_scale: torch.Tensor, v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_layout: torch.Tensor,
                       v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_code: list[int],
                       v_code: list[int], k_rot16: torch.Tensor | None = None,
-                      v_rot16: torch.Tensor | None = None) -> None:
+                      v_rot16: torch.Tensor | None = None, pages: torch.Tensor | None = None) -> None:
         """Keys and values of one layer into their cache parts (the reference; one Triton launch on CUDA). Bounds
         [H, K-1, d] level-major (``FusedTables``); ``*_code``: the :class:`CodeLayout` as :meth:`~CodeLayout.to_op`
         gives it; ``*_rot16``: the rotations' fp16 halves (:func:`split_rotation`) for the kernel, or None / empty. A
         grid codec's codes the kernel rounds to (the reference searches the centroids as for any LUT: the same
-        codes)."""
+        codes). ``pages`` [B, blocks] int32 (a paged cache; None or empty: contiguous): the parts are pools written
+        through it (:func:`quantize_pack_reference`)."""
         k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
         v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
         k_code, v_code = CodeLayout.from_op(k_code), CodeLayout.from_op(v_code)
@@ -233,17 +240,18 @@ def _quantize_pack_with(kernel: Callable[[], bool]) -> Callable:
             from ..kernels.quantize import quantize_pack_triton
             halves = None if k_rot16 is None or v_rot16 is None else (k_rot16, v_rot16)
             quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos, k_code, v_code,
-                                 halves)
+                                 halves, pages=pages)
         else:
-            quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_code)
-            quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_code)
+            quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_code, pages)
+            quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_code, pages)
 
     return quantize_pack
 
 
+_QUANTIZE_PACK = (_quantize_pack_with(_never), _quantize_pack_with(_triton))  # (default body, CUDA body)
 quantize_pack = torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=("k_main", "k_sign", "v_main",
-                                                                                  "v_sign"))(_quantize_pack_with(_never))
-quantize_pack.register_kernel("cuda")(_quantize_pack_with(_triton))
+                                                                                  "v_sign"))(_QUANTIZE_PACK[0])
+quantize_pack.register_kernel("cuda")(_QUANTIZE_PACK[1])
 
 
 @quantize_pack.register_fake
@@ -275,9 +283,23 @@ def _compressed_attention_with(kernel: Callable[[], bool]) -> Callable:
     return compressed_attention
 
 
+_COMPRESSED_ATTENTION = (_compressed_attention_with(_never), _compressed_attention_with(_triton))
 compressed_attention = torch.library.custom_op("esm_turbo::compressed_attention",
-                                               mutates_args=())(_compressed_attention_with(_never))
-compressed_attention.register_kernel("cuda")(_compressed_attention_with(_triton))
+                                               mutates_args=())(_COMPRESSED_ATTENTION[0])
+compressed_attention.register_kernel("cuda")(_COMPRESSED_ATTENTION[1])
+
+#: Eager calls run an op's body for the tensors' device directly: dispatch through ``torch.library`` costs tens of
+#: microseconds of host time a call, two calls a layer, and an eager decode step is bound by the host. Under
+#: torch.compile the registered ops are traced (CUDA graph capture takes either).
+DIRECT_IN_EAGER = True
+
+
+def _run(op, bodies: tuple[Callable, Callable], *args):
+    """``op(*args)``, or in eager mode (:data:`DIRECT_IN_EAGER`) the body ``op`` dispatches to for ``args[0]``'s
+    device: ``bodies`` = (default, CUDA)."""
+    if not DIRECT_IN_EAGER or torch.compiler.is_compiling():
+        return op(*args)
+    return bodies[args[0].device.type == "cuda"](*args)
 
 
 @compressed_attention.register_fake
@@ -292,14 +314,15 @@ def _codec_tables(q: VectorQuantizer) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-                     pos: torch.Tensor) -> None:
-    """Quantize-and-pack k, v [B,H,S,d] into one layer's cache parts at rows ``pos[b] + j``."""
+                     pos: torch.Tensor, pages: torch.Tensor | None = None) -> None:
+    """Quantize-and-pack k, v [B,H,S,d] into one layer's cache parts at rows ``pos[b] + j`` (a paged cache's pools
+    through ``pages`` [B, blocks] int32)."""
     tables = fused_tables(codec)
     key, value = codec.key, codec.value
-    quantize_pack(k, v, *_codec_tables(key), tables.k_bounds, key.centroids, tables.k_layout,
-                  *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
-                  tables.v_layout, *tables.packed(parts, "v"), pos, tables.k_code.to_op(), tables.v_code.to_op(),
-                  tables.k_rot16, tables.v_rot16)
+    _run(quantize_pack, _QUANTIZE_PACK, k, v, *_codec_tables(key), tables.k_bounds, key.centroids,
+         tables.k_layout, *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
+         tables.v_layout, *tables.packed(parts, "v"), pos, tables.k_code.to_op(), tables.v_code.to_op(),
+         tables.k_rot16, tables.v_rot16, pages)
 
 
 def cached_codes(codec: KVCodec, parts: dict[str, torch.Tensor], kind: str) -> CachedCodes:
@@ -321,6 +344,6 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
     keys, values = cached_codes(codec, parts, "k"), cached_codes(codec, parts, "v")
     if pages is None:
         pages = lengths.new_empty(0, dtype=torch.int32)
-    return compressed_attention(q, k_new, v_new, new_valid.contiguous().view(torch.uint8), lengths,
-                                *keys[:-1], keys.code.to_op(), *values[:-1], values.code.to_op(), pages,
-                                int(block_size))
+    return _run(compressed_attention, _COMPRESSED_ATTENTION, q, k_new, v_new,
+                new_valid.contiguous().view(torch.uint8), lengths, *keys[:-1], keys.code.to_op(), *values[:-1],
+                values.code.to_op(), pages, int(block_size))
