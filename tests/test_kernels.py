@@ -579,7 +579,7 @@ def test_kernels_compile_for_sm90():
     # several queries); quantize-and-pack five times: prefills in blocks of 32 and 64, a decode step, the last two
     # also with grid codes; the 4-bit weight matmul twice (groups of 32 and 128); a paged pool's block moves both ways;
     # the bench's read-only kernel
-    assert len(compiled) == 32, out
+    assert len(compiled) == 35, out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")

@@ -148,9 +148,11 @@ def test_cli_quantize_weights(tmp_path, capsys):
 @pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
                     reason="triton >= 3.5 is not installed")
 @pytest.mark.parametrize("n,group,batch", [(96, 32, 5), (256, 128, 3), (320, 64, 17), (1280, 32, 1)])
-def test_weight_kernel_matches_its_reference(n, group, batch):
-    """The fused 4-bit dequantize-and-multiply kernel (Triton's interpreter on CPU; compiled on a GPU) against the
-    PyTorch reference, under the flash-attention rule: its error against fp64 at most twice the fp32 reference's."""
+@pytest.mark.parametrize("gemv", [False, True])
+def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
+    """The fused 4-bit dequantize-and-multiply kernels (Triton's interpreter on CPU; compiled on a GPU), the
+    tensor-core tiles and the CUDA-core one, against the PyTorch reference, under the flash-attention rule: the error
+    against fp64 at most twice the fp32 reference's."""
     from esm_turbo.kernels.weights import matmul_reference, matmul_triton
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = QuantizedLinear.from_linear(_linear(80, n, seed=n), WeightQuantConfig(bits=4, group=group), seed=1)
@@ -159,7 +161,55 @@ def test_weight_kernel_matches_its_reference(n, group, batch):
     ref64 = x.double() @ q.rotated_weight(torch.float64).T
     ref32 = matmul_reference(x.to(device), *args).double().cpu()
     dtype = torch.float16 if device == "cuda" else torch.float32
-    out = matmul_triton(x.to(device, dtype), *args).double().cpu()
+    out = matmul_triton(x.to(device, dtype), *args, config=dict(gemv=gemv)).double().cpu()
     err, err_ref = (out - ref64).abs().max().item(), (ref32 - ref64).abs().max().item()
     bound = 2 * err_ref + 1e-5 if dtype == torch.float32 else 2e-2 * ref64.abs().max().item()
     assert err <= bound, (err, err_ref)
+
+
+@pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
+                    reason="triton >= 3.5 is not installed")
+@pytest.mark.parametrize("n,group,residual", [(96, 32, True), (256, 128, False), (1280, 32, False)])
+@pytest.mark.parametrize("batch", [1, 5, 40])
+@torch.no_grad()
+def test_the_linear_on_the_kernels_matches_its_pytorch_path(monkeypatch, n, group, residual, batch):
+    """QuantizedLinear's kernel path (Triton's interpreter on CPU; compiled on a GPU): up to KERNEL_ROWS rows the
+    matmul kernel rotates the input itself and chains the passes and the bias through its epilogue; past it the
+    dequantize kernel turns the weight back to the original domain for one matmul. Both against the PyTorch path in
+    fp64."""
+    import esm_turbo.weights.linear as linear
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q = QuantizedLinear.from_linear(_linear(80, n, seed=n), WeightQuantConfig(bits=4, group=group, residual=residual),
+                                    seed=1)
+    x = torch.randn(batch, n, generator=torch.Generator().manual_seed(batch))
+    want = x.double() @ q.dequantize(torch.float64).T + q.bias.double()  # the PyTorch path, in fp64
+    w_torch = q.dequantize(torch.float32)
+    q = q.to(device, dtype)
+    monkeypatch.setattr(linear, "use_kernels", lambda _: True)
+    out = q(x.to(device, dtype))
+    assert out.dtype == dtype and out.shape == (batch, 80)
+    scale = want.abs().max().item()
+    bound = 1e-5 * scale if dtype == torch.float32 else 2e-2 * scale
+    assert (out.double().cpu() - want).abs().max().item() <= bound
+    w = q.dequantize(torch.float32).cpu()  # the dequantize kernel against the PyTorch path
+    assert (w - w_torch).abs().max().item() <= (1e-6 if dtype == torch.float32 else 1e-3) * w_torch.abs().max().item()
+
+
+@torch.no_grad()
+def test_a_random_quantized_stand_in_is_built_without_an_fp16_copy():
+    """``random_quantized``: the shape's quantized model straight from random codes (what measures a model too large
+    to quantize here): its bytes are the estimate's, it runs, and its rotary frequencies are ESM-2's."""
+    from esm_turbo.weights.model import random_quantized
+    config = esm2_config("8M")
+    model = random_quantized(config, "cpu", dtype=torch.float32)
+    assert weight_memory(model) == estimate_bytes(config, WeightQuantConfig())
+    linear = model.esm.encoder.layer[0].attention.self.query
+    assert isinstance(linear, QuantizedLinear) and linear.codes0.float().std() > 50  # random bytes
+    from transformers import EsmForMaskedLM
+    reference = EsmForMaskedLM(config)
+    for (name, want), (_, got) in zip(reference.named_buffers(), model.named_buffers()):
+        if name.endswith("inv_freq"):
+            assert torch.allclose(got, want), name
+    out = model(input_ids=torch.tensor([[0, 5, 6, 7, 2]])).logits
+    assert out.shape == (1, 5, config.vocab_size) and torch.isfinite(out).all()

@@ -4,9 +4,11 @@ shapes, timed in the same run, with the least time a kernel reading the same byt
 For each shape (out × in) of the 650M, 3B and 15B blocks (fused QKV, attention output, FFN up, FFN down) and each
 row count (tokens in the batch), it times ``x @ Wᵀ`` in fp16 and :func:`~esm_turbo.kernels.weights.matmul_triton`
 on random codes (speed does not depend on the values), first with the kernel's default launch constants and, with
-``tune``, the fastest of a small grid (at 1, 16 and 4096 rows). Each kernel result is checked against
-:func:`~esm_turbo.kernels.weights.matmul_reference` first. ``QuantizedLinear`` as a whole (the input rotation
-included) is timed beside fp16 ``nn.Linear``.
+``tune``, the fastest of a small grid (at 1, 16 and 4096 rows); and the other path, the weight dequantized to fp16
+(:func:`~esm_turbo.kernels.weights.dequantize_triton`, turned back to the original domain) then cuBLAS. Each kernel
+result is checked against :func:`~esm_turbo.kernels.weights.matmul_reference` first. ``QuantizedLinear`` as a whole
+(it picks the fused kernel up to ``KERNEL_ROWS`` rows, the dequantized weight past it) is timed beside fp16
+``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class WeightRow:
     weight_bytes: int = 0  # codes + scales + codebook
     floor_us: float = 0.0  # a pure read of weight_bytes
     max_rel_err: float = 0.0  # kernel vs PyTorch reference, on these inputs
+    dequant_us: float = 0.0  # the weight dequantized to fp16 (original domain), then cuBLAS
 
 
 @dataclass
@@ -51,6 +54,7 @@ class WeightBench:
     device: str
     rows: list[WeightRow] = field(default_factory=list)
     layer: list[dict] = field(default_factory=list)  # QuantizedLinear forward vs nn.Linear
+    peak: list[dict] = field(default_factory=list)  # a whole quantized model's peak device memory (peak_memory)
 
 
 def linear_shapes(size: str) -> list[tuple[str, int, int]]:
@@ -72,9 +76,11 @@ def _config(t: tuple) -> dict:
 
 
 def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tuple[int, ...] = ROWS,
-                  tune: bool = False, progress: bool = False) -> WeightBench:
-    from ..kernels.weights import matmul_reference, matmul_triton
+                  tune: bool = False, progress: bool = False, peak: tuple[str, ...] = ("15B",)) -> WeightBench:
+    from ..kernels.weights import dequantize_triton, matmul_reference, matmul_triton, sign_matrix
+    from ..weights.codec import rotation
     res = WeightBench(device=torch.cuda.get_device_name(device))
+    turn = sign_matrix(rotation(GROUP, 0).to(device))
     for size in sizes or WEIGHT_SIZES:
         for name, m, n in linear_shapes(size):
             codes, scales, codebook = _random_pass(m, n, device)
@@ -88,7 +94,10 @@ def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tu
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 row = WeightRow(size, name, m, n, b, fp16_us=time_graph(lambda: x @ w16.T, device) * 1e6,
                                 ours_us=time_graph(lambda: matmul_triton(x, codes, scales, codebook), device) * 1e6,
-                                weight_bytes=nbytes, floor_us=floor, max_rel_err=err)
+                                weight_bytes=nbytes, floor_us=floor, max_rel_err=err,
+                                dequant_us=time_graph(lambda: x @ dequantize_triton(codes, scales, codebook,
+                                                                                    torch.float16, rotation=turn).T,
+                                                      device) * 1e6)
                 if tune and b in TUNED_ROWS:
                     best = None
                     for t in SMALL_GRID if b <= 16 else LARGE_GRID:
@@ -109,11 +118,58 @@ def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tu
                 if progress:
                     print(format_weights(WeightBench(res.device, [row])).splitlines()[3], file=sys.stderr, flush=True)
         res.layer.extend(_bench_layer(size, device))
+    for size in peak:
+        res.peak.append(peak_memory(size, device))
+        if progress:
+            print(format_weights(WeightBench(res.device, peak=res.peak[-1:])).splitlines()[-1], file=sys.stderr,
+                  flush=True)
     return res
 
 
+@torch.no_grad()
+def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int = 1024, beam: int = 16,
+                steps: int = 8) -> dict:
+    """A ``size``-shaped model with random 4-bit weights in groups of :data:`GROUP`, built on the device
+    (``weights.model.random_quantized``): its weight bytes, and the peak device memory (``max_memory_allocated``,
+    weights included) of embedding one packed batch of ``tokens`` tokens (``FastEsm``, every block's weights
+    dequantized in turn) and of a design loop (a ``prefix``-token scaffold forked ``beam`` ways on the 3+1-bit paged
+    cache, stepped ``steps`` times). Bytes."""
+    from ..embed.fast_esm import FastEsm, PackedBatch
+    from ..model.alphabet import alphabet, encode_packed
+    from ..model.engine import TurboEsm
+    from ..model.sizes import esm2_config
+    from ..weights.codec import WeightQuantConfig
+    from ..weights.model import random_quantized, weight_memory
+    from .synthetic import layer_codec, random_protein
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    model = random_quantized(esm2_config(size), device, WeightQuantConfig(bits=4, group=GROUP))
+    out = dict(size=size, weight_bytes=weight_memory(model)["total_bytes"],
+               allocated_bytes=torch.cuda.memory_allocated(device))
+    fast = FastEsm.from_hf(model, compile=False)
+    seqs = [random_protein(1022, i) for i in range(tokens // 1024)]
+    torch.cuda.reset_peak_memory_stats(device)
+    fast(PackedBatch.from_arrays(*encode_packed(seqs), device=device), [model.config.num_hidden_layers])
+    torch.cuda.synchronize(device)
+    out.update(embed_tokens=len(seqs) * 1024, embed_peak_bytes=torch.cuda.max_memory_allocated(device))
+    del fast
+    session = TurboEsm(model).session(layer_codec, capacity=prefix + steps, paged=True)
+    torch.cuda.reset_peak_memory_stats(device)
+    session.start([random_protein(prefix - 1, 0)])
+    session.fork(beam)
+    step = torch.full((beam, 1), alphabet().get_idx("A"), device=device)
+    for _ in range(steps):
+        session.step(step)
+    torch.cuda.synchronize(device)
+    out.update(decode_prefix=prefix, decode_beam=beam, decode_steps=steps,
+               decode_peak_bytes=torch.cuda.max_memory_allocated(device))
+    del session, model
+    torch.cuda.empty_cache()
+    return out
+
+
 def _bench_layer(size: str, device: torch.device) -> list[dict]:
-    """QuantizedLinear (rotation + kernel) against fp16 nn.Linear on the FFN-up shape."""
+    """QuantizedLinear (its whole forward) against fp16 nn.Linear on the FFN-up shape."""
     from ..weights.codec import WeightQuantConfig
     from ..weights.linear import QuantizedLinear
     _, m, n = linear_shapes(size)[2]
@@ -132,22 +188,33 @@ def _bench_layer(size: str, device: torch.device) -> list[dict]:
 
 def format_weights(res: WeightBench) -> str:
     lines = [f"4-bit weights (groups of {GROUP}): dequantize-and-multiply kernel vs fp16 cuBLAS, {res.device}",
-             "  µs per call (CUDA graph, median); floor: a pure read of the kernel's bytes; ×: fp16 time / ours",
+             "  µs per call (CUDA graph, median); floor: a pure read of the kernel's bytes; ×: fp16 time / ours;",
+             "  deq+mm: the weight dequantized to fp16 (rotated back), then cuBLAS",
              f"  {'shape':<22}{'rows':>6}{'fp16':>9}{'ours':>9}{'×fp16':>7}{'tuned':>9}{'×fp16':>7}"
-             f"{'floor':>8}{'%floor':>7}  best config"]
+             f"{'floor':>8}{'%floor':>7}{'deq+mm':>9}{'×fp16':>7}  best config"]
     for r in res.rows:
         best = r.best_us or r.ours_us
         shape = f"{r.size} {r.linear} {r.out_features}x{r.in_features}"
         tuned = f"{r.best_us:>9.1f}{r.fp16_us / r.best_us:>6.2f}×" if r.best_us else f"{'':>16}"
         lines.append(f"  {shape:<22}{r.rows:>6}{r.fp16_us:>9.1f}{r.ours_us:>9.1f}{r.fp16_us / r.ours_us:>6.2f}×"
-                     f"{tuned}{r.floor_us:>8.1f}{r.floor_us / best:>6.0%}  {r.best_config or ''}")
-    worst = max((r.max_rel_err for r in res.rows), default=0.0)
-    lines.append(f"  kernel vs PyTorch reference: max relative error {worst:.1e} over every row above")
+                     f"{tuned}{r.floor_us:>8.1f}{r.floor_us / best:>6.0%}{r.dequant_us:>9.1f}"
+                     f"{r.fp16_us / r.dequant_us:>6.2f}×  {r.best_config or ''}")
+    if res.rows:
+        worst = max(r.max_rel_err for r in res.rows)
+        lines.append(f"  kernel vs PyTorch reference: max relative error {worst:.1e} over every row above")
     if res.layer:
-        lines.append("  QuantizedLinear (input rotation + kernel) vs fp16 nn.Linear, FFN up:")
+        from ..weights.linear import KERNEL_ROWS
+        lines.append(f"  QuantizedLinear's forward (the fused kernel up to {KERNEL_ROWS} rows, else the dequantized weight "
+                     "and cuBLAS) vs fp16 nn.Linear, FFN up:")
         for r in res.layer:
             lines.append(f"    {r['size']:<5} rows {r['rows']:>5}: fp16 {r['fp16_us']:.1f} µs, quantized "
                          f"{r['quantized_linear_us']:.1f} µs ({r['fp16_us'] / r['quantized_linear_us']:.2f}×)")
+    for p in res.peak:
+        gib = 2**30
+        lines.append(f"  {p['size']}-shaped, 4-bit weights {p['weight_bytes'] / gib:.2f} GiB: peak device memory "
+                     f"{p['embed_peak_bytes'] / gib:.2f} GiB embedding {p['embed_tokens']} tokens, "
+                     f"{p['decode_peak_bytes'] / gib:.2f} GiB decoding a {p['decode_prefix']}-token scaffold forked "
+                     f"{p['decode_beam']} ways (3+1-bit paged cache, {p['decode_steps']} steps)")
     return "\n".join(lines)
 
 

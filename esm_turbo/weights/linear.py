@@ -1,9 +1,11 @@
 """``QuantizedLinear``: a drop-in ``nn.Linear`` whose weight is stored in ``bits``-bit codes (``weights.codec``).
 
-Forward: rotate the input per group, ``x_rot = x_g Πᵀ`` (one batched product), then per pass the fused 4-bit
-dequantize-and-multiply kernel on CUDA (``esm_turbo.kernels.weights``), or, elsewhere and at other widths, the
-rotated weight decoded in the input's dtype and one matmul; add the bias. The original-domain weight is never needed; FastEsm,
-which takes weight tensors, gets it from :meth:`QuantizedLinear.dequantize`.
+Forward at 4 bits on CUDA (``esm_turbo.kernels.weights``): up to :data:`KERNEL_ROWS` rows, the input is rotated per
+group (``x_rot = x_g Πᵀ``, one launch) and the fused kernel multiplies it by each pass's packed codes, adding the bias
+in its epilogue; past it, the weight is dequantized once in the original domain (one launch a pass) and multiplied by
+cuBLAS. Elsewhere and at
+other widths: the input rotated in one batched product, the rotated weight decoded in its dtype, one matmul. FastEsm,
+which takes weight tensors, gets them from :meth:`QuantizedLinear.dequantize`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from torch import nn
 
 from ..ops import use_kernels
 from .codec import QuantPass, WeightQuantConfig, quantize_weight, rotation
+
+#: most rows a 4-bit forward on CUDA multiplies with the fused kernel; more dequantize the weight and call cuBLAS
+#: (``esm-turbo bench weights``: the fused kernel reads the codes once, the dequantized weight serves many rows)
+KERNEL_ROWS = 16
 
 
 class QuantizedLinear(nn.Module):
@@ -31,6 +37,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer(f"scales{p}", torch.zeros(out_features, groups, dtype=torch.float16))
             self.register_buffer(f"codebook{p}", torch.zeros(1 << bits, dtype=torch.float16))
         self._rot: torch.Tensor | None = None  # Π [d, d] float32, built from the seed on first use (not stored)
+        self._turns: dict = {}  # Π and Πᵀ as the kernels take them, per device (:meth:`_turn`)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
@@ -68,6 +75,13 @@ class QuantizedLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Ŵ [M, N] in the original domain (``Ŵ_rot`` groups times Π), in ``dtype`` (default the bias's)."""
         dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float32)
+        if self.bits == 4 and use_kernels(self.codes0):
+            from ..kernels.weights import dequantize_triton
+            w = None
+            for p in range(self.passes):
+                w = dequantize_triton(*self._pass(p).tensors(), dtype if p == self.passes - 1 else torch.float32,
+                                      rotation=self._turn(self.codes0.device)[0], prev=w)
+            return w
         m, n, d = self.out_features, self.in_features, self.group
         w = self.rotated_weight(torch.float32).view(m, n // d, d) @ self._rotation(self.codes0.device)
         return w.view(m, n).to(dtype)
@@ -90,15 +104,28 @@ class QuantizedLinear(nn.Module):
             self._rot = self._rot.to(device)
         return self._rot
 
+    def _turn(self, device: torch.device) -> tuple:
+        """(Π, Πᵀ) on ``device`` as the kernels take them (``kernels.weights.sign_matrix``), made once."""
+        if device not in self._turns:
+            from ..kernels.weights import sign_matrix
+            rot = self._rotation(device)
+            self._turns[device] = (sign_matrix(rot), sign_matrix(rot.T))
+        return self._turns[device]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_rot = self.rotate_input(x)
-        if self.bits == 4 and use_kernels(x):  # the fused dequantize-and-multiply kernel, pass by pass
-            from ..kernels.weights import matmul_triton
-            flat = x_rot.reshape(-1, self.in_features)
-            y = sum(matmul_triton(flat, *self._pass(p).tensors()) for p in range(self.passes))
-            y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        else:
-            y = x_rot @ self.rotated_weight(x.dtype).T
+        if self.bits == 4 and use_kernels(x):
+            flat = x.reshape(-1, self.in_features)
+            if flat.shape[0] > KERNEL_ROWS:  # many rows: the weight dequantized once, then cuBLAS
+                return torch.nn.functional.linear(x, self.dequantize(x.dtype),
+                                                  None if self.bias is None else self.bias.to(x.dtype))
+            from ..kernels.weights import matmul_triton, rotate_triton
+            x_rot, y = rotate_triton(flat, self._turn(x.device)[1]), None
+            for p in range(self.passes):  # the fused kernel, pass by pass, the last adding the bias
+                last = p == self.passes - 1
+                y = matmul_triton(x_rot, *self._pass(p).tensors(), bias=self.bias if last else None, prev=y,
+                                  out_dtype=x.dtype if last else torch.float32)
+            return y.view(*x.shape[:-1], self.out_features)
+        y = self.rotate_input(x) @ self.rotated_weight(x.dtype).T
         return y + self.bias.to(x.dtype) if self.bias is not None else y
 
     def nbytes(self) -> int:

@@ -109,6 +109,39 @@ def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, 
     return model
 
 
+def random_quantized(config, device: torch.device | str, quant: WeightQuantConfig = WeightQuantConfig(),
+                     dtype: torch.dtype = torch.float16, seed: int = 0):
+    """An ``EsmForMaskedLM`` of ``config``'s shape with :class:`QuantizedLinear` block linears holding random codes,
+    built on ``device`` without an fp16 copy of the model (speed and memory do not depend on the values): a stand-in
+    for measuring a quantized model too large to quantize here. The other weights are random (LayerNorms the
+    identity), the rotary frequencies ESM-2's."""
+    from .codec import group_size
+    model = _quantized_shell(config, quant, lambda name, n: (group_size(n, quant.group), 1 + quant.residual))
+    model.to_empty(device=device)
+    model.tie_weights()  # the LM head's decoder is the embedding matrix again (to_empty gave each its own)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            leaf = name.rsplit(".", 1)[-1]
+            if t.dtype == torch.uint8:  # codes
+                t.copy_(torch.randint(0, 256, t.shape, device=device, dtype=torch.uint8, generator=gen))
+            elif leaf.startswith("codebook"):
+                t.copy_(torch.linspace(-2.5, 2.5, t.numel()))
+            elif leaf.startswith("scales"):
+                t.fill_(0.02)
+            elif leaf == "inv_freq":
+                dim = 2 * t.numel()
+                t.copy_(1.0 / 10000 ** (torch.arange(0, dim, 2, device=device).float() / dim))
+            elif leaf == "position_ids":
+                t.copy_(torch.arange(t.numel(), device=device).view(t.shape))
+            elif t.is_floating_point():
+                if t.dim() > 1:
+                    t.normal_(0.0, 0.02, generator=gen)
+                else:  # LayerNorm weights 1, biases 0
+                    t.fill_(1.0 if leaf == "weight" else 0.0)
+    return model.to(dtype).eval()
+
+
 def load_quantized(path: str | Path):
     """An ``EsmForMaskedLM`` with :class:`QuantizedLinear` block linears from a folder of :func:`save_quantized`."""
     from transformers import EsmConfig
