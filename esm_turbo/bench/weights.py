@@ -55,6 +55,7 @@ class WeightBench:
     rows: list[WeightRow] = field(default_factory=list)
     layer: list[dict] = field(default_factory=list)  # QuantizedLinear forward vs nn.Linear
     peak: list[dict] = field(default_factory=list)  # a whole quantized model's peak device memory (peak_memory)
+    torchao: list[dict] = field(default_factory=list)  # torchao's int4 weight-only linear vs bf16 nn.Linear
 
 
 def linear_shapes(size: str) -> list[tuple[str, int, int]]:
@@ -118,6 +119,7 @@ def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tu
                 if progress:
                     print(format_weights(WeightBench(res.device, [row])).splitlines()[3], file=sys.stderr, flush=True)
         res.layer.extend(_bench_layer(size, device))
+        res.torchao.extend(_bench_torchao(size, device))
     for size in peak:
         res.peak.append(peak_memory(size, device))
         if progress:
@@ -168,6 +170,37 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
     return out
 
 
+def _bench_torchao(size: str, device: torch.device) -> list[dict]:
+    """What a user would pick instead: torchao's int4 weight-only quantization (groups of :data:`GROUP`, bf16, the
+    tinygemm kernel) of the FFN-up linear, against the same linear in bf16, at the rows of :func:`_bench_layer`.
+    Empty without torchao; one row naming the error where it does not run."""
+    try:
+        import torchao
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+    except ImportError:
+        return []
+    except Exception as err:  # noqa: BLE001 - installed but not loadable with this torch
+        return [dict(size=size, linear="ffn_up", version="?", error=f"{type(err).__name__}: {str(err)[:200]}")]
+    version = torchao.__version__
+    _, m, n = linear_shapes(size)[2]
+    dense = torch.nn.Linear(n, m, device=device, dtype=torch.bfloat16)
+    quant = torch.nn.Linear(n, m, device=device, dtype=torch.bfloat16)
+    quant.load_state_dict(dense.state_dict())
+    try:
+        # tinygemm's tile-packed layout (aten._weight_int4pack_mm): the int4 path that runs on an H100 without mslk
+        quantize_(quant, Int4WeightOnlyConfig(group_size=GROUP, int4_packing_format="tile_packed_to_4d"))
+        out = []
+        for b in (1, 16, 4096):
+            x = torch.randn(b, n, device=device, dtype=torch.bfloat16)
+            with torch.no_grad():
+                out.append(dict(size=size, linear="ffn_up", rows=b, version=version,
+                                bf16_us=time_graph(lambda: dense(x), device) * 1e6,
+                                torchao_us=time_graph(lambda: quant(x), device) * 1e6))
+        return out
+    except Exception as err:  # noqa: BLE001 - reported, the rest of the bench stands
+        return [dict(size=size, linear="ffn_up", version=version, error=f"{type(err).__name__}: {str(err)[:200]}")]
+
+
 def _bench_layer(size: str, device: torch.device) -> list[dict]:
     """QuantizedLinear (its whole forward) against fp16 nn.Linear on the FFN-up shape."""
     from ..weights.codec import WeightQuantConfig
@@ -209,6 +242,13 @@ def format_weights(res: WeightBench) -> str:
         for r in res.layer:
             lines.append(f"    {r['size']:<5} rows {r['rows']:>5}: fp16 {r['fp16_us']:.1f} µs, quantized "
                          f"{r['quantized_linear_us']:.1f} µs ({r['fp16_us'] / r['quantized_linear_us']:.2f}×)")
+    if res.torchao:
+        lines.append(f"  torchao {res.torchao[0]['version']} int4 weight-only (groups of {GROUP}, bf16, tinygemm) vs bf16 "
+                     "nn.Linear, FFN up:")
+        for r in res.torchao:
+            lines.append(f"    {r['size']:<5} error: {r['error']}" if "error" in r else
+                         f"    {r['size']:<5} rows {r['rows']:>5}: bf16 {r['bf16_us']:.1f} µs, torchao {r['torchao_us']:.1f} "
+                         f"µs ({r['bf16_us'] / r['torchao_us']:.2f}×)")
     for p in res.peak:
         gib = 2**30
         lines.append(f"  {p['size']}-shaped, 4-bit weights {p['weight_bytes'] / gib:.2f} GiB: peak device memory "
