@@ -197,12 +197,13 @@ def test_the_linear_on_the_kernels_matches_its_pytorch_path(monkeypatch, n, grou
 
 
 @torch.no_grad()
-def test_a_random_quantized_stand_in_is_built_without_an_fp16_copy():
-    """``random_quantized``: the shape's quantized model straight from random codes (what measures a model too large
-    to quantize here): its bytes are the estimate's, it runs, and its rotary frequencies are ESM-2's."""
-    from esm_turbo.weights.model import random_quantized
+def test_a_random_stand_in_is_built_without_an_fp16_copy():
+    """``random_model``: the shape's quantized model straight from random codes (what measures a model too large
+    to quantize here): its bytes are the estimate's, it runs, and its rotary frequencies are ESM-2's; without a
+    quantization, the same shape with plain linears."""
+    from esm_turbo.weights.model import random_model
     config = esm2_config("8M")
-    model = random_quantized(config, "cpu", dtype=torch.float32)
+    model = random_model(config, "cpu", dtype=torch.float32)
     assert weight_memory(model) == estimate_bytes(config, WeightQuantConfig())
     linear = model.esm.encoder.layer[0].attention.self.query
     assert isinstance(linear, QuantizedLinear) and linear.codes0.float().std() > 50  # random bytes
@@ -213,3 +214,7 @@ def test_a_random_quantized_stand_in_is_built_without_an_fp16_copy():
             assert torch.allclose(got, want), name
     out = model(input_ids=torch.tensor([[0, 5, 6, 7, 2]])).logits
     assert out.shape == (1, 5, config.vocab_size) and torch.isfinite(out).all()
+    plain = random_model(config, "cpu", quant=None, dtype=torch.float32)
+    assert isinstance(plain.esm.encoder.layer[0].attention.self.query, torch.nn.Linear)
+    assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in reference.parameters())
+    assert torch.isfinite(plain(input_ids=torch.tensor([[0, 5, 6, 7, 2]])).logits).all()

@@ -56,6 +56,7 @@ class WeightBench:
     layer: list[dict] = field(default_factory=list)  # QuantizedLinear forward vs nn.Linear
     peak: list[dict] = field(default_factory=list)  # a whole quantized model's peak device memory (peak_memory)
     torchao: list[dict] = field(default_factory=list)  # torchao's int4 weight-only linear vs bf16 nn.Linear
+    decode: list[dict] = field(default_factory=list)  # a design-loop decode step, 4-bit weights vs fp16 (decode_step)
 
 
 def linear_shapes(size: str) -> list[tuple[str, int, int]]:
@@ -77,7 +78,8 @@ def _config(t: tuple) -> dict:
 
 
 def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tuple[int, ...] = ROWS,
-                  tune: bool = False, progress: bool = False, peak: tuple[str, ...] = ("15B",)) -> WeightBench:
+                  tune: bool = False, progress: bool = False, peak: tuple[str, ...] = ("15B",),
+                  decode: tuple[str, ...] = ("3B",)) -> WeightBench:
     from ..kernels.weights import dequantize_triton, matmul_reference, matmul_triton, sign_matrix
     from ..weights.codec import rotation
     res = WeightBench(device=torch.cuda.get_device_name(device))
@@ -120,6 +122,8 @@ def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tu
                     print(format_weights(WeightBench(res.device, [row])).splitlines()[3], file=sys.stderr, flush=True)
         res.layer.extend(_bench_layer(size, device))
         res.torchao.extend(_bench_torchao(size, device))
+    for size in decode:
+        res.decode.append(decode_step(size, device))
     for size in peak:
         res.peak.append(peak_memory(size, device))
         if progress:
@@ -132,7 +136,7 @@ def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tu
 def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int = 1024, beam: int = 16,
                 steps: int = 8) -> dict:
     """A ``size``-shaped model with random 4-bit weights in groups of :data:`GROUP`, built on the device
-    (``weights.model.random_quantized``): its weight bytes, and the peak device memory (``max_memory_allocated``,
+    (``weights.model.random_model``): its weight bytes, and the peak device memory (``max_memory_allocated``,
     weights included) of embedding one packed batch of ``tokens`` tokens (``FastEsm``, every block's weights
     dequantized in turn) and of a design loop (a ``prefix``-token scaffold forked ``beam`` ways on the 3+1-bit paged
     cache, stepped ``steps`` times). Bytes."""
@@ -141,11 +145,11 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
     from ..model.engine import TurboEsm
     from ..model.sizes import esm2_config
     from ..weights.codec import WeightQuantConfig
-    from ..weights.model import random_quantized, weight_memory
+    from ..weights.model import random_model, weight_memory
     from .synthetic import layer_codec, random_protein
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    model = random_quantized(esm2_config(size), device, WeightQuantConfig(bits=4, group=GROUP))
+    model = random_model(esm2_config(size), device, WeightQuantConfig(bits=4, group=GROUP))
     out = dict(size=size, weight_bytes=weight_memory(model)["total_bytes"],
                allocated_bytes=torch.cuda.memory_allocated(device))
     fast = FastEsm.from_hf(model, compile=False)
@@ -167,6 +171,31 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
                decode_peak_bytes=torch.cuda.max_memory_allocated(device))
     del session, model
     torch.cuda.empty_cache()
+    return out
+
+
+@torch.no_grad()
+def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1024) -> dict:
+    """A design loop's decode step on a ``size``-shaped model with fp16 weights and with 4-bit weights in groups of
+    :data:`GROUP` (both random, built on the device: ``weights.model.random_model``): a ``prefix``-token scaffold
+    forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph
+    (``DecodeSession.capture_step``; eagerly a step is bound by the host, not the weights). Milliseconds per step."""
+    from ..model.alphabet import alphabet
+    from ..model.engine import TurboEsm
+    from ..model.sizes import esm2_config
+    from ..weights.codec import WeightQuantConfig
+    from ..weights.model import random_model
+    from .synthetic import layer_codec, random_protein
+    out = dict(size=size, beam=beam, prefix=prefix)
+    for name, quant in (("fp16", None), ("4-bit", WeightQuantConfig(bits=4, group=GROUP))):
+        model = random_model(esm2_config(size), device, quant)
+        session = TurboEsm(model).session(layer_codec, capacity=prefix + 8)
+        session.start([random_protein(prefix - 1, 0)])
+        session.fork(beam)
+        step = session.capture_step(torch.full((beam, 1), alphabet().get_idx("A"), device=device))
+        out[f"{name}_ms"] = time_graph(step.graph.replay, device) * 1e3
+        del session, step, model
+        torch.cuda.empty_cache()
     return out
 
 
@@ -249,6 +278,10 @@ def format_weights(res: WeightBench) -> str:
             lines.append(f"    {r['size']:<5} error: {r['error']}" if "error" in r else
                          f"    {r['size']:<5} rows {r['rows']:>5}: bf16 {r['bf16_us']:.1f} µs, torchao {r['torchao_us']:.1f} "
                          f"µs ({r['bf16_us'] / r['torchao_us']:.2f}×)")
+    for d in res.decode:
+        lines.append(f"  design-loop decode step, {d['size']}-shaped, {d['beam']} rows on a {d['prefix']}-token scaffold "
+                     f"(CUDA graph): fp16 weights {d['fp16_ms']:.2f} ms, 4-bit {d['4-bit_ms']:.2f} ms "
+                     f"({d['fp16_ms'] / d['4-bit_ms']:.2f}×)")
     for p in res.peak:
         gib = 2**30
         lines.append(f"  {p['size']}-shaped, 4-bit weights {p['weight_bytes'] / gib:.2f} GiB: peak device memory "

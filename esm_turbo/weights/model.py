@@ -109,14 +109,20 @@ def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, 
     return model
 
 
-def random_quantized(config, device: torch.device | str, quant: WeightQuantConfig = WeightQuantConfig(),
-                     dtype: torch.dtype = torch.float16, seed: int = 0):
-    """An ``EsmForMaskedLM`` of ``config``'s shape with :class:`QuantizedLinear` block linears holding random codes,
-    built on ``device`` without an fp16 copy of the model (speed and memory do not depend on the values): a stand-in
-    for measuring a quantized model too large to quantize here. The other weights are random (LayerNorms the
-    identity), the rotary frequencies ESM-2's."""
+def random_model(config, device: torch.device | str, quant: WeightQuantConfig | None = WeightQuantConfig(),
+                 dtype: torch.dtype = torch.float16, seed: int = 0):
+    """An ``EsmForMaskedLM`` of ``config``'s shape built straight on ``device`` with random weights (speed and memory
+    do not depend on the values): with ``quant``, :class:`QuantizedLinear` block linears holding random codes and no
+    fp16 copy of the model at any point (a stand-in for a quantized model too large to quantize here); None: plain
+    linears. LayerNorms are the identity, the rotary frequencies ESM-2's."""
+    from transformers import EsmForMaskedLM
+
     from .codec import group_size
-    model = _quantized_shell(config, quant, lambda name, n: (group_size(n, quant.group), 1 + quant.residual))
+    if quant is None:
+        with torch.device("meta"):
+            model = EsmForMaskedLM(config)
+    else:
+        model = _quantized_shell(config, quant, lambda name, n: (group_size(n, quant.group), 1 + quant.residual))
     model.to_empty(device=device)
     model.tie_weights()  # the LM head's decoder is the embedding matrix again (to_empty gave each its own)
     gen = torch.Generator(device=device).manual_seed(seed)
