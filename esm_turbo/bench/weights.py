@@ -180,6 +180,8 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
     :data:`GROUP` (both random, built on the device: ``weights.model.random_model``): a ``prefix``-token scaffold
     forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph
     (``DecodeSession.capture_step``; eagerly a step is bound by the host, not the weights). Milliseconds per step."""
+    import triton.testing
+
     from ..model.alphabet import alphabet
     from ..model.engine import TurboEsm
     from ..model.sizes import esm2_config
@@ -193,7 +195,7 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
         session.start([random_protein(prefix - 1, 0)])
         session.fork(beam)
         step = session.capture_step(torch.full((beam, 1), alphabet().get_idx("A"), device=device))
-        out[f"{name}_ms"] = time_graph(step.graph.replay, device) * 1e3
+        out[f"{name}_ms"] = triton.testing.do_bench(step.graph.replay, warmup=25, rep=100, return_mode="median")
         del session, step, model
         torch.cuda.empty_cache()
     return out
