@@ -13,6 +13,7 @@ result is checked against :func:`~esm_turbo.kernels.weights.matmul_reference` fi
 
 from __future__ import annotations
 
+import gc
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -122,13 +123,13 @@ def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tu
                     print(format_weights(WeightBench(res.device, [row])).splitlines()[3], file=sys.stderr, flush=True)
         res.layer.extend(_bench_layer(size, device))
         res.torchao.extend(_bench_torchao(size, device))
-    for size in decode:
-        res.decode.append(decode_step(size, device))
-    for size in peak:
+    for size in peak:  # first: what the process holds before it counts
         res.peak.append(peak_memory(size, device))
         if progress:
             print(format_weights(WeightBench(res.device, peak=res.peak[-1:])).splitlines()[-1], file=sys.stderr,
                   flush=True)
+    for size in decode:
+        res.decode.append(decode_step(size, device))
     return res
 
 
@@ -147,6 +148,7 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
     from ..weights.codec import WeightQuantConfig
     from ..weights.model import random_model, weight_memory
     from .synthetic import layer_codec, random_protein
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     model = random_model(esm2_config(size), device, WeightQuantConfig(bits=4, group=GROUP))
@@ -170,6 +172,7 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
     out.update(decode_prefix=prefix, decode_beam=beam, decode_steps=steps,
                decode_peak_bytes=torch.cuda.max_memory_allocated(device))
     del session, model
+    gc.collect()
     torch.cuda.empty_cache()
     return out
 
@@ -197,6 +200,7 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
         step = session.capture_step(torch.full((beam, 1), alphabet().get_idx("A"), device=device))
         out[f"{name}_ms"] = triton.testing.do_bench(step.graph.replay, warmup=25, rep=100, return_mode="median")
         del session, step, model
+        gc.collect()
         torch.cuda.empty_cache()
     return out
 
