@@ -161,7 +161,7 @@ def sign_matrix(rot: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 #: most rows the CUDA-core kernel (``_gemv_kernel``) multiplies by default; more take the tensor-core tiles (at 4 rows
-#: the two are even over ESM-2's shapes on an H100; at one the CUDA cores are 1.4–2.3× faster)
+#: the two are even over ESM-2's shapes on an H100; at one the CUDA cores are 1.4–2.5× faster)
 GEMV_ROWS = 1
 
 
