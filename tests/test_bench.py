@@ -86,6 +86,7 @@ def test_the_weights_report_reads_every_section():
                                  decode_peak_bytes=2**34, decode_prefix=1024, decode_beam=16, decode_steps=8)])
     text = format_weights(res)
     for want in ("0.90×", "0.75×", "60%", "(0.87×)", "torchao 0.1 int4", "(0.50×)", "3B    error: ImportError: x",
-                 "fp16 weights 6.00 ms, 4-bit 12.00 ms (0.50×)", "4-bit weights 8.00 GiB: peak device memory 16.00 GiB"):
+                 "fp16 weights 6.00 ms, 4-bit 12.00 ms (0.50×)",
+                 "4-bit weights 8.00 GiB: peak device memory 16.00 GiB"):
         assert want in text, want
     assert weights_json(res)["decode"][0]["4-bit_ms"] == 12.0

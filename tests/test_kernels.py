@@ -575,10 +575,11 @@ def test_kernels_compile_for_sm90():
     this a compile error would surface only on a GPU."""
     out = _compiling("compile_sm90.py")
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
-    # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid, grid paged), prep, merge twice (many sequences per program,
-    # several queries); quantize-and-pack five times: prefills in blocks of 32 and 64, a decode step, the last two
-    # also with grid codes; the 4-bit weight matmul twice (groups of 32 and 128); a paged pool's block moves both ways;
-    # the bench's read-only kernel
+    # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid, grid paged), prep, merge twice (many
+    # sequences per program, several queries); quantize-and-pack six times: prefills in blocks of 32 and 64, a decode
+    # step (also into a paged pool), the last two also with grid codes; the 4-bit weights' tensor-core matmul twice
+    # (groups of 32 and 128), CUDA-core matmul, input rotation and dequantization; a paged pool's block moves both
+    # ways; the bench's read-only kernel
     assert len(compiled) == 35, out
 
 
@@ -813,9 +814,10 @@ def test_the_ops_cuda_bodies_run_the_kernels():
 
 
 @needs_triton
-@pytest.mark.parametrize("shapes,heads,word", [({"k.main": ((24,), torch.uint8), "k.norm": ((4,), torch.float16)}, 2, 8),
-                                               ({"k.main": ((3,), torch.uint8), "v.scale": ((), torch.float32)}, 2, 2),
-                                               ({"k.main": ((3,), torch.uint8), "v.scale": ((), torch.float16)}, 1, 1)])
+@pytest.mark.parametrize("shapes,heads,word", [
+    ({"k.main": ((24,), torch.uint8), "k.norm": ((4,), torch.float16)}, 2, 8),
+    ({"k.main": ((3,), torch.uint8), "v.scale": ((), torch.float32)}, 2, 2),
+    ({"k.main": ((3,), torch.uint8), "v.scale": ((), torch.float16)}, 1, 1)])
 def test_block_moves_match_the_reference(shapes, heads, word):
     """A paged pool's blocks to staging rows and back (kernels/blocks.py against ops/blocks.py's reference): the
     same bytes in the same places, other slots untouched."""

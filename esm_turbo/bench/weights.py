@@ -224,14 +224,7 @@ def _bench_torchao(size: str, device: torch.device) -> list[dict]:
     try:
         # tinygemm's tile-packed layout (aten._weight_int4pack_mm): the int4 path that runs on an H100 without mslk
         quantize_(quant, Int4WeightOnlyConfig(group_size=GROUP, int4_packing_format="tile_packed_to_4d"))
-        out = []
-        for b in (1, 16, 4096):
-            x = torch.randn(b, n, device=device, dtype=torch.bfloat16)
-            with torch.no_grad():
-                out.append(dict(size=size, linear="ffn_up", rows=b, version=version,
-                                bf16_us=time_graph(lambda: dense(x), device) * 1e6,
-                                torchao_us=time_graph(lambda: quant(x), device) * 1e6))
-        return out
+        return _timed_rows(size, n, torch.bfloat16, device, dict(bf16_us=dense, torchao_us=quant), version=version)
     except Exception as err:  # noqa: BLE001 - reported, the rest of the bench stands
         return [dict(size=size, linear="ffn_up", version=version, error=f"{type(err).__name__}: {str(err)[:200]}")]
 
@@ -243,14 +236,18 @@ def _bench_layer(size: str, device: torch.device) -> list[dict]:
     _, m, n = linear_shapes(size)[2]
     dense = torch.nn.Linear(n, m, device=device, dtype=torch.float16)
     quant = QuantizedLinear.from_linear(dense.float(), WeightQuantConfig(bits=4, group=GROUP), seed=0).to(device)
-    dense = dense.half()
+    return _timed_rows(size, n, torch.float16, device, dict(fp16_us=dense.half(), quantized_linear_us=quant))
+
+
+@torch.no_grad()
+def _timed_rows(size: str, n: int, dtype: torch.dtype, device: torch.device, modules: dict, **extra) -> list[dict]:
+    """The FFN-up linears ``modules`` (the key each one's µs is stored under) timed on the same input at 1, 16 and
+    4096 rows of ``n`` channels in ``dtype``: one dict a row count."""
     out = []
     for b in (1, 16, 4096):
-        x = torch.randn(b, n, device=device, dtype=torch.float16)
-        with torch.no_grad():
-            out.append(dict(size=size, linear="ffn_up", rows=b,
-                            fp16_us=time_graph(lambda: dense(x), device) * 1e6,
-                            quantized_linear_us=time_graph(lambda: quant(x), device) * 1e6))
+        x = torch.randn(b, n, device=device, dtype=dtype)
+        out.append(dict(size=size, linear="ffn_up", rows=b, **extra,
+                        **{key: time_graph(lambda mod=mod: mod(x), device) * 1e6 for key, mod in modules.items()}))
     return out
 
 
@@ -272,21 +269,21 @@ def format_weights(res: WeightBench) -> str:
         lines.append(f"  kernel vs PyTorch reference: max relative error {worst:.1e} over every row above")
     if res.layer:
         from ..weights.linear import KERNEL_ROWS
-        lines.append(f"  QuantizedLinear's forward (the fused kernel up to {KERNEL_ROWS} rows, else the dequantized weight "
-                     "and cuBLAS) vs fp16 nn.Linear, FFN up:")
+        lines.append(f"  QuantizedLinear's forward (the fused kernel up to {KERNEL_ROWS} rows, else the dequantized "
+                     "weight and cuBLAS) vs fp16 nn.Linear, FFN up:")
         for r in res.layer:
             lines.append(f"    {r['size']:<5} rows {r['rows']:>5}: fp16 {r['fp16_us']:.1f} µs, quantized "
                          f"{r['quantized_linear_us']:.1f} µs ({r['fp16_us'] / r['quantized_linear_us']:.2f}×)")
     if res.torchao:
-        lines.append(f"  torchao {res.torchao[0]['version']} int4 weight-only (groups of {GROUP}, bf16, tinygemm) vs bf16 "
-                     "nn.Linear, FFN up:")
+        lines.append(f"  torchao {res.torchao[0]['version']} int4 weight-only (groups of {GROUP}, bf16, tinygemm) vs "
+                     "bf16 nn.Linear, FFN up:")
         for r in res.torchao:
             lines.append(f"    {r['size']:<5} error: {r['error']}" if "error" in r else
-                         f"    {r['size']:<5} rows {r['rows']:>5}: bf16 {r['bf16_us']:.1f} µs, torchao {r['torchao_us']:.1f} "
-                         f"µs ({r['bf16_us'] / r['torchao_us']:.2f}×)")
+                         f"    {r['size']:<5} rows {r['rows']:>5}: bf16 {r['bf16_us']:.1f} µs, torchao "
+                         f"{r['torchao_us']:.1f} µs ({r['bf16_us'] / r['torchao_us']:.2f}×)")
     for d in res.decode:
-        lines.append(f"  design-loop decode step, {d['size']}-shaped, {d['beam']} rows on a {d['prefix']}-token scaffold "
-                     f"(CUDA graph): fp16 weights {d['fp16_ms']:.2f} ms, 4-bit {d['4-bit_ms']:.2f} ms "
+        lines.append(f"  design-loop decode step, {d['size']}-shaped, {d['beam']} rows on a {d['prefix']}-token "
+                     f"scaffold (CUDA graph): fp16 weights {d['fp16_ms']:.2f} ms, 4-bit {d['4-bit_ms']:.2f} ms "
                      f"({d['fp16_ms'] / d['4-bit_ms']:.2f}×)")
     for p in res.peak:
         gib = 2**30

@@ -4,8 +4,9 @@ Reference: ``esm_turbo.ops.compressed.quantize_pack_reference`` (per tensor kind
 
 For each (sequence b, head h) and token n < S: ``y = (x Πᵀ − offset) / scale``; ``idx = #{bounds < y}``
 (``torch.searchsorted`` semantics); ``sign = y ≥ c[idx]``; both packed into the cache rows
-``pos[b] + n`` (the layout of ``esm_turbo.quant.packing``), or a paged cache's through its block table. A grid codec's (``VectorQuantizer.grid``) evenly
-spaced levels are found by rounding, not by comparing with every bound (:func:`_grid_code`).
+``pos[b] + n`` (the layout of ``esm_turbo.quant.packing``), or a paged cache's through its block table. A grid
+codec's (``VectorQuantizer.grid``) evenly spaced levels are found by rounding, not by comparing with every bound
+(:func:`_grid_code`).
 """
 
 from __future__ import annotations
@@ -307,8 +308,8 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     layout row is read; a grid codec's codes are rounded instead of searched for); ``rot_halves``: (keys', values')
     Π in fp16 halves [H, 2, d, d] (``esm_turbo.ops.compressed.split_rotation``; empty: none), read for fp16 inputs
     instead of splitting Π in every program. ``pages`` [B, blocks] int32 (a paged cache; None or empty: contiguous):
-    the parts are pools [slots, H, block, ·] written through it. ``config`` overrides block_n / num_warps / precision (``ieee`` fp32, or
-    ``tf32x3``) / by_position / maxnreg (a register cap) for tuning."""
+    the parts are pools [slots, H, block, ·] written through it. ``config`` overrides block_n / num_warps / precision
+    (``ieee`` fp32, or ``tf32x3``) / by_position / maxnreg (a register cap) for tuning."""
     batch, heads, s, d = k.shape
     # 4 warps (2 spilled registers at 1024-token blocks); the block size is chosen below; tf32x3 (or the fp16 split)
     # keeps fp32 accuracy on tensor cores
@@ -354,5 +355,5 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
         KBITS=kc.bits, KK=kc.levels, KFIELDS=kc.fields, KSIGN=kc.sign, KCOMB=kc.combine, VBITS=vc.bits,
         VK=vc.levels, VFIELDS=vc.fields, VSIGN=vc.sign, VCOMB=vc.combine, BLOCK_N=block_n, PER_SEQ=per_seq,
         PRECISION=cfg["precision"], KSPLIT=kc.split, VSPLIT=vc.split, KPOS=kc.by_position, VPOS=vc.by_position,
-        KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), PAGED=paged, num_warps=cfg["num_warps"], maxnreg=maxnreg,
-        enable_fp_fusion=FP_FUSION)
+        KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), PAGED=paged, num_warps=cfg["num_warps"],
+        maxnreg=maxnreg, enable_fp_fusion=FP_FUSION)

@@ -58,6 +58,20 @@ def _turn(t, sign_ptr, rot_scale, ROWS: tl.constexpr, COLS: tl.constexpr, D: tl.
 
 
 @triton.jit
+def _finish(acc, offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV: tl.constexpr,
+            HAS_BIAS: tl.constexpr):
+    """The matmuls' epilogue: acc [R, BM] float32 (rows ``offs_r`` of the input, outputs ``offs_m``) + prev [B, M]
+    float32 + bias [M], stored into out [B, M] (rows strided by sob; its dtype)."""
+    at = offs_r[:, None].to(tl.int64) * sob + offs_m[None, :]
+    mask = (offs_r[:, None] < B) & (offs_m[None, :] < M)
+    if HAS_PREV:
+        acc += tl.load(prev_ptr + at, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob,
                            BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                            HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
@@ -74,23 +88,18 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
         x = tl.load(x_ptr + offs_b[:, None].to(tl.int64) * sxb + offs_k[None, :], mask=bmask[:, None], other=0.0)
         w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, x.dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    at = offs_b[:, None].to(tl.int64) * sob + offs_m[None, :]
-    omask = bmask[:, None] & mmask[None, :]
-    if HAS_PREV:
-        acc += tl.load(prev_ptr + at, mask=omask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_m, mask=mmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    _finish(acc, offs_b, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob,
                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                  HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A few rows (B ≤ ROWS): grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob; its dtype) = x [B, N] (rows
-    strided by sxb) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA cores: each byte's two codes are looked up
-    (L1) and multiplied by the even and odd input channels, scaled per element (the scale read through L1 with them),
-    and summed over the row once at the end. No tensor-core tile, no reshuffle of the codes. N % BLOCK_K == 0."""
+    """A few rows (B ≤ ROWS): grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob; its dtype) = x [B, N]
+    (rows strided by sxb) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA cores: each byte's two codes are
+    looked up (L1) and multiplied by the even and odd input channels, scaled per element (the scale read through L1
+    with them), and summed over the row once at the end. No tensor-core tile, no reshuffle of the codes.
+    N % BLOCK_K == 0."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, ROWS)
     mmask = offs_m[:, None] < M
@@ -108,14 +117,7 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
         even = tl.load(x_ptr + xrows + 2 * offs_h[None, :], mask=rmask, other=0.0).to(tl.float32)
         odd = tl.load(x_ptr + xrows + 2 * offs_h[None, :] + 1, mask=rmask, other=0.0).to(tl.float32)
         acc += lo[None, :, :] * even[:, None, :] + hi[None, :, :] * odd[:, None, :]
-    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_M]
-    at = offs_r[:, None].to(tl.int64) * sob + offs_m[None, :]
-    mask = rmask & (offs_m[None, :] < M)
-    if HAS_PREV:
-        out += tl.load(prev_ptr + at, mask=mask, other=0.0)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _finish(tl.sum(acc, axis=2), offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
 
 
 @triton.jit
@@ -160,8 +162,8 @@ def sign_matrix(rot: torch.Tensor) -> tuple[torch.Tensor, float]:
     return sign.contiguous().to(rot.device), c
 
 
-#: most rows the CUDA-core kernel (``_gemv_kernel``) multiplies by default; more take the tensor-core tiles (at 4 rows
-#: the two are even over ESM-2's shapes on an H100; at one the CUDA cores are 1.4–2.5× faster)
+#: most rows the CUDA-core kernel (``_gemv_kernel``) multiplies by default; more take the tensor-core tiles (at 4
+#: rows the two are even over ESM-2's shapes on an H100; at one the CUDA cores are 1.4–2.5× faster)
 GEMV_ROWS = 1
 
 
@@ -223,8 +225,8 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
 
 
 def rotate_triton(x: torch.Tensor, rotation: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """x [B, N] with each group of d channels times c·S (``rotation`` = :func:`sign_matrix` of Πᵀ: x_rot = x_g Πᵀ), in
-    x's dtype, one launch. Reference: ``QuantizedLinear.rotate_input``."""
+    """x [B, N] with each group of d channels times c·S (``rotation`` = :func:`sign_matrix` of Πᵀ: x_rot = x_g Πᵀ),
+    in x's dtype, one launch. Reference: ``QuantizedLinear.rotate_input``."""
     b, n = x.shape
     group = rotation[0].shape[0]
     block_k = 256  # the largest power of two up to 256 dividing n

@@ -3,9 +3,8 @@
 Forward at 4 bits on CUDA (``esm_turbo.kernels.weights``): up to :data:`KERNEL_ROWS` rows, the input is rotated per
 group (``x_rot = x_g Πᵀ``, one launch) and the fused kernel multiplies it by each pass's packed codes, adding the bias
 in its epilogue; past it, the weight is dequantized once in the original domain (one launch a pass) and multiplied by
-cuBLAS. Elsewhere and at
-other widths: the input rotated in one batched product, the rotated weight decoded in its dtype, one matmul. FastEsm,
-which takes weight tensors, gets them from :meth:`QuantizedLinear.dequantize`.
+cuBLAS. Elsewhere and at other widths: the input rotated in one batched product, the rotated weight decoded in its
+dtype, one matmul. FastEsm, which takes weight tensors, gets them from :meth:`QuantizedLinear.dequantize`.
 """
 
 from __future__ import annotations
