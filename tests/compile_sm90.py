@@ -7,6 +7,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
 
+import triton.language as tl  # noqa: E402
+
 from esm_turbo.bench import read  # noqa: E402
 from esm_turbo.kernels import blocks, quantize, weights  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
@@ -73,22 +75,26 @@ def main() -> None:
                      dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64,
                           pages_ptr="*i32" if paged else i64, k_lay="*i32", v_lay="*i32"), num_warps=4,
                      maxnreg=96 if block_n == 64 else None)
-    # 4-bit weights: groups of 32 (several scales per tile) with a bias and an earlier pass added, and of 128 (one),
-    # fp16 activations on tensor cores; the input rotated per group; the weight dequantized to fp16 and turned back
-    # to the original domain (fp32 tiles in fp16 halves)
+    # 4-bit weights (codes read as int32 words, looked up in registers): groups of 32 (several scales per tile) with
+    # a bias and an earlier pass added, and of 128 (one) with the input channels split over programs, fp16
+    # activations on tensor cores; the CUDA-core kernel; the input rotated per group; the weight dequantized and
+    # turned back to the original domain (fp32 tiles in fp16 halves)
+    i32 = "*i32"
     for group, extras in ((32, True), (128, False)):
-        compile_sm90(weights._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=64, BLOCK_K=128, GROUP=group,
-                                                          HAS_PREV=extras, HAS_BIAS=extras, PRECISION="tf32"),
+        compile_sm90(weights._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=32, BLOCK_K=256, GROUP=group,
+                                                          HAS_PREV=extras, HAS_BIAS=extras, PRECISION="tf32",
+                                                          LUT=True, SPLIT=1 if extras else 4),
                      {"B", "M", "N", "G", "sxb", "sob"},
-                     dict(x_ptr=f16, codes_ptr=u8, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
-    compile_sm90(weights._gemv_kernel, dict(ROWS=4, BLOCK_M=4, BLOCK_K=512, GROUP=32, HAS_PREV=True, HAS_BIAS=True),
+                     dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
+    compile_sm90(weights._gemv_kernel, dict(ROWS=1, BLOCK_M=8, BLOCK_K=512, GROUP=32, HAS_PREV=True, HAS_BIAS=True,
+                                            LUT=True, WDTYPE=tl.float16),
                  {"B", "M", "N", "G", "sxb", "sob"},
-                 dict(x_ptr=f16, codes_ptr=u8, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
+                 dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
     compile_sm90(weights._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32"), {"B", "N", "sxb"},
                  dict(x_ptr=f16, rot_scale="fp32", out_ptr=f16), num_warps=4)
     compile_sm90(weights._dequant_kernel, dict(BLOCK_M=64, BLOCK_K=64, GROUP=32, ROTATE=True, HAS_PREV=True,
-                                               PRECISION="tf32"),
-                 {"M", "N", "G"}, dict(codes_ptr=u8, cb_ptr=f16, scales_ptr=f16, rot_scale="fp32", out_ptr=f16),
+                                               PRECISION="tf32", LUT=True),
+                 {"M", "N", "G"}, dict(codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, rot_scale="fp32", out_ptr=f16),
                  num_warps=4)
     # a paged pool's blocks to and from staging rows (8-byte words)
     for to_pool in (True, False):

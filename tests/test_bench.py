@@ -81,12 +81,13 @@ def test_the_weights_report_reads_every_section():
                       layer=[dict(size="650M", linear="ffn_up", rows=1, fp16_us=13.0, quantized_linear_us=15.0)],
                       torchao=[dict(size="650M", linear="ffn_up", rows=1, version="0.1", bf16_us=13.0, torchao_us=26.0),
                                dict(size="3B", linear="ffn_up", version="0.1", error="ImportError: x")],
-                      decode=[dict(size="3B", beam=16, prefix=1024, fp16_ms=6.0, **{"4-bit_ms": 12.0})],
+                      decode=[dict(size="3B", beam=16, prefix=1024, fp16_ms=6.0, free_ms=3.5, read_ms=0.5,
+                                   **{"4-bit_ms": 12.0})],
                       peak=[dict(size="15B", weight_bytes=2**33, embed_peak_bytes=2**34, embed_tokens=4096,
                                  decode_peak_bytes=2**34, decode_prefix=1024, decode_beam=16, decode_steps=8)])
     text = format_weights(res)
     for want in ("0.90×", "0.75×", "60%", "(0.87×)", "torchao 0.1 int4", "(0.50×)", "3B    error: ImportError: x",
-                 "fp16 weights 6.00 ms, 4-bit 12.00 ms (0.50×)",
+                 "fp16 weights 6.00 ms, 4-bit 12.00 ms (0.50×); ceiling 1.50× (the step without its linears 3.50 ms",
                  "4-bit weights 8.00 GiB: peak device memory 16.00 GiB"):
         assert want in text, want
     assert weights_json(res)["decode"][0]["4-bit_ms"] == 12.0

@@ -150,9 +150,9 @@ def test_cli_quantize_weights(tmp_path, capsys):
 @pytest.mark.parametrize("n,group,batch", [(96, 32, 5), (256, 128, 3), (320, 64, 17), (1280, 32, 1)])
 @pytest.mark.parametrize("gemv", [False, True])
 def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
-    """The fused 4-bit dequantize-and-multiply kernels (Triton's interpreter on CPU; compiled on a GPU), the
-    tensor-core tiles and the CUDA-core one, against the PyTorch reference, under the flash-attention rule: the error
-    against fp64 at most twice the fp32 reference's."""
+    """The fused 4-bit dequantize-and-multiply kernels (Triton's interpreter on CPU, the codebook gathered; compiled
+    on a GPU, looked up in registers), the tensor-core tiles and the CUDA-core one, against the PyTorch reference,
+    under the flash-attention rule: the error against fp64 at most twice the fp32 reference's."""
     from esm_turbo.kernels.weights import matmul_reference, matmul_triton
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = QuantizedLinear.from_linear(_linear(80, n, seed=n), WeightQuantConfig(bits=4, group=group), seed=1)
@@ -165,6 +165,24 @@ def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
     err, err_ref = (out - ref64).abs().max().item(), (ref32 - ref64).abs().max().item()
     bound = 2 * err_ref + 1e-5 if dtype == torch.float32 else 2e-2 * ref64.abs().max().item()
     assert err <= bound, (err, err_ref)
+
+
+@pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
+                    reason="triton >= 3.5 is not installed")
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_weight_kernel_splits_the_input_channels(split):
+    """The tensor-core kernel with its input channels split over programs (a float32 partial sum each, summed after)
+    gives the unsplit result, the earlier pass and the bias added once."""
+    from esm_turbo.kernels.weights import matmul_reference, matmul_triton
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = QuantizedLinear.from_linear(_linear(48, 512, seed=3), WeightQuantConfig(bits=4, group=32), seed=1)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0)).to(device)
+    args = [t.to(device) for t in (q.codes0, q.scales0, q.codebook0)]
+    prev, bias = torch.randn(3, 48, device=device), torch.randn(48, device=device)
+    want = matmul_reference(x, *args) + prev + bias
+    cfg = dict(gemv=False, split=split, block_k=64)
+    out = matmul_triton(x, *args, config=cfg, prev=prev, bias=bias, out_dtype=torch.float32)
+    assert out.shape == (3, 48) and (out - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
 
 @pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),

@@ -178,22 +178,45 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
 
 
 @torch.no_grad()
+class _Free(torch.nn.Module):
+    """A linear that costs nothing: its output is one preallocated zero tensor per input shape (no kernel), to time
+    the rest of a step."""
+
+    def __init__(self, out_features: int):
+        super().__init__()
+        self.out_features, self._out = out_features, {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (*x.shape[:-1], self.out_features)
+        if shape not in self._out:
+            self._out[shape] = x.new_zeros(shape)
+        return self._out[shape]
+
+
 def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1024) -> dict:
     """A design loop's decode step on a ``size``-shaped model with fp16 weights and with 4-bit weights in groups of
     :data:`GROUP` (both random, built on the device: ``weights.model.random_model``): a ``prefix``-token scaffold
     forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph
-    (``DecodeSession.capture_step``; eagerly a step is bound by the host, not the weights). Milliseconds per step."""
+    (``DecodeSession.capture_step``; eagerly a step is bound by the host, not the weights). Milliseconds per step.
+    The ceiling of the 4-bit step: the step with block linears that cost nothing (``free_ms``) plus a pure read of
+    the 4-bit weights' bytes (``read_ms``)."""
     import triton.testing
 
     from ..model.alphabet import alphabet
     from ..model.engine import TurboEsm
     from ..model.sizes import esm2_config
     from ..weights.codec import WeightQuantConfig
-    from ..weights.model import random_model
+    from ..weights.model import block_linears, random_model, weight_memory
     from .synthetic import layer_codec, random_protein
+    from .timing import read_floor_us
     out = dict(size=size, beam=beam, prefix=prefix)
-    for name, quant in (("fp16", None), ("4-bit", WeightQuantConfig(bits=4, group=GROUP))):
+    for name, quant in (("fp16", None), ("4-bit", WeightQuantConfig(bits=4, group=GROUP)), ("free", None)):
         model = random_model(esm2_config(size), device, quant)
+        if name == "free":
+            for _, parent, attr in block_linears(model):
+                setattr(parent, attr, _Free(getattr(parent, attr).out_features))
+        if name == "4-bit":
+            out["read_ms"] = read_floor_us(weight_memory(model)["quantized_linear_bytes"], device) / 1e3
         session = TurboEsm(model).session(layer_codec, capacity=prefix + 8)
         session.start([random_protein(prefix - 1, 0)])
         session.fork(beam)
@@ -284,7 +307,10 @@ def format_weights(res: WeightBench) -> str:
     for d in res.decode:
         lines.append(f"  design-loop decode step, {d['size']}-shaped, {d['beam']} rows on a {d['prefix']}-token "
                      f"scaffold (CUDA graph): fp16 weights {d['fp16_ms']:.2f} ms, 4-bit {d['4-bit_ms']:.2f} ms "
-                     f"({d['fp16_ms'] / d['4-bit_ms']:.2f}×)")
+                     f"({d['fp16_ms'] / d['4-bit_ms']:.2f}×)" + (
+                         f"; ceiling {d['fp16_ms'] / (d['free_ms'] + d['read_ms']):.2f}× (the step without its "
+                         f"linears {d['free_ms']:.2f} ms + a pure read of the 4-bit weights {d['read_ms']:.2f} ms)"
+                         if "free_ms" in d else ""))
     for p in res.peak:
         gib = 2**30
         lines.append(f"  {p['size']}-shaped, 4-bit weights {p['weight_bytes'] / gib:.2f} GiB: peak device memory "

@@ -4,16 +4,21 @@ dequantization of a whole weight back to the original domain for many rows. The 
 contracts are :func:`matmul_reference`, ``QuantizedLinear.rotate_input`` and ``QuantPass.decode``;
 ``esm_turbo.weights.linear.QuantizedLinear`` picks between them.
 
-The matmul, for a few rows (:data:`GEMV_ROWS`) on the CUDA cores (``_gemv_kernel``): each byte's two codes are looked
-up in the layer's 16-entry codebook (L1) and multiplied by the even and odd input channels, scaled per element and
-summed once at the end. For more rows on the tensor cores (``_dequant_matmul_kernel``): each program owns a [BLOCK_B,
-BLOCK_M] tile of the output and walks the input channels BLOCK_K at a time, the codes of its rows split in registers,
-looked up, scaled per (row, group) and fed to a dot with the input tile. Both add a bias and an earlier pass's output
-in the epilogue; the dequantized weight never reaches global memory. A rotation (the layer's Hadamard matrix, ±1
-entries) is one small dot per group of channels.
+The codes are read as int32 words, eight 4-bit codes a word, and each is looked up in the layer's 16-entry fp16
+codebook in registers (``_lookup``: PTX ``prmt`` byte permutes over the codebook's bytes, about three integer
+instructions a code, no memory access; Triton's interpreter, which runs no PTX, gathers through memory instead).
+The matmul, for one row (:data:`GEMV_ROWS`) on the CUDA cores (``_gemv_kernel``): the decoded tile times the input
+elementwise into a float32 sum, reduced once at the end. For more rows on the tensor cores
+(``_dequant_matmul_kernel``): each program owns a [BLOCK_B, BLOCK_M] tile of the output and walks its run of input
+channels BLOCK_K at a time, the decoded tile scaled per (row, group) and fed to a dot with the input tile; a layer
+with few outputs splits its input channels over programs (float32 partial sums, added after). Both add a bias and
+an earlier pass's output in the epilogue; the dequantized weight never reaches global memory. A rotation (the layer's
+Hadamard matrix, ±1 entries) is one small dot per group of channels.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -22,16 +27,93 @@ import triton.language as tl
 from .common import FP_FUSION, interpreting
 
 
+#: the codebook lookup of eight codes in registers (PTX ``prmt``): $8 holds eight codes (channel i in nibble i), $9–$12
+#: the codebook's low bytes (entries 0–3, 4–7, 8–11, 12–15), $13–$16 its high bytes. For each half-word of codes:
+#: ``s`` = each code's low three bits picks one of eight bytes, twice (entries 0–7, 8–15) for each byte half; the code's
+#: fourth bit, spread to a byte mask ``m``, picks between them; the low and high bytes interleave into two fp16 pairs.
+_LOOKUP_ASM = tl.constexpr("""
+{
+.reg .b32 w, s, t, m, la, lb, ha, hb, lo, hi, ff, p0, p1;
+mov.b32 ff, 0xFF00;
+mov.b32 w, $8;
+and.b32 s, w, 0x7777;
+shr.b32 t, w, 3;
+and.b32 t, t, 0x1111;
+prmt.b32 m, ff, ff, t;
+prmt.b32 la, $9, $10, s;
+prmt.b32 lb, $11, $12, s;
+prmt.b32 ha, $13, $14, s;
+prmt.b32 hb, $15, $16, s;
+lop3.b32 lo, la, lb, m, 0xD8;
+lop3.b32 hi, ha, hb, m, 0xD8;
+prmt.b32 p0, lo, hi, 0x5140;
+prmt.b32 p1, lo, hi, 0x7362;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+shr.b32 w, w, 16;
+and.b32 s, w, 0x7777;
+shr.b32 t, w, 3;
+and.b32 t, t, 0x1111;
+prmt.b32 m, ff, ff, t;
+prmt.b32 la, $9, $10, s;
+prmt.b32 lb, $11, $12, s;
+prmt.b32 ha, $13, $14, s;
+prmt.b32 hb, $15, $16, s;
+lop3.b32 lo, la, lb, m, 0xD8;
+lop3.b32 hi, ha, hb, m, 0xD8;
+prmt.b32 p0, lo, hi, 0x5140;
+prmt.b32 p1, lo, hi, 0x7362;
+mov.b32 {$4, $5}, p0;
+mov.b32 {$6, $7}, p1;
+}
+""")
+
+
 @triton.jit
-def _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP: tl.constexpr, DTYPE: tl.constexpr):
-    """Ŵ_rot[offs_m, k0 : k0 + BLOCK_K] as DTYPE [BLOCK_M, BLOCK_K]: each code (two input channels a byte, the first in
-    the low nibble) looked up in the 16-entry codebook, then scaled per (row, group) in DTYPE (a 16-bit product
-    rounded once, as a float32 product cast to 16 bits is)."""
-    offs_h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    byte = tl.load(codes_ptr + offs_m[:, None].to(tl.int64) * (N // 2) + offs_h[None, :], mask=mmask[:, None],
-                   other=0).to(tl.int32)
-    w = tl.load(cb_ptr + tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_M, BLOCK_K)))  # 2j: low nibble, 2j+1: high
+def _byte_word(a, b, SHIFT: tl.constexpr):
+    """Bytes SHIFT/8 and SHIFT/8 + 2 of the int32 words a and b, as bytes 0–3 of one word."""
+    return (((a >> SHIFT) & 255) | (((a >> (SHIFT + 16)) & 255) << 8) | (((b >> SHIFT) & 255) << 16)
+            | (((b >> (SHIFT + 16)) & 255) << 24))
+
+
+@triton.jit
+def _lookup(word, cb_ptr, LUT: tl.constexpr):
+    """word [A, W] int32 (eight 4-bit codes, channel i of the word in nibble i) → fp16 [A, 8W], each code's entry of
+    the 16-entry codebook (fp16). ``LUT``: in registers (:data:`_LOOKUP_ASM`); else gathered through L1 (Triton's
+    interpreter, which runs no PTX)."""
+    if LUT:
+        words = cb_ptr.to(tl.pointer_type(tl.int32))  # entries 2j (low half) and 2j + 1
+        c0 = tl.load(words)
+        c1 = tl.load(words + 1)
+        c2 = tl.load(words + 2)
+        c3 = tl.load(words + 3)
+        c4 = tl.load(words + 4)
+        c5 = tl.load(words + 5)
+        c6 = tl.load(words + 6)
+        c7 = tl.load(words + 7)
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _LOOKUP_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
+            [word, _byte_word(c0, c1, 0), _byte_word(c2, c3, 0), _byte_word(c4, c5, 0), _byte_word(c6, c7, 0),
+             _byte_word(c0, c1, 8), _byte_word(c2, c3, 8), _byte_word(c4, c5, 8), _byte_word(c6, c7, 8)],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        # stacked in bit-reversed order, so that [A, W, 2, 2, 2] flattens to channel order
+        v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    else:
+        shift = tl.reshape(tl.arange(0, 8) * 4, (1, 1, 8))
+        v = tl.load(cb_ptr + ((word[:, :, None] >> shift) & 15))
+    return tl.reshape(v, (word.shape[0], word.shape[1] * 8))
+
+
+@triton.jit
+def _weight_tile(words_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP: tl.constexpr, DTYPE: tl.constexpr, LUT: tl.constexpr):
+    """Ŵ_rot[offs_m, k0 : k0 + BLOCK_K] as DTYPE [BLOCK_M, BLOCK_K]: each code (eight input channels an int32 word of
+    the packed codes, the first in the lowest nibble) looked up in the 16-entry codebook (:func:`_lookup`), then scaled
+    per (row, group) in DTYPE (a 16-bit product rounded once, as a float32 product cast to 16 bits is)."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    word = tl.load(words_ptr + offs_m[:, None].to(tl.int64) * (N // 8) + offs_w[None, :], mask=mmask[:, None],
+                   other=0)
+    w = _lookup(word, cb_ptr, LUT)
     SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # channels per scale within a tile
     NG: tl.constexpr = BLOCK_K // SUB
     groups = (k0 + tl.arange(0, NG) * SUB) // GROUP
@@ -74,49 +156,49 @@ def _finish(acc, offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PRE
 @triton.jit
 def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob,
                            BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                           HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid (cdiv(M, BLOCK_M), cdiv(B, BLOCK_B)). x [B, N] (rows strided by sxb; rotated), codes [M, N/2] uint8, scales
-    [M, G] fp16, codebook [16] fp16, out [B, M] (rows strided by sob; its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32,
-    + bias [M]). N % BLOCK_K == 0; BLOCK_K and GROUP powers of two."""
+                           HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                           LUT: tl.constexpr, SPLIT: tl.constexpr):
+    """Grid (cdiv(M, BLOCK_M), cdiv(B, BLOCK_B), SPLIT). x [B, N] (rows strided by sxb; rotated), codes [M, N/8] int32
+    (the packed uint8 codes read as words), scales [M, G] fp16, codebook [16] fp16, out [B, M] (rows strided by sob;
+    its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]). With SPLIT > 1 program (i, j, s) sums the s-th of
+    SPLIT equal runs of input channels into out[s] of a float32 [SPLIT, B, M] (no prev, no bias). N % (SPLIT·BLOCK_K)
+    == 0; BLOCK_K and GROUP powers of two."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mmask = offs_m < M
     bmask = offs_b < B
+    RUN = N // SPLIT
+    start = tl.program_id(2) * RUN
     acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, N, BLOCK_K):
+    for k0 in range(start, start + RUN, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_b[:, None].to(tl.int64) * sxb + offs_k[None, :], mask=bmask[:, None], other=0.0)
-        w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, x.dtype)
+        w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, x.dtype, LUT)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    _finish(acc, offs_b, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+    _finish(acc, offs_b, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr + tl.program_id(2).to(tl.int64) * B * M,
+            HAS_PREV, HAS_BIAS)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob,
                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                 HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, WDTYPE: tl.constexpr):
     """A few rows (B ≤ ROWS): grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob; its dtype) = x [B, N]
-    (rows strided by sxb) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA cores: each byte's two codes are
-    looked up (L1) and multiplied by the even and odd input channels, scaled per element (the scale read through L1
-    with them), and summed over the row once at the end. No tensor-core tile, no reshuffle of the codes.
-    N % BLOCK_K == 0."""
+    (rows strided by sxb) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA cores: the weight tile decoded
+    as the tensor-core kernel decodes it (scaled in WDTYPE: fp16 for 16-bit inputs), multiplied by the input
+    elementwise into a float32 [ROWS, BLOCK_M, BLOCK_K] sum, reduced over the row once at the end. codes [M, N/8]
+    int32. N % BLOCK_K == 0."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, ROWS)
-    mmask = offs_m[:, None] < M
+    mmask = offs_m < M
     rmask = offs_r[:, None] < B
-    HALF: tl.constexpr = BLOCK_K // 2
-    acc = tl.zeros((ROWS, BLOCK_M, HALF), dtype=tl.float32)
-    rows = offs_m[:, None].to(tl.int64)
+    acc = tl.zeros((ROWS, BLOCK_M, BLOCK_K), dtype=tl.float32)
     xrows = offs_r[:, None].to(tl.int64) * sxb
     for k0 in range(0, N, BLOCK_K):
-        offs_h = k0 // 2 + tl.arange(0, HALF)
-        byte = tl.load(codes_ptr + rows * (N // 2) + offs_h[None, :], mask=mmask, other=0).to(tl.int32)
-        scale = tl.load(scales_ptr + rows * G + (2 * offs_h[None, :]) // GROUP, mask=mmask, other=0.0).to(tl.float32)
-        lo = tl.load(cb_ptr + (byte & 15)).to(tl.float32) * scale
-        hi = tl.load(cb_ptr + (byte >> 4)).to(tl.float32) * scale
-        even = tl.load(x_ptr + xrows + 2 * offs_h[None, :], mask=rmask, other=0.0).to(tl.float32)
-        odd = tl.load(x_ptr + xrows + 2 * offs_h[None, :] + 1, mask=rmask, other=0.0).to(tl.float32)
-        acc += lo[None, :, :] * even[:, None, :] + hi[None, :, :] * odd[:, None, :]
+        w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, WDTYPE,
+                         LUT).to(tl.float32)
+        x = tl.load(x_ptr + xrows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=rmask, other=0.0).to(tl.float32)
+        acc += w[None, :, :] * x[:, None, :]
     _finish(tl.sum(acc, axis=2), offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
 
 
@@ -136,13 +218,13 @@ def _rotate_kernel(x_ptr, sign_ptr, rot_scale, out_ptr, B, N, sxb, BLOCK_B: tl.c
 @triton.jit
 def _dequant_kernel(codes_ptr, cb_ptr, scales_ptr, sign_ptr, rot_scale, prev_ptr, out_ptr, M, N, G,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, ROTATE: tl.constexpr,
-                    HAS_PREV: tl.constexpr, PRECISION: tl.constexpr):
+                    HAS_PREV: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), N / BLOCK_K). out [M, N] (its dtype) = Ŵ_rot, or with ``ROTATE`` the original-domain
-    Ŵ (each group of GROUP channels times sign · rot_scale), + prev [M, N] float32."""
+    Ŵ (each group of GROUP channels times sign · rot_scale), + prev [M, N] float32. codes [M, N/8] int32."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     k0 = tl.program_id(1) * BLOCK_K
     mmask = offs_m < M
-    w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, tl.float32)
+    w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, tl.float32, LUT)
     if ROTATE:
         w = _turn(w, sign_ptr, rot_scale, BLOCK_M, BLOCK_K, GROUP, PRECISION)
     at = offs_m[:, None].to(tl.int64) * N + k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -162,8 +244,7 @@ def sign_matrix(rot: torch.Tensor) -> tuple[torch.Tensor, float]:
     return sign.contiguous().to(rot.device), c
 
 
-#: most rows the CUDA-core kernel (``_gemv_kernel``) multiplies by default; more take the tensor-core tiles (at 4
-#: rows the two are even over ESM-2's shapes on an H100; at one the CUDA cores are 1.4–2.5× faster)
+#: most rows the CUDA-core kernel (``_gemv_kernel``) multiplies by default; more take the tensor-core tiles
 GEMV_ROWS = 1
 
 
@@ -175,53 +256,89 @@ def matmul_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return x.float() @ w.view(m, n).T
 
 
-def launch_config(rows: int, out_features: int) -> dict:
-    """The tensor-core kernel's launch constants for ``rows`` × ``out_features``: the fastest of a grid timed on an
-    H100 (``esm-turbo bench weights --tune`` times it again). Few rows read weights: narrow row blocks (more programs)
-    and long input tiles, wider blocks as the layer grows; many rows multiply: 64 × 128 tiles. The CUDA-core kernel's
-    (rows of 4 outputs, 256 or 512 input channels a step) were timed the same way."""
-    if rows <= 16:
-        block_m = 16 if out_features <= 5120 else 32 if out_features <= 10240 else 64
-        return dict(block_b=16, block_m=block_m, block_k=64 if block_m == 64 else 256, num_warps=4, num_stages=3)
-    block_b = triton.next_power_of_2(min(rows, 64))
-    return dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132) -> dict:
+    """Launch constants for ``rows`` × a [out_features, in_features] weight on a GPU of ``sms`` multiprocessors: the
+    fastest of a grid timed on an H100 (``esm-turbo bench weights --tune`` times it again). One row: the CUDA-core
+    kernel, 4 or 8 outputs a program. Up to 16: tensor-core tiles of 16 or 32 outputs × 256 input channels, the
+    input channels split over programs (``split``) until there is a program for every multiprocessor; a layer whose
+    input is twice its output or more (FFN down) takes 16 × 128 tiles, split further. More rows multiply: 64 × 128
+    tiles."""
+    m, n = out_features, in_features
+    cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=8 if m >= 5120 and n >= 2560 else 4,
+               gemv_k=512 if n >= 2560 else 256, gemv_warps=8 if n >= 4 * m and m < 5120 else 4, split=1)
+    if rows > 16:
+        block_b = triton.next_power_of_2(min(rows, 64))
+        return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
+    if n >= 2 * m:  # a long input: shorter tiles, the channels split to about five programs a multiprocessor
+        cfg |= dict(block_b=16, block_m=16, block_k=128, num_warps=4, num_stages=4)
+        programs = triton.cdiv(m, 16) * triton.cdiv(rows, 16)
+        while (cfg["split"] < 8 and programs * cfg["split"] * 2 <= 5 * sms and n // (2 * cfg["split"]) >= 1280
+               and n % (2 * cfg["split"] * 128) == 0):
+            cfg["split"] *= 2
+        return cfg
+    cfg |= dict(block_b=16, block_m=32 if m >= 3840 and m >= n else 16, block_k=256, num_warps=4, num_stages=3)
+    programs = triton.cdiv(m, cfg["block_m"]) * triton.cdiv(rows, 16)
+    while cfg["split"] < 8 and programs * cfg["split"] < sms and n % (2 * cfg["split"] * cfg["block_k"]) == 0:
+        cfg["split"] *= 2
+    return cfg
 
 
 def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
                   config: dict | None = None, *, bias: torch.Tensor | None = None, prev: torch.Tensor | None = None,
                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter): x [B, N] (rotated) → [B, M]
-    in ``out_dtype``; ``bias`` [M] and ``prev`` [B, M] float32 (an earlier pass) are added in its epilogue.
-    ``config`` overrides block_b / block_m / block_k / num_warps / num_stages, and ``gemv`` (the CUDA-core kernel,
-    default for up to :data:`GEMV_ROWS` rows) with gemv_m / gemv_k / gemv_warps."""
+    """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter; a second, small one to sum a
+    split): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev`` [B, M] float32 (an earlier pass)
+    are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b / block_m / block_k / num_warps /
+    num_stages / split, and ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps."""
     b, n = x.shape
     m, groups = scales.shape
     group = n // groups
-    cfg = launch_config(b, m)
-    cfg.update(config or {})
-    while n % cfg["block_k"]:
-        cfg["block_k"] //= 2
-    if cfg["block_k"] < 16:
+    if n % 16:
         raise ValueError(f"input width {n} is not a multiple of 16")
+    cfg = launch_config(b, m, n, _sm_count(x.device))
+    cfg.update(config or {})
+    words = codes.view(torch.int32)  # eight codes a word
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(b, m, device=x.device, dtype=out_dtype)
-    if cfg.get("gemv", b <= GEMV_ROWS):  # a few rows: on the CUDA cores
-        block_k = cfg.get("gemv_k", 512 if n >= 5120 else 256)
+    lut = not interpreting()
+    prev_arg, bias_arg = x if prev is None else prev, x if bias is None else bias
+    if cfg["gemv"]:  # a few rows: on the CUDA cores
+        out = torch.empty(b, m, device=x.device, dtype=out_dtype)
+        block_k = cfg["gemv_k"]
         while n % block_k:
             block_k //= 2
-        _gemv_kernel[(triton.cdiv(m, cfg.get("gemv_m", 4)),)](
-            x, codes, codebook, scales, x if prev is None else prev, x if bias is None else bias, out, b, m, n, groups,
-            x.stride(0), out.stride(0), ROWS=triton.next_power_of_2(b), BLOCK_M=cfg.get("gemv_m", 4),
-            BLOCK_K=block_k, GROUP=group, HAS_PREV=prev is not None, HAS_BIAS=bias is not None,
-            num_warps=cfg.get("gemv_warps", 4), enable_fp_fusion=FP_FUSION)
+        _gemv_kernel[(triton.cdiv(m, cfg["gemv_m"]),)](
+            x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(0), out.stride(0),
+            ROWS=triton.next_power_of_2(b), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
+            HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut,
+            WDTYPE=tl.float32 if x.dtype == torch.float32 else tl.float16, num_warps=cfg["gemv_warps"],
+            enable_fp_fusion=FP_FUSION)
         return out
-    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(b, cfg["block_b"]))
-    _dequant_matmul_kernel[grid](x, codes, codebook, scales, x if prev is None else prev, x if bias is None else bias,
-                                 out, b, m, n, groups, x.stride(0), out.stride(0), BLOCK_B=cfg["block_b"],
-                                 BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], GROUP=group,
-                                 HAS_PREV=prev is not None, HAS_BIAS=bias is not None, PRECISION=_precision(x),
-                                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=FP_FUSION)
-    return out
+    while n % cfg["block_k"]:
+        cfg["block_k"] //= 2
+    split = cfg["split"]
+    while n % (split * cfg["block_k"]):
+        split //= 2
+    out = torch.empty(split, b, m, device=x.device, dtype=torch.float32 if split > 1 else out_dtype)
+    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(b, cfg["block_b"]), split)
+    whole = split == 1  # prev and bias in the epilogue; a split adds them to its sum
+    _dequant_matmul_kernel[grid](x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(0), m,
+                                 BLOCK_B=cfg["block_b"], BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], GROUP=group,
+                                 HAS_PREV=whole and prev is not None, HAS_BIAS=whole and bias is not None,
+                                 PRECISION=_precision(x), LUT=lut, SPLIT=split, num_warps=cfg["num_warps"],
+                                 num_stages=cfg["num_stages"], enable_fp_fusion=FP_FUSION)
+    if whole:
+        return out[0]
+    y = out.sum(0)
+    if prev is not None:
+        y += prev
+    if bias is not None:
+        y += bias.float()
+    return y.to(out_dtype)
 
 
 def rotate_triton(x: torch.Tensor, rotation: tuple[torch.Tensor, float]) -> torch.Tensor:
@@ -260,9 +377,10 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, codebook: torch
     sign, c = rotation if rotation is not None else (out, 1.0)
     block_m = 64
     _dequant_kernel[(triton.cdiv(m, block_m), n // block_k)](
-        codes, codebook, scales, sign, c, out if prev is None else prev, out, m, n, groups, BLOCK_M=block_m,
+        codes.view(torch.int32), codebook, scales, sign, c, out if prev is None else prev, out, m, n, groups,
+        BLOCK_M=block_m,
         BLOCK_K=block_k, GROUP=group, ROTATE=rotation is not None, HAS_PREV=prev is not None,
-        PRECISION=_precision(out), num_warps=4, enable_fp_fusion=FP_FUSION)
+        PRECISION=_precision(out), LUT=not interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION)
     return out
 
 

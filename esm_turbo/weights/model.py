@@ -36,7 +36,7 @@ LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value",
            "intermediate.dense", "output.dense")
 
 
-def _linears(model) -> list[tuple[str, nn.Module, str]]:
+def block_linears(model) -> list[tuple[str, nn.Module, str]]:
     """(qualified name, parent module, attribute) of every block linear of an ``EsmForMaskedLM``."""
     out = []
     for i, layer in enumerate(model.esm.encoder.layer):
@@ -58,7 +58,7 @@ def quantize_model(model, config: WeightQuantConfig, source: str = "", progress:
     from ..model.loading import model_fingerprint
     fingerprint = model_fingerprint(model)
     names = []
-    for k, (name, parent, attr) in enumerate(tqdm(_linears(model), desc="quantize weights", disable=not progress)):
+    for k, (name, parent, attr) in enumerate(tqdm(block_linears(model), desc="quantize weights", disable=not progress)):
         linear = getattr(parent, attr)
         setattr(parent, attr, QuantizedLinear.from_linear(linear, config, config.seed + k))
         names.append(name)
@@ -101,7 +101,7 @@ def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, 
     from transformers import EsmForMaskedLM
     with torch.device("meta"):
         model = EsmForMaskedLM(config)
-        for k, (name, parent, attr) in enumerate(_linears(model)):
+        for k, (name, parent, attr) in enumerate(block_linears(model)):
             linear = getattr(parent, attr)
             group, passes = shape_of(name, linear.in_features)
             setattr(parent, attr, QuantizedLinear(linear.in_features, linear.out_features, quant.bits, group, passes,
