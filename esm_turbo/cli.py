@@ -221,7 +221,7 @@ def cmd_embed(args) -> int:
     for problem in summary.failed:
         log.warning("skipped: %s", problem)
     device = "cpu" if args.nogpu else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_esm(args.model)
+    model = load_esm(args.model, dtype=cfg.torch_dtype(device))  # loaded in the dtype it runs in: no fp32 copy
     embedder = Embedder(model, cfg, device)
     writer = make_writer(args.format, args.output, rank, world)
     if args.format == "h5" and rank == 0:

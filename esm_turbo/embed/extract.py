@@ -52,6 +52,12 @@ class EmbedConfig:
     window_overlap: int | None = None  # default: 256, at most a quarter of the window
     dtype: str = "auto"  # auto (fp16 on CUDA, fp32 elsewhere) | fp32 | fp16 | bf16
 
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the model runs in on ``device``: ``dtype``, or for auto fp16 on CUDA and fp32 elsewhere."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
     def check(self) -> None:
         bad = [k for k in self.include if k not in INCLUDE_KINDS]
         if bad:
@@ -138,8 +144,7 @@ class Embedder:
         config.check()
         self.config = config
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = DTYPES[config.dtype] if config.dtype != "auto" else (torch.float16 if dev.type == "cuda"
-                                                                      else torch.float32)
+        dtype = config.torch_dtype(dev)
         self.model = model.to(device=dev, dtype=dtype).eval()
         self.device, self.dtype = dev, dtype
         cfg = self.model.config

@@ -116,6 +116,7 @@ def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
 
     ``model``: a size name (``8M`` … ``15B``), a hub id (``facebook/esm2_t33_650M_UR50D``), a local
     directory written by ``save_pretrained`` or by ``esm-turbo quantize-weights``, or a fair-esm ``.pt`` file.
+    A transformers checkpoint is read straight into ``dtype`` (no float32 copy of a 16-bit model).
     """
     from ..weights.model import is_quantized_dir, load_quantized
     path = Path(str(model)).expanduser()
@@ -125,19 +126,19 @@ def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
         net = load_quantized(path)
     elif path.is_dir():
         try:
-            net = EsmForMaskedLM.from_pretrained(path, dtype=torch.float32)
+            net = EsmForMaskedLM.from_pretrained(path, dtype=dtype)
         except Exception as err:  # noqa: BLE001
             raise ModelLoadError(f"{path}: not a transformers ESM-2 directory ({err})") from None
     else:
         hub_id = resolve_model_id(str(model))
         try:
-            net = EsmForMaskedLM.from_pretrained(hub_id, dtype=torch.float32, local_files_only=True)
+            net = EsmForMaskedLM.from_pretrained(hub_id, dtype=dtype, local_files_only=True)
         except Exception:  # noqa: BLE001 - not in the local HF cache: try the hub unless offline
             offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
             try:
                 if offline:
                     raise OSError("HF_HUB_OFFLINE is set")
-                net = EsmForMaskedLM.from_pretrained(hub_id, dtype=torch.float32)
+                net = EsmForMaskedLM.from_pretrained(hub_id, dtype=dtype)
             except Exception as err:  # noqa: BLE001
                 raise ModelLoadError(
                     f"cannot load ESM-2 {model!r} from the Hugging Face hub ({type(err).__name__}: "
