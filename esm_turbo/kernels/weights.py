@@ -27,46 +27,33 @@ import triton.language as tl
 from .common import FP_FUSION, interpreting
 
 
+def _lookup_half(out: list[str]) -> str:
+    """PTX decoding the four codes in the low half of ``w`` into the fp16 registers ``out`` (4 names)."""
+    return f"""
+and.b32 s, w, 0x7777;
+shr.b32 t, w, 3;
+and.b32 t, t, 0x1111;
+prmt.b32 m, ff, ff, t;
+prmt.b32 la, $9, $10, s;
+prmt.b32 lb, $11, $12, s;
+prmt.b32 ha, $13, $14, s;
+prmt.b32 hb, $15, $16, s;
+lop3.b32 lo, la, lb, m, 0xD8;
+lop3.b32 hi, ha, hb, m, 0xD8;
+prmt.b32 p0, lo, hi, 0x5140;
+prmt.b32 p1, lo, hi, 0x7362;
+mov.b32 {{{out[0]}, {out[1]}}}, p0;
+mov.b32 {{{out[2]}, {out[3]}}}, p1;
+"""
+
+
 #: the codebook lookup of eight codes in registers (PTX ``prmt``): $8 holds eight codes (channel i in nibble i), $9–$12
 #: the codebook's low bytes (entries 0–3, 4–7, 8–11, 12–15), $13–$16 its high bytes. For each half-word of codes:
 #: ``s`` = each code's low three bits picks one of eight bytes, twice (entries 0–7, 8–15) for each byte half; the code's
 #: fourth bit, spread to a byte mask ``m``, picks between them; the low and high bytes interleave into two fp16 pairs.
-_LOOKUP_ASM = tl.constexpr("""
-{
-.reg .b32 w, s, t, m, la, lb, ha, hb, lo, hi, ff, p0, p1;
-mov.b32 ff, 0xFF00;
-mov.b32 w, $8;
-and.b32 s, w, 0x7777;
-shr.b32 t, w, 3;
-and.b32 t, t, 0x1111;
-prmt.b32 m, ff, ff, t;
-prmt.b32 la, $9, $10, s;
-prmt.b32 lb, $11, $12, s;
-prmt.b32 ha, $13, $14, s;
-prmt.b32 hb, $15, $16, s;
-lop3.b32 lo, la, lb, m, 0xD8;
-lop3.b32 hi, ha, hb, m, 0xD8;
-prmt.b32 p0, lo, hi, 0x5140;
-prmt.b32 p1, lo, hi, 0x7362;
-mov.b32 {$0, $1}, p0;
-mov.b32 {$2, $3}, p1;
-shr.b32 w, w, 16;
-and.b32 s, w, 0x7777;
-shr.b32 t, w, 3;
-and.b32 t, t, 0x1111;
-prmt.b32 m, ff, ff, t;
-prmt.b32 la, $9, $10, s;
-prmt.b32 lb, $11, $12, s;
-prmt.b32 ha, $13, $14, s;
-prmt.b32 hb, $15, $16, s;
-lop3.b32 lo, la, lb, m, 0xD8;
-lop3.b32 hi, ha, hb, m, 0xD8;
-prmt.b32 p0, lo, hi, 0x5140;
-prmt.b32 p1, lo, hi, 0x7362;
-mov.b32 {$4, $5}, p0;
-mov.b32 {$6, $7}, p1;
-}
-""")
+_LOOKUP_ASM = tl.constexpr("{\n.reg .b32 w, s, t, m, la, lb, ha, hb, lo, hi, ff, p0, p1;\nmov.b32 ff, 0xFF00;\n"
+                           "mov.b32 w, $8;" + _lookup_half("$0 $1 $2 $3".split()) + "shr.b32 w, w, 16;"
+                           + _lookup_half("$4 $5 $6 $7".split()) + "}")
 
 
 @triton.jit
