@@ -84,11 +84,11 @@ def main() -> None:
         compile_sm90(weights._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=32, BLOCK_K=256, GROUP=group,
                                                           HAS_PREV=extras, HAS_BIAS=extras, PRECISION="tf32",
                                                           LUT=True, SPLIT=1 if extras else 4),
-                     {"B", "M", "N", "G", "sxb", "sob"},
+                     {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
     compile_sm90(weights._gemv_kernel, dict(ROWS=1, BLOCK_M=8, BLOCK_K=512, GROUP=32, HAS_PREV=True, HAS_BIAS=True,
                                             LUT=True, WDTYPE=tl.float16),
-                 {"B", "M", "N", "G", "sxb", "sob"},
+                 {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                  dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
     compile_sm90(weights._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32"), {"B", "N", "sxb"},
                  dict(x_ptr=f16, rot_scale="fp32", out_ptr=f16), num_warps=4)

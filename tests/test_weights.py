@@ -214,6 +214,44 @@ def test_the_linear_on_the_kernels_matches_its_pytorch_path(monkeypatch, n, grou
     assert (w - w_torch).abs().max().item() <= (1e-6 if dtype == torch.float32 else 1e-3) * w_torch.abs().max().item()
 
 
+@pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
+                    reason="triton >= 3.5 is not installed")
+@pytest.mark.parametrize("residual", [False, True])
+@torch.no_grad()
+def test_query_key_and_value_are_one_launch_and_each_its_own_linear(monkeypatch, tmp_path, residual):
+    """A layer's query, key and value bound by share_attention_inputs: on the kernel path (Triton's interpreter on
+    CPU; compiled on a GPU) the first call computes all three in one rotate and one matmul launch, the next two take
+    their outputs without a launch, and each equals its own linear's PyTorch path; the members' buffers are views of
+    the stacks, and the model saves and reloads unchanged."""
+    import esm_turbo.kernels.weights as kw
+    import esm_turbo.weights.linear as linear
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    base = stress_esm2(layers=1, hidden=64, heads=4, seed=0)
+    model = quantize_model(base, WeightQuantConfig(bits=4, group=32, residual=residual), source="stress")
+    inner = model.esm.encoder.layer[0].attention.self
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    want = [x.double() @ m.dequantize(torch.float64).T + m.bias.double() for m in (inner.query, inner.key, inner.value)]
+    model.to(device, dtype)
+    assert inner.query.shared is inner.key.shared is inner.value.shared is not None
+    monkeypatch.setattr(linear, "use_kernels", lambda _: True)
+    launches = []
+    monkeypatch.setattr(kw, "matmul_triton", lambda *a, _f=kw.matmul_triton, **k: launches.append(1) or _f(*a, **k))
+    xs = x.to(device, dtype)
+    got = [inner.value(xs), inner.query(xs), inner.key(xs)]
+    assert len(launches) == 1 + residual  # one launch a pass, for all three
+    bound = (1e-5 if dtype == torch.float32 else 2e-2) * max(w.abs().max().item() for w in want)
+    for out, ref in zip([got[1], got[2], got[0]], want):
+        assert out.shape == (2, 3, 16 * 4) and (out.double().cpu() - ref).abs().max().item() <= bound
+    stack = inner.query.shared._stacks["codes0"]
+    assert inner.key.codes0.data_ptr() == stack[64:].data_ptr()  # a view, not a second copy
+    inner.key(xs.clone())  # another input: computed again
+    assert len(launches) == 2 + 2 * residual
+    save_quantized(model.float().cpu(), tmp_path / "q")
+    again = load_quantized(tmp_path / "q").esm.encoder.layer[0].attention.self
+    assert torch.equal(again.key.codes0, inner.key.codes0.cpu()) and again.key.shared is not None
+
+
 @torch.no_grad()
 def test_a_random_stand_in_is_built_without_an_fp16_copy():
     """``random_model``: the shape's quantized model straight from random codes (what measures a model too large

@@ -142,18 +142,22 @@ def _finish(acc, offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PRE
 
 @triton.jit
 def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob,
-                           BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                           HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                           LUT: tl.constexpr, SPLIT: tl.constexpr):
+                           PR, sxp, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           PRECISION: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(B, BLOCK_B), SPLIT). x [B, N] (rows strided by sxb; rotated), codes [M, N/8] int32
     (the packed uint8 codes read as words), scales [M, G] fp16, codebook [16] fp16, out [B, M] (rows strided by sob;
-    its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]). With SPLIT > 1 program (i, j, s) sums the s-th of
-    SPLIT equal runs of input channels into out[s] of a float32 [SPLIT, B, M] (no prev, no bias). N % (SPLIT·BLOCK_K)
-    == 0; BLOCK_K and GROUP powers of two."""
+    its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]). Parts: output rows [p·PR, (p + 1)·PR) take codebook p
+    ([M / PR, 16]) and the input x + p·sxp (PR = M, sxp = 0: one part; BLOCK_M divides PR). With SPLIT > 1 program
+    (i, j, s) sums the s-th of SPLIT equal runs of input channels into out[s] of a float32 [SPLIT, B, M] (no prev,
+    no bias). N % (SPLIT·BLOCK_K) == 0; BLOCK_K and GROUP powers of two."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mmask = offs_m < M
     bmask = offs_b < B
+    part = tl.program_id(0) * BLOCK_M // PR
+    x_ptr += part.to(tl.int64) * sxp
+    cb_ptr += part * 16
     RUN = N // SPLIT
     start = tl.program_id(2) * RUN
     acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
@@ -167,16 +171,19 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob,
+def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob, PR, sxp,
                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                  HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, WDTYPE: tl.constexpr):
     """A few rows (B ≤ ROWS): grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob; its dtype) = x [B, N]
     (rows strided by sxb) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA cores: the weight tile decoded
     as the tensor-core kernel decodes it (scaled in WDTYPE: fp16 for 16-bit inputs), multiplied by the input
     elementwise into a float32 [ROWS, BLOCK_M, BLOCK_K] sum, reduced over the row once at the end. codes [M, N/8]
-    int32. N % BLOCK_K == 0."""
+    int32; parts (PR, sxp) as the tensor-core kernel's. N % BLOCK_K == 0."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, ROWS)
+    part = tl.program_id(0) * BLOCK_M // PR
+    x_ptr += part.to(tl.int64) * sxp
+    cb_ptr += part * 16
     mmask = offs_m < M
     rmask = offs_r[:, None] < B
     acc = tl.zeros((ROWS, BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -192,8 +199,10 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
 @triton.jit
 def _rotate_kernel(x_ptr, sign_ptr, rot_scale, out_ptr, B, N, sxb, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid (cdiv(B, BLOCK_B), N / BLOCK_K). out [B, N] (contiguous, its dtype) = each group of GROUP channels of x
-    [B, N] (rows strided by sxb) times sign · rot_scale."""
+    """Grid (cdiv(B, BLOCK_B), N / BLOCK_K, P). out [P, B, N] (contiguous, its dtype): part p = each group of GROUP
+    channels of x [B, N] (rows strided by sxb) times sign[p] ([P, GROUP, GROUP]) · rot_scale."""
+    sign_ptr += tl.program_id(2) * GROUP * GROUP
+    out_ptr += tl.program_id(2).to(tl.int64) * B * N
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     bmask = offs_b[:, None] < B
@@ -281,17 +290,32 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter; a second, small one to sum a
     split): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev`` [B, M] float32 (an earlier pass)
     are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b / block_m / block_k / num_warps /
-    num_stages / split, and ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps."""
-    b, n = x.shape
+    num_stages / split, and ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps.
+
+    Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
+    [P, 16], codes / scales / bias their P weights' stacked along the output rows: → [B, P·M/P] with part p's outputs
+    in columns [p·M/P, (p + 1)·M/P)."""
+    parts = x.shape[0] if x.dim() == 3 else 1
+    if codebook.numel() != 16 * parts:
+        raise ValueError(f"{parts} part(s) of the input take {parts} codebooks of 16, got {tuple(codebook.shape)}")
+    x = x if x.dim() == 3 else x[None]
+    x = x if x.stride(-1) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+    _, b, n = x.shape
     m, groups = scales.shape
     group = n // groups
+    part_rows = m // parts
     if n % 16:
         raise ValueError(f"input width {n} is not a multiple of 16")
     cfg = launch_config(b, m, n, _sm_count(x.device))
     cfg.update(config or {})
+    if parts > 1:  # a program's rows within one part
+        while part_rows % cfg["block_m"]:
+            cfg["block_m"] //= 2
+        while part_rows % cfg["gemv_m"]:
+            cfg["gemv_m"] //= 2
     words = codes.view(torch.int32)  # eight codes a word
-    x = x if x.stride(-1) == 1 else x.contiguous()
     lut = not interpreting()
+    sxp = x.stride(0) if parts > 1 else 0
     prev_arg, bias_arg = x if prev is None else prev, x if bias is None else bias
     if cfg["gemv"]:  # a few rows: on the CUDA cores
         out = torch.empty(b, m, device=x.device, dtype=out_dtype)
@@ -299,8 +323,8 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
         while n % block_k:
             block_k //= 2
         _gemv_kernel[(triton.cdiv(m, cfg["gemv_m"]),)](
-            x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(0), out.stride(0),
-            ROWS=triton.next_power_of_2(b), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
+            x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(1), out.stride(0),
+            part_rows, sxp, ROWS=triton.next_power_of_2(b), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
             HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut,
             WDTYPE=tl.float32 if x.dtype == torch.float32 else tl.float16, num_warps=cfg["gemv_warps"],
             enable_fp_fusion=FP_FUSION)
@@ -313,7 +337,8 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     out = torch.empty(split, b, m, device=x.device, dtype=torch.float32 if split > 1 else out_dtype)
     grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(b, cfg["block_b"]), split)
     whole = split == 1  # prev and bias in the epilogue; a split adds them to its sum
-    _dequant_matmul_kernel[grid](x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(0), m,
+    _dequant_matmul_kernel[grid](x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(1), m,
+                                 part_rows, sxp,
                                  BLOCK_B=cfg["block_b"], BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], GROUP=group,
                                  HAS_PREV=whole and prev is not None, HAS_BIAS=whole and bias is not None,
                                  PRECISION=_precision(x), LUT=lut, SPLIT=split, num_warps=cfg["num_warps"],
@@ -330,21 +355,24 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
 
 def rotate_triton(x: torch.Tensor, rotation: tuple[torch.Tensor, float]) -> torch.Tensor:
     """x [B, N] with each group of d channels times c·S (``rotation`` = :func:`sign_matrix` of Πᵀ: x_rot = x_g Πᵀ),
-    in x's dtype, one launch. Reference: ``QuantizedLinear.rotate_input``."""
+    in x's dtype, one launch. Reference: ``QuantizedLinear.rotate_input``. With S [P, d, d] (P rotations of one
+    scale c, as :func:`matmul_triton`'s parts take them): → [P, B, N]."""
     b, n = x.shape
-    group = rotation[0].shape[0]
+    sign = rotation[0]
+    parts = sign.shape[0] if sign.dim() == 3 else 1
+    group = sign.shape[-1]
     block_k = 256  # the largest power of two up to 256 dividing n
     while n % block_k:
         block_k //= 2
     if block_k < group:
         raise ValueError(f"input width {n} is not a multiple of the rotation group {group}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(b, n, device=x.device, dtype=x.dtype)
+    out = torch.empty(*([parts] if sign.dim() == 3 else []), b, n, device=x.device, dtype=x.dtype)
     block_b = 16
-    _rotate_kernel[(triton.cdiv(b, block_b), n // block_k)](x, rotation[0], rotation[1], out, b, n, x.stride(0),
-                                                            BLOCK_B=block_b, BLOCK_K=block_k, GROUP=group,
-                                                            PRECISION=_precision(x), num_warps=4,
-                                                            enable_fp_fusion=FP_FUSION)
+    _rotate_kernel[(triton.cdiv(b, block_b), n // block_k, parts)](x, sign, rotation[1], out, b, n, x.stride(0),
+                                                                   BLOCK_B=block_b, BLOCK_K=block_k, GROUP=group,
+                                                                   PRECISION=_precision(x), num_warps=4,
+                                                                   enable_fp_fusion=FP_FUSION)
     return out
 
 

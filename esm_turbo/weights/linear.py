@@ -37,6 +37,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer(f"codebook{p}", torch.zeros(1 << bits, dtype=torch.float16))
         self._rot: torch.Tensor | None = None  # Π [d, d] float32, built from the seed on first use (not stored)
         self._turns: dict = {}  # Π and Πᵀ as the kernels take them, per device (:meth:`_turn`)
+        self.shared: SharedInput | None = None  # the linears of the same input this one is multiplied with
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
@@ -117,6 +118,8 @@ class QuantizedLinear(nn.Module):
             if flat.shape[0] > KERNEL_ROWS:  # many rows: the weight dequantized once, then cuBLAS
                 return torch.nn.functional.linear(x, self.dequantize(x.dtype),
                                                   None if self.bias is None else self.bias.to(x.dtype))
+            if self.shared is not None:  # with the other linears of this input, in one launch
+                return self.shared.output(self, x)
             from ..kernels.weights import matmul_triton, rotate_triton
             x_rot, y = rotate_triton(flat, self._turn(x.device)[1]), None
             for p in range(self.passes):  # the fused kernel, pass by pass, the last adding the bias
@@ -134,3 +137,72 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group={self.group}, passes={self.passes}")
+
+
+class SharedInput:
+    """Linears that read the same input (an attention layer's query, key and value), multiplied together on CUDA at
+    up to :data:`KERNEL_ROWS` rows: the input rotated once for each (one launch), then one matmul launch over their
+    stacked codes, scales, codebooks and biases (``kernels.weights.matmul_triton``'s parts). The members' code and
+    scale buffers become views of the stacks, so nothing is held twice; a member moved or reloaded since is stacked
+    again. The first member called with an input computes every member's output; the others, called with the same
+    tensor (unchanged), take theirs from it without a launch (in a captured CUDA graph too)."""
+
+    def __init__(self, members: list[QuantizedLinear]):
+        if not self.fits(members):
+            raise ValueError("linears of one input share a launch only at 4 bits with the same shapes and passes")
+        self.members = members
+        self._stacks: dict | None = None
+        self._last: tuple | None = None  # (input, its version, the stacked output)
+        for m in members:
+            m.shared = self
+
+    @staticmethod
+    def fits(members: list[QuantizedLinear]) -> bool:
+        first = members[0]
+        return len(members) > 1 and all(
+            isinstance(m, QuantizedLinear) and m.bits == 4 and (m.in_features, m.out_features, m.group, m.passes)
+            == (first.in_features, first.out_features, first.group, first.passes)
+            and (m.bias is None) == (first.bias is None) for m in members)
+
+    def _stacked(self) -> dict:
+        """The stacks on the members' device: each pass's codes, scales and codebooks concatenated along their first
+        axis (codebooks [P·16]), the rotations [P, d, d], the biases. Made, and the members' buffers turned into views
+        of them, unless every member's buffers are still those views."""
+        first, names = self.members[0], [f"{kind}{p}" for p in range(self.members[0].passes)
+                                         for kind in ("codes", "scales", "codebook")]
+        st = self._stacks
+        if st is None or any(getattr(m, name).data_ptr() != st[name][i * len(st[name]) // len(self.members)].data_ptr()
+                             for name in names for i, m in enumerate(self.members)):
+            st = {}
+            for name in names:
+                st[name] = torch.cat([getattr(m, name) for m in self.members])
+                step = len(st[name]) // len(self.members)
+                for i, m in enumerate(self.members):
+                    setattr(m, name, st[name][i * step:(i + 1) * step])
+            turns = [m._turn(first.codes0.device)[1] for m in self.members]
+            if len({c for _, c in turns}) != 1:
+                raise ValueError("the members' rotations differ in scale")
+            st["turn"] = (torch.stack([sign for sign, _ in turns]), turns[0][1])
+            self._stacks, self._last = st, None
+        if first.bias is not None:
+            of = [(m.bias.data_ptr(), m.bias._version) for m in self.members]
+            if st.get("bias_of") != of:
+                st["bias"], st["bias_of"] = torch.cat([m.bias.detach() for m in self.members]), of
+        return st
+
+    def output(self, member: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+        """``member``'s forward of x [..., N] (→ [..., M]), computed with the other members' in one launch."""
+        from ..kernels.weights import matmul_triton, rotate_triton
+        last = self._last
+        if last is None or last[0] is not x or last[1] != x._version:
+            st = self._stacked()
+            x_rot, y = rotate_triton(x.reshape(-1, member.in_features), st["turn"]), None
+            for p in range(member.passes):
+                end = p == member.passes - 1
+                y = matmul_triton(x_rot, st[f"codes{p}"], st[f"scales{p}"], st[f"codebook{p}"],
+                                  bias=st.get("bias") if end else None, prev=y,
+                                  out_dtype=x.dtype if end else torch.float32)
+            last = self._last = (x, x._version, y)
+        rows = member.out_features
+        i = next(k for k, m in enumerate(self.members) if m is member)
+        return last[2][:, i * rows:(i + 1) * rows].view(*x.shape[:-1], rows)

@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..io import atomic_write, atomic_write_text
 from .codec import WeightQuantConfig
-from .linear import QuantizedLinear
+from .linear import QuantizedLinear, SharedInput
 
 FORMAT_VERSION = 1
 META_KEY = "esm_turbo_weights"
@@ -67,7 +67,21 @@ def quantize_model(model, config: WeightQuantConfig, source: str = "", progress:
             p.copy_(p.half().to(p.dtype))
     model.weight_quant = dict(format_version=FORMAT_VERSION, config=asdict(config), quantized=names,
                               source_model=str(source), source_fingerprint=fingerprint)
+    share_attention_inputs(model)
     return model
+
+
+def share_attention_inputs(model) -> int:
+    """Bind each layer's query, key and value (4-bit :class:`QuantizedLinear`, same shapes) into one
+    :class:`SharedInput`: on CUDA, at up to ``KERNEL_ROWS`` rows, the three are one launch. Returns how many layers."""
+    bound = 0
+    for layer in model.esm.encoder.layer:
+        inner = layer.attention.self
+        members = [inner.query, inner.key, inner.value]
+        if SharedInput.fits(members):
+            SharedInput(members)
+            bound += 1
+    return bound
 
 
 def is_quantized_dir(path: str | Path) -> bool:
@@ -86,7 +100,9 @@ def save_quantized(model, out: str | Path) -> Path:
     for name, t in model.state_dict().items():
         t = t.detach().cpu()
         keep = "inv_freq" in name or not t.is_floating_point()  # rotary frequencies stay exact
-        tensors[name] = (t if keep else t.to(torch.float16)).contiguous()
+        t = (t if keep else t.to(torch.float16)).contiguous()
+        part = t.untyped_storage().nbytes() != t.numel() * t.element_size()  # a view into a stack (SharedInput)
+        tensors[name] = t.clone() if part else t
     if model.config.tie_word_embeddings:  # one copy of the tied LM decoder
         tensors.pop("lm_head.decoder.weight", None)
     atomic_write_text(out / "config.json", model.config.to_json_string())
@@ -106,6 +122,7 @@ def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, 
             group, passes = shape_of(name, linear.in_features)
             setattr(parent, attr, QuantizedLinear(linear.in_features, linear.out_features, quant.bits, group, passes,
                                                   quant.seed + k, linear.bias is not None))
+    share_attention_inputs(model)
     return model
 
 
