@@ -173,7 +173,8 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
 @triton.jit
 def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob, PR, sxp,
                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                 HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, WDTYPE: tl.constexpr):
+                 HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, WDTYPE: tl.constexpr,
+                 STAGES: tl.constexpr):
     """A few rows (B ≤ ROWS): grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob; its dtype) = x [B, N]
     (rows strided by sxb) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA cores: the weight tile decoded
     as the tensor-core kernel decodes it (scaled in WDTYPE: fp16 for 16-bit inputs), multiplied by the input
@@ -188,7 +189,7 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
     rmask = offs_r[:, None] < B
     acc = tl.zeros((ROWS, BLOCK_M, BLOCK_K), dtype=tl.float32)
     xrows = offs_r[:, None].to(tl.int64) * sxb
-    for k0 in range(0, N, BLOCK_K):
+    for k0 in tl.range(0, N, BLOCK_K, num_stages=STAGES):  # STAGES None: the launch's num_stages
         w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, WDTYPE,
                          LUT).to(tl.float32)
         x = tl.load(x_ptr + xrows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=rmask, other=0.0).to(tl.float32)
@@ -260,13 +261,14 @@ def _sm_count(device: torch.device) -> int:
 def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132) -> dict:
     """Launch constants for ``rows`` × a [out_features, in_features] weight on a GPU of ``sms`` multiprocessors: the
     fastest of a grid timed on an H100 (``esm-turbo bench weights --tune`` times it again). One row: the CUDA-core
-    kernel, 4 or 8 outputs a program. Up to 16: tensor-core tiles of 16 or 32 outputs × 256 input channels, the
-    input channels split over programs (``split``) until there is a program for every multiprocessor; a layer whose
-    input is twice its output or more (FFN down) takes 16 × 128 tiles, split further. More rows multiply: 64 × 128
-    tiles."""
+    kernel, 4 or 8 outputs a program, its code loads pipelined three steps deep up to 3B-sized layers (no gain past).
+    Up to 16: tensor-core tiles of 16 or 32 outputs × 256 input channels, the input channels split over programs
+    (``split``) until there is a program for every multiprocessor; a layer whose input is twice its output or more
+    (FFN down) takes 16 × 128 tiles, split further. More rows multiply: 64 × 128 tiles."""
     m, n = out_features, in_features
     cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=8 if m >= 5120 and n >= 2560 else 4,
-               gemv_k=512 if n >= 2560 else 256, gemv_warps=8 if n >= 4 * m and m < 5120 else 4, split=1)
+               gemv_k=512 if n >= 2560 else 256, gemv_warps=8 if n >= 4 * m and m < 5120 else 4,
+               gemv_stages=3 if m * n <= 2**25 else None, split=1)
     if rows > 16:
         block_b = triton.next_power_of_2(min(rows, 64))
         return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
@@ -326,7 +328,8 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
             x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(1), out.stride(0),
             part_rows, sxp, ROWS=triton.next_power_of_2(b), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
             HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut,
-            WDTYPE=tl.float32 if x.dtype == torch.float32 else tl.float16, num_warps=cfg["gemv_warps"],
+            WDTYPE=tl.float32 if x.dtype == torch.float32 else tl.float16, STAGES=cfg["gemv_stages"],
+            num_warps=cfg["gemv_warps"],
             enable_fp_fusion=FP_FUSION)
         return out
     while n % cfg["block_k"]:
