@@ -292,10 +292,10 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter; a second, small one to sum a
     split): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev`` [B, M] float32 (an earlier pass)
     are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b / block_m / block_k / num_warps /
-    num_stages / split, and ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps.
+    num_stages / split, and ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps / gemv_stages.
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
-    [P, 16], codes / scales / bias their P weights' stacked along the output rows: → [B, P·M/P] with part p's outputs
+    [P·16], and codes, scales and bias the P weights stacked along their rows (M/P each): → [B, M], part p's outputs
     in columns [p·M/P, (p + 1)·M/P)."""
     parts = x.shape[0] if x.dim() == 3 else 1
     if codebook.numel() != 16 * parts:
@@ -329,8 +329,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
             part_rows, sxp, ROWS=triton.next_power_of_2(b), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
             HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut,
             WDTYPE=tl.float32 if x.dtype == torch.float32 else tl.float16, STAGES=cfg["gemv_stages"],
-            num_warps=cfg["gemv_warps"],
-            enable_fp_fusion=FP_FUSION)
+            num_warps=cfg["gemv_warps"], enable_fp_fusion=FP_FUSION)
         return out
     while n % cfg["block_k"]:
         cfg["block_k"] //= 2
