@@ -86,8 +86,9 @@ READ_PROGRAMS_PER_SM = (12, 16)
 def read_floor_us(nbytes: int, device: torch.device) -> float:
     """µs (as :func:`time_graph`) of a kernel that only reads ``nbytes`` (rounded up to whole 2 KB chunks), the
     fastest of :data:`READ_PROGRAMS_PER_SM`: the least any kernel reading those bytes takes (CUDA)."""
+    from ..kernels.common import num_sms
     from .read import WORDS_PER_WARP, read_words
     words = torch.empty(-(-nbytes // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device)
     words.random_()
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = num_sms(device)
     return min(time_graph(lambda: read_words(words, sms * n), device) for n in READ_PROGRAMS_PER_SM) * 1e6

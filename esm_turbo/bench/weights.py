@@ -177,7 +177,6 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
     return out
 
 
-@torch.no_grad()
 class _Free(torch.nn.Module):
     """A linear that costs nothing: its output is one preallocated zero tensor per input shape (no kernel), to time
     the rest of a step."""
@@ -193,6 +192,7 @@ class _Free(torch.nn.Module):
         return self._out[shape]
 
 
+@torch.no_grad()
 def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1024) -> dict:
     """A design loop's decode step on a ``size``-shaped model with fp16 weights and with 4-bit weights in groups of
     :data:`GROUP` (both random, built on the device: ``weights.model.random_model``): a ``prefix``-token scaffold

@@ -81,6 +81,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def num_sms(device: torch.device) -> int:
+    """The device's multiprocessors (a few on CPU: Triton's interpreter, in tests)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def dot_precision(t: torch.Tensor) -> str:
     """fp32-accurate dots: tf32x3 on tensor cores on CUDA; ieee under Triton's interpreter (CPU tensors,
     in tests), which has no tf32x3."""

@@ -18,13 +18,11 @@ Hadamard matrix, ±1 entries) is one small dot per group of channels.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .common import FP_FUSION, interpreting
+from .common import FP_FUSION, interpreting, num_sms
 
 
 def _lookup_half(out: list[str]) -> str:
@@ -253,11 +251,6 @@ def matmul_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return x.float() @ w.view(m, n).T
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132) -> dict:
     """Launch constants for ``rows`` × a [out_features, in_features] weight on a GPU of ``sms`` multiprocessors: the
     fastest of a grid timed on an H100 (``esm-turbo bench weights --tune`` times it again). One row: the CUDA-core
@@ -308,7 +301,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     part_rows = m // parts
     if n % 16:
         raise ValueError(f"input width {n} is not a multiple of 16")
-    cfg = launch_config(b, m, n, _sm_count(x.device))
+    cfg = launch_config(b, m, n, num_sms(x.device))
     cfg.update(config or {})
     if parts > 1:  # a program's rows within one part
         while part_rows % cfg["block_m"]:
@@ -395,8 +388,7 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, codebook: torch
     block_m = 64
     _dequant_kernel[(triton.cdiv(m, block_m), n // block_k)](
         codes.view(torch.int32), codebook, scales, sign, c, out if prev is None else prev, out, m, n, groups,
-        BLOCK_M=block_m,
-        BLOCK_K=block_k, GROUP=group, ROTATE=rotation is not None, HAS_PREV=prev is not None,
+        BLOCK_M=block_m, BLOCK_K=block_k, GROUP=group, ROTATE=rotation is not None, HAS_PREV=prev is not None,
         PRECISION=_precision(out), LUT=not interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION)
     return out
 

@@ -7,10 +7,10 @@ import torch
 import triton
 
 from ...quant.layout import CachedCodes, decode_grid
-from ..common import FP_FUSION, dot_precision, interpreting, part_or, split16, token_strides
+from ..common import FP_FUSION, dot_precision, interpreting, num_sms, part_or, split16, token_strides
 from .codes import aligned_table
 from .merge import _merge_kernel, _prep_kernel
-from .plan import launch_config, merge_rows, num_sms, plan_splits, stream_plan
+from .plan import launch_config, merge_rows, plan_splits, stream_plan
 from .small import attention_one_launch
 from .walk import _prefix_kernel, _stream_kernel
 

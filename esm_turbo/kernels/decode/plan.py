@@ -12,12 +12,6 @@ import torch
 from ...quant.layout import CodeLayout, decode_grid
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, in tests
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 #: the longest walk one split program takes: longer ones leave a ragged last wave of programs that shorter chunks
 #: even out
 MAX_CHUNK = 2048
