@@ -1,4 +1,4 @@
-"""Triton building blocks shared by the quantize-and-pack and decode kernels."""
+"""Triton building blocks shared by the quantize-and-pack, decode and weight kernels."""
 
 from __future__ import annotations
 
@@ -102,3 +102,24 @@ def part_or(part: torch.Tensor, stand_in: torch.Tensor) -> torch.Tensor:
 
 def split16(x: torch.Tensor, precision: str) -> bool:
     return x.dtype == torch.float16 and precision != "ieee"
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """At least ``n`` int32 arrival counts, all zero, for a launch whose last program to finish a unit of work merges
+    it and zeroes its count again (``decode.small._small_kernel``, a split ``weights._dequant_matmul_kernel``): one
+    buffer per device and stream, so a step needs no memset launch (a tenth of the smallest step's time). Launches on
+    one stream run in order and share it safely; a CUDA graph keeps the buffer of the stream it was captured on, so two
+    graphs captured on one stream must not be replayed concurrently on different streams. A new buffer found
+    missing during a capture is zeroed inside it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:  # graphs captured with it still point at it: never freed
+            _RETIRED.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return buf

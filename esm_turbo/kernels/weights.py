@@ -11,7 +11,8 @@ The matmul, for one row (:data:`GEMV_ROWS`) on the CUDA cores (``_gemv_kernel``)
 elementwise into a float32 sum, reduced once at the end. For more rows on the tensor cores
 (``_dequant_matmul_kernel``): each program owns a [BLOCK_B, BLOCK_M] tile of the output and walks its run of input
 channels BLOCK_K at a time, the decoded tile scaled per (row, group) and fed to a dot with the input tile; a layer
-with few outputs splits its input channels over programs (float32 partial sums, added after). Both add a bias and
+with few outputs splits its input channels over programs (float32 partial sums, added by the last
+program of each tile to finish). Both add a bias and
 an earlier pass's output in the epilogue; the dequantized weight never reaches global memory. A rotation (the layer's
 Hadamard matrix, ±1 entries) is one small dot per group of channels.
 """
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP_FUSION, interpreting, num_sms
+from .common import FP_FUSION, interpreting, num_sms, split_counters
 
 
 def _lookup_half(out: list[str]) -> str:
@@ -90,20 +91,37 @@ def _lookup(word, cb_ptr, LUT: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(words_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP: tl.constexpr, DTYPE: tl.constexpr, LUT: tl.constexpr):
-    """Ŵ_rot[offs_m, k0 : k0 + BLOCK_K] as DTYPE [BLOCK_M, BLOCK_K]: each code (eight input channels an int32 word of
-    the packed codes, the first in the lowest nibble) looked up in the 16-entry codebook (:func:`_lookup`), then scaled
-    per (row, group) in DTYPE (a 16-bit product rounded once, as a float32 product cast to 16 bits is)."""
+def _tile_codes(words_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """The stored parts of Ŵ_rot[offs_m, k0 : k0 + BLOCK_K]: its code words [BLOCK_M, BLOCK_K / 8] int32 (eight input
+    channels a word of the packed codes, the first in the lowest nibble) and its scales [BLOCK_M, BLOCK_K / SUB] fp16
+    (SUB: channels per scale within the tile). Rows off ``mmask`` read as zeros."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     word = tl.load(words_ptr + offs_m[:, None].to(tl.int64) * (N // 8) + offs_w[None, :], mask=mmask[:, None],
                    other=0)
-    w = _lookup(word, cb_ptr, LUT)
-    SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # channels per scale within a tile
-    NG: tl.constexpr = BLOCK_K // SUB
-    groups = (k0 + tl.arange(0, NG) * SUB) // GROUP
+    SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
+    groups = (k0 + tl.arange(0, BLOCK_K // SUB) * SUB) // GROUP
     scale = tl.load(scales_ptr + offs_m[:, None].to(tl.int64) * G + groups[None, :], mask=mmask[:, None], other=0.0)
-    return tl.reshape(tl.reshape(w.to(DTYPE), (BLOCK_M, NG, SUB)) * scale[:, :, None].to(DTYPE), (BLOCK_M, BLOCK_K))
+    return word, scale
+
+
+@triton.jit
+def _tile_values(word, scale, cb_ptr, DTYPE: tl.constexpr, LUT: tl.constexpr):
+    """:func:`_tile_codes`' word [BM, BK / 8] and scale [BM, NG] → DTYPE [BM, BK]: each code looked up in the 16-entry
+    codebook (:func:`_lookup`), then scaled per (row, group) in DTYPE (a 16-bit product rounded once, as a float32
+    product cast to 16 bits is)."""
+    w = _lookup(word, cb_ptr, LUT)
+    BM: tl.constexpr = word.shape[0]
+    BK: tl.constexpr = word.shape[1] * 8
+    NG: tl.constexpr = scale.shape[1]
+    return tl.reshape(tl.reshape(w.to(DTYPE), (BM, NG, BK // NG)) * scale[:, :, None].to(DTYPE), (BM, BK))
+
+
+@triton.jit
+def _weight_tile(words_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP: tl.constexpr, DTYPE: tl.constexpr, LUT: tl.constexpr):
+    """Ŵ_rot[offs_m, k0 : k0 + BLOCK_K] as DTYPE [BLOCK_M, BLOCK_K] (:func:`_tile_codes`, then :func:`_tile_values`)."""
+    word, scale = _tile_codes(words_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K, GROUP)
+    return _tile_values(word, scale, cb_ptr, DTYPE, LUT)
 
 
 @triton.jit
@@ -139,16 +157,19 @@ def _finish(acc, offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PRE
 
 
 @triton.jit
-def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob,
-                           PR, sxp, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+                           B, M, N, G, sxb, sob, PR, sxp, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           PRECISION: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr):
+                           PRECISION: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
+                           AHEAD: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(B, BLOCK_B), SPLIT). x [B, N] (rows strided by sxb; rotated), codes [M, N/8] int32
     (the packed uint8 codes read as words), scales [M, G] fp16, codebook [16] fp16, out [B, M] (rows strided by sob;
     its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]). Parts: output rows [p·PR, (p + 1)·PR) take codebook p
     ([M / PR, 16]) and the input x + p·sxp (PR = M, sxp = 0: one part; BLOCK_M divides PR). With SPLIT > 1 program
-    (i, j, s) sums the s-th of SPLIT equal runs of input channels into out[s] of a float32 [SPLIT, B, M] (no prev,
-    no bias). N % (SPLIT·BLOCK_K) == 0; BLOCK_K and GROUP powers of two."""
+    (i, j, s) sums the s-th of SPLIT equal runs of input channels into partials [SPLIT, B, M] float32 (``part_ptr``)
+    and counts its arrival in ``count_ptr[j·grid(0) + i]`` (int32, zero at launch and left zero); the last of a tile
+    adds the SPLIT partials and finishes the tile. N % (SPLIT·BLOCK_K) == 0; BLOCK_K and GROUP powers of two. ``SWAP``: the decoded tile is the dot's
+    first operand (outᵀ = Ŵ_rot xᵀ, which the tensor cores take from registers), transposed once in the epilogue."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mmask = offs_m < M
@@ -158,14 +179,49 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
     cb_ptr += part * 16
     RUN = N // SPLIT
     start = tl.program_id(2) * RUN
-    acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_M, BLOCK_B), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
+    if AHEAD > 0:  # codes requested AHEAD tiles before they are decoded, carried in registers
+        word, scale = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, start, N, G, BLOCK_K, GROUP)
+    if AHEAD > 1:
+        word2, scale2 = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, start + BLOCK_K % RUN, N, G, BLOCK_K, GROUP)
     for k0 in range(start, start + RUN, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_b[:, None].to(tl.int64) * sxb + offs_k[None, :], mask=bmask[:, None], other=0.0)
-        w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, x.dtype, LUT)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    _finish(acc, offs_b, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr + tl.program_id(2).to(tl.int64) * B * M,
-            HAS_PREV, HAS_BIAS)
+        if AHEAD > 0:  # a later tile's codes are requested before this one is decoded (past the run: its first again)
+            ahead = k0 + AHEAD * BLOCK_K
+            ahead = tl.where(ahead < start + RUN, ahead, start)
+            word_n, scale_n = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, ahead, N, G, BLOCK_K, GROUP)
+            w = _tile_values(word, scale, cb_ptr, x.dtype, LUT)
+            if AHEAD > 1:
+                word, scale, word2, scale2 = word2, scale2, word_n, scale_n
+            else:
+                word, scale = word_n, scale_n
+        else:
+            w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, x.dtype,
+                             LUT)
+        if SWAP:
+            acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if SWAP:
+        acc = tl.trans(acc_t)
+    if SPLIT > 1:  # the partial sum stored; the tile's last program to arrive adds them all and finishes
+        at = offs_b[:, None].to(tl.int64) * M + offs_m[None, :]
+        mask = bmask[:, None] & mmask[None, :]
+        tl.store(part_ptr + tl.program_id(2).to(tl.int64) * B * M + at, acc, mask=mask)
+        tl.debug_barrier()  # every thread's stores made before the (one-thread, releasing) count
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                acc += tl.load(part_ptr + s * B * M + at, mask=mask, other=0.0, cache_modifier=".cg")
+            _finish(acc, offs_b, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+            tl.store(count_ptr + tile, 0)  # every split has counted: zero again for the next launch
+    else:
+        _finish(acc, offs_b, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
 
 
 @triton.jit
@@ -255,26 +311,22 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
     """Launch constants for ``rows`` × a [out_features, in_features] weight on a GPU of ``sms`` multiprocessors: the
     fastest of a grid timed on an H100 (``esm-turbo bench weights --tune`` times it again). One row: the CUDA-core
     kernel, 4 or 8 outputs a program, its code loads pipelined three steps deep up to 3B-sized layers (no gain past).
-    Up to 16: tensor-core tiles of 16 or 32 outputs × 256 input channels, the input channels split over programs
-    (``split``) until there is a program for every multiprocessor; a layer whose input is twice its output or more
-    (FFN down) takes 16 × 128 tiles, split further. More rows multiply: 64 × 128 tiles."""
+    Up to 16: tensor-core tiles of 16 × 32 outputs (16 below 2,560 outputs) × 128 or 256 input channels, each tile's
+    codes requested one tile ahead (``ahead``), the input channels split over programs (``split``) until there are
+    about 2.5 programs a multiprocessor. More rows multiply: 64 × 128 tiles."""
     m, n = out_features, in_features
     cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=8 if m >= 5120 and n >= 2560 else 4,
                gemv_k=512 if n >= 2560 else 256, gemv_warps=8 if n >= 4 * m and m < 5120 else 4,
-               gemv_stages=3 if m * n <= 2**25 else None, split=1)
+               gemv_stages=3 if m * n <= 2**25 else None, split=1, swap=False, ahead=0)
     if rows > 16:
         block_b = triton.next_power_of_2(min(rows, 64))
         return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
-    if n >= 2 * m:  # a long input: shorter tiles, the channels split to about five programs a multiprocessor
-        cfg |= dict(block_b=16, block_m=16, block_k=128, num_warps=4, num_stages=4)
-        programs = triton.cdiv(m, 16) * triton.cdiv(rows, 16)
-        while (cfg["split"] < 8 and programs * cfg["split"] * 2 <= 5 * sms and n // (2 * cfg["split"]) >= 1280
-               and n % (2 * cfg["split"] * 128) == 0):
-            cfg["split"] *= 2
-        return cfg
-    cfg |= dict(block_b=16, block_m=32 if m >= 3840 and m >= n else 16, block_k=256, num_warps=4, num_stages=3)
+    long_input = n >= 2 * m  # FFN down
+    cfg |= dict(block_b=16, block_m=32 if m >= 2560 or long_input else 16,
+                block_k=256 if long_input or m < 2560 else 128, num_warps=4,
+                num_stages=2 if long_input and m < 5120 else 3, ahead=1)
     programs = triton.cdiv(m, cfg["block_m"]) * triton.cdiv(rows, 16)
-    while cfg["split"] < 8 and programs * cfg["split"] < sms and n % (2 * cfg["split"] * cfg["block_k"]) == 0:
+    while cfg["split"] < 8 and programs * cfg["split"] < 2.5 * sms and n % (2 * cfg["split"] * cfg["block_k"]) == 0:
         cfg["split"] *= 2
     return cfg
 
@@ -282,10 +334,10 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
 def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
                   config: dict | None = None, *, bias: torch.Tensor | None = None, prev: torch.Tensor | None = None,
                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter; a second, small one to sum a
-    split): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev`` [B, M] float32 (an earlier pass)
-    are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b / block_m / block_k / num_warps /
-    num_stages / split, and ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps / gemv_stages.
+    """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter; a split's partial sums are
+    added by the last program of each tile): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev``
+    [B, M] float32 (an earlier pass) are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b /
+    block_m / block_k / num_warps / num_stages / split / ahead / swap, and ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps / gemv_stages.
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
     [P·16], and codes, scales and bias the P weights stacked along their rows (M/P each): → [B, M], part p's outputs
@@ -329,23 +381,17 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     split = cfg["split"]
     while n % (split * cfg["block_k"]):
         split //= 2
-    out = torch.empty(split, b, m, device=x.device, dtype=torch.float32 if split > 1 else out_dtype)
+    out = torch.empty(b, m, device=x.device, dtype=out_dtype)
     grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(b, cfg["block_b"]), split)
-    whole = split == 1  # prev and bias in the epilogue; a split adds them to its sum
-    _dequant_matmul_kernel[grid](x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(1), m,
-                                 part_rows, sxp,
+    partials = torch.empty(split, b, m, device=x.device, dtype=torch.float32) if split > 1 else out
+    counts = split_counters(grid[0] * grid[1], x.device) if split > 1 else words
+    _dequant_matmul_kernel[grid](x, words, codebook, scales, prev_arg, bias_arg, out, partials, counts, b, m, n,
+                                 groups, x.stride(1), m, part_rows, sxp,
                                  BLOCK_B=cfg["block_b"], BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], GROUP=group,
-                                 HAS_PREV=whole and prev is not None, HAS_BIAS=whole and bias is not None,
-                                 PRECISION=_precision(x), LUT=lut, SPLIT=split, num_warps=cfg["num_warps"],
-                                 num_stages=cfg["num_stages"], enable_fp_fusion=FP_FUSION)
-    if whole:
-        return out[0]
-    y = out.sum(0)
-    if prev is not None:
-        y += prev
-    if bias is not None:
-        y += bias.float()
-    return y.to(out_dtype)
+                                 HAS_PREV=prev is not None, HAS_BIAS=bias is not None, PRECISION=_precision(x),
+                                 LUT=lut, SPLIT=split, SWAP=cfg["swap"], AHEAD=cfg["ahead"],
+                                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=FP_FUSION)
+    return out
 
 
 def rotate_triton(x: torch.Tensor, rotation: tuple[torch.Tensor, float]) -> torch.Tensor:

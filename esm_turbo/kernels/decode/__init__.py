@@ -15,8 +15,9 @@ output mapped back, the step's own tokens added), ``small`` (the whole step in o
 (launch planning and configuration), ``launch`` (the launcher). No dequantized tensor is written to global memory.
 """
 
+from ..common import split_counters
 from .launch import compressed_attention_triton
-from .plan import launch_config, merge_rows, one_launch, plan_splits, split_counters, stream_plan
+from .plan import launch_config, merge_rows, one_launch, plan_splits, stream_plan
 
 __all__ = ["compressed_attention_triton", "launch_config", "merge_rows", "one_launch", "plan_splits",
            "split_counters", "stream_plan"]

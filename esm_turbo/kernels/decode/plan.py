@@ -1,13 +1,11 @@
 """Launch planning for the decode kernels: how a step's work is cut into programs (split-K chunks, stream-K runs,
-merge rows), which path a step takes, the launch configuration per cache layout, and the one-launch path's arrival
-counters. The constants were chosen by timing the alternatives on an H100 (``tools/tune_kernels.py``;
-``results/gpu/launch_constants_h100.txt``; reasons in ``docs/kernels.md``)."""
+merge rows), which path a step takes, the launch configuration per cache layout. The constants were chosen by timing
+the alternatives on an H100 (``tools/tune_kernels.py``; ``results/gpu/launch_constants_h100.txt``; reasons in
+``docs/kernels.md``)."""
 
 from __future__ import annotations
 
 import math
-
-import torch
 
 from ...quant.layout import CodeLayout, decode_grid
 
@@ -59,28 +57,6 @@ def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool
 
 
 #: the one-launch path's arrival counts, kept zero between launches, per (device, stream)
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least ``n`` int32 arrival counts, all zero, for a ``_small_kernel`` launch, which leaves them zero again
-    (the merging program of each (b, h) zeroes its own): one buffer per device and stream, so a decode step needs no
-    memset launch (a tenth of the smallest step's time). Launches on one
-    stream run in order and share it safely; a CUDA graph keeps the buffer of the stream it was captured on, so two
-    graphs captured on one stream must not be replayed concurrently on different streams. A new buffer found
-    missing during a capture is zeroed inside it."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:  # graphs captured with it still point at it: never freed
-            _RETIRED.append(buf)
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
-    return buf
-
-
-
 def merge_rows(batch: int, heads: int, block_s: int, block_ns: int, d: int, sms: int) -> int:
     """Sequences per merge program (``_merge_kernel``), a power of two: up to 16 while there are at least half as
     many programs as SMs, and fewer where its [splits, sequences, queries, d] partials (or the queries × keys × d

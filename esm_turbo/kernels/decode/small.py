@@ -9,9 +9,9 @@ import triton
 import triton.language as tl
 
 from ...quant.layout import CachedCodes, decode_grid
-from ..common import FP_FUSION, interpreting, num_sms, part_or, token_strides
+from ..common import FP_FUSION, interpreting, num_sms, part_or, split_counters, token_strides
 from .codes import _field_layout, _prefetch_l2
-from .plan import plan_splits, split_counters
+from .plan import plan_splits
 from .walk import LOG2E, _split_codes, _walk
 
 
