@@ -279,3 +279,44 @@ def test_a_random_stand_in_is_built_without_an_fp16_copy():
     assert isinstance(plain.esm.encoder.layer[0].attention.self.query, torch.nn.Linear)
     assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in reference.parameters())
     assert torch.isfinite(plain(input_ids=torch.tensor([[0, 5, 6, 7, 2]])).logits).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: pinned host memory and a copy stream"))])
+@torch.no_grad()
+def test_the_residual_pass_offloaded_to_host_memory_gives_the_same_model(device):
+    """``offload_residual``: the second passes in host memory, the device holding two layer slots; the logits equal
+    the resident model's (every layer's residual copied in before it is read, forward after forward, q/k/v still one
+    stack); the memory count says what is where; an offloaded model is not saved."""
+    from esm_turbo.weights.model import random_model
+    from esm_turbo.weights.offload import offload_residual
+    config = stress_esm2(layers=4, hidden=64, heads=4).config
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    resident = random_model(config, "cpu", WeightQuantConfig(bits=4, group=32, residual=True), dtype=dtype, seed=3)
+    for name, t in resident.named_buffers():  # distinct residual codes per layer, so a stale slot would show
+        if name.endswith("codes1"):
+            t.copy_(torch.randint(0, 256, t.shape, generator=torch.Generator().manual_seed(len(name) + t.numel()),
+                                  dtype=torch.uint8))
+    offloaded = copy.deepcopy(resident)
+    resident.to(device)
+    offload = offload_residual(offloaded, device)
+    tokens = torch.randint(4, 24, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    want = resident(tokens).logits
+    for _ in range(2):
+        got = offloaded(tokens).logits
+        assert torch.equal(got, want) if device == "cpu" else torch.allclose(got, want, atol=2e-3, rtol=2e-3)
+    layer = offloaded.esm.encoder.layer[1]
+    assert layer.attention.self.query.codes1.device.type == torch.device(device).type
+    assert layer.attention.self.query.codes1.data_ptr() == offload.slot[1].data_ptr()  # layer 1: slot 1
+    shared = layer.attention.self.query.shared
+    if shared._stacks is not None:
+        assert shared._stacks["codes1"].data_ptr() == layer.attention.self.query.codes1.data_ptr()
+    per_layer = offload.host[0].numel()
+    assert offload.device_bytes == 2 * per_layer and offload.host_bytes == 4 * per_layer
+    mem, full = weight_memory(offloaded), weight_memory(resident)
+    assert mem["host_bytes"] == 4 * per_layer
+    assert full["quantized_linear_bytes"] - mem["quantized_linear_bytes"] == 2 * per_layer  # padding: none here
+    with pytest.raises(ValueError, match="offloaded"):
+        save_quantized(offloaded, "unused")
+    with pytest.raises(ValueError, match="no residual pass"):
+        offload_residual(random_model(config, "cpu", WeightQuantConfig(bits=4, group=32)), device)

@@ -58,6 +58,7 @@ class WeightBench:
     peak: list[dict] = field(default_factory=list)  # a whole quantized model's peak device memory (peak_memory)
     torchao: list[dict] = field(default_factory=list)  # torchao's int4 weight-only linear vs bf16 nn.Linear
     decode: list[dict] = field(default_factory=list)  # a design-loop decode step, 4-bit weights vs fp16 (decode_step)
+    offload: list[dict] = field(default_factory=list)  # the residual pass in host memory vs resident (offload_forward)
 
 
 def linear_shapes(size: str) -> list[tuple[str, int, int]]:
@@ -80,7 +81,7 @@ def _config(t: tuple) -> dict:
 
 def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tuple[int, ...] = ROWS,
                   tune: bool = False, progress: bool = False, peak: tuple[str, ...] = ("15B",),
-                  decode: tuple[str, ...] = ("3B",)) -> WeightBench:
+                  decode: tuple[str, ...] = ("3B",), offload: tuple[str, ...] = ("3B",)) -> WeightBench:
     from ..kernels.weights import dequantize_triton, matmul_reference, matmul_triton, sign_matrix
     from ..weights.codec import rotation
     res = WeightBench(device=torch.cuda.get_device_name(device))
@@ -130,7 +131,49 @@ def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tu
                   flush=True)
     for size in decode:
         res.decode.append(decode_step(size, device))
+    for size in offload:
+        res.offload.append(offload_forward(size, device))
     return res
+
+
+@torch.no_grad()
+def offload_forward(size: str, device: torch.device, batch: int = 4, length: int = 1024) -> dict:
+    """A forward of ``batch`` × ``length`` tokens through a ``size``-shaped model with 4-bit weights and a residual
+    pass (random, ``weights.model.random_model``), resident on the device and with the residual pass in pinned host
+    memory (``weights.offload``), in ms (median of 5 after a warm-up), with the device bytes of each and the
+    host-to-device link's GB/s."""
+    import copy
+    import time
+
+    from ..weights.codec import WeightQuantConfig
+    from ..weights.model import random_model, weight_memory
+    from ..weights.offload import offload_residual
+    from .timing import link_h2d_gbs
+    host = random_model(esm2_config(size), "cpu", WeightQuantConfig(bits=4, group=GROUP, residual=True))
+    tokens = torch.randint(4, 24, (batch, length), device=device)
+    out = dict(size=size, tokens=batch * length, link_gbs=link_h2d_gbs(device))
+    for name in ("resident", "offloaded"):
+        model = copy.deepcopy(host)
+        if name == "resident":
+            model.to(device)
+        else:
+            offload_residual(model, device)
+        out[f"{name}_bytes"] = weight_memory(model)["quantized_linear_bytes"]
+        model(tokens)
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            model(tokens)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_ms"] = sorted(times)[2] * 1e3
+        if name == "offloaded":
+            out["host_bytes"] = model.residual_offload.host_bytes
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
 
 
 @torch.no_grad()
@@ -311,6 +354,13 @@ def format_weights(res: WeightBench) -> str:
                          f"; ceiling {d['fp16_ms'] / (d['free_ms'] + d['read_ms']):.2f}× (the step without its "
                          f"linears {d['free_ms']:.2f} ms + a pure read of the 4-bit weights {d['read_ms']:.2f} ms)"
                          if "free_ms" in d else ""))
+    for o in res.offload:
+        gib = 2**30
+        lines.append(f"  residual pass in pinned host memory, {o['size']}-shaped, a forward of {o['tokens']} tokens: "
+                     f"resident {o['resident_ms']:.1f} ms ({o['resident_bytes'] / gib:.2f} GiB of 4-bit linears on "
+                     f"the device), offloaded {o['offloaded_ms']:.1f} ms ({o['offloaded_bytes'] / gib:.2f} GiB; "
+                     f"{o['host_bytes'] / gib:.2f} GiB on the host; the link {o['link_gbs']:.1f} GB/s, so its copy "
+                     f"alone takes {o['host_bytes'] / o['link_gbs'] / 1e6:.1f} ms)")
     for p in res.peak:
         gib = 2**30
         lines.append(f"  {p['size']}-shaped, 4-bit weights {p['weight_bytes'] / gib:.2f} GiB: peak device memory "

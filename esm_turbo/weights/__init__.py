@@ -3,6 +3,7 @@
 from .codec import WeightQuantConfig
 from .linear import QuantizedLinear
 from .model import is_quantized_dir, load_quantized, quantize_model, save_quantized, weight_memory
+from .offload import ResidualOffload, offload_residual
 
-__all__ = ["QuantizedLinear", "WeightQuantConfig", "is_quantized_dir", "load_quantized", "quantize_model",
-           "save_quantized", "weight_memory"]
+__all__ = ["QuantizedLinear", "ResidualOffload", "WeightQuantConfig", "is_quantized_dir", "load_quantized",
+           "offload_residual", "quantize_model", "save_quantized", "weight_memory"]

@@ -38,6 +38,7 @@ class QuantizedLinear(nn.Module):
         self._rot: torch.Tensor | None = None  # Π [d, d] float32, built from the seed on first use (not stored)
         self._turns: dict = {}  # Π and Πᵀ as the kernels take them, per device (:meth:`_turn`)
         self.shared: SharedInput | None = None  # the linears of the same input this one is multiplied with
+        self.offload = None  # weights.offload.ResidualOffload holding the residual pass in host memory, if any
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
@@ -65,8 +66,14 @@ class QuantizedLinear(nn.Module):
     def _pass(self, p: int) -> QuantPass:
         return QuantPass(getattr(self, f"codes{p}"), getattr(self, f"scales{p}"), getattr(self, f"codebook{p}"))
 
+    def _residual_ready(self) -> None:
+        """Before the residual pass is read: its copy waited for where it is offloaded (``weights.offload``)."""
+        if self.offload is not None and self.passes > 1:
+            self.offload.ready(self)
+
     def rotated_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """Ŵ_rot [M, N] in ``dtype``: every pass decoded and summed (rotated domain)."""
+        self._residual_ready()
         w = self._pass(0).decode(self.out_features, self.in_features, self.bits, dtype)
         for p in range(1, self.passes):
             w = w + self._pass(p).decode(self.out_features, self.in_features, self.bits, dtype)
@@ -76,6 +83,7 @@ class QuantizedLinear(nn.Module):
         """Ŵ [M, N] in the original domain (``Ŵ_rot`` groups times Π), in ``dtype`` (default the bias's)."""
         dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float32)
         if self.bits == 4 and use_kernels(self.codes0):
+            self._residual_ready()
             from ..kernels.weights import dequantize_triton
             w = None
             for p in range(self.passes):
@@ -121,6 +129,7 @@ class QuantizedLinear(nn.Module):
             if self.shared is not None:  # with the other linears of this input, in one launch
                 return self.shared.output(self, x)
             from ..kernels.weights import matmul_triton, rotate_triton
+            self._residual_ready()
             x_rot, y = rotate_triton(flat, self._turn(x.device)[1]), None
             for p in range(self.passes):  # the fused kernel, pass by pass, the last adding the bias
                 last = p == self.passes - 1
@@ -175,6 +184,9 @@ class SharedInput:
                              for name in names for i, m in enumerate(self.members)):
             st = {}
             for name in names:
+                if first.offload is not None and name in ("codes1", "scales1"):  # host-held: the slot's view
+                    st[name] = first.offload.stacked(self.members, name)
+                    continue
                 st[name] = torch.cat([getattr(m, name) for m in self.members])
                 step = len(st[name]) // len(self.members)
                 for i, m in enumerate(self.members):
@@ -195,6 +207,7 @@ class SharedInput:
         from ..kernels.weights import matmul_triton, rotate_triton
         last = self._last
         if last is None or last[0] is not x or last[1] != x._version:
+            member._residual_ready()
             st = self._stacked()
             x_rot, y = rotate_triton(x.reshape(-1, member.in_features), st["turn"]), None
             for p in range(member.passes):

@@ -93,6 +93,9 @@ def save_quantized(model, out: str | Path) -> Path:
     """Write ``model`` (quantized by :func:`quantize_model`) to the folder ``out``."""
     out = Path(out)
     meta = getattr(model, "weight_quant", None)
+    if getattr(model, "residual_offload", None) is not None:
+        raise ValueError("the model's residual pass is offloaded (its device copies are per-layer slots): save the "
+                         "model before offload_residual")
     if meta is None:
         raise ValueError("the model has no quantized weights: run quantize_model first")
     out.mkdir(parents=True, exist_ok=True)
@@ -221,13 +224,21 @@ def _restore_buffers(model) -> None:
 
 def weight_memory(model) -> dict:
     """Bytes of the model's weights as held: quantized linears (codes, scales, codebooks), everything else, and the
-    same model's fp16 and fp32 bytes (every parameter at 2 and 4 bytes)."""
+    same model's fp16 and fp32 bytes (every parameter at 2 and 4 bytes). With the residual pass offloaded
+    (``weights.offload``), the quantized bytes count its device slots, and ``host_bytes`` its pinned host copy."""
     quantized = other = 0
     params = 0
+    offload = getattr(model, "residual_offload", None)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            quantized += module.nbytes()
+            if offload is None:
+                quantized += module.nbytes()
+            else:  # the first pass and every codebook stay on the device
+                quantized += module._pass(0).nbytes() + sum(getattr(module, f"codebook{p}").nbytes
+                                                             for p in range(1, module.passes))
             params += module.in_features * module.out_features
+    if offload is not None:
+        quantized += offload.device_bytes
     seen = set()
     for name, p in model.named_parameters():
         if id(p) in seen:
@@ -236,7 +247,8 @@ def weight_memory(model) -> dict:
         other += p.numel() * 2  # held in fp16
         params += p.numel()
     return dict(quantized_linear_bytes=quantized, other_bytes_fp16=other, total_bytes=quantized + other,
-                fp16_bytes=2 * params, fp32_bytes=4 * params, ratio_vs_fp16=(quantized + other) / (2 * params))
+                fp16_bytes=2 * params, fp32_bytes=4 * params, ratio_vs_fp16=(quantized + other) / (2 * params),
+                host_bytes=offload.host_bytes if offload is not None else 0)
 
 
 def estimate_bytes(config, quant: WeightQuantConfig) -> dict:
