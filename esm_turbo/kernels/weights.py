@@ -158,8 +158,8 @@ def _finish(acc, offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PRE
 
 @triton.jit
 def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-                           B, M, N, G, sxb, sob, PR, sxp, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           B, M, N, G, sxb, sob, PR, sxp, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
                            PRECISION: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
                            AHEAD: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(B, BLOCK_B), SPLIT). x [B, N] (rows strided by sxb; rotated), codes [M, N/8] int32
@@ -168,8 +168,9 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
     ([M / PR, 16]) and the input x + p·sxp (PR = M, sxp = 0: one part; BLOCK_M divides PR). With SPLIT > 1 program
     (i, j, s) sums the s-th of SPLIT equal runs of input channels into partials [SPLIT, B, M] float32 (``part_ptr``)
     and counts its arrival in ``count_ptr[j·grid(0) + i]`` (int32, zero at launch and left zero); the last of a tile
-    adds the SPLIT partials and finishes the tile. N % (SPLIT·BLOCK_K) == 0; BLOCK_K and GROUP powers of two. ``SWAP``: the decoded tile is the dot's
-    first operand (outᵀ = Ŵ_rot xᵀ, which the tensor cores take from registers), transposed once in the epilogue."""
+    adds the SPLIT partials and finishes the tile. N % (SPLIT·BLOCK_K) == 0; BLOCK_K and GROUP powers of two.
+    ``AHEAD`` (0–2): each tile's codes and scales are requested that many tiles before it is decoded. ``SWAP``: the
+    decoded tile is the dot's first operand (outᵀ = Ŵ_rot xᵀ), transposed once in the epilogue."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mmask = offs_m < M
@@ -337,7 +338,8 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter; a split's partial sums are
     added by the last program of each tile): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev``
     [B, M] float32 (an earlier pass) are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b /
-    block_m / block_k / num_warps / num_stages / split / ahead / swap, and ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps / gemv_stages.
+    block_m / block_k / num_warps / num_stages / split / ahead / swap, and ``gemv`` (the CUDA-core kernel) with
+    gemv_m / gemv_k / gemv_warps / gemv_stages.
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
     [P·16], and codes, scales and bias the P weights stacked along their rows (M/P each): → [B, M], part p's outputs
