@@ -11,10 +11,9 @@ The matmul, for one row (:data:`GEMV_ROWS`) on the CUDA cores (``_gemv_kernel``)
 elementwise into a float32 sum, reduced once at the end. For more rows on the tensor cores
 (``_dequant_matmul_kernel``): each program owns a [BLOCK_B, BLOCK_M] tile of the output and walks its run of input
 channels BLOCK_K at a time, the decoded tile scaled per (row, group) and fed to a dot with the input tile; a layer
-with few outputs splits its input channels over programs (float32 partial sums, added by the last
-program of each tile to finish). Both add a bias and
-an earlier pass's output in the epilogue; the dequantized weight never reaches global memory. A rotation (the layer's
-Hadamard matrix, ±1 entries) is one small dot per group of channels.
+with few outputs splits its input channels over programs (float32 partial sums, added by the last program of each
+tile to finish). Both add a bias and an earlier pass's output in the epilogue; the dequantized weight never reaches
+global memory. A rotation (the layer's Hadamard matrix, ±1 entries) is one small dot per group of channels.
 """
 
 from __future__ import annotations
@@ -125,6 +124,17 @@ def _weight_tile(words_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M
 
 
 @triton.jit
+def _tile_ahead(words_ptr, cb_ptr, scales_ptr, word, scale, offs_m, mmask, k0, start, stop, N, G,
+                BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr, LUT: tl.constexpr):
+    """A walk over tiles [start, stop) with each tile's codes requested one tile ahead: (the tile at k0 decoded from
+    its codes ``word``, ``scale`` requested before, the next tile's codes, requested now; past ``stop``, start's)."""
+    nxt = k0 + BLOCK_K
+    nxt = tl.where(nxt < stop, nxt, start)
+    word_n, scale_n = _tile_codes(words_ptr, scales_ptr, offs_m, mmask, nxt, N, G, BLOCK_K, GROUP)
+    return _tile_values(word, scale, cb_ptr, DTYPE, LUT), word_n, scale_n
+
+
+@triton.jit
 def _turn(t, sign_ptr, rot_scale, ROWS: tl.constexpr, COLS: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
     """t [ROWS, COLS] with each group of D columns times ``sign`` [D, D] (a Hadamard rotation's ±1 entries, exact in
     any float type), then ``rot_scale``: float32 [ROWS, COLS]. A float32 t is split into fp16 halves for the tensor
@@ -169,8 +179,8 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
     (i, j, s) sums the s-th of SPLIT equal runs of input channels into partials [SPLIT, B, M] float32 (``part_ptr``)
     and counts its arrival in ``count_ptr[j·grid(0) + i]`` (int32, zero at launch and left zero); the last of a tile
     adds the SPLIT partials and finishes the tile. N % (SPLIT·BLOCK_K) == 0; BLOCK_K and GROUP powers of two.
-    ``AHEAD`` (0–2): each tile's codes and scales are requested that many tiles before it is decoded. ``SWAP``: the
-    decoded tile is the dot's first operand (outᵀ = Ŵ_rot xᵀ), transposed once in the epilogue."""
+    ``AHEAD``: each tile's codes and scales are requested a tile before it is decoded (:func:`_tile_ahead`).
+    ``SWAP``: the decoded tile is the dot's first operand (outᵀ = Ŵ_rot xᵀ), transposed once in the epilogue."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mmask = offs_m < M
@@ -184,22 +194,14 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
         acc_t = tl.zeros((BLOCK_M, BLOCK_B), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
-    if AHEAD > 0:  # codes requested AHEAD tiles before they are decoded, carried in registers
+    if AHEAD:  # each tile's codes requested a tile before it is decoded, carried in registers
         word, scale = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, start, N, G, BLOCK_K, GROUP)
-    if AHEAD > 1:
-        word2, scale2 = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, start + BLOCK_K % RUN, N, G, BLOCK_K, GROUP)
     for k0 in range(start, start + RUN, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_b[:, None].to(tl.int64) * sxb + offs_k[None, :], mask=bmask[:, None], other=0.0)
-        if AHEAD > 0:  # a later tile's codes are requested before this one is decoded (past the run: its first again)
-            ahead = k0 + AHEAD * BLOCK_K
-            ahead = tl.where(ahead < start + RUN, ahead, start)
-            word_n, scale_n = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, ahead, N, G, BLOCK_K, GROUP)
-            w = _tile_values(word, scale, cb_ptr, x.dtype, LUT)
-            if AHEAD > 1:
-                word, scale, word2, scale2 = word2, scale2, word_n, scale_n
-            else:
-                word, scale = word_n, scale_n
+        if AHEAD:
+            w, word, scale = _tile_ahead(codes_ptr, cb_ptr, scales_ptr, word, scale, offs_m, mmask, k0, start,
+                                         start + RUN, N, G, BLOCK_K, GROUP, x.dtype, LUT)
         else:
             w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, x.dtype,
                              LUT)
@@ -229,12 +231,12 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
 def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob, PR, sxp,
                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                  HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, WDTYPE: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 STAGES: tl.constexpr, AHEAD: tl.constexpr):
     """A few rows (B ≤ ROWS): grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob; its dtype) = x [B, N]
     (rows strided by sxb) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA cores: the weight tile decoded
     as the tensor-core kernel decodes it (scaled in WDTYPE: fp16 for 16-bit inputs), multiplied by the input
     elementwise into a float32 [ROWS, BLOCK_M, BLOCK_K] sum, reduced over the row once at the end. codes [M, N/8]
-    int32; parts (PR, sxp) as the tensor-core kernel's. N % BLOCK_K == 0."""
+    int32; parts (PR, sxp) and ``AHEAD`` as the tensor-core kernel's. N % BLOCK_K == 0."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, ROWS)
     part = tl.program_id(0) * BLOCK_M // PR
@@ -244,9 +246,16 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
     rmask = offs_r[:, None] < B
     acc = tl.zeros((ROWS, BLOCK_M, BLOCK_K), dtype=tl.float32)
     xrows = offs_r[:, None].to(tl.int64) * sxb
+    if AHEAD:
+        word, scale = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, 0, N, G, BLOCK_K, GROUP)
     for k0 in tl.range(0, N, BLOCK_K, num_stages=STAGES):  # STAGES None: the launch's num_stages
-        w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, WDTYPE,
-                         LUT).to(tl.float32)
+        if AHEAD:
+            w, word, scale = _tile_ahead(codes_ptr, cb_ptr, scales_ptr, word, scale, offs_m, mmask, k0, 0, N, N, G,
+                                         BLOCK_K, GROUP, WDTYPE, LUT)
+        else:
+            w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, WDTYPE,
+                             LUT)
+        w = w.to(tl.float32)
         x = tl.load(x_ptr + xrows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=rmask, other=0.0).to(tl.float32)
         acc += w[None, :, :] * x[:, None, :]
     _finish(tl.sum(acc, axis=2), offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
@@ -310,25 +319,27 @@ def matmul_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132) -> dict:
     """Launch constants for ``rows`` × a [out_features, in_features] weight on a GPU of ``sms`` multiprocessors: the
-    fastest of a grid timed on an H100 (``esm-turbo bench weights --tune`` times it again). One row: the CUDA-core
-    kernel, 4 or 8 outputs a program, its code loads pipelined three steps deep up to 3B-sized layers (no gain past).
-    Up to 16: tensor-core tiles of 16 × 32 outputs (16 below 2,560 outputs) × 128 or 256 input channels, each tile's
-    codes requested one tile ahead (``ahead``), the input channels split over programs (``split``) until there are
-    about 2.5 programs a multiprocessor. More rows multiply: 64 × 128 tiles."""
+    fastest of a grid timed inside a step's CUDA graph on an H100 (``esm-turbo bench weights --tune`` times it
+    again). Both kernels request each tile's codes a tile ahead. One row: the CUDA-core kernel, 4 outputs a program up
+    to 2,560 outputs, 8 on 15B-wide inputs, else 16 (× 256 input channels; else 512); Triton's software pipelining
+    three deep where it helped (up to 16M weights, and on layers of 5,120 or more each way). Up to 16 rows: tensor-core tiles of 16 × 32 outputs (16 for
+    narrow layers) × 128 or 256 input channels, the input channels split over at least 2 programs and up to 8, to
+    about 3.6 programs a multiprocessor. More rows multiply: 64 × 128 tiles."""
     m, n = out_features, in_features
-    cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=8 if m >= 5120 and n >= 2560 else 4,
-               gemv_k=512 if n >= 2560 else 256, gemv_warps=8 if n >= 4 * m and m < 5120 else 4,
-               gemv_stages=3 if m * n <= 2**25 else None, split=1, swap=False, ahead=0)
+    gemv_m = 4 if m <= 2560 else 8 if n >= 5120 else 16
+    cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=gemv_m, gemv_k=256 if gemv_m == 16 else 512, gemv_warps=4,
+               gemv_stages=3 if m * n <= 2**24 or min(m, n) >= 5120 else None, gemv_ahead=1, split=1, swap=False,
+               ahead=0)
     if rows > 16:
         block_b = triton.next_power_of_2(min(rows, 64))
         return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
     long_input = n >= 2 * m  # FFN down
-    cfg |= dict(block_b=16, block_m=32 if m >= 2560 or long_input else 16,
-                block_k=256 if long_input or m < 2560 else 128, num_warps=4,
-                num_stages=2 if long_input and m < 5120 else 3, ahead=1)
+    narrow = m < 2560 and not long_input
+    cfg |= dict(block_b=16, block_m=16 if narrow else 32,
+                block_k=256 if narrow or (long_input and m >= 5120) else 128, num_warps=4,
+                num_stages=2 if long_input and m < 2560 else 3, ahead=1)
     programs = triton.cdiv(m, cfg["block_m"]) * triton.cdiv(rows, 16)
-    while cfg["split"] < 8 and programs * cfg["split"] < 2.5 * sms and n % (2 * cfg["split"] * cfg["block_k"]) == 0:
-        cfg["split"] *= 2
+    cfg["split"] = min(8, max(2, triton.next_power_of_2(triton.cdiv(int(3.6 * sms), programs))))
     return cfg
 
 
@@ -339,7 +350,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     added by the last program of each tile): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev``
     [B, M] float32 (an earlier pass) are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b /
     block_m / block_k / num_warps / num_stages / split / ahead / swap, and ``gemv`` (the CUDA-core kernel) with
-    gemv_m / gemv_k / gemv_warps / gemv_stages.
+    gemv_m / gemv_k / gemv_warps / gemv_stages / gemv_ahead.
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
     [P·16], and codes, scales and bias the P weights stacked along their rows (M/P each): → [B, M], part p's outputs
@@ -376,6 +387,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
             part_rows, sxp, ROWS=triton.next_power_of_2(b), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
             HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut,
             WDTYPE=tl.float32 if x.dtype == torch.float32 else tl.float16, STAGES=cfg["gemv_stages"],
+            AHEAD=cfg["gemv_ahead"],
             num_warps=cfg["gemv_warps"], enable_fp_fusion=FP_FUSION)
         return out
     while n % cfg["block_k"]:
