@@ -222,6 +222,9 @@ def cmd_embed(args) -> int:
         log.warning("skipped: %s", problem)
     device = "cpu" if args.nogpu else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_esm(args.model, dtype=cfg.torch_dtype(device))  # loaded in the dtype it runs in: no fp32 copy
+    if args.offload_residual:  # the residual pass in pinned host memory, a layer copied ahead (weights.offload)
+        from .weights.offload import offload_residual
+        offload_residual(model, device)
     embedder = Embedder(model, cfg, device)
     writer = make_writer(args.format, args.output, rank, world)
     if args.format == "h5" and rank == 0:
@@ -432,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (auto: fp16 on CUDA, fp32 on CPU); outputs are stored as float32")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu… (default: cuda when available)")
     p.add_argument("--nogpu", action="store_true", help="run on CPU (fair-esm's flag)")
+    p.add_argument("--offload-residual", action="store_true",
+                   help="a model quantized with --residual: keep the residual pass in pinned host memory, each layer's "
+                        "copied to the GPU while the layer before computes")
     p.add_argument("--resume", action="store_true", help="skip ids already written to the output")
     p.add_argument("--skip-invalid", action="store_true",
                    help="skip malformed / invalid records (reported) instead of stopping")

@@ -322,3 +322,28 @@ def test_the_residual_pass_offloaded_to_host_memory_gives_the_same_model(device)
         save_quantized(offloaded, "unused")
     with pytest.raises(ValueError, match="no residual pass"):
         offload_residual(random_model(config, "cpu", WeightQuantConfig(bits=4, group=32)), device)
+
+
+def test_cli_embeds_with_the_residual_pass_offloaded(tmp_path, capsys):
+    """``esm-turbo embed --offload-residual`` on a checkpoint quantized with ``--residual`` writes what the resident
+    model writes; on a checkpoint without a residual pass it is refused in one line before any work."""
+    from esm_turbo.testing import save_stress_model
+    src = save_stress_model(tmp_path / "m", fair_esm_pt=False, layers=2, hidden=64, heads=4)
+    fasta = tmp_path / "x.fasta"
+    fasta.write_text(">a\nMKTAYIAKQRQISFVKSHFSRQ\n>b\nGSHMLEDPVAGQ\n")
+    q, plain = tmp_path / "q", tmp_path / "p"
+    assert main(["quantize-weights", "--model", str(src), "--out", str(q), "--residual", "--quiet"]) == 0
+    assert main(["quantize-weights", "--model", str(src), "--out", str(plain), "--quiet"]) == 0
+    outs = []
+    for i, extra in enumerate(([], ["--offload-residual"])):
+        outs.append(tmp_path / f"o{i}")
+        assert main(["embed", str(fasta), "--model", str(q), "-o", str(outs[-1]), "--nogpu", "--quiet",
+                     *extra]) == 0
+    for name in ("a", "b"):
+        want, got = (torch.load(o / f"{name}.pt") for o in outs)
+        assert torch.equal(want["mean_representations"][2], got["mean_representations"][2])
+    capsys.readouterr()
+    assert main(["embed", str(fasta), "--model", str(plain), "-o", str(tmp_path / "o2"), "--nogpu",
+                 "--offload-residual"]) == 2
+    err = capsys.readouterr().err
+    assert "no residual pass" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "o2").exists()

@@ -194,6 +194,8 @@ class FastEsm(nn.Module):
                 inv_freq = esm.encoder.layer[0].attention.self.rotary_embeddings.inv_freq
             model.inv_freq = inv_freq.detach().to(ref.device, torch.float32).clone()
         model.lm_head = getattr(net, "lm_head", None)
+        if getattr(net, "residual_offload", None) is not None:  # copies queued from the host as blocks run
+            model.cuda_graphs = False
         return model.eval()
 
     @classmethod

@@ -271,6 +271,9 @@ class DecodeSession:
                                "as rows grow")
         if not cache.device.type == "cuda":
             raise RuntimeError("capture_step needs the model and cache on a CUDA device")
+        if getattr(self.engine.model, "residual_offload", None) is not None:
+            raise RuntimeError("capture_step: the model's residual pass is offloaded (its copies are queued from the "
+                               "host as layers run); step eagerly")
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=cache.device).clone()
         counts = (torch.full((cache.batch_size,), tokens.shape[1], device=cache.device) if counts is None
                   else torch.as_tensor(counts, dtype=torch.long, device=cache.device).clone())

@@ -54,13 +54,16 @@ class QuantizedLinear(nn.Module):
         return q.to(linear.weight.device)
 
     def _apply(self, fn, recurse: bool = True):
-        """``.to(dtype)`` casts the bias; scales and codebooks stay fp16 (their stored precision)."""
+        """``.to(dtype)`` casts the bias; scales and codebooks stay fp16 (their stored precision); an offloaded residual
+        pass stays a view of its slot."""
         super()._apply(fn, recurse)
         for p in range(self.passes):
             for name in (f"scales{p}", f"codebook{p}"):
                 buf = getattr(self, name)
                 if buf.dtype != torch.float16:
                     setattr(self, name, buf.to(torch.float16))
+        if self.offload is not None:
+            self.offload.bind(self)
         return self
 
     def _pass(self, p: int) -> QuantPass:

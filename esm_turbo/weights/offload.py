@@ -19,6 +19,7 @@ from collections import defaultdict
 
 import torch
 
+from ..errors import EsmTurboError
 from .linear import QuantizedLinear
 
 #: byte alignment of each tensor within a layer's buffer
@@ -59,12 +60,22 @@ class ResidualOffload:
         self._held = [-1] * self.slots  # the unit each slot holds (or is being copied into)
         self._copied: list[torch.cuda.Event | None] = [None] * self.slots
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        for u, items in enumerate(self._layout):  # the linears' residual buffers: views of their unit's slot
-            slot = self.slot[u % self.slots]
-            for lin, name, start, size, dtype, shape in items:
-                setattr(lin, name, slot[start:start + size].view(dtype).view(shape))
-            for lin in units[u]:
+        for members in units:  # the linears' residual buffers: views of their unit's slot
+            for lin in members:
                 lin.offload = self
+                self.bind(lin, moved=False)
+
+    def bind(self, linear: QuantizedLinear, moved: bool = True) -> None:
+        """Point ``linear``'s residual buffers at its layer's slot (again after ``.to()`` replaced them: a
+        ``QuantizedLinear`` calls this from its ``_apply``, ``moved``). Refused if it moved off the slots' device."""
+        if moved and linear.codes0.device != self.device:
+            raise ValueError(f"a linear whose residual pass is offloaded to {self.device} was moved to "
+                             f"{linear.codes0.device}: offload the model again on the new device")
+        unit = self._unit_of[id(linear)]
+        slot = self.slot[unit % self.slots]
+        for lin, name, start, size, dtype, shape in self._layout[unit]:
+            if lin is linear:
+                setattr(lin, name, slot[start:start + size].view(dtype).view(shape))
 
     @property
     def device_bytes(self) -> int:
@@ -129,9 +140,10 @@ def offload_residual(model, device: torch.device | str, slots: int = 2) -> Resid
         if isinstance(lin, QuantizedLinear) and lin.passes > 1:
             units[int(name.split(".")[3])].append(lin)
     if not units:
-        raise ValueError("the model has no residual pass to offload (quantize it with --residual)")
+        raise EsmTurboError("the model has no residual pass to offload: quantize it with `esm-turbo quantize-weights "
+                            "--residual`")
     offload = ResidualOffload([units[i] for i in sorted(units)], device, slots)
-    model.to(device)  # the residual views are on the device already: moved as they are
+    model.to(device)  # the residual views are on the device already: moved as they are (``bind``)
     model.residual_offload = offload
     return offload
 
