@@ -322,9 +322,10 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
     fastest of a grid timed inside a step's CUDA graph on an H100 (``esm-turbo bench weights --tune`` times it
     again). Both kernels request each tile's codes a tile ahead. One row: the CUDA-core kernel, 4 outputs a program up
     to 2,560 outputs, 8 on 15B-wide inputs, else 16 (× 256 input channels; else 512); Triton's software pipelining
-    three deep where it helped (up to 16M weights, and on layers of 5,120 or more each way). Up to 16 rows: tensor-core tiles of 16 × 32 outputs (16 for
-    narrow layers) × 128 or 256 input channels, the input channels split over at least 2 programs and up to 8, to
-    about 3.6 programs a multiprocessor. More rows multiply: 64 × 128 tiles."""
+    three deep where it helped (up to 16M weights, and on layers of 5,120 or more each way). Up to 16 rows:
+    tensor-core tiles of 16 × 32 outputs (16 for narrow layers) × 128 or 256 input channels, the input channels split
+    over at least 2 programs and up to 8, to about 3.6 programs a multiprocessor. More rows multiply: 64 × 128
+    tiles."""
     m, n = out_features, in_features
     gemv_m = 4 if m <= 2560 else 8 if n >= 5120 else 16
     cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=gemv_m, gemv_k=256 if gemv_m == 16 else 512, gemv_warps=4,
