@@ -57,6 +57,7 @@ class ResidualOffload:
             self._layout.append(items)
         width = max(b.numel() for b in self.host)
         self.slot = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.slots)]
+        self.device = self.slot[0].device  # with its index ("cuda" → "cuda:0"), as moved tensors report theirs
         self._held = [-1] * self.slots  # the unit each slot holds (or is being copied into)
         self._copied: list[torch.cuda.Event | None] = [None] * self.slots
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
