@@ -80,12 +80,11 @@ def main() -> None:
     # activations on tensor cores; the CUDA-core kernel; the input rotated per group; the weight dequantized and
     # turned back to the original domain (fp32 tiles in fp16 halves)
     i32 = "*i32"
-    # (split over programs, merged by the last to arrive; codes requested a tile ahead; the swapped dot)
-    for group, extras, split, ahead, swap in ((32, True, 1, 0, False), (128, False, 4, 1, False),
-                                              (32, True, 2, 1, True)):
+    # (split over programs, merged by the last to arrive; codes requested a tile ahead)
+    for group, extras, split, ahead in ((32, True, 1, 0), (128, False, 4, 1), (32, True, 2, 1)):
         compile_sm90(weights._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=32, BLOCK_K=256, GROUP=group,
                                                           HAS_PREV=extras, HAS_BIAS=extras, PRECISION="tf32",
-                                                          LUT=True, SPLIT=split, SWAP=swap, AHEAD=ahead),
+                                                          LUT=True, SPLIT=split, AHEAD=ahead),
                      {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)

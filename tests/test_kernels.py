@@ -578,7 +578,7 @@ def test_kernels_compile_for_sm90():
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid, grid paged), prep, merge twice (many
     # sequences per program, several queries); quantize-and-pack six times: prefills in blocks of 32 and 64, a decode
     # step (also into a paged pool), the last two also with grid codes; the 4-bit weights' tensor-core matmul three
-    # times (groups of 32 and 128, split and merged in-kernel, codes a tile ahead, the swapped dot), CUDA-core matmul,
+    # times (groups of 32 and 128, split and merged in-kernel, codes a tile ahead), CUDA-core matmul,
     # input rotation and dequantization; a paged pool's block moves both ways; the bench's read-only kernel
     assert len(compiled) == 36, out
 

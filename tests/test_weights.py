@@ -171,12 +171,11 @@ def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
 
 @pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
                     reason="triton >= 3.5 is not installed")
-@pytest.mark.parametrize("split,ahead,swap", [(1, 0, False), (2, 0, False), (4, 1, False), (2, 1, True), (8, 1, True)])
-def test_weight_kernel_splits_the_input_channels(split, ahead, swap):
+@pytest.mark.parametrize("split,ahead", [(1, 0), (2, 0), (4, 1), (2, 1), (8, 1)])
+def test_weight_kernel_splits_the_input_channels(split, ahead):
     """The tensor-core kernel with its input channels split over programs (a float32 partial sum each; the last
     program of a tile to arrive adds them) gives the unsplit result, the earlier pass and the bias added once, and
-    leaves its arrival counts zero for the next launch; also with the codes requested a tile ahead and with
-    the decoded tile as the dot's first operand."""
+    leaves its arrival counts zero for the next launch; also with the codes requested a tile ahead."""
     from esm_turbo.kernels.common import split_counters
     from esm_turbo.kernels.weights import matmul_reference, matmul_triton
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,7 +184,7 @@ def test_weight_kernel_splits_the_input_channels(split, ahead, swap):
     args = [t.to(device) for t in (q.codes0, q.scales0, q.codebook0)]
     prev, bias = torch.randn(3, 48, device=device), torch.randn(48, device=device)
     want = matmul_reference(x, *args) + prev + bias
-    cfg = dict(gemv=False, split=split, block_k=64, ahead=ahead, swap=swap)
+    cfg = dict(gemv=False, split=split, block_k=64, ahead=ahead)
     for _ in range(2):  # the second launch finds the counts the first left
         out = matmul_triton(x, *args, config=cfg, prev=prev, bias=bias, out_dtype=torch.float32)
         assert out.shape == (3, 48) and (out - want).abs().max().item() <= 1e-4 * want.abs().max().item()

@@ -116,9 +116,10 @@ def _tile_values(word, scale, cb_ptr, DTYPE: tl.constexpr, LUT: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(words_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP: tl.constexpr, DTYPE: tl.constexpr, LUT: tl.constexpr):
-    """Ŵ_rot[offs_m, k0 : k0 + BLOCK_K] as DTYPE [BLOCK_M, BLOCK_K] (:func:`_tile_codes`, then :func:`_tile_values`)."""
+def _weight_tile(words_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                 DTYPE: tl.constexpr, LUT: tl.constexpr):
+    """Ŵ_rot[offs_m, k0 : k0 + BLOCK_K] as DTYPE [len(offs_m), BLOCK_K]: :func:`_tile_codes`, then
+    :func:`_tile_values`."""
     word, scale = _tile_codes(words_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K, GROUP)
     return _tile_values(word, scale, cb_ptr, DTYPE, LUT)
 
@@ -170,8 +171,7 @@ def _finish(acc, offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PRE
 def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                            B, M, N, G, sxb, sob, PR, sxp, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           PRECISION: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
-                           AHEAD: tl.constexpr):
+                           PRECISION: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr, AHEAD: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(B, BLOCK_B), SPLIT). x [B, N] (rows strided by sxb; rotated), codes [M, N/8] int32
     (the packed uint8 codes read as words), scales [M, G] fp16, codebook [16] fp16, out [B, M] (rows strided by sob;
     its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]). Parts: output rows [p·PR, (p + 1)·PR) take codebook p
@@ -179,8 +179,7 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
     (i, j, s) sums the s-th of SPLIT equal runs of input channels into partials [SPLIT, B, M] float32 (``part_ptr``)
     and counts its arrival in ``count_ptr[j·grid(0) + i]`` (int32, zero at launch and left zero); the last of a tile
     adds the SPLIT partials and finishes the tile. N % (SPLIT·BLOCK_K) == 0; BLOCK_K and GROUP powers of two.
-    ``AHEAD``: each tile's codes and scales are requested a tile before it is decoded (:func:`_tile_ahead`).
-    ``SWAP``: the decoded tile is the dot's first operand (outᵀ = Ŵ_rot xᵀ), transposed once in the epilogue."""
+    ``AHEAD``: each tile's codes and scales are requested a tile before it is decoded (:func:`_tile_ahead`)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mmask = offs_m < M
@@ -190,10 +189,7 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
     cb_ptr += part * 16
     RUN = N // SPLIT
     start = tl.program_id(2) * RUN
-    if SWAP:
-        acc_t = tl.zeros((BLOCK_M, BLOCK_B), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
     if AHEAD:  # each tile's codes requested a tile before it is decoded, carried in registers
         word, scale = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, start, N, G, BLOCK_K, GROUP)
     for k0 in range(start, start + RUN, BLOCK_K):
@@ -203,14 +199,8 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
             w, word, scale = _tile_ahead(codes_ptr, cb_ptr, scales_ptr, word, scale, offs_m, mmask, k0, start,
                                          start + RUN, N, G, BLOCK_K, GROUP, x.dtype, LUT)
         else:
-            w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, x.dtype,
-                             LUT)
-        if SWAP:
-            acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision=PRECISION)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    if SWAP:
-        acc = tl.trans(acc_t)
+            w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K, GROUP, x.dtype, LUT)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if SPLIT > 1:  # the partial sum stored; the tile's last program to arrive adds them all and finishes
         at = offs_b[:, None].to(tl.int64) * M + offs_m[None, :]
         mask = bmask[:, None] & mmask[None, :]
@@ -253,8 +243,7 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
             w, word, scale = _tile_ahead(codes_ptr, cb_ptr, scales_ptr, word, scale, offs_m, mmask, k0, 0, N, N, G,
                                          BLOCK_K, GROUP, WDTYPE, LUT)
         else:
-            w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, WDTYPE,
-                             LUT)
+            w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K, GROUP, WDTYPE, LUT)
         w = w.to(tl.float32)
         x = tl.load(x_ptr + xrows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=rmask, other=0.0).to(tl.float32)
         acc += w[None, :, :] * x[:, None, :]
@@ -285,7 +274,7 @@ def _dequant_kernel(codes_ptr, cb_ptr, scales_ptr, sign_ptr, rot_scale, prev_ptr
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     k0 = tl.program_id(1) * BLOCK_K
     mmask = offs_m < M
-    w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_M, BLOCK_K, GROUP, tl.float32, LUT)
+    w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K, GROUP, tl.float32, LUT)
     if ROTATE:
         w = _turn(w, sign_ptr, rot_scale, BLOCK_M, BLOCK_K, GROUP, PRECISION)
     at = offs_m[:, None].to(tl.int64) * N + k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -329,8 +318,7 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
     m, n = out_features, in_features
     gemv_m = 4 if m <= 2560 else 8 if n >= 5120 else 16
     cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=gemv_m, gemv_k=256 if gemv_m == 16 else 512, gemv_warps=4,
-               gemv_stages=3 if m * n <= 2**24 or min(m, n) >= 5120 else None, gemv_ahead=1, split=1, swap=False,
-               ahead=0)
+               gemv_stages=3 if m * n <= 2**24 or min(m, n) >= 5120 else None, gemv_ahead=1, split=1, ahead=0)
     if rows > 16:
         block_b = triton.next_power_of_2(min(rows, 64))
         return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
@@ -350,7 +338,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter; a split's partial sums are
     added by the last program of each tile): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev``
     [B, M] float32 (an earlier pass) are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b /
-    block_m / block_k / num_warps / num_stages / split / ahead / swap, and ``gemv`` (the CUDA-core kernel) with
+    block_m / block_k / num_warps / num_stages / split / ahead, and ``gemv`` (the CUDA-core kernel) with
     gemv_m / gemv_k / gemv_warps / gemv_stages / gemv_ahead.
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
@@ -404,7 +392,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
                                  groups, x.stride(1), m, part_rows, sxp,
                                  BLOCK_B=cfg["block_b"], BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], GROUP=group,
                                  HAS_PREV=prev is not None, HAS_BIAS=bias is not None, PRECISION=_precision(x),
-                                 LUT=lut, SPLIT=split, SWAP=cfg["swap"], AHEAD=cfg["ahead"],
+                                 LUT=lut, SPLIT=split, AHEAD=cfg["ahead"],
                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=FP_FUSION)
     return out
 
