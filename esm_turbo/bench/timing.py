@@ -7,16 +7,28 @@ import time
 
 import torch
 
+def time_eager(fn, device: torch.device, reps: int = 5) -> float:
+    """Median wall-clock seconds of ``fn`` over ``reps`` calls after one warm-up, each call synchronised on CUDA:
+    for work a CUDA graph cannot hold."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def time_graph(fn, device: torch.device, reps: int = 20) -> float:
     """Median seconds of ``fn`` (CUDA: replayed as a CUDA graph, timed with events; CPU: wall clock)."""
     if device.type != "cuda":
-        fn()
-        times = []
-        for _ in range(max(3, reps // 5)):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return time_eager(fn, device, max(3, reps // 5))
     import triton.testing
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -143,12 +143,11 @@ def offload_forward(size: str, device: torch.device, batch: int = 4, length: int
     memory (``weights.offload``), in ms (median of 5 after a warm-up), with the device bytes of each and the
     host-to-device link's GB/s."""
     import copy
-    import time
 
     from ..weights.codec import WeightQuantConfig
     from ..weights.model import random_model, weight_memory
     from ..weights.offload import offload_residual
-    from .timing import link_h2d_gbs
+    from .timing import link_h2d_gbs, time_eager
     host = random_model(esm2_config(size), "cpu", WeightQuantConfig(bits=4, group=GROUP, residual=True))
     tokens = torch.randint(4, 24, (batch, length), device=device)
     out = dict(size=size, tokens=batch * length, link_gbs=link_h2d_gbs(device))
@@ -159,15 +158,7 @@ def offload_forward(size: str, device: torch.device, batch: int = 4, length: int
         else:
             offload_residual(model, device)
         out[f"{name}_bytes"] = weight_memory(model)["quantized_linear_bytes"]
-        model(tokens)
-        times = []
-        for _ in range(5):
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            model(tokens)
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        out[f"{name}_ms"] = sorted(times)[2] * 1e3
+        out[f"{name}_ms"] = time_eager(lambda: model(tokens), device) * 1e3  # copies from the host: no CUDA graph
         if name == "offloaded":
             out["host_bytes"] = model.residual_offload.host_bytes
         del model

@@ -104,6 +104,7 @@ def split16(x: torch.Tensor, precision: str) -> bool:
     return x.dtype == torch.float16 and precision != "ieee"
 
 
+#: arrival counts of the launches that merge in their last program, kept zero between launches, per (device, stream)
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 

@@ -15,8 +15,6 @@ On CPU (and MPS) the copies are plain copies, in order: the same views and resul
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from ..errors import EsmTurboError
@@ -41,11 +39,12 @@ class ResidualOffload:
         pin = self.device.type == "cuda"
         for u, members in enumerate(units):
             at, items = 0, []
+            for lin in members:
+                self._unit_of[id(lin)] = u
             for group in _groups(members):  # a SharedInput's members side by side, as it stacks them
                 for name in ("codes1", "scales1"):
                     at = -(-at // ALIGN) * ALIGN
                     for lin in group:
-                        self._unit_of[id(lin)] = u
                         t = getattr(lin, name)
                         items.append((lin, name, at, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
                         at += t.numel() * t.element_size()
@@ -134,16 +133,13 @@ def offload_residual(model, device: torch.device | str, slots: int = 2) -> Resid
     already in the dtype it runs in) to ``device`` with its residual passes in pinned host memory
     (:class:`ResidualOffload`, kept as ``model.residual_offload``); the first passes and everything else on ``device``.
     Refused for a model without a residual pass."""
-    from .model import block_linears
-    units: dict[int, list[QuantizedLinear]] = defaultdict(list)
-    for name, parent, attr in block_linears(model):
-        lin = getattr(parent, attr)
-        if isinstance(lin, QuantizedLinear) and lin.passes > 1:
-            units[int(name.split(".")[3])].append(lin)
+    units = [[m for m in layer.modules() if isinstance(m, QuantizedLinear) and m.passes > 1]
+             for layer in model.esm.encoder.layer]  # in the order a forward uses them
+    units = [members for members in units if members]
     if not units:
         raise EsmTurboError("the model has no residual pass to offload: quantize it with `esm-turbo quantize-weights "
                             "--residual`")
-    offload = ResidualOffload([units[i] for i in sorted(units)], device, slots)
+    offload = ResidualOffload(units, device, slots)
     model.to(device)  # the residual views are on the device already: moved as they are (``bind``)
     model.residual_offload = offload
     return offload

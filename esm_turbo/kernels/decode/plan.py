@@ -56,7 +56,6 @@ def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool
     return batch * heads * capacity <= SMALL_MAX_SLOTS
 
 
-#: the one-launch path's arrival counts, kept zero between launches, per (device, stream)
 def merge_rows(batch: int, heads: int, block_s: int, block_ns: int, d: int, sms: int) -> int:
     """Sequences per merge program (``_merge_kernel``), a power of two: up to 16 while there are at least half as
     many programs as SMs, and fewer where its [splits, sequences, queries, d] partials (or the queries × keys × d
