@@ -7,7 +7,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
 
-import triton.language as tl  # noqa: E402
 
 from esm_turbo.bench import read  # noqa: E402
 from esm_turbo.kernels import blocks, quantize, weights  # noqa: E402
@@ -88,8 +87,8 @@ def main() -> None:
                      {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)
-    compile_sm90(weights._gemv_kernel, dict(ROWS=1, BLOCK_M=8, BLOCK_K=512, GROUP=32, HAS_PREV=True, HAS_BIAS=True,
-                                            LUT=True, WDTYPE=tl.float16, STAGES=3, AHEAD=True),
+    compile_sm90(weights._gemv_kernel, dict(R=4, BLOCK_M=8, BLOCK_K=512, GROUP=32, HAS_PREV=True, HAS_BIAS=True,
+                                            LUT=True, X16=True, STAGES=3, AHEAD=True),
                  {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                  dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
     compile_sm90(weights._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32"), {"B", "N", "sxb"},

@@ -147,7 +147,7 @@ def test_cli_quantize_weights(tmp_path, capsys):
 
 @pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
                     reason="triton >= 3.5 is not installed")
-@pytest.mark.parametrize("n,group,batch", [(96, 32, 5), (256, 128, 3), (320, 64, 17), (1280, 32, 1)])
+@pytest.mark.parametrize("n,group,batch", [(96, 32, 5), (256, 128, 3), (320, 64, 17), (1280, 32, 1), (512, 32, 2)])
 @pytest.mark.parametrize("gemv", [False, True, "ahead"])
 def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
     """The fused 4-bit dequantize-and-multiply kernels (Triton's interpreter on CPU, the codebook gathered; compiled

@@ -23,7 +23,7 @@ from ..model.sizes import esm2_config
 from .timing import read_floor_us, time_graph
 
 WEIGHT_SIZES = ("650M", "3B", "15B")
-ROWS = (1, 4, 16, 64, 4096)
+ROWS = (1, 2, 4, 16, 64, 4096)
 GROUP = 32
 
 #: tuning grids: (block_b, block_m, block_k, num_warps, num_stages); few rows read weights, many rows multiply

@@ -5,10 +5,11 @@ contracts are :func:`matmul_reference`, ``QuantizedLinear.rotate_input`` and ``Q
 ``esm_turbo.weights.linear.QuantizedLinear`` picks between them.
 
 The codes are read as int32 words, eight 4-bit codes a word, and each is looked up in the layer's 16-entry fp16
-codebook in registers (``_lookup``: PTX ``prmt`` byte permutes over the codebook's bytes, about three integer
+codebook in registers (``_lookup8``: PTX ``prmt`` byte permutes over the codebook's bytes, about 2.6 integer
 instructions a code, no memory access; Triton's interpreter, which runs no PTX, gathers through memory instead).
-The matmul, for one row (:data:`GEMV_ROWS`) on the CUDA cores (``_gemv_kernel``): the decoded tile times the input
-elementwise into a float32 sum, reduced once at the end. For more rows on the tensor cores
+The matmul, for one or two rows (:data:`GEMV_ROWS`) on the CUDA cores (``_gemv_kernel``), stays in the code words'
+own layout: each word's eight products with an input row are summed in float32 and scaled once, into a float32 sum a
+word, reduced once at the end (no tile reshaped or moved between threads). For more rows on the tensor cores
 (``_dequant_matmul_kernel``): each program owns a [BLOCK_B, BLOCK_M] tile of the output and walks its run of input
 channels BLOCK_K at a time, the decoded tile scaled per (row, group) and fed to a dot with the input tile; a layer
 with few outputs splits its input channels over programs (float32 partial sums, added by the last program of each
@@ -25,17 +26,16 @@ import triton.language as tl
 from .common import FP_FUSION, interpreting, num_sms, split_counters
 
 
-def _lookup_half(out: list[str]) -> str:
-    """PTX decoding the four codes in the low half of ``w`` into the fp16 registers ``out`` (4 names)."""
+def _lookup_half(sel: str, mask: str, out: list[str]) -> str:
+    """PTX decoding four codes into the fp16 registers ``out`` (4 names): ``sel`` holds their low three bits (nibbles
+    0–3), ``mask`` the byte permute that spreads each code's fourth bit over a byte (from ``w`` and ``w4`` = w << 4,
+    whose bytes carry those bits as their sign bits)."""
     return f"""
-and.b32 s, w, 0x7777;
-shr.b32 t, w, 3;
-and.b32 t, t, 0x1111;
-prmt.b32 m, ff, ff, t;
-prmt.b32 la, $9, $10, s;
-prmt.b32 lb, $11, $12, s;
-prmt.b32 ha, $13, $14, s;
-prmt.b32 hb, $15, $16, s;
+prmt.b32 m, w4, w, {mask};
+prmt.b32 la, $9, $10, {sel};
+prmt.b32 lb, $11, $12, {sel};
+prmt.b32 ha, $13, $14, {sel};
+prmt.b32 hb, $15, $16, {sel};
 lop3.b32 lo, la, lb, m, 0xD8;
 lop3.b32 hi, ha, hb, m, 0xD8;
 prmt.b32 p0, lo, hi, 0x5140;
@@ -46,12 +46,14 @@ mov.b32 {{{out[2]}, {out[3]}}}, p1;
 
 
 #: the codebook lookup of eight codes in registers (PTX ``prmt``): $8 holds eight codes (channel i in nibble i), $9–$12
-#: the codebook's low bytes (entries 0–3, 4–7, 8–11, 12–15), $13–$16 its high bytes. For each half-word of codes:
-#: ``s`` = each code's low three bits picks one of eight bytes, twice (entries 0–7, 8–15) for each byte half; the code's
-#: fourth bit, spread to a byte mask ``m``, picks between them; the low and high bytes interleave into two fp16 pairs.
-_LOOKUP_ASM = tl.constexpr("{\n.reg .b32 w, s, t, m, la, lb, ha, hb, lo, hi, ff, p0, p1;\nmov.b32 ff, 0xFF00;\n"
-                           "mov.b32 w, $8;" + _lookup_half("$0 $1 $2 $3".split()) + "shr.b32 w, w, 16;"
-                           + _lookup_half("$4 $5 $6 $7".split()) + "}")
+#: the codebook's low bytes (entries 0–3, 4–7, 8–11, 12–15), $13–$16 its high bytes. Each code's low three bits pick
+#: one of eight bytes, twice (entries 0–7, 8–15) for each byte half; its fourth bit, spread to a byte mask ``m`` (a
+#: sign-replicating byte permute of w and w << 4), picks between them; the low and high bytes interleave into fp16
+#: pairs. About 2.6 integer instructions a code.
+_LOOKUP_ASM = tl.constexpr("{\n.reg .b32 w, w4, s, t, m, la, lb, ha, hb, lo, hi, p0, p1;\nmov.b32 w, $8;\n"
+                           "shl.b32 w4, w, 4;\nand.b32 s, w, 0x77777777;\nshr.b32 t, s, 16;"
+                           + _lookup_half("s", "0xD9C8", "$0 $1 $2 $3".split())
+                           + _lookup_half("t", "0xFBEA", "$4 $5 $6 $7".split()) + "}")
 
 
 @triton.jit
@@ -62,10 +64,10 @@ def _byte_word(a, b, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _lookup(word, cb_ptr, LUT: tl.constexpr):
-    """word [A, W] int32 (eight 4-bit codes, channel i of the word in nibble i) → fp16 [A, 8W], each code's entry of
-    the 16-entry codebook (fp16). ``LUT``: in registers (:data:`_LOOKUP_ASM`); else gathered through L1 (Triton's
-    interpreter, which runs no PTX)."""
+def _lookup8(word, cb_ptr, LUT: tl.constexpr):
+    """word [A, W] int32 (eight 4-bit codes, channel i of the word in nibble i) → eight fp16 [A, W] (v0 … v7): each
+    word's code i looked up in the 16-entry codebook (fp16). ``LUT``: in registers (:data:`_LOOKUP_ASM`); else
+    gathered through L1 (Triton's interpreter, which runs no PTX)."""
     if LUT:
         words = cb_ptr.to(tl.pointer_type(tl.int32))  # entries 2j (low half) and 2j + 1
         c0 = tl.load(words)
@@ -81,11 +83,24 @@ def _lookup(word, cb_ptr, LUT: tl.constexpr):
             [word, _byte_word(c0, c1, 0), _byte_word(c2, c3, 0), _byte_word(c4, c5, 0), _byte_word(c6, c7, 0),
              _byte_word(c0, c1, 8), _byte_word(c2, c3, 8), _byte_word(c4, c5, 8), _byte_word(c6, c7, 8)],
             dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-        # stacked in bit-reversed order, so that [A, W, 2, 2, 2] flattens to channel order
-        v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
     else:
-        shift = tl.reshape(tl.arange(0, 8) * 4, (1, 1, 8))
-        v = tl.load(cb_ptr + ((word[:, :, None] >> shift) & 15))
+        v0 = tl.load(cb_ptr + (word & 15))
+        v1 = tl.load(cb_ptr + ((word >> 4) & 15))
+        v2 = tl.load(cb_ptr + ((word >> 8) & 15))
+        v3 = tl.load(cb_ptr + ((word >> 12) & 15))
+        v4 = tl.load(cb_ptr + ((word >> 16) & 15))
+        v5 = tl.load(cb_ptr + ((word >> 20) & 15))
+        v6 = tl.load(cb_ptr + ((word >> 24) & 15))
+        v7 = tl.load(cb_ptr + ((word >> 28) & 15))
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _lookup(word, cb_ptr, LUT: tl.constexpr):
+    """word [A, W] int32 → fp16 [A, 8W]: :func:`_lookup8`'s values in channel order."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _lookup8(word, cb_ptr, LUT)
+    # stacked in bit-reversed order, so that [A, W, 2, 2, 2] flattens to channel order
+    v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
     return tl.reshape(v, (word.shape[0], word.shape[1] * 8))
 
 
@@ -217,37 +232,124 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
         _finish(acc, offs_b, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
 
 
+#: fp16 pair (int32) → its two halves as float32
+_HALVES_ASM = tl.constexpr("{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h;\n}")
+
+
+@triton.jit
+def _input_pair(x32_ptr, offs, mask, LUT: tl.constexpr):
+    """Two fp16 channels of the input read as one int32 at ``offs`` (of the int32 view; zeros off ``mask``), as
+    float32."""
+    p = tl.load(x32_ptr + offs, mask=mask, other=0)
+    if LUT:
+        lo, hi = tl.inline_asm_elementwise(_HALVES_ASM, "=f,=f,r", [p], dtype=(tl.float32, tl.float32), is_pure=True,
+                                           pack=1)
+    else:
+        lo = (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, x_ptr, offs, rmask, X16: tl.constexpr, LUT: tl.constexpr):
+    """Σ_j f_j · x[offs + j] in float32: f0 … f7 float32 [BM, W] (each word's eight weights), the input row's
+    channels ``offs`` … ``offs`` + 7 for word column w ([1, W]; x fp16 when X16, read as four int32 pairs, else any
+    float); a row off ``rmask`` reads zeros → [BM, W]."""
+    if X16:
+        x32 = x_ptr.to(tl.pointer_type(tl.int32))
+        x0, x1 = _input_pair(x32, offs // 2, rmask, LUT)
+        x2, x3 = _input_pair(x32, offs // 2 + 1, rmask, LUT)
+        x4, x5 = _input_pair(x32, offs // 2 + 2, rmask, LUT)
+        x6, x7 = _input_pair(x32, offs // 2 + 3, rmask, LUT)
+    else:
+        x0 = tl.load(x_ptr + offs, mask=rmask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + offs + 1, mask=rmask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + offs + 2, mask=rmask, other=0.0).to(tl.float32)
+        x3 = tl.load(x_ptr + offs + 3, mask=rmask, other=0.0).to(tl.float32)
+        x4 = tl.load(x_ptr + offs + 4, mask=rmask, other=0.0).to(tl.float32)
+        x5 = tl.load(x_ptr + offs + 5, mask=rmask, other=0.0).to(tl.float32)
+        x6 = tl.load(x_ptr + offs + 6, mask=rmask, other=0.0).to(tl.float32)
+        x7 = tl.load(x_ptr + offs + 7, mask=rmask, other=0.0).to(tl.float32)
+    d = f0 * x0
+    d += f1 * x1
+    d += f2 * x2
+    d += f3 * x3
+    d += f4 * x4
+    d += f5 * x5
+    d += f6 * x6
+    d += f7 * x7
+    return d
+
+
+@triton.jit
+def _word_codes(words_ptr, scales_ptr, offs_m, mmask, k0, N, G, W: tl.constexpr, GROUP: tl.constexpr):
+    """Ŵ_rot[offs_m, k0 : k0 + 8W]'s code words [BM, W] int32 and each word's scale [BM, W] fp16 (rows off
+    ``mmask`` read as zeros)."""
+    offs_w = k0 // 8 + tl.arange(0, W)
+    rows = offs_m[:, None].to(tl.int64)
+    word = tl.load(words_ptr + rows * (N // 8) + offs_w[None, :], mask=mmask[:, None], other=0)
+    scale = tl.load(scales_ptr + rows * G + (offs_w * 8 // GROUP)[None, :], mask=mmask[:, None], other=0.0)
+    return word, scale
+
+
 @triton.jit
 def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob, PR, sxp,
-                 ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                 HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, WDTYPE: tl.constexpr,
+                 R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                 HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, X16: tl.constexpr,
                  STAGES: tl.constexpr, AHEAD: tl.constexpr):
-    """A few rows (B ≤ ROWS): grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob; its dtype) = x [B, N]
-    (rows strided by sxb) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA cores: the weight tile decoded
-    as the tensor-core kernel decodes it (scaled in WDTYPE: fp16 for 16-bit inputs), multiplied by the input
-    elementwise into a float32 [ROWS, BLOCK_M, BLOCK_K] sum, reduced over the row once at the end. codes [M, N/8]
-    int32; parts (PR, sxp) and ``AHEAD`` as the tensor-core kernel's. N % BLOCK_K == 0."""
+    """A few rows, R (1, 2 or 4) a pass over the weights: grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob;
+    its dtype) = x [B, N] (rows strided by sxb; fp16 when X16) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA
+    cores and in the code words' own layout: each word's eight codes looked up (:func:`_lookup8`) once for the R rows,
+    multiplied by each row's input channels and summed in float32 (:func:`_row_dot`), times the word's scale into a
+    float32 [BLOCK_M, BLOCK_K / 8] sum a row, reduced once a pass at the end. codes [M, N/8] int32; parts (PR, sxp)
+    and ``AHEAD`` (codes requested a tile ahead) as the tensor-core kernel's. N % BLOCK_K == 0."""
+    W: tl.constexpr = BLOCK_K // 8
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, ROWS)
     part = tl.program_id(0) * BLOCK_M // PR
     x_ptr += part.to(tl.int64) * sxp
     cb_ptr += part * 16
     mmask = offs_m < M
-    rmask = offs_r[:, None] < B
-    acc = tl.zeros((ROWS, BLOCK_M, BLOCK_K), dtype=tl.float32)
-    xrows = offs_r[:, None].to(tl.int64) * sxb
-    if AHEAD:
-        word, scale = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, 0, N, G, BLOCK_K, GROUP)
-    for k0 in tl.range(0, N, BLOCK_K, num_stages=STAGES):  # STAGES None: the launch's num_stages
+    offs_x = tl.arange(0, W)[None, :] * 8
+    for r in range(0, B, R):
+        xr = x_ptr + r * sxb  # the pass's first input row: under 2^31 elements
+        left = tl.zeros((1, W), dtype=tl.int32) + (B - r)  # rows left from this pass's first
+        acc0 = tl.zeros((BLOCK_M, W), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_M, W), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, W), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, W), dtype=tl.float32)
         if AHEAD:
-            w, word, scale = _tile_ahead(codes_ptr, cb_ptr, scales_ptr, word, scale, offs_m, mmask, k0, 0, N, N, G,
-                                         BLOCK_K, GROUP, WDTYPE, LUT)
-        else:
-            w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K, GROUP, WDTYPE, LUT)
-        w = w.to(tl.float32)
-        x = tl.load(x_ptr + xrows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=rmask, other=0.0).to(tl.float32)
-        acc += w[None, :, :] * x[:, None, :]
-    _finish(tl.sum(acc, axis=2), offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+            word, scale = _word_codes(codes_ptr, scales_ptr, offs_m, mmask, 0, N, G, W, GROUP)
+        for k0 in tl.range(0, N, BLOCK_K, num_stages=STAGES):  # STAGES None: the launch's num_stages
+            if AHEAD:  # the next tile's codes requested before this one's are decoded (past the end: the first's)
+                nxt = k0 + BLOCK_K
+                word_n, scale_n = _word_codes(codes_ptr, scales_ptr, offs_m, mmask, tl.where(nxt < N, nxt, 0), N, G,
+                                              W, GROUP)
+            else:
+                word, scale = _word_codes(codes_ptr, scales_ptr, offs_m, mmask, k0, N, G, W, GROUP)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _lookup8(word, cb_ptr, LUT)
+            f0, f1, f2, f3 = v0.to(tl.float32), v1.to(tl.float32), v2.to(tl.float32), v3.to(tl.float32)
+            f4, f5, f6, f7 = v4.to(tl.float32), v5.to(tl.float32), v6.to(tl.float32), v7.to(tl.float32)
+            sc = scale.to(tl.float32)
+            offs = k0 + offs_x
+            acc0 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr, offs, left > 0, X16, LUT) * sc
+            if R > 1:
+                acc1 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + sxb, offs, left > 1, X16, LUT) * sc
+            if R > 2:
+                acc2 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + 2 * sxb, offs, left > 2, X16, LUT) * sc
+                acc3 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + 3 * sxb, offs, left > 3, X16, LUT) * sc
+            if AHEAD:
+                word, scale = word_n, scale_n
+        rows = r + tl.arange(0, 1)
+        _finish(tl.sum(acc0, axis=1)[None, :], rows, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV,
+                HAS_BIAS)
+        if R > 1:
+            _finish(tl.sum(acc1, axis=1)[None, :], rows + 1, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr,
+                    HAS_PREV, HAS_BIAS)
+        if R > 2:
+            _finish(tl.sum(acc2, axis=1)[None, :], rows + 2, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr,
+                    HAS_PREV, HAS_BIAS)
+            _finish(tl.sum(acc3, axis=1)[None, :], rows + 3, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr,
+                    HAS_PREV, HAS_BIAS)
 
 
 @triton.jit
@@ -295,7 +397,7 @@ def sign_matrix(rot: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 #: most rows the CUDA-core kernel (``_gemv_kernel``) multiplies by default; more take the tensor-core tiles
-GEMV_ROWS = 1
+GEMV_ROWS = 2
 
 
 def matmul_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -308,21 +410,30 @@ def matmul_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132) -> dict:
     """Launch constants for ``rows`` × a [out_features, in_features] weight on a GPU of ``sms`` multiprocessors: the
-    fastest of a grid timed inside a step's CUDA graph on an H100 (``esm-turbo bench weights --tune`` times it
-    again). Both kernels request each tile's codes a tile ahead. One row: the CUDA-core kernel, 4 outputs a program up
-    to 2,560 outputs, 8 on 15B-wide inputs, else 16 (× 256 input channels; else 512); Triton's software pipelining
-    three deep where it helped (up to 16M weights, and on layers of 5,120 or more each way). Up to 16 rows:
+    fastest of grids timed on an H100 (``esm-turbo bench weights --tune`` times one again). Both kernels request each
+    tile's codes a tile ahead. One row: the CUDA-core kernel, Triton's software pipelining three deep, 8 outputs × 512
+    input channels a program of 4 warps; FFN down (inputs at least twice the outputs) 2 outputs (4 from 2,560 up) ×
+    1,024 channels, and 2 warps on 15B-wide layers; a q/k/v stack at least 2,560 wide 2 warps, and 4 outputs × 1,024
+    channels on 15B-wide ones. Two rows: the CUDA-core kernel too, both rows in one pass, 2 warps; 8 outputs × 1,024
+    channels where the outputs are at least three times the inputs (q/k/v, FFN up), else 4 × 512. Up to 16 rows:
     tensor-core tiles of 16 × 32 outputs (16 for narrow layers) × 128 or 256 input channels, the input channels split
     over at least 2 programs and up to 8, to about 3.6 programs a multiprocessor. More rows multiply: 64 × 128
     tiles."""
     m, n = out_features, in_features
-    gemv_m = 4 if m <= 2560 else 8 if n >= 5120 else 16
-    cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=gemv_m, gemv_k=256 if gemv_m == 16 else 512, gemv_warps=4,
-               gemv_stages=3 if m * n <= 2**24 or min(m, n) >= 5120 else None, gemv_ahead=1, split=1, ahead=0)
+    long_input = n >= 2 * m  # FFN down
+    if rows > 1:
+        gemv = (8, 1024, 2) if m >= 3 * n else (4, 512, 2)
+    elif long_input:
+        gemv = (2 if m <= 1280 else 4, 1024, 4 if m <= 2560 else 2)
+    elif m == 3 * n and n >= 2560:  # q, k and v in one launch
+        gemv = (8, 512, 2) if n < 5120 else (4, 1024, 2)
+    else:
+        gemv = (8, 512, 4)
+    cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=gemv[0], gemv_k=gemv[1], gemv_warps=gemv[2], gemv_stages=3,
+               gemv_ahead=1, split=1, ahead=0)
     if rows > 16:
         block_b = triton.next_power_of_2(min(rows, 64))
         return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
-    long_input = n >= 2 * m  # FFN down
     narrow = m < 2560 and not long_input
     cfg |= dict(block_b=16, block_m=16 if narrow else 32,
                 block_k=256 if narrow or (long_input and m >= 5120) else 128, num_warps=4,
@@ -373,11 +484,9 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
             block_k //= 2
         _gemv_kernel[(triton.cdiv(m, cfg["gemv_m"]),)](
             x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(1), out.stride(0),
-            part_rows, sxp, ROWS=triton.next_power_of_2(b), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
-            HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut,
-            WDTYPE=tl.float32 if x.dtype == torch.float32 else tl.float16, STAGES=cfg["gemv_stages"],
-            AHEAD=cfg["gemv_ahead"],
-            num_warps=cfg["gemv_warps"], enable_fp_fusion=FP_FUSION)
+            part_rows, sxp, R=min(4, triton.next_power_of_2(b)), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
+            HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut, X16=_pairs(x), STAGES=cfg["gemv_stages"],
+            AHEAD=cfg["gemv_ahead"], num_warps=cfg["gemv_warps"], enable_fp_fusion=FP_FUSION)
         return out
     while n % cfg["block_k"]:
         cfg["block_k"] //= 2
@@ -440,6 +549,12 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, codebook: torch
         BLOCK_M=block_m, BLOCK_K=block_k, GROUP=group, ROTATE=rotation is not None, HAS_PREV=prev is not None,
         PRECISION=_precision(out), LUT=not interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION)
     return out
+
+
+def _pairs(x: torch.Tensor) -> bool:
+    """Whether the one-row kernel may read x [P, B, N] (fp16) as int32 pairs: 4-byte aligned, even strides."""
+    return (x.dtype == torch.float16 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
+            and x.stride(1) % 2 == 0)
 
 
 def _precision(t: torch.Tensor) -> str:
