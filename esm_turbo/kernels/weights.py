@@ -105,13 +105,18 @@ def _lookup(word, cb_ptr, LUT: tl.constexpr):
 
 
 @triton.jit
+def _code_words(words_ptr, offs_m, mmask, offs_w, N):
+    """Code words [len(offs_m), len(offs_w)] int32 of rows ``offs_m`` (zeros off ``mmask``), word columns ``offs_w``
+    (eight input channels a word of the packed codes, the first in the lowest nibble)."""
+    return tl.load(words_ptr + offs_m[:, None].to(tl.int64) * (N // 8) + offs_w[None, :], mask=mmask[:, None], other=0)
+
+
+@triton.jit
 def _tile_codes(words_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """The stored parts of Ŵ_rot[offs_m, k0 : k0 + BLOCK_K]: its code words [BLOCK_M, BLOCK_K / 8] int32 (eight input
-    channels a word of the packed codes, the first in the lowest nibble) and its scales [BLOCK_M, BLOCK_K / SUB] fp16
-    (SUB: channels per scale within the tile). Rows off ``mmask`` read as zeros."""
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    word = tl.load(words_ptr + offs_m[:, None].to(tl.int64) * (N // 8) + offs_w[None, :], mask=mmask[:, None],
-                   other=0)
+    """The stored parts of Ŵ_rot[offs_m, k0 : k0 + BLOCK_K]: its code words [BLOCK_M, BLOCK_K / 8] int32
+    (:func:`_code_words`) and its scales [BLOCK_M, BLOCK_K / SUB] fp16 (SUB: channels per scale within the tile).
+    Rows off ``mmask`` read as zeros."""
+    word = _code_words(words_ptr, offs_m, mmask, k0 // 8 + tl.arange(0, BLOCK_K // 8), N)
     SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     groups = (k0 + tl.arange(0, BLOCK_K // SUB) * SUB) // GROUP
     scale = tl.load(scales_ptr + offs_m[:, None].to(tl.int64) * G + groups[None, :], mask=mmask[:, None], other=0.0)
@@ -237,30 +242,24 @@ _HALVES_ASM = tl.constexpr("{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.f32.f16
 
 
 @triton.jit
-def _input_pair(x32_ptr, offs, mask, LUT: tl.constexpr):
+def _input_pair(x32_ptr, offs, mask):
     """Two fp16 channels of the input read as one int32 at ``offs`` (of the int32 view; zeros off ``mask``), as
-    float32."""
+    float32 (PTX: compiled only)."""
     p = tl.load(x32_ptr + offs, mask=mask, other=0)
-    if LUT:
-        lo, hi = tl.inline_asm_elementwise(_HALVES_ASM, "=f,=f,r", [p], dtype=(tl.float32, tl.float32), is_pure=True,
-                                           pack=1)
-    else:
-        lo = (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
+    return tl.inline_asm_elementwise(_HALVES_ASM, "=f,=f,r", [p], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
 @triton.jit
-def _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, x_ptr, offs, rmask, X16: tl.constexpr, LUT: tl.constexpr):
+def _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, x_ptr, offs, rmask, X16: tl.constexpr):
     """Σ_j f_j · x[offs + j] in float32: f0 … f7 float32 [BM, W] (each word's eight weights), the input row's
-    channels ``offs`` … ``offs`` + 7 for word column w ([1, W]; x fp16 when X16, read as four int32 pairs, else any
-    float); a row off ``rmask`` reads zeros → [BM, W]."""
+    channels ``offs`` … ``offs`` + 7 for word column w ([1, W]; with X16 x is fp16, read as four int32 pairs (compiled
+    only), else any float read channel by channel); a row off ``rmask`` reads zeros → [BM, W]."""
     if X16:
         x32 = x_ptr.to(tl.pointer_type(tl.int32))
-        x0, x1 = _input_pair(x32, offs // 2, rmask, LUT)
-        x2, x3 = _input_pair(x32, offs // 2 + 1, rmask, LUT)
-        x4, x5 = _input_pair(x32, offs // 2 + 2, rmask, LUT)
-        x6, x7 = _input_pair(x32, offs // 2 + 3, rmask, LUT)
+        x0, x1 = _input_pair(x32, offs // 2, rmask)
+        x2, x3 = _input_pair(x32, offs // 2 + 1, rmask)
+        x4, x5 = _input_pair(x32, offs // 2 + 2, rmask)
+        x6, x7 = _input_pair(x32, offs // 2 + 3, rmask)
     else:
         x0 = tl.load(x_ptr + offs, mask=rmask, other=0.0).to(tl.float32)
         x1 = tl.load(x_ptr + offs + 1, mask=rmask, other=0.0).to(tl.float32)
@@ -286,10 +285,9 @@ def _word_codes(words_ptr, scales_ptr, offs_m, mmask, k0, N, G, W: tl.constexpr,
     """Ŵ_rot[offs_m, k0 : k0 + 8W]'s code words [BM, W] int32 and each word's scale [BM, W] fp16 (rows off
     ``mmask`` read as zeros)."""
     offs_w = k0 // 8 + tl.arange(0, W)
-    rows = offs_m[:, None].to(tl.int64)
-    word = tl.load(words_ptr + rows * (N // 8) + offs_w[None, :], mask=mmask[:, None], other=0)
-    scale = tl.load(scales_ptr + rows * G + (offs_w * 8 // GROUP)[None, :], mask=mmask[:, None], other=0.0)
-    return word, scale
+    scale = tl.load(scales_ptr + offs_m[:, None].to(tl.int64) * G + (offs_w * 8 // GROUP)[None, :], mask=mmask[:, None],
+                    other=0.0)
+    return _code_words(words_ptr, offs_m, mmask, offs_w, N), scale
 
 
 @triton.jit
@@ -298,11 +296,12 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
                  HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, X16: tl.constexpr,
                  STAGES: tl.constexpr, AHEAD: tl.constexpr):
     """A few rows, R (1, 2 or 4) a pass over the weights: grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob;
-    its dtype) = x [B, N] (rows strided by sxb; fp16 when X16) Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]), on the CUDA
-    cores and in the code words' own layout: each word's eight codes looked up (:func:`_lookup8`) once for the R rows,
-    multiplied by each row's input channels and summed in float32 (:func:`_row_dot`), times the word's scale into a
-    float32 [BLOCK_M, BLOCK_K / 8] sum a row, reduced once a pass at the end. codes [M, N/8] int32; parts (PR, sxp)
-    and ``AHEAD`` (codes requested a tile ahead) as the tensor-core kernel's. N % BLOCK_K == 0."""
+    its dtype) = x [B, N] (rows strided by sxb; fp16 read in pairs when X16) Ŵ_rotᵀ (+ prev [B, M] float32, + bias
+    [M]), on the CUDA cores and in the code words' own layout: each word's eight codes looked up (:func:`_lookup8`)
+    once for the R rows, multiplied by each row's input channels and summed in float32 (:func:`_row_dot`), times the
+    word's scale into a float32 [BLOCK_M, BLOCK_K / 8] sum a row, reduced once a pass at the end. codes [M, N/8]
+    int32; parts (PR, sxp) and ``AHEAD`` (codes requested a tile ahead) as the tensor-core kernel's.
+    N % BLOCK_K == 0."""
     W: tl.constexpr = BLOCK_K // 8
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     part = tl.program_id(0) * BLOCK_M // PR
@@ -331,12 +330,12 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
             f4, f5, f6, f7 = v4.to(tl.float32), v5.to(tl.float32), v6.to(tl.float32), v7.to(tl.float32)
             sc = scale.to(tl.float32)
             offs = k0 + offs_x
-            acc0 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr, offs, left > 0, X16, LUT) * sc
+            acc0 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr, offs, left > 0, X16) * sc
             if R > 1:
-                acc1 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + sxb, offs, left > 1, X16, LUT) * sc
+                acc1 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + sxb, offs, left > 1, X16) * sc
             if R > 2:
-                acc2 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + 2 * sxb, offs, left > 2, X16, LUT) * sc
-                acc3 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + 3 * sxb, offs, left > 3, X16, LUT) * sc
+                acc2 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + 2 * sxb, offs, left > 2, X16) * sc
+                acc3 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + 3 * sxb, offs, left > 3, X16) * sc
             if AHEAD:
                 word, scale = word_n, scale_n
         rows = r + tl.arange(0, 1)
@@ -485,8 +484,8 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
         _gemv_kernel[(triton.cdiv(m, cfg["gemv_m"]),)](
             x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(1), out.stride(0),
             part_rows, sxp, R=min(4, triton.next_power_of_2(b)), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
-            HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut, X16=_pairs(x), STAGES=cfg["gemv_stages"],
-            AHEAD=cfg["gemv_ahead"], num_warps=cfg["gemv_warps"], enable_fp_fusion=FP_FUSION)
+            HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut, X16=lut and _pairs(x),
+            STAGES=cfg["gemv_stages"], AHEAD=cfg["gemv_ahead"], num_warps=cfg["gemv_warps"], enable_fp_fusion=FP_FUSION)
         return out
     while n % cfg["block_k"]:
         cfg["block_k"] //= 2
@@ -552,7 +551,8 @@ def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, codebook: torch
 
 
 def _pairs(x: torch.Tensor) -> bool:
-    """Whether the one-row kernel may read x [P, B, N] (fp16) as int32 pairs: 4-byte aligned, even strides."""
+    """Whether the one-row kernel, compiled, may read x [P, B, N] (fp16) as int32 pairs: 4-byte aligned, even
+    strides."""
     return (x.dtype == torch.float16 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
             and x.stride(1) % 2 == 0)
 
