@@ -169,6 +169,53 @@ def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
     assert err <= bound, (err, err_ref)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the register-fed tensor-core kernel is PTX (CUDA only)")
+@pytest.mark.parametrize("n,group,batch,words,split,ahead", [
+    (512, 32, 1, 4, 1, 1), (512, 128, 5, 2, 2, 0), (1024, 64, 9, 4, 4, 1), (256, 32, 16, 2, 1, 0),
+    (2048, 32, 12, 4, 2, 1), (1280, 32, 3, 4, 4, 1)])
+@torch.no_grad()
+def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, words, split, ahead):
+    """The register-fed tensor-core kernel (up to 16 rows; 2 or 4 code words a lane; the input channels split over
+    programs, the last to arrive finishing; codes requested a step ahead) against the PyTorch reference in fp64, with
+    the earlier pass and the bias added once, twice in a row (the split's arrival counts left zero), and three parts
+    of one input in one launch (each its own codebook and rotated input): fp16 products, so within 2% of the output's
+    largest magnitude, as the tensor-core tiles."""
+    from esm_turbo.kernels.common import split_counters
+    from esm_turbo.kernels.weights import matmul_triton
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(n + batch)
+    qs = [QuantizedLinear.from_linear(_linear(80, n, seed=n + p), WeightQuantConfig(bits=4, group=group), seed=p)
+          for p in range(3)]
+    x = torch.randn(3, batch, n, generator=gen)
+    prev, bias = torch.randn(batch, 240, generator=gen), torch.randn(240, generator=gen)
+    want = torch.cat([x[p].double() @ q.rotated_weight(torch.float64).T for p, q in enumerate(qs)], 1)
+    want += prev.double() + bias.double()
+    cfg = dict(gemv=False, mma=True, mma_words=words, mma_split=split, mma_ahead=ahead)
+    stack = [torch.cat([getattr(q, k) for q in qs]).to(dev) for k in ("codes0", "scales0", "codebook0")]
+    bound = 2e-2 * want.abs().max().item()
+    for _ in range(2):
+        out = matmul_triton(x.to(dev, torch.float16), *stack, config=cfg, prev=prev.to(dev), bias=bias.to(dev))
+        assert out.shape == (batch, 240) and (out.double().cpu() - want).abs().max().item() <= bound
+    one = matmul_triton(x[0].to(dev, torch.float16), *(t.to(dev) for t in (qs[0].codes0, qs[0].scales0,
+                                                                            qs[0].codebook0)), config=cfg)
+    assert (one.double().cpu() - want[:, :80] + prev[:, :80].double() + bias[:80].double()).abs().max() <= bound
+    assert not split_counters(240 // 16, dev).any()
+
+
+def test_register_fed_kernel_launch_divides_the_channels():
+    """The register-fed kernel's launch shrinks (split, then code words a lane, then warps) until the chunks of input
+    channels divide evenly over the programs and warps."""
+    from esm_turbo.kernels.weights import launch_config
+    from esm_turbo.kernels.weights_mma import mma_launch
+    assert mma_launch(10240, 4, 4, 4) == (4, 4, 4)
+    assert mma_launch(1280, 4, 4, 4) == (4, 2, 1)  # 10 chunks of 128: 20 of 64 over 4 warps
+    assert mma_launch(5120, 4, 4, 4) == (4, 2, 4)
+    assert mma_launch(320, 4, 4, 1) == (1, 2, 1)  # 5 chunks of 64
+    assert launch_config(16, 7680, 2560)["mma"] and not launch_config(16, 1280, 1280)["mma"]
+    assert launch_config(4, 3840, 1280)["mma"] and not launch_config(1, 7680, 2560)["mma"]
+    assert not launch_config(64, 20480, 5120)["mma"]
+
+
 @pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
                     reason="triton >= 3.5 is not installed")
 @pytest.mark.parametrize("split,ahead", [(1, 0), (2, 0), (4, 1), (2, 1), (8, 1)])

@@ -26,34 +26,44 @@ import triton.language as tl
 from .common import FP_FUSION, interpreting, num_sms, split_counters
 
 
-def _lookup_half(sel: str, mask: str, out: list[str]) -> str:
-    """PTX decoding four codes into the fp16 registers ``out`` (4 names): ``sel`` holds their low three bits (nibbles
-    0–3), ``mask`` the byte permute that spreads each code's fourth bit over a byte (from ``w`` and ``w4`` = w << 4,
-    whose bytes carry those bits as their sign bits)."""
+def _lookup_half(sel: str, mask: str, pairs: tuple[str, str], tab: list[str]) -> str:
+    """PTX decoding four codes into two fp16-pair registers ``pairs`` (codes 0 and 1, codes 2 and 3): ``sel`` holds
+    their low three bits (nibbles 0–3), ``mask`` the byte permute that spreads each code's fourth bit over a byte (from
+    ``w`` and ``w4`` = w << 4, whose bytes carry those bits as their sign bits); ``tab`` the codebook's eight byte
+    words (:func:`_byte_word`)."""
     return f"""
 prmt.b32 m, w4, w, {mask};
-prmt.b32 la, $9, $10, {sel};
-prmt.b32 lb, $11, $12, {sel};
-prmt.b32 ha, $13, $14, {sel};
-prmt.b32 hb, $15, $16, {sel};
+prmt.b32 la, {tab[0]}, {tab[1]}, {sel};
+prmt.b32 lb, {tab[2]}, {tab[3]}, {sel};
+prmt.b32 ha, {tab[4]}, {tab[5]}, {sel};
+prmt.b32 hb, {tab[6]}, {tab[7]}, {sel};
 lop3.b32 lo, la, lb, m, 0xD8;
 lop3.b32 hi, ha, hb, m, 0xD8;
-prmt.b32 p0, lo, hi, 0x5140;
-prmt.b32 p1, lo, hi, 0x7362;
-mov.b32 {{{out[0]}, {out[1]}}}, p0;
-mov.b32 {{{out[2]}, {out[3]}}}, p1;
+prmt.b32 {pairs[0]}, lo, hi, 0x5140;
+prmt.b32 {pairs[1]}, lo, hi, 0x7362;
 """
 
 
-#: the codebook lookup of eight codes in registers (PTX ``prmt``): $8 holds eight codes (channel i in nibble i), $9–$12
-#: the codebook's low bytes (entries 0–3, 4–7, 8–11, 12–15), $13–$16 its high bytes. Each code's low three bits pick
-#: one of eight bytes, twice (entries 0–7, 8–15) for each byte half; its fourth bit, spread to a byte mask ``m`` (a
-#: sign-replicating byte permute of w and w << 4), picks between them; the low and high bytes interleave into fp16
-#: pairs. About 2.6 integer instructions a code.
-_LOOKUP_ASM = tl.constexpr("{\n.reg .b32 w, w4, s, t, m, la, lb, ha, hb, lo, hi, p0, p1;\nmov.b32 w, $8;\n"
-                           "shl.b32 w4, w, 4;\nand.b32 s, w, 0x77777777;\nshr.b32 t, s, 16;"
-                           + _lookup_half("s", "0xD9C8", "$0 $1 $2 $3".split())
-                           + _lookup_half("t", "0xFBEA", "$4 $5 $6 $7".split()) + "}")
+#: the PTX registers :func:`lookup_word` works in
+LOOKUP_REGS = ".reg .b32 w, w4, s, t, m, la, lb, ha, hb, lo, hi;\n"
+
+
+def lookup_word(word: str, pairs: list[str], tab: list[str]) -> str:
+    """PTX looking up the eight codes of the int32 ``word`` (channel i in nibble i) in the codebook whose byte words
+    are ``tab`` (eight operands, :func:`_byte_word`) into four fp16-pair registers ``pairs`` (codes 0–1, 2–3, 4–5,
+    6–7). Each code's low three bits pick one of eight bytes, twice (entries 0–7, 8–15) for each byte half; its fourth
+    bit, spread to a byte mask ``m`` (a sign-replicating byte permute of w and w << 4), picks between them; the low and
+    high bytes interleave into fp16 pairs. About 2.6 integer instructions a code. Needs :data:`LOOKUP_REGS`."""
+    return (f"mov.b32 w, {word};\nshl.b32 w4, w, 4;\nand.b32 s, w, 0x77777777;\nshr.b32 t, s, 16;"
+            + _lookup_half("s", "0xD9C8", (pairs[0], pairs[1]), tab)
+            + _lookup_half("t", "0xFBEA", (pairs[2], pairs[3]), tab))
+
+
+#: the codebook lookup of eight codes in registers (:func:`lookup_word`): $8 holds eight codes, $9–$16 the codebook's
+#: byte words (low bytes of entries 0–3, 4–7, 8–11, 12–15, then the high bytes); $0–$7 the eight fp16 values
+_LOOKUP_ASM = tl.constexpr("{\n" + LOOKUP_REGS + ".reg .b32 p0, p1, p2, p3;\n"
+                           + lookup_word("$8", ["p0", "p1", "p2", "p3"], [f"${9 + i}" for i in range(8)])
+                           + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};\n" for i in range(4)) + "}")
 
 
 @triton.jit
@@ -64,24 +74,31 @@ def _byte_word(a, b, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def codebook_bytes(words):
+    """The 16-entry fp16 codebook as the eight byte words the PTX lookup takes (:func:`lookup_word`), from its int32
+    view ``words`` (entries 2j and 2j + 1 in word j; a pointer, or a tensor of pointers to the same codebook, which
+    keeps the words in each thread's own registers)."""
+    c0 = tl.load(words)
+    c1 = tl.load(words + 1)
+    c2 = tl.load(words + 2)
+    c3 = tl.load(words + 3)
+    c4 = tl.load(words + 4)
+    c5 = tl.load(words + 5)
+    c6 = tl.load(words + 6)
+    c7 = tl.load(words + 7)
+    return (_byte_word(c0, c1, 0), _byte_word(c2, c3, 0), _byte_word(c4, c5, 0), _byte_word(c6, c7, 0),
+            _byte_word(c0, c1, 8), _byte_word(c2, c3, 8), _byte_word(c4, c5, 8), _byte_word(c6, c7, 8))
+
+
+@triton.jit
 def _lookup8(word, cb_ptr, LUT: tl.constexpr):
     """word [A, W] int32 (eight 4-bit codes, channel i of the word in nibble i) → eight fp16 [A, W] (v0 … v7): each
     word's code i looked up in the 16-entry codebook (fp16). ``LUT``: in registers (:data:`_LOOKUP_ASM`); else
     gathered through L1 (Triton's interpreter, which runs no PTX)."""
     if LUT:
-        words = cb_ptr.to(tl.pointer_type(tl.int32))  # entries 2j (low half) and 2j + 1
-        c0 = tl.load(words)
-        c1 = tl.load(words + 1)
-        c2 = tl.load(words + 2)
-        c3 = tl.load(words + 3)
-        c4 = tl.load(words + 4)
-        c5 = tl.load(words + 5)
-        c6 = tl.load(words + 6)
-        c7 = tl.load(words + 7)
+        t0, t1, t2, t3, t4, t5, t6, t7 = codebook_bytes(cb_ptr.to(tl.pointer_type(tl.int32)))
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            _LOOKUP_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
-            [word, _byte_word(c0, c1, 0), _byte_word(c2, c3, 0), _byte_word(c4, c5, 0), _byte_word(c6, c7, 0),
-             _byte_word(c0, c1, 8), _byte_word(c2, c3, 8), _byte_word(c4, c5, 8), _byte_word(c6, c7, 8)],
+            _LOOKUP_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r", [word, t0, t1, t2, t3, t4, t5, t6, t7],
             dtype=(tl.float16,) * 8, is_pure=True, pack=1)
     else:
         v0 = tl.load(cb_ptr + (word & 15))
@@ -417,7 +434,10 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
     channels where the outputs are at least three times the inputs (q/k/v, FFN up), else 4 × 512. Up to 16 rows:
     tensor-core tiles of 16 × 32 outputs (16 for narrow layers) × 128 or 256 input channels, the input channels split
     over at least 2 programs and up to 8, to about 3.6 programs a multiprocessor. More rows multiply: 64 × 128
-    tiles."""
+    tiles. Larger layers take the register-fed tensor-core kernel (``weights_mma``; fp16 input) instead, where it
+    measured faster: from 50 M weights at one row, 16 M at two and at 9–16 rows, 4 M at 3–8 rows; 4 warps (8 on a
+    square layer), 4 code words a lane and row (2 where the channels ask), FFN down's input channels split over 4
+    programs (2 past 8 rows from 5,120 outputs), codes requested a step ahead up to 8 rows."""
     m, n = out_features, in_features
     long_input = n >= 2 * m  # FFN down
     if rows > 1:
@@ -430,6 +450,10 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
         gemv = (8, 512, 4)
     cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=gemv[0], gemv_k=gemv[1], gemv_warps=gemv[2], gemv_stages=3,
                gemv_ahead=1, split=1, ahead=0)
+    cfg |= dict(mma=rows <= 16 and m * n >= (50e6 if rows == 1 else 16e6 if rows == 2 or rows > 8 else 4e6),
+                mma_warps=8 if m == n else 4, mma_words=4,
+                mma_split=(2 if rows > 8 and m >= 5120 else 4) if long_input else 1,
+                mma_ahead=int(rows <= 8))
     if rows > 16:
         block_b = triton.next_power_of_2(min(rows, 64))
         return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
@@ -448,8 +472,9 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter; a split's partial sums are
     added by the last program of each tile): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev``
     [B, M] float32 (an earlier pass) are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b /
-    block_m / block_k / num_warps / num_stages / split / ahead, and ``gemv`` (the CUDA-core kernel) with
-    gemv_m / gemv_k / gemv_warps / gemv_stages / gemv_ahead.
+    block_m / block_k / num_warps / num_stages / split / ahead, ``gemv`` (the CUDA-core kernel) with
+    gemv_m / gemv_k / gemv_warps / gemv_stages / gemv_ahead, and ``mma`` (the register-fed tensor-core kernel, taken
+    where :func:`~.weights_mma.mma_fits` and compiled) with mma_warps / mma_words / mma_split / mma_ahead.
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
     [P·16], and codes, scales and bias the P weights stacked along their rows (M/P each): → [B, M], part p's outputs
@@ -475,6 +500,12 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     words = codes.view(torch.int32)  # eight codes a word
     lut = not interpreting()
     sxp = x.stride(0) if parts > 1 else 0
+    if cfg["mma"] and lut:
+        from .weights_mma import mma_fits, mma_matmul
+        if mma_fits(x, words, m, n, part_rows):
+            return mma_matmul(x, words, codebook, scales, torch.empty(b, m, device=x.device, dtype=out_dtype),
+                              part_rows, prev=prev, bias=bias, warps=cfg["mma_warps"], words_per_lane=cfg["mma_words"],
+                              split=cfg["mma_split"], ahead=cfg["mma_ahead"])
     prev_arg, bias_arg = x if prev is None else prev, x if bias is None else bias
     if cfg["gemv"]:  # a few rows: on the CUDA cores
         out = torch.empty(b, m, device=x.device, dtype=out_dtype)
