@@ -95,6 +95,30 @@ def _input_load(ptr, ok):
 
 
 @triton.jit
+def _step_codes(code_a, code_b, scale_a, scale_b, chan, j, S: tl.constexpr, WL: tl.constexpr, GROUP: tl.constexpr):
+    """Walk step j's code words (four int32 [T] of row a, four of row b; :func:`_code_load`) and the two rows' scales
+    [T] fp16 of the lanes' channels (``chan``: each lane's first channel at step 0)."""
+    a0, a1, a2, a3 = _code_load(code_a + j * (S * 4 * WL), WL)
+    b0, b1, b2, b3 = _code_load(code_b + j * (S * 4 * WL), WL)
+    group = (chan + j * (S * 32 * WL)) // GROUP
+    return a0, a1, a2, a3, b0, b1, b2, b3, tl.load(scale_a + group), tl.load(scale_b + group)
+
+
+@triton.jit
+def _input_words(ptr, ok, WL: tl.constexpr):
+    """A lane's 8·WL input channels at ``ptr`` [T] (int32 pointers) as 4·WL int32 [T] (:func:`_input_load`); with
+    WL = 2 the last eight repeat the first eight (unused)."""
+    x0, x1, x2, x3 = _input_load(ptr, ok)
+    x4, x5, x6, x7 = _input_load(ptr + 4, ok)
+    if WL == 4:
+        x8, x9, x10, x11 = _input_load(ptr + 8, ok)
+        x12, x13, x14, x15 = _input_load(ptr + 12, ok)
+    else:
+        x8, x9, x10, x11, x12, x13, x14, x15 = x0, x1, x2, x3, x4, x5, x6, x7
+    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+
+@triton.jit
 def _slot(c: tl.constexpr, tile):
     """Sum register c (0–7) of lane (g, t): (input rows [32], weight rows [32]) over the 32 lanes."""
     lane = tl.arange(0, 32)
@@ -181,34 +205,18 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     s6 = tl.zeros((32 * S,), tl.float32)
     s7 = tl.zeros((32 * S,), tl.float32)
     if AHEAD:
-        a0, a1, a2, a3 = _code_load(code_a, WL)
-        b0, b1, b2, b3 = _code_load(code_b, WL)
-        sa = tl.load(scale_a + chan // GROUP)
-        sb = tl.load(scale_b + chan // GROUP)
+        a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, 0, S, WL, GROUP)
     for j in range(steps):
         if AHEAD:  # the next step's codes requested before this one's are decoded (the last step: its own again)
-            jn = tl.where(j + 1 < steps, j + 1, j)
-            na0, na1, na2, na3 = _code_load(code_a + jn * (S * 4 * WL), WL)
-            nb0, nb1, nb2, nb3 = _code_load(code_b + jn * (S * 4 * WL), WL)
-            nsa = tl.load(scale_a + (chan + jn * (S * CH)) // GROUP)
-            nsb = tl.load(scale_b + (chan + jn * (S * CH)) // GROUP)
+            na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsa, nsb = _step_codes(
+                code_a, code_b, scale_a, scale_b, chan, tl.where(j + 1 < steps, j + 1, j), S, WL, GROUP)
         else:
-            a0, a1, a2, a3 = _code_load(code_a + j * (S * 4 * WL), WL)
-            b0, b1, b2, b3 = _code_load(code_b + j * (S * 4 * WL), WL)
-            sa = tl.load(scale_a + (chan + j * (S * CH)) // GROUP)
-            sb = tl.load(scale_b + (chan + j * (S * CH)) // GROUP)
+            a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, j, S, WL,
+                                                                  GROUP)
         xo = j * (S * CH // 2)
-        x0, x1, x2, x3 = _input_load(x_a + xo, ok_a)
-        x4, x5, x6, x7 = _input_load(x_a + xo + 4, ok_a)
-        if WL == 4:
-            x8, x9, x10, x11 = _input_load(x_a + xo + 8, ok_a)
-            x12, x13, x14, x15 = _input_load(x_a + xo + 12, ok_a)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a + xo, ok_a, WL)
         if TILES == 2:
-            y0, y1, y2, y3 = _input_load(x_b + xo, ok_b)
-            y4, y5, y6, y7 = _input_load(x_b + xo + 4, ok_b)
-            if WL == 4:
-                y8, y9, y10, y11 = _input_load(x_b + xo + 8, ok_b)
-                y12, y13, y14, y15 = _input_load(x_b + xo + 12, ok_b)
+            y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b + xo, ok_b, WL)
         if TILES == 1:
             if WL == 2:
                 s0, s1, s2, s3 = tl.inline_asm_elementwise(
