@@ -393,3 +393,50 @@ def test_cli_embeds_with_the_residual_pass_offloaded(tmp_path, capsys):
                  "--offload-residual"]) == 2
     err = capsys.readouterr().err
     assert "no residual pass" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "o2").exists()
+
+
+def _run_ptx(text: str, regs: dict) -> dict:
+    """A model of the PTX subset the codebook look-up uses (mov, shl, shr, and, prmt in its default mode, lop3 with
+    table 0xD8): runs ``text`` over 32-bit ``regs`` (names or $n → int) and returns them."""
+    def prmt(a, b, sel):
+        src = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
+        out = 0
+        for i in range(4):
+            s = (sel >> (4 * i)) & 15
+            byte = (255 if src[s & 7] & 128 else 0) if s & 8 else src[s & 7]
+            out |= byte << (8 * i)
+        return out
+
+    ops = {"mov.b32": lambda a: a, "shl.b32": lambda a, b: (a << b) & 0xFFFFFFFF, "shr.b32": lambda a, b: a >> b,
+           "and.b32": lambda a, b: a & b, "prmt.b32": prmt,
+           "lop3.b32": lambda a, b, c, lut: ((b & c) | (a & ~c)) & 0xFFFFFFFF if lut == 0xD8 else None}
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line:
+            continue
+        op, rest = line.split(None, 1)
+        dst, *args = [a.strip() for a in rest.split(",")]
+        regs[dst] = ops[op](*[regs[a] if a in regs else int(a, 0) for a in args])
+    return regs
+
+
+def test_ptx_codebook_lookup_decodes_every_code_in_every_position():
+    """The PTX look-up both weight kernels share (kernels.weights.lookup_word), run on a model of its instructions:
+    every code 0–15 in every nibble of a word, and random words, decode to the codebook entry's fp16 bits, in code
+    order as fp16 pairs (codes 0–1, 2–3, 4–5, 6–7), for a codebook with entries of both signs."""
+    import numpy as np
+
+    from esm_turbo.kernels.weights import lookup_word
+    cb = torch.linspace(-2.5, 3.0, 16).half()
+    cb[3] = -0.0
+    bits = [int(b) & 0xFFFF for b in cb.view(torch.int16)]
+    lo, hi = [b & 255 for b in bits], [b >> 8 for b in bits]
+    tab = [sum(v << (8 * i) for i, v in enumerate(part[4 * j: 4 * j + 4])) for part in (lo, hi) for j in range(4)]
+    text = lookup_word("word", ["p0", "p1", "p2", "p3"], [f"t{i}" for i in range(8)])
+    words = [[(c + k) % 16 for k in range(8)] for c in range(16)]  # every code in every position
+    words += np.random.default_rng(0).integers(0, 16, (200, 8)).tolist()
+    for codes in words:
+        regs = _run_ptx(text, {"word": sum(c << (4 * i) for i, c in enumerate(codes))}
+                        | {f"t{i}": t for i, t in enumerate(tab)})
+        got = [regs[f"p{i // 2}"] >> (16 * (i % 2)) & 0xFFFF for i in range(8)]
+        assert got == [bits[c] for c in codes], codes
