@@ -203,10 +203,11 @@ def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, 
 
 
 def test_register_fed_kernel_launch_divides_the_channels():
-    """The register-fed kernel's launch shrinks (split, then code words a lane, then warps) until the chunks of input
-    channels divide evenly over the programs and warps."""
+    """The register-fed kernel's launch shrinks (code words a lane, then split, then warps) until the chunks of input
+    channels divide evenly over the programs and warps; the rules take it for larger layers only, and it refuses
+    inputs it cannot take (not fp16, over 16 rows, part tiles, scale groups under a lane's 32 channels)."""
     from esm_turbo.kernels.weights import launch_config
-    from esm_turbo.kernels.weights_mma import mma_launch
+    from esm_turbo.kernels.weights_mma import mma_fits, mma_launch
     assert mma_launch(10240, 4, 4, 4) == (4, 4, 4)
     assert mma_launch(1280, 4, 4, 4) == (4, 2, 1)  # 10 chunks of 128: 20 of 64 over 4 warps
     assert mma_launch(5120, 4, 4, 4) == (4, 2, 4)
@@ -214,6 +215,10 @@ def test_register_fed_kernel_launch_divides_the_channels():
     assert launch_config(16, 7680, 2560)["mma"] and not launch_config(16, 1280, 1280)["mma"]
     assert launch_config(4, 3840, 1280)["mma"] and not launch_config(1, 7680, 2560)["mma"]
     assert not launch_config(64, 20480, 5120)["mma"]
+    x, words = torch.zeros(1, 16, 512, dtype=torch.float16), torch.zeros(64, 64, dtype=torch.int32)
+    assert mma_fits(x, words, 64, 512, 64, 32) and not mma_fits(x, words, 64, 512, 64, 16)
+    assert not mma_fits(x.float(), words, 64, 512, 64, 32) and not mma_fits(x, words, 40, 512, 40, 32)
+    assert not mma_fits(torch.zeros(1, 17, 512, dtype=torch.float16), words, 64, 512, 64, 32)
 
 
 @pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),

@@ -502,7 +502,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     sxp = x.stride(0) if parts > 1 else 0
     if cfg["mma"] and lut:
         from .weights_mma import mma_fits, mma_matmul
-        if mma_fits(x, words, m, n, part_rows):
+        if mma_fits(x, words, m, n, part_rows, group):
             return mma_matmul(x, words, codebook, scales, torch.empty(b, m, device=x.device, dtype=out_dtype),
                               part_rows, prev=prev, bias=bias, warps=cfg["mma_warps"], words_per_lane=cfg["mma_words"],
                               split=cfg["mma_split"], ahead=cfg["mma_ahead"])

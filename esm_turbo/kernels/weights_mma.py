@@ -270,12 +270,12 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
             tl.store(count_ptr + tile, 0)  # every split has counted: zero again for the next launch
 
 
-def mma_fits(x: torch.Tensor, words: torch.Tensor, m: int, n: int, part_rows: int) -> bool:
-    """Whether :func:`mma_matmul` takes x [P, B, N] times the weight of ``words`` [M, N/8] int32: fp16 input of at
-    most :data:`MMA_ROWS` rows, 16-byte aligned rows of both, whole 16-row tiles within each part, 64 channels a
-    chunk at least."""
+def mma_fits(x: torch.Tensor, words: torch.Tensor, m: int, n: int, part_rows: int, group: int) -> bool:
+    """Whether :func:`mma_matmul` takes x [P, B, N] times the weight of ``words`` [M, N/8] int32 in scale groups of
+    ``group`` channels: fp16 input of at most :data:`MMA_ROWS` rows, 16-byte aligned rows of both, whole 16-row
+    tiles within each part, 64 channels a chunk at least, and a lane's 32 channels within one group."""
     return (x.dtype == torch.float16 and x.shape[1] <= MMA_ROWS and m % 16 == 0 and part_rows % 16 == 0
-            and n % 64 == 0 and x.data_ptr() % 16 == 0 and x.stride(1) % 8 == 0 and x.stride(0) % 8 == 0
+            and n % 64 == 0 and group >= 32 and x.data_ptr() % 16 == 0 and x.stride(1) % 8 == 0 and x.stride(0) % 8 == 0
             and words.data_ptr() % 16 == 0)
 
 
