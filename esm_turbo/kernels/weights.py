@@ -191,17 +191,27 @@ def _turn(t, sign_ptr, rot_scale, ROWS: tl.constexpr, COLS: tl.constexpr, D: tl.
 
 
 @triton.jit
-def _finish(acc, offs_r, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV: tl.constexpr,
+def _finish(acc, rows, outs, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV: tl.constexpr,
             HAS_BIAS: tl.constexpr):
-    """The matmuls' epilogue: acc [R, BM] float32 (rows ``offs_r`` of the input, outputs ``offs_m``) + prev [B, M]
-    float32 + bias [M], stored into out [B, M] (rows strided by sob; its dtype)."""
-    at = offs_r[:, None].to(tl.int64) * sob + offs_m[None, :]
-    mask = (offs_r[:, None] < B) & (offs_m[None, :] < M)
+    """The matmuls' epilogue: acc float32 at input rows ``rows`` and outputs ``outs`` (broadcast to acc's shape: [R, 1]
+    and [1, BM] for a tile, a row and [BM], or a pair an element) + prev [B, M] float32 + bias [M], stored into out
+    [B, M] (rows strided by sob; its dtype)."""
+    at = rows.to(tl.int64) * sob + outs
+    mask = (rows < B) & (outs < M)
     if HAS_PREV:
         acc += tl.load(prev_ptr + at, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + outs, mask=outs < M, other=0.0).to(tl.float32)
     tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _last_to_arrive(count_ptr, SPLIT: tl.constexpr):
+    """After a program stored its partial sums: counts its arrival at ``count_ptr`` (int32, zero before the first of
+    the tile's SPLIT programs); whether it is the last, which then adds the partials and stores the count back to
+    zero for the next launch."""
+    tl.debug_barrier()  # every thread's stores made before the (one-thread, releasing) count
+    return tl.atomic_add(count_ptr, 1, sem="acq_rel") == SPLIT - 1
 
 
 @triton.jit
@@ -242,16 +252,17 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
         at = offs_b[:, None].to(tl.int64) * M + offs_m[None, :]
         mask = bmask[:, None] & mmask[None, :]
         tl.store(part_ptr + tl.program_id(2).to(tl.int64) * B * M + at, acc, mask=mask)
-        tl.debug_barrier()  # every thread's stores made before the (one-thread, releasing) count
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+        if _last_to_arrive(count_ptr + tile, SPLIT):
             acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
                 acc += tl.load(part_ptr + s * B * M + at, mask=mask, other=0.0, cache_modifier=".cg")
-            _finish(acc, offs_b, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+            _finish(acc, offs_b[:, None], offs_m[None, :], B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV,
+                    HAS_BIAS)
             tl.store(count_ptr + tile, 0)  # every split has counted: zero again for the next launch
     else:
-        _finish(acc, offs_b, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+        _finish(acc, offs_b[:, None], offs_m[None, :], B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV,
+                HAS_BIAS)
 
 
 #: fp16 pair (int32) → its two halves as float32
@@ -355,17 +366,13 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
                 acc3 += _row_dot(f0, f1, f2, f3, f4, f5, f6, f7, xr + 3 * sxb, offs, left > 3, X16) * sc
             if AHEAD:
                 word, scale = word_n, scale_n
-        rows = r + tl.arange(0, 1)
-        _finish(tl.sum(acc0, axis=1)[None, :], rows, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV,
-                HAS_BIAS)
+        row = r + tl.zeros((1,), dtype=tl.int32)  # the pass's first row (a tensor, also under the interpreter)
+        _finish(tl.sum(acc0, axis=1), row, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
         if R > 1:
-            _finish(tl.sum(acc1, axis=1)[None, :], rows + 1, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr,
-                    HAS_PREV, HAS_BIAS)
+            _finish(tl.sum(acc1, axis=1), row + 1, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
         if R > 2:
-            _finish(tl.sum(acc2, axis=1)[None, :], rows + 2, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr,
-                    HAS_PREV, HAS_BIAS)
-            _finish(tl.sum(acc3, axis=1)[None, :], rows + 3, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr,
-                    HAS_PREV, HAS_BIAS)
+            _finish(tl.sum(acc2, axis=1), row + 2, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+            _finish(tl.sum(acc3, axis=1), row + 3, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
 
 
 @triton.jit
@@ -500,15 +507,15 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     words = codes.view(torch.int32)  # eight codes a word
     lut = not interpreting()
     sxp = x.stride(0) if parts > 1 else 0
+    out = torch.empty(b, m, device=x.device, dtype=out_dtype)
     if cfg["mma"] and lut:
         from .weights_mma import mma_fits, mma_matmul
         if mma_fits(x, words, m, n, part_rows, group):
-            return mma_matmul(x, words, codebook, scales, torch.empty(b, m, device=x.device, dtype=out_dtype),
-                              part_rows, prev=prev, bias=bias, warps=cfg["mma_warps"], words_per_lane=cfg["mma_words"],
-                              split=cfg["mma_split"], ahead=cfg["mma_ahead"])
+            return mma_matmul(x, words, codebook, scales, out, part_rows, sxp, prev=prev, bias=bias,
+                              warps=cfg["mma_warps"], words_per_lane=cfg["mma_words"], split=cfg["mma_split"],
+                              ahead=cfg["mma_ahead"])
     prev_arg, bias_arg = x if prev is None else prev, x if bias is None else bias
     if cfg["gemv"]:  # a few rows: on the CUDA cores
-        out = torch.empty(b, m, device=x.device, dtype=out_dtype)
         block_k = cfg["gemv_k"]
         while n % block_k:
             block_k //= 2
@@ -523,7 +530,6 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     split = cfg["split"]
     while n % (split * cfg["block_k"]):
         split //= 2
-    out = torch.empty(b, m, device=x.device, dtype=out_dtype)
     grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(b, cfg["block_b"]), split)
     partials = torch.empty(split, b, m, device=x.device, dtype=torch.float32) if split > 1 else out
     counts = split_counters(grid[0] * grid[1], x.device) if split > 1 else words

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .common import FP_FUSION, split_counters
-from .weights import LOOKUP_REGS, codebook_bytes, lookup_word
+from .weights import LOOKUP_REGS, _finish, _last_to_arrive, codebook_bytes, lookup_word
 
 #: the most input rows one launch takes (two 8-column MMA tiles)
 MMA_ROWS = 16
@@ -126,18 +126,6 @@ def _slot(c: tl.constexpr, tile):
 
 
 @triton.jit
-def _out(v, r, m, B, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """v [32] float32 at (input row r, output m) + prev [B, M] float32 + bias [M] → out (its dtype)."""
-    at = r.to(tl.int64) * sob + m
-    ok = r < B
-    if HAS_PREV:
-        v += tl.load(prev_ptr + at, mask=ok, other=0.0)
-    if HAS_BIAS:
-        v += tl.load(bias_ptr + m).to(tl.float32)
-    tl.store(out_ptr + at, v.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _emit(v, c: tl.constexpr, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S: tl.constexpr,
           SPLIT: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Sum register c [32·S] summed over the warps, then finished into out (SPLIT = 1) or stored as this program's
@@ -145,7 +133,7 @@ def _emit(v, c: tl.constexpr, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part
     r, m = _slot(c, tile)
     v = tl.sum(tl.reshape(v, (S, 32)), axis=0)
     if SPLIT == 1:
-        _out(v, r, m, B, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+        _finish(v, r, m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
     else:
         tl.store(part_ptr + tl.program_id(1).to(tl.int64) * B * M + r.to(tl.int64) * M + m, v, mask=r < B)
 
@@ -159,7 +147,7 @@ def _gather(c: tl.constexpr, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_
     v = tl.zeros((32,), tl.float32)
     for s in tl.static_range(SPLIT):
         v += tl.load(part_ptr + s * B * M + at, mask=r < B, other=0.0, cache_modifier=".cg")
-    _out(v, r, m, B, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+    _finish(v, r, m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["zero"])
@@ -256,8 +244,7 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
         _emit(s6, 6, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
         _emit(s7, 7, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
     if SPLIT > 1:  # the tile's last program to arrive adds the partial sums and finishes
-        tl.debug_barrier()  # every thread's stores made before the (one-thread, releasing) count
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+        if _last_to_arrive(count_ptr + tile, SPLIT):
             _gather(0, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
             _gather(1, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
             _gather(2, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
@@ -293,10 +280,11 @@ def mma_launch(n: int, warps: int, words: int, split: int) -> tuple[int, int, in
 
 
 def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, scales: torch.Tensor,
-               out: torch.Tensor, part_rows: int, *, prev: torch.Tensor | None, bias: torch.Tensor | None,
+               out: torch.Tensor, part_rows: int, sxp: int, *, prev: torch.Tensor | None, bias: torch.Tensor | None,
                warps: int = 4, words_per_lane: int = 4, split: int = 1, ahead: int = 1) -> torch.Tensor:
     """``out`` [B, M] = x Ŵ_rotᵀ (+ prev + bias) in one launch of :func:`_mma_kernel` (CUDA; :func:`mma_fits`):
-    x [P, B, N] fp16 (each part's rotated input), words [M, N/8] int32, codebook [P·16], scales [M, G] fp16."""
+    x [P, B, N] fp16 (each part's rotated input, parts ``sxp`` elements apart, ``part_rows`` outputs each), words
+    [M, N/8] int32, codebook [P·16], scales [M, G] fp16."""
     _, b, n = x.shape
     m, groups = scales.shape
     warps, wl, split = mma_launch(n, warps, words_per_lane, split)
@@ -304,7 +292,7 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
     counts = split_counters(m // 16, x.device) if split > 1 else words
     _mma_kernel[(m // 16, split)](
         x, words, codebook, scales, x if prev is None else prev, x if bias is None else bias, out, partials, counts,
-        b, m, n, groups, x.stride(1), out.stride(0), part_rows, x.stride(0) if x.shape[0] > 1 else 0, 0,
+        b, m, n, groups, x.stride(1), out.stride(0), part_rows, sxp, 0,
         TILES=1 if b <= 8 else 2, S=warps, WL=wl, SPLIT=split, GROUP=n // groups, HAS_PREV=prev is not None,
         HAS_BIAS=bias is not None, AHEAD=ahead, num_warps=warps, enable_fp_fusion=FP_FUSION)
     return out
