@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import blocks, quantize, weights, weights_mma  # noqa: E402
+from esm_turbo.kernels import blocks, quantize, rope, weights, weights_mma  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel  # noqa: E402
 from esm_turbo.quant.packing import packed_shifts  # noqa: E402
@@ -82,24 +82,31 @@ def main() -> None:
     # (split over programs, merged by the last to arrive; codes requested a tile ahead)
     for group, extras, split, ahead in ((32, True, 1, 0), (128, False, 4, 1), (32, True, 2, 1)):
         compile_sm90(weights._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=32, BLOCK_K=256, GROUP=group,
-                                                          HAS_PREV=extras, HAS_BIAS=extras, PRECISION="tf32",
+                                                          HAS_PREV=extras, HAS_BIAS=extras, GELU=extras,
+                                                          PRECISION="tf32",
                                                           LUT=True, SPLIT=split, AHEAD=ahead),
                      {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)
     compile_sm90(weights._gemv_kernel, dict(R=4, BLOCK_M=8, BLOCK_K=512, GROUP=32, HAS_PREV=True, HAS_BIAS=True,
-                                            LUT=True, X16=True, STAGES=3, AHEAD=True),
+                                            GELU=True, LUT=True, X16=True, STAGES=3, AHEAD=True),
                  {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                  dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
     # the register-fed tensor-core kernel: 1–8 and 9–16 rows, 4 and 2 code words a lane, split over programs
     for tiles, wl, split, extras, ahead in ((1, 4, 1, True, 1), (2, 4, 4, True, 1), (2, 2, 2, False, 0)):
         compile_sm90(weights_mma._mma_kernel, dict(TILES=tiles, S=4, WL=wl, SPLIT=split, GROUP=32, HAS_PREV=extras,
-                                                   HAS_BIAS=extras, AHEAD=ahead),
+                                                   HAS_BIAS=extras, GELU=extras, AHEAD=ahead),
                      {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp", "zero"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)
-    compile_sm90(weights._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32"), {"B", "N", "sxb"},
-                 dict(x_ptr=f16, rot_scale="fp32", out_ptr=f16), num_warps=4)
+    for norm in (0, 2560):  # the input rotated; layer-normalized (3B's width), then rotated
+        compile_sm90(weights._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32", NORM=norm),
+                     {"B", "N", "sxb"}, dict(x_ptr=f16, rot_scale="fp32", out_ptr=f16, w_ptr=f16, b_ptr=f16,
+                                             y_ptr=f16, eps="fp32"), num_warps=4)
+    # a decode step's query scaling and rotary embedding, q and k of 64-wide heads, eight heads a program
+    compile_sm90(rope._rope_kernel, dict(H=40, D=64, DP=64, BH=8), {"S", "sqb", "sqs", "skb", "sks", "scb", "scs"},
+                 dict(q_ptr=f16, k_ptr=f16, cos_ptr=f16, sin_ptr=f16, qo_ptr=f16, ko_ptr=f16, scale="fp32"),
+                 num_warps=4)
     compile_sm90(weights._dequant_kernel, dict(BLOCK_M=64, BLOCK_K=64, GROUP=32, ROTATE=True, HAS_PREV=True,
                                                PRECISION="tf32", LUT=True),
                  {"M", "N", "G"}, dict(codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, rot_scale="fp32", out_ptr=f16),

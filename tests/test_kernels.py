@@ -579,8 +579,9 @@ def test_kernels_compile_for_sm90():
     # sequences per program, several queries); quantize-and-pack six times: prefills in blocks of 32 and 64, a decode
     # step (also into a paged pool), the last two also with grid codes; the 4-bit weights' tensor-core matmul three
     # times (groups of 32 and 128, split and merged in-kernel, codes a tile ahead), CUDA-core matmul,
-    # input rotation and dequantization; a paged pool's block moves both ways; the bench's read-only kernel
-    assert len(compiled) == 39, out
+    # input rotation (also after a layer norm) and dequantization; a paged pool's block moves both ways; a decode
+    # step's rotary embedding; the bench's read-only kernel
+    assert len(compiled) == 41, out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
@@ -848,3 +849,49 @@ def test_block_moves_match_the_reference(shapes, heads, word):
         for name in a:
             assert torch.equal(a[name], b[name])
             assert torch.equal(a[name][slots], s[name][slots])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
+@pytest.mark.parametrize("heads,d,s", [(5, 64, 1), (3, 24, 2), (2, 128, 3)])
+def test_rope_kernel_equals_transformers_bit_for_bit(dtype, heads, d, s):
+    """A decode step's query scaling and rotary embedding in one launch (kernels/rope.py) against transformers'
+    ``apply_rotary_pos_emb`` (ops.reference.rope_reference): the same bits, from column slices of one q/k/v output
+    as a shared launch gives them, at head widths that are and are not powers of two. (bf16 on the GPU only: Triton's
+    interpreter truncates float32 to bf16 where the GPU rounds.)"""
+    from esm_turbo.kernels.rope import rope_triton
+    from esm_turbo.ops.reference import rope_reference
+    gen = torch.Generator().manual_seed(d)
+    b, width = 3, heads * d
+    qkv = (torch.randn(b, s, 3 * width, generator=gen) * 3).to(DEVICE, dtype)
+    q, k = qkv[..., :width], qkv[..., width:2 * width]
+    freqs = torch.randint(0, 1000, (b, s, 1), generator=gen).float() / 10000 ** (torch.arange(0, d, 2) / d)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
+    want, got = rope_reference(q, k, cos, sin, d), rope_triton(q, k, cos, sin, d)
+    for w, g in zip(want, got):
+        assert g.shape == w.shape == (b, heads, s, d) and g.dtype == dtype
+        assert torch.equal(g, w)
+
+
+@needs_triton
+@torch.no_grad()
+def test_decode_session_with_the_rope_kernel_gives_the_same_step(monkeypatch):
+    """A decode session whose attention layers take the RoPE kernel (as on CUDA) gives the same logits, bit for
+    bit, as one taking transformers' path."""
+    from esm_turbo.testing import stress_esm2
+    from esm_turbo.model.engine import TurboEsm
+    import esm_turbo.kernels.rope as rope
+    from esm_turbo import ops
+    model = stress_esm2(layers=2, hidden=64, heads=4, seed=0).to(DEVICE)
+    tokens = torch.full((2, 1), engine_mask_id(), device=DEVICE)
+    steps, calls, kernel = [], [], rope.rope_triton
+    monkeypatch.setattr(rope, "rope_triton", lambda *a: calls.append(1) or kernel(*a))
+    for fused in (False, True):
+        monkeypatch.setattr(ops, "use_kernels", lambda _, f=fused: f)
+        session = TurboEsm(model).session("fp32", capacity=64)
+        session.start(["MKTAYIAKQRQISFVKSHFSRQ", "MKVLAAGIVGL"])
+        calls.clear()
+        steps.append(session.step(tokens, commit=False).logits)
+        assert len(calls) == (2 if fused else 0)  # one launch a layer
+    assert torch.equal(steps[0], steps[1])

@@ -277,7 +277,7 @@ def test_the_linear_on_the_kernels_matches_its_pytorch_path(monkeypatch, n, grou
 @pytest.mark.parametrize("residual", [False, True])
 @torch.no_grad()
 def test_query_key_and_value_are_one_launch_and_each_its_own_linear(monkeypatch, tmp_path, residual):
-    """A layer's query, key and value bound by share_attention_inputs: on the kernel path (Triton's interpreter on
+    """A layer's query, key and value bound by fuse_blocks: on the kernel path (Triton's interpreter on
     CPU; compiled on a GPU) the first call computes all three in one rotate and one matmul launch, the next two take
     their outputs without a launch, and each equals its own linear's PyTorch path; the members' buffers are views of
     the stacks, and the model saves and reloads unchanged."""
@@ -308,6 +308,128 @@ def test_query_key_and_value_are_one_launch_and_each_its_own_linear(monkeypatch,
     save_quantized(model.float().cpu(), tmp_path / "q")
     again = load_quantized(tmp_path / "q").esm.encoder.layer[0].attention.self
     assert torch.equal(again.key.codes0, inner.key.codes0.cpu()) and again.key.shared is not None
+
+
+@pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
+                    reason="triton >= 3.5 is not installed")
+@pytest.mark.parametrize("parts,batch", [(1, 3), (3, 16)])
+def test_norm_and_rotation_in_one_launch_match_layer_norm_then_rotation(parts, batch):
+    """``norm_rotate_triton`` (a LayerNorm and the input rotation of each consumer, one launch) against
+    ``F.layer_norm`` then ``rotate_triton``: the normalized rows and every part's rotation."""
+    from esm_turbo.kernels.weights import norm_rotate_triton, rotate_triton, sign_matrix
+    from esm_turbo.weights.codec import rotation
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(batch)
+    n = 320
+    x = (torch.randn(batch, n, generator=gen) * 4 + 1).to(device, dtype)
+    w, b = (torch.rand(n, generator=gen) + 0.5).to(device, dtype), torch.randn(n, generator=gen).to(device, dtype)
+    turns = [sign_matrix(rotation(32, seed).T.to(device)) for seed in range(parts)]
+    turn = (torch.stack([s for s, _ in turns]), turns[0][1]) if parts > 1 else turns[0]
+    y, x_rot = norm_rotate_triton(x, w, b, 1e-5, turn)
+    want = torch.nn.functional.layer_norm(x.float(), (n,), w.float(), b.float(), 1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert y.dtype == dtype and (y.float() - want).abs().max().item() <= tol * want.abs().max().item()
+    assert x_rot.shape == ((parts, batch, n) if parts > 1 else (batch, n))
+    assert (x_rot.float() - rotate_triton(y, turn).float()).abs().max().item() <= tol * want.abs().max().item()
+
+
+@pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
+                    reason="triton >= 3.5 is not installed")
+@pytest.mark.parametrize("gemv", [False, True])
+def test_gelu_in_the_weight_kernels_epilogue(gemv):
+    """``matmul_triton(..., gelu=True)``: ESM-2's GELU of (x Ŵᵀ + bias) from the kernel's epilogue, against
+    transformers' gelu of the reference's product."""
+    from transformers.models.esm.modeling_esm import gelu
+
+    from esm_turbo.kernels.weights import matmul_reference, matmul_triton
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q = QuantizedLinear.from_linear(_linear(80, 256, seed=3), WeightQuantConfig(bits=4, group=32), seed=1)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).to(device)
+    args = [t.to(device) for t in (q.codes0, q.scales0, q.codebook0)]
+    want = gelu(matmul_reference(x, *args) + q.bias.to(device)).double().cpu()
+    out = matmul_triton(x.to(dtype), *args, config=dict(gemv=gemv), bias=q.bias.to(device, dtype), gelu=True)
+    bound = (1e-5 if dtype == torch.float32 else 2e-2) * want.abs().max().item()
+    assert (out.double().cpu() - want).abs().max().item() <= bound
+    assert (want < 0).any()  # the activation's negative side is reached
+
+
+@pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
+                    reason="triton >= 3.5 is not installed")
+@pytest.mark.parametrize("residual", [False, True])
+@torch.no_grad()
+def test_a_quantized_block_folds_its_small_work_into_its_launches(monkeypatch, tmp_path, residual):
+    """``fuse_blocks`` on the kernel path (Triton's interpreter on CPU): each layer's two LayerNorms normalize and
+    rotate their consumers' input in one launch each (no rotation launch of their own for q/k/v and FFN up), FFN up
+    applies the GELU and the attention output and FFN down add the residual in their epilogues; the logits are the
+    PyTorch path's. The fused modules keep the model's state dict names, and a saved model loads fused again."""
+    import esm_turbo.kernels.weights as kw
+    import esm_turbo.weights.fusion as fusion
+    import esm_turbo.weights.linear as linear
+    from esm_turbo.weights.fusion import GeluIntermediate, NormThenRotate, ResidualOutput
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    base = stress_esm2(layers=2, hidden=64, heads=4, seed=0)
+    names = list(base.state_dict())
+    model = quantize_model(base, WeightQuantConfig(bits=4, group=32, residual=residual), source="stress").to(device,
+                                                                                                            dtype)
+    layer = model.esm.encoder.layer[0]
+    assert isinstance(layer.attention.LayerNorm, NormThenRotate) and isinstance(layer.LayerNorm, NormThenRotate)
+    assert isinstance(layer.intermediate, GeluIntermediate) and layer.intermediate.dense.activation == "gelu"
+    assert isinstance(layer.attention.output, ResidualOutput) and isinstance(layer.output, ResidualOutput)
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 2]], device=device)
+    want = model(input_ids=ids).logits.double()
+    calls = {"rotate_triton": 0, "norm_rotate_triton": 0}
+    for name in calls:
+        monkeypatch.setattr(kw, name, lambda *a, _n=name, _f=getattr(kw, name):
+                            calls.__setitem__(_n, calls[_n] + 1) or _f(*a))
+    prevs = []
+    monkeypatch.setattr(kw, "matmul_triton", lambda *a, _f=kw.matmul_triton, **k: prevs.append(
+        k.get("prev") is not None) or _f(*a, **k))
+    monkeypatch.setattr(linear, "use_kernels", lambda _: True)
+    monkeypatch.setattr(fusion, "use_kernels", lambda _: True)
+    got = model(input_ids=ids).logits.double()
+    assert calls == {"rotate_triton": 4, "norm_rotate_triton": 4}  # a layer: O and FFN down; q/k/v and FFN up
+    # a layer's launches: q/k/v, O + the block's input, FFN up, FFN down + the block's input (each pass after the
+    # first adds the one before)
+    assert prevs == 2 * ([False, True, False, True] if not residual else [False, True, True, True] * 2)
+    bound = (1e-4 if dtype == torch.float32 else 3e-2) * want.abs().max().item()
+    assert (got - want).abs().max().item() <= bound
+    assert [n for n in model.state_dict() if "LayerNorm" in n] == [n for n in names if "LayerNorm" in n]
+    save_quantized(model.float().cpu(), tmp_path / "q")
+    again = load_quantized(tmp_path / "q").esm.encoder.layer[1]
+    assert isinstance(again.LayerNorm, NormThenRotate) and isinstance(again.intermediate, GeluIntermediate)
+    assert torch.equal(again.LayerNorm.weight, model.esm.encoder.layer[1].LayerNorm.weight.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused decode step runs on CUDA")
+@torch.no_grad()
+def test_a_quantized_decode_step_on_the_fused_path_replays_as_a_cuda_graph(monkeypatch):
+    """A design-loop step of a 4-bit model on CUDA (RoPE kernel, LayerNorms that rotate, GELU in FFN up's epilogue,
+    q/k/v in one launch): its logits are the PyTorch path's, and a captured step replays to the eager step's."""
+    import esm_turbo.weights.fusion as fusion
+    import esm_turbo.weights.linear as linear
+    from esm_turbo import ops
+    model = quantize_model(stress_esm2(layers=2, hidden=128, heads=4, seed=0),
+                           WeightQuantConfig(bits=4, group=32), source="stress").cuda().half()
+    seqs = ["MKTAYIAKQRQISFVKSHFSRQ", "MKVLAAGIVGLLLAAAGCSSS"]
+    tokens = torch.full((4, 1), 5, device="cuda")
+
+    def session():
+        s = TurboEsm(model).session("fp16", capacity=64)
+        s.start(seqs)
+        s.fork(2)
+        return s
+
+    fused = session()
+    eager = fused.step(tokens, commit=False).logits
+    replay = fused.capture_step(tokens).replay().logits
+    assert torch.allclose(replay, eager, atol=1e-3)
+    for module in (linear, fusion, ops):
+        monkeypatch.setattr(module, "use_kernels", lambda _: False)
+    want = session().step(tokens, commit=False).logits
+    assert (eager - want).abs().max().item() <= 2e-2 * want.abs().max().item()
 
 
 @torch.no_grad()

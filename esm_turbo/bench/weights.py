@@ -214,13 +214,15 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
 
 class _Free(torch.nn.Module):
     """A linear that costs nothing: its output is one preallocated zero tensor per input shape (no kernel), to time
-    the rest of a step."""
+    the rest of a step; with a block's input to add (fused into a 4-bit linear's epilogue), that input itself."""
 
     def __init__(self, out_features: int):
         super().__init__()
         self.out_features, self._out = out_features, {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        if add is not None:
+            return add
         shape = (*x.shape[:-1], self.out_features)
         if shape not in self._out:
             self._out[shape] = x.new_zeros(shape)
@@ -233,8 +235,11 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
     :data:`GROUP` (both random, built on the device: ``weights.model.random_model``): a ``prefix``-token scaffold
     forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph
     (``DecodeSession.capture_step``; eagerly a step is bound by the host, not the weights). Milliseconds per step.
-    The ceiling of the 4-bit step: the step with block linears that cost nothing (``free_ms``) plus a pure read of
-    the 4-bit weights' bytes (``read_ms``)."""
+    The ceiling of the 4-bit step: the 4-bit model's step with block linears that cost nothing (``free_ms``: its
+    LayerNorms still normalize and rotate; the GELU and the skip connections' adds go with the linears' kernels)
+    plus a pure read of the 4-bit weights' bytes (``read_ms``: one read of them all), or plus each linear launch's
+    own read floor (``launch_ms``: q/k/v, attention output, FFN up and FFN down a layer, each as long as a pure read
+    of its bytes)."""
     import triton.testing
 
     from ..model.alphabet import alphabet
@@ -245,13 +250,19 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
     from .synthetic import layer_codec, random_protein
     from .timing import read_floor_us
     out = dict(size=size, beam=beam, prefix=prefix)
-    for name, quant in (("fp16", None), ("4-bit", WeightQuantConfig(bits=4, group=GROUP)), ("free", None)):
+    four = WeightQuantConfig(bits=4, group=GROUP)
+    for name, quant in (("fp16", None), ("4-bit", four), ("free", four)):
         model = random_model(esm2_config(size), device, quant)
         if name == "free":
             for _, parent, attr in block_linears(model):
                 setattr(parent, attr, _Free(getattr(parent, attr).out_features))
         if name == "4-bit":
             out["read_ms"] = read_floor_us(weight_memory(model)["quantized_linear_bytes"], device) / 1e3
+            first = model.esm.encoder.layer[0]
+            launches = [first.attention.self.query, first.attention.self.key, first.attention.self.value], \
+                [first.attention.output.dense], [first.intermediate.dense], [first.output.dense]
+            out["launch_ms"] = len(model.esm.encoder.layer) * sum(
+                read_floor_us(sum(m.nbytes() for m in group), device) for group in launches) / 1e3
         session = TurboEsm(model).session(layer_codec, capacity=prefix + 8)
         session.start([random_protein(prefix - 1, 0)])
         session.fork(beam)
@@ -343,9 +354,11 @@ def format_weights(res: WeightBench) -> str:
         lines.append(f"  design-loop decode step, {d['size']}-shaped, {d['beam']} rows on a {d['prefix']}-token "
                      f"scaffold (CUDA graph): fp16 weights {d['fp16_ms']:.2f} ms, 4-bit {d['4-bit_ms']:.2f} ms "
                      f"({d['fp16_ms'] / d['4-bit_ms']:.2f}×)" + (
-                         f"; ceiling {d['fp16_ms'] / (d['free_ms'] + d['read_ms']):.2f}× (the step without its "
-                         f"linears {d['free_ms']:.2f} ms + a pure read of the 4-bit weights {d['read_ms']:.2f} ms)"
-                         if "free_ms" in d else ""))
+                         f"; ceiling {d['fp16_ms'] / (d['free_ms'] + d['read_ms']):.2f}× (the 4-bit step without "
+                         f"its linears {d['free_ms']:.2f} ms + a pure read of the 4-bit weights {d['read_ms']:.2f} ms)"
+                         if "free_ms" in d else "") + (
+                         f", {d['fp16_ms'] / (d['free_ms'] + d['launch_ms']):.2f}× launch by launch (+ each linear "
+                         f"launch's read floor, {d['launch_ms']:.2f} ms a step)" if "launch_ms" in d else ""))
     for o in res.offload:
         gib = 2**30
         lines.append(f"  residual pass in pinned host memory, {o['size']}-shaped, a forward of {o['tokens']} tokens: "

@@ -13,8 +13,10 @@ word, reduced once at the end (no tile reshaped or moved between threads). For m
 (``_dequant_matmul_kernel``): each program owns a [BLOCK_B, BLOCK_M] tile of the output and walks its run of input
 channels BLOCK_K at a time, the decoded tile scaled per (row, group) and fed to a dot with the input tile; a layer
 with few outputs splits its input channels over programs (float32 partial sums, added by the last program of each
-tile to finish). Both add a bias and an earlier pass's output in the epilogue; the dequantized weight never reaches
-global memory. A rotation (the layer's Hadamard matrix, ±1 entries) is one small dot per group of channels.
+tile to finish). Both add a bias and an earlier pass's output in the epilogue (then, for FFN up, the GELU); the
+dequantized weight never reaches global memory. A rotation (the layer's Hadamard matrix, ±1 entries) is one small
+dot per group of channels, in a launch of its own or after the LayerNorm that makes the input
+(:func:`norm_rotate_triton`).
 """
 
 from __future__ import annotations
@@ -192,16 +194,18 @@ def _turn(t, sign_ptr, rot_scale, ROWS: tl.constexpr, COLS: tl.constexpr, D: tl.
 
 @triton.jit
 def _finish(acc, rows, outs, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV: tl.constexpr,
-            HAS_BIAS: tl.constexpr):
+            HAS_BIAS: tl.constexpr, GELU: tl.constexpr):
     """The matmuls' epilogue: acc float32 at input rows ``rows`` and outputs ``outs`` (broadcast to acc's shape: [R, 1]
-    and [1, BM] for a tile, a row and [BM], or a pair an element) + prev [B, M] float32 + bias [M], stored into out
-    [B, M] (rows strided by sob; its dtype)."""
+    and [1, BM] for a tile, a row and [BM], or a pair an element) + prev [B, M] float32 + bias [M], then with ``GELU``
+    ESM-2's activation (exact, erf), stored into out [B, M] (rows strided by sob; its dtype)."""
     at = rows.to(tl.int64) * sob + outs
     mask = (rows < B) & (outs < M)
     if HAS_PREV:
         acc += tl.load(prev_ptr + at, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + outs, mask=outs < M, other=0.0).to(tl.float32)
+    if GELU:
+        acc = acc * 0.5 * (1.0 + tl.math.erf(acc * 0.7071067811865476))
     tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -218,7 +222,8 @@ def _last_to_arrive(count_ptr, SPLIT: tl.constexpr):
 def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                            B, M, N, G, sxb, sob, PR, sxp, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           PRECISION: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr, AHEAD: tl.constexpr):
+                           GELU: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr,
+                           AHEAD: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(B, BLOCK_B), SPLIT). x [B, N] (rows strided by sxb; rotated), codes [M, N/8] int32
     (the packed uint8 codes read as words), scales [M, G] fp16, codebook [16] fp16, out [B, M] (rows strided by sob;
     its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]). Parts: output rows [p·PR, (p + 1)·PR) take codebook p
@@ -258,11 +263,11 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
             for s in tl.static_range(SPLIT):
                 acc += tl.load(part_ptr + s * B * M + at, mask=mask, other=0.0, cache_modifier=".cg")
             _finish(acc, offs_b[:, None], offs_m[None, :], B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV,
-                    HAS_BIAS)
+                    HAS_BIAS, GELU)
             tl.store(count_ptr + tile, 0)  # every split has counted: zero again for the next launch
     else:
         _finish(acc, offs_b[:, None], offs_m[None, :], B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV,
-                HAS_BIAS)
+                HAS_BIAS, GELU)
 
 
 #: fp16 pair (int32) → its two halves as float32
@@ -321,8 +326,8 @@ def _word_codes(words_ptr, scales_ptr, offs_m, mmask, k0, N, G, W: tl.constexpr,
 @triton.jit
 def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, B, M, N, G, sxb, sob, PR, sxp,
                  R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                 HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, X16: tl.constexpr,
-                 STAGES: tl.constexpr, AHEAD: tl.constexpr):
+                 HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, LUT: tl.constexpr,
+                 X16: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr):
     """A few rows, R (1, 2 or 4) a pass over the weights: grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob;
     its dtype) = x [B, N] (rows strided by sxb; fp16 read in pairs when X16) Ŵ_rotᵀ (+ prev [B, M] float32, + bias
     [M]), on the CUDA cores and in the code words' own layout: each word's eight codes looked up (:func:`_lookup8`)
@@ -367,25 +372,49 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
             if AHEAD:
                 word, scale = word_n, scale_n
         row = r + tl.zeros((1,), dtype=tl.int32)  # the pass's first row (a tensor, also under the interpreter)
-        _finish(tl.sum(acc0, axis=1), row, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+        _finish(tl.sum(acc0, axis=1), row, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS,
+                GELU)
         if R > 1:
-            _finish(tl.sum(acc1, axis=1), row + 1, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+            _finish(tl.sum(acc1, axis=1), row + 1, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV,
+                    HAS_BIAS, GELU)
         if R > 2:
-            _finish(tl.sum(acc2, axis=1), row + 2, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
-            _finish(tl.sum(acc3, axis=1), row + 3, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+            _finish(tl.sum(acc2, axis=1), row + 2, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV,
+                    HAS_BIAS, GELU)
+            _finish(tl.sum(acc3, axis=1), row + 3, offs_m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV,
+                    HAS_BIAS, GELU)
 
 
 @triton.jit
-def _rotate_kernel(x_ptr, sign_ptr, rot_scale, out_ptr, B, N, sxb, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP: tl.constexpr, PRECISION: tl.constexpr):
+def _rotate_kernel(x_ptr, sign_ptr, rot_scale, out_ptr, w_ptr, b_ptr, y_ptr, eps, B, N, sxb, BLOCK_B: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr):
     """Grid (cdiv(B, BLOCK_B), N / BLOCK_K, P). out [P, B, N] (contiguous, its dtype): part p = each group of GROUP
-    channels of x [B, N] (rows strided by sxb) times sign[p] ([P, GROUP, GROUP]) · rot_scale."""
+    channels of x [B, N] (rows strided by sxb) times sign[p] ([P, GROUP, GROUP]) · rot_scale. With ``NORM`` (= N, a
+    multiple of BLOCK_K; 0: off) x is first layer-normalized (weight w [N], bias b [N], ``eps``; each row's statistics
+    in float32 from one unrolled pass of sums shifted by its first value) and rounded to y's dtype, the values
+    rotated; part 0's programs also store them to y [B, N] (contiguous)."""
     sign_ptr += tl.program_id(2) * GROUP * GROUP
     out_ptr += tl.program_id(2).to(tl.int64) * B * N
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     bmask = offs_b[:, None] < B
-    x = tl.load(x_ptr + offs_b[:, None].to(tl.int64) * sxb + offs_k[None, :], mask=bmask, other=0.0)
+    rows = x_ptr + offs_b[:, None].to(tl.int64) * sxb
+    x = tl.load(rows + offs_k[None, :], mask=bmask, other=0.0)
+    if NORM:
+        shift = tl.load(rows, mask=bmask, other=0.0).to(tl.float32)  # [BLOCK_B, 1]
+        total = tl.zeros((BLOCK_B,), tl.float32)
+        squares = tl.zeros((BLOCK_B,), tl.float32)
+        for k0 in tl.static_range(0, NORM, BLOCK_K):
+            c = tl.load(rows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=bmask, other=0.0).to(tl.float32) - shift
+            total += tl.sum(c, axis=1)
+            squares += tl.sum(c * c, axis=1)
+        centred = total / NORM
+        mean = shift + centred[:, None]
+        rstd = 1.0 / tl.sqrt(tl.maximum(squares / NORM - centred * centred, 0.0) + eps)
+        w = tl.load(w_ptr + offs_k).to(tl.float32)[None, :]
+        b = tl.load(b_ptr + offs_k).to(tl.float32)[None, :]
+        x = ((x.to(tl.float32) - mean) * rstd[:, None] * w + b).to(y_ptr.dtype.element_ty)
+        if tl.program_id(2) == 0:
+            tl.store(y_ptr + offs_b[:, None].to(tl.int64) * N + offs_k[None, :], x, mask=bmask)
     y = _turn(x, sign_ptr, rot_scale, BLOCK_B, BLOCK_K, GROUP, PRECISION)
     tl.store(out_ptr + offs_b[:, None].to(tl.int64) * N + offs_k[None, :], y.to(out_ptr.dtype.element_ty), mask=bmask)
 
@@ -475,13 +504,15 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
 
 def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
                   config: dict | None = None, *, bias: torch.Tensor | None = None, prev: torch.Tensor | None = None,
-                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  gelu: bool = False, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """:func:`matmul_reference` in one launch (CUDA, or CPU under Triton's interpreter; a split's partial sums are
     added by the last program of each tile): x [B, N] (rotated) → [B, M] in ``out_dtype``; ``bias`` [M] and ``prev``
-    [B, M] float32 (an earlier pass) are added in its epilogue. ``config`` overrides :func:`launch_config`'s block_b /
-    block_m / block_k / num_warps / num_stages / split / ahead, ``gemv`` (the CUDA-core kernel) with
-    gemv_m / gemv_k / gemv_warps / gemv_stages / gemv_ahead, and ``mma`` (the register-fed tensor-core kernel, taken
-    where :func:`~.weights_mma.mma_fits` and compiled) with mma_warps / mma_words / mma_split / mma_ahead.
+    [B, M] contiguous (an earlier pass in float32, or a block's input to add) are added in its epilogue, then with
+    ``gelu`` ESM-2's GELU (erf) is applied.
+    ``config`` overrides :func:`launch_config`'s block_b / block_m / block_k / num_warps / num_stages / split / ahead,
+    ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps / gemv_stages / gemv_ahead, and ``mma`` (the
+    register-fed tensor-core kernel, taken where :func:`~.weights_mma.mma_fits` and compiled) with mma_warps /
+    mma_words / mma_split / mma_ahead.
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
     [P·16], and codes, scales and bias the P weights stacked along their rows (M/P each): → [B, M], part p's outputs
@@ -511,7 +542,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     if cfg["mma"] and lut:
         from .weights_mma import mma_fits, mma_matmul
         if mma_fits(x, words, m, n, part_rows, group):
-            return mma_matmul(x, words, codebook, scales, out, part_rows, sxp, prev=prev, bias=bias,
+            return mma_matmul(x, words, codebook, scales, out, part_rows, sxp, prev=prev, bias=bias, gelu=gelu,
                               warps=cfg["mma_warps"], words_per_lane=cfg["mma_words"], split=cfg["mma_split"],
                               ahead=cfg["mma_ahead"])
     prev_arg, bias_arg = x if prev is None else prev, x if bias is None else bias
@@ -522,7 +553,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
         _gemv_kernel[(triton.cdiv(m, cfg["gemv_m"]),)](
             x, words, codebook, scales, prev_arg, bias_arg, out, b, m, n, groups, x.stride(1), out.stride(0),
             part_rows, sxp, R=min(4, triton.next_power_of_2(b)), BLOCK_M=cfg["gemv_m"], BLOCK_K=block_k, GROUP=group,
-            HAS_PREV=prev is not None, HAS_BIAS=bias is not None, LUT=lut, X16=lut and _pairs(x),
+            HAS_PREV=prev is not None, HAS_BIAS=bias is not None, GELU=gelu, LUT=lut, X16=lut and _pairs(x),
             STAGES=cfg["gemv_stages"], AHEAD=cfg["gemv_ahead"], num_warps=cfg["gemv_warps"], enable_fp_fusion=FP_FUSION)
         return out
     while n % cfg["block_k"]:
@@ -536,16 +567,36 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     _dequant_matmul_kernel[grid](x, words, codebook, scales, prev_arg, bias_arg, out, partials, counts, b, m, n,
                                  groups, x.stride(1), m, part_rows, sxp,
                                  BLOCK_B=cfg["block_b"], BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], GROUP=group,
-                                 HAS_PREV=prev is not None, HAS_BIAS=bias is not None, PRECISION=_precision(x),
+                                 HAS_PREV=prev is not None, HAS_BIAS=bias is not None, GELU=gelu,
+                                 PRECISION=_precision(x),
                                  LUT=lut, SPLIT=split, AHEAD=cfg["ahead"],
                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=FP_FUSION)
     return out
+
+
+#: rows a program of :func:`norm_rotate_triton` normalizes and rotates (each reads its rows whole for their statistics):
+#: at 16 rows of 1,280–5,120 channels on an H100, 4 took 0.69–0.76× the time of 16 (2 and 8 in between)
+NORM_ROWS = 4
 
 
 def rotate_triton(x: torch.Tensor, rotation: tuple[torch.Tensor, float]) -> torch.Tensor:
     """x [B, N] with each group of d channels times c·S (``rotation`` = :func:`sign_matrix` of Πᵀ: x_rot = x_g Πᵀ),
     in x's dtype, one launch. Reference: ``QuantizedLinear.rotate_input``. With S [P, d, d] (P rotations of one
     scale c, as :func:`matmul_triton`'s parts take them): → [P, B, N]."""
+    return _launch_rotate(x, rotation)[1]
+
+
+def norm_rotate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                       rotation: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = layer_norm(x [B, N]; weight, bias, eps) in x's dtype, and y rotated as :func:`rotate_triton` rotates
+    (→ [B, N] or [P, B, N]), in one launch. Reference: ``torch.nn.functional.layer_norm`` then
+    :func:`rotate_triton`."""
+    return _launch_rotate(x, rotation, (weight, bias, eps))
+
+
+def _launch_rotate(x: torch.Tensor, rotation: tuple[torch.Tensor, float],
+                   norm: tuple | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One :func:`_rotate_kernel` launch: (the normalized x or None, the rotation(s))."""
     b, n = x.shape
     sign = rotation[0]
     parts = sign.shape[0] if sign.dim() == 3 else 1
@@ -557,12 +608,15 @@ def rotate_triton(x: torch.Tensor, rotation: tuple[torch.Tensor, float]) -> torc
         raise ValueError(f"input width {n} is not a multiple of the rotation group {group}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(*([parts] if sign.dim() == 3 else []), b, n, device=x.device, dtype=x.dtype)
-    block_b = 16
-    _rotate_kernel[(triton.cdiv(b, block_b), n // block_k, parts)](x, sign, rotation[1], out, b, n, x.stride(0),
+    y = torch.empty(b, n, device=x.device, dtype=x.dtype) if norm is not None else None
+    w, bias, eps = norm if norm is not None else (x, x, 0.0)
+    block_b = NORM_ROWS if norm is not None else 16
+    _rotate_kernel[(triton.cdiv(b, block_b), n // block_k, parts)](x, sign, rotation[1], out, w, bias,
+                                                                   out if y is None else y, eps, b, n, x.stride(0),
                                                                    BLOCK_B=block_b, BLOCK_K=block_k, GROUP=group,
-                                                                   PRECISION=_precision(x), num_warps=4,
-                                                                   enable_fp_fusion=FP_FUSION)
-    return out
+                                                                   PRECISION=_precision(x), NORM=0 if y is None else n,
+                                                                   num_warps=4, enable_fp_fusion=FP_FUSION)
+    return y, out
 
 
 def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, dtype: torch.dtype,

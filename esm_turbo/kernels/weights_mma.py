@@ -127,34 +127,34 @@ def _slot(c: tl.constexpr, tile):
 
 @triton.jit
 def _emit(v, c: tl.constexpr, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S: tl.constexpr,
-          SPLIT: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr):
+          SPLIT: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr):
     """Sum register c [32·S] summed over the warps, then finished into out (SPLIT = 1) or stored as this program's
     partial sum (part [SPLIT, B, M] float32)."""
     r, m = _slot(c, tile)
     v = tl.sum(tl.reshape(v, (S, 32)), axis=0)
     if SPLIT == 1:
-        _finish(v, r, m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+        _finish(v, r, m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS, GELU)
     else:
         tl.store(part_ptr + tl.program_id(1).to(tl.int64) * B * M + r.to(tl.int64) * M + m, v, mask=r < B)
 
 
 @triton.jit
 def _gather(c: tl.constexpr, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT: tl.constexpr,
-            HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr):
+            HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr):
     """The last program of a split tile: sum register c's SPLIT partial sums, finished into out."""
     r, m = _slot(c, tile)
     at = r.to(tl.int64) * M + m
     v = tl.zeros((32,), tl.float32)
     for s in tl.static_range(SPLIT):
         v += tl.load(part_ptr + s * B * M + at, mask=r < B, other=0.0, cache_modifier=".cg")
-    _finish(v, r, m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS)
+    _finish(v, r, m, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV, HAS_BIAS, GELU)
 
 
 @triton.jit(do_not_specialize=["zero"])
 def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                 B, M, N, G, sxb, sob, PR, sxp, zero, TILES: tl.constexpr, S: tl.constexpr, WL: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                AHEAD: tl.constexpr):
+                GELU: tl.constexpr, AHEAD: tl.constexpr):
     """Grid (M / 16, SPLIT), S warps. x [B, N] fp16 (B ≤ 8·TILES; rows strided by sxb, 16-byte aligned), codes
     [M, N/8] int32 (16-byte aligned rows), scales [M, G] fp16, codebook [16] fp16 (read through ``zero`` · lane, zero
     at run time), out [B, M] (rows strided by sob; its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]). Parts
@@ -234,26 +234,26 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
                     dtype=(tl.float32,) * 8, is_pure=True, pack=1)
         if AHEAD:
             a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsa, nsb
-    _emit(s0, 0, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
-    _emit(s1, 1, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
-    _emit(s2, 2, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
-    _emit(s3, 3, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
+    _emit(s0, 0, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+    _emit(s1, 1, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+    _emit(s2, 2, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+    _emit(s3, 3, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
     if TILES == 2:
-        _emit(s4, 4, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
-        _emit(s5, 5, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
-        _emit(s6, 6, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
-        _emit(s7, 7, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS)
+        _emit(s4, 4, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+        _emit(s5, 5, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+        _emit(s6, 6, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+        _emit(s7, 7, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
     if SPLIT > 1:  # the tile's last program to arrive adds the partial sums and finishes
         if _last_to_arrive(count_ptr + tile, SPLIT):
-            _gather(0, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
-            _gather(1, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
-            _gather(2, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
-            _gather(3, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
+            _gather(0, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+            _gather(1, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+            _gather(2, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+            _gather(3, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS, GELU)
             if TILES == 2:
-                _gather(4, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
-                _gather(5, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
-                _gather(6, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
-                _gather(7, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS)
+                _gather(4, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+                _gather(5, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+                _gather(6, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS, GELU)
+                _gather(7, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, SPLIT, HAS_PREV, HAS_BIAS, GELU)
             tl.store(count_ptr + tile, 0)  # every split has counted: zero again for the next launch
 
 
@@ -281,10 +281,11 @@ def mma_launch(n: int, warps: int, words: int, split: int) -> tuple[int, int, in
 
 def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, scales: torch.Tensor,
                out: torch.Tensor, part_rows: int, sxp: int, *, prev: torch.Tensor | None, bias: torch.Tensor | None,
-               warps: int = 4, words_per_lane: int = 4, split: int = 1, ahead: int = 1) -> torch.Tensor:
-    """``out`` [B, M] = x Ŵ_rotᵀ (+ prev + bias) in one launch of :func:`_mma_kernel` (CUDA; :func:`mma_fits`):
-    x [P, B, N] fp16 (each part's rotated input, parts ``sxp`` elements apart, ``part_rows`` outputs each), words
-    [M, N/8] int32, codebook [P·16], scales [M, G] fp16."""
+               gelu: bool = False, warps: int = 4, words_per_lane: int = 4, split: int = 1,
+               ahead: int = 1) -> torch.Tensor:
+    """``out`` [B, M] = x Ŵ_rotᵀ (+ prev + bias, then GELU with ``gelu``) in one launch of :func:`_mma_kernel`
+    (CUDA; :func:`mma_fits`): x [P, B, N] fp16 (each part's rotated input, parts ``sxp`` elements apart,
+    ``part_rows`` outputs each), words [M, N/8] int32, codebook [P·16], scales [M, G] fp16."""
     _, b, n = x.shape
     m, groups = scales.shape
     warps, wl, split = mma_launch(n, warps, words_per_lane, split)
@@ -294,5 +295,5 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
         x, words, codebook, scales, x if prev is None else prev, x if bias is None else bias, out, partials, counts,
         b, m, n, groups, x.stride(1), out.stride(0), part_rows, sxp, 0,
         TILES=1 if b <= 8 else 2, S=warps, WL=wl, SPLIT=split, GROUP=n // groups, HAS_PREV=prev is not None,
-        HAS_BIAS=bias is not None, AHEAD=ahead, num_warps=warps, enable_fp_fusion=FP_FUSION)
+        HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, num_warps=warps, enable_fp_fusion=FP_FUSION)
     return out

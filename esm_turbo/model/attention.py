@@ -21,9 +21,10 @@ from typing import Callable
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.esm.modeling_esm import apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.esm.modeling_esm import eager_attention_forward
 
 from .. import ops
+from ..ops.reference import rope_reference
 
 
 @dataclass
@@ -52,17 +53,17 @@ class TurboEsmSelfAttention(nn.Module):
         self.head_dim = inner.attention_head_size
         self.heads = inner.num_attention_heads
 
-    def project(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """hidden [B, S, D] → q (scaled, RoPE'd), k (RoPE'd), v: each [B, H, S, d]."""
+    def project(self, hidden_states: torch.Tensor, position_embeddings,
+                fused: bool = False) -> tuple[torch.Tensor, ...]:
+        """hidden [B, S, D] → q (scaled, RoPE'd), k (RoPE'd), v: each [B, H, S, d]. ``fused``: the scaling and the
+        embedding in one launch (``kernels.rope``, the same values)."""
         inner = self.inner
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = inner.query(hidden_states).view(shape).transpose(1, 2)
-        k = inner.key(hidden_states).view(shape).transpose(1, 2)
-        v = inner.value(hidden_states).view(shape).transpose(1, 2)
-        q = q * self.head_dim**-0.5
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-        return q, k, v
+        q, k = inner.query(hidden_states), inner.key(hidden_states)
+        v = inner.value(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        if fused:
+            from ..kernels.rope import rope_triton
+            return (*rope_triton(q, k, *position_embeddings, self.head_dim), v)
+        return (*rope_reference(q, k, *position_embeddings, self.head_dim), v)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 encoder_hidden_states=None, encoder_attention_mask=None, position_embeddings=None,
@@ -72,7 +73,8 @@ class TurboEsmSelfAttention(nn.Module):
         if position_embeddings is None:
             raise ValueError("TurboEsmSelfAttention needs rotary position embeddings (ESM-2)")
         ctx = self.context
-        q, k, v = self.project(hidden_states, position_embeddings)
+        decode = ctx is not None and ctx.mode == "decode"
+        q, k, v = self.project(hidden_states, position_embeddings, fused=decode and ops.use_kernels(hidden_states))
         batch, seq = hidden_states.shape[:2]
         if ctx is None or ctx.mode in ("plain", "prefill"):
             interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.inner.config._attn_implementation,

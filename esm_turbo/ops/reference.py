@@ -24,6 +24,16 @@ def attend(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, pref
     return (out, probs) if return_probs else out
 
 
+def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, S, H·d] (a layer's query and key outputs), cos, sin [B, S, d] → q, k [B, H, S, d] as ESM-2 attends
+    with them: q scaled by d ** -0.5, both rotated by transformers' ``apply_rotary_pos_emb``."""
+    from transformers.models.esm.modeling_esm import apply_rotary_pos_emb
+    shape = (*q.shape[:-1], -1, head_dim)
+    q = q.view(shape).transpose(1, 2) * head_dim ** -0.5
+    return apply_rotary_pos_emb(q, k.view(shape).transpose(1, 2), cos, sin, unsqueeze_dim=1)
+
+
 def decode_attention_reference(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor,
                                v_new: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
     """Two-step path: dequantize the whole cached prefix of ``layer``, then attend."""

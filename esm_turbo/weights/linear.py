@@ -1,7 +1,8 @@
 """``QuantizedLinear``: a drop-in ``nn.Linear`` whose weight is stored in ``bits``-bit codes (``weights.codec``).
 
 Forward at 4 bits on CUDA (``esm_turbo.kernels.weights``): up to :data:`KERNEL_ROWS` rows, the input is rotated per
-group (``x_rot = x_g Πᵀ``, one launch) and the fused kernel multiplies it by each pass's packed codes, adding the bias
+group (``x_rot = x_g Πᵀ``, one launch, unless its producer handed the rotation over: ``weights.fusion``) and the fused
+kernel multiplies it by each pass's packed codes, adding the bias (and applying :attr:`QuantizedLinear.activation`)
 in its epilogue; past it, the weight is dequantized once in the original domain (one launch a pass) and multiplied by
 cuBLAS. Elsewhere and at other widths: the input rotated in one batched product, the rotated weight decoded in its
 dtype, one matmul. FastEsm, which takes weight tensors, gets them from :meth:`QuantizedLinear.dequantize`.
@@ -39,6 +40,8 @@ class QuantizedLinear(nn.Module):
         self._turns: dict = {}  # Π and Πᵀ as the kernels take them, per device (:meth:`_turn`)
         self.shared: SharedInput | None = None  # the linears of the same input this one is multiplied with
         self.offload = None  # weights.offload.ResidualOffload holding the residual pass in host memory, if any
+        self.activation: str | None = None  # "gelu": ESM-2's GELU applied to the output (in the kernel's epilogue)
+        self.given: tuple | None = None  # (x, its version, x rotated) from the producer of x (``weights.fusion``)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
@@ -123,24 +126,46 @@ class QuantizedLinear(nn.Module):
             self._turns[device] = (sign_matrix(rot), sign_matrix(rot.T))
         return self._turns[device]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_turn(self, device: torch.device) -> tuple:
+        """Πᵀ as the kernels take it: how this linear's input is rotated (``kernels.weights.rotate_triton``)."""
+        return self._turn(device)[1]
+
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., N] → [..., M]; ``add`` [..., M] (a block's input, its skip connection) added to the output, in the
+        kernel's epilogue on the fused path (not with an activation)."""
+        if add is not None and self.activation is not None:
+            raise ValueError("a linear adds a block's input or applies an activation, not both")
         if self.bits == 4 and use_kernels(x):
             flat = x.reshape(-1, self.in_features)
             if flat.shape[0] > KERNEL_ROWS:  # many rows: the weight dequantized once, then cuBLAS
-                return torch.nn.functional.linear(x, self.dequantize(x.dtype),
-                                                  None if self.bias is None else self.bias.to(x.dtype))
+                return self._finish(torch.nn.functional.linear(
+                    x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype)), add)
             if self.shared is not None:  # with the other linears of this input, in one launch
                 return self.shared.output(self, x)
             from ..kernels.weights import matmul_triton, rotate_triton
             self._residual_ready()
-            x_rot, y = rotate_triton(flat, self._turn(x.device)[1]), None
-            for p in range(self.passes):  # the fused kernel, pass by pass, the last adding the bias
+            x_rot = given_rotation(self, x)
+            if x_rot is None:
+                x_rot = rotate_triton(flat, self.input_turn(x.device))
+            y = None if add is None else add.reshape(-1, self.out_features).contiguous()
+            for p in range(self.passes):  # the fused kernel, pass by pass: the first adds ``add``, the last the bias
                 last = p == self.passes - 1
                 y = matmul_triton(x_rot, *self._pass(p).tensors(), bias=self.bias if last else None, prev=y,
-                                  out_dtype=x.dtype if last else torch.float32)
+                                  gelu=last and self.activation == "gelu", out_dtype=x.dtype if last else torch.float32)
             return y.view(*x.shape[:-1], self.out_features)
         y = self.rotate_input(x) @ self.rotated_weight(x.dtype).T
-        return y + self.bias.to(x.dtype) if self.bias is not None else y
+        return self._finish(y + self.bias.to(x.dtype) if self.bias is not None else y, add)
+
+    def _finish(self, y: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+        """y with :attr:`activation` applied (none, or ESM-2's GELU as transformers computes it), or ``add`` added."""
+        if add is not None:
+            return y + add
+        if self.activation is None:
+            return y
+        if self.activation != "gelu":
+            raise ValueError(f"unknown activation {self.activation!r}: None or 'gelu'")
+        from transformers.models.esm.modeling_esm import gelu
+        return gelu(y)
 
     def nbytes(self) -> int:
         """Stored bytes of the weight (codes, scales, codebooks; the rotation is a seed)."""
@@ -148,7 +173,8 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group={self.group}, passes={self.passes}")
+                f"group={self.group}, passes={self.passes}" + (f", activation={self.activation}"
+                                                               if self.activation else ""))
 
 
 class SharedInput:
@@ -165,6 +191,7 @@ class SharedInput:
         self.members = members
         self._stacks: dict | None = None
         self._last: tuple | None = None  # (input, its version, the stacked output)
+        self.given: tuple | None = None  # (x, its version, x rotated for each member) from the producer of x
         for m in members:
             m.shared = self
 
@@ -205,6 +232,10 @@ class SharedInput:
                 st["bias"], st["bias_of"] = torch.cat([m.bias.detach() for m in self.members]), of
         return st
 
+    def input_turn(self, device: torch.device) -> tuple:
+        """The members' Πᵀ stacked [P, d, d] as the kernels take them (``kernels.weights.rotate_triton``)."""
+        return self._stacked()["turn"]
+
     def output(self, member: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         """``member``'s forward of x [..., N] (→ [..., M]), computed with the other members' in one launch."""
         from ..kernels.weights import matmul_triton, rotate_triton
@@ -212,7 +243,9 @@ class SharedInput:
         if last is None or last[0] is not x or last[1] != x._version:
             member._residual_ready()
             st = self._stacked()
-            x_rot, y = rotate_triton(x.reshape(-1, member.in_features), st["turn"]), None
+            x_rot, y = given_rotation(self, x), None
+            if x_rot is None:
+                x_rot = rotate_triton(x.reshape(-1, member.in_features), st["turn"])
             for p in range(member.passes):
                 end = p == member.passes - 1
                 y = matmul_triton(x_rot, st[f"codes{p}"], st[f"scales{p}"], st[f"codebook{p}"],
@@ -222,3 +255,10 @@ class SharedInput:
         rows = member.out_features
         i = next(k for k, m in enumerate(self.members) if m is member)
         return last[2][:, i * rows:(i + 1) * rows].view(*x.shape[:-1], rows)
+
+
+def given_rotation(consumer: QuantizedLinear | SharedInput, x: torch.Tensor) -> torch.Tensor | None:
+    """The rotation of x that x's producer made along with it (``consumer.given``), if x is that same, unchanged
+    tensor; else None."""
+    given = consumer.given
+    return given[2] if given is not None and given[0] is x and given[1] == x._version else None

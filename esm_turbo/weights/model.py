@@ -26,7 +26,8 @@ from torch import nn
 from ..errors import CheckpointError
 from ..io import atomic_write, atomic_write_text
 from .codec import WeightQuantConfig
-from .linear import QuantizedLinear, SharedInput
+from .fusion import fuse_blocks
+from .linear import QuantizedLinear
 
 FORMAT_VERSION = 1
 META_KEY = "esm_turbo_weights"
@@ -67,21 +68,8 @@ def quantize_model(model, config: WeightQuantConfig, source: str = "", progress:
             p.copy_(p.half().to(p.dtype))
     model.weight_quant = dict(format_version=FORMAT_VERSION, config=asdict(config), quantized=names,
                               source_model=str(source), source_fingerprint=fingerprint)
-    share_attention_inputs(model)
+    fuse_blocks(model)
     return model
-
-
-def share_attention_inputs(model) -> int:
-    """Bind each layer's query, key and value (4-bit :class:`QuantizedLinear`, same shapes) into one
-    :class:`SharedInput`: on CUDA, at up to ``KERNEL_ROWS`` rows, the three are one launch. Returns how many layers."""
-    bound = 0
-    for layer in model.esm.encoder.layer:
-        inner = layer.attention.self
-        members = [inner.query, inner.key, inner.value]
-        if SharedInput.fits(members):
-            SharedInput(members)
-            bound += 1
-    return bound
 
 
 def is_quantized_dir(path: str | Path) -> bool:
@@ -125,7 +113,7 @@ def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, 
             group, passes = shape_of(name, linear.in_features)
             setattr(parent, attr, QuantizedLinear(linear.in_features, linear.out_features, quant.bits, group, passes,
                                                   quant.seed + k, linear.bias is not None))
-    share_attention_inputs(model)
+    fuse_blocks(model)
     return model
 
 
