@@ -305,6 +305,7 @@ def test_query_key_and_value_are_one_launch_and_each_its_own_linear(monkeypatch,
     assert inner.key.codes0.data_ptr() == stack[64:].data_ptr()  # a view, not a second copy
     inner.key(xs.clone())  # another input: computed again
     assert len(launches) == 2 + 2 * residual
+    assert torch.allclose(inner.key(xs, add=xs), got[2] + xs)  # a block's input added to a member's output
     save_quantized(model.float().cpu(), tmp_path / "q")
     again = load_quantized(tmp_path / "q").esm.encoder.layer[0].attention.self
     assert torch.equal(again.key.codes0, inner.key.codes0.cpu()) and again.key.shared is not None

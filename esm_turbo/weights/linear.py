@@ -141,7 +141,7 @@ class QuantizedLinear(nn.Module):
                 return self._finish(torch.nn.functional.linear(
                     x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype)), add)
             if self.shared is not None:  # with the other linears of this input, in one launch
-                return self.shared.output(self, x)
+                return self._finish(self.shared.output(self, x), add)
             from ..kernels.weights import matmul_triton, rotate_triton
             self._residual_ready()
             x_rot = given_rotation(self, x)
