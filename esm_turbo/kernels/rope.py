@@ -1,7 +1,7 @@
 """ESM-2's query scaling and rotary position embedding of a decode step's new tokens, q and k in one launch (Triton).
-Reference: ``esm_turbo.ops.reference.rope_reference``, transformers' own ``apply_rotary_pos_emb`` after the query's ``head_dim ** -0.5``
-scaling, which the kernel reproduces bit for bit (the same roundings, products and sums in float32, no fused
-multiply-add).
+Reference: ``esm_turbo.ops.reference.rope_reference``, transformers' own ``apply_rotary_pos_emb`` after the query's
+``head_dim ** -0.5`` scaling, which the kernel reproduces bit for bit (the same roundings, products and sums in
+float32, no fused multiply-add).
 
 Eagerly, that reference is about fifteen small launches a layer (casts, slices, a concatenation, products, a sum), a
 large share of a small-batch decode step's time on a GPU.
@@ -53,16 +53,15 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, S, sqb, sqs, sk
 
 def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ops.reference.rope_reference`` in one launch (CUDA, or CPU under Triton's interpreter). q, k may be column slices of
-    a wider output (a shared q/k/v launch's); the results are [B, H, S, d] views of [B, S, H, d] buffers, the layout
-    the reference's transposes give."""
+    """``ops.reference.rope_reference`` in one launch (CUDA, or CPU under Triton's interpreter). q, k may be column
+    slices of a wider output (a shared q/k/v launch's); the results are [B, H, S, d] views of [B, S, H, d] buffers,
+    the layout the reference's transposes give."""
     b, s, width = q.shape
     heads = width // head_dim
     if width % head_dim or k.shape != q.shape or cos.shape != (b, s, head_dim) or sin.shape != cos.shape:
         raise ValueError(f"q, k {tuple(q.shape)}, {tuple(k.shape)} and cos, sin {tuple(cos.shape)}, "
                          f"{tuple(sin.shape)} do not describe {head_dim}-wide heads of one batch")
-    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
-    cos, sin = cos.contiguous(), sin.contiguous()
+    q, k, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin))
     qo = torch.empty(b, s, heads, head_dim, device=q.device, dtype=q.dtype)
     ko = torch.empty_like(qo)
     dp = triton.next_power_of_2(head_dim)

@@ -196,8 +196,8 @@ def _turn(t, sign_ptr, rot_scale, ROWS: tl.constexpr, COLS: tl.constexpr, D: tl.
 def _finish(acc, rows, outs, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV: tl.constexpr,
             HAS_BIAS: tl.constexpr, GELU: tl.constexpr):
     """The matmuls' epilogue: acc float32 at input rows ``rows`` and outputs ``outs`` (broadcast to acc's shape: [R, 1]
-    and [1, BM] for a tile, a row and [BM], or a pair an element) + prev [B, M] float32 + bias [M], then with ``GELU``
-    ESM-2's activation (exact, erf), stored into out [B, M] (rows strided by sob; its dtype)."""
+    and [1, BM] for a tile, a row and [BM], or a pair an element) + prev [B, M] (any float dtype) + bias [M], then with
+    ``GELU`` ESM-2's activation (exact, erf), stored into out [B, M] (rows strided by sob; its dtype)."""
     at = rows.to(tl.int64) * sob + outs
     mask = (rows < B) & (outs < M)
     if HAS_PREV:
@@ -226,9 +226,9 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
                            AHEAD: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(B, BLOCK_B), SPLIT). x [B, N] (rows strided by sxb; rotated), codes [M, N/8] int32
     (the packed uint8 codes read as words), scales [M, G] fp16, codebook [16] fp16, out [B, M] (rows strided by sob;
-    its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]). Parts: output rows [p·PR, (p + 1)·PR) take codebook p
-    ([M / PR, 16]) and the input x + p·sxp (PR = M, sxp = 0: one part; BLOCK_M divides PR). With SPLIT > 1 program
-    (i, j, s) sums the s-th of SPLIT equal runs of input channels into partials [SPLIT, B, M] float32 (``part_ptr``)
+    its dtype) = x Ŵ_rotᵀ (+ prev [B, M], + bias [M], GELU: :func:`_finish`). Parts: output rows [p·PR, (p + 1)·PR)
+    take codebook p ([M / PR, 16]) and the input x + p·sxp (PR = M, sxp = 0: one part; BLOCK_M divides PR). With
+    SPLIT > 1 program (i, j, s) sums the s-th of SPLIT equal runs of input channels into partials [SPLIT, B, M] float32 (``part_ptr``)
     and counts its arrival in ``count_ptr[j·grid(0) + i]`` (int32, zero at launch and left zero); the last of a tile
     adds the SPLIT partials and finishes the tile. N % (SPLIT·BLOCK_K) == 0; BLOCK_K and GROUP powers of two.
     ``AHEAD``: each tile's codes and scales are requested a tile before it is decoded (:func:`_tile_ahead`)."""
@@ -329,9 +329,9 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
                  HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, LUT: tl.constexpr,
                  X16: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr):
     """A few rows, R (1, 2 or 4) a pass over the weights: grid (cdiv(M, BLOCK_M),). out [B, M] (rows strided by sob;
-    its dtype) = x [B, N] (rows strided by sxb; fp16 read in pairs when X16) Ŵ_rotᵀ (+ prev [B, M] float32, + bias
-    [M]), on the CUDA cores and in the code words' own layout: each word's eight codes looked up (:func:`_lookup8`)
-    once for the R rows, multiplied by each row's input channels and summed in float32 (:func:`_row_dot`), times the
+    its dtype) = x [B, N] (rows strided by sxb; fp16 read in pairs when X16) Ŵ_rotᵀ (+ prev [B, M], + bias [M],
+    GELU: :func:`_finish`), on the CUDA cores and in the code words' own layout: each word's eight codes looked up
+    (:func:`_lookup8`) once for the R rows, multiplied by each row's input channels and summed in float32 (:func:`_row_dot`), times the
     word's scale into a float32 [BLOCK_M, BLOCK_K / 8] sum a row, reduced once a pass at the end. codes [M, N/8]
     int32; parts (PR, sxp) and ``AHEAD`` (codes requested a tile ahead) as the tensor-core kernel's.
     N % BLOCK_K == 0."""

@@ -157,7 +157,7 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
                 GELU: tl.constexpr, AHEAD: tl.constexpr):
     """Grid (M / 16, SPLIT), S warps. x [B, N] fp16 (B ≤ 8·TILES; rows strided by sxb, 16-byte aligned), codes
     [M, N/8] int32 (16-byte aligned rows), scales [M, G] fp16, codebook [16] fp16 (read through ``zero`` · lane, zero
-    at run time), out [B, M] (rows strided by sob; its dtype) = x Ŵ_rotᵀ (+ prev [B, M] float32, + bias [M]). Parts
+    at run time), out [B, M] (rows strided by sob; its dtype) = x Ŵ_rotᵀ (+ prev, + bias, GELU: ``_finish``). Parts
     (PR, sxp) and the split (partials [SPLIT, B, M], arrival counts, the last program finishing) as the tensor-core
     kernel's. The walk: (N / (32·WL)) / SPLIT chunks of 32·WL channels a program, chunk s + S·j to warp s.
     ``AHEAD``: each step's codes and scales are requested a step before."""

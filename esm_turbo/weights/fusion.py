@@ -83,26 +83,23 @@ class ResidualOutput(nn.Module):
         return self.dense(hidden_states, add=input_tensor)
 
 
-def fuse_blocks(model) -> int:
+def fuse_blocks(model) -> None:
     """Bind every layer of ``model`` (an ``EsmForMaskedLM`` with :class:`QuantizedLinear` block linears) as the
-    module docstring says; idempotent. Returns how many layers have q, k and v in one launch."""
-    shared = 0
+    module docstring says; idempotent. Each module put in keeps the training mode of the one it replaces."""
     for layer in model.esm.encoder.layer:
         attn = layer.attention
         members = [attn.self.query, attn.self.key, attn.self.value]
         if members[0].shared is None and SharedInput.fits(members):
             SharedInput(members)
-        shared += members[0].shared is not None
         _rotate_after(attn, "LayerNorm", members[0].shared or members[0])
         _rotate_after(layer, "LayerNorm", layer.intermediate.dense)
         if isinstance(layer.intermediate.dense, QuantizedLinear) and not isinstance(layer.intermediate,
                                                                                     GeluIntermediate):
-            layer.intermediate = GeluIntermediate(layer.intermediate.dense)
+            layer.intermediate = GeluIntermediate(layer.intermediate.dense).train(layer.intermediate.training)
         for parent in (attn, layer):
             out = parent.output
             if isinstance(out.dense, QuantizedLinear) and not isinstance(out, ResidualOutput):
                 parent.output = ResidualOutput(out.dense, out.dropout).train(out.training)
-    return shared
 
 
 def _rotate_after(parent: nn.Module, name: str, consumer) -> None:
@@ -114,4 +111,4 @@ def _rotate_after(parent: nn.Module, name: str, consumer) -> None:
     if isinstance(norm, NormThenRotate):
         norm.feed(consumer)
     elif type(norm) is nn.LayerNorm:
-        setattr(parent, name, NormThenRotate.wrap(norm, consumer))
+        setattr(parent, name, NormThenRotate.wrap(norm, consumer).train(norm.training))
