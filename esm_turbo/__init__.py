@@ -1,24 +1,43 @@
 """esm_turbo: a calibrated 3-bit(+sign) KV cache for ESM-2 (TurboESM), with a PyTorch reference path
-and Triton kernels on CUDA. The public API is what this module exports."""
+and Triton kernels on CUDA. The public API is what this module exports.
+
+Names are imported on first use (PEP 562), so a command imports only what it runs: ``esm-turbo embed`` never
+pays for the calibration code or transformers' modelling classes it does not need.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .cache import KVCache, MemoryReport  # noqa: E402
-from .embed.fast_esm import FastEsm  # noqa: E402
-from .errors import CheckpointError, EsmTurboError, FastaError, ModelLoadError  # noqa: E402
-from .fasta import Record, read_fasta, read_fastas  # noqa: E402
-from .model.calibrate import calibrate  # noqa: E402
-from .model.checkpoint import PRESETS, Calibration, CalibrationConfig  # noqa: E402
-from .model.engine import DecodeSession, StepOutput, TurboEsm  # noqa: E402
-from .model.loading import load_esm, model_fingerprint  # noqa: E402
-from .model.sizes import ESM2_SIZES, esm2_config  # noqa: E402
-from .quant.codec import KVCodec, VectorQuantizer, dense_codec  # noqa: E402
-from .quant.fit import FitOptions, fit_quantizer, oblivious_codec  # noqa: E402
-from .quant.lloyd_max import lloyd_max, lloyd_max_weighted  # noqa: E402
+#: public name → the module that defines it
+_EXPORTS = {
+    "KVCache": ".cache", "MemoryReport": ".cache",
+    "FastEsm": ".embed.fast_esm",
+    "CheckpointError": ".errors", "EsmTurboError": ".errors", "FastaError": ".errors", "ModelLoadError": ".errors",
+    "Record": ".fasta", "read_fasta": ".fasta", "read_fastas": ".fasta",
+    "calibrate": ".model.calibrate",
+    "PRESETS": ".model.checkpoint", "Calibration": ".model.checkpoint", "CalibrationConfig": ".model.checkpoint",
+    "DecodeSession": ".model.engine", "StepOutput": ".model.engine", "TurboEsm": ".model.engine",
+    "load_esm": ".model.loading", "model_fingerprint": ".model.loading",
+    "ESM2_SIZES": ".model.sizes", "esm2_config": ".model.sizes",
+    "KVCodec": ".quant.codec", "VectorQuantizer": ".quant.codec", "dense_codec": ".quant.codec",
+    "FitOptions": ".quant.fit", "fit_quantizer": ".quant.fit", "oblivious_codec": ".quant.fit",
+    "lloyd_max": ".quant.lloyd_max", "lloyd_max_weighted": ".quant.lloyd_max",
+    "open_embeddings": ".embed.h5",
+}
 
-__all__ = [
-    "Calibration", "CalibrationConfig", "CheckpointError", "DecodeSession", "ESM2_SIZES", "EsmTurboError",
-    "FastEsm", "FastaError", "FitOptions", "KVCache", "KVCodec", "MemoryReport", "ModelLoadError", "PRESETS", "Record", "StepOutput",
-    "TurboEsm", "VectorQuantizer", "__version__", "calibrate", "dense_codec", "esm2_config", "fit_quantizer", "load_esm",
-    "lloyd_max", "lloyd_max_weighted", "model_fingerprint", "oblivious_codec", "read_fasta", "read_fastas",
-]
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'esm_turbo' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

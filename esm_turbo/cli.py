@@ -191,61 +191,15 @@ def cmd_quantize_weights(args) -> int:
 
 
 def cmd_embed(args) -> int:
-    from .embed.extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
-    from .embed.writers import make_writer
-    from .fasta import read_fasta
-    from .io import seconds_since_start
-    from .model.loading import load_esm
+    from .embed.command import run_embed
     _check_inputs(args.device, args.model, args.fasta, "fasta")
     if args.format == "h5":
         checks.output_file(args.output, "--output", hdf5=True)
     else:
         checks.output_dir(args.output, "--output")
-    if args.quiet:  # transformers' own loading bar too
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-    rank, world = distributed_context()
-    cfg = EmbedConfig(repr_layers=args.repr_layers, include=args.include, toks_per_batch=args.toks_per_batch,
-                      truncation_seq_length=args.truncation_seq_length, long_policy=args.long_policy,
-                      window_overlap=args.window_overlap, dtype=args.dtype)
-    cfg.check()
-    layers = checks.known_layer_count(str(args.model))
-    if layers is not None:
-        resolve_layers(args.repr_layers, layers)  # refused here, before the model is loaded
-    summary = EmbedSummary()
-    records, seen = [], set()
-    for path in args.fasta:  # length limits are the embedder's job (truncate / windows), not an error
-        recs, problems = read_fasta(path, skip_invalid=args.skip_invalid, seen=seen, strip_gaps=args.strip_gaps)
-        records += recs
-        summary.failed += problems
-    for problem in summary.failed:
-        log.warning("skipped: %s", problem)
-    device = "cpu" if args.nogpu else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_esm(args.model, dtype=cfg.torch_dtype(device))  # loaded in the dtype it runs in: no fp32 copy
-    if args.offload_residual:  # the residual pass in pinned host memory, a layer copied ahead (weights.offload)
-        from .weights.offload import offload_residual
-        offload_residual(model, device)
-    embedder = Embedder(model, cfg, device)
-    writer = make_writer(args.format, args.output, rank, world)
-    if args.format == "h5" and rank == 0:
-        writer.start_merging()
-    summary.startup_s = seconds_since_start() or 0.0
-    embedder.run(records, writer, resume=args.resume, progress=not args.quiet, rank=rank, world=world,
-                 summary=summary)
-    writer.finalize()
-    if world > 1:
-        import torch.distributed as dist
-        dist.barrier()
-    if args.format == "h5" and rank == 0:
-        merging = time.perf_counter()
-        writer.merge()
-        summary.merge_s = time.perf_counter() - merging
-    print(f"esm-turbo embed{f' (rank {rank}/{world})' if world > 1 else ''}: {summary.line()}", file=sys.stderr)
-    for problem in summary.failed:
-        print(f"  failed: {problem}", file=sys.stderr)
-    if world > 1:
-        dist.destroy_process_group()
-    return 0
+    if args.resume and args.overwrite:
+        raise EsmTurboError("--resume adds to an output and --overwrite replaces it: pass one of them")
+    return run_embed(args)
 
 
 def cmd_bench(args) -> int:
@@ -261,8 +215,10 @@ def cmd_bench(args) -> int:
     if args.sizes and set(args.sizes) - set(EMBED_BENCH_SIZES):
         raise EsmTurboError(f"--sizes {' '.join(sorted(set(args.sizes) - set(EMBED_BENCH_SIZES)))}: the embed suite "
                             f"takes {', '.join(EMBED_BENCH_SIZES)}")
+    if args.corpus is not None:
+        checks.input_file(args.corpus, "--corpus", "FASTA file")
     res = run(quick=args.quick, device=args.device, reference=args.reference, suite=args.suite, fasta=args.fasta,
-              sizes=args.sizes)
+              sizes=args.sizes, corpus=args.corpus)
     text = to_json(res) if args.json else format_result(res)
     print(text)
     if args.out:
@@ -438,7 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-residual", action="store_true",
                    help="a model quantized with --residual: keep the residual pass in pinned host memory, each layer's "
                         "copied to the GPU while the layer before computes")
-    p.add_argument("--resume", action="store_true", help="skip ids already written to the output")
+    p.add_argument("--resume", action="store_true",
+                   help="add the records missing from an output made the same way (model, dtype, layers, includes)")
+    p.add_argument("--overwrite", action="store_true", help="replace an output that already holds embeddings")
+    p.add_argument("--writers", type=checks.int_in(0, 64), default=None,
+                   help="writer processes per GPU (default: 1 for h5, up to 4 for pt; 0 writes in the loop's process)")
     p.add_argument("--skip-invalid", action="store_true",
                    help="skip malformed / invalid records (reported) instead of stopping")
     p.add_argument("--strip-gaps", action="store_true",
@@ -453,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformers; weights: the 4-bit weight kernel vs fp16 (CUDA); design: forks of one "
                         "scaffold on the paged, contiguous and fp16 caches; all: decode and embed")
     p.add_argument("--fasta", nargs="+", default=None, help="FASTA for the embed suite (default: calibration_data)")
+    p.add_argument("--corpus", default=None,
+                   help="embed suite: also run esm-turbo embed end to end on this FASTA (h5 and pt, cold and warm) "
+                        "beside a careful user's transformers script, for each of --sizes (default 650M)")
     p.add_argument("--sizes", nargs="+", choices=list(EMBED_BENCH_SIZES) + ["15B"], default=None,
                    help="embed suite: only these ESM-2 shapes (default: 8M 150M 650M 3B); weights suite: of "
                         "650M 3B 15B (default: all three)")

@@ -1,5 +1,5 @@
 """Atomic file writes: write to a temporary file in the target's folder, then rename over it, so a
-killed job leaves either the old file or the new one, never half of one. And queued device-to-host copies."""
+killed job leaves either the old file or the new one, never half of one. And queued host-to-device copies."""
 
 from __future__ import annotations
 
@@ -60,12 +60,3 @@ def to_device_queued(values, device: torch.device, dtype: torch.dtype = torch.lo
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def to_host_queued(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A CUDA tensor's device→host copy into pinned memory, queued on the current stream (the caller syncs before
-    reading it); anything else as it is."""
-    if t is None or t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)

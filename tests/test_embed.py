@@ -1,16 +1,20 @@
 """esm-turbo embed: outputs match transformers, resume after a kill, HDF5, long sequences, torchrun."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 import torch
 
 from esm_turbo.cli import main
 from esm_turbo.embed.batching import owner_ranges, plan_batches, plan_pieces, window_spans
 from esm_turbo.embed.extract import resolve_layers
-from esm_turbo.embed.writers import read_h5_item, safe_name
+from esm_turbo.embed.h5 import open_embeddings, read_h5_item
+from esm_turbo.embed.writers import safe_name
 from esm_turbo.fasta import Record, write_fasta
 from esm_turbo.model.alphabet import encode
 from esm_turbo.model.loading import load_esm
@@ -57,36 +61,71 @@ def test_pt_outputs_match_transformers(stress_dir, fasta, tmp_path):
             assert torch.allclose(item["bos_representations"][layer], hidden[layer][0, 0], atol=1e-5)
         assert torch.allclose(item["logits"], logits[1: n + 1], atol=1e-4)
         assert item["contacts"].shape == (n, n) and torch.allclose(item["contacts"], contacts, atol=1e-5)
-    assert (out / "manifest.rank0.json").is_file()
+    import json
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == sorted(rid for rid, _ in SEQS)
+    assert manifest["meta"]["repr_layers"] == [0, 2, 3] and manifest["meta"]["dtype"] == "fp32"
+    assert not list(out.glob("manifest.rank*"))
 
 
-def test_killed_run_resumes_to_the_same_files(stress_dir, fasta, tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    args = ["--model", str(stress_dir), str(fasta), "--include", "mean", "per_tok", "--toks_per_batch", "60",
-            "--nogpu", "--quiet"]
+def _many(tmp_path, n=240):
+    """A FASTA of ``n`` records (the five above under new ids, with a residue or two changed)."""
+    aa = "ACDEFGHIKLMNPQRSTVWY"
+    recs = [(f"{rid}#{k}", seq[: max(3, len(seq) - k % 7)] + aa[k % 20]) for k in range(n // len(SEQS))
+            for rid, seq in SEQS]
+    path = tmp_path / "many.fasta"
+    write_fasta(path, recs)
+    return path, recs
+
+
+def _kill_when(cmd: list[str], ready) -> None:
+    """Start ``cmd``, and once ``ready()`` is true kill its whole process group with SIGKILL (as a scheduler
+    ending a job does: the writer processes too)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 240
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.parametrize("fmt", ["pt", "h5"])
+def test_kill_9_then_resume_completes_every_record_once(stress_dir, tmp_path, fmt):
+    fasta, recs = _many(tmp_path)
+    full, part = tmp_path / f"full.{fmt}", tmp_path / f"part.{fmt}"
+    args = ["--model", str(stress_dir), str(fasta), "--include", "mean", "per_tok", "--toks_per_batch", "64",
+            "--format", fmt, "--nogpu", "--quiet"]
     assert main(["embed", *args, "-o", str(full)]) == 0
-    # a run killed after its first batch: only whole files may be left behind
-    code = ("import sys, esm_turbo.embed.writers as w\n"
-            "orig = w.PtWriter.write\n"
-            "def write(self, items):\n"
-            "    orig(self, items)\n"
-            "    import os; os._exit(9)\n"
-            "w.PtWriter.write = write\n"
-            "from esm_turbo.cli import main\n"
-            f"main(['embed', *{args!r}, '-o', {str(part)!r}])\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 9, proc.stderr
-    partial = sorted(p.name for p in part.glob("*.pt"))
-    assert 0 < len(partial) < len(SEQS)
-    assert not list(part.glob(".*tmp"))
+    if fmt == "pt":
+        ready = lambda: len(list(part.glob("*.pt"))) >= 5  # noqa: E731
+    else:
+        ready = lambda: len(list(part.with_name(part.name + ".parts").glob("*.h5"))) >= 2  # noqa: E731
+    _kill_when([sys.executable, "-m", "esm_turbo.cli", "embed", *args, "-o", str(part)], ready)
+    if fmt == "pt":
+        assert 0 < len(list(part.glob("*.pt"))) < len(recs)
     assert main(["embed", *args, "-o", str(part), "--resume"]) == 0
-    assert sorted(p.name for p in part.glob("*.pt")) == sorted(p.name for p in full.glob("*.pt"))
-    for p in full.glob("*.pt"):
-        a, b = torch.load(p), torch.load(part / p.name)
-        assert a["label"] == b["label"]
-        for kind in ("representations", "mean_representations"):
-            for layer in a[kind]:
-                assert torch.equal(a[kind][layer], b[kind][layer])
+    folder = part if fmt == "pt" else part.parent
+    assert not [p for p in folder.rglob("*.tmp")], "temporaries left behind"
+    if fmt == "pt":
+        assert sorted(p.name for p in part.glob("*.pt")) == sorted(p.name for p in full.glob("*.pt"))
+        for p in full.glob("*.pt"):
+            a, b = torch.load(p), torch.load(part / p.name)
+            assert a["label"] == b["label"]
+            for kind in ("representations", "mean_representations"):
+                for layer in a[kind]:  # resumed in other batches: equal up to float32 rounding
+                    assert torch.allclose(a[kind][layer], b[kind][layer], atol=1e-5)
+        import json
+        assert len(json.loads((part / "manifest.json").read_text())["files"]) == len(recs)
+    else:
+        assert not part.with_name(part.name + ".parts").exists()
+        with open_embeddings(full) as a, open_embeddings(part) as b:
+            assert len(b.ids) == len(set(b.ids)) == len(recs)  # every record exactly once
+            assert set(a.ids) == set(b.ids)
+            for rid in a.ids:
+                x, y = a[rid], b[rid]
+                assert torch.allclose(x["mean_representations"][3], y["mean_representations"][3], atol=1e-5)
+                assert torch.allclose(x["representations"][3], y["representations"][3], atol=1e-5)
 
 
 def test_h5_output_and_resume(stress_dir, fasta, tmp_path):
@@ -95,14 +134,20 @@ def test_h5_output_and_resume(stress_dir, fasta, tmp_path):
     args = ["embed", "--model", str(stress_dir), str(fasta), "-o", str(out), "--format", "h5", "--include", "mean",
             "bos", "--nogpu", "--quiet", "--toks_per_batch", "60"]
     assert main(args) == 0
-    with h5py.File(out, "r") as fh:
-        items = {read_h5_item(fh[k])["label"]: read_h5_item(fh[k]) for k in fh.keys()}
-    assert set(items) == {rid for rid, _ in SEQS}
+    with open_embeddings(out) as emb:
+        assert set(emb.ids) == {rid for rid, _ in SEQS}
+        item = emb[SEQS[0][0]]
+        assert emb.meta["include"] == ["bos", "mean"] and emb.meta["repr_layers"] == [3]
+        mean = emb.mean(3)
+        assert mean.shape == (len(SEQS), 64)
+        assert np.array_equal(mean[emb.ids.index(SEQS[0][0])], item["mean_representations"][3].numpy())
     hidden, _, _ = direct(stress_dir, SEQS[0][1])
-    assert torch.allclose(items[SEQS[0][0]]["mean_representations"][3], hidden[3][0, 1:-1].mean(0), atol=1e-5)
+    assert torch.allclose(item["mean_representations"][3], hidden[3][0, 1:-1].mean(0), atol=1e-5)
+    assert torch.allclose(item["bos_representations"][3], hidden[3][0, 0], atol=1e-5)
     assert main(args + ["--resume"]) == 0  # nothing left to do; the file is kept whole
     with h5py.File(out, "r") as fh:
-        assert len(fh.keys()) == len(SEQS)
+        assert len(fh["ids"]) == len(SEQS)
+        assert len(fh.keys()) == 4  # ids, residues and one group per kind: not a group per record
 
 
 def test_bad_input_is_named(stress_dir, tmp_path, capsys):
@@ -155,10 +200,8 @@ def test_torchrun_two_ranks_gloo(stress_dir, fasta, tmp_path):
                            str(fasta), "-o", str(out), "--format", "h5", "--include", "mean", "--quiet"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    import h5py
-    with h5py.File(out, "r") as fh:
-        labels = {fh[k].attrs["label"] for k in fh.keys()}
-    assert labels == {rid for rid, _ in SEQS}
+    with open_embeddings(out) as emb:
+        assert sorted(emb.ids) == sorted(rid for rid, _ in SEQS)
     assert "rank 0/2" in proc.stderr and "rank 1/2" in proc.stderr
 
 
@@ -166,18 +209,17 @@ def test_torchrun_two_ranks_gloo(stress_dir, fasta, tmp_path):
 def test_killed_two_rank_run_resumes(stress_dir, fasta, tmp_path):
     """A two-rank run killed after rank 1 wrote one part: --resume keeps that part's record (not recomputed)
     and embeds the rest, every record once."""
-    import h5py
     from esm_turbo.embed.writers import H5Writer
     out = tmp_path / "dist.h5"
-    H5Writer(out, rank=1, world=2).write([{"label": SEQS[2][0], "mean_representations": {3: torch.zeros(32)}}])
+    H5Writer(out, rank=1, world=2).write([{"label": SEQS[2][0], "mean_representations": {3: torch.zeros(64)}}])
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", "29534", "-m", "esm_turbo.cli", "embed", "--model", str(stress_dir),
                            str(fasta), "-o", str(out), "--format", "h5", "--include", "mean", "--resume", "--quiet"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    with h5py.File(out, "r") as fh:
-        items = [read_h5_item(fh[k]) for k in fh.keys()]
+    with open_embeddings(out) as emb:
+        items = [emb[rid] for rid in emb.ids]
     assert sorted(i["label"] for i in items) == sorted(rid for rid, _ in SEQS)
     kept = next(i for i in items if i["label"] == SEQS[2][0])
     assert kept["mean_representations"][3].abs().sum() == 0
@@ -190,7 +232,6 @@ def test_parts_are_folded_in_as_they_land(tmp_path):
     """The follower copies parts written while it runs and stops only once told every rank is done."""
     import threading
 
-    import h5py
     from esm_turbo.embed.writers import H5Writer, follow_parts
     out = tmp_path / "o.h5"
     writer = H5Writer(out)
@@ -204,8 +245,8 @@ def test_parts_are_folded_in_as_they_land(tmp_path):
     writer.finalize()
     done.set()
     follower.join(timeout=60)
-    with h5py.File(out, "r") as fh:
-        got = {fh[k].attrs["label"]: fh[k]["mean_representations"]["1"][0] for k in fh.keys()}
+    with open_embeddings(out) as emb:
+        got = {rid: float(row[0]) for rid, row in zip(emb.ids, emb.mean(1))}
     assert got == {f"r{k}": float(k) for k in range(6)}
     assert not writer.parts.exists()
 
@@ -222,3 +263,87 @@ def test_ranks_are_balanced_by_tokens():
         assert max(loads) / min(loads) < 1.01, loads
     # round-robin by length would give rank 0 the two longest records here
     assert [sum([500, 499, 1, 1, 1, 1][i] for i in s) for s in shard_by_tokens([500, 499, 1, 1, 1, 1], 2)] == [502, 501]
+
+
+@pytest.mark.parametrize("fmt", ["pt", "h5"])
+def test_an_output_is_added_to_only_as_it_was_made(stress_dir, fasta, tmp_path, capsys, fmt):
+    """--resume with other layers, includes, dtype or model is refused before any work; so is a plain re-run; the
+    output keeps its bytes. --overwrite replaces it."""
+    from esm_turbo.testing import save_stress_model
+    out = tmp_path / f"o.{fmt}"
+    base = ["embed", str(fasta), "-o", str(out), "--format", fmt, "--nogpu", "--quiet"]
+    assert main([*base, "--model", str(stress_dir)]) == 0
+    files = sorted(out.glob("*")) if fmt == "pt" else [out]
+    before = {p: p.read_bytes() for p in files}
+    other = save_stress_model(tmp_path / "other", layers=3, hidden=64, heads=4, seed=7)
+    for extra, needle in ((["--repr-layers", "2"], "repr_layers [3]"), (["--include", "mean", "per_tok"], "include"),
+                          (["--dtype", "bf16"], "dtype fp32"), ([], "already holds")):
+        resume = ["--resume"] if needle != "already holds" else []
+        capsys.readouterr()
+        assert main([*base, "--model", str(stress_dir), *resume, *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert main([*base, "--model", str(other), "--resume"]) == 2
+    assert "another model" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in files} == before
+    assert main([*base, "--model", str(other), "--overwrite", "--repr-layers", "2"]) == 0
+    if fmt == "h5":
+        with open_embeddings(out) as emb:
+            assert emb.meta["repr_layers"] == [2] and emb.layers() == [2]
+    else:
+        item = torch.load(out / "c.pt")
+        assert list(item["mean_representations"]) == [2]
+
+
+def test_files_of_the_earlier_hdf5_layout_are_read_and_resumed(stress_dir, fasta, tmp_path):
+    """A group per record (the earlier layout): open_embeddings reads it, and --resume folds it into the columns."""
+    import h5py
+    out = tmp_path / "old.h5"
+    ref = tmp_path / "ref.h5"
+    args = ["embed", "--model", str(stress_dir), str(fasta), "--format", "h5", "--include", "mean", "per_tok",
+            "--nogpu", "--quiet"]
+    assert main([*args, "-o", str(ref)]) == 0
+    with open_embeddings(ref) as emb, h5py.File(out, "w") as fh:
+        for rid in emb.ids[:2]:  # two records in the earlier layout
+            item = emb[rid]
+            group = fh.create_group(safe_name(rid))
+            group.attrs["label"] = rid
+            for key in ("mean_representations", "representations"):
+                sub = group.create_group(key)
+                for layer, t in item[key].items():
+                    sub.create_dataset(str(layer), data=t.numpy())
+        kept = emb.ids[:2]
+    with open_embeddings(out) as old:
+        assert not old.columnar and old.ids == kept and old.layers() == [3]
+        assert torch.equal(old[kept[0]]["representations"][3], read_h5_item(h5py.File(out)[safe_name(kept[0])])[
+            "representations"][3])
+        assert old.mean(3).shape == (2, 64)
+    assert main([*args, "-o", str(out), "--resume"]) == 0
+    with open_embeddings(out) as new, open_embeddings(ref) as emb:
+        assert new.columnar and sorted(new.ids) == sorted(emb.ids)
+        for rid in emb.ids:
+            # other batches than the reference run's: the same values up to float32 rounding
+            assert torch.allclose(new[rid]["representations"][3], emb[rid]["representations"][3], atol=1e-5)
+
+
+def test_chunks_round_trip_through_records():
+    """Chunk.items and chunk_of_items are inverses, every kind included (ragged residues and contact maps)."""
+    from esm_turbo.embed.chunk import chunk_of_items
+    from esm_turbo.embed.h5 import columns_of
+    gen = torch.Generator().manual_seed(0)
+    items = []
+    for k, n in enumerate((3, 7, 1)):
+        items.append({"label": f"r{k}", "representations": {0: torch.randn(n, 4, generator=gen),
+                                                             5: torch.randn(n, 4, generator=gen)},
+                      "mean_representations": {0: torch.randn(4, generator=gen), 5: torch.randn(4, generator=gen)},
+                      "bos_representations": {0: torch.randn(4, generator=gen), 5: torch.randn(4, generator=gen)},
+                      "contacts": torch.randn(n, n, generator=gen), "logits": torch.randn(n, 33, generator=gen)})
+    chunk = chunk_of_items(items)
+    back = list(chunk.items())
+    for a, b in zip(items, back):
+        assert a["label"] == b["label"]
+        for key in ("representations", "mean_representations", "bos_representations"):
+            assert all(torch.equal(a[key][layer], b[key][layer]) for layer in a[key])
+        assert torch.equal(a["contacts"], b["contacts"]) and torch.equal(a["logits"], b["logits"])
+    cols = columns_of(chunk)
+    assert cols["contacts"].shape == (9 + 49 + 1,) and cols["representations/5"].shape == (11, 4)

@@ -28,7 +28,7 @@ EMBED_FASTA = [str(CALIBRATION_DATA / "calibration.fasta"), str(CALIBRATION_DATA
 
 
 def run(quick: bool = False, device: str | None = None, reference: bool = False, suite: str = "decode",
-        fasta: list[str] | None = None, sizes: list[str] | None = None) -> BenchResult:
+        fasta: list[str] | None = None, sizes: list[str] | None = None, corpus: str | None = None) -> BenchResult:
     """``suite``: decode (attention, quantize, decode tokens/s), embed, or all."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     force_reference(reference)
@@ -37,7 +37,7 @@ def run(quick: bool = False, device: str | None = None, reference: bool = False,
     if suite in ("embed", "all"):
         fasta = fasta or EMBED_FASTA
         from ..embed.benchmark import bench_embed
-        res.embed = bench_embed(dev, fasta, quick=quick, sizes=sizes)
+        res.embed = bench_embed(dev, fasta, quick=quick, sizes=sizes, corpus=corpus)
         if suite == "embed":
             return res
     if dev.type == "cuda":

@@ -1,9 +1,10 @@
 """Embedding extraction (``esm-turbo embed``): fair-esm's extract script, made fast and safe.
 
-Length-sorted token-budget batches (almost no padding), SDPA attention in fp16/bf16 on GPU, outputs
-copied to the host once per batch and written by a background thread while the GPU runs the next
-batch, atomic per-item writes, ``resume`` that skips ids already written, sharding over
-``torch.distributed`` ranks (torchrun) with per-rank outputs and manifests.
+Length-sorted token-budget batches packed with no padding (:class:`~esm_turbo.embed.fast_esm.FastEsm`), fp16/bf16 on
+GPU. The host's work is per batch, not per record: one plan of every batch up front, one device-to-host copy of each
+batch's outputs into a shared-memory slot, one message to writer processes (:mod:`esm_turbo.embed.pool`) that turn it
+into files while the GPU runs the next batches. Writes are atomic, ``resume`` skips ids already written, and
+``torch.distributed`` ranks (torchrun) each embed a share balanced by tokens.
 
 Outputs follow fair-esm: per-token representations exclude ``<cls>``/``<eos>``; ``mean`` averages the
 residues; ``bos`` is the ``<cls>`` state; ``contacts`` [L, L] come from the model's contact head (eager
@@ -18,19 +19,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from ..errors import EsmTurboError
 from ..fasta import Record
-from ..io import to_host_queued
 from ..model.alphabet import encode, encode_packed
 from ..model.sizes import MAX_RESIDUES
 from ..schema import DTYPES
 from .batching import Piece, owner_ranges, plan_batches, plan_pieces, shard_by_tokens, window_spans
+from .chunk import Chunk
 from .fast_esm import FastEsm, PackedBatch
 
 log = logging.getLogger(__name__)
@@ -89,14 +90,23 @@ class EmbedSummary:
     first_batch_s: float = 0.0  # the loop's start to the first batch's outputs (compilation)
     write_wait_s: float = 0.0  # the loop waiting on the writer thread
     merge_s: float = 0.0  # after the last batch: the rest of the parts merged (rank 0, HDF5)
+    startup: dict = field(default_factory=dict)  # start-up phases: name → seconds
+    written_ids: list = field(default_factory=list)  # by this run
+    present_ids: list = field(default_factory=list)  # asked for and found already written (resume)
+    wall_s: float = 0.0  # process start to the output closed
 
     def line(self) -> str:
+        parts = ", ".join(f"{name} {sec:.1f}" for name, sec in self.startup.items())
         times = ", ".join(f"{name} {sec:.1f} s" for name, sec in (
             ("start-up", self.startup_s), ("first batch", self.first_batch_s),
             ("waiting on writes", self.write_wait_s), ("final merge", self.merge_s)) if sec)
+        if parts:
+            times = times.replace(f"start-up {self.startup_s:.1f} s", f"start-up {self.startup_s:.1f} s ({parts})")
+        wall = (f"; end to end {self.wall_s:.1f} s ({self.tokens / self.wall_s:.0f} tokens/s)"
+                if self.wall_s else "")
         return (f"written {self.written}, skipped {self.skipped} (already there), failed {len(self.failed)}, "
                 f"truncated {len(self.truncated)}; {self.tokens} tokens in {self.seconds:.1f} s "
-                f"({self.tokens / max(self.seconds, 1e-9):.0f} tokens/s)" + (f"; {times}" if times else ""))
+                f"({self.tokens / max(self.seconds, 1e-9):.0f} tokens/s)" + (f"; {times}" if times else "") + wall)
 
 
 def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -110,80 +120,125 @@ def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
     return sorted(set(out))
 
 
+def _residue_mask(cu: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """[N] bool over a packed batch's tokens: the residues (not ``<cls>``/``<eos>``) of ``rows`` (default all)."""
+    n = int(cu[-1])
+    mask = np.ones(n, dtype=bool)
+    mask[cu[:-1]] = False
+    mask[cu[1:] - 1] = False
+    if rows is not None:
+        keep = np.zeros(len(cu) - 1, dtype=bool)
+        keep[rows] = True
+        mask &= np.repeat(keep, np.diff(cu))
+    return mask
+
+
 @dataclass
-class BatchOutput:
-    """One batch's results on the host (float32). mean, bos: [n_layers, S, D]; tokens: residue states
-    [n_layers, M, D] of the rows in ``token_rows`` (row → (offset, residues)), ``logits`` [M', V] of every
-    row's residues at ``logit_rows``; ``contacts`` [S, T-2, T-2] (padded) when asked."""
+class _Launched:
+    """One batch on its way: its pieces (whole records first), the slot its outputs are copied into, where each
+    kind lies there, and the event after which the host may read them."""
 
-    mean: torch.Tensor
-    bos: torch.Tensor
-    tokens: torch.Tensor | None = None
-    token_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
-    logits: torch.Tensor | None = None
-    logit_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
-    contacts: torch.Tensor | None = None
+    pieces: list[Piece]
+    whole: int
+    residues: np.ndarray  # [S] residues per row
+    slot: int
+    arrays: dict[str, tuple[int, tuple[int, ...]]]
+    copied: object | None
 
 
-def _row_offsets(lengths: list[int], rows: list[int]) -> dict[int, tuple[int, int]]:
-    out, offset = {}, 0
-    for r in rows:
-        out[r] = (offset, lengths[r])
-        offset += lengths[r]
-    return out
+class LocalSink:
+    """The sink interface of :class:`~esm_turbo.embed.pool.WriterPool` over a writer called in this process (tests,
+    benchmarks, writers that drop what they get): slots are pinned host buffers, each message written at once."""
+
+    def __init__(self, writer):
+        self.writer, self.ring, self.wait_s, self._free = writer, None, 0.0, []
+
+    def set_ring(self, nbytes: int, pin: bool, slots: int = 2) -> None:
+        from .pool import HostRing
+        self.ring = HostRing(nbytes, slots, pin, shared=False)
+        self._free = list(range(slots))
+
+    def acquire(self) -> int:
+        return self._free.pop()
+
+    def submit(self, msg) -> None:
+        memory = self.ring.tensors[msg.slot].numpy() if msg.slot is not None else None
+        self.writer.write_chunk(msg.resolve(memory))
+        if msg.slot is not None:
+            self._free.append(msg.slot)
+
+    def close(self) -> list[str]:
+        return list(getattr(self.writer, "written", []))
 
 
 class Embedder:
-    """Runs ESM-2 over records and hands per-sequence results to a writer.
+    """Runs ESM-2 over records and hands each batch's finished records to a writer.
 
-    The forward is :class:`~esm_turbo.embed.fast_esm.FastEsm` (packed batches, no padding); contact maps,
-    which need every attention map, take transformers' eager path over padded batches instead.
+    The forward is :class:`~esm_turbo.embed.fast_esm.FastEsm` (packed batches, no padding); contact maps, which need
+    every attention map, take transformers' eager path over padded batches instead. ``model``: a FastEsm (on its
+    device, in its dtype) or a transformers ``EsmForMaskedLM`` (moved to ``device`` in the config's dtype).
     """
 
     def __init__(self, model, config: EmbedConfig, device: str | torch.device | None = None):
         config.check()
         self.config = config
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = config.torch_dtype(dev)
-        self.model = model.to(device=dev, dtype=dtype).eval()
-        self.device, self.dtype = dev, dtype
-        cfg = self.model.config
-        self.num_layers = cfg.num_hidden_layers
-        self.layers = resolve_layers(config.repr_layers, self.num_layers)
         self.padded = "contacts" in config.include
-        self.model.config._attn_implementation = "eager" if self.padded else "sdpa"
-        self.fast = None if self.padded else FastEsm.from_hf(self.model)
+        if isinstance(model, FastEsm):
+            if self.padded:
+                raise EsmTurboError("contacts need transformers' attention maps: load the model with load_esm")
+            weight = model.embed_tokens.weight
+            self.fast, self.model, self.device, self.dtype = model, None, weight.device, weight.dtype
+            self.num_layers = model.num_layers
+        else:
+            dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dtype = config.torch_dtype(dev)
+            self.model = model.to(device=dev, dtype=dtype).eval()
+            self.device, self.dtype = dev, dtype
+            self.num_layers = self.model.config.num_hidden_layers
+            self.model.config._attn_implementation = "eager" if self.padded else "sdpa"
+            self.fast = None if self.padded else FastEsm.from_hf(self.model)
+        self.layers = resolve_layers(config.repr_layers, self.num_layers)
 
-    # ---- one batch ----------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile (or find in the on-disk cache) and load every kernel of the forward on a small batch, so the first
+        real batch does not wait for them. A no-op off CUDA, where nothing is compiled."""
+        if self.device.type != "cuda":
+            return
+        rows = np.arange(2) if "per_tok" in self.config.include else np.arange(0)
+        self.outputs(["MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ", "GSHMLEDPVDAFQ"], rows)
+        torch.cuda.synchronize(self.device)
+
+    # ---- one batch on the device ------------------------------------------------------------------
+    def _token_rows(self, rows: int, whole: int) -> np.ndarray:
+        """Rows whose per-residue states are kept: every row for ``per_tok``, else the windows (rows from ``whole``
+        on), which the loop stitches."""
+        return np.arange(0 if "per_tok" in self.config.include else whole, rows)
+
     @torch.inference_mode()
-    def forward(self, seqs: list[str], token_rows: list[int] | None = None) -> BatchOutput:
-        """One batch's outputs, copies to the host queued. Per-residue states are kept for every row when
-        ``per_tok`` is asked, else only for ``token_rows`` (the rows that are windows of a longer record)."""
-        token_rows = list(range(len(seqs))) if "per_tok" in self.config.include else (token_rows or [])
+    def outputs(self, seqs: list[str], token_rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """One batch's outputs on the device, float32: ``mean``/``bos`` [nL, S, D]; ``tokens`` [nL, M, D] (the residues
+        of ``token_rows`` one after another) when any; ``logits`` [M', V] (every row's residues) and ``contacts``
+        [S, W, W] when asked."""
         if self.padded:
-            return self._forward_padded(seqs, token_rows)
-        batch = PackedBatch.from_arrays(*encode_packed(seqs), device=self.device)
+            return self._outputs_padded(seqs, token_rows)
+        ids, positions, cu = encode_packed(seqs)
+        batch = PackedBatch.from_arrays(ids, positions, cu, device=self.device)
         want_logits = "logits" in self.config.include
         hidden = self.fast(batch, sorted(set(self.layers) | ({self.num_layers} if want_logits else set())))
         pooled = [self.fast.pool(hidden[layer], batch) for layer in self.layers]
-        out = BatchOutput(to_host_queued(torch.stack([m for m, _ in pooled])),
-                          to_host_queued(torch.stack([b for _, b in pooled])))
-        residues = [n - 2 for n in batch.lengths]
-        starts = batch.cu_seqlens[:-1].long()
+        out = {"mean": torch.stack([m for m, _ in pooled]), "bos": torch.stack([b for _, b in pooled])}
 
-        def residue_index(rows: list[int]) -> torch.Tensor:  # packed positions of these rows' residues
-            return torch.cat([torch.arange(1, residues[r] + 1, device=self.device) + starts[r] for r in rows])
-        if token_rows:
-            idx = residue_index(token_rows)
-            out.tokens = to_host_queued(torch.stack([hidden[layer][idx].float() for layer in self.layers]))
-            out.token_rows = _row_offsets(residues, token_rows)
+        def residues(mask: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.flatnonzero(mask)).to(self.device, non_blocking=True)
+        if len(token_rows):
+            idx = residues(_residue_mask(cu, None if len(token_rows) == len(seqs) else token_rows))
+            out["tokens"] = torch.stack([hidden[layer].index_select(0, idx) for layer in self.layers]).float()
         if want_logits:
-            rows = list(range(len(seqs)))
-            out.logits = to_host_queued(self.fast.logits(hidden[self.num_layers][residue_index(rows)]).float())
-            out.logit_rows = _row_offsets(residues, rows)
+            idx = residues(_residue_mask(cu))
+            out["logits"] = self.fast.logits(hidden[self.num_layers].index_select(0, idx)).float()
         return out
 
-    def _forward_padded(self, seqs: list[str], token_rows: list[int]) -> BatchOutput:
+    def _outputs_padded(self, seqs: list[str], token_rows: np.ndarray) -> dict[str, torch.Tensor]:
         """transformers' eager forward over a padded batch (for contact maps)."""
         tokens, mask = encode(seqs)  # <cls> residues <eos>, right-padded
         tokens, mask = tokens.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
@@ -194,66 +249,74 @@ class Embedder:
         for r, n in enumerate(residues):
             res_mask[r, 1: n + 1] = 1
         mean = (hidden * res_mask[None, ..., None]).sum(2) / res_mask.sum(1).clamp(min=1)[None, :, None]
-        result = BatchOutput(to_host_queued(mean), to_host_queued(hidden[:, :, 0]))
-        if token_rows:
-            result.tokens = to_host_queued(torch.cat([hidden[:, r, 1: residues[r] + 1] for r in token_rows], dim=1))
-            result.token_rows = _row_offsets(residues, token_rows)
+        result = {"mean": mean, "bos": hidden[:, :, 0]}
+        if len(token_rows):
+            result["tokens"] = torch.cat([hidden[:, r, 1: residues[r] + 1] for r in token_rows], dim=1)
         if "logits" in self.config.include:
             logits = self.model.lm_head(out.last_hidden_state).float()
-            result.logits = to_host_queued(torch.cat([logits[r, 1: residues[r] + 1] for r in range(len(seqs))]))
-            result.logit_rows = _row_offsets(residues, list(range(len(seqs))))
+            result["logits"] = torch.cat([logits[r, 1: residues[r] + 1] for r in range(len(seqs))])
         attns = torch.stack(out.attentions, dim=1)
         attns = attns * mask[:, None, None, :, None] * mask[:, None, None, None, :]
-        result.contacts = to_host_queued(self.model.esm.contact_head(tokens, attns.to(self.dtype)).float())
+        result["contacts"] = self.model.esm.contact_head(tokens, attns.to(self.dtype)).float()
         return result
 
-    # ---- assembling per-sequence items -------------------------------------------------------------
-    def _item(self, rec: Record, pieces: list[tuple[Piece, BatchOutput, int]]) -> dict:
-        """fair-esm-style dict for one record from its piece(s): (piece, batch outputs, row)."""
-        inc = self.config.include
-        pieces = sorted(pieces, key=lambda x: x[0].part)
-        first, out0, row0 = pieces[0]
-        item: dict = {"label": rec.id}
+    def forward(self, seqs: list[str], token_rows: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`outputs` for ``token_rows`` (default: every row when ``per_tok`` is asked, else none)."""
+        rows = np.arange(len(seqs)) if "per_tok" in self.config.include else np.asarray(token_rows or [], np.int64)
+        return self.outputs(seqs, rows)
 
-        def rows_of(tensor, table, row, lo=0, hi=None):  # residues [lo, hi) of one row
-            offset, n = table[row]
-            return tensor[..., offset + lo: offset + (n if hi is None else hi), :]
+    def _shapes(self, pieces: list[Piece], whole: int) -> dict[str, tuple[int, ...]]:
+        """Where a batch's outputs lie in its slot: kind → shape (float32), from the plan alone."""
+        nl, d, s = len(self.layers), self._hidden, len(pieces)
+        lengths = [p.length for p in pieces]
+        shapes: dict[str, tuple[int, ...]] = {"mean": (nl, s, d), "bos": (nl, s, d)}
+        token_rows = self._token_rows(s, whole)
+        if len(token_rows):
+            shapes["tokens"] = (nl, sum(lengths[r] for r in token_rows), d)
+        if "logits" in self.config.include:
+            shapes["logits"] = (sum(lengths), self._vocab)
+        if self.padded:
+            shapes["contacts"] = (s, max(lengths), max(lengths))
+        return shapes
 
-        if len(pieces) == 1:
-            per_tok = rows_of(out0.tokens, out0.token_rows, row0) if "per_tok" in inc else None
-            mean = out0.mean[:, row0]
-            logits = rows_of(out0.logits, out0.logit_rows, row0) if "logits" in inc else None
-        else:  # windows: every residue from the window that centres it
-            spans = [(p.start, p.stop) for p, _, _ in pieces]
-            chunks, lchunks = [], []
-            for (p, out, row), (lo, hi) in zip(pieces, owner_ranges(spans)):
-                chunks.append(rows_of(out.tokens, out.token_rows, row, lo - p.start, hi - p.start))
-                if "logits" in inc:
-                    lchunks.append(rows_of(out.logits, out.logit_rows, row, lo - p.start, hi - p.start))
-            per_tok = torch.cat(chunks, dim=1)
-            mean = per_tok.mean(1)
-            logits = torch.cat(lchunks, dim=0) if "logits" in inc else None
-        if "per_tok" in inc:
-            item["representations"] = {layer: per_tok[i].clone() for i, layer in enumerate(self.layers)}
-        if "mean" in inc:
-            item["mean_representations"] = {layer: mean[i].clone() for i, layer in enumerate(self.layers)}
-        if "bos" in inc:
-            item["bos_representations"] = {layer: out0.bos[i, row0].clone() for i, layer in enumerate(self.layers)}
-        if "contacts" in inc:
-            n = first.length
-            item["contacts"] = out0.contacts[row0, :n, :n].clone()
-        if logits is not None:
-            item["logits"] = logits.clone()
-        return item
+    @property
+    def _hidden(self) -> int:
+        return (self.fast.config if self.fast is not None else self.model.config).hidden_size
+
+    @property
+    def _vocab(self) -> int:
+        return (self.fast.config if self.fast is not None else self.model.config).vocab_size
+
+    def _launch(self, pieces: list[Piece], records: list[Record], sink) -> _Launched:
+        """Queue a batch's forward and its copies into a slot; nothing waits for the device."""
+        whole = sum(p.parts == 1 for p in pieces)
+        seqs = [records[p.index].sequence[p.start: p.stop] for p in pieces]
+        shapes = self._shapes(pieces, whole)
+        slot = sink.acquire()
+        out = self.outputs(seqs, self._token_rows(len(pieces), whole))
+        arrays, offset = {}, 0
+        for kind, shape in shapes.items():
+            sink.ring.view(slot, offset, shape).copy_(out[kind], non_blocking=True)
+            arrays[kind] = (offset, shape)
+            offset += int(np.prod(shape))
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        return _Launched(pieces, whole, np.asarray([p.length for p in pieces], np.int64), slot, arrays, copied)
 
     # ---- the whole job -----------------------------------------------------------------------------
     def run(self, records: list[Record], writer, resume: bool = False, progress: bool = True,
-            rank: int = 0, world: int = 1, summary: EmbedSummary | None = None) -> EmbedSummary:
-        """Embed ``records`` (this rank's share of the batches when ``world`` > 1) into ``writer``."""
+            rank: int = 0, world: int = 1, summary: EmbedSummary | None = None, sink=None) -> EmbedSummary:
+        """Embed ``records`` (this rank's share when ``world`` > 1) into ``writer``: written in this process, or by
+        ``sink`` (a started :class:`~esm_turbo.embed.pool.WriterPool`) when given, ``writer`` then only read for
+        resume."""
+        from .pool import Message
         summary = summary or EmbedSummary()
         start = time.perf_counter()
         if resume:
             done = writer.written_ids([r.id for r in records])
+            summary.present_ids += sorted(done)
             todo = [r for r in records if r.id not in done]
             summary.skipped += len(records) - len(todo)
             records = todo
@@ -268,51 +331,95 @@ class Embedder:
         for _, message in warnings:
             log.warning("warning: %s", message)
         summary.truncated += [rid for rid, _ in warnings]
-        batches = plan_batches(pieces, cfg.toks_per_batch, packed=not self.padded)
+        # whole records first in each batch: the writer takes a batch's first rows as they are
+        batches = [sorted(b, key=lambda p: p.parts > 1)
+                   for b in plan_batches(pieces, cfg.toks_per_batch, packed=not self.padded)]
+        sink = sink or LocalSink(writer)
+        largest = max((sum(int(np.prod(s)) for s in self._shapes(b, sum(p.parts == 1 for p in b)).values())
+                       for b in batches), default=1)
+        sink.set_ring(4 * largest, pin=self.device.type == "cuda")
         waiting: dict[int, list] = {}
         bar = tqdm(total=len(records), unit="seq", desc=f"embed{f' rank {rank}' if world > 1 else ''}",
-                   disable=not progress, dynamic_ncols=True)
+                   disable=not progress, dynamic_ncols=True, mininterval=0.5)
+        layers = list(self.layers)
+        inc = set(cfg.include)  # what reaches the writers (the slot may hold more, for stitching windows)
+        sent = {kind for kind, asked in (("mean", "mean"), ("bos", "bos"), ("tokens", "per_tok"), ("logits", "logits"),
+                                         ("contacts", "contacts")) if asked in inc}
 
-        def finish(batch: list[Piece], out: BatchOutput, copied) -> list[dict]:
-            if copied is not None:
-                copied.synchronize()  # this batch's host copies only; the next batch keeps running
-            ready = []
-            for row, piece in enumerate(batch):
-                waiting.setdefault(piece.index, []).append((piece, out, row))
-                if len(waiting[piece.index]) == piece.parts:
-                    ready.append(piece.index)
-            return [self._item(records[i], waiting.pop(i)) for i in ready]
+        def finish(job: _Launched) -> None:
+            if job.copied is not None:
+                job.copied.synchronize()  # this batch's copies only; the next batch keeps running
+            memory = sink.ring.tensors[job.slot].numpy()
+            done = [self._stitch(records[i], waiting.pop(i)) for i in self._windows(job, memory, waiting)]
+            ids = [records[p.index].id for p in job.pieces[: job.whole]]
+            sink.submit(Message(ids, job.residues[: job.whole], layers, slot=job.slot,
+                                arrays={k: v for k, v in job.arrays.items() if k in sent}))
+            for chunk in done:
+                sink.submit(Message(chunk.ids, chunk.residues, layers, chunk=chunk))
+            summary.written += len(ids) + len(done)
+            bar.update(len(ids) + len(done))
 
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            writes, previous = [], None
-            for batch in batches + [None]:
-                current = None
-                if batch is not None:
-                    seqs = [records[p.index].sequence[p.start: p.stop] for p in batch]
-                    windows = [r for r, p in enumerate(batch) if p.parts > 1]
-                    out = self.forward(seqs, windows)  # queued on the GPU; the previous batch is assembled meanwhile
-                    copied = torch.cuda.Event() if self.device.type == "cuda" else None
-                    if copied is not None:
-                        copied.record()
-                    summary.tokens += sum(len(s) + 2 for s in seqs)
-                    current = (batch, out, copied)
-                if previous is not None:
-                    items = finish(*previous)
-                    if not summary.first_batch_s:
-                        summary.first_batch_s = time.perf_counter() - start
-                    if writes:
-                        waited = time.perf_counter()
-                        writes.pop().result()
-                        summary.write_wait_s += time.perf_counter() - waited
-                    writes.append(pool.submit(writer.write, items))
-                    summary.written += len(items)
-                    bar.update(len(items))
-                previous = current
-            for w in writes:
-                w.result()
+        previous = None
+        for batch in batches + [None]:
+            current = self._launch(batch, records, sink) if batch is not None else None
+            if current is not None:
+                summary.tokens += int(current.residues.sum()) + 2 * len(batch)
+            if previous is not None:
+                finish(previous)
+                if not summary.first_batch_s:
+                    summary.first_batch_s = time.perf_counter() - start
+            previous = current
+        summary.written_ids = sink.close()
+        summary.write_wait_s += sink.wait_s
         bar.close()
         summary.seconds += time.perf_counter() - start
         return summary
+
+    def _windows(self, job: _Launched, memory: np.ndarray, waiting: dict[int, list]) -> list[int]:
+        """Copy the batch's window rows out of its slot into ``waiting``; the records now complete."""
+        if job.whole == len(job.pieces):
+            return []
+        per_tok = "per_tok" in self.config.include
+        offsets = np.concatenate([[0], np.cumsum(job.residues)])
+        tok_base = offsets[job.whole] if per_tok else 0  # window rows' residues start here in "tokens"
+
+        def arr(kind):
+            off, shape = job.arrays[kind]
+            return memory[off: off + int(np.prod(shape))].reshape(shape)
+        complete = []
+        for row in range(job.whole, len(job.pieces)):
+            piece = job.pieces[row]
+            lo = offsets[row] - offsets[job.whole] + tok_base
+            hi = lo + job.residues[row]
+            part = {"tokens": arr("tokens")[:, lo:hi].copy(), "bos": arr("bos")[:, row].copy()}
+            if "logits" in job.arrays:
+                part["logits"] = arr("logits")[offsets[row]: offsets[row + 1]].copy()
+            waiting.setdefault(piece.index, []).append((piece, part))
+            if len(waiting[piece.index]) == piece.parts:
+                complete.append(piece.index)
+        return complete
+
+    def _stitch(self, rec: Record, parts: list) -> Chunk:
+        """One record from its windows: every residue from the window that centres it; ``bos`` from the first."""
+        parts = sorted(parts, key=lambda x: x[0].part)
+        spans = [(p.start, p.stop) for p, _ in parts]
+        tokens, logits = [], []
+        for (p, part), (lo, hi) in zip(parts, owner_ranges(spans)):
+            tokens.append(part["tokens"][:, lo - p.start: hi - p.start])
+            if "logits" in part:
+                logits.append(part["logits"][lo - p.start: hi - p.start])
+        per_tok = np.concatenate(tokens, axis=1)  # [nL, n, D]
+        inc = self.config.include
+        chunk = Chunk([rec.id], np.asarray([per_tok.shape[1]], np.int64))
+        if "per_tok" in inc:
+            chunk.tokens = {layer: per_tok[i] for i, layer in enumerate(self.layers)}
+        if "mean" in inc:
+            chunk.mean = {layer: per_tok[i].mean(0)[None] for i, layer in enumerate(self.layers)}
+        if "bos" in inc:
+            chunk.bos = {layer: parts[0][1]["bos"][i][None] for i, layer in enumerate(self.layers)}
+        if logits:
+            chunk.logits = np.concatenate(logits)
+        return chunk
 
 
 def distributed_context() -> tuple[int, int]:

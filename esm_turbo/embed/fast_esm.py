@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.alphabet import check_sequence, encode_packed
-from ..weights.linear import QuantizedLinear
 from .varlen import flash_available, padded_layout, varlen_attention
 
 #: ESM-2's token dropout: the share of tokens masked in training (15% selected × 80% masked)
@@ -132,6 +131,40 @@ class FastEsmBlock(nn.Module):
                 f2.dequantize(dtype))
 
 
+def _compiled(fn, token_args: tuple[int, ...]):
+    """``torch.compile(fn)`` with the first dimension of the arguments at ``token_args`` (the token count) marked
+    dynamic on the first call, so the first graph already serves every batch."""
+    compiled = torch.compile(fn)
+    marked = False
+
+    def call(*args):
+        nonlocal marked
+        if not marked:
+            for i in token_args:
+                torch._dynamo.maybe_mark_dynamic(args[i], 0)
+            marked = True
+        return compiled(*args)
+    return call
+
+
+class LMHead(nn.Module):
+    """transformers' ``EsmLMHead`` on given tensors: dense, erf GELU, LayerNorm, then the decoder (the token
+    embeddings, tied, unless the checkpoint has its own) plus a bias. [N, D] → [N, vocab]."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], embeddings: torch.Tensor, eps: float):
+        super().__init__()
+        self.dense_w, self.dense_b = tensors["lm_head.dense.weight"], tensors["lm_head.dense.bias"]
+        self.norm_w, self.norm_b = tensors["lm_head.layer_norm.weight"], tensors["lm_head.layer_norm.bias"]
+        self.decoder = tensors.get("lm_head.decoder.weight", embeddings)
+        self.bias, self.eps = tensors["lm_head.bias"], eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = F.linear(h, self.dense_w, self.dense_b)
+        x = x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))  # transformers' gelu, op for op
+        x = F.layer_norm(x, (x.shape[-1],), self.norm_w, self.norm_b, self.eps)
+        return F.linear(x, self.decoder) + self.bias
+
+
 class FastEsm(nn.Module):
     """ESM-2 over packed batches. Build with :meth:`from_pretrained` or :meth:`from_hf`."""
 
@@ -157,6 +190,7 @@ class FastEsm(nn.Module):
     def from_hf(cls, net, compile: bool | None = None) -> "FastEsm":
         """From a transformers ``EsmForMaskedLM`` (or ``EsmModel``), on the net's device and dtype. The
         weights are shared with ``net`` (no copy), except Q, K and V, concatenated into one matrix."""
+        from ..weights.linear import QuantizedLinear
         esm = getattr(net, "esm", net)
         ref = esm.embeddings.word_embeddings.weight
         with torch.device("meta"):
@@ -199,9 +233,54 @@ class FastEsm(nn.Module):
         return model.eval()
 
     @classmethod
+    def from_tensors(cls, config, tensors: dict[str, torch.Tensor], compile: bool | None = None) -> "FastEsm":
+        """From tensors named as in ``EsmModel`` (:func:`esm_turbo.model.folder.load_tensors`), on their device and
+        in their dtype: no transformers module is built. The LM head is kept when its tensors are there (the
+        decoder tied to the token embeddings unless it has its own)."""
+        with torch.device("meta"):
+            model = cls(config, compile=compile)
+
+        def put(module: nn.Module, prefix: str) -> None:
+            module.weight = nn.Parameter(tensors[prefix + ".weight"], requires_grad=False)
+            if prefix + ".bias" in tensors:
+                module.bias = nn.Parameter(tensors[prefix + ".bias"], requires_grad=False)
+
+        put(model.embed_tokens, "embeddings.word_embeddings")
+        for i, block in enumerate(model.blocks):
+            p = f"encoder.layer.{i}."
+            qkv = [p + f"attention.self.{m}" for m in ("query", "key", "value")]
+            block.qkv.weight = nn.Parameter(torch.cat([tensors.pop(n + ".weight") for n in qkv]), requires_grad=False)
+            block.qkv.bias = nn.Parameter(torch.cat([tensors.pop(n + ".bias") for n in qkv]), requires_grad=False)
+            put(block.attn_norm, p + "attention.LayerNorm")
+            put(block.out, p + "attention.output.dense")
+            put(block.ffn_norm, p + "LayerNorm")
+            put(block.fc1, p + "intermediate.dense")
+            put(block.fc2, p + "output.dense")
+        put(model.final_norm, "encoder.emb_layer_norm_after")
+        # as transformers computes it (on the host), rounded as its buffer is: built in the checkpoint's dtype, then
+        # cast to the one the model runs in
+        dim = config.hidden_size // config.num_attention_heads
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        stored = getattr(torch, getattr(config, "stored_dtype", "float32"), torch.float32)
+        weight = model.embed_tokens.weight
+        model.inv_freq = inv_freq.to(stored).to(weight.dtype).to(weight.device, torch.float32)
+        if "lm_head.dense.weight" in tensors:
+            model.lm_head = LMHead(tensors, model.embed_tokens.weight, config.layer_norm_eps)
+        return model.eval()
+
+    @classmethod
     def from_pretrained(cls, model: str | Path, dtype: torch.dtype = torch.float16,
-                        device: str | torch.device = "cuda", compile: bool | None = None) -> "FastEsm":
-        """Load ESM-2 by size name (``650M``), hub id, ``save_pretrained`` directory or fair-esm ``.pt``."""
+                        device: str | torch.device = "cuda", compile: bool | None = None,
+                        lm_head: bool = True) -> "FastEsm":
+        """Load ESM-2 by size name (``650M``), hub id, ``save_pretrained`` directory or fair-esm ``.pt``. A folder
+        with safetensors (a hub id in the local cache too) is read straight onto the device
+        (:mod:`esm_turbo.model.folder`); anything else goes through :func:`esm_turbo.load_esm`."""
+        from ..model.folder import direct_folder, load_tensors
+        from ..model.sizes import resolve_model_id
+        folder = direct_folder(resolve_model_id(str(model)))
+        if folder is not None:
+            config, tensors = load_tensors(folder, device=device, dtype=dtype, heads=lm_head)
+            return cls.from_tensors(config, tensors, compile=compile)
         from ..model.loading import load_esm
         return cls.from_hf(load_esm(model, dtype=dtype, device=device), compile=compile)
 
@@ -211,9 +290,9 @@ class FastEsm(nn.Module):
         if self._fns is None:
             wanted = self._compile if self._compile is not None else device.type == "cuda"
             if wanted:
-                # shapes static first; the token count becomes dynamic once it changes, the widths stay static
-                # (every dimension dynamic costs 2-3x in the LayerNorm and rotary kernels)
-                self._fns = (torch.compile(attention_inputs), torch.compile(block_output))
+                # the token count dynamic from the first call (one compile, found in the on-disk cache on the next
+                # run); the widths stay static: every dimension dynamic costs 2-3x in the LayerNorm and rotary kernels
+                self._fns = (_compiled(attention_inputs, (0, 5, 6)), _compiled(block_output, (0, 1)))
             else:
                 self._fns = (attention_inputs, block_output)
         return self._fns

@@ -11,13 +11,10 @@ against.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-
-try:  # PyTorch >= 2.9
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - older PyTorch: the aten op the public function wraps
-    _varlen_attn = None
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -58,6 +55,17 @@ def varlen_attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     return out.transpose(1, 2).reshape(s * width, heads, d).index_select(0, index)
 
 
+@functools.lru_cache(maxsize=1)
+def _public_varlen():
+    """``torch.nn.attention.varlen.varlen_attn`` (PyTorch >= 2.9; imported on first use, as it pulls in
+    torch._dynamo), or None for the aten op it wraps."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - older PyTorch
+        return None
+    return varlen_attn
+
+
 def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the flash variable-length kernel takes such inputs (CUDA, fp16/bf16, head dim ≤ 256, % 8)."""
     return device.type == "cuda" and dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
@@ -72,8 +80,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     if not flash_available(q.device, q.dtype, q.shape[-1]):
         return varlen_attention_padded(q, k, v, layout)
-    if _varlen_attn is not None:
-        return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    varlen_attn = _public_varlen()
+    if varlen_attn is not None:
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     return torch.ops.aten._flash_attention_forward(  # pragma: no cover - PyTorch < 2.9
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False)[0]
 

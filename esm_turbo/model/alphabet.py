@@ -19,11 +19,47 @@ SEQUENCE_CHARS = RESIDUES | GAPS
 _NOT_A_TOKEN = re.compile(f"[^{re.escape(''.join(sorted(SEQUENCE_CHARS)))}]")
 
 
+#: ESM-2's vocabulary in id order: fair-esm's ``Alphabet.from_architecture("ESM-1b")``, which every ESM-2 size and the
+#: Hugging Face checkpoints share (tests/test_fast_esm.py ties the two)
+ESM2_TOKENS = ("<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q",
+               "N", "F", "Y", "M", "H", "W", "C", "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>")
+_TOKEN = re.compile(r"<[^<>\s]*>|\S")
+
+
+class Alphabet:
+    """ESM-2's token ids, as fair-esm's alphabet names them (``padding_idx``, ``get_idx``, ``encode`` …), without
+    importing fair-esm (and torch hub) to get them."""
+
+    def __init__(self, tokens: tuple[str, ...] = ESM2_TOKENS):
+        self.all_toks = list(tokens)
+        self.tok_to_idx = {t: i for i, t in enumerate(tokens)}
+        self.unk_idx = self.tok_to_idx["<unk>"]
+        self.padding_idx, self.cls_idx = self.tok_to_idx["<pad>"], self.tok_to_idx["<cls>"]
+        self.eos_idx, self.mask_idx = self.tok_to_idx["<eos>"], self.tok_to_idx["<mask>"]
+
+    def __len__(self) -> int:
+        return len(self.all_toks)
+
+    def get_idx(self, tok: str) -> int:
+        """The id of ``tok``; ``<unk>``'s for anything else."""
+        return self.tok_to_idx.get(tok, self.unk_idx)
+
+    def get_tok(self, idx: int) -> str:
+        return self.all_toks[idx]
+
+    def tokenize(self, text: str) -> list[str]:
+        """Special tokens (``<mask>``) whole, everything else a character at a time; whitespace dropped."""
+        return _TOKEN.findall(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (a KeyError names a token ESM-2 does not have, as fair-esm's does)."""
+        return [self.tok_to_idx[tok] for tok in self.tokenize(text)]
+
+
 @functools.lru_cache(maxsize=1)
-def alphabet():
-    """fair-esm's ``Alphabet.from_architecture("ESM-1b")`` (shared by all ESM-2 sizes)."""
-    import esm
-    return esm.data.Alphabet.from_architecture("ESM-1b")
+def alphabet() -> Alphabet:
+    """ESM-2's alphabet (shared by all sizes)."""
+    return Alphabet()
 
 
 def check_sequence(seq: str, name: str = "sequence", max_residues: int | None = None) -> str:

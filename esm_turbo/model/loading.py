@@ -7,8 +7,6 @@ so the rest of the package never branches on checkpoint format.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
 import re
@@ -18,7 +16,8 @@ import torch
 from transformers import EsmConfig, EsmForMaskedLM
 
 from ..errors import ModelLoadError
-from .sizes import ESM2_SIZES, esm2_config
+from .folder import weights_fingerprint
+from .sizes import esm2_config, resolve_model_id
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +104,6 @@ def load_fair_esm(path: str | Path) -> EsmForMaskedLM:
     return model
 
 
-def resolve_model_id(model: str) -> str:
-    """Short size names (``650M``) → hub ids; anything else is returned as given."""
-    return ESM2_SIZES[model][3] if model in ESM2_SIZES else model
-
-
 def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> EsmForMaskedLM:
     """Load ESM-2 for masked-LM inference in eval mode.
@@ -154,14 +148,7 @@ def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
 def model_fingerprint(model: EsmForMaskedLM, samples_per_tensor: int = 65_536) -> str:
     """sha256 of the architecture and the weights (shapes + up to 65 536 evenly spaced values of
     every tensor), so a calibration made for one model is recognised on another. Fast for 15B."""
-    h = hashlib.sha256()
     cfg = model.config
     arch = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                         "intermediate_size", "vocab_size", "token_dropout")}
-    h.update(json.dumps(arch, sort_keys=True).encode())
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tuple(t.shape)}".encode())
-        flat = t.detach().reshape(-1)
-        step = max(1, flat.numel() // samples_per_tensor)
-        h.update(flat[::step].to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
+    return weights_fingerprint(arch, model.state_dict().items(), samples_per_tensor)

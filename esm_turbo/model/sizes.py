@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from transformers import EsmConfig
-
 #: name → (layers, hidden size, attention heads, Hugging Face hub id)
 ESM2_SIZES: dict[str, tuple[int, int, int, str]] = {
     "8M": (6, 320, 20, "facebook/esm2_t6_8M_UR50D"),
@@ -14,13 +12,19 @@ ESM2_SIZES: dict[str, tuple[int, int, int, str]] = {
     "15B": (48, 5120, 40, "facebook/esm2_t48_15B_UR50D"),
 }
 
+def resolve_model_id(model: str) -> str:
+    """Short size names (``650M``) → hub ids; anything else is returned as given."""
+    return ESM2_SIZES[model][3] if model in ESM2_SIZES else model
+
+
 #: the trained context of ESM-2: 1024 positions = 1022 residues + <cls> + <eos>
 MAX_RESIDUES = 1022
 
 
 def esm2_config(size: str | None = None, *, layers: int | None = None, hidden: int | None = None,
-                heads: int | None = None, **overrides) -> EsmConfig:
+                heads: int | None = None, **overrides) -> "EsmConfig":
     """An EsmConfig shaped like a released ESM-2 size (or custom dims), as the hub configs set it."""
+    from transformers import EsmConfig
     if size is not None:
         if size not in ESM2_SIZES:
             raise ValueError(f"unknown ESM-2 size {size!r}: choose one of {list(ESM2_SIZES)}")

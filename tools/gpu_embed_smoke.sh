@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Device-side check of `esm-turbo embed` (one call): the carried wheels installed, the embed tests on CUDA, outputs on
+# the GPU against the CPU's on a small job, then the command on the corpus (cold and warm, h5 and pt) with a
+# 650M-shaped random model. Logs under $OUT. Usage (from the repository root): bash tools/gpu_embed_smoke.sh CORPUS
+set -u
+corpus=${1:-.tb/corpus.fasta}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
+python3 -c "import torch,triton,transformers,h5py;print(torch.__version__,triton.__version__,transformers.__version__)"
+work=/tmp/e2e; rm -rf $work; mkdir -p $work
+export TORCHINDUCTOR_CACHE_DIR=$work/inductor TRITON_CACHE_DIR=$work/triton
+echo "== tests"
+CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -q -x tests/test_folder.py tests/test_fast_esm.py \
+    tests/test_embed.py -k "not two_rank and not torchrun" 2>&1 | tail -4
+echo "== small job: GPU fp32/fp16 against CPU fp32"
+head -n 4000 $corpus > $work/small.fasta
+python3 - <<'PY'
+import torch
+from pathlib import Path
+from esm_turbo.embed.bench_e2e import model_folder
+model_folder("8M", Path("/tmp/e2e/m8"), torch.device("cuda"))
+PY
+for run in "gpu32 --dtype fp32" "gpu16 --dtype fp16" "cpu32 --nogpu"; do
+  set -- $run
+  CUDA_VISIBLE_DEVICES=0 python3 -m esm_turbo.cli embed --model $work/m8 $work/small.fasta -o $work/$1.h5 --format h5 \
+      --include mean per_tok bos --quiet ${@:2} 2>&1 | tail -1
+done
+python3 - <<'PY'
+import numpy as np
+from esm_turbo.embed.h5 import open_embeddings
+ref = open_embeddings("/tmp/e2e/cpu32.h5")
+for name in ("gpu32", "gpu16"):
+    with open_embeddings(f"/tmp/e2e/{name}.h5") as e:
+        assert sorted(e.ids) == sorted(ref.ids)
+        order = [e.ids.index(i) for i in ref.ids]
+        a, b = e.mean(6)[order], ref.mean(6)
+        cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+        tok = max(float(np.abs(e[i]["representations"][6] - ref[i]["representations"][6]).max()) for i in ref.ids[:50])
+        print(name, "records", len(e.ids), "min mean cos", cos.min(), "max |d| per-token (50 records)", tok)
+PY
+echo "== corpus, 650M-shaped fp16"
+python3 - <<'PY'
+import torch
+from pathlib import Path
+from esm_turbo.embed.bench_e2e import model_folder
+model_folder("650M", Path("/tmp/e2e/m650"), torch.device("cuda"))
+PY
+for run in h5-cold h5-warm pt-warm h5-warm2; do
+  fmt=${run%%-*}; out=$work/o.$fmt; rm -rf $out $out.parts
+  start=$(date +%s.%N)
+  CUDA_VISIBLE_DEVICES=0 python3 -m esm_turbo.cli embed --model $work/m650 $corpus -o $out --format $fmt --include mean \
+      --dtype fp16 --quiet 2>&1 | tail -2
+  echo "$run: $(awk "BEGIN{print $(date +%s.%N) - $start}") s wall"
+done
