@@ -19,7 +19,7 @@ from . import cli_checks as checks
 from .embed.benchmark import EMBED_BENCH_SIZES
 from .embed.extract import TOKS_PER_BATCH
 from .model.recipe import PRESETS, CalibrationConfig
-from .quant.lloyd_max import SUPPORTED_BITS
+from .quant import SUPPORTED_BITS
 from .schema import DTYPES, add_flags
 
 log = logging.getLogger("esm_turbo")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _read_umask() -> int:
@@ -53,10 +54,11 @@ def seconds_since_start() -> float | None:
         return None
 
 
-def to_device_queued(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def to_device_queued(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A host list (or CPU tensor) as a tensor on ``device``; on CUDA through pinned memory, queued on the current
     stream, so the host does not wait for the device's queued work (a plain copy from pageable memory does)."""
-    t = torch.as_tensor(values, dtype=dtype)
+    import torch
+    t = torch.as_tensor(values, dtype=dtype or torch.long)
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

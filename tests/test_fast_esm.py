@@ -150,7 +150,7 @@ def test_varlen_kernel_within_twice_the_reference_error(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fast_forward_within_twice_transformers_low_precision_error(dtype):
     """Per-token and mean embeddings against an fp32 reference: our error ≤ 2× that of transformers'
-    own forward in the same dtype, over mixed lengths in one batch (compiled, as embed runs it)."""
+    own forward in the same dtype, over mixed lengths in one batch (the fused path, as embed runs it)."""
     from esm_turbo.model.sizes import esm2_config
     from transformers import EsmForMaskedLM
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def test_fast_forward_within_twice_transformers_low_precision_error(dtype):
     low.load_state_dict(net32.state_dict())
     low = low.to(dtype)
     theirs = padded_reference(low, seqs, device="cuda")
-    fast = FastEsm.from_hf(low, compile=True)
+    fast = FastEsm.from_hf(low)
     batch = PackedBatch.from_sequences(seqs, "cuda")
     ours = fast(batch, [6])[6]
     mean_ours, _ = fast.pool(ours, batch)
@@ -239,3 +239,69 @@ def test_padded_path_matches_the_reference():
                                     torch.tensor([0] + lengths).cumsum(0))
     got = varlen_attention_padded(q, k, v, padded_layout(batch.positions, batch.segment(), lengths))
     assert torch.allclose(got, varlen_attention_reference(q, k, v, lengths), atol=1e-12)
+
+
+
+def _needs_triton():
+    from esm_turbo.kernels import triton_supported
+    if not triton_supported():
+        pytest.skip("needs Triton (the kernels run under its interpreter on CPU)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("width", [64, 320, 1280])
+def test_add_layer_norm_kernel_matches_the_reference(dtype, width):
+    _needs_triton()
+    from esm_turbo.kernels.norm import add_layer_norm_reference, add_layer_norm_triton
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(width)
+    h, y = (torch.randn(37, width, generator=gen).mul(3).to(dev, dtype) for _ in range(2))
+    w, b = torch.randn(width, generator=gen).to(dev, dtype), torch.randn(width, generator=gen).to(dev, dtype)
+    for extra in (y, None):
+        s, x = add_layer_norm_triton(h, extra, w, b, 1e-5)
+        s_ref, x_ref = add_layer_norm_reference(h, extra, w, b, 1e-5)
+        assert torch.equal(s, s_ref)  # the add rounds as the reference's does
+        # flash-attention rule: within twice the reference's own error against float64 (and a few ulps of the
+        # result, where that error is a rounding's)
+        _, x64 = add_layer_norm_reference(s.double(), None, w.double(), b.double(), 1e-5)
+        own = (x_ref.double() - x64).abs().max().item()
+        ulps = 4 * torch.finfo(dtype).eps * x64.abs().max().item()
+        assert (x.double() - x64).abs().max().item() <= 2 * own + ulps, (own, (x.double() - x64).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_rope_kernel_is_the_reference_bit_for_bit(dtype):
+    _needs_triton()
+    from esm_turbo.embed.fast_esm import attention_inputs
+    from esm_turbo.kernels.rope import rope_packed_triton
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    heads, dim, n = 5, 80, 29
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(n, dim, generator=gen).to(dev, dtype)
+    w = (torch.randn(3 * dim, dim, generator=gen) / dim ** 0.5).to(dev, dtype)
+    bias = torch.randn(3 * dim, generator=gen).to(dev, dtype)
+    pos = torch.cat([torch.arange(11), torch.arange(18)]).to(dev)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim // heads, 2).float() / (dim // heads)))
+    freqs = pos.float()[:, None] * inv.to(dev)[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos(), emb.sin()
+    ones, zeros = torch.ones(dim, device=dev, dtype=dtype), torch.zeros(dim, device=dev, dtype=dtype)
+    q_ref, k_ref, v_ref = attention_inputs(h, ones, zeros, w, bias, cos, sin, heads, 1e-5)
+    qkv = torch.nn.functional.linear(torch.nn.functional.layer_norm(h, (dim,), ones, zeros, 1e-5), w, bias)
+    q, k = rope_packed_triton(qkv, cos, sin, heads)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+
+
+def test_fused_forward_matches_the_reference_path(net):
+    """The nine-launch block (kernels under Triton's interpreter on CPU) gives the reference path's hidden states,
+    every layer, and the layer-0 and intermediate outputs are the residual stream, the last one normalised."""
+    _needs_triton()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = FastEsm.from_hf(net.to(dev), fused=False)
+    fused = FastEsm.from_hf(net.to(dev), fused=True)
+    batch = PackedBatch.from_sequences(SEQS, dev)
+    a, b = ref(batch, [0, 1, 2, 3]), fused(batch, [0, 1, 2, 3])
+    for layer in range(4):
+        assert torch.allclose(a[layer], b[layer], atol=2e-5, rtol=1e-5), (layer, (a[layer] - b[layer]).abs().max())
+    only = fused(batch, [2])
+    assert list(only) == [2] and torch.equal(only[2], b[2])

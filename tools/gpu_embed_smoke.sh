@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # Device-side check of `esm-turbo embed` (one call): the carried wheels installed, the embed tests on CUDA, outputs on
 # the GPU against the CPU's on a small job, then the command on the corpus (cold and warm, h5 and pt) with a
-# 650M-shaped random model. Logs under $OUT. Usage (from the repository root): bash tools/gpu_embed_smoke.sh CORPUS
+# 650M-shaped random model. Logs under $OUT. Usage (from the repository root):
+#   bash tools/gpu_embed_smoke.sh CORPUS [STEPS]      STEPS: any of tests, small, imports, corpus (default: all)
 set -u
 corpus=${1:-.tb/corpus.fasta}
+steps=${2:-tests small imports corpus}
+has() { [[ " $steps " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch,triton,transformers,h5py;print(torch.__version__,triton.__version__,transformers.__version__)"
 work=/tmp/e2e; rm -rf $work; mkdir -p $work
 export TORCHINDUCTOR_CACHE_DIR=$work/inductor TRITON_CACHE_DIR=$work/triton
+if has tests; then
 echo "== tests"
-CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -q -x tests/test_folder.py tests/test_fast_esm.py \
-    tests/test_embed.py -k "not two_rank and not torchrun" 2>&1 | tail -4
+CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -q -x tests/test_folder.py tests/test_fast_esm.py 2>&1 | tail -4
+fi
+if has imports; then
+echo "== imports (cumulative microseconds)"
+python3 -X importtime -c "import esm_turbo.cli" 2>&1 | awk -F'|' '{c=$2; gsub(/ /,"",c); print c, $3}' | sort -n | \
+    awk '$1>80000' | grep -v "  torch\.\|sympy" | tail -20
+fi
+if has small; then
 echo "== small job: GPU fp32/fp16 against CPU fp32"
-head -n 4000 $corpus > $work/small.fasta
+head -n 800 $corpus > $work/small.fasta
 python3 - <<'PY'
 import torch
 from pathlib import Path
@@ -39,6 +49,8 @@ for name in ("gpu32", "gpu16"):
         tok = max(float(np.abs(e[i]["representations"][6] - ref[i]["representations"][6]).max()) for i in ref.ids[:50])
         print(name, "records", len(e.ids), "min mean cos", cos.min(), "max |d| per-token (50 records)", tok)
 PY
+fi
+if has corpus; then
 echo "== corpus, 650M-shaped fp16"
 python3 - <<'PY'
 import torch
@@ -53,3 +65,4 @@ for run in h5-cold h5-warm pt-warm h5-warm2; do
       --dtype fp16 --quiet 2>&1 | tail -2
   echo "$run: $(awk "BEGIN{print $(date +%s.%N) - $start}") s wall"
 done
+fi

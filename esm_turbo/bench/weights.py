@@ -189,7 +189,7 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
     model = random_model(esm2_config(size), device, WeightQuantConfig(bits=4, group=GROUP))
     out = dict(size=size, weight_bytes=weight_memory(model)["total_bytes"],
                allocated_bytes=torch.cuda.memory_allocated(device))
-    fast = FastEsm.from_hf(model, compile=False)
+    fast = FastEsm.from_hf(model)
     seqs = [random_protein(1022, i) for i in range(tokens // 1024)]
     torch.cuda.reset_peak_memory_stats(device)
     fast(PackedBatch.from_arrays(*encode_packed(seqs), device=device), [model.config.num_hidden_layers])

@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from ..errors import EsmTurboError
 from ..io import seconds_since_start
 from .extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
 from .writers import check_output, make_writer
@@ -44,7 +43,8 @@ def default_writers(fmt: str, ranks_here: int) -> int:
     return max(1, min(4, (os.cpu_count() or 2) // (2 * max(1, ranks_here))))
 
 
-def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logits: bool, offload: bool):
+def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logits: bool, offload: bool,
+                       phases: _Phases | None = None):
     """(the model to embed with, its fingerprint). A transformers folder with safetensors (or a hub id in the local
     cache) is read straight into FastEsm on the device; contacts, quantized folders, fair-esm files and downloads
     take transformers' ``EsmForMaskedLM``."""
@@ -55,8 +55,12 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
     if folder is not None:
         from .fast_esm import FastEsm
         config, tensors = load_tensors(folder, device=device, dtype=dtype, heads=logits)
+        if phases is not None:
+            phases.mark("model")
         body = expected_shapes(config)[0]
         fingerprint = weights_fingerprint(config.arch(), [(n, t) for n, t in tensors.items() if n in body])
+        if phases is not None:
+            phases.mark("fingerprint")
         return FastEsm.from_tensors(config, tensors), fingerprint
     from ..model.loading import load_esm
     net = load_esm(model, dtype=dtype)  # loaded in the dtype it runs in: no fp32 copy
@@ -71,6 +75,8 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
                                          "mask_token_id", "pad_token_id")}
     named = [(canonical_name(n), t) for n, t in net.state_dict().items()
              if not n.startswith(("lm_head.", "esm.contact_head.")) and not n.endswith(("position_ids", "inv_freq"))]
+    if phases is not None:
+        phases.mark("model")
     return net, weights_fingerprint(arch, named)
 
 
@@ -120,10 +126,13 @@ def run_embed(args) -> int:
             if "transformers" in sys.modules:
                 from transformers.utils import logging as hf_logging
                 hf_logging.disable_progress_bar()
+        if device.type == "cuda":  # the context, apart from the weights' own time
+            torch.empty(1, device=device)
+            phases.mark("cuda")
         model, fingerprint = load_for_embedding(str(args.model), cfg, device, "logits" in cfg.include,
-                                                args.offload_residual)
-        phases.mark("model")
+                                                args.offload_residual, phases)
         embedder = Embedder(model, cfg, device)
+        phases.mark("model")
         meta.update(repr_layers=embedder.layers, model_fingerprint=fingerprint)
         check_output(writer, meta, args.resume, args.overwrite)
         if args.overwrite and rank == 0:
@@ -136,7 +145,7 @@ def run_embed(args) -> int:
         if pool is not None:
             pool.meta = meta
         embedder.warm_up()
-        phases.mark("compile")
+        phases.mark("warm-up")
         if args.format == "h5" and rank == 0:
             writer.start_merging()
         summary.startup = phases.times

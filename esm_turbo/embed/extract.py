@@ -311,7 +311,7 @@ class Embedder:
         """Embed ``records`` (this rank's share when ``world`` > 1) into ``writer``: written in this process, or by
         ``sink`` (a started :class:`~esm_turbo.embed.pool.WriterPool`) when given, ``writer`` then only read for
         resume."""
-        from .pool import Message
+        from .writer_process import Message
         summary = summary or EmbedSummary()
         start = time.perf_counter()
         if resume:

@@ -8,11 +8,11 @@ internal layout (Q, K and V projections fused into one matrix) and returns the s
 
 Sequences of a batch sit one after another (``<cls> residues <eos>``, N tokens in all), so no GEMM
 touches a padding row; attention runs per sequence through flash-attention's variable-length kernel
-(:mod:`esm_turbo.embed.varlen`). Each block is two functions of plain tensors, before and after
-attention (LayerNorm, the fused QKV projection and the rotary embedding; the output projection,
-residual, LayerNorm, the GELU feed-forward and residual), which ``torch.compile`` fuses into a few
-kernels on CUDA; one compiled graph serves every layer and every token count (the token count dynamic).
-Pooling (mean over residues, ``<cls>``) is done on the device, and only the layers asked for are kept.
+(:mod:`esm_turbo.embed.varlen`). On CUDA in fp16/bf16 each block is nine launches with nothing to compile
+(:meth:`FastEsm._forward_fused`): cuBLAS products with their biases, one Triton kernel for each residual add and
+the LayerNorm after it, one for the query scaling and rotary embedding of q and k, flash attention and the GELU.
+Elsewhere the same block runs as two plain PyTorch functions (:func:`attention_inputs`, :func:`block_output`, the
+reference). Pooling (mean over residues, ``<cls>``) is done on the device, and only the layers asked for are kept.
 
     model = FastEsm.from_pretrained("facebook/esm2_t33_650M_UR50D", dtype=torch.float16, device="cuda")
     out = model.embed(["MKTAYIAKQR", "GSHMLEDPV"], layers=[-1])   # {"mean": {33: [2, 1280]}, ...}
@@ -82,11 +82,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, w_qkv: torch.Tensor,
                      b_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pre-LN, fused QKV projection, rotary embedding (in fp32, as transformers applies it).
-    h: [N, D]; w_qkv: [3D, D]; cos, sin: [N, d] float32. Returns q, k, v [N, H, d] in h's dtype."""
+    """Pre-LN, fused QKV projection, the query scaled by d ** -0.5 in h's dtype and the rotary embedding in fp32, as
+    transformers applies them (attention then takes scale 1). h: [N, D]; w_qkv: [3D, D]; cos, sin: [N, d] float32.
+    Returns q, k, v [N, H, d] in h's dtype."""
     n, dim = h.shape
     qkv = F.linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_qkv, b_qkv).view(n, 3, heads, dim // heads)
     q, k, v = qkv.unbind(1)
+    q = q * (dim // heads) ** -0.5
     c, s = cos[:, None, :], sin[:, None, :]
     q = (q.float() * c + _rotate_half(q.float()) * s).to(h.dtype)
     k = (k.float() * c + _rotate_half(k.float()) * s).to(h.dtype)
@@ -108,15 +110,15 @@ def block_output(h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, b_o: to
 class FastEsmBlock(nn.Module):
     """One ESM-2 transformer block's weights in the fused layout."""
 
-    def __init__(self, dim: int, heads: int, ffn: int):
+    def __init__(self, dim: int, heads: int, ffn: int, device: torch.device | str | None = None):
         super().__init__()
         self.heads = heads
-        self.attn_norm = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-        self.ffn_norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, ffn)
-        self.fc2 = nn.Linear(ffn, dim)
+        self.attn_norm = nn.LayerNorm(dim, device=device)
+        self.qkv = nn.Linear(dim, 3 * dim, device=device)
+        self.out = nn.Linear(dim, dim, device=device)
+        self.ffn_norm = nn.LayerNorm(dim, device=device)
+        self.fc1 = nn.Linear(dim, ffn, device=device)
+        self.fc2 = nn.Linear(ffn, dim, device=device)
         # quantized weights (esm_turbo.weights): the source net's (q, k, v, out, fc1, fc2) QuantizedLinear modules,
         # dequantized per forward in the biases' dtype; None: the weights above
         self.quantized: tuple | None = None
@@ -129,22 +131,6 @@ class FastEsmBlock(nn.Module):
         q, k, v, o, f1, f2 = self.quantized
         return (torch.cat([m.dequantize(dtype) for m in (q, k, v)]), o.dequantize(dtype), f1.dequantize(dtype),
                 f2.dequantize(dtype))
-
-
-def _compiled(fn, token_args: tuple[int, ...]):
-    """``torch.compile(fn)`` with the first dimension of the arguments at ``token_args`` (the token count) marked
-    dynamic on the first call, so the first graph already serves every batch."""
-    compiled = torch.compile(fn)
-    marked = False
-
-    def call(*args):
-        nonlocal marked
-        if not marked:
-            for i in token_args:
-                torch._dynamo.maybe_mark_dynamic(args[i], 0)
-            marked = True
-        return compiled(*args)
-    return call
 
 
 class LMHead(nn.Module):
@@ -166,35 +152,37 @@ class LMHead(nn.Module):
 
 
 class FastEsm(nn.Module):
-    """ESM-2 over packed batches. Build with :meth:`from_pretrained` or :meth:`from_hf`."""
+    """ESM-2 over packed batches. Build with :meth:`from_pretrained`, :meth:`from_tensors` or :meth:`from_hf`, which
+    put the weights in: the modules are made on the meta device, where nothing is initialised (no op there that
+    would import torch's compiler stack, which costs seconds)."""
 
-    def __init__(self, config, compile: bool | None = None):
+    def __init__(self, config, fused: bool | None = None):
         super().__init__()
         self.config = config
         dim, heads = config.hidden_size, config.num_attention_heads
         self.num_layers = config.num_hidden_layers
         self.eps = config.layer_norm_eps
-        self.embed_tokens = nn.Embedding(config.vocab_size, dim)
-        self.blocks = nn.ModuleList(FastEsmBlock(dim, heads, config.intermediate_size)
+        meta = torch.device("meta")
+        self.embed_tokens = nn.Embedding(config.vocab_size, dim, _weight=torch.empty(config.vocab_size, dim,
+                                                                                     device=meta))
+        self.blocks = nn.ModuleList(FastEsmBlock(dim, heads, config.intermediate_size, meta)
                                     for _ in range(config.num_hidden_layers))
-        self.final_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.final_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps, device=meta)
         self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim // heads, 2).float() / (dim // heads))))
         self.lm_head = None  # transformers' EsmLMHead, when logits are wanted (from_hf keeps it)
-        self._compile = compile
-        self._fns = None
+        self._fused = fused
         self.cuda_graphs = True  # FastEsm.embed replays CUDA graphs for short batches on CUDA
         self._graphs: dict = {}
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, net, compile: bool | None = None) -> "FastEsm":
+    def from_hf(cls, net, fused: bool | None = None) -> "FastEsm":
         """From a transformers ``EsmForMaskedLM`` (or ``EsmModel``), on the net's device and dtype. The
         weights are shared with ``net`` (no copy), except Q, K and V, concatenated into one matrix."""
         from ..weights.linear import QuantizedLinear
         esm = getattr(net, "esm", net)
         ref = esm.embeddings.word_embeddings.weight
-        with torch.device("meta"):
-            model = cls(esm.config, compile=compile)
+        model = cls(esm.config, fused=fused)
 
         def share(dst: nn.Module, src: nn.Module) -> None:
             dst.weight = None if isinstance(src, QuantizedLinear) else src.weight
@@ -233,12 +221,11 @@ class FastEsm(nn.Module):
         return model.eval()
 
     @classmethod
-    def from_tensors(cls, config, tensors: dict[str, torch.Tensor], compile: bool | None = None) -> "FastEsm":
+    def from_tensors(cls, config, tensors: dict[str, torch.Tensor], fused: bool | None = None) -> "FastEsm":
         """From tensors named as in ``EsmModel`` (:func:`esm_turbo.model.folder.load_tensors`), on their device and
         in their dtype: no transformers module is built. The LM head is kept when its tensors are there (the
         decoder tied to the token embeddings unless it has its own)."""
-        with torch.device("meta"):
-            model = cls(config, compile=compile)
+        model = cls(config, fused=fused)
 
         def put(module: nn.Module, prefix: str) -> None:
             module.weight = nn.Parameter(tensors[prefix + ".weight"], requires_grad=False)
@@ -270,7 +257,7 @@ class FastEsm(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model: str | Path, dtype: torch.dtype = torch.float16,
-                        device: str | torch.device = "cuda", compile: bool | None = None,
+                        device: str | torch.device = "cuda", fused: bool | None = None,
                         lm_head: bool = True) -> "FastEsm":
         """Load ESM-2 by size name (``650M``), hub id, ``save_pretrained`` directory or fair-esm ``.pt``. A folder
         with safetensors (a hub id in the local cache too) is read straight onto the device
@@ -280,22 +267,18 @@ class FastEsm(nn.Module):
         folder = direct_folder(resolve_model_id(str(model)))
         if folder is not None:
             config, tensors = load_tensors(folder, device=device, dtype=dtype, heads=lm_head)
-            return cls.from_tensors(config, tensors, compile=compile)
+            return cls.from_tensors(config, tensors, fused=fused)
         from ..model.loading import load_esm
-        return cls.from_hf(load_esm(model, dtype=dtype, device=device), compile=compile)
+        return cls.from_hf(load_esm(model, dtype=dtype, device=device), fused=fused)
 
     # ---- the forward -----------------------------------------------------------------------------
-    def _functions(self, device: torch.device):
-        """The two per-block functions, compiled on CUDA unless ``compile=False`` was asked."""
-        if self._fns is None:
-            wanted = self._compile if self._compile is not None else device.type == "cuda"
-            if wanted:
-                # the token count dynamic from the first call (one compile, found in the on-disk cache on the next
-                # run); the widths stay static: every dimension dynamic costs 2-3x in the LayerNorm and rotary kernels
-                self._fns = (_compiled(attention_inputs, (0, 5, 6)), _compiled(block_output, (0, 1)))
-            else:
-                self._fns = (attention_inputs, block_output)
-        return self._fns
+    def uses_kernels(self) -> bool:
+        """Whether the forward runs the fused Triton path (:meth:`_forward_fused`): ``fused`` when given, else on
+        CUDA with a supported Triton in fp16/bf16, where flash attention runs."""
+        if self._fused is not None:
+            return self._fused
+        from ..ops import use_kernels
+        return use_kernels(self.embed_tokens.weight) and self._flash()
 
     def _embed(self, batch: PackedBatch) -> torch.Tensor:
         """Token embeddings with ESM-2's token-dropout rescaling per sequence: [N, D]."""
@@ -309,31 +292,67 @@ class FastEsm(nn.Module):
             x = (x * ((1 - MASK_RATIO_TRAIN) / (1 - observed))[seg][:, None]).to(x.dtype)
         return x
 
+    def _rotary(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, d] float32 of each token's position (transformers' rotary table)."""
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, layers: list[int] | None = None) -> dict[int, torch.Tensor]:
         """Hidden states of ``layers`` (0 … num_layers, fair-esm numbering; default: the last):
         ``{layer: [N, D]}`` in the model's dtype."""
         wanted = {self.num_layers} if layers is None else set(layers)
-        pre, post = self._functions(batch.tokens.device)
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        if self.uses_kernels():
+            return self._forward_fused(batch, wanted)
+        cos, sin = self._rotary(batch)
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
-        max_seqlen = batch.max_seqlen
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
         for i, b in enumerate(self.blocks, start=1):
+            if i > max(wanted, default=0):
+                break  # nothing asked for lies deeper
             w_qkv, w_o, w_1, w_2 = b.weights()
-            q, k, v = pre(h, b.attn_norm.weight, b.attn_norm.bias, w_qkv, b.qkv.bias, cos, sin, b.heads, self.eps)
-            a = varlen_attention(q, k, v, batch.cu_seqlens, max_seqlen, layout)
-            h = post(h, a, w_o, b.out.bias, b.ffn_norm.weight, b.ffn_norm.bias, w_1, b.fc1.bias, w_2, b.fc2.bias,
-                     self.eps)
+            q, k, v = attention_inputs(h, b.attn_norm.weight, b.attn_norm.bias, w_qkv, b.qkv.bias, cos, sin, b.heads,
+                                       self.eps)
+            a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, scale=1.0)
+            h = block_output(h, a, w_o, b.out.bias, b.ffn_norm.weight, b.ffn_norm.bias, w_1, b.fc1.bias, w_2,
+                             b.fc2.bias, self.eps)
             if i == self.num_layers:
                 h = self.final_norm(h)
             if i in wanted:
                 out[i] = h
-            if i >= max(wanted, default=0):
-                break  # nothing asked for lies deeper
+        return out
+
+    def _forward_fused(self, batch: PackedBatch, wanted: set[int]) -> dict[int, torch.Tensor]:
+        """The same forward in fewer launches, with no compiler to wait for: each residual add fused with the
+        LayerNorm after it (:func:`~esm_turbo.kernels.norm.add_layer_norm_triton`; the next block's LayerNorm too),
+        the query scaling and the rotary embedding of q and k in one launch
+        (:func:`~esm_turbo.kernels.rope.rope_packed_triton`), the biases in the matrix products' epilogues: nine
+        launches a block."""
+        from ..kernels.norm import add_layer_norm_triton
+        from ..kernels.rope import rope_packed_triton
+        cos, sin = self._rotary(batch)
+        h = self._embed(batch)
+        out = {0: h} if 0 in wanted else {}
+        n, dim = h.shape
+        first = self.blocks[0].attn_norm
+        _, x = add_layer_norm_triton(h, None, first.weight, first.bias, self.eps)
+        last = min(max(wanted, default=0), self.num_layers)
+        layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
+        for i, b in enumerate(self.blocks[:last], start=1):
+            w_qkv, w_o, w_1, w_2 = b.weights()
+            qkv = F.linear(x, w_qkv, b.qkv.bias)
+            q, k = rope_packed_triton(qkv, cos, sin, b.heads)
+            v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
+            a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, scale=1.0)
+            h, x = add_layer_norm_triton(h, F.linear(a.reshape(n, dim), w_o, b.out.bias), b.ffn_norm.weight,
+                                         b.ffn_norm.bias, self.eps)
+            f = F.gelu(F.linear(x, w_1, b.fc1.bias))
+            after = self.blocks[i].attn_norm if i < self.num_layers else self.final_norm
+            h, x = add_layer_norm_triton(h, F.linear(f, w_2, b.fc2.bias), after.weight, after.bias, self.eps)
+            if i in wanted:
+                out[i] = x if i == self.num_layers else h
         return out
 
     def _flash(self) -> bool:
@@ -428,7 +447,7 @@ class _GraphedEmbed:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # compile and warm every kernel outside the capture
+            for _ in range(2):  # build and warm every kernel outside the capture
                 step()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()

@@ -19,16 +19,16 @@ import torch.nn.functional as F
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               lengths: list[int]) -> torch.Tensor:
+def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                               scale: float | None = None) -> torch.Tensor:
     """Softmax attention within each sequence. ``q, k, v``: [N, H, d]; ``lengths``: tokens per
-    sequence (summing to N). Returns [N, H, d] in q's dtype; scale 1/sqrt(d)."""
+    sequence (summing to N). Returns [N, H, d] in q's dtype; ``scale`` default 1/sqrt(d)."""
     out = torch.empty_like(q)
     start = 0
     for n in lengths:
         sl = slice(start, start + n)
         out[sl] = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1),
-                                                 v[sl].transpose(0, 1)).transpose(0, 1)
+                                                 v[sl].transpose(0, 1), scale=scale).transpose(0, 1)
         start += n
     return out
 
@@ -43,7 +43,8 @@ def padded_layout(positions: torch.Tensor, segment: torch.Tensor, lengths: list[
     return index, mask[:, None, None, :], s, width
 
 
-def varlen_attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: tuple) -> torch.Tensor:
+def varlen_attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: tuple,
+                            scale: float | None = None) -> torch.Tensor:
     """The same attention as one batched SDPA call over a padded copy (the CPU path: one call per layer,
     not one per sequence; batches are length-sorted, so little padding). q, k, v: [N, H, d] → [N, H, d]."""
     index, mask, s, width = layout
@@ -51,7 +52,7 @@ def varlen_attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
 
     def pad(x):
         return x.new_zeros(s * width, heads, d).index_copy_(0, index, x).view(s, width, heads, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask)
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(s * width, heads, d).index_select(0, index)
 
 
@@ -72,19 +73,19 @@ def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, layout: tuple | None = None) -> torch.Tensor:
-    """Attention of each sequence of a packed batch to itself (scale 1/sqrt(d)).
+                     max_seqlen: int, layout: tuple | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of each sequence of a packed batch to itself (``scale`` default 1/sqrt(d)).
 
     q, k, v: [N, H, d]; cu_seqlens: [S + 1] int32 on q's device; max_seqlen: the longest sequence;
     layout: :func:`padded_layout` of the batch, for where the flash kernel cannot run. Returns [N, H, d].
     """
     if not flash_available(q.device, q.dtype, q.shape[-1]):
-        return varlen_attention_padded(q, k, v, layout)
+        return varlen_attention_padded(q, k, v, layout, scale)
     varlen_attn = _public_varlen()
     if varlen_attn is not None:
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
     return torch.ops.aten._flash_attention_forward(  # pragma: no cover - PyTorch < 2.9
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False)[0]
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale)[0]
 
 
 __all__ = ["flash_available", "padded_layout", "varlen_attention", "varlen_attention_padded",

@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from ..errors import EsmTurboError
 from ..io import atomic_write, atomic_write_text
 from .chunk import Chunk, chunk_of_items
@@ -109,6 +107,7 @@ class PtWriter:
             atomic_write_text(manifest, json.dumps({"meta": self.meta, "files": files}, indent=1))
 
     def write_chunk(self, chunk: Chunk) -> None:
+        import torch
         for item in chunk.items():
             atomic_write(self.path_of(item["label"]), lambda tmp, item=item: torch.save(item, tmp))
             self.written.append(item["label"])

@@ -71,3 +71,26 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
                                                   H=heads, D=head_dim, DP=dp, BH=bh, num_warps=4,
                                                   enable_fp_fusion=False)
     return qo.transpose(1, 2), ko.transpose(1, 2)
+
+
+def rope_packed_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same embedding for a packed batch (FastEsm): qkv [N, 3·H·d] (q, k, v side by side, as the fused
+    projection writes them; rows may be strided), cos, sin [N, d] float32 of each token's position. Returns q (scaled
+    by d ** -0.5, as transformers scales it) and k, [N, H, d] contiguous."""
+    n, width = qkv.shape
+    dim = width // 3
+    head_dim = dim // heads
+    if width % 3 or dim % heads or cos.shape != (n, head_dim) or sin.shape != cos.shape or qkv.stride(1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} and cos, sin {tuple(cos.shape)}, {tuple(sin.shape)} do not describe "
+                         f"{heads} heads of a packed batch")
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    qo = torch.empty(1, n, heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    ko = torch.empty_like(qo)
+    dp = triton.next_power_of_2(head_dim)
+    bh = min(triton.next_power_of_2(heads), max(1, 512 // dp))
+    q, k = qkv[:, :dim], qkv[:, dim: 2 * dim]
+    _rope_kernel[(n, triton.cdiv(heads, bh))](q, k, cos, sin, qo, ko, n, 0, q.stride(0), 0, k.stride(0), 0,
+                                              cos.stride(0), head_dim ** -0.5, H=heads, D=head_dim, DP=dp, BH=bh,
+                                              num_warps=4, enable_fp_fusion=False)
+    return qo[0], ko[0]

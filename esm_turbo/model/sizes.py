@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import EsmConfig
+
 #: name → (layers, hidden size, attention heads, Hugging Face hub id)
 ESM2_SIZES: dict[str, tuple[int, int, int, str]] = {
     "8M": (6, 320, 20, "facebook/esm2_t6_8M_UR50D"),
@@ -22,7 +27,7 @@ MAX_RESIDUES = 1022
 
 
 def esm2_config(size: str | None = None, *, layers: int | None = None, hidden: int | None = None,
-                heads: int | None = None, **overrides) -> "EsmConfig":
+                heads: int | None = None, **overrides) -> EsmConfig:
     """An EsmConfig shaped like a released ESM-2 size (or custom dims), as the hub configs set it."""
     from transformers import EsmConfig
     if size is not None:

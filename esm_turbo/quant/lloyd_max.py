@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from scipy import special
 
-SUPPORTED_BITS = (1, 2, 3, 4, 8)
+from . import SUPPORTED_BITS  # noqa: E402 - re-exported
 
 
 def check_bits(bits: int) -> int:
