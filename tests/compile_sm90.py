@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 from esm_turbo.bench import read  # noqa: E402
 from esm_turbo.kernels import blocks, quantize, rope, weights, weights_mma  # noqa: E402
+from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel  # noqa: E402
 from esm_turbo.quant.packing import packed_shifts  # noqa: E402
@@ -107,6 +108,11 @@ def main() -> None:
     compile_sm90(rope._rope_kernel, dict(H=40, D=64, DP=64, BH=8), {"S", "sqb", "sqs", "skb", "sks", "scb", "scs"},
                  dict(q_ptr=f16, k_ptr=f16, cos_ptr=f16, sin_ptr=f16, qo_ptr=f16, ko_ptr=f16, scale="fp32"),
                  num_warps=4)
+    # FastEsm's residual add and LayerNorm (650M's width, 1 row a program; and the LayerNorm alone at 3B's, 16 rows)
+    for d, block, rows, add in ((1280, 2048, 1, True), (2560, 4096, 1, False), (320, 512, 4, True)):
+        compile_sm90(add_norm._add_ln_kernel, dict(D=d, BLOCK=block, ROWS=rows, ADD=add), {"n_rows"},
+                     dict(h_ptr=f16, y_ptr=f16, w_ptr=f16, b_ptr=f16, s_ptr=f16, x_ptr=f16, eps="fp32"),
+                     num_warps=4 if block <= 2048 else 8)
     compile_sm90(weights._dequant_kernel, dict(BLOCK_M=64, BLOCK_K=64, GROUP=32, ROTATE=True, HAS_PREV=True,
                                                PRECISION="tf32", LUT=True),
                  {"M", "N", "G"}, dict(codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, rot_scale="fp32", out_ptr=f16),

@@ -3,15 +3,13 @@
 ``varlen_attention`` takes queries, keys and values of all sequences one after another
 (``[N, H, d]``) with their boundaries ``cu_seqlens`` ([S + 1] int32, ``cu_seqlens[s]`` the first
 token of sequence ``s``). On CUDA in fp16/bf16 it runs flash-attention's variable-length kernel
-(``torch.nn.attention.varlen``, falling back to the aten op on older PyTorch); everywhere else
+(the aten op behind ``torch.nn.attention.varlen``); everywhere else
 one batched scaled-dot-product attention over a padded copy with a key mask. Beside them,
 ``varlen_attention_reference``: attention once per sequence, the PyTorch reference both are tested
 against.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -56,17 +54,6 @@ def varlen_attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     return out.transpose(1, 2).reshape(s * width, heads, d).index_select(0, index)
 
 
-@functools.lru_cache(maxsize=1)
-def _public_varlen():
-    """``torch.nn.attention.varlen.varlen_attn`` (PyTorch >= 2.9; imported on first use, as it pulls in
-    torch._dynamo), or None for the aten op it wraps."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # pragma: no cover - older PyTorch
-        return None
-    return varlen_attn
-
-
 def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the flash variable-length kernel takes such inputs (CUDA, fp16/bf16, head dim ≤ 256, % 8)."""
     return device.type == "cuda" and dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
@@ -81,10 +68,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     if not flash_available(q.device, q.dtype, q.shape[-1]):
         return varlen_attention_padded(q, k, v, layout, scale)
-    varlen_attn = _public_varlen()
-    if varlen_attn is not None:
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
-    return torch.ops.aten._flash_attention_forward(  # pragma: no cover - PyTorch < 2.9
+    # the kernel torch.nn.attention.varlen.varlen_attn wraps, called directly: that module imports torch._dynamo
+    # (seconds at every start) for its custom-op registration, which inference does not need
+    return torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale)[0]
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import EsmTurboError
-from ..io import atomic_write, atomic_write_text
+from ..io import atomic_write, atomic_write_bytes, atomic_write_text
 from .chunk import Chunk, chunk_of_items
 
 FORMATS = ("pt", "h5")
@@ -107,9 +107,14 @@ class PtWriter:
             atomic_write_text(manifest, json.dumps({"meta": self.meta, "files": files}, indent=1))
 
     def write_chunk(self, chunk: Chunk) -> None:
+        import io
+
         import torch
+        self.out.mkdir(parents=True, exist_ok=True)
         for item in chunk.items():
-            atomic_write(self.path_of(item["label"]), lambda tmp, item=item: torch.save(item, tmp))
+            buf = io.BytesIO()
+            torch.save(item, buf)
+            atomic_write_bytes(self.path_of(item["label"]), buf.getbuffer())
             self.written.append(item["label"])
 
     def write(self, items: list[dict]) -> None:
