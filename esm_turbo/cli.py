@@ -96,6 +96,7 @@ def cmd_calibrate(args) -> int:
     from .model.loading import load_esm
     _check_inputs(args.device, args.model, args.fasta)
     checks.output_file(args.out, "--out")
+    checks.not_an_input(args.out, [*args.fasta, args.model], "--out")
     cfg = _config_from_args(args)
     records = read_fastas(args.fasta, max_residues=args.max_residues)
     if args.preset == "auto" and (args.holdout == 0 or len(records) < 2):
@@ -135,6 +136,7 @@ def cmd_evaluate(args) -> int:
             checks.input_file(path, "--calibration-fasta", "FASTA file")
     if args.json not in (None, "-"):
         checks.output_file(args.json, "--json")
+        checks.not_an_input(args.json, [*args.fasta, args.model, args.calibration, *args.calibration_fasta], "--json")
     records = read_fastas(args.fasta)
     if args.limit:
         records = records[: args.limit]
@@ -193,6 +195,9 @@ def cmd_quantize_weights(args) -> int:
 def cmd_embed(args) -> int:
     from .embed.command import run_embed
     _check_inputs(args.device, args.model, args.fasta, "fasta")
+    if args.format is None:  # by the name given: out.h5 is one HDF5 file, anything else a folder of .pt files
+        args.format = "h5" if str(args.output).lower().endswith((".h5", ".hdf5")) else "pt"
+    checks.not_an_input(args.output, [*args.fasta, args.model], "--output")
     if args.format == "h5":
         checks.output_file(args.output, "--output", hdf5=True)
     else:
@@ -386,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "overlapping windows per residue")
     p.add_argument("--window-overlap", type=checks.int_in(0), default=None,
                    help="residues shared by neighbouring windows (default: 256, at most a quarter of the window)")
-    p.add_argument("--format", choices=["pt", "h5"], default="pt")
+    p.add_argument("--format", choices=["pt", "h5"], default=None,
+                   help="pt: a .pt file per record (fair-esm's); h5: one HDF5 file (default: h5 for an output named "
+                        "*.h5 or *.hdf5, else pt)")
     p.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto",
                    help="compute dtype (auto: fp16 on CUDA, fp32 on CPU); outputs are stored as float32")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu… (default: cuda when available)")

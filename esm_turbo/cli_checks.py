@@ -73,10 +73,28 @@ def _writable_ancestor(path: Path, flag: str) -> None:
         raise EsmTurboError(f"{flag} {str(path)!r}: cannot write in {str(parent)!r} (permission denied)")
 
 
+#: file systems that hold the kernel's and devices' entries, not files (/dev/shm is ordinary memory)
+_SPECIAL = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def _ordinary_place(path: Path, flag: str) -> None:
+    """Not under /proc, /sys or /dev (but /dev/shm), and, if it exists, a regular file or a folder: writing a device
+    node, a pipe or a socket would replace it (an atomic write renames a new file over it)."""
+    resolved = path.expanduser().resolve()
+    shm = Path("/dev/shm")
+    special = [p for p in _SPECIAL if p == resolved or p in resolved.parents]
+    if special and not (resolved == shm or shm in resolved.parents):
+        raise EsmTurboError(f"{flag} {str(path)!r}: lies under {special[0]}, which holds no ordinary files; name a "
+                            f"place on a disk")
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise EsmTurboError(f"{flag} {str(path)!r}: exists and is not a regular file (a device, a pipe or a socket)")
+
+
 def output_file(path: str | Path, flag: str, hdf5: bool = False) -> Path:
     """A file the command will write: not a folder; its folder writable (or creatable); an existing
     file is writable, and with ``hdf5`` an HDF5 file (it is appended to, as ``--resume`` does)."""
     path = Path(path)
+    _ordinary_place(path, flag)
     if path.is_dir():
         raise EsmTurboError(f"{flag} {str(path)!r}: is a folder; name a file")
     _writable_ancestor(path, flag)
@@ -93,6 +111,7 @@ def output_file(path: str | Path, flag: str, hdf5: bool = False) -> Path:
 def output_dir(path: str | Path, flag: str) -> Path:
     """A folder the command will write into: not a file; writable or creatable."""
     path = Path(path)
+    _ordinary_place(path, flag)
     if path.exists() and not path.is_dir():
         raise EsmTurboError(f"{flag} {str(path)!r}: is a file; name a folder")
     if path.is_dir():
@@ -140,5 +159,13 @@ def known_layer_count(model: str) -> int | None:
         return None
 
 
-__all__ = ["device", "float_in", "input_file", "int_in", "known_layer_count", "model_source", "output_dir",
-           "output_file"]
+def not_an_input(path: str | Path, inputs: list[str | Path], flag: str) -> None:
+    """An output that is one of the command's inputs (a FASTA, the model's file or folder) would overwrite it."""
+    out = Path(path).expanduser().resolve()
+    for given in inputs:
+        if Path(given).expanduser().resolve() == out:
+            raise EsmTurboError(f"{flag} {str(path)!r}: is the input {str(given)!r}; name another output")
+
+
+__all__ = ["device", "float_in", "input_file", "int_in", "known_layer_count", "model_source", "not_an_input",
+           "output_dir", "output_file"]

@@ -74,6 +74,18 @@ def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: 
     return records, problems
 
 
+_NUCLEOTIDES = frozenset("ACGTUN")
+
+
+def check_not_nucleotides(records: list[Record], path: str | Path) -> None:
+    """A FASTA whose every record is written in A, C, G, T/U and N alone (and at least one of 10 or more letters) is
+    DNA or RNA, which ESM-2 would embed as the amino acids those letters also name: refused, naming the file."""
+    if records and all(_NUCLEOTIDES.issuperset(r.sequence) for r in records) and max(
+            len(r.sequence) for r in records) >= 10:
+        raise FastaError(f"{path}: every record is written in A, C, G, T/U and N only (first: {records[0].id!r}, "
+                         f"{records[0].source}): nucleotides, not a protein; translate it first")
+
+
 def read_fastas(paths: list[str | Path], **kwargs) -> list[Record]:
     """Read several files with ids unique across all of them."""
     seen: set[str] = set()

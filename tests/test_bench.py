@@ -97,3 +97,35 @@ def test_the_weights_report_reads_every_section():
                  "on the host; the link 50.0 GB/s, so its copy alone takes 21.5 ms)"):
         assert want in text, want
     assert weights_json(res)["decode"][0]["4-bit_ms"] == 12.0
+
+
+@pytest.mark.slow
+def test_end_to_end_rows_run_the_real_command_and_the_users_script(tmp_path):
+    """bench embed --corpus: our command and the user's script as whole processes on a corpus, their output closed,
+    beside the engine alone and the .pt floor (a smoke run of the steps on CPU; nothing about speed)."""
+    from esm_turbo.embed.bench_e2e import RUNS, bench_end_to_end, format_end_to_end
+    from esm_turbo.fasta import CALIBRATION_DATA, read_fasta, write_fasta
+    records, _ = read_fasta(CALIBRATION_DATA / "evaluation.fasta")
+    corpus = tmp_path / "corpus.fasta"
+    write_fasta(corpus, [(r.id, r.sequence) for r in records[:24]])
+    runs = ("ours h5 (cold)", "ours pt (warm)", "user eager")
+    row = bench_end_to_end(str(corpus), "8M", torch.device("cpu"), workdir=str(tmp_path), runs=runs)
+    assert set(row["runs"]) == set(runs) and set(runs) <= set(RUNS)
+    assert row["tokens"] == sum(len(r.sequence) + 2 for r in records[:24])
+    for name, run in row["runs"].items():
+        assert run["seconds"] > 0 and run["tokens_per_s"] == row["tokens"] / run["seconds"]
+        if name.startswith("ours"):  # the command's own summary line, parsed
+            assert run["loop_s"] > 0 and run["outside_loop_s"] <= run["seconds"]
+    assert row["engine_tokens_per_s"] > 0 and row["pt_floor"]["seconds"] > 0
+    text = "\n".join(format_end_to_end(row))
+    assert all(name in text for name in runs) and "engine alone" in text
+    assert list(tmp_path.iterdir()) == [corpus]  # its work folder removed
+
+
+def test_the_users_batches_stay_within_the_budget():
+    from esm_turbo.bench.baselines.user_embed import batches
+    seqs = ["A" * n for n in (5, 300, 17, 1022, 64, 64, 1, 200)]
+    plan = batches(seqs, 1024)
+    assert sorted(i for b in plan for i in b) == list(range(len(seqs)))
+    assert all(len(b) * (len(seqs[b[0]]) + 2) <= 1024 or len(b) == 1 for b in plan)
+    assert [len(seqs[b[0]]) for b in plan] == sorted((len(seqs[b[0]]) for b in plan), reverse=True)

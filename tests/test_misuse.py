@@ -186,3 +186,41 @@ def test_bad_calibration_refused_before_the_model_loads(place, capsys, monkeypat
     monkeypatch.setattr(loading, "load_esm", lambda *a, **k: pytest.fail("the model was loaded"))
     refused(["evaluate", "--model", model, "--fasta", fasta, "--calibration", fasta], capsys, tmp,
             "not a readable calibration checkpoint")
+
+
+def test_outputs_never_replace_inputs_or_special_files(place, capsys):
+    """An output naming an input (the FASTA, the model), a device node, a pipe, or a place under /proc, /sys or /dev
+    is refused before any work, and the thing named is untouched."""
+    tmp, fasta, model = place
+    before = open(fasta, "rb").read()
+    base = ["embed", "--model", model, fasta, "--quiet", "--nogpu"]
+    refused(base + ["-o", fasta, "--format", "h5", "--overwrite"], capsys, tmp, "--output", "is the input")
+    refused(base + ["-o", model, "--overwrite"], capsys, tmp, "is the input")  # .pt files over the model's
+    refused(base + ["-o", "/dev/null", "--format", "h5"], capsys, tmp, "lies under /dev")
+    refused(base + ["-o", "/proc/esm_turbo_out"], capsys, tmp, "lies under /proc")
+    calibrate = ["calibrate", "--model", model, "--fasta", fasta, "--out"]
+    refused(calibrate + ["/dev/null"], capsys, tmp, "--out '/dev/null'", "lies under /dev")
+    refused(calibrate + [fasta], capsys, tmp, "is the input")
+    fifo = tmp / "pipe"
+    os.mkfifo(fifo)
+    refused(calibrate + [str(fifo)], capsys, tmp, "not a regular file")
+    import stat
+    assert open(fasta, "rb").read() == before and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_nucleotide_fasta_is_refused(place, capsys):
+    tmp, _, model = place
+    dna = tmp / "dna.fasta"
+    write_fasta(dna, [("g1", "ATGGCGTACGTTAGCAAT"), ("g2", "ATGNNNACGU")])
+    refused(["embed", "--model", model, str(dna), "-o", str(tmp / "o"), "--nogpu"], capsys, tmp, "dna.fasta",
+            "nucleotides")
+
+
+def test_an_output_named_h5_is_one_hdf5_file(place):
+    from esm_turbo.embed.h5 import open_embeddings
+    tmp, fasta, model = place
+    assert main(["embed", "--model", model, fasta, "-o", str(tmp / "e.h5"), "--nogpu", "--quiet"]) == 0
+    assert (tmp / "e.h5").is_file()
+    with open_embeddings(tmp / "e.h5") as emb:
+        assert sorted(emb.ids) == ["a", "b"]

@@ -41,14 +41,20 @@ def model_folder(size: str, out: Path, device: torch.device) -> Path:
     from transformers import EsmTokenizer
 
     from ..model.alphabet import ESM2_TOKENS
-    net = random_esm2(size, device, torch.float16)
+    net = random_esm2(size, device, torch.float16 if device.type == "cuda" else torch.float32)
     net.save_pretrained(out)
     vocab = out / "vocab.txt"
     vocab.write_text("\n".join(ESM2_TOKENS) + "\n")
     EsmTokenizer(str(vocab)).save_pretrained(out)
     del net
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
+
+
+#: the end-to-end rows, in the order they run (the warm rows reuse the compile caches their cold row filled)
+RUNS = ("ours h5 (cold)", "ours h5 (warm)", "ours pt (warm)", "user compiled (cold)", "user compiled (warm)",
+        "user eager")
 
 
 def _timed_process(cmd: list[str], env: dict) -> tuple[float, str]:
@@ -98,27 +104,31 @@ def _write_share(ids: list[str], dim: int, layers: list[int], out: str) -> None:
 def engine_alone(folder: Path, records, device: torch.device, budget: int) -> float:
     """Tokens/s of ``Embedder.run`` on ``records`` in this process (fp16, mean; nothing written): one untimed pass,
     then one timed (every shape already met)."""
+    from ..schema import DTYPES
     from .benchmark import _NullWriter, _timed
     from .extract import EmbedConfig, Embedder
     from .fast_esm import FastEsm
-    fast = FastEsm.from_pretrained(folder, dtype=torch.float16, device=device, lm_head=False)
-    embedder = Embedder(fast, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype="fp16"), device)
+    dtype = "fp16" if device.type == "cuda" else "fp32"
+    fast = FastEsm.from_pretrained(folder, dtype=DTYPES[dtype], device=device, lm_head=False)
+    embedder = Embedder(fast, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype=dtype), device)
     tokens = sum(len(r.sequence) + 2 for r in records)
     seconds = _timed(lambda: embedder.run(records, _NullWriter(), progress=False), device, repeats=1)
     return tokens / seconds
 
 
 def bench_end_to_end(corpus: str, size: str, device: torch.device, workdir: str | None = None,
-                     budget: int = 16384) -> dict:
-    """Every row of the module docstring on ``corpus`` with a ``size``-shaped model."""
+                     budget: int = 16384, runs: tuple[str, ...] | None = None) -> dict:
+    """Every row of the module docstring on ``corpus`` with a ``size``-shaped model (fp32 without CUDA: a smoke run
+    of the same steps, no speed claim). ``runs``: only these rows of :data:`RUNS`."""
     records, _ = read_fasta(corpus)
     tokens = sum(len(r.sequence) + 2 for r in records)
     root = Path(tempfile.mkdtemp(prefix="esm_turbo_e2e_", dir=workdir))
     folder = model_folder(size, root / "model", device)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     py = sys.executable
-    ours = [py, "-m", "esm_turbo.cli", "embed", "--model", str(folder), corpus, "--include", "mean", "--dtype",
-            "fp16", "--toks-per-batch", str(budget), "--quiet"]
+    dtype = "fp16" if device.type == "cuda" else "fp32"
+    ours = [py, "-m", "esm_turbo.cli", "embed", "--model", str(folder), corpus, "--include", "mean", "--dtype", dtype,
+            "--toks-per-batch", str(budget), "--quiet"]
     user = [py, str(USER_SCRIPT), str(folder), corpus, str(root / "user.h5"), "--toks-per-batch", str(budget)]
     plan = [("ours h5 (cold)", "ours", ours + ["--format", "h5", "-o", str(root / "o.h5")], "h5"),
             ("ours h5 (warm)", "ours", ours + ["--format", "h5", "-o", str(root / "o.h5")], "h5"),
@@ -126,8 +136,10 @@ def bench_end_to_end(corpus: str, size: str, device: torch.device, workdir: str 
             ("user compiled (cold)", "user", user + ["--compile"], None),
             ("user compiled (warm)", "user", user + ["--compile"], None),
             ("user eager", "user", user, None)]
+    plan = [step for step in plan if runs is None or step[0] in runs]
     rows: dict = dict(size=size, corpus=corpus, records=len(records), tokens=tokens, toks_per_batch=budget,
-                      device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", runs={})
+                      dtype=dtype, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      runs={})
     for name, who, cmd, fmt in plan:
         _progress(f"end to end: {name}")
         for stale in (root / "o.h5", root / "user.h5"):
@@ -141,7 +153,7 @@ def bench_end_to_end(corpus: str, size: str, device: torch.device, workdir: str 
         if loop:
             run.update(loop_s=float(loop.group(2)), loop_tokens_per_s=float(loop.group(3)))
             run.update({k.replace(" ", "_").replace("-", "") + "_s": float(v) for k, v in _PHASE.findall(log)})
-            steady = run["loop_s"] - run.get("first_batch_s", 0.0) - run.get("waiting_on_writes_s", 0.0)
+            steady = max(0.0, run["loop_s"] - run.get("first_batch_s", 0.0) - run.get("waiting_on_writes_s", 0.0))
             run["outside_loop_s"] = seconds - steady  # start-up, first batch, waits on writes, merge, exit
         rows["runs"][name] = run
     _progress("end to end: the engine alone, the .pt floor, the GEMM ceiling")
@@ -154,14 +166,15 @@ def bench_end_to_end(corpus: str, size: str, device: torch.device, workdir: str 
     cfg = read_config(folder)
     rows["pt_floor"] = dict(workers=workers, seconds=pt_floor([r.id for r in records], cfg.hidden_size,
                                                               [cfg.num_hidden_layers], workers, root / "pt"))
-    rows["gemm_ceiling_tokens_per_s"] = gemm_ceiling(cfg, budget, device, torch.float16)
+    rows["gemm_ceiling_tokens_per_s"] = gemm_ceiling(cfg, budget, device, torch.float16)  # None off CUDA
     shutil.rmtree(root, ignore_errors=True)
     return rows
 
 
 def format_end_to_end(e: dict) -> list[str]:
     """The end-to-end table: each run's wall time and tokens/s, the loop's share, ratios to the baselines."""
-    lines = [f"\nend to end on {e['corpus']}: {e['records']} records, {e['tokens']} tokens, {e['size']}-shaped fp16, "
+    lines = [f"\nend to end on {e['corpus']}: {e['records']} records, {e['tokens']} tokens, {e['size']}-shaped "
+             f"{e['dtype']}, "
              f"{e['toks_per_batch']}-token batches, {e['device']} (process start to exit, output closed)"]
     runs = e["runs"]
     user = runs.get("user compiled (warm)", {}).get("seconds")
@@ -170,9 +183,9 @@ def format_end_to_end(e: dict) -> list[str]:
         extra = ""
         if "loop_s" in r:
             extra = (f"  loop {r['loop_tokens_per_s'] / 1e3:.0f}K/s ({100 * r['loop_tokens_per_s'] / engine:.0f}% of "
-                     f"the engine), outside the loop {r['outside_loop_s']:.1f} s (start-up {r.get('startup_s', 0):.1f}, "
-                     f"first batch {r.get('first_batch_s', 0):.1f}, write waits {r.get('waiting_on_writes_s', 0):.1f}, "
-                     f"merge {r.get('final_merge_s', 0):.1f})")
+                     f"the engine), outside the loop {r['outside_loop_s']:.1f} s (start-up "
+                     f"{r.get('startup_s', 0):.1f}, first batch {r.get('first_batch_s', 0):.1f}, write waits "
+                     f"{r.get('waiting_on_writes_s', 0):.1f}, merge {r.get('final_merge_s', 0):.1f})")
         ratio = f"  {user / r['seconds']:.2f}× user compiled (warm)" if user and name.startswith("ours") else ""
         lines.append(f"  {name:22} {r['seconds']:7.1f} s {r['tokens_per_s'] / 1e3:7.0f}K tokens/s{ratio}{extra}")
     if engine:
@@ -188,4 +201,4 @@ def format_end_to_end(e: dict) -> list[str]:
     return lines
 
 
-__all__ = ["bench_end_to_end", "engine_alone", "format_end_to_end", "model_folder", "pt_floor"]
+__all__ = ["RUNS", "bench_end_to_end", "engine_alone", "format_end_to_end", "model_folder", "pt_floor"]

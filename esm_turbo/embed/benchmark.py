@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..bench.baselines.user_embed import batches as sorted_batches
 from ..fasta import Record, read_fastas
 from ..model.alphabet import encode
 
@@ -80,18 +81,6 @@ def random_esm2(size: str, device: torch.device, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):
         return EsmForMaskedLM(cfg).to(dtype).eval()
-
-
-def sorted_batches(seqs: list[str], budget: int) -> list[list[int]]:
-    """Indices, longest first, so that rows × (longest + 2) ≤ budget (the careful user's loop)."""
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * (len(seqs[cur[0]]) + 2) > budget:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    return out + ([cur] if cur else [])
 
 
 def hf_loop(esm, seqs: list[str], batches: list[list[int]], device: torch.device) -> None:
@@ -274,9 +263,6 @@ def bench_embed(device: torch.device, fasta: list[str], quick: bool = False,
     rows (:mod:`esm_turbo.embed.bench_e2e`) on that FASTA, for each size asked (default 650M), after the suite."""
     result = _bench_suite(device, fasta, quick, sizes)
     if corpus is not None:
-        if device.type != "cuda":
-            result["notes"] = ["end-to-end rows need CUDA (the user's script runs there)"]
-            return result
         from .bench_e2e import bench_end_to_end
         result["end_to_end"] = [bench_end_to_end(corpus, size, device) for size in (sizes or ["650M"])]
     return result

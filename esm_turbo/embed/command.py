@@ -44,7 +44,7 @@ def default_writers(fmt: str, ranks_here: int) -> int:
 
 
 def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logits: bool, offload: bool,
-                       phases: _Phases | None = None):
+                       phases: _Phases | None = None, quiet: bool = False):
     """(the model to embed with, its fingerprint). A transformers folder with safetensors (or a hub id in the local
     cache) is read straight into FastEsm on the device; contacts, quantized folders, fair-esm files and downloads
     take transformers' ``EsmForMaskedLM``."""
@@ -63,6 +63,9 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
             phases.mark("fingerprint")
         return FastEsm.from_tensors(config, tensors), fingerprint
     from ..model.loading import load_esm
+    if quiet:  # transformers' own loading bar
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
     net = load_esm(model, dtype=dtype)  # loaded in the dtype it runs in: no fp32 copy
     from ..model.folder import check_finite
     check_finite(net.state_dict().items(), str(model))
@@ -82,7 +85,7 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
 
 def run_embed(args) -> int:
     """The command; returns its exit code (errors raise :class:`EsmTurboError`)."""
-    from ..fasta import read_fasta
+    from ..fasta import check_not_nucleotides, read_fasta
     phases = _Phases()
     phases.times["imports"] = seconds_since_start() or 0.0
     rank, world = distributed_context()
@@ -104,6 +107,16 @@ def run_embed(args) -> int:
         meta["repr_layers"] = resolve_layers(args.repr_layers, layers)  # refused here, before the model is loaded
     writer = make_writer(args.format, args.output, rank, world)
     check_output(writer, meta, args.resume, args.overwrite)
+    summary = EmbedSummary()
+    records, seen = [], set()
+    for path in args.fasta:  # length limits are the embedder's job (truncate / windows), not an error
+        recs, problems = read_fasta(path, skip_invalid=args.skip_invalid, seen=seen, strip_gaps=args.strip_gaps)
+        check_not_nucleotides(recs, path)
+        records += recs
+        summary.failed += problems
+    for problem in summary.failed:
+        log.warning("skipped: %s", problem)
+    phases.mark("fasta")
     pool = None
     if args.writers != 0:
         from .pool import WriterPool
@@ -112,25 +125,11 @@ def run_embed(args) -> int:
                           workers=args.writers or default_writers(args.format, local)).start()
     try:
         phases.mark("writers")
-        summary = EmbedSummary()
-        records, seen = [], set()
-        for path in args.fasta:  # length limits are the embedder's job (truncate / windows), not an error
-            recs, problems = read_fasta(path, skip_invalid=args.skip_invalid, seen=seen, strip_gaps=args.strip_gaps)
-            records += recs
-            summary.failed += problems
-        for problem in summary.failed:
-            log.warning("skipped: %s", problem)
-        phases.mark("fasta")
-        if args.quiet:  # transformers' own loading bar too
-            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-            if "transformers" in sys.modules:
-                from transformers.utils import logging as hf_logging
-                hf_logging.disable_progress_bar()
         if device.type == "cuda":  # the context, apart from the weights' own time
             torch.empty(1, device=device)
             phases.mark("cuda")
         model, fingerprint = load_for_embedding(str(args.model), cfg, device, "logits" in cfg.include,
-                                                args.offload_residual, phases)
+                                                args.offload_residual, phases, quiet=args.quiet)
         embedder = Embedder(model, cfg, device)
         phases.mark("model")
         meta.update(repr_layers=embedder.layers, model_fingerprint=fingerprint)

@@ -204,8 +204,12 @@ class Embedder:
         real batch does not wait for them. A no-op off CUDA, where nothing is compiled."""
         if self.device.type != "cuda":
             return
-        rows = np.arange(2) if "per_tok" in self.config.include else np.arange(0)
-        self.outputs(["MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ", "GSHMLEDPVDAFQ"], rows)
+        # two token counts, one a multiple of 16 and one not: Triton builds a kernel for each (it specialises
+        # integer arguments on divisibility by 16), and real batches meet both
+        for seqs in (["MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ", "GSHMLEDPVDA"],  # 48 tokens
+                     ["MKTAYIAKQRQISFVKSHFSRQLEERLGLIE"]):  # 33
+            rows = np.arange(len(seqs)) if "per_tok" in self.config.include else np.arange(0)
+            self.outputs(seqs, rows)
         torch.cuda.synchronize(self.device)
 
     # ---- one batch on the device ------------------------------------------------------------------

@@ -229,7 +229,7 @@ class H5Writer:
         return self.out
 
 
-def follow_parts(out: str | Path, done: Callable[[], bool], poll: float = 0.25, meta: dict | None = None) -> Path:
+def follow_parts(out: str | Path, done: Callable[[], bool], poll: float = 0.05, meta: dict | None = None) -> Path:
     """Copy ``out`` (if it exists) and then each part file under ``<out>.parts/`` into a new ``out``, written
     atomically, until ``done()`` is true and no part is left unread; then drop the parts. Parts appear whole
     (each is renamed into place), so one listed is complete."""
