@@ -19,6 +19,7 @@ from . import cli_checks as checks
 from .embed.benchmark import EMBED_BENCH_SIZES
 from .embed.extract import TOKS_PER_BATCH
 from .model.recipe import PRESETS, CalibrationConfig
+from .model.sizes import ESM2_SIZES
 from .quant import SUPPORTED_BITS
 from .schema import DTYPES, add_flags
 
@@ -99,6 +100,10 @@ def cmd_calibrate(args) -> int:
     checks.not_an_input(args.out, [*args.fasta, args.model], "--out")
     cfg = _config_from_args(args)
     records = read_fastas(args.fasta, max_residues=args.max_residues)
+    from .model.holdout import split_holdout
+    if not split_holdout(records, args.holdout, cfg.seed)[0]:
+        raise EsmTurboError(f"--holdout {args.holdout} of {len(records)} sequences leaves none to calibrate on: give "
+                            f"more sequences or a smaller --holdout")
     if args.preset == "auto" and (args.holdout == 0 or len(records) < 2):
         raise EsmTurboError("--preset auto picks a recipe on a held-out part of the calibration set: give --holdout > 0 "
                             "and at least two sequences")
@@ -173,11 +178,17 @@ def cmd_evaluate(args) -> int:
 
 def cmd_quantize_weights(args) -> int:
     from .model.loading import load_esm
-    from .weights import WeightQuantConfig, quantize_model, save_quantized, weight_memory
+    from .weights import WeightQuantConfig, is_quantized_dir, quantize_model, save_quantized, weight_memory
+    from .weights.model import remove_stale_saves
     _check_inputs(args.device, args.model, [])
+    if is_quantized_dir(args.model):
+        raise EsmTurboError(f"--model {str(args.model)!r}: is already quantized (esm-turbo quantize-weights); quantize "
+                            f"the model it was made from")
     out = checks.output_dir(args.out, "--out")
+    checks.not_an_input(out, [args.model], "--out")
     if out.is_dir() and any(out.iterdir()):
         raise EsmTurboError(f"--out {str(out)!r}: folder is not empty; name a new folder")
+    remove_stale_saves(out)  # what a killed save left beside it
     with _fields_as_flags(WeightQuantConfig):
         cfg = WeightQuantConfig(bits=args.bits, group=args.group, residual=args.residual, seed=args.seed)
     start = time.perf_counter()
@@ -217,6 +228,9 @@ def cmd_bench(args) -> int:
         return _bench_weights(args)
     if args.suite == "design":
         return _bench_design(args)
+    if args.sizes and args.suite not in ("embed", "weights"):
+        raise EsmTurboError(f"--sizes: the {args.suite} suite runs its own shapes (--sizes chooses those of the embed "
+                            f"and weights suites)")
     if args.sizes and set(args.sizes) - set(EMBED_BENCH_SIZES):
         raise EsmTurboError(f"--sizes {' '.join(sorted(set(args.sizes) - set(EMBED_BENCH_SIZES)))}: the embed suite "
                             f"takes {', '.join(EMBED_BENCH_SIZES)}")
@@ -314,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate-codec", help="codec MSE and inner-product bias on random unit vectors")
     p.add_argument("--bits", type=int, choices=list(SUPPORTED_BITS), nargs="+", default=[2, 3, 4])
     p.add_argument("--head-dim", type=_head_dim, nargs="+", default=[64, 128], help="multiples of 8")
-    p.add_argument("--vectors", type=checks.int_in(2), default=8192)
+    p.add_argument("--vectors", type=checks.int_in(2, 1 << 20), default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_validate_codec)
@@ -435,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="offline end-to-end run on a stand-in model: calibrate + evaluate")
-    p.add_argument("--size", default="8M")
+    p.add_argument("--size", default="8M", choices=list(ESM2_SIZES),
+                   help="the stand-in's ESM-2 shape")
     p.add_argument("--out", default="demo_output", help="folder for the stand-in model, checkpoints and report")
     p.add_argument("--calibration-fasta", default=str(CALIBRATION_DATA / "calibration.fasta"))
     p.add_argument("--eval-fasta", default=str(CALIBRATION_DATA / "evaluation.fasta"))

@@ -1,5 +1,6 @@
 """Wrong invocations end in one line, exit code 2, before any work, with nothing written."""
 
+import json
 import os
 
 import pytest
@@ -224,3 +225,44 @@ def test_an_output_named_h5_is_one_hdf5_file(place):
     assert (tmp / "e.h5").is_file()
     with open_embeddings(tmp / "e.h5") as emb:
         assert sorted(emb.ids) == ["a", "b"]
+
+
+def test_requests_that_cannot_be_met_are_refused_before_any_work(place, capsys):
+    tmp, fasta, model = place
+    refused(["calibrate", "--model", model, "--fasta", fasta, "--out", str(tmp / "c.safetensors"), "--holdout", "0.9"],
+            capsys, tmp, "--holdout 0.9 of 2 sequences leaves none")
+    refused(["demo", "--size", "7B", "--out", str(tmp / "demo")], capsys, tmp, "--size", "7B")
+    refused(["validate-codec", "--vectors", "100000000000"], capsys, tmp, "--vectors", "out of range")
+    refused(["bench", "decode", "--sizes", "8M"], capsys, tmp, "--sizes", "decode suite")
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda meta: "{not json", "malformed"),
+    (lambda meta: json.dumps({k: v for k, v in json.loads(meta).items() if k != "layers"}), "malformed"),
+    (lambda meta: json.dumps(dict(json.loads(meta), config=dict(json.loads(meta)["config"], colour=1))), "malformed"),
+])
+def test_edited_calibration_metadata_is_one_line(place, capsys, edit, needle):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    tmp, fasta, model = place
+    cal = tmp / "c.safetensors"
+    assert main(["calibrate", "--model", model, "--fasta", fasta, "--out", str(cal), "--holdout", "0",
+                 "--quiet"]) == 0
+    with safe_open(str(cal), framework="pt") as fh:
+        meta = dict(fh.metadata())
+    meta["esm_turbo"] = edit(meta["esm_turbo"])
+    save_file(load_file(cal), str(cal), metadata=meta)
+    capsys.readouterr()
+    refused(["evaluate", "--model", model, "--fasta", fasta, "--calibration", str(cal)], capsys, tmp, needle)
+
+
+def test_ids_that_look_like_paths_are_stored_as_given(place):
+    from esm_turbo.embed.h5 import open_embeddings
+    tmp, _, model = place
+    odd = tmp / "odd.fasta"
+    write_fasta(odd, [(".", "MKTAYIAKQRQ"), ("..", "GSHMLEDPV"), ("a/../b", "MKV")])
+    assert main(["embed", "--model", model, str(odd), "-o", str(tmp / "e.h5"), "--nogpu", "--quiet"]) == 0
+    with open_embeddings(tmp / "e.h5") as emb:
+        assert sorted(emb.ids) == [".", "..", "a/../b"] and emb["."]["mean_representations"][3].shape == (64,)
+    assert main(["embed", "--model", model, str(odd), "-o", str(tmp / "pt"), "--nogpu", "--quiet"]) == 0
+    assert sorted(torch.load(p)["label"] for p in (tmp / "pt").glob("*.pt")) == [".", "..", "a/../b"]

@@ -66,9 +66,7 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
     if quiet:  # transformers' own loading bar
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-    net = load_esm(model, dtype=dtype)  # loaded in the dtype it runs in: no fp32 copy
-    from ..model.folder import check_finite
-    check_finite(net.state_dict().items(), str(model))
+    net = load_esm(model, dtype=dtype)  # loaded in the dtype it runs in (no fp32 copy), checked
     if offload:  # the residual pass in pinned host memory, a layer copied ahead (weights.offload)
         from ..weights.offload import offload_residual
         offload_residual(net, device)

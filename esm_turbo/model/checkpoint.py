@@ -102,59 +102,66 @@ class Calibration:
             raise CheckpointError(f"{path}: not a readable calibration checkpoint (truncated or corrupt: {err})") from None
         if "esm_turbo" not in header:
             raise CheckpointError(f"{path}: safetensors file without esm_turbo metadata (not a calibration)")
-        meta = json.loads(header["esm_turbo"])
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')}, this esm_turbo reads "
-                                  f"format {FORMAT_VERSION}: recalibrate with `esm-turbo calibrate`")
-        # a saved config is resolved: its widths are as calibrated
-        cfg = config_from_meta(meta["config"])
-        heads, dim = meta["heads"], meta["head_dim"]
-        codecs = []
-        for li in range(meta["layers"]):
-            pair = []
-            for kind, bits, rot_kind in (("k", cfg.key_index_bits, cfg.key_rotation), ("v", cfg.value_index_bits, cfg.value_rotation)):
-                prefix = f"layers.{li}.{kind}."
-                widths, order = tensors.get(prefix + "widths"), tensors.get(prefix + "order")
-                if (widths is None) != (order is None) or (widths is None) == cfg.bit_allocation:
-                    raise CheckpointError(f"{path}: layer {li} {kind}: bit allocation tables missing or unexpected "
-                                          f"(incomplete checkpoint)")
-                top = int(widths.max()) if widths is not None else None
-                q = VectorQuantizer(heads, dim, bits, cfg.residual, normalize=False,
-                                    qjl_seed=quantizer_seed(cfg, li, kind) + 1, max_bits=top)
-                missing = [n for n in _TABLES if prefix + n not in tensors]
-                stored = tensors.get(prefix + "rot")
-                choice = (torch.tensor(meta["value_rotation_choice"][li], dtype=torch.bool) if rot_kind == "auto"
-                          else None)
-                if rot_kind in FITTED_ROTATIONS and stored is None and (choice is None or choice.any()):
-                    missing.append("rot")
-                if missing:
-                    raise CheckpointError(f"{path}: layer {li} {kind}: missing tables {missing} (incomplete checkpoint)")
-                try:
-                    q.rot_stored = _stored_reflectors(stored, choice, heads, dim)
-                    rot = (from_reflectors(q.rot_stored, dim) if rot_kind in FITTED_ROTATIONS
-                           else build_rotation(rot_kind, heads, dim, quantizer_seed(cfg, li, kind)).rot)
-                except ValueError as err:
-                    raise CheckpointError(f"{path}: layer {li} {kind}: {err}") from None
-                try:
-                    if widths is not None:
-                        q.rot_order = order.long()
-                        q.widths.copy_(widths.long())
-                        rot = rot.gather(1, q.rot_order[..., None].expand(-1, -1, dim))
-                    q.rot.copy_(rot)
-                    for n in _TABLES:
-                        t = tensors[prefix + n]
-                        getattr(q, n).copy_(_unflatten_levels(t, q.widths, q.centroids.shape[-1])
-                                            if widths is not None and n in _LUTS else t)
-                except RuntimeError as err:
-                    raise CheckpointError(f"{path}: layer {li} {kind}: table shapes do not match ({err})") from None
-                q.grid = cfg.lut == "grid"
-                q.wide = tensors[prefix + "centroids"].dtype == torch.float32  # levels beyond fp16, kept in fp32
-                if q.grid and not identity_code(q):
-                    raise CheckpointError(f"{path}: layer {li} {kind}: a lut='grid' calibration whose tables are "
-                                          f"not the identity code (corrupt checkpoint)")
-                pair.append(q)
-            codecs.append(KVCodec(*pair).to(device))
-        return cls(codecs, cfg, meta)
+        try:
+            meta = json.loads(header["esm_turbo"])
+            if meta.get("format_version") != FORMAT_VERSION:
+                raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')}, this esm_turbo reads "
+                                      f"format {FORMAT_VERSION}: recalibrate with `esm-turbo calibrate`")
+            # a saved config is resolved: its widths are as calibrated
+            cfg = config_from_meta(meta["config"])
+            heads, dim = meta["heads"], meta["head_dim"]
+            codecs = []
+            for li in range(meta["layers"]):
+                pair = []
+                for kind, bits, rot_kind in (("k", cfg.key_index_bits, cfg.key_rotation),
+                                             ("v", cfg.value_index_bits, cfg.value_rotation)):
+                    prefix = f"layers.{li}.{kind}."
+                    widths, order = tensors.get(prefix + "widths"), tensors.get(prefix + "order")
+                    if (widths is None) != (order is None) or (widths is None) == cfg.bit_allocation:
+                        raise CheckpointError(f"{path}: layer {li} {kind}: bit allocation tables missing or unexpected "
+                                              f"(incomplete checkpoint)")
+                    top = int(widths.max()) if widths is not None else None
+                    q = VectorQuantizer(heads, dim, bits, cfg.residual, normalize=False,
+                                        qjl_seed=quantizer_seed(cfg, li, kind) + 1, max_bits=top)
+                    missing = [n for n in _TABLES if prefix + n not in tensors]
+                    stored = tensors.get(prefix + "rot")
+                    choice = (torch.tensor(meta["value_rotation_choice"][li], dtype=torch.bool) if rot_kind == "auto"
+                              else None)
+                    if rot_kind in FITTED_ROTATIONS and stored is None and (choice is None or choice.any()):
+                        missing.append("rot")
+                    if missing:
+                        raise CheckpointError(f"{path}: layer {li} {kind}: missing tables {missing} (incomplete checkpoint)")
+                    try:
+                        q.rot_stored = _stored_reflectors(stored, choice, heads, dim)
+                        rot = (from_reflectors(q.rot_stored, dim) if rot_kind in FITTED_ROTATIONS
+                               else build_rotation(rot_kind, heads, dim, quantizer_seed(cfg, li, kind)).rot)
+                    except ValueError as err:
+                        raise CheckpointError(f"{path}: layer {li} {kind}: {err}") from None
+                    try:
+                        if widths is not None:
+                            q.rot_order = order.long()
+                            q.widths.copy_(widths.long())
+                            rot = rot.gather(1, q.rot_order[..., None].expand(-1, -1, dim))
+                        q.rot.copy_(rot)
+                        for n in _TABLES:
+                            t = tensors[prefix + n]
+                            getattr(q, n).copy_(_unflatten_levels(t, q.widths, q.centroids.shape[-1])
+                                                if widths is not None and n in _LUTS else t)
+                    except RuntimeError as err:
+                        raise CheckpointError(f"{path}: layer {li} {kind}: table shapes do not match ({err})") from None
+                    q.grid = cfg.lut == "grid"
+                    q.wide = tensors[prefix + "centroids"].dtype == torch.float32  # levels beyond fp16, kept in fp32
+                    if q.grid and not identity_code(q):
+                        raise CheckpointError(f"{path}: layer {li} {kind}: a lut='grid' calibration whose tables are "
+                                              f"not the identity code (corrupt checkpoint)")
+                    pair.append(q)
+                codecs.append(KVCodec(*pair).to(device))
+            return cls(codecs, cfg, meta)
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:  # edited or damaged metadata
+            raise CheckpointError(f"{path}: its esm_turbo metadata is malformed or does not fit its tables "
+                                  f"({type(err).__name__}: {str(err)[:150]}); recalibrate") from None
 
 
 def _stored_reflectors(stored: torch.Tensor | None, choice: torch.Tensor | None, heads: int,

@@ -7,6 +7,7 @@ so the rest of the package never branches on checkpoint format.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -104,45 +105,122 @@ def load_fair_esm(path: str | Path) -> EsmForMaskedLM:
     return model
 
 
+#: names a transformers ESM-2 checkpoint may lack without loss: buffers recomputed from the config, and the contact
+#: head, which only contact maps read
+_MAY_LACK = ("position_ids", "inv_freq", "contact_head.")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' own report of a load and its loading bar (printed before our one-line error) silenced while
+    loading, unless esm_turbo's own logging is verbose."""
+    from transformers.utils import logging as hf_logging
+    if logging.getLogger("esm_turbo").isEnabledFor(logging.INFO):
+        yield
+        return
+    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def _from_pretrained(source, where: str, dtype: torch.dtype, **kwargs) -> EsmForMaskedLM:
+    """``EsmForMaskedLM.from_pretrained`` that refuses, in one line naming the tensor, a checkpoint missing a weight,
+    holding one ESM-2 does not have, or one of another shape than the config gives (transformers would fill them
+    with random values and go on)."""
+    with _quiet_transformers():
+        net, info = EsmForMaskedLM.from_pretrained(source, dtype=dtype, output_loading_info=True,
+                                                   ignore_mismatched_sizes=True, **kwargs)
+    missing = [k for k in info.get("missing_keys", []) if not any(m in k for m in _MAY_LACK)]
+    if missing:
+        raise ModelLoadError(f"{where}: tensor {missing[0]!r} is missing" +
+                             (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = [k for k in info.get("unexpected_keys", []) if not any(m in k for m in _MAY_LACK)]
+    if unexpected:
+        raise ModelLoadError(f"{where}: unexpected tensor {unexpected[0]!r} (not part of this ESM-2; is it an ESM-2 "
+                             f"checkpoint, and its config.json the one it was saved with?)")
+    for name, got, want in info.get("mismatched_keys", []):
+        raise ModelLoadError(f"{where}: tensor {name!r} has shape {list(got)}, the config gives {list(want)}")
+    return net
+
+
+def _hub_unreachable(timeout: float = 1.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached from here (no route to its host within ``timeout``), or None.
+    Behind a proxy the answer is left to the download itself."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    import socket
+    from urllib.parse import urlparse
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError as err:
+        return f"{host} is unreachable ({type(err).__name__})"
+    return None
+
+
 def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> EsmForMaskedLM:
-    """Load ESM-2 for masked-LM inference in eval mode.
+    """Load ESM-2 for masked-LM inference in eval mode, checked: every weight present, of the shape its config
+    gives, finite.
 
     ``model``: a size name (``8M`` … ``15B``), a hub id (``facebook/esm2_t33_650M_UR50D``), a local
     directory written by ``save_pretrained`` or by ``esm-turbo quantize-weights``, or a fair-esm ``.pt`` file.
     A transformers checkpoint is read straight into ``dtype`` (no float32 copy of a 16-bit model).
     """
     from ..weights.model import is_quantized_dir, load_quantized
+    from .folder import check_finite
     path = Path(str(model)).expanduser()
     if path.is_file():
         net = load_fair_esm(path)
     elif is_quantized_dir(path):  # esm-turbo quantize-weights
         net = load_quantized(path)
     elif path.is_dir():
+        if (path / "config.json").is_file():
+            from .folder import read_config
+            read_config(path)  # an ESM-2 config, or a one-line error naming the field
         try:
-            net = EsmForMaskedLM.from_pretrained(path, dtype=dtype)
+            net = _from_pretrained(path, str(path), dtype)
+        except ModelLoadError:
+            raise
         except Exception as err:  # noqa: BLE001
-            raise ModelLoadError(f"{path}: not a transformers ESM-2 directory ({err})") from None
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise ModelLoadError(f"{path}: not a transformers ESM-2 directory ({first})") from None
     else:
         hub_id = resolve_model_id(str(model))
         try:
-            net = EsmForMaskedLM.from_pretrained(hub_id, dtype=dtype, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not in the local HF cache: try the hub unless offline
+            net = _from_pretrained(hub_id, hub_id, dtype, local_files_only=True)
+        except ModelLoadError:
+            raise
+        except Exception:  # noqa: BLE001 - not in the local HF cache: try the hub unless offline or unreachable
             offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
             try:
                 if offline:
                     raise OSError("HF_HUB_OFFLINE is set")
-                net = EsmForMaskedLM.from_pretrained(hub_id, dtype=dtype)
+                unreachable = _hub_unreachable()
+                if unreachable:
+                    raise OSError(unreachable)
+                net = _from_pretrained(hub_id, hub_id, dtype)
+            except ModelLoadError:
+                raise
             except Exception as err:  # noqa: BLE001
                 raise ModelLoadError(
                     f"cannot load ESM-2 {model!r} from the Hugging Face hub ({type(err).__name__}: "
-                    f"{str(err)[:200]}). Without internet, pass a local path instead: a directory "
-                    f"written by save_pretrained (e.g. --model /models/esm2_t33_650M_UR50D) or a fair-esm "
-                    f".pt file (e.g. --model ~/.cache/torch/hub/checkpoints/esm2_t33_650M_UR50D.pt)."
+                    f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}). Without internet, pass "
+                    f"a local path instead: a directory written by save_pretrained (e.g. --model "
+                    f"/models/esm2_t33_650M_UR50D) or a fair-esm .pt file (e.g. --model "
+                    f"~/.cache/torch/hub/checkpoints/esm2_t33_650M_UR50D.pt)."
                 ) from None
     if getattr(net.config, "position_embedding_type", "") != "rotary":
         raise ModelLoadError(f"{model}: only ESM-2 (rotary position embeddings) is supported")
-    return net.to(device=device, dtype=dtype).eval()
+    net = net.to(device=device, dtype=dtype).eval()
+    check_finite(net.state_dict().items(), str(model))
+    return net
 
 
 def model_fingerprint(model: EsmForMaskedLM, samples_per_tensor: int = 65_536) -> str:

@@ -6,14 +6,20 @@ fit a GPU in fp16 can be loaded onto it):
 * ``config.json``: the transformers ``EsmConfig``;
 * ``weights.safetensors``: every tensor of the model, the quantized linears as their codes, scales and codebooks,
   the rest (embeddings, LayerNorms, the LM head) in fp16; metadata ``esm_turbo_weights`` (JSON): format version,
-  bits, group, passes, seed, which linears are quantized, the source model's name and fingerprint.
+  bits, group, passes, seed, which linears are quantized, the source model's name and fingerprint; and
+  ``esm_turbo_content_sha256``, the hash of every tensor's bytes.
 
-Writes are atomic; loading checks completeness and the format version.
+The folder is written whole under a temporary name and renamed; loading checks the content hash (bytes changed on
+disk are refused), the metadata, the tensors' shapes against ``config.json``, completeness and the format version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import asdict
 from collections.abc import Callable
 from pathlib import Path
@@ -24,13 +30,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import CheckpointError
-from ..io import atomic_write, atomic_write_text
 from .codec import WeightQuantConfig
 from .fusion import fuse_blocks
 from .linear import QuantizedLinear
 
 FORMAT_VERSION = 1
 META_KEY = "esm_turbo_weights"
+#: the safetensors metadata key of the tensors' sha256 (:func:`content_hash`)
+CONTENT_KEY = "esm_turbo_content_sha256"
 WEIGHTS_FILE = "weights.safetensors"
 #: the linear layers of each ESM-2 block that are quantized
 LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
@@ -77,8 +84,27 @@ def is_quantized_dir(path: str | Path) -> bool:
     return path.is_dir() and (path / WEIGHTS_FILE).is_file()
 
 
+def content_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and the sha256 of its bytes, in name order: what a quantized
+    folder's metadata records at save and its loading checks, so bytes changed on disk are refused, not embedded
+    with. The tensors are hashed on several threads (hashlib releases the interpreter lock)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def digest(t: torch.Tensor) -> bytes:
+        return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).digest()
+    names = sorted(tensors)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(digest, (tensors[n] for n in names)))
+    h = hashlib.sha256()
+    for name, d in zip(names, digests):
+        t = tensors[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode() + d)
+    return h.hexdigest()
+
+
 def save_quantized(model, out: str | Path) -> Path:
-    """Write ``model`` (quantized by :func:`quantize_model`) to the folder ``out``."""
+    """Write ``model`` (quantized by :func:`quantize_model`) to the folder ``out``: into a temporary folder beside it,
+    renamed to ``out`` once whole (a killed save leaves no half folder; ``out`` must not exist or be empty)."""
     out = Path(out)
     meta = getattr(model, "weight_quant", None)
     if getattr(model, "residual_offload", None) is not None:
@@ -86,7 +112,9 @@ def save_quantized(model, out: str | Path) -> Path:
                          "model before offload_residual")
     if meta is None:
         raise ValueError("the model has no quantized weights: run quantize_model first")
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not an empty folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in model.state_dict().items():
         t = t.detach().cpu()
@@ -96,10 +124,33 @@ def save_quantized(model, out: str | Path) -> Path:
         tensors[name] = t.clone() if part else t
     if model.config.tie_word_embeddings:  # one copy of the tied LM decoder
         tensors.pop("lm_head.decoder.weight", None)
-    atomic_write_text(out / "config.json", model.config.to_json_string())
-    header = {META_KEY: json.dumps(meta, sort_keys=True)}
-    atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata=header))
+    header = {META_KEY: json.dumps(meta, sort_keys=True), CONTENT_KEY: content_hash(tensors)}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(model.config.to_json_string())
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=header)
+        os.chmod(tmp, 0o777 & ~_umask())
+        if out.is_dir():
+            out.rmdir()  # empty (checked above)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_saves(out: str | Path) -> None:
+    """Temporary folders a killed :func:`save_quantized` into ``out`` left beside it."""
+    out = Path(out)
+    for stale in out.parent.glob(f".{out.name}.*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, int], tuple[int, int]]):
@@ -170,11 +221,26 @@ def load_quantized(path: str | Path):
                               f"{str(err)[:200]})") from None
     if META_KEY not in header:
         raise CheckpointError(f"{path / WEIGHTS_FILE}: safetensors file without {META_KEY} metadata")
-    meta = json.loads(header[META_KEY])
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: quantized-weights format {meta.get('format_version')}, this esm_turbo reads "
+    try:
+        meta = json.loads(header[META_KEY])
+        version = meta.get("format_version")
+    except (ValueError, AttributeError) as err:
+        raise CheckpointError(f"{path / WEIGHTS_FILE}: its {META_KEY} metadata is not a JSON object "
+                              f"({type(err).__name__}); quantize again with `esm-turbo quantize-weights`") from None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: quantized-weights format {version}, this esm_turbo reads "
                               f"format {FORMAT_VERSION}: quantize again with `esm-turbo quantize-weights`")
-    cfg = WeightQuantConfig(**meta["config"])
+    expected = header.get(CONTENT_KEY)
+    if expected is not None and content_hash(tensors) != expected:
+        raise CheckpointError(f"{path / WEIGHTS_FILE}: its tensors are not the ones saved (content hash differs): "
+                              f"the file was changed or damaged; quantize again")
+    try:
+        cfg = WeightQuantConfig(**meta["config"])
+        for key in ("quantized", "source_model", "source_fingerprint"):
+            meta[key]  # noqa: B018 - every field a saved folder has
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path / WEIGHTS_FILE}: its {META_KEY} metadata has a missing or unknown field "
+                              f"({type(err).__name__}: {str(err)[:120]}); quantize again") from None
 
     def stored(name: str, in_features: int) -> tuple[int, int]:
         if f"{name}.scales0" not in tensors:
@@ -183,8 +249,13 @@ def load_quantized(path: str | Path):
 
     model = _quantized_shell(config, cfg, stored)
     model = model.to_empty(device="cpu")
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and "esm.embeddings.word_embeddings.weight" in tensors:
         tensors["lm_head.decoder.weight"] = tensors["esm.embeddings.word_embeddings.weight"]
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, t in tensors.items():
+        if name in shapes and tuple(t.shape) != shapes[name]:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {list(t.shape)}, its config.json gives "
+                                  f"{list(shapes[name])}")
     missing, unexpected = model.load_state_dict({k: v.float() if v.dtype == torch.float16 and "scales" not in k
                                                  and "codebook" not in k else v for k, v in tensors.items()},
                                                 strict=False)
