@@ -98,6 +98,8 @@ def cmd_calibrate(args) -> int:
     _check_inputs(args.device, args.model, args.fasta)
     checks.output_file(args.out, "--out")
     checks.not_an_input(args.out, [*args.fasta, args.model], "--out")
+    from .io import remove_stale_temporaries
+    remove_stale_temporaries(args.out)  # what a killed run left beside its output
     cfg = _config_from_args(args)
     records = read_fastas(args.fasta, max_residues=args.max_residues)
     from .model.holdout import split_holdout
@@ -142,6 +144,8 @@ def cmd_evaluate(args) -> int:
     if args.json not in (None, "-"):
         checks.output_file(args.json, "--json")
         checks.not_an_input(args.json, [*args.fasta, args.model, args.calibration, *args.calibration_fasta], "--json")
+        from .io import remove_stale_temporaries
+        remove_stale_temporaries(args.json)
     records = read_fastas(args.fasta)
     if args.limit:
         records = records[: args.limit]
@@ -179,7 +183,7 @@ def cmd_evaluate(args) -> int:
 def cmd_quantize_weights(args) -> int:
     from .model.loading import load_esm
     from .weights import WeightQuantConfig, is_quantized_dir, quantize_model, save_quantized, weight_memory
-    from .weights.model import remove_stale_saves
+    from .io import remove_stale_temporaries
     _check_inputs(args.device, args.model, [])
     if is_quantized_dir(args.model):
         raise EsmTurboError(f"--model {str(args.model)!r}: is already quantized (esm-turbo quantize-weights); quantize "
@@ -188,7 +192,7 @@ def cmd_quantize_weights(args) -> int:
     checks.not_an_input(out, [args.model], "--out")
     if out.is_dir() and any(out.iterdir()):
         raise EsmTurboError(f"--out {str(out)!r}: folder is not empty; name a new folder")
-    remove_stale_saves(out)  # what a killed save left beside it
+    remove_stale_temporaries(out)  # what a killed save left beside it
     with _fields_as_flags(WeightQuantConfig):
         cfg = WeightQuantConfig(bits=args.bits, group=args.group, residual=args.residual, seed=args.seed)
     start = time.perf_counter()
@@ -224,6 +228,9 @@ def cmd_bench(args) -> int:
         checks.device(args.device)
     if args.out:
         checks.output_file(args.out, "--out")
+        checks.not_an_input(args.out, [*(args.fasta or []), *([args.corpus] if args.corpus else [])], "--out")
+        from .io import remove_stale_temporaries
+        remove_stale_temporaries(args.out)
     if args.suite == "weights":
         return _bench_weights(args)
     if args.suite == "design":

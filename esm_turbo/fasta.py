@@ -71,6 +71,7 @@ def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: 
             records.append(Record(rid, clean, where, title[len(rid):].strip()))
     if not records and not problems:
         raise FastaError(f"{path}: no FASTA records")
+    check_not_nucleotides(records, path)
     return records, problems
 
 

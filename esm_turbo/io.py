@@ -40,6 +40,18 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     return path
 
 
+def remove_stale_temporaries(path: str | Path) -> None:
+    """The temporaries a killed :func:`atomic_write` (or a folder written whole the same way) into ``path`` left
+    beside it: ``.<name>.<random>.tmp`` files and folders."""
+    import shutil
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes | memoryview) -> Path:
     """``data`` to ``path`` atomically in one write to one open file (what :func:`atomic_write` does through a
     path, with fewer system calls: many small files are bound by them)."""

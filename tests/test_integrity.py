@@ -136,3 +136,11 @@ def test_an_unreachable_hub_fails_at_once(tmp_path, fasta, capsys, monkeypatch):
                  str(tmp_path / "c.safetensors"), "--quiet"])
     assert time.perf_counter() - start < 5
     one_line(capsys, code, "no-such-model", "unreachable", "pass a local path")
+
+
+def test_a_rerun_removes_what_a_killed_calibration_left(stress_dir, tmp_path, fasta):
+    out = tmp_path / "c.safetensors"
+    (tmp_path / ".c.safetensors.x1y2.tmp").write_bytes(b"half a checkpoint")  # as SIGKILL mid-write leaves it
+    assert main(["calibrate", "--model", str(stress_dir), "--fasta", fasta, "--out", str(out), "--holdout", "0",
+                 "--quiet"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors", "in.fasta"]

@@ -83,7 +83,7 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
 
 def run_embed(args) -> int:
     """The command; returns its exit code (errors raise :class:`EsmTurboError`)."""
-    from ..fasta import check_not_nucleotides, read_fasta
+    from ..fasta import read_fasta
     phases = _Phases()
     phases.times["imports"] = seconds_since_start() or 0.0
     rank, world = distributed_context()
@@ -109,7 +109,6 @@ def run_embed(args) -> int:
     records, seen = [], set()
     for path in args.fasta:  # length limits are the embedder's job (truncate / windows), not an error
         recs, problems = read_fasta(path, skip_invalid=args.skip_invalid, seen=seen, strip_gaps=args.strip_gaps)
-        check_not_nucleotides(recs, path)
         records += recs
         summary.failed += problems
     for problem in summary.failed:

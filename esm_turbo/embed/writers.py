@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import EsmTurboError
-from ..io import atomic_write, atomic_write_bytes, atomic_write_text
+from ..io import atomic_write, atomic_write_bytes, atomic_write_text, remove_stale_temporaries
 from .chunk import Chunk, chunk_of_items
 
 FORMATS = ("pt", "h5")
@@ -188,7 +188,7 @@ class H5Writer:
             self.parts.mkdir(parents=True, exist_ok=True)
             _remove_temporaries(self.parts, f".rank{self.rank}-")
             if self.rank == 0:
-                _remove_temporaries(self.out.parent, f".{self.out.name}.")
+                remove_stale_temporaries(self.out)
         taken = [int(p.stem.split("-")[1]) for p in self.parts.glob(f"rank{self.rank}-*.h5")]
         self._n = max(taken, default=-1) + 1
 

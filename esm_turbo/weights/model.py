@@ -145,14 +145,6 @@ def _umask() -> int:
     return mask
 
 
-def remove_stale_saves(out: str | Path) -> None:
-    """Temporary folders a killed :func:`save_quantized` into ``out`` left beside it."""
-    out = Path(out)
-    for stale in out.parent.glob(f".{out.name}.*.tmp"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-
-
 def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, int], tuple[int, int]]):
     """An ``EsmForMaskedLM`` of ``config`` on the meta device whose block linears are :class:`QuantizedLinear` (no
     memory is allocated); ``shape_of(name, in_features)`` gives each one's (group, passes)."""
