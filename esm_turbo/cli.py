@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -219,6 +220,11 @@ def cmd_embed(args) -> int:
         checks.output_dir(args.output, "--output")
     if args.resume and args.overwrite:
         raise EsmTurboError("--resume adds to an output and --overwrite replaces it: pass one of them")
+    if args.gpus is not None and "WORLD_SIZE" not in os.environ:
+        from .embed.launch import launch_ranks, rank_count
+        ranks = rank_count(args.gpus)
+        if ranks > 1:
+            return launch_ranks(args.argv, ranks)
     return run_embed(args)
 
 
@@ -433,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove alignment gaps ('-', '.') before embedding; without it they are embedded as the "
                         "ESM-2 tokens they are")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--gpus", default=None,
+                   help="N or all: N rank processes on this host, one GPU each, each embedding a share balanced by "
+                        "tokens (as under torchrun, without it)")
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("bench", help="kernel / quantize / decode speed vs baselines measured in the same run")
@@ -442,8 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "scaffold on the paged, contiguous and fp16 caches; all: decode and embed")
     p.add_argument("--fasta", nargs="+", default=None, help="FASTA for the embed suite (default: calibration_data)")
     p.add_argument("--corpus", default=None,
-                   help="embed suite: also run esm-turbo embed end to end on this FASTA (h5 and pt, cold and warm) "
-                        "beside a careful user's transformers script, for each of --sizes (default 650M)")
+                   help="embed suite: instead of the suite, run esm-turbo embed end to end on this FASTA (h5 and pt, "
+                        "cold and warm) beside a careful user's transformers script, for each of --sizes (default "
+                        "650M)")
     p.add_argument("--sizes", nargs="+", choices=list(EMBED_BENCH_SIZES) + ["15B"], default=None,
                    help="embed suite: only these ESM-2 shapes (default: 8M 150M 650M 3B); weights suite: of "
                         "650M 3B 15B (default: all three)")
@@ -469,7 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)

@@ -9,7 +9,7 @@ from pathlib import Path
 from Bio.SeqIO.FastaIO import SimpleFastaParser
 
 from .errors import EsmTurboError, FastaError
-from .model.alphabet import check_sequence, strip_gaps as _strip_gaps
+from .model.alphabet import NOT_A_TOKEN, check_sequence, strip_gaps as _strip_gaps
 
 #: the repository's FASTA sets (calibration_data/; an editable install keeps them beside the package)
 CALIBRATION_DATA = Path(__file__).resolve().parents[1] / "calibration_data"
@@ -38,13 +38,18 @@ def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: 
     text = path.read_text(errors="replace")
     if not text.strip():
         raise FastaError(f"{path}: empty file (no FASTA records)")
+    seen = set() if seen is None else seen
+    fast = _clean_file(path, text, seen, strip_gaps, max_residues)
+    if fast is not None:
+        seen.update(r.id for r in fast)
+        check_not_nucleotides(fast, path)
+        return fast, []
     lines = text.splitlines()
     first = next((ln for ln in lines if ln.strip()), "")
     if not first.startswith(">"):
         raise FastaError(f"{path}: line 1 is not a FASTA header ('>' expected), found {first[:40]!r}")
     header_lines = [i + 1 for i, ln in enumerate(lines) if ln.startswith(">")]
     del lines
-    seen = set() if seen is None else seen
     records: list[Record] = []
     problems: list[str] = []
     with path.open(errors="replace") as fh:
@@ -73,6 +78,36 @@ def read_fasta(path: str | Path, max_residues: int | None = None, skip_invalid: 
         raise FastaError(f"{path}: no FASTA records")
     check_not_nucleotides(records, path)
     return records, problems
+
+
+def _clean_file(path: Path, text: str, seen: set[str], strip_gaps: bool,
+                max_residues: int | None) -> list[Record] | None:
+    """The records of a file that passes every check, read at once (string operations over the whole text, no
+    per-line Python): the same records the record-by-record reader gives. ``None`` for any file that is unusual
+    (carriage returns, tabs, text before the first header) or fails a check: the record-by-record reader then reads
+    it and names the first problem."""
+    if not text.startswith(">") or "\r" in text or "\t" in text or "\n\n" in text:
+        return None
+    name, records, line = str(path), [], 1
+    for chunk in text[1:].split("\n>"):
+        title, _, body = chunk.partition("\n")
+        title = title.rstrip()
+        rid = title.split(maxsplit=1)[0] if title else ""
+        if not rid:
+            return None
+        seq = body.replace("\n", "").replace(" ", "").upper()
+        records.append(Record(rid, _strip_gaps(seq) if strip_gaps else seq, f"{name}:{line}",
+                              title[len(rid):].strip()))
+        line += chunk.count("\n") + 1
+    ids = [r.id for r in records]
+    if len(set(ids)) != len(ids) or not seen.isdisjoint(ids):
+        return None
+    lengths = [len(r.sequence) for r in records]
+    if min(lengths) == 0 or (max_residues is not None and max(lengths) > max_residues):
+        return None
+    if NOT_A_TOKEN.search("".join(r.sequence for r in records)):
+        return None
+    return records
 
 
 _NUCLEOTIDES = frozenset("ACGTUN")

@@ -43,9 +43,14 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
 def remove_stale_temporaries(path: str | Path) -> None:
     """The temporaries a killed :func:`atomic_write` (or a folder written whole the same way) into ``path`` left
     beside it: ``.<name>.<random>.tmp`` files and folders."""
-    import shutil
     path = Path(path)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+    remove_temporaries(path.parent, f".{path.name}.")
+
+
+def remove_temporaries(folder: str | Path, prefix: str = ".") -> None:
+    """Every temporary of :func:`atomic_write` in ``folder`` whose name starts with ``prefix`` (``.`` for all)."""
+    import shutil
+    for stale in Path(folder).glob(f"{prefix}*.tmp"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
         else:

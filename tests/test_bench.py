@@ -117,8 +117,9 @@ def test_end_to_end_rows_run_the_real_command_and_the_users_script(tmp_path):
         if name.startswith("ours"):  # the command's own summary line, parsed
             assert run["loop_s"] > 0 and run["outside_loop_s"] <= run["seconds"]
     assert row["engine_tokens_per_s"] > 0 and row["pt_floor"]["seconds"] > 0
+    assert 0 < row["startup_floor_s"] < min(r["seconds"] for r in row["runs"].values())
     text = "\n".join(format_end_to_end(row))
-    assert all(name in text for name in runs) and "engine alone" in text
+    assert all(name in text for name in runs) and "engine alone" in text and "end-to-end floor" in text
     assert list(tmp_path.iterdir()) == [corpus]  # its work folder removed
 
 

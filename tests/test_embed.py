@@ -205,6 +205,26 @@ def test_torchrun_two_ranks_gloo(stress_dir, fasta, tmp_path):
     assert "rank 0/2" in proc.stderr and "rank 1/2" in proc.stderr
 
 
+def test_gpus_starts_the_ranks_itself(stress_dir, fasta, tmp_path, monkeypatch):
+    """esm-turbo embed --gpus: the launcher (which imports neither torch nor the CLI) runs the ranks as torchrun
+    would; a failing rank stops the others and its exit code is the launcher's."""
+    from esm_turbo.embed.launch import gpus_asked, launch_ranks, rank_count
+    out = tmp_path / "ranks.h5"
+    argv = ["embed", "--model", str(stress_dir), str(fasta), "-o", str(out), "--gpus", "2", "--nogpu", "--quiet"]
+    assert gpus_asked(argv) == "2" and gpus_asked(["calibrate", "--gpus", "2"]) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert launch_ranks(argv, 2) == 0
+    with open_embeddings(out) as emb:
+        assert sorted(emb.ids) == sorted(rid for rid, _ in SEQS)
+    bad = [*argv[:2], str(tmp_path / "missing"), *argv[3:5], str(tmp_path / "other.h5"), *argv[6:]]
+    assert launch_ranks(bad, 2) == 2
+    code = "import sys; from esm_turbo.main import main; main(sys.argv[1:]); print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code, *argv[:-4], "--gpus", "9"], capture_output=True, text=True)
+    assert "--gpus 9: only" in proc.stderr and proc.stdout.strip() == "False"
+    with pytest.raises(Exception, match="whole number"):
+        rank_count("0")
+
+
 @pytest.mark.slow
 def test_killed_two_rank_run_resumes(stress_dir, fasta, tmp_path):
     """A two-rank run killed after rank 1 wrote one part: --resume keeps that part's record (not recomputed)
@@ -347,3 +367,38 @@ def test_chunks_round_trip_through_records():
         assert torch.equal(a["contacts"], b["contacts"]) and torch.equal(a["logits"], b["logits"])
     cols = columns_of(chunk)
     assert cols["contacts"].shape == (9 + 49 + 1,) and cols["representations/5"].shape == (11, 4)
+
+
+@pytest.mark.parametrize("include", [["mean"], ["mean", "per_tok", "logits"]])
+def test_windows_and_whole_records_share_a_batch(stress_dir, tmp_path, include):
+    """A batch mixing windows of a long record with short records (windows planned first by length): each record
+    gets the same values as when embedded alone."""
+    long = ("MKTAYIAKQRQISFVKSHFSRQ" * 4)[:80]
+    fasta = tmp_path / "mix.fasta"
+    write_fasta(fasta, [("long", long), ("s1", "MKV" * 9), ("s2", "GSHMLEDPVDAFQ" * 2)])
+    args = ["--model", str(stress_dir), "--include", *include, "--truncation-seq-length", "30", "--long-policy",
+            "windows", "--window-overlap", "10", "--nogpu", "--quiet"]
+    assert main(["embed", str(fasta), "-o", str(tmp_path / "mix"), "--toks-per-batch", "400", *args]) == 0
+    for rid, seq in (("long", long), ("s1", "MKV" * 9)):
+        alone = tmp_path / f"{rid}.fasta"
+        write_fasta(alone, [(rid, seq)])
+        assert main(["embed", str(alone), "-o", str(tmp_path / rid), "--toks-per-batch", "400", *args]) == 0
+        a, b = torch.load(tmp_path / "mix" / f"{rid}.pt"), torch.load(tmp_path / rid / f"{rid}.pt")
+        for key in a:
+            if key != "label":
+                x, y = (a[key], b[key]) if isinstance(a[key], torch.Tensor) else (a[key][3], b[key][3])
+                assert torch.allclose(x, y, atol=1e-5), (rid, key)
+
+
+def test_embed_imports_only_what_it_uses(stress_dir, fasta, tmp_path):
+    """The command's start-up: a folder model embeds without importing transformers, scipy, fair-esm or the
+    benchmarks (each adds seconds to every run on a slow filesystem)."""
+    code = ("import sys; from esm_turbo.cli import main; rc = main(sys.argv[1:]); "
+            "print(sorted(m for m in ('transformers', 'scipy', 'esm', 'esm_turbo.bench', 'esm_turbo.testing', "
+            "'torch._dynamo') if m in sys.modules))")
+    out = tmp_path / "o.h5"
+    proc = subprocess.run([sys.executable, "-c", code, "embed", "--model", str(stress_dir), str(fasta), "-o", str(out),
+                           "--quiet"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert len(open_embeddings(out).ids) == len(SEQS)

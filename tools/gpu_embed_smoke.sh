@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Device-side check of `esm-turbo embed` (one call): the carried wheels installed, the embed tests on CUDA, outputs on
 # the GPU against the CPU's on a small job, then the command on the corpus (cold and warm, h5 and pt) with a
-# 650M-shaped random model. Logs under $OUT. Usage (from the repository root):
-#   bash tools/gpu_embed_smoke.sh CORPUS [STEPS]      STEPS: any of tests, small, imports, corpus (default: all)
+# 650M-shaped random model; on request the embed benchmark and its end-to-end rows (GPU 0) and the multi-GPU run
+# (every GPU of the host). Logs under $OUT. Usage (from the repository root):
+#   bash tools/gpu_embed_smoke.sh CORPUS [STEPS]
+# STEPS: any of tests, small, imports, corpus, suite, e2e, multigpu (default: tests small imports corpus)
 set -u
 corpus=${1:-.tb/corpus.fasta}
 steps=${2:-tests small imports corpus}
@@ -49,6 +51,23 @@ for name in ("gpu32", "gpu16"):
         tok = max(float(np.abs(e[i]["representations"][6] - ref[i]["representations"][6]).max()) for i in ref.ids[:50])
         print(name, "records", len(e.ids), "min mean cos", cos.min(), "max |d| per-token (50 records)", tok)
 PY
+fi
+if has suite; then
+echo "== bench embed --sizes 650M (GPU 0)"
+CUDA_VISIBLE_DEVICES=0 python3 -m esm_turbo.cli bench embed --sizes 650M --json \
+    --out $OUT/bench_h100_650M.txt > $OUT/bench_h100_650M.json 2> $OUT/bench_progress.log
+cat $OUT/bench_h100_650M.txt
+fi
+if has e2e; then
+echo "== bench embed --corpus: end to end (GPU 0)"
+CUDA_VISIBLE_DEVICES=0 python3 -m esm_turbo.cli bench embed --sizes 650M --corpus $corpus --json \
+    --out $OUT/end_to_end_h100.txt > $OUT/end_to_end_h100.json 2>> $OUT/bench_progress.log
+tail -3 $OUT/bench_progress.log; cat $OUT/end_to_end_h100.txt
+fi
+if has multigpu; then
+echo "== multi-GPU: the corpus repeated to 50M tokens, 1 GPU then all"
+n=$(nvidia-smi -L | wc -l)
+python3 scripts/bench_embed_multigpu.py --fasta $corpus --gpus 1,$n --tokens 50e6 --out $OUT/embed_multigpu.json
 fi
 if has corpus; then
 echo "== corpus, 650M-shaped fp16"

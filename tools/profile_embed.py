@@ -10,7 +10,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from esm_turbo.embed.benchmark import hf_loop, random_esm2, sorted_batches
+from esm_turbo.bench.baselines.user_embed import batches as sorted_batches
+from esm_turbo.embed.benchmark import hf_loop, random_esm2
 from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
 from esm_turbo.bench import EMBED_FASTA
 from esm_turbo.fasta import read_fastas

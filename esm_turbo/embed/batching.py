@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..fasta import Record
 
 LONG_POLICIES = ("truncate", "windows")
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Residues ``[start, stop)`` of record ``index`` (window ``part`` of ``parts``)."""
+class Piece(NamedTuple):
+    """Residues ``[start, stop)`` of record ``index`` (window ``part`` of ``parts``). A named tuple: a run plans one
+    per record, hundreds of thousands of them before its first batch."""
 
     index: int
     start: int

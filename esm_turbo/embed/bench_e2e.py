@@ -10,15 +10,17 @@ Each row is a whole process on the corpus, timed from its start to its exit with
   or not, means kept on the GPU and written with h5py.
 
 Beside them, measured in the same run: the engine alone on the same records (``Embedder.run`` into a writer that
-drops what reaches the host; one untimed pass, then one timed), the floor of writing the ``.pt`` files (the same files
-written by the same number of processes, nothing else running) and the GEMM ceiling (the model's matrix products
-alone, cuBLAS fp16).
+drops what reaches the host; one untimed pass, then one timed), the start-up floor (a process that imports torch and
+makes the CUDA context, best of two), the floor of writing the ``.pt`` files (the same files written by the same
+number of processes, nothing else running) and the GEMM ceiling (the model's matrix products alone, cuBLAS fp16).
+The end-to-end floor of a run is the start-up floor plus the engine's time on the corpus.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,6 +103,13 @@ def _write_share(ids: list[str], dim: int, layers: list[int], out: str) -> None:
                                  mean={layer: rng.standard_normal((len(part), dim), np.float32) for layer in layers}))
 
 
+def startup_floor(device: torch.device) -> float:
+    """Seconds for a process that imports torch and makes the CUDA context (on CPU: imports torch), best of two:
+    what any PyTorch command pays before its first batch on this machine."""
+    code = "import torch; torch.empty(1, device='cuda')" if device.type == "cuda" else "import torch"
+    return min(_timed_process([sys.executable, "-c", code], dict(os.environ))[0] for _ in range(2))
+
+
 def engine_alone(folder: Path, records, device: torch.device, budget: int) -> float:
     """Tokens/s of ``Embedder.run`` on ``records`` in this process (fp16, mean; nothing written): one untimed pass,
     then one timed (every shape already met)."""
@@ -145,7 +154,6 @@ def bench_end_to_end(corpus: str, size: str, device: torch.device, workdir: str 
         for stale in (root / "o.h5", root / "user.h5"):
             stale.unlink(missing_ok=True)
         if fmt == "pt" and (root / "pt").exists():
-            import shutil
             shutil.rmtree(root / "pt")
         seconds, log = _timed_process(cmd, dict(env, **_caches(root, who)))
         run = dict(seconds=seconds, tokens_per_s=tokens / seconds)
@@ -156,11 +164,11 @@ def bench_end_to_end(corpus: str, size: str, device: torch.device, workdir: str 
             steady = max(0.0, run["loop_s"] - run.get("first_batch_s", 0.0) - run.get("waiting_on_writes_s", 0.0))
             run["outside_loop_s"] = seconds - steady  # start-up, first batch, waits on writes, merge, exit
         rows["runs"][name] = run
-    _progress("end to end: the engine alone, the .pt floor, the GEMM ceiling")
+    _progress("end to end: the start-up floor, the engine alone, the .pt floor, the GEMM ceiling")
+    rows["startup_floor_s"] = startup_floor(device)
     rows["engine_tokens_per_s"] = engine_alone(folder, records, device, budget)
     from .command import default_writers
     workers = default_writers("pt", 1)
-    import shutil
     shutil.rmtree(root / "pt", ignore_errors=True)
     from ..model.folder import read_config
     cfg = read_config(folder)
@@ -191,6 +199,11 @@ def format_end_to_end(e: dict) -> list[str]:
     if engine:
         lines.append(f"  {'engine alone':22} {e['tokens'] / engine:7.1f} s {engine / 1e3:7.0f}K tokens/s "
                      f"(Embedder.run in one process, nothing written)")
+    if engine and e.get("startup_floor_s") is not None:
+        floor_s = e["startup_floor_s"] + e["tokens"] / engine
+        lines.append(f"  {'end-to-end floor':22} {floor_s:7.1f} s {e['tokens'] / floor_s / 1e3:7.0f}K tokens/s "
+                     f"(a process that imports torch and starts the device: {e['startup_floor_s']:.1f} s; then the "
+                     f"engine alone)")
     floor = e.get("pt_floor")
     if floor:
         lines.append(f"  {'.pt floor':22} {floor['seconds']:7.1f} s  writing the {e['records']} files alone with "
@@ -201,4 +214,4 @@ def format_end_to_end(e: dict) -> list[str]:
     return lines
 
 
-__all__ = ["RUNS", "bench_end_to_end", "engine_alone", "format_end_to_end", "model_folder", "pt_floor"]
+__all__ = ["RUNS", "bench_end_to_end", "engine_alone", "format_end_to_end", "model_folder", "pt_floor", "startup_floor"]

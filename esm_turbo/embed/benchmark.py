@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..bench.baselines.user_embed import batches as sorted_batches
 from ..fasta import Record, read_fastas
 from ..model.alphabet import encode
 
@@ -168,6 +167,7 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
         name = next(k for k, v in DTYPES.items() if v == dtype)
         embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype=name), device)
         runs["ours"] = lambda: embedder.run(records, _NullWriter(), progress=False)
+    from ..bench.baselines.user_embed import batches as sorted_batches  # importing esm_turbo.bench is heavy
     sorted_all = sorted_batches(seqs, budget)
     if "hf_sorted" in methods:
         runs["hf_sorted"] = lambda: hf_loop(net.esm, seqs, sorted_all, device)
@@ -259,13 +259,12 @@ def _progress(message: str) -> None:
 def bench_embed(device: torch.device, fasta: list[str], quick: bool = False,
                 sizes: list[str] | None = None, corpus: str | None = None) -> dict:
     """The whole embed suite (CPU: the 8M shape, fp32, a smoke run; no speed claim). ``sizes``: a subset of
-    8M, 150M, 650M, 3B (the latency row runs with 650M, the memory rows with 3B). ``corpus``: also the end-to-end
-    rows (:mod:`esm_turbo.embed.bench_e2e`) on that FASTA, for each size asked (default 650M), after the suite."""
-    result = _bench_suite(device, fasta, quick, sizes)
+    8M, 150M, 650M, 3B (the latency row runs with 650M, the memory rows with 3B). ``corpus``: instead of the suite,
+    the end-to-end rows (:mod:`esm_turbo.embed.bench_e2e`) on that FASTA, for each size asked (default 650M)."""
     if corpus is not None:
         from .bench_e2e import bench_end_to_end
-        result["end_to_end"] = [bench_end_to_end(corpus, size, device) for size in (sizes or ["650M"])]
-    return result
+        return dict(end_to_end=[bench_end_to_end(corpus, size, device) for size in (sizes or ["650M"])])
+    return _bench_suite(device, fasta, quick, sizes)
 
 
 def _bench_suite(device: torch.device, fasta: list[str], quick: bool, sizes: list[str] | None) -> dict:
@@ -295,7 +294,7 @@ def _bench_suite(device: torch.device, fasta: list[str], quick: bool, sizes: lis
 
 def format_embed(e: dict) -> list[str]:
     lines = ["\nembedding extraction (mean of the last layer; tokens/s, % of dense fp16 peak, × the sorted "
-             "transformers loop)"]
+             "transformers loop)"] if e.get("rows") else []
     for r in e.get("rows", []):
         lines.append(f"  {r['size']}-shaped: {r['sequences']} sequences, {r['tokens']} tokens, "
                      f"{r['toks_per_batch']}-token batches, {r['flops_per_token'] / 1e9:.2f} GFLOP/token")
@@ -328,4 +327,4 @@ def format_embed(e: dict) -> list[str]:
 
 
 __all__ = ["bench_embed", "bench_latency", "bench_memory", "bench_size", "flops_per_token", "format_embed", "hf_loop",
-           "random_esm2", "sorted_batches"]
+           "random_esm2"]

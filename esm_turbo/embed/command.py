@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -36,6 +37,31 @@ class _Phases:
         self._last = now
 
 
+class _Background:
+    """``fn()`` on a daemon thread (a run that fails elsewhere exits without waiting for it); :meth:`result` joins
+    and returns its value or raises its error."""
+
+    def __init__(self, fn):
+        self._value = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="esm-turbo-fasta")
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._value = fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller at the join
+            self._error = error
+
+    def raise_if_failed(self) -> None:
+        if not self._thread.is_alive() and self._error is not None:
+            raise self._error
+
+    def result(self):
+        self._thread.join()
+        self.raise_if_failed()
+        return self._value
+
+
 def default_writers(fmt: str, ranks_here: int) -> int:
     """Writer processes per rank: one for HDF5 (parts are cheap), for ``.pt`` files up to 4 of this host's cores."""
     if fmt == "h5":
@@ -48,7 +74,8 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
     """(the model to embed with, its fingerprint). A transformers folder with safetensors (or a hub id in the local
     cache) is read straight into FastEsm on the device; contacts, quantized folders, fair-esm files and downloads
     take transformers' ``EsmForMaskedLM``."""
-    from ..model.folder import canonical_name, direct_folder, expected_shapes, load_tensors, weights_fingerprint
+    from ..model.folder import (arch_of, canonical_name, direct_folder, expected_shapes, load_tensors,
+                                weights_fingerprint)
     from ..model.sizes import resolve_model_id
     dtype = cfg.torch_dtype(device)
     folder = None if ("contacts" in cfg.include or offload) else direct_folder(resolve_model_id(model))
@@ -70,10 +97,7 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
     if offload:  # the residual pass in pinned host memory, a layer copied ahead (weights.offload)
         from ..weights.offload import offload_residual
         offload_residual(net, device)
-    cfg_ = net.config
-    arch = {k: getattr(cfg_, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                         "intermediate_size", "vocab_size", "layer_norm_eps", "token_dropout",
-                                         "mask_token_id", "pad_token_id")}
+    arch = arch_of(net.config)
     named = [(canonical_name(n), t) for n, t in net.state_dict().items()
              if not n.startswith(("lm_head.", "esm.contact_head.")) and not n.endswith(("position_ids", "inv_freq"))]
     if phases is not None:
@@ -106,21 +130,24 @@ def run_embed(args) -> int:
     writer = make_writer(args.format, args.output, rank, world)
     check_output(writer, meta, args.resume, args.overwrite)
     summary = EmbedSummary()
-    records, seen = [], set()
-    for path in args.fasta:  # length limits are the embedder's job (truncate / windows), not an error
-        recs, problems = read_fasta(path, skip_invalid=args.skip_invalid, seen=seen, strip_gaps=args.strip_gaps)
-        records += recs
-        summary.failed += problems
-    for problem in summary.failed:
-        log.warning("skipped: %s", problem)
-    phases.mark("fasta")
+
+    def read_all() -> tuple[list, list]:
+        records, problems, seen = [], [], set()
+        for path in args.fasta:  # length limits are the embedder's job (truncate / windows), not an error
+            recs, bad = read_fasta(path, skip_invalid=args.skip_invalid, seen=seen, strip_gaps=args.strip_gaps)
+            records += recs
+            problems += bad
+        return records, problems
+    # the FASTA is read on a thread while the model loads and its kernels warm up (each mostly waits on files and
+    # the GPU); its errors surface as soon as they are seen, before any batch runs
+    fasta = _Background(read_all)
     pool = None
-    if args.writers != 0:
-        from .pool import WriterPool
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        pool = WriterPool(args.format, args.output, rank, world,
-                          workers=args.writers or default_writers(args.format, local)).start()
     try:
+        if args.writers != 0:
+            from .pool import WriterPool
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            pool = WriterPool(args.format, args.output, rank, world,
+                              workers=args.writers or default_writers(args.format, local)).start()
         phases.mark("writers")
         if device.type == "cuda":  # the context, apart from the weights' own time
             torch.empty(1, device=device)
@@ -129,6 +156,7 @@ def run_embed(args) -> int:
                                                 args.offload_residual, phases, quiet=args.quiet)
         embedder = Embedder(model, cfg, device)
         phases.mark("model")
+        fasta.raise_if_failed()
         meta.update(repr_layers=embedder.layers, model_fingerprint=fingerprint)
         check_output(writer, meta, args.resume, args.overwrite)
         if args.overwrite and rank == 0:
@@ -142,6 +170,10 @@ def run_embed(args) -> int:
             pool.meta = meta
         embedder.warm_up()
         phases.mark("warm-up")
+        records, summary.failed = fasta.result()
+        for problem in summary.failed:
+            log.warning("skipped: %s", problem)
+        phases.mark("fasta")
         if args.format == "h5" and rank == 0:
             writer.start_merging()
         summary.startup = phases.times

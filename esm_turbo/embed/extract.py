@@ -27,12 +27,13 @@ from tqdm.auto import tqdm
 
 from ..errors import EsmTurboError
 from ..fasta import Record
-from ..model.alphabet import encode, encode_packed
+from ..model.alphabet import encode, encode_packed, packed_residue_mask
 from ..model.sizes import MAX_RESIDUES
 from ..schema import DTYPES
 from .batching import Piece, owner_ranges, plan_batches, plan_pieces, shard_by_tokens, window_spans
 from .chunk import Chunk
 from .fast_esm import FastEsm, PackedBatch
+from .writer_process import Message, slot_array
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +98,10 @@ class EmbedSummary:
 
     def line(self) -> str:
         parts = ", ".join(f"{name} {sec:.1f}" for name, sec in self.startup.items())
-        times = ", ".join(f"{name} {sec:.1f} s" for name, sec in (
-            ("start-up", self.startup_s), ("first batch", self.first_batch_s),
-            ("waiting on writes", self.write_wait_s), ("final merge", self.merge_s)) if sec)
-        if parts:
-            times = times.replace(f"start-up {self.startup_s:.1f} s", f"start-up {self.startup_s:.1f} s ({parts})")
+        times = ", ".join(f"{name} {sec:.1f} s" + (f" ({parts})" if name == "start-up" and parts else "")
+                          for name, sec in (("start-up", self.startup_s), ("first batch", self.first_batch_s),
+                                            ("waiting on writes", self.write_wait_s), ("final merge", self.merge_s))
+                          if sec)
         wall = (f"; end to end {self.wall_s:.1f} s ({self.tokens / self.wall_s:.0f} tokens/s)"
                 if self.wall_s else "")
         return (f"written {self.written}, skipped {self.skipped} (already there), failed {len(self.failed)}, "
@@ -118,19 +118,6 @@ def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
             raise EsmTurboError(f"--repr-layers {layer}: the model has layers 0..{num_layers}")
         out.append(resolved)
     return sorted(set(out))
-
-
-def _residue_mask(cu: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-    """[N] bool over a packed batch's tokens: the residues (not ``<cls>``/``<eos>``) of ``rows`` (default all)."""
-    n = int(cu[-1])
-    mask = np.ones(n, dtype=bool)
-    mask[cu[:-1]] = False
-    mask[cu[1:] - 1] = False
-    if rows is not None:
-        keep = np.zeros(len(cu) - 1, dtype=bool)
-        keep[rows] = True
-        mask &= np.repeat(keep, np.diff(cu))
-    return mask
 
 
 @dataclass
@@ -235,10 +222,10 @@ class Embedder:
         def residues(mask: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.flatnonzero(mask)).to(self.device, non_blocking=True)
         if len(token_rows):
-            idx = residues(_residue_mask(cu, None if len(token_rows) == len(seqs) else token_rows))
+            idx = residues(packed_residue_mask(cu, None if len(token_rows) == len(seqs) else token_rows))
             out["tokens"] = torch.stack([hidden[layer].index_select(0, idx) for layer in self.layers]).float()
         if want_logits:
-            idx = residues(_residue_mask(cu))
+            idx = residues(packed_residue_mask(cu))
             out["logits"] = self.fast.logits(hidden[self.num_layers].index_select(0, idx)).float()
         return out
 
@@ -264,11 +251,6 @@ class Embedder:
         result["contacts"] = self.model.esm.contact_head(tokens, attns.to(self.dtype)).float()
         return result
 
-    def forward(self, seqs: list[str], token_rows: list[int] | None = None) -> dict[str, torch.Tensor]:
-        """:meth:`outputs` for ``token_rows`` (default: every row when ``per_tok`` is asked, else none)."""
-        rows = np.arange(len(seqs)) if "per_tok" in self.config.include else np.asarray(token_rows or [], np.int64)
-        return self.outputs(seqs, rows)
-
     def _shapes(self, pieces: list[Piece], whole: int) -> dict[str, tuple[int, ...]]:
         """Where a batch's outputs lie in its slot: kind → shape (float32), from the plan alone."""
         nl, d, s = len(self.layers), self._hidden, len(pieces)
@@ -291,11 +273,11 @@ class Embedder:
     def _vocab(self) -> int:
         return (self.fast.config if self.fast is not None else self.model.config).vocab_size
 
-    def _launch(self, pieces: list[Piece], records: list[Record], sink) -> _Launched:
-        """Queue a batch's forward and its copies into a slot; nothing waits for the device."""
-        whole = sum(p.parts == 1 for p in pieces)
+    def _launch(self, pieces: list[Piece], whole: int, shapes: dict[str, tuple[int, ...]], records: list[Record],
+                sink) -> _Launched:
+        """Queue a batch's forward (``whole`` records first, then windows) and its copies into a slot laid out as
+        ``shapes`` (:meth:`_shapes`); nothing waits for the device."""
         seqs = [records[p.index].sequence[p.start: p.stop] for p in pieces]
-        shapes = self._shapes(pieces, whole)
         slot = sink.acquire()
         out = self.outputs(seqs, self._token_rows(len(pieces), whole))
         arrays, offset = {}, 0
@@ -315,7 +297,6 @@ class Embedder:
         """Embed ``records`` (this rank's share when ``world`` > 1) into ``writer``: written in this process, or by
         ``sink`` (a started :class:`~esm_turbo.embed.pool.WriterPool`) when given, ``writer`` then only read for
         resume."""
-        from .writer_process import Message
         summary = summary or EmbedSummary()
         start = time.perf_counter()
         if resume:
@@ -336,11 +317,13 @@ class Embedder:
             log.warning("warning: %s", message)
         summary.truncated += [rid for rid, _ in warnings]
         # whole records first in each batch: the writer takes a batch's first rows as they are
-        batches = [sorted(b, key=lambda p: p.parts > 1)
-                   for b in plan_batches(pieces, cfg.toks_per_batch, packed=not self.padded)]
+        batches = []  # (pieces, whole records, slot layout)
+        for b in plan_batches(pieces, cfg.toks_per_batch, packed=not self.padded):
+            b = sorted(b, key=lambda p: p.parts > 1)
+            whole = sum(p.parts == 1 for p in b)
+            batches.append((b, whole, self._shapes(b, whole)))
         sink = sink or LocalSink(writer)
-        largest = max((sum(int(np.prod(s)) for s in self._shapes(b, sum(p.parts == 1 for p in b)).values())
-                       for b in batches), default=1)
+        largest = max((sum(int(np.prod(s)) for s in shapes.values()) for _, _, shapes in batches), default=1)
         sink.set_ring(4 * largest, pin=self.device.type == "cuda")
         waiting: dict[int, list] = {}
         bar = tqdm(total=len(records), unit="seq", desc=f"embed{f' rank {rank}' if world > 1 else ''}",
@@ -365,9 +348,9 @@ class Embedder:
 
         previous = None
         for batch in batches + [None]:
-            current = self._launch(batch, records, sink) if batch is not None else None
+            current = self._launch(*batch, records, sink) if batch is not None else None
             if current is not None:
-                summary.tokens += int(current.residues.sum()) + 2 * len(batch)
+                summary.tokens += int(current.residues.sum()) + 2 * len(current.pieces)
             if previous is not None:
                 finish(previous)
                 if not summary.first_batch_s:
@@ -388,8 +371,7 @@ class Embedder:
         tok_base = offsets[job.whole] if per_tok else 0  # window rows' residues start here in "tokens"
 
         def arr(kind):
-            off, shape = job.arrays[kind]
-            return memory[off: off + int(np.prod(shape))].reshape(shape)
+            return slot_array(memory, job.arrays[kind])
         complete = []
         for row in range(job.whole, len(job.pieces)):
             piece = job.pieces[row]
@@ -427,14 +409,14 @@ class Embedder:
 
 
 def distributed_context() -> tuple[int, int]:
-    """(rank, world) from torchrun's environment, initialising the process group once."""
+    """(rank, world) from torchrun's environment (or ``esm-turbo embed --gpus``'), initialising the process group
+    once: gloo, as the ranks only ever wait on each other (NCCL would build GPU communicators for nothing)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     import torch.distributed as dist
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group("gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), dist.get_world_size()

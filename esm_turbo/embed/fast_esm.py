@@ -244,13 +244,11 @@ class FastEsm(nn.Module):
             put(block.fc1, p + "intermediate.dense")
             put(block.fc2, p + "output.dense")
         put(model.final_norm, "encoder.emb_layer_norm_after")
-        # as transformers computes it (on the host), rounded as its buffer is: built in the checkpoint's dtype, then
-        # cast to the one the model runs in
-        dim = config.hidden_size // config.num_attention_heads
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        # the rotary frequencies the constructor computed on the host, as transformers does, rounded as its buffer
+        # is: built in the checkpoint's dtype, then cast to the one the model runs in
         stored = getattr(torch, getattr(config, "stored_dtype", "float32"), torch.float32)
         weight = model.embed_tokens.weight
-        model.inv_freq = inv_freq.to(stored).to(weight.dtype).to(weight.device, torch.float32)
+        model.inv_freq = model.inv_freq.to(stored).to(weight.dtype).to(weight.device, torch.float32)
         if "lm_head.dense.weight" in tensors:
             model.lm_head = LMHead(tensors, model.embed_tokens.weight, config.layer_norm_eps)
         return model.eval()

@@ -42,6 +42,11 @@ def _h5py():
     return h5py
 
 
+def _strings(values) -> list[str]:
+    """An ``ids`` column as str (h5py reads variable-length strings back as bytes)."""
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
+
+
 def columns_of(chunk: Chunk) -> dict[str, np.ndarray]:
     """The chunk as the file's columns (name → array), ``ids`` included."""
     cols: dict[str, np.ndarray] = {"ids": np.asarray(chunk.ids, dtype=object), "residues": chunk.residues}
@@ -84,7 +89,7 @@ def read_ids(path: str | Path) -> list[str]:
     """The record ids a file holds (either layout)."""
     with _h5py().File(path, "r") as fh:
         if is_columnar(fh):
-            return [s.decode() if isinstance(s, bytes) else s for s in fh["ids"][()]]
+            return _strings(fh["ids"][()])
         return [fh[k].attrs["label"] for k in fh.keys()]
 
 
@@ -101,7 +106,7 @@ class ColumnWriter:
 
     def append(self, cols: dict[str, np.ndarray]) -> int:
         """Append one part's columns (:func:`columns_of`); returns the rows added."""
-        ids = [s.decode() if isinstance(s, bytes) else str(s) for s in cols["ids"]]
+        ids = _strings(cols["ids"])
         keep = np.fromiter((i not in self.seen for i in ids), dtype=bool, count=len(ids))
         if not keep.any():
             return 0
@@ -185,7 +190,7 @@ class Embeddings:
         self.columnar = is_columnar(self.fh)
         self.meta = read_meta(self.fh)
         if self.columnar:
-            self.ids = [s.decode() if isinstance(s, bytes) else s for s in self.fh["ids"][()]]
+            self.ids = _strings(self.fh["ids"][()])
             residues = self.fh["residues"][()]
             self._offsets = np.concatenate([[0], np.cumsum(residues)])
             self._contact_offsets = np.concatenate([[0], np.cumsum(residues.astype(np.int64) ** 2)])

@@ -84,9 +84,9 @@ def _shm_room() -> int:
 class WriterPool:
     """``workers`` processes, each with a writer (:func:`~esm_turbo.embed.writers.make_writer`) of its own.
 
-    Start them early (:meth:`start`: their imports overlap the model's loading), give them the ring once the batches
-    are planned (:meth:`set_ring`), then per batch :meth:`acquire` a slot, fill it, :meth:`submit` its message.
-    :meth:`close` waits for every write and returns the ids written; a writer's error stops the run with its message.
+    Start them early (:meth:`start`: their imports overlap the model's loading), give them the ring and the output's
+    ``meta`` once the batches are planned (:meth:`set_ring`), then per batch :meth:`acquire` a slot, fill it,
+    :meth:`submit` its message. :meth:`close` waits for every write and returns the ids written; a writer's error stops the run with its message.
     """
 
     def __init__(self, fmt: str, out, rank: int = 0, world: int = 1, meta: dict | None = None, workers: int = 1):
@@ -101,8 +101,8 @@ class WriterPool:
         self._tasks = [_CTX.Queue() for _ in range(self.workers)]
         self._free, self._results = _CTX.Queue(), _CTX.Queue()
         self._procs = [_CTX.Process(target=serve, daemon=True, name=f"esm-turbo-writer-{i}",
-                                    args=(self.fmt, self.out, self.rank, self.world, self.meta, self._tasks[i],
-                                          self._free, self._results, os.getpid()))
+                                    args=(self.fmt, self.out, self.rank, self.world, self._tasks[i], self._free,
+                                          self._results, os.getpid()))
                        for i in range(self.workers)]
         with _bare_main():
             for p in self._procs:

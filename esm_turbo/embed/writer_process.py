@@ -13,6 +13,12 @@ import numpy as np
 from .chunk import Chunk
 
 
+def slot_array(memory: np.ndarray, place: tuple[int, tuple[int, ...]]) -> np.ndarray:
+    """The array at ``place`` = (offset in float32 elements, shape) of a slot's float32 ``memory``, as a view."""
+    offset, shape = place
+    return memory[offset: offset + int(np.prod(shape))].reshape(shape)
+
+
 @dataclass
 class Message:
     """One batch's finished records for a writer: ``ids`` are the batch's first rows. ``arrays``: kind → (offset in
@@ -34,8 +40,7 @@ class Message:
         r, m = len(self.ids), int(self.residues.sum())
 
         def get(kind):
-            off, shape = self.arrays[kind]
-            return memory[off: off + int(np.prod(shape))].reshape(shape)
+            return slot_array(memory, self.arrays[kind])
         chunk = Chunk(self.ids, self.residues)
         for kind in ("mean", "bos"):
             if kind in self.arrays:
@@ -57,13 +62,14 @@ def _attach(names: list[str]) -> list[shared_memory.SharedMemory]:
     return [shared_memory.SharedMemory(name=name) for name in names]
 
 
-def serve(fmt, out, rank, world, meta, tasks, free, results, parent: int) -> None:
-    """A writer process: messages in, files out, slots back; ("done", ids) or ("error", line) at the end."""
+def serve(fmt, out, rank, world, tasks, free, results, parent: int) -> None:
+    """A writer process: messages in, files out, slots back; ("done", ids) or ("error", line) at the end. The first
+    message is the ring: its shared memory's names and the output's metadata."""
     from .writers import make_writer
     shms: list[shared_memory.SharedMemory] = []
     memory: list[np.ndarray] = []
     try:
-        writer = make_writer(fmt, out, rank, world, meta)
+        writer = make_writer(fmt, out, rank, world)
         if fmt == "h5":
             writer.start(clean=False)
         while True:
@@ -93,5 +99,4 @@ def serve(fmt, out, rank, world, meta, tasks, free, results, parent: int) -> Non
             shm.close()
 
 
-
-__all__ = ["Message", "serve"]
+__all__ = ["Message", "serve", "slot_array"]

@@ -16,7 +16,8 @@ RESIDUES = frozenset("LAGVSERTIDPKQNFYMHWCXBUZO")
 #: gaps stripped: ``strip_gaps``)
 GAPS = frozenset("-.")
 SEQUENCE_CHARS = RESIDUES | GAPS
-_NOT_A_TOKEN = re.compile(f"[^{re.escape(''.join(sorted(SEQUENCE_CHARS)))}]")
+#: any character that is not an ESM-2 residue or gap (upper case)
+NOT_A_TOKEN = re.compile(f"[^{re.escape(''.join(sorted(SEQUENCE_CHARS)))}]")
 
 
 #: ESM-2's vocabulary in id order: fair-esm's ``Alphabet.from_architecture("ESM-1b")``, which every ESM-2 size and the
@@ -67,7 +68,7 @@ def check_sequence(seq: str, name: str = "sequence", max_residues: int | None = 
     s = seq.strip().upper()
     if not s:
         raise EsmTurboError(f"{name}: empty sequence")
-    bad = _NOT_A_TOKEN.search(s)
+    bad = NOT_A_TOKEN.search(s)
     if bad:
         raise EsmTurboError(f"{name}: position {bad.start() + 1}: character {bad.group()!r} is not an ESM-2 residue "
                             f"or gap")
@@ -111,6 +112,19 @@ def _byte_table() -> np.ndarray:
     return table
 
 
+def packed_residue_mask(cu: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """[N] bool over a packed token stream with sequence starts ``cu`` [S + 1]: the residues (not ``<cls>`` /
+    ``<eos>``) of the sequences ``rows`` (default all)."""
+    mask = np.ones(int(cu[-1]), dtype=bool)
+    mask[cu[:-1]] = False
+    mask[cu[1:] - 1] = False
+    if rows is not None:
+        keep = np.zeros(len(cu) - 1, dtype=bool)
+        keep[rows] = True
+        mask &= np.repeat(keep, np.diff(cu))
+    return mask
+
+
 def encode_packed(sequences: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Checked, upper-case sequences → one token stream ``<cls> residues <eos>`` after another:
     (token ids [N] int64, position in its sequence [N] int64, sequence starts [S + 1] int64)."""
@@ -119,9 +133,7 @@ def encode_packed(sequences: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndar
     cu = np.zeros(len(sequences) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     ids = np.empty(int(cu[-1]), dtype=np.int64)
-    residue = np.ones(len(ids), dtype=bool)
-    residue[cu[:-1]] = residue[cu[1:] - 1] = False
-    ids[residue] = _byte_table()[np.frombuffer("".join(sequences).encode("latin-1"), dtype=np.uint8)]
+    ids[packed_residue_mask(cu)] = _byte_table()[np.frombuffer("".join(sequences).encode("latin-1"), dtype=np.uint8)]
     ids[cu[:-1]], ids[cu[1:] - 1] = alpha.cls_idx, alpha.eos_idx
     if (ids < 0).any():
         raise EsmTurboError("encode_packed: a sequence holds a character that is not an ESM-2 residue or gap "

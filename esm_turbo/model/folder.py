@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ import torch
 from ..errors import ModelLoadError
 
 #: buffers some checkpoints carry that the model recomputes
-_IGNORED = ("position_ids", "inv_freq")
+IGNORED_BUFFERS = ("position_ids", "inv_freq")
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,16 @@ class Esm2Shape:
 
     def arch(self) -> dict:
         """The fields that say what the model computes (for fingerprints)."""
-        out = asdict(self)
-        del out["stored_dtype"]
-        return out
+        return arch_of(self)
+
+
+#: the :class:`Esm2Shape` fields that say what a model computes (not how its file stores it)
+ARCH_FIELDS = tuple(f.name for f in fields(Esm2Shape) if f.name != "stored_dtype")
+
+
+def arch_of(config) -> dict:
+    """:data:`ARCH_FIELDS` of any ESM-2 config (an :class:`Esm2Shape` or transformers' ``EsmConfig``)."""
+    return {name: getattr(config, name) for name in ARCH_FIELDS}
 
 
 def read_config(folder: str | Path) -> Esm2Shape:
@@ -166,7 +173,7 @@ def load_tensors(folder: str | Path, device: str | torch.device = "cpu", dtype: 
             with safe_open(file, framework="pt", device=str(device)) as fh:
                 for raw in fh.keys():
                     name = canonical_name(raw)
-                    if name.rsplit(".", 1)[-1] in _IGNORED:
+                    if name.rsplit(".", 1)[-1] in IGNORED_BUFFERS:
                         continue
                     if name not in need and name not in optional:
                         raise ModelLoadError(f"{file}: unexpected tensor {raw!r} (not part of ESM-2 with "

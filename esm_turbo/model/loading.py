@@ -17,7 +17,7 @@ import torch
 from transformers import EsmConfig, EsmForMaskedLM
 
 from ..errors import ModelLoadError
-from .folder import weights_fingerprint
+from .folder import IGNORED_BUFFERS, weights_fingerprint
 from .sizes import esm2_config, resolve_model_id
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def load_fair_esm(path: str | Path) -> EsmForMaskedLM:
 
 #: names a transformers ESM-2 checkpoint may lack without loss: buffers recomputed from the config, and the contact
 #: head, which only contact maps read
-_MAY_LACK = ("position_ids", "inv_freq", "contact_head.")
+_MAY_LACK = (*IGNORED_BUFFERS, "contact_head.")
 
 
 @contextlib.contextmanager

@@ -11,11 +11,18 @@ import os
 
 import torch
 
-from .compressed import attend_compressed, fused_supported, gather_blocks, scatter_rows, write_compressed
-from ..quant.codec import DenseQuantizer
-from .reference import attend, decode_attention_reference
-
 _FORCE_REFERENCE = False
+#: names re-exported from the submodules, imported on first use (the switch below must stay light: FastEsm asks it)
+_LAZY = {"attend_compressed": "compressed", "fused_supported": "compressed", "gather_blocks": "compressed",
+         "scatter_rows": "compressed", "write_compressed": "compressed", "attend": "reference",
+         "decode_attention_reference": "reference"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def force_reference(flag: bool = True) -> None:
@@ -39,6 +46,7 @@ def use_kernels(where: torch.Tensor | torch.device) -> bool:
 def kernel_path(codec, device: torch.device) -> bool:
     """Whether a cache layer of ``codec`` on ``device`` runs the fused ops (writes and decode attention): the one
     place this is decided, when a cache is built (``KVCache.fused``)."""
+    from .compressed import fused_supported
     return use_kernels(device) and fused_supported(codec, need_kernel_shape=True)
 
 
@@ -49,6 +57,9 @@ def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_
 
     q, k_new, v_new: [B, H, S, d]; new_valid: [B, S] bool. Returns [B, H, S, d].
     """
+    from ..quant.codec import DenseQuantizer
+    from .compressed import attend_compressed
+    from .reference import decode_attention_reference
     codec = cache.codecs[layer]
     if q.is_cuda and cache.contiguous and isinstance(codec.key, DenseQuantizer):
         return attend_dense(q, cache, layer, k_new, v_new, new_valid)  # writes the new tokens itself

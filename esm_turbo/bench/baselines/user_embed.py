@@ -4,8 +4,8 @@ embed``'s end-to-end rows). It imports nothing from esm_turbo.
     python user_embed.py MODEL_DIR proteins.fasta out.h5 [--compile] [--toks-per-batch 16384]
 
 Length-sorted batches under a token budget (rows × longest), tokenised by the model's tokenizer in DataLoader
-workers (pinned, overlapping the GPU), ``EsmModel`` with SDPA in fp16 (fp32 without a GPU), ``torch.compile(dynamic=True)``
-when asked;
+workers (pinned, overlapping the GPU), ``EsmModel`` with SDPA in fp16 (fp32 without a GPU),
+``torch.compile(dynamic=True)`` when asked;
 mean of the last layer over the residues kept on the GPU and copied once at the end; ids and means written with
 h5py. Prints its tokens and its loop's seconds on the last line.
 """
