@@ -417,8 +417,9 @@ def distributed_context() -> tuple[int, int]:
     import torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available() and local < torch.cuda.device_count():  # --nogpu ranks may outnumber GPUs
+            torch.cuda.set_device(local)
     return dist.get_rank(), dist.get_world_size()
 
 
