@@ -421,8 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["pt", "h5"], default=None,
                    help="pt: a .pt file per record (fair-esm's); h5: one HDF5 file (default: h5 for an output named "
                         "*.h5 or *.hdf5, else pt)")
-    p.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto",
-                   help="compute dtype (auto: fp16 on CUDA, fp32 on CPU); outputs are stored as float32")
+    p.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16", "fp8"], default="auto",
+                   help="compute dtype (auto: fp16 on CUDA, fp32 on CPU; fp8: the matrix products in FP8 e4m3 on GPUs "
+                        "that have it, the rest in bf16); outputs are stored as float32")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu… (default: cuda when available)")
     p.add_argument("--nogpu", action="store_true", help="run on CPU (fair-esm's flag)")
     p.add_argument("--offload-residual", action="store_true",

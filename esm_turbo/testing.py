@@ -119,6 +119,31 @@ def plant_outliers(model: EsmForMaskedLM, max_scale: float = 200.0, seed: int = 
     return model
 
 
+@torch.no_grad()
+def plant_product_outliers(model, channels: int = 4, low: float = 20.0, high: float = 100.0, seed: int = 0):
+    """Plant function-preserving outlier channels into the inputs of a FastEsm's matrix products, in place (and
+    return it): in every block, ``channels`` channels of each LayerNorm's output (its γ and β × s, the matching input
+    columns of the next product ÷ s) and of the attention output (V's output channels and biases × s, W_o's input
+    columns ÷ s), s growing from ``low`` in the first block to ``high`` in the last. Pre-LN ESM-2 feeds its residual
+    stream to a product only through a LayerNorm, so this is where a residual stream's outlier channels meet an
+    FP8 (or int8) product; the model computes what it did before, up to rounding. Needs dense fp32/bf16/fp16
+    weights (before :meth:`~esm_turbo.embed.fast_esm.FastEsm.to_fp8`)."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = model.config.hidden_size
+    for i, b in enumerate(model.blocks):
+        s = low + (high - low) * i / max(1, len(model.blocks) - 1)
+        for norm, lin in ((b.attn_norm, b.qkv), (b.ffn_norm, b.fc1)):
+            picked = torch.randperm(dim, generator=gen)[:channels]
+            norm.weight[picked] *= s
+            norm.bias[picked] *= s
+            lin.weight[:, picked] /= s
+        picked = torch.randperm(dim, generator=gen)[:channels]
+        b.qkv.weight[2 * dim + picked] *= s
+        b.qkv.bias[2 * dim + picked] *= s
+        b.out.weight[:, picked] /= s
+    return model
+
+
 def to_fair_esm(model: EsmForMaskedLM) -> dict:
     """The inverse of the fair-esm converter: a checkpoint dict as fair-esm's hub ``.pt`` files hold."""
     inv_top = {v: k for k, v in _TOP_MAP.items()}

@@ -33,7 +33,7 @@ from ..model.alphabet import encode
 
 #: dense fp16/bf16 tensor-core peak (no sparsity), by GPU name
 DENSE_FP16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-METHODS = ("ours", "hf_sorted", "hf_compiled", "hf_unsorted", "fair_esm")
+METHODS = ("ours", "ours_fp8", "hf_sorted", "hf_compiled", "hf_unsorted", "fair_esm")
 #: timed passes per method (the best is kept), after one warm-up pass over the whole set
 REPEATS = 2
 #: shapes of the GPU suite and how many copies of the sequence set each embeds
@@ -137,6 +137,28 @@ def gemm_ceiling(cfg, tokens: int, device: torch.device, dtype: torch.dtype) -> 
     return tokens / (seconds * cfg.num_hidden_layers)
 
 
+def fp8_gemm_ceiling(cfg, tokens: int, device: torch.device) -> float | None:
+    """Tokens/s of the same matrix products in FP8 e4m3 (``torch._scaled_mm``, row-wise scales, bf16 out) at
+    ``tokens`` rows, measured here; None without FP8 tensor cores."""
+    from .fp8 import fp8_supported
+    if not fp8_supported(device):
+        return None
+    import triton.testing
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn(tokens, d, device=device).to(e4m3)
+    y = torch.randn(tokens, f, device=device).to(e4m3)
+    sx = torch.ones(tokens, 1, device=device)
+    shapes = ((3 * d, d), (d, d), (f, d), (d, f))
+    ws = [(torch.randn(o, i, device=device).to(e4m3), torch.ones(1, o, device=device)) for o, i in shapes]
+
+    def layer():
+        for (w, sw), a in zip(ws, (x, x, x, y)):
+            torch._scaled_mm(a, w.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
+    seconds = triton.testing.do_bench(layer, warmup=50, rep=300, return_mode="median") / 1e3
+    return tokens / (seconds * cfg.num_hidden_layers)
+
+
 def _timed(fn: Callable[[], None], device: torch.device, repeats: int = REPEATS) -> float:
     """Best of ``repeats`` timed passes of ``fn`` after one untimed pass over the same work (every batch shape it
     meets compiled, autotuned and cached before timing)."""
@@ -167,6 +189,12 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
         name = next(k for k, v in DTYPES.items() if v == dtype)
         embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype=name), device)
         runs["ours"] = lambda: embedder.run(records, _NullWriter(), progress=False)
+    from .fp8 import fp8_supported
+    if "ours_fp8" in methods and fp8_supported(device):
+        from .fast_esm import FastEsm
+        fp8 = Embedder(FastEsm.from_hf(net).to_fp8(), EmbedConfig(include=["mean"], toks_per_batch=budget,
+                                                                  dtype="fp8"), device)
+        runs["ours_fp8"] = lambda: fp8.run(records, _NullWriter(), progress=False)
     from ..bench.baselines.user_embed import batches as sorted_batches  # importing esm_turbo.bench is heavy
     sorted_all = sorted_batches(seqs, budget)
     if "hf_sorted" in methods:
@@ -195,8 +223,10 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
         if "tokens_per_s" in row[method]:
             row[method]["x_sorted"] = row[method]["tokens_per_s"] / base if base else None
     row["gemm_ceiling_tokens_per_s"] = gemm_ceiling(net.config, budget, device, dtype)
-    if row["gemm_ceiling_tokens_per_s"] and "ours" in row:
-        row["ours"]["pct_gemm_ceiling"] = 100 * row["ours"]["tokens_per_s"] / row["gemm_ceiling_tokens_per_s"]
+    row["fp8_gemm_ceiling_tokens_per_s"] = fp8_gemm_ceiling(net.config, budget, device)
+    for method, ceiling in (("ours", "gemm_ceiling_tokens_per_s"), ("ours_fp8", "fp8_gemm_ceiling_tokens_per_s")):
+        if row[ceiling] and "tokens_per_s" in row.get(method, {}):
+            row[method]["pct_gemm_ceiling"] = 100 * row[method]["tokens_per_s"] / row[ceiling]
     return row
 
 
@@ -307,11 +337,15 @@ def format_embed(e: dict) -> list[str]:
                 continue
             pct = f"{x['pct_peak']:5.1f}%" if x.get("pct_peak") is not None else "   n/a"
             ratio = f"{x['x_sorted']:.2f}×" if x.get("x_sorted") else "n/a"
-            extra = f"   {x['pct_gemm_ceiling']:.0f}% of the GEMM ceiling" if "pct_gemm_ceiling" in x else ""
+            which = "FP8" if m.endswith("fp8") else "GEMM"
+            extra = f"   {x['pct_gemm_ceiling']:.0f}% of the {which} ceiling" if "pct_gemm_ceiling" in x else ""
             lines.append(f"    {m:12} {x['tokens_per_s']:>10.0f} tokens/s  {pct}  {ratio:>6}{extra}")
         if r.get("gemm_ceiling_tokens_per_s"):
             lines.append(f"    {'GEMM ceiling':12} {r['gemm_ceiling_tokens_per_s']:>10.0f} tokens/s (matrix products "
                          f"alone, {r['toks_per_batch']} rows)")
+        if r.get("fp8_gemm_ceiling_tokens_per_s"):
+            lines.append(f"    {'FP8 ceiling':12} {r['fp8_gemm_ceiling_tokens_per_s']:>10.0f} tokens/s (the same "
+                         f"products in FP8 e4m3, row-wise scales)")
     for r in e.get("latency", []):
         lines.append(f"  one {r['length']}-residue sequence through the {r['size']}-shaped model, end to end: "
                      f"ours {r['ours_ms']:.2f} ms, transformers {r['hf_ms']:.2f} ms")
@@ -326,5 +360,6 @@ def format_embed(e: dict) -> list[str]:
     return lines
 
 
-__all__ = ["bench_embed", "bench_latency", "bench_memory", "bench_size", "flops_per_token", "format_embed", "hf_loop",
+__all__ = ["bench_embed", "bench_latency", "bench_memory", "bench_size", "flops_per_token", "format_embed",
+           "fp8_gemm_ceiling", "gemm_ceiling", "hf_loop",
            "random_esm2"]

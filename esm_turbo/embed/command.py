@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..errors import EsmTurboError
 from ..io import seconds_since_start
 from .extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
 from .writers import check_output, make_writer
@@ -62,6 +63,20 @@ class _Background:
         return self._value
 
 
+def check_fp8(device: torch.device) -> None:
+    """``--dtype fp8`` needs FP8 tensor cores: refused in one line, before any work, anywhere else."""
+    from .fp8 import fp8_supported
+    if fp8_supported(device):
+        return
+    if device.type != "cuda":
+        where = "the CPU"
+    else:
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+    raise EsmTurboError(f"--dtype fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, "
+                        f"Hopper, Blackwell); this run is on {where}: use --dtype fp16 or bf16")
+
+
 def default_writers(fmt: str, ranks_here: int) -> int:
     """Writer processes per rank: one for HDF5 (parts are cheap), for ``.pt`` files up to 4 of this host's cores."""
     if fmt == "h5":
@@ -88,7 +103,8 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
         fingerprint = weights_fingerprint(config.arch(), [(n, t) for n, t in tensors.items() if n in body])
         if phases is not None:
             phases.mark("fingerprint")
-        return FastEsm.from_tensors(config, tensors), fingerprint
+        fast = FastEsm.from_tensors(config, tensors)
+        return (fast.to_fp8() if cfg.dtype == "fp8" else fast), fingerprint
     from ..model.loading import load_esm
     if quiet:  # transformers' own loading bar
         from transformers.utils import logging as hf_logging
@@ -102,7 +118,11 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
              if not n.startswith(("lm_head.", "esm.contact_head.")) and not n.endswith(("position_ids", "inv_freq"))]
     if phases is not None:
         phases.mark("model")
-    return net, weights_fingerprint(arch, named)
+    fingerprint = weights_fingerprint(arch, named)
+    if cfg.dtype == "fp8":
+        from .fast_esm import FastEsm
+        return FastEsm.from_hf(net).to_fp8(), fingerprint
+    return net, fingerprint
 
 
 def run_embed(args) -> int:
@@ -119,7 +139,10 @@ def run_embed(args) -> int:
     if device.type == "cuda" and world > 1 and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = cfg.torch_dtype(device)
-    dtype_name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    dtype_name = "fp8" if cfg.dtype == "fp8" else {torch.float32: "fp32", torch.float16: "fp16",
+                                                    torch.bfloat16: "bf16"}[dtype]
+    if cfg.dtype == "fp8":
+        check_fp8(device)
     from ..cli_checks import known_layer_count
     layers = known_layer_count(str(args.model))
     meta = dict(model=str(args.model), dtype=dtype_name, include=sorted(set(cfg.include)),

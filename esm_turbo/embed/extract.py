@@ -52,10 +52,14 @@ class EmbedConfig:
     truncation_seq_length: int = MAX_RESIDUES
     long_policy: str = "truncate"  # truncate | windows
     window_overlap: int | None = None  # default: 256, at most a quarter of the window
-    dtype: str = "auto"  # auto (fp16 on CUDA, fp32 elsewhere) | fp32 | fp16 | bf16
+    dtype: str = "auto"  # auto (fp16 on CUDA, fp32 elsewhere) | fp32 | fp16 | bf16 | fp8 (FP8 products, bf16 around)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
-        """The dtype the model runs in on ``device``: ``dtype``, or for auto fp16 on CUDA and fp32 elsewhere."""
+        """The dtype the model's activations take on ``device``: ``dtype`` (bf16 for fp8, whose matrix products
+        alone run in FP8), or for auto fp16 on CUDA and fp32 elsewhere."""
+        if self.dtype == "fp8":
+            from .fp8 import FP8_COMPUTE_DTYPE
+            return FP8_COMPUTE_DTYPE
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         return torch.float16 if torch.device(device).type == "cuda" else torch.float32
@@ -64,8 +68,11 @@ class EmbedConfig:
         bad = [k for k in self.include if k not in INCLUDE_KINDS]
         if bad:
             raise EsmTurboError(f"--include: unknown kind(s) {bad}; choose from {list(INCLUDE_KINDS)}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise EsmTurboError(f"--dtype {self.dtype!r}: choose auto, fp32, fp16 or bf16")
+        if self.dtype not in ("auto", "fp8") and self.dtype not in DTYPES:
+            raise EsmTurboError(f"--dtype {self.dtype!r}: choose auto, fp32, fp16, bf16 or fp8")
+        if self.dtype == "fp8" and "contacts" in self.include:
+            raise EsmTurboError("--dtype fp8 runs in FastEsm, which has no attention maps: contacts need fp16, bf16 "
+                                "or fp32")
         if not 1 <= self.truncation_seq_length <= MAX_RESIDUES:
             raise EsmTurboError(f"--truncation-seq-length must be in [1, {MAX_RESIDUES}] (ESM-2's trained context)")
         if self.toks_per_batch < 3:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.alphabet import check_sequence, encode_packed
+from .fp8 import FP8_COMPUTE_DTYPE, Fp8Weight, linear
 from .varlen import flash_available, padded_layout, varlen_attention
 
 #: ESM-2's token dropout: the share of tokens masked in training (15% selected × 80% masked)
@@ -86,7 +87,7 @@ def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor
     transformers applies them (attention then takes scale 1). h: [N, D]; w_qkv: [3D, D]; cos, sin: [N, d] float32.
     Returns q, k, v [N, H, d] in h's dtype."""
     n, dim = h.shape
-    qkv = F.linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_qkv, b_qkv).view(n, 3, heads, dim // heads)
+    qkv = linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_qkv, b_qkv).view(n, 3, heads, dim // heads)
     q, k, v = qkv.unbind(1)
     q = q * (dim // heads) ** -0.5
     c, s = cos[:, None, :], sin[:, None, :]
@@ -98,13 +99,13 @@ def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor
 def block_output(h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, b_o: torch.Tensor, norm_w: torch.Tensor,
                  norm_b: torch.Tensor, w_1: torch.Tensor, b_1: torch.Tensor, w_2: torch.Tensor, b_2: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """Output projection + residual, then pre-LN feed-forward (exact erf GELU) + residual.
-    h: [N, D]; attn: [N, H, d]. Returns [N, D]."""
+    """Output projection + residual, then pre-LN feed-forward (exact erf GELU) + residual. The weights are tensors
+    or :class:`~esm_turbo.embed.fp8.Fp8Weight` s. h: [N, D]; attn: [N, H, d]. Returns [N, D]."""
     n, dim = h.shape
-    h = h + F.linear(attn.reshape(n, dim), w_o, b_o)
-    x = F.linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_1, b_1)
+    h = h + linear(attn.reshape(n, dim), w_o, b_o)
+    x = linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_1, b_1)
     x = x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    return h + F.linear(x, w_2, b_2)
+    return h + linear(x, w_2, b_2)
 
 
 class FastEsmBlock(nn.Module):
@@ -122,9 +123,14 @@ class FastEsmBlock(nn.Module):
         # quantized weights (esm_turbo.weights): the source net's (q, k, v, out, fc1, fc2) QuantizedLinear modules,
         # dequantized per forward in the biases' dtype; None: the weights above
         self.quantized: tuple | None = None
+        # FP8 weights (FastEsm.to_fp8): (W_qkv, W_o, W_1, W_2) as Fp8Weight; the dense weights are then dropped
+        self.fp8: tuple[Fp8Weight, ...] | None = None
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(W_qkv [3D, D], W_o [D, D], W_1 [F, D], W_2 [D, F]) as the block functions take them."""
+    def weights(self) -> tuple:
+        """(W_qkv [3D, D], W_o [D, D], W_1 [F, D], W_2 [D, F]) as the block functions take them: tensors, or
+        :class:`~esm_turbo.embed.fp8.Fp8Weight` s after :meth:`FastEsm.to_fp8`."""
+        if self.fp8 is not None:
+            return self.fp8
         if self.quantized is None:
             return self.qkv.weight, self.out.weight, self.fc1.weight, self.fc2.weight
         dtype = self.qkv.bias.dtype
@@ -254,12 +260,20 @@ class FastEsm(nn.Module):
         return model.eval()
 
     @classmethod
-    def from_pretrained(cls, model: str | Path, dtype: torch.dtype = torch.float16,
+    def from_pretrained(cls, model: str | Path, dtype: torch.dtype | str = torch.float16,
                         device: str | torch.device = "cuda", fused: bool | None = None,
                         lm_head: bool = True) -> "FastEsm":
         """Load ESM-2 by size name (``650M``), hub id, ``save_pretrained`` directory or fair-esm ``.pt``. A folder
         with safetensors (a hub id in the local cache too) is read straight onto the device
-        (:mod:`esm_turbo.model.folder`); anything else goes through :func:`esm_turbo.load_esm`."""
+        (:mod:`esm_turbo.model.folder`); anything else goes through :func:`esm_turbo.load_esm`. ``dtype="fp8"``:
+        read in bf16, then :meth:`to_fp8`; refused in one line on a device without FP8 tensor cores."""
+        if isinstance(dtype, str) and dtype == "fp8":
+            from ..errors import EsmTurboError
+            from .fp8 import fp8_supported
+            if not fp8_supported(device):
+                raise EsmTurboError(f"dtype fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or later); "
+                                    f"{device} has none (FastEsm.to_fp8() runs the PyTorch reference anywhere)")
+            return cls.from_pretrained(model, FP8_COMPUTE_DTYPE, device, fused, lm_head).to_fp8()
         from ..model.folder import direct_folder, load_tensors
         from ..model.sizes import resolve_model_id
         folder = direct_folder(resolve_model_id(str(model)))
@@ -268,6 +282,40 @@ class FastEsm(nn.Module):
             return cls.from_tensors(config, tensors, fused=fused)
         from ..model.loading import load_esm
         return cls.from_hf(load_esm(model, dtype=dtype, device=device), fused=fused)
+
+    @torch.no_grad()
+    def to_fp8(self) -> "FastEsm":
+        """The four matrix products of every block in FP8 (:mod:`esm_turbo.embed.fp8`: e4m3 weights with a scale per
+        output channel, activations with a scale per token, fp32 accumulation) and everything else in bf16, in place.
+        On GPUs without FP8 (and on CPU) the products run in the PyTorch reference, which computes the same numbers
+        slowly: it is there to measure fidelity, not for speed."""
+        for b in self.blocks:
+            weights = b.weights()
+            if b.fp8 is None:
+                b.fp8 = tuple(Fp8Weight.quantize(w) for w in weights)
+                b.quantized = None
+                for m in (b.qkv, b.out, b.fc1, b.fc2):
+                    m.weight = None
+        return self.to_dtype(FP8_COMPUTE_DTYPE)
+
+    @torch.no_grad()
+    def to_dtype(self, dtype: torch.dtype) -> "FastEsm":
+        """Every weight and bias (the LM head's too) in ``dtype``, in place; the rotary frequencies stay float32.
+        FP8 weights stay FP8."""
+        for module in self.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param is not None and param.is_floating_point():
+                    setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
+        if isinstance(self.lm_head, LMHead):
+            head = self.lm_head
+            for name in ("dense_w", "dense_b", "norm_w", "norm_b", "bias", "decoder"):
+                setattr(head, name, getattr(head, name).to(dtype))
+        self._graphs = {}
+        return self
+
+    @property
+    def is_fp8(self) -> bool:
+        return any(b.fp8 is not None for b in self.blocks)
 
     # ---- the forward -----------------------------------------------------------------------------
     def uses_kernels(self) -> bool:
@@ -340,15 +388,15 @@ class FastEsm(nn.Module):
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
         for i, b in enumerate(self.blocks[:last], start=1):
             w_qkv, w_o, w_1, w_2 = b.weights()
-            qkv = F.linear(x, w_qkv, b.qkv.bias)
+            qkv = linear(x, w_qkv, b.qkv.bias)
             q, k = rope_packed_triton(qkv, cos, sin, b.heads)
             v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
             a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, scale=1.0)
-            h, x = add_layer_norm_triton(h, F.linear(a.reshape(n, dim), w_o, b.out.bias), b.ffn_norm.weight,
+            h, x = add_layer_norm_triton(h, linear(a.reshape(n, dim), w_o, b.out.bias), b.ffn_norm.weight,
                                          b.ffn_norm.bias, self.eps)
-            f = F.gelu(F.linear(x, w_1, b.fc1.bias))
+            f = F.gelu(linear(x, w_1, b.fc1.bias))
             after = self.blocks[i].attn_norm if i < self.num_layers else self.final_norm
-            h, x = add_layer_norm_triton(h, F.linear(f, w_2, b.fc2.bias), after.weight, after.bias, self.eps)
+            h, x = add_layer_norm_triton(h, linear(f, w_2, b.fc2.bias), after.weight, after.bias, self.eps)
             if i in wanted:
                 out[i] = x if i == self.num_layers else h
         return out
