@@ -26,6 +26,13 @@ _EXPORTS = {
     "FitOptions": ".quant.fit", "fit_quantizer": ".quant.fit", "oblivious_codec": ".quant.fit",
     "lloyd_max": ".quant.lloyd_max", "lloyd_max_weighted": ".quant.lloyd_max",
     "open_embeddings": ".embed.h5",
+    "EmbedConfig": ".embed.extract", "Embedder": ".embed.extract", "Fp8Weight": ".embed.fp8",
+    "PagedKVCache": ".paged",
+    "Alphabet": ".model.alphabet", "alphabet": ".model.alphabet", "encode": ".model.alphabet",
+    "residue_ids": ".model.alphabet",
+    "QuantizedLinear": ".weights.linear", "WeightQuantConfig": ".weights.codec", "quantize_model": ".weights.model",
+    "load_quantized": ".weights.model", "save_quantized": ".weights.model",
+    "stress_esm2": ".testing", "plant_outliers": ".testing", "plant_product_outliers": ".testing",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

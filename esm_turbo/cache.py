@@ -133,6 +133,23 @@ class KVCache:
         """Make room for ``tokens`` more tokens per row now (before capturing a CUDA graph)."""
         self._ensure_capacity(self._max_bound + tokens)
 
+    @property
+    def length_bound(self) -> int:
+        """An upper bound on every row's length, kept on the host (read without waiting for the device)."""
+        return self._max_bound
+
+    def rewind_bound(self, bound: int) -> None:
+        """Put :attr:`length_bound` back to ``bound``: a CUDA-graph capture records a step without running it."""
+        self._max_bound = int(bound)
+
+    def claim(self, tokens: int) -> None:
+        """Count ``tokens`` more per row on the host for a replayed captured step that commits them; refused when
+        they pass the room reserved before the capture (the graph's buffers cannot grow)."""
+        if self._max_bound + tokens > self.capacity:
+            raise RuntimeError("the captured step's reserved cache room is used up; capture again with a larger "
+                               "reserve")
+        self._max_bound += tokens
+
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return

@@ -32,10 +32,9 @@ from . import ops
 from .cache import KVCache, MemoryReport
 from .errors import EsmTurboError
 from .io import to_device_queued
-from .ops.blocks import BlockLayout
+from .ops.blocks import BLOCK_SIZE, BlockLayout
 from .quant.codec import KVCodec
 
-BLOCK_SIZE = 64
 #: bytes of one pinned host chunk of the host tier (whole blocks), and most bytes of a move's device staging buffer
 HOST_CHUNK_BYTES = STAGE_BYTES = 256 * 2**20
 
@@ -211,7 +210,20 @@ class BlockPool:
         self.last_use[block] = self.clock
         return block
 
+    def share(self, block: int) -> None:
+        """One more holder of ``block`` (a forked row's table)."""
+        self.refs[block] += 1
+
+    def shared(self, block: int) -> bool:
+        """Whether more than one row holds ``block`` (it is copied before a write: copy-on-write)."""
+        return self.refs[block] > 1
+
+    def tables_changed(self) -> None:
+        """A block table changed: every block table cached against :attr:`epoch` is stale."""
+        self.epoch += 1
+
     def drop(self, block: int) -> None:
+        """One holder fewer; the block is freed (device and host slots) with its last."""
         self.refs[block] -= 1
         if self.refs[block] == 0:
             if self.slot[block] >= 0:
@@ -333,15 +345,15 @@ class PagedKVCache(KVCache):
         while len(table) <= index:
             table.append(self.pool.take(keep))
             keep.add(table[-1])
-            self.pool.epoch += 1
+            self.pool.tables_changed()
         block = table[index]
-        if self.pool.refs[block] > 1:
+        if self.pool.shared(block):
             fresh = self.pool.take(keep | {block})
             keep.add(fresh)
             copies.append((block, fresh))
-            self.pool.refs[block] -= 1  # still held by another row: its data stays until the copy below
+            self.pool.drop(block)  # still held by another row: its data stays until the copy below
             table[index] = block = fresh
-            self.pool.epoch += 1
+            self.pool.tables_changed()
         return block
 
     def _release_past_ends(self) -> None:
@@ -351,7 +363,7 @@ class PagedKVCache(KVCache):
                 for block in self.tables[row][keep:]:
                     self.pool.drop(block)
                 del self.tables[row][keep:]
-                self.pool.epoch += 1
+                self.pool.tables_changed()
 
     # ---- KVCache's interface ----------------------------------------------------------------------
     def _ensure_capacity(self, needed: int) -> None:
@@ -388,7 +400,7 @@ class PagedKVCache(KVCache):
         if self._writes != (self.pool.epoch, s):
             bs, starts = self.block_size, self.host_lengths
             wanted = [(b, i) for b, start in enumerate(starts) for i in range(start // bs, (start + s - 1) // bs + 1)]
-            need = [(b, i) for b, i in wanted if i >= len(self.tables[b]) or self.pool.refs[self.tables[b][i]] > 1]
+            need = [(b, i) for b, i in wanted if i >= len(self.tables[b]) or self.pool.shared(self.tables[b][i])]
             if need or self.pool.limit is not None:
                 keep = self._mine()
                 self.pool.resident(keep)
@@ -443,13 +455,13 @@ class PagedKVCache(KVCache):
         tables = [list(self.tables[r]) for r in rows.tolist()]
         for table in tables:
             for block in table:
-                self.pool.refs[block] += 1
+                self.pool.share(block)
         for table in self.tables:
             for block in table:
                 self.pool.drop(block)
         self.tables = tables
         self.host_lengths = [self.host_lengths[r] for r in rows.tolist()]
-        self.pool.epoch += 1
+        self.pool.tables_changed()
         self._new_step()
 
     def block_table(self, width: int | None = None) -> torch.Tensor:

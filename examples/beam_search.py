@@ -16,9 +16,7 @@ import time
 
 import torch
 
-from esm_turbo import Calibration, TurboEsm, calibrate, load_esm, read_fasta
-from esm_turbo.model.alphabet import alphabet, residue_ids
-from esm_turbo.testing import stress_esm2
+from esm_turbo import alphabet, calibrate, Calibration, load_esm, read_fasta, residue_ids, stress_esm2, TurboEsm
 
 
 def beam_search(turbo: TurboEsm, prefix: str, length: int, beam: int = 64, expand: int = 4, block_size: int = 16,

@@ -12,9 +12,7 @@ import argparse
 
 import torch
 
-from esm_turbo import Calibration, TurboEsm, calibrate, load_esm, read_fasta
-from esm_turbo.model.alphabet import residue_ids
-from esm_turbo.testing import stress_esm2
+from esm_turbo import calibrate, Calibration, load_esm, read_fasta, residue_ids, stress_esm2, TurboEsm
 
 
 def design(turbo: TurboEsm, scaffold: str, designs: int = 4, length: int = 12, temperature: float = 1.0):

@@ -11,9 +11,7 @@ import argparse
 
 import torch
 
-from esm_turbo import TurboEsm, calibrate, load_esm, read_fasta
-from esm_turbo.model.alphabet import alphabet, residue_ids
-from esm_turbo.testing import stress_esm2
+from esm_turbo import alphabet, calibrate, load_esm, read_fasta, residue_ids, stress_esm2, TurboEsm
 
 
 def tail_score(session, tail: torch.Tensor) -> float:

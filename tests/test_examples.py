@@ -55,3 +55,19 @@ def test_beam_search_keeps_the_best_beams():
             total += torch.log_softmax(logits.float(), -1)[allowed.index(alphabet().get_idx(residue))].item()
             check.step([residue])
         assert abs(total - score) < 1e-3, (tail, total, score)
+
+
+def test_examples_and_the_readme_use_only_the_public_api():
+    """Everything the examples and the README's Python import comes from ``esm_turbo`` itself, and exists there."""
+    import ast
+    import re
+
+    import esm_turbo
+    sources = {p.name: p.read_text() for p in (ROOT / "examples").glob("*.py")}
+    readme = (ROOT / "README.md").read_text()
+    sources.update({f"README block {i}": b for i, b in enumerate(re.findall(r"```python\n(.*?)```", readme, re.S))})
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("esm_turbo"):
+                assert node.module == "esm_turbo", f"{name}: from {node.module} import …"
+                assert all(hasattr(esm_turbo, a.name) for a in node.names), name

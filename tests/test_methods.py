@@ -118,3 +118,35 @@ def test_kivi_window_keeps_recent_tokens_in_fp16(tiny):
     cache.truncate(10)
     k_back, _, _ = cache.dequantize(0)
     assert torch.allclose(k_back[0, :, 90 - window: 90], k[0, :, 90 - window: 90].half().float())
+
+
+def test_one_registry_serves_the_engine_and_the_sweeps(tiny):
+    """Every sweep preset names a registered method; the engine builds the shape-only ones by kind (a new method
+    registered once is usable by both), and refuses kinds that need data, naming what it takes."""
+    from esm_turbo.model.engine import TurboEsm
+    from esm_turbo.quant.fit import oblivious_codec
+    from esm_turbo.quant.registry import KV_METHODS, MethodRequest, Quantizer, build_codecs as registry_build, register
+    for conf in sorted((Path(__file__).resolve().parents[1] / "conf" / "quant").glob("*.yaml")):
+        assert OmegaConf.load(conf).method in KV_METHODS, conf.name
+    engine = TurboEsm(stress_esm2(layers=2, hidden=32, heads=2))
+    four = engine.codecs("turboquant-4")[1]
+    want = oblivious_codec(engine.heads, engine.head_dim, 4, "hadamard", "none", seed=1)
+    k, v = torch.randn(1, engine.heads, 5, engine.head_dim), torch.randn(1, engine.heads, 5, engine.head_dim)
+    assert all(torch.equal(a, b) for a, b in zip(four.decode(four.encode(k, v)), want.decode(want.encode(k, v))))
+    fp8, fp16 = engine.codecs("fp8")[0], engine.codecs("fp16")[0]
+    assert fp8.bytes_per_token() < fp16.bytes_per_token()
+    with pytest.raises(ValueError, match="turboquant"):
+        engine.codecs("int-4")
+    codecs, _ = registry_build("int", MethodRequest(2, 16, 2, QuantConf(method="int", bits=4),
+                                                    lambda: [(torch.randn(2, 64, 16), torch.randn(2, 64, 16))] * 2))
+    assert all(isinstance(q, Quantizer) for c in codecs for q in (c.key, c.value))
+
+    @register("test-dense16", "fp16, registered by a test")
+    def _mine(req):
+        return registry_build("dense", MethodRequest(req.heads, req.dim, req.layers, QuantConf(dtype="fp16")))
+    try:
+        assert len(engine.codecs("test-dense16")) == 2
+        q = QuantConf(method="test-dense16")
+        assert len(build_codecs(q, engine.model, [], lambda: [])[0]) == 2
+    finally:
+        del KV_METHODS["test-dense16"]

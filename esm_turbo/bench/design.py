@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..ops import attend_compressed, use_kernels
+from ..ops.blocks import BLOCK_SIZE
 from ..ops.compressed import fused_tables
 from .synthetic import as_blocks, layer_codec, random_protein, shuffled_pages, stand_in_model, synthetic_cache
 from .timing import link_h2d_gbs, time_graph
@@ -65,7 +66,7 @@ def _interleaved(steps: dict, count: int, device: torch.device) -> dict[str, lis
 
 @torch.no_grad()
 def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, candidates: int = 256, tail: int = 64,
-                 block_size: int = 64, layers: int | None = None) -> DesignBench:
+                 block_size: int = BLOCK_SIZE, layers: int | None = None) -> DesignBench:
     from ..model.alphabet import alphabet
     from ..model.engine import TurboEsm
     dtype = torch.float16 if device.type == "cuda" else torch.float32

@@ -7,15 +7,11 @@ import functools
 import torch
 
 from ..fasta import Record
-from ..model.calibrate import _run, calibrate, token_batches
+from ..model.calibrate import _run, token_batches
 from ..model.engine import TurboEsm
-from ..quant.codec import KVCodec, VectorQuantizer, dense_codec
-from ..quant.fit import oblivious_codec
-from ..quant.methods import AffineIntQuantizer, Fp8Quantizer, OutlierSplitQuantizer, RVQQuantizer
-from ..schema import dtype_of
+from ..quant.codec import KVCodec, VectorQuantizer
+from ..quant.registry import MethodRequest, build_codecs as registry_build
 from .config import QuantConf
-
-CALIBRATED = ("int", "turboesm", "outlier", "rvq")
 
 
 @torch.no_grad()
@@ -38,42 +34,14 @@ def collect_kv(model, records: list[Record], max_tokens: int) -> list[tuple[torc
     return out
 
 
-def _per_layer(samples, make_key, make_value, window: int = 0) -> list[KVCodec]:
-    return [KVCodec(make_key(k), make_value(v), window=window) for k, v in samples]
-
-
 def build_codecs(q: QuantConf, model, calibration: list[Record], samples_fn) -> tuple[list[KVCodec], dict]:
-    """(codecs per layer, extra info such as calibration seconds). ``samples_fn()`` gives the collected
-    K/V samples (only called for methods that fit on them)."""
+    """(codecs per layer, extra info such as calibration seconds) of ``q.method`` from the registry
+    (:mod:`esm_turbo.quant.registry`). ``samples_fn()`` gives the collected K/V samples (only called for methods
+    that fit on them)."""
     cfg = model.config
-    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
-    dim = cfg.hidden_size // heads
-    info: dict = {}
-    if q.method == "dense":
-        dtype = dtype_of(q.dtype)
-        return [dense_codec(heads, dim, dtype) for _ in range(layers)], info
-    if q.method == "fp8":
-        return [KVCodec(Fp8Quantizer(heads, dim), Fp8Quantizer(heads, dim)) for _ in range(layers)], info
-    if q.method == "turboquant":
-        bits = q.bits or 3
-        return [oblivious_codec(heads, dim, bits, "hadamard", q.residual or "none", seed=i)
-                for i in range(layers)], info
-    if q.method == "turboesm":
-        cal = calibrate(model, calibration, q.calibration_config(), progress=False)
-        info["calibration_seconds"] = cal.seconds
-        return list(cal.codecs), info
-    samples = samples_fn()
-    if q.method == "int":
-        return _per_layer(samples, lambda k: AffineIntQuantizer.fit(k, q.bits, "channel"),
-                          lambda v: AffineIntQuantizer(heads, dim, q.bits, "token"), q.window), info
-    if q.method == "outlier":
-        n_out = max(1, round(q.outlier_frac * dim))
-        return _per_layer(samples, lambda k: OutlierSplitQuantizer.fit(k, q.bits, q.outlier_bits, n_out),
-                          lambda v: OutlierSplitQuantizer.fit(v, q.bits, q.outlier_bits, n_out)), info
-    if q.method == "rvq":
-        return _per_layer(samples, lambda k: RVQQuantizer.fit(k, q.depth, q.group, contiguous=False),
-                          lambda v: RVQQuantizer.fit(v, q.depth, q.group, contiguous=True)), info
-    raise ValueError(f"unknown method {q.method!r}")
+    heads = cfg.num_attention_heads
+    request = MethodRequest(heads, cfg.hidden_size // heads, cfg.num_hidden_layers, q, samples_fn, model, calibration)
+    return registry_build(q.method, request)
 
 
 def layout_codecs(q: QuantConf, heads: int, dim: int) -> KVCodec:

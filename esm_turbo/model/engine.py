@@ -21,9 +21,8 @@ from torch import nn
 
 from ..cache import KVCache, MemoryReport
 from ..io import to_device_queued
-from ..schema import dtype_of
-from ..quant.codec import KVCodec, dense_codec
-from ..quant.fit import oblivious_codec
+from ..ops.blocks import BLOCK_SIZE
+from ..quant.codec import KVCodec
 from .alphabet import alphabet, encode
 from .attention import RunContext, install
 
@@ -65,8 +64,9 @@ class TurboEsm:
         self.calibration = calibration
 
     def codecs(self, cache: str | Callable[[int, int, int], KVCodec] = "turbo") -> list[KVCodec]:
-        """Per-layer codecs for a cache kind: ``turbo`` (calibrated), ``fp32``/``fp16`` (dense),
-        ``turboquant-<bits>`` (data-oblivious), or a factory ``f(layer, heads, head_dim)``."""
+        """Per-layer codecs for a cache kind: ``turbo`` (this engine's calibration), a method of the registry
+        (:mod:`esm_turbo.quant.registry`) built from the shapes alone — ``fp32``/``fp16``/``bf16`` (dense), ``fp8``,
+        ``turboquant-<bits>`` (data-oblivious) — or a factory ``f(layer, heads, head_dim)``."""
         h, d = self.heads, self.head_dim
         if callable(cache):
             made = [cache(i, h, d) for i in range(self.num_layers)]
@@ -74,14 +74,14 @@ class TurboEsm:
             if self.calibration is None:
                 raise ValueError("cache='turbo' needs a calibration: TurboEsm(model, Calibration.load(path))")
             made = self.calibration.codecs
-        elif cache in ("fp32", "fp16", "bf16"):
-            dtype = dtype_of(cache)
-            made = [dense_codec(h, d, dtype) for _ in range(self.num_layers)]
-        elif cache.startswith("turboquant-"):
-            bits = int(cache.split("-")[1])
-            made = [oblivious_codec(h, d, bits, "hadamard", "none", seed=i) for i in range(self.num_layers)]
         else:
-            raise ValueError(f"unknown cache kind {cache!r}")
+            from ..quant.registry import KV_METHODS, MethodRequest, build_codecs, parse_kind
+            name, options = parse_kind(cache)
+            if name not in KV_METHODS or KV_METHODS[name].needs != "shapes":
+                built = sorted(k for k, m in KV_METHODS.items() if m.needs == "shapes")
+                raise ValueError(f"unknown cache kind {cache!r}: turbo, fp32, fp16, bf16, a method built from shapes "
+                                 f"alone ({', '.join(built)}; a width as turboquant-4), or a factory")
+            made, _ = build_codecs(name, MethodRequest(h, d, self.num_layers, options))
         return [c.to(self.device) for c in made]
 
     @contextlib.contextmanager
@@ -107,7 +107,7 @@ class TurboEsm:
                 layer.attention.self = mod
 
     def session(self, cache: str | Callable = "turbo", capacity: int = 256, paged: bool = False,
-                block_size: int = 64, gpu_budget_gib: float | None = None) -> "DecodeSession":
+                block_size: int = BLOCK_SIZE, gpu_budget_gib: float | None = None) -> "DecodeSession":
         """A decode session over a ``cache`` kind. ``paged``: the cache is kept in blocks of ``block_size`` tokens
         that forks share (:class:`~esm_turbo.paged.PagedKVCache`): ``fork(k)`` copies block tables, not rows.
         ``gpu_budget_gib`` (paged): the most cache bytes kept on the device; blocks of rows not being stepped move
@@ -119,7 +119,7 @@ class DecodeSession:
     """Batched prefill + incremental decode over a KV cache, with rollback and beam fork/select."""
 
     def __init__(self, engine: TurboEsm, cache: str | Callable = "turbo", capacity: int = 256, paged: bool = False,
-                 block_size: int = 64, gpu_budget_gib: float | None = None):
+                 block_size: int = BLOCK_SIZE, gpu_budget_gib: float | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
         if gpu_budget_gib is not None and (not paged or gpu_budget_gib <= 0):
@@ -286,11 +286,11 @@ class DecodeSession:
             for _ in range(2):
                 self.step(tokens, counts, commit=False)
         torch.cuda.current_stream().wait_stream(side)
-        bound = cache._max_bound
+        bound = cache.length_bound
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self.step(tokens, counts, commit=commit)
-        cache._max_bound = bound  # capture ran no kernels; replays advance it
+        cache.rewind_bound(bound)  # capture ran no kernels; replays advance it
         return CapturedStep(self, graph, tokens, counts, out, commit, tokens.shape[1])
 
     def fit_to_cache(self) -> None:
@@ -347,9 +347,6 @@ class CapturedStep:
             self.tokens.copy_(tokens)
         cache = self.session.cache
         if self.commit:
-            if cache._max_bound + self.width > cache.capacity:
-                raise RuntimeError("the captured step's reserved cache room is used up; capture again "
-                                   "with a larger reserve")
-            cache._max_bound += self.width
+            cache.claim(self.width)
         self.graph.replay()
         return self.output

@@ -11,6 +11,9 @@ import torch
 
 from ..io import to_device_queued
 
+#: tokens per block of a paged cache: the one default (PagedKVCache, TurboEsm.session, bench design)
+BLOCK_SIZE = 64
+
 
 def _bytes(buf: torch.Tensor) -> torch.Tensor:
     """A pool buffer [slots, …] as [slots, bytes of a slot] uint8 (a view)."""

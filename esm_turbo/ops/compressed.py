@@ -10,6 +10,8 @@ calibrated or Hadamard LUT quantizers without per-vector norms, 1–4 bits, resi
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,9 +71,14 @@ class FusedTables:
         return main, parts[f"{kind}.{code.sign_part}"] if code.sign_part else main.new_empty(0)
 
 
+#: each codec's tables, made once (a codec's buffers are fixed once calibrated) and kept while the codec lives
+_TABLES: "weakref.WeakKeyDictionary[KVCodec, FusedTables]" = weakref.WeakKeyDictionary()
+
+
 def fused_tables(codec: KVCodec) -> FusedTables:
-    """Cached on the codec (its buffers are fixed once calibrated); rebuilt if it moved device."""
-    cached = getattr(codec, "_fused_tables", None)
+    """The kernels' view of ``codec``'s tables: made once per codec (kept here, not on the codec), rebuilt if it
+    moved device."""
+    cached = _TABLES.get(codec)
     key, value = codec.key, codec.value
     if cached is not None and cached.k_tab.device == key.rot.device:
         return cached
@@ -79,7 +86,7 @@ def fused_tables(codec: KVCodec) -> FusedTables:
                          v_tab=_op_table(value), k_bounds=_level_major(lut_bounds(key.centroids)),
                          v_bounds=_level_major(lut_bounds(value.centroids)), k_layout=_kernel_layout(key),
                          v_layout=_kernel_layout(value), k_rot16=_kernel_halves(key), v_rot16=_kernel_halves(value))
-    codec._fused_tables = tables
+    _TABLES[codec] = tables
     return tables
 
 
