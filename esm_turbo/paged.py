@@ -306,27 +306,17 @@ class PagedKVCache(KVCache):
         size = max(1, self.pool.limit // -(-width // self.block_size))
         return [list(range(i, min(i + size, self.batch_size))) for i in range(0, self.batch_size, size)]
 
-    def view(self, rows: list[int]) -> "PagedKVCache":
-        """A cache over ``rows`` (distinct) sharing this one's pool and tables: a step on it reads and writes only
-        their blocks. Afterwards :meth:`absorb` takes its lengths back."""
+    def view(self, rows: list[int]) -> "PagedRows":
+        """Rows ``rows`` (distinct) as a cache of their own (:class:`PagedRows`): a step on it reads and writes only
+        their blocks; its :meth:`PagedRows.give_back` returns their lengths here."""
         if len(set(rows)) != len(rows) or not rows:
             raise ValueError("a view needs distinct rows, at least one")
         if min(rows) < 0 or max(rows) >= self.batch_size:
             raise IndexError(f"row index out of range for a batch of {self.batch_size}")
-        view = object.__new__(PagedKVCache)
-        view.__dict__.update(self.__dict__)
-        view.tables = [self.tables[r] for r in rows]  # the same lists: block changes land here too
-        view.lengths = self.lengths[to_device_queued(rows, self.device)]
-        view.host_lengths = [self.host_lengths[r] for r in rows]
-        view.ring_hi = torch.zeros_like(view.lengths)
-        view.batch_size = len(rows)
-        view._written = 0
-        view._tables = (-1, {})
-        view._new_step()
-        return view
+        return PagedRows(self, rows)
 
-    def absorb(self, view: "PagedKVCache", rows: list[int]) -> None:
-        """Take a view's lengths (after its step) back into ``rows``."""
+    def absorb(self, view: "PagedRows", rows: list[int]) -> None:
+        """Take a view's lengths (after its step) back into ``rows`` (what :meth:`PagedRows.give_back` does)."""
         self.lengths[to_device_queued(rows, self.device)] = view.lengths
         for row, length in zip(rows, view.host_lengths):
             self.host_lengths[row] = length
@@ -503,4 +493,29 @@ class PagedKVCache(KVCache):
             shared_saved_bytes=(referenced - on_device - on_host) * block_bytes, host_bytes=on_host * block_bytes)
 
 
-__all__ = ["BLOCK_SIZE", "BlockPool", "PagedKVCache"]
+class PagedRows(PagedKVCache):
+    """Some rows of a :class:`PagedKVCache`, as a cache of their own for a step.
+
+    Shared with the parent, by design: the block pool (and so every block's data, the host tier and the epoch), the
+    codecs, and each of these rows' block-table *list* (a block the step takes or copies on write lands in the
+    parent's table too). The view's own: its lengths (a copy of the rows'), its batch size, its pending write and
+    its cached block tables. :meth:`give_back` returns the lengths to the parent's rows."""
+
+    def __init__(self, parent: PagedKVCache, rows: list[int]):  # noqa: D107 - no PagedKVCache.__init__: nothing is made
+        self.__dict__.update(parent.__dict__)  # every setting and shared structure of the parent …
+        self.parent, self.rows = parent, list(rows)
+        self.tables = [parent.tables[r] for r in rows]  # … the same list objects, per row
+        self.lengths = parent.lengths[to_device_queued(self.rows, parent.device)]  # … and copies of these
+        self.host_lengths = [parent.host_lengths[r] for r in rows]
+        self.ring_hi = torch.zeros_like(self.lengths)
+        self.batch_size = len(rows)
+        self._written = 0
+        self._tables = (-1, {})
+        self._new_step()
+
+    def give_back(self) -> None:
+        """The rows' lengths (and any growth) back into the parent, after the step."""
+        self.parent.absorb(self, self.rows)
+
+
+__all__ = ["BLOCK_SIZE", "BlockPool", "PagedKVCache", "PagedRows"]

@@ -225,6 +225,22 @@ def test_clean_blocks_leave_the_device_without_a_copy():
     assert cache.pool.host_slot[cache.tables[0][1]] < 0  # written: its host copy let go
 
 
+def test_a_view_shares_its_rows_blocks_and_gives_back_their_lengths():
+    """PagedRows: the rows' block-table lists are the parent's own (a block a step takes shows there), the lengths
+    are copies until give_back."""
+    from esm_turbo.paged import PagedRows
+    cache = PagedKVCache(codecs(), 3, capacity=8, block_size=4)
+    view = cache.view([2, 0])
+    assert isinstance(view, PagedRows) and view.batch_size == 2 and view.pool is cache.pool
+    assert view.tables[0] is cache.tables[2] and view.tables[1] is cache.tables[0]
+    gen = torch.Generator().manual_seed(0)
+    view.append(*[list(t) for t in torch.randn(2, LAYERS, 2, HEADS, 5, DIM, generator=gen)])
+    assert len(cache.tables[2]) == 2 and cache.tables[1] == []  # blocks taken through the view, row 1 untouched
+    assert cache.lengths.tolist() == [0, 0, 0]
+    view.give_back()
+    assert cache.lengths.tolist() == [5, 0, 5] and cache.host_lengths == [5, 0, 5]
+
+
 def test_a_budgeted_session_steps_some_rows(stress_model):
     """Stepping a subset of rows under a tiny device budget gives what the same steps give with no budget, and a
     contiguous session refuses a subset step."""

@@ -179,7 +179,7 @@ class DecodeSession:
                 hidden.append(eng.esm(input_ids=tokens[rows], attention_mask=mask[rows]).last_hidden_state)
             cache.commit(mask[rows].sum(1))
             if cache is not self.cache:
-                self.cache.absorb(cache, rows)
+                cache.give_back()
         last = torch.cat(hidden)
         self.tokens = torch.full((batch, self.cache.capacity), alphabet().padding_idx,
                                  dtype=torch.long, device=eng.device)
@@ -244,17 +244,10 @@ class DecodeSession:
         cache = self._require_started()
         if cache.contiguous:
             raise ValueError("stepping some rows needs a paged session: turbo.session(paged=True)")
-        view = cache.view(rows)
-        idx = to_device_queued(rows, cache.device)
-        sub = object.__new__(DecodeSession)
-        sub.__dict__.update(self.__dict__)
-        sub.cache, sub.tokens, sub.mask_counts = view, self.tokens[idx], self.mask_counts[idx]
+        sub = _RowsSession(self, rows)
         out = sub.step(tokens, counts, commit)
         if commit:
-            cache.absorb(view, rows)
-            self.fit_to_cache()
-            self.tokens[idx, : sub.tokens.shape[1]] = sub.tokens[:, : self.tokens.shape[1]]
-            self.mask_counts[idx] = sub.mask_counts
+            sub.give_back()
         return out
 
     def capture_step(self, tokens: torch.Tensor, counts: torch.Tensor | None = None, commit: bool = False,
@@ -327,6 +320,27 @@ class DecodeSession:
 
     def memory_report(self) -> MemoryReport:
         return self._require_started().memory_report()
+
+
+class _RowsSession(DecodeSession):
+    """Some rows of a paged session, stepped alone. Shared with the parent session: the engine and every setting;
+    its own: the cache (a :class:`~esm_turbo.paged.PagedRows` view of the rows), and copies of the rows' token
+    record and mask counts, which :meth:`give_back` writes into the parent's rows with the cache's lengths."""
+
+    def __init__(self, parent: DecodeSession, rows: list[int]):  # noqa: D107 - the parent's state, not a new one
+        self.__dict__.update(parent.__dict__)  # the engine and the session's settings …
+        self.parent, self.rows = parent, list(rows)
+        self.idx = to_device_queued(self.rows, parent.cache.device)
+        self.cache = parent.cache.view(self.rows)  # … over these rows' blocks
+        self.tokens, self.mask_counts = parent.tokens[self.idx], parent.mask_counts[self.idx]  # copies
+
+    def give_back(self) -> None:
+        """After a committed step: the rows' lengths, tokens and mask counts back into the parent."""
+        parent = self.parent
+        self.cache.give_back()
+        parent.fit_to_cache()
+        parent.tokens[self.idx, : self.tokens.shape[1]] = self.tokens[:, : parent.tokens.shape[1]]
+        parent.mask_counts[self.idx] = self.mask_counts
 
 
 @dataclass
