@@ -10,7 +10,8 @@ Contract (shapes once)::
 ``write(layer, k, v)`` encodes the S tokens into positions ``lengths[b] + j``; ``commit(counts)``
 then makes them visible. Writing without committing is how a "peek" step leaves the cache as it was.
 ``truncate`` rolls sequences back, ``select`` gathers rows (beam fork), ``dequantize`` decodes one
-layer (the reference path), and ``memory_report`` accounts for every byte held.
+layer (the reference path), and ``memory_report`` accounts for every byte held. Codecs that keep KIVI's recent
+tokens in fp16 get a :class:`~esm_turbo.window.RecentWindow` beside the codes, laid over what ``dequantize`` gives.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from . import ops
 from .quant.codec import KVCodec
+from .window import RecentWindow
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,11 @@ class KVCache:
         self._max_bound = 0
         self._written = 0
         self.parts: list[dict[str, torch.Tensor]] = [self._alloc(c, batch_size, self.capacity) for c in codecs]
-        self.rings: list[dict[str, torch.Tensor] | None] = [self._alloc_ring(c, batch_size) for c in codecs]
+        #: KIVI's fp16 recent-token window, a layer over the codes for the codecs that keep one (esm_turbo.window)
+        self.window: RecentWindow | None = (RecentWindow(codecs, batch_size, self.heads, self.head_dim, self.device)
+                                            if RecentWindow.wanted(codecs) else None)
         #: per layer: the fused ops (Triton on CUDA) write and read it, or the PyTorch reference (ops.kernel_path)
         self.fused: list[bool] = [ops.kernel_path(c, self.device) for c in codecs]
-        self.ring_hi = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # 1 + last position in rings
 
     @property
     def num_layers(self) -> int:
@@ -94,31 +97,6 @@ class KVCache:
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict[str, torch.Tensor]:
         return {name: torch.zeros(batch, self.heads, capacity, *shape, dtype=dtype, device=self.device)
                 for name, (shape, dtype) in codec.part_specs().items()}
-
-    #: tokens a step may write beyond the committed ones without disturbing a recent-token window
-    STEP_MAX = 16
-
-    def _alloc_ring(self, codec: KVCodec, batch: int) -> dict[str, torch.Tensor] | None:
-        """fp16 ring buffers [B, H, window + STEP_MAX, d] for a codec with a recent-token window."""
-        window = getattr(codec, "window", 0)
-        if not window:
-            return None
-        shape = (batch, self.heads, window + self.STEP_MAX, self.head_dim)
-        return {kind: torch.zeros(shape, dtype=torch.float16, device=self.device) for kind in "kv"}
-
-    def _write_ring(self, layer: int, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None) -> None:
-        ring = self.rings[layer]
-        size, s = ring["k"].shape[2], k.shape[2]
-        j = torch.arange(s, device=self.device)
-        real = valid.bool() if valid is not None else torch.ones(self.batch_size, s, dtype=torch.bool,
-                                                                  device=self.device)
-        n = real.sum(1)
-        keep = real & (j[None, :] >= n[:, None] - size)  # each row's last ring-full of real tokens
-        b_idx, j_idx = keep.nonzero(as_tuple=True)
-        slot = (self.lengths[b_idx] + j_idx) % size
-        ring["k"][b_idx, :, slot] = k[b_idx, :, j_idx].half()
-        ring["v"][b_idx, :, slot] = v[b_idx, :, j_idx].half()
-        self.ring_hi = torch.maximum(self.ring_hi, self.lengths + n)
 
     def set_lengths(self, length: int) -> None:
         """Declare every row ``length`` tokens long, taking the stored parts as they are (a benchmark fills them with
@@ -176,8 +154,8 @@ class KVCache:
         """Encode S new tokens of ``layer`` at positions ``lengths[b] + j`` (not yet committed).
         ``valid`` [B, S] marks real tokens (ragged prefill); only windowed codecs need it."""
         self._check_kv(layer, k, v)
-        if self.rings[layer] is not None:
-            self._write_ring(layer, k, v, valid)
+        if self.window is not None:
+            self.window.write(layer, k, v, valid, self.lengths)
         s = k.shape[2]
         self._ensure_capacity(self._max_bound + s)
         self._written = s
@@ -233,7 +211,8 @@ class KVCache:
             raise IndexError(f"row index out of range for a batch of {self.batch_size}")
         self._select_storage(rows)
         self.lengths = self.lengths.index_select(0, rows)
-        self.ring_hi = self.ring_hi.index_select(0, rows)
+        if self.window is not None:
+            self.window.select(rows)
         self.batch_size = rows.numel()
 
     def pages(self) -> tuple[torch.Tensor | None, int]:
@@ -249,7 +228,6 @@ class KVCache:
     def _select_storage(self, rows: torch.Tensor) -> None:
         """The stored rows of :meth:`select` (copied: a fork holds its own copy)."""
         self.parts = [{n: b.index_select(0, rows) for n, b in layer.items()} for layer in self.parts]
-        self.rings = [None if r is None else {n: b.index_select(0, rows) for n, b in r.items()} for r in self.rings]
 
     def layer_parts(self, layer: int, upto: int | None = None) -> dict[str, torch.Tensor]:
         """The stored parts of one layer, cut to the first ``upto`` positions (default: max length)."""
@@ -263,15 +241,8 @@ class KVCache:
         t = k.shape[2]
         pos = torch.arange(t, device=self.device)[None, :]
         valid = pos < self.lengths[:, None]
-        ring = self.rings[layer]
-        if ring is not None:  # the most recent `window` committed tokens come back in fp16
-            size = ring["k"].shape[2]
-            window = size - self.STEP_MAX
-            recent = valid & (pos >= self.lengths[:, None] - window) & (pos >= self.ring_hi[:, None] - size)
-            slot = torch.arange(t, device=self.device) % size
-            recent = recent[:, None, :, None]
-            k = torch.where(recent, ring["k"][:, :, slot].float(), k)
-            v = torch.where(recent, ring["v"][:, :, slot].float(), v)
+        if self.window is not None:  # the most recent `window` committed tokens come back in fp16
+            k, v = self.window.overlay(layer, k, v, valid, self.lengths)
         return k, v, valid
 
     def memory_report(self) -> MemoryReport:
@@ -279,7 +250,7 @@ class KVCache:
         for name, buf in self.parts[0].items():
             per_part[name] = buf[0, :, 0].numel() * buf.element_size()
         per_token = sum(c.bytes_per_token() for c in self.codecs) * self.heads // self.num_layers
-        window = sum(b.numel() * b.element_size() for r in self.rings if r is not None for b in r.values())
+        window = self.window.nbytes() if self.window is not None else 0
         allocated = sum(b.numel() * b.element_size() for layer in self.parts for b in layer.values()) + window
         tokens = int(self.lengths.sum())
         values_per_token = 2 * self.heads * self.head_dim

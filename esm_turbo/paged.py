@@ -296,9 +296,6 @@ class PagedKVCache(KVCache):
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict:
         return {}  # the pool holds the parts
 
-    def _alloc_ring(self, codec: KVCodec, batch: int) -> None:
-        return None
-
     def prefill_groups(self, width: int) -> list[list[int]]:
         """Rows prefilled together: all, or under a device budget as many as its blocks hold (at least one)."""
         if self.pool.limit is None:
@@ -507,7 +504,6 @@ class PagedRows(PagedKVCache):
         self.tables = [parent.tables[r] for r in rows]  # … the same list objects, per row
         self.lengths = parent.lengths[to_device_queued(self.rows, parent.device)]  # … and copies of these
         self.host_lengths = [parent.host_lengths[r] for r in rows]
-        self.ring_hi = torch.zeros_like(self.lengths)
         self.batch_size = len(rows)
         self._written = 0
         self._tables = (-1, {})

@@ -42,7 +42,7 @@ def test_bits_per_value_match_the_bytes_held(name, tiny):
     cache.append([k], [v])
     rep = cache.memory_report()
     held = sum(b.numel() * b.element_size() for layer in cache.parts for b in layer.values())
-    window = sum(b.numel() * b.element_size() for r in cache.rings if r is not None for b in r.values())
+    window = cache.window.nbytes() if cache.window is not None else 0
     assert held + window == rep.allocated_bytes and window == rep.window_bytes
     assert (window > 0) == (getattr(codecs[0], "window", 0) > 0)
     assert rep.bits_per_value * (3 * tokens * 2 * 2 * 32) == pytest.approx(8 * held)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from ..cache import KVCache
+from ..window import STEP_MAX
 from ..io import atomic_write, atomic_write_text
 from ..model.evaluate import TAIL_COS
 from .config import QuantConf
@@ -109,7 +109,7 @@ def memory_table(conf_dir: Path, heads: int = 20, dim: int = 64) -> str:
         per_head = codec.bytes_per_token()
         parts = ", ".join(f"{n} {math.prod(shape) * torch.empty((), dtype=dt).element_size()}"
                           for n, (shape, dt) in codec.part_specs().items())
-        ring = (codec.window + KVCache.STEP_MAX) * 2 * heads * dim * 2 if codec.window else 0
+        ring = (codec.window + STEP_MAX) * 2 * heads * dim * 2 if codec.window else 0
         rows.append([q.name, per_head * heads, 8 * per_head / (2 * dim), 2 * 2 * dim / per_head,
                      4 * 2 * dim / per_head, parts, ring])
     rows.sort(key=lambda r: r[2])
