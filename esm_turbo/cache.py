@@ -215,6 +215,12 @@ class KVCache:
             self.window.select(rows)
         self.batch_size = rows.numel()
 
+    def attends_from_storage(self, layer: int) -> bool:
+        """Whether decode attention over ``layer`` reads the new tokens from the stored buffer (an uncompressed cache
+        on CUDA, attended in place by SDPA): they are then written before it, also in a step that is not committed."""
+        from .quant.codec import DenseQuantizer
+        return self.contiguous and self.device.type == "cuda" and isinstance(self.codecs[layer].key, DenseQuantizer)
+
     def pages(self) -> tuple[torch.Tensor | None, int]:
         """(block table, block size) that decode attention reads the parts through: none here, rows are contiguous
         (:meth:`~esm_turbo.paged.PagedKVCache.pages`)."""

@@ -731,7 +731,7 @@ def engine_mask_id():
 
 
 def test_dense_cache_sdpa_path_matches_reference():
-    """The fp16/fp32-cache baseline (write the new tokens after each prefix, SDPA over the buffer in place)."""
+    """The fp16/fp32-cache baseline (the new tokens written after each prefix, SDPA over the buffer in place)."""
     from esm_turbo.ops import attend_dense
     from esm_turbo.quant.codec import dense_codec
     codec = dense_codec(3, 16)
@@ -739,7 +739,8 @@ def test_dense_cache_sdpa_path_matches_reference():
     q, k, v, valid = step_inputs(3, 3, 2, 16, "cpu")
     valid[0, 1] = False  # a padded new token in the first row
     ref = decode_attention_reference(q, cache, 0, k, v, valid)
-    out = attend_dense(q, cache, 0, k, v, valid)
+    cache.write(0, k, v, valid)  # the engine's part: written, not committed
+    out = attend_dense(q, cache, 0, valid)
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
     assert torch.equal(cache.lengths, torch.tensor([5, 40, 0]))  # nothing committed by a peek
 

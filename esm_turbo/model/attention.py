@@ -91,7 +91,12 @@ class TurboEsmSelfAttention(nn.Module):
             return out.transpose(1, 2).reshape(batch, seq, -1).contiguous(), None
         if ctx.mode != "decode":
             raise ValueError(f"unknown attention mode {ctx.mode!r}")
-        out = ops.decode_attention(q, ctx.cache, self.layer_idx, k, v, ctx.new_valid, write=ctx.commit)
+        cache = ctx.cache
+        # the engine writes (uncommitted until the step commits); attention only reads: the committed prefix from
+        # the cache and the new tokens as they are, or an uncompressed GPU cache in place, new tokens included
+        if ctx.commit or cache.attends_from_storage(self.layer_idx):
+            cache.write(self.layer_idx, k, v, ctx.new_valid)
+        out = ops.decode_attention(q, cache, self.layer_idx, k, v, ctx.new_valid)
         if ctx.probe is not None:
             ctx.probe(self.layer_idx, q, k, v, out)
         return out.transpose(1, 2).reshape(batch, seq, -1).contiguous(), None

@@ -51,35 +51,27 @@ def kernel_path(codec, device: torch.device) -> bool:
 
 
 def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
-                     new_valid: torch.Tensor, write: bool = False) -> torch.Tensor:
-    """Attention of new tokens over the compressed prefix of ``layer`` plus themselves; with ``write``
-    the new K/V are then written to the cache (uncommitted: the caller commits after every layer).
+                     new_valid: torch.Tensor) -> torch.Tensor:
+    """Attention of new tokens over the compressed prefix of ``layer`` plus themselves. It reads and never writes:
+    the caller writes the new tokens (uncommitted) when the step commits, and always first where
+    ``cache.attends_from_storage(layer)`` (an uncompressed GPU cache, attended in place with them).
 
     q, k_new, v_new: [B, H, S, d]; new_valid: [B, S] bool. Returns [B, H, S, d].
     """
-    from ..quant.codec import DenseQuantizer
     from .compressed import attend_compressed
     from .reference import decode_attention_reference
-    codec = cache.codecs[layer]
-    if q.is_cuda and cache.contiguous and isinstance(codec.key, DenseQuantizer):
-        return attend_dense(q, cache, layer, k_new, v_new, new_valid)  # writes the new tokens itself
+    if cache.attends_from_storage(layer):
+        return attend_dense(q, cache, layer, new_valid)
     if cache.fused[layer]:
-        out = attend_compressed(codec, cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid,
-                                *cache.pages())
-    else:
-        out = decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
-    if write:
-        cache.write(layer, k_new, v_new, new_valid)
-    return out
+        return attend_compressed(cache.codecs[layer], cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid,
+                                 *cache.pages())
+    return decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
 
 
-def attend_dense(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
-                 new_valid: torch.Tensor) -> torch.Tensor:
-    """An uncompressed (fp16/bf16/fp32) cache on GPU: write the S new tokens after each row's prefix
-    (uncommitted, so a peek changes nothing visible, and a commit needs no second write) and run SDPA
-    over the stored buffer in place — the baseline the compressed cache is measured against, with no
-    copy of the cache."""
-    cache.write(layer, k_new, v_new, new_valid)
+def attend_dense(q: torch.Tensor, cache, layer: int, new_valid: torch.Tensor) -> torch.Tensor:
+    """An uncompressed (fp16/bf16/fp32) cache on GPU, its S new tokens already written after each row's prefix
+    (uncommitted): SDPA over the stored buffer in place — the baseline the compressed cache is measured against,
+    with no copy of the cache."""
     parts = cache.parts[layer]
     keys, values = parts["k.x"], parts["v.x"]
     pos = torch.arange(keys.shape[2], device=q.device)[None, :]
