@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import re
 import sys
 import time
@@ -220,12 +219,9 @@ def cmd_embed(args) -> int:
         checks.output_dir(args.output, "--output")
     if args.resume and args.overwrite:
         raise EsmTurboError("--resume adds to an output and --overwrite replaces it: pass one of them")
-    if args.gpus is not None and "WORLD_SIZE" not in os.environ:
-        from .embed.launch import launch_ranks, rank_count
-        ranks = rank_count(args.gpus)
-        if ranks > 1:
-            return launch_ranks(args.argv, ranks)
-    return run_embed(args)
+    from .embed.launch import launch_if_asked
+    code = launch_if_asked(args.argv, args.gpus)  # --gpus N: the ranks, each running this command
+    return run_embed(args) if code is None else code
 
 
 def cmd_bench(args) -> int:

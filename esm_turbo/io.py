@@ -3,8 +3,10 @@ killed job leaves either the old file or the new one, never half of one. And que
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -23,20 +25,28 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[tuple[int, str]]:
+    """(open descriptor, name) of a new temporary file beside ``path``, moved onto ``path`` when the block ends well
+    and removed when it does not. The block closes the descriptor and sets the permissions."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        yield fd, tmp
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` and move the result to ``path`` (parents created), with the permissions a plain
     ``open(path, "w")`` would give (``mkstemp`` makes its file private)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with _replacing(path) as (fd, tmp):
+        os.close(fd)
         write(tmp)
         os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 
@@ -59,10 +69,9 @@ def remove_temporaries(folder: str | Path, prefix: str = ".") -> None:
 
 def atomic_write_bytes(path: str | Path, data: bytes | memoryview) -> Path:
     """``data`` to ``path`` atomically in one write to one open file (what :func:`atomic_write` does through a
-    path, with fewer system calls: many small files are bound by them)."""
+    path, with fewer system calls: many small files are bound by them). The folder must exist."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
+    with _replacing(path) as (fd, _):
         try:
             view = memoryview(data)
             while view:
@@ -70,10 +79,6 @@ def atomic_write_bytes(path: str | Path, data: bytes | memoryview) -> Path:
             os.fchmod(fd, 0o666 & ~_UMASK)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

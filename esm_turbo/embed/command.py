@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from ..errors import EsmTurboError
 from ..io import seconds_since_start
+from ..schema import DTYPES
 from .extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
 from .writers import check_output, make_writer
 
@@ -61,20 +61,6 @@ class _Background:
         self._thread.join()
         self.raise_if_failed()
         return self._value
-
-
-def check_fp8(device: torch.device) -> None:
-    """``--dtype fp8`` needs FP8 tensor cores: refused in one line, before any work, anywhere else."""
-    from .fp8 import fp8_supported
-    if fp8_supported(device):
-        return
-    if device.type != "cuda":
-        where = "the CPU"
-    else:
-        major, minor = torch.cuda.get_device_capability(device)
-        where = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
-    raise EsmTurboError(f"--dtype fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, "
-                        f"Hopper, Blackwell); this run is on {where}: use --dtype fp16 or bf16")
 
 
 def default_writers(fmt: str, ranks_here: int) -> int:
@@ -139,10 +125,10 @@ def run_embed(args) -> int:
     if device.type == "cuda" and world > 1 and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = cfg.torch_dtype(device)
-    dtype_name = "fp8" if cfg.dtype == "fp8" else {torch.float32: "fp32", torch.float16: "fp16",
-                                                    torch.bfloat16: "bf16"}[dtype]
+    dtype_name = cfg.dtype if cfg.dtype != "auto" else next(k for k, v in DTYPES.items() if v == dtype)
     if cfg.dtype == "fp8":
-        check_fp8(device)
+        from .fp8 import require_fp8
+        require_fp8(device, "--dtype fp8", "use --dtype fp16 or bf16")
     from ..cli_checks import known_layer_count
     layers = known_layer_count(str(args.model))
     meta = dict(model=str(args.model), dtype=dtype_name, include=sorted(set(cfg.include)),

@@ -268,11 +268,8 @@ class FastEsm(nn.Module):
         (:mod:`esm_turbo.model.folder`); anything else goes through :func:`esm_turbo.load_esm`. ``dtype="fp8"``:
         read in bf16, then :meth:`to_fp8`; refused in one line on a device without FP8 tensor cores."""
         if isinstance(dtype, str) and dtype == "fp8":
-            from ..errors import EsmTurboError
-            from .fp8 import fp8_supported
-            if not fp8_supported(device):
-                raise EsmTurboError(f"dtype fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or later); "
-                                    f"{device} has none (FastEsm.to_fp8() runs the PyTorch reference anywhere)")
+            from .fp8 import require_fp8
+            require_fp8(device, "dtype fp8", "use fp16 or bf16 (FastEsm.to_fp8() runs the PyTorch reference anywhere)")
             return cls.from_pretrained(model, FP8_COMPUTE_DTYPE, device, fused, lm_head).to_fp8()
         from ..model.folder import direct_folder, load_tensors
         from ..model.sizes import resolve_model_id
@@ -290,9 +287,8 @@ class FastEsm(nn.Module):
         On GPUs without FP8 (and on CPU) the products run in the PyTorch reference, which computes the same numbers
         slowly: it is there to measure fidelity, not for speed."""
         for b in self.blocks:
-            weights = b.weights()
             if b.fp8 is None:
-                b.fp8 = tuple(Fp8Weight.quantize(w) for w in weights)
+                b.fp8 = tuple(Fp8Weight.quantize(w) for w in b.weights())
                 b.quantized = None
                 for m in (b.qkv, b.out, b.fc1, b.fc2):
                     m.weight = None

@@ -74,6 +74,22 @@ def fp8_supported(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def require_fp8(device: torch.device | str, what: str, instead: str) -> None:
+    """Refuse, in one line naming the device, FP8 work (``what``) on a device without FP8 tensor cores; ``instead``:
+    what to use there."""
+    device = torch.device(device)
+    if fp8_supported(device):
+        return
+    from ..errors import EsmTurboError
+    if device.type != "cuda":
+        where = "the CPU" if device.type == "cpu" else str(device)
+    else:
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+    raise EsmTurboError(f"{what} needs a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper, "
+                        f"Blackwell); this run is on {where}: {instead}")
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x Wᵀ + b with x quantized per row and W per output channel to e4m3: x [N, K] (bf16) → [N, out] (x's
     dtype). One ``torch._scaled_mm`` on FP8 GPUs, the reference elsewhere."""
@@ -91,4 +107,4 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 __all__ = ["E4M3_MAX", "FP8_COMPUTE_DTYPE", "Fp8Weight", "fp8_linear", "fp8_linear_reference", "fp8_supported",
-           "linear", "quantize_rows"]
+           "linear", "quantize_rows", "require_fp8"]

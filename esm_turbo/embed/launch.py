@@ -63,6 +63,17 @@ def rank_count(value: str) -> int:
     return count
 
 
+def launch_if_asked(argv: list[str], value: str | None = None) -> int | None:
+    """The exit code of ``argv``'s ranks when it is an ``embed`` command line asking for more than one GPU
+    (``value``: its ``--gpus``, when already parsed) and this process is not itself a rank; None when the command
+    runs here. A bad ``--gpus`` raises its one-line error."""
+    value = gpus_asked(argv) if value is None else value
+    if value is None or "WORLD_SIZE" in os.environ:
+        return None
+    ranks = rank_count(value)
+    return launch_ranks(argv, ranks) if ranks > 1 else None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,4 +128,4 @@ def _without_gpus(argv: list[str]) -> list[str]:
     return out
 
 
-__all__ = ["gpus_asked", "launch_ranks", "rank_count", "visible_gpus"]
+__all__ = ["gpus_asked", "launch_if_asked", "launch_ranks", "rank_count", "visible_gpus"]
