@@ -16,7 +16,7 @@ import torch
 from .errors import EsmTurboError
 from .fasta import CALIBRATION_DATA
 from . import cli_checks as checks
-from .embed.benchmark import EMBED_BENCH_SIZES
+from .embed.benchmark import EMBED_BENCH_EXTRA, EMBED_BENCH_SIZES
 from .embed.extract import TOKS_PER_BATCH
 from .model.recipe import PRESETS, CalibrationConfig
 from .model.sizes import ESM2_SIZES
@@ -240,9 +240,10 @@ def cmd_bench(args) -> int:
     if args.sizes and args.suite not in ("embed", "weights"):
         raise EsmTurboError(f"--sizes: the {args.suite} suite runs its own shapes (--sizes chooses those of the embed "
                             f"and weights suites)")
-    if args.sizes and set(args.sizes) - set(EMBED_BENCH_SIZES):
-        raise EsmTurboError(f"--sizes {' '.join(sorted(set(args.sizes) - set(EMBED_BENCH_SIZES)))}: the embed suite "
-                            f"takes {', '.join(EMBED_BENCH_SIZES)}")
+    embed_sizes = [*EMBED_BENCH_SIZES, *EMBED_BENCH_EXTRA]
+    if args.sizes and set(args.sizes) - set(embed_sizes):
+        raise EsmTurboError(f"--sizes {' '.join(sorted(set(args.sizes) - set(embed_sizes)))}: the embed suite "
+                            f"takes {', '.join(embed_sizes)}")
     if args.corpus is not None:
         checks.input_file(args.corpus, "--corpus", "FASTA file")
     res = run(quick=args.quick, device=args.device, reference=args.reference, suite=args.suite, fasta=args.fasta,
@@ -451,8 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embed suite: instead of the suite, run esm-turbo embed end to end on this FASTA (h5 and pt, "
                         "cold and warm) beside a careful user's transformers script, for each of --sizes (default "
                         "650M)")
-    p.add_argument("--sizes", nargs="+", choices=list(EMBED_BENCH_SIZES) + ["15B"], default=None,
-                   help="embed suite: only these ESM-2 shapes (default: 8M 150M 650M 3B); weights suite: of "
+    p.add_argument("--sizes", nargs="+", choices=[*EMBED_BENCH_SIZES, *EMBED_BENCH_EXTRA, "15B"], default=None,
+                   help="embed suite: only these shapes (default: 8M 150M 650M 3B; ESM C shapes when named); "
+                        "weights suite: of "
                         "650M 3B 15B (default: all three)")
     p.add_argument("--tune", action="store_true", help="weights suite: also time a grid of launch constants")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -144,6 +144,42 @@ def plant_product_outliers(model, channels: int = 4, low: float = 20.0, high: fl
     return model
 
 
+@torch.no_grad()
+def stress_esmc(layers: int = 4, hidden: int = 128, heads: int = 2, seed: int = 0, size: str | None = None,
+                init_std: float | None = None):
+    """A small ESM C (``EsmcForMaskedLM``, fp32, eval) with weights N(0, init_std²) (0.64/√hidden by default) and
+    LayerNorm gains and biases spread around 1 and 0 (transformers initialises them to exactly 1 and 0, which would
+    hide a norm read from the wrong tensor); its heads sharpen from broad to peaked, as :func:`stress_esm2`'s do."""
+    from transformers import EsmcForMaskedLM
+
+    from .model.sizes import esmc_config
+    gen = torch.Generator().manual_seed(seed)
+    cfg = esmc_config(size, layers=layers if size is None else None, hidden=hidden if size is None else None,
+                      heads=heads if size is None else None)
+    init_std = init_std if init_std is not None else 0.64 / cfg.hidden_size**0.5
+    torch.manual_seed(seed)
+    model = EsmcForMaskedLM(cfg).eval()
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
+        elif name.endswith("weight") and p.dim() == 2:
+            p.normal_(0.0, init_std, generator=gen)
+        elif name.endswith("bias"):
+            p.normal_(0.0, init_std / 4, generator=gen)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    sharp = torch.logspace(-0.3, 0.3, cfg.num_attention_heads).repeat_interleave(d)  # the q norm sets the scale
+    for layer in model.esmc.layers:
+        layer.self_attn.q_norm.weight.mul_(sharp)
+    return model
+
+
+def save_stress_esmc(out_dir: str | Path, **kwargs) -> Path:
+    """Write a :func:`stress_esmc` model with ``save_pretrained``."""
+    out = Path(out_dir)
+    stress_esmc(**kwargs).save_pretrained(out)
+    return out
+
+
 def to_fair_esm(model: EsmForMaskedLM) -> dict:
     """The inverse of the fair-esm converter: a checkpoint dict as fair-esm's hub ``.pt`` files hold."""
     inv_top = {v: k for k, v in _TOP_MAP.items()}

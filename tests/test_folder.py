@@ -91,7 +91,7 @@ def test_configs_that_are_not_esm2_are_refused(stress_dir, tmp_path):
     shutil.copytree(stress_dir, folder)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(cfg, model_type="bert")))
-    with pytest.raises(ModelLoadError, match="model_type 'bert' is not ESM-2"):
+    with pytest.raises(ModelLoadError, match="model_type 'bert' is neither ESM-2"):
         read_config(folder)
     (folder / "config.json").write_text(json.dumps(dict(cfg, position_embedding_type="absolute")))
     with pytest.raises(ModelLoadError, match="rotary"):

@@ -1,16 +1,17 @@
 """``esm-turbo bench embed``: embedding extraction against what a careful user writes, in one run.
 
-For each ESM-2 shape (random weights: speed does not depend on them) and the same real sequences
+For each ESM-2 shape, and ESM C's on request (``--sizes ESMC-600M``; random weights: speed does not depend on them)
+and the same real sequences
 (calibration_data, repeated under new ids), mean of the last layer, fp16 on CUDA:
 
 * ``ours``: :class:`~esm_turbo.embed.extract.Embedder` (what ``esm-turbo embed`` runs) into a writer that
   discards what reached the host;
-* ``hf_sorted`` (the baseline of every claim): transformers' ``EsmModel`` with SDPA, length-sorted
+* ``hf_sorted`` (the baseline of every claim): transformers' ``EsmModel`` (``EsmcModel``) with SDPA, length-sorted
   batches under the same token budget (rows × longest), masked mean on the GPU;
 * ``hf_compiled``: the same loop with the stock model under ``torch.compile`` (a user's one-line
   alternative; compiled in the warm-up pass, which is not timed);
 * ``hf_unsorted``: the same model over the file order in batches of 16;
-* ``fair_esm``: fair-esm's ``ESM2`` with its own length-batched loader (``get_batch_indices``).
+* ``fair_esm``: fair-esm's ``ESM2`` with its own length-batched loader (``get_batch_indices``; ESM-2 only).
 
 Every method runs one untimed pass over the whole set (every batch shape it meets compiled and cached), then the
 best of two timed passes is kept. Tokens/s
@@ -38,6 +39,8 @@ METHODS = ("ours", "ours_fp8", "hf_sorted", "hf_compiled", "hf_unsorted", "fair_
 REPEATS = 2
 #: shapes of the GPU suite and how many copies of the sequence set each embeds
 EMBED_BENCH_SIZES = {"8M": 8, "150M": 8, "650M": 8, "3B": 2}
+#: shapes run only when ``--sizes`` names them
+EMBED_BENCH_EXTRA = {"ESMC-300M": 8, "ESMC-600M": 8, "ESMC-6B": 1}
 
 
 class _NullWriter:
@@ -59,10 +62,17 @@ def dense_peak(device: torch.device) -> float | None:
     return next((v for k, v in DENSE_FP16_PEAK.items() if k in name), None)
 
 
-def flops_per_token(cfg) -> float:
-    """2 × the weights of the linear layers (Q, K, V, O and the feed-forward pair) per token."""
+def _linear_shapes(cfg) -> tuple[tuple[int, int], ...]:
+    """(out, in) of a block's matrix products as FastEsm runs them: QKV, O, the feed-forward's in (ESM C's gate and
+    up stacked), its out."""
+    from ..model.family import family_of
     d, f = cfg.hidden_size, cfg.intermediate_size
-    return 2.0 * cfg.num_hidden_layers * (4 * d * d + 2 * d * f)
+    return (3 * d, d), (d, d), (family_of(cfg).ffn_in_width(f), d), (d, f)
+
+
+def flops_per_token(cfg) -> float:
+    """2 × the weights of the linear layers (Q, K, V, O and the feed-forward's) per token."""
+    return 2.0 * cfg.num_hidden_layers * sum(o * i for o, i in _linear_shapes(cfg))
 
 
 def _sync(device: torch.device) -> None:
@@ -71,15 +81,22 @@ def _sync(device: torch.device) -> None:
 
 
 def random_esm2(size: str, device: torch.device, dtype: torch.dtype):
-    """A released ESM-2 shape with random weights, built on the device (speed does not depend on weights)."""
-    from transformers import EsmForMaskedLM
-
-    from ..model.sizes import esm2_config
-    cfg = esm2_config(size)
+    """A released ESM-2 or ESM C shape (``650M``, ``ESMC-600M``) with random weights, built on the device (speed does
+    not depend on weights)."""
+    from ..model.family import ESM2, ESMC, hf_masked_lm_class
+    from ..model.sizes import ESMC_SIZES, esm2_config, esmc_config
+    family = ESMC if size in ESMC_SIZES else ESM2
+    cfg = esmc_config(size) if family is ESMC else esm2_config(size)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
-        return EsmForMaskedLM(cfg).to(dtype).eval()
+        return hf_masked_lm_class(family)(cfg).to(dtype).eval()
+
+
+def _base(net):
+    """transformers' base model of a masked-LM net (``EsmModel``, ``EsmcModel``)."""
+    from ..model.family import family_of_net
+    return family_of_net(net).base(net)
 
 
 def hf_loop(esm, seqs: list[str], batches: list[list[int]], device: torch.device) -> None:
@@ -126,7 +143,7 @@ def gemm_ceiling(cfg, tokens: int, device: torch.device, dtype: torch.dtype) -> 
     import triton.testing
     d, f = cfg.hidden_size, cfg.intermediate_size
     x, y = torch.randn(tokens, d, device=device, dtype=dtype), torch.randn(tokens, f, device=device, dtype=dtype)
-    ws = [torch.randn(o, i, device=device, dtype=dtype) for o, i in ((3 * d, d), (d, d), (f, d), (d, f))]
+    ws = [torch.randn(o, i, device=device, dtype=dtype) for o, i in _linear_shapes(cfg)]
 
     def layer():
         torch.nn.functional.linear(x, ws[0])
@@ -149,7 +166,7 @@ def fp8_gemm_ceiling(cfg, tokens: int, device: torch.device) -> float | None:
     x = torch.randn(tokens, d, device=device).to(e4m3)
     y = torch.randn(tokens, f, device=device).to(e4m3)
     sx = torch.ones(tokens, 1, device=device)
-    shapes = ((3 * d, d), (d, d), (f, d), (d, f))
+    shapes = _linear_shapes(cfg)
     ws = [(torch.randn(o, i, device=device).to(e4m3), torch.ones(1, o, device=device)) for o, i in shapes]
 
     def layer():
@@ -198,14 +215,14 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
     from ..bench.baselines.user_embed import batches as sorted_batches  # importing esm_turbo.bench is heavy
     sorted_all = sorted_batches(seqs, budget)
     if "hf_sorted" in methods:
-        runs["hf_sorted"] = lambda: hf_loop(net.esm, seqs, sorted_all, device)
+        runs["hf_sorted"] = lambda: hf_loop(_base(net), seqs, sorted_all, device)
     if "hf_compiled" in methods:
-        compiled = torch.compile(net.esm, dynamic=True)
+        compiled = torch.compile(_base(net), dynamic=True)
         runs["hf_compiled"] = lambda: hf_loop(compiled, seqs, sorted_all, device)
     if "hf_unsorted" in methods:
         chunks = [list(range(i, min(i + 16, len(seqs)))) for i in range(0, len(seqs), 16)]
-        runs["hf_unsorted"] = lambda: hf_loop(net.esm, seqs, chunks, device)
-    fair = fair_esm_runner(net, seqs, device, budget) if "fair_esm" in methods else None
+        runs["hf_unsorted"] = lambda: hf_loop(_base(net), seqs, chunks, device)
+    fair = fair_esm_runner(net, seqs, device, budget) if "fair_esm" in methods and hasattr(net, "esm") else None
     if fair is not None:
         runs["fair_esm"] = lambda: fair(seqs)
     peak = dense_peak(device)
@@ -249,7 +266,7 @@ def bench_latency(size: str, device: torch.device, length: int = 200, reps: int 
     seq = _random_protein(length, 0)
     out = {}
     for name, fn in (("ours", lambda: fast.embed([seq])),
-                     ("hf", lambda: hf_loop(net.esm, [seq], [[0]], device))):
+                     ("hf", lambda: hf_loop(_base(net), [seq], [[0]], device))):
         for _ in range(3):
             fn()
         times = []
@@ -309,6 +326,7 @@ def _bench_suite(device: torch.device, fasta: list[str], quick: bool, sizes: lis
                     latency=[bench_latency("8M", device, reps=5)], memory=[])
     plan = tuple(EMBED_BENCH_SIZES.items()) if not quick else (("8M", 2), ("650M", 2))
     plan = tuple((s, n) for s, n in plan if sizes is None or s in sizes)
+    plan += tuple((s, n) for s, n in EMBED_BENCH_EXTRA.items() if sizes is not None and s in sizes)
     rows = []
     for size, n in plan:
         _progress(f"{size}-shaped: {len(METHODS)} methods")

@@ -1,10 +1,11 @@
-"""A fast ESM-2 forward for embeddings: the batch packed into one token stream, no padding.
+"""A fast ESM-2 and ESM C forward for embeddings: the batch packed into one token stream, no padding.
 
-:class:`FastEsm` loads the weights transformers' ``EsmForMaskedLM`` holds (from a hub id, a
+:class:`FastEsm` loads the weights transformers' ``EsmForMaskedLM`` or ``EsmcForMaskedLM`` holds (from a hub id, a
 ``save_pretrained`` directory or a fair-esm ``.pt``, through :func:`esm_turbo.load_esm`) into one
-internal layout (Q, K and V projections fused into one matrix) and returns the same hidden states as
-``EsmModel(output_hidden_states=True)``: layer 0 the embedding output, layer ``i`` the output of block
-``i``, the last layer after ``emb_layer_norm_after``.
+internal layout (Q, K and V projections fused into one matrix; ESM C's gate and up too) and returns the same hidden
+states as ``EsmModel`` / ``EsmcModel(output_hidden_states=True)``: layer 0 the embedding output, layer ``i`` the output
+of block ``i``, the last layer after the final LayerNorm. What each family computes differently is read from
+:mod:`esm_turbo.model.family`.
 
 Sequences of a batch sit one after another (``<cls> residues <eos>``, N tokens in all), so no GEMM
 touches a padding row; attention runs per sequence through flash-attention's variable-length kernel
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.alphabet import check_sequence, encode_packed
+from ..model.family import ESM2, FAMILIES, Family, family_of_net
 from .fp8 import FP8_COMPUTE_DTYPE, Fp8Weight, linear
 from .varlen import flash_available, padded_layout, varlen_attention
 
@@ -81,13 +83,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, w_qkv: torch.Tensor,
-                     b_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pre-LN, fused QKV projection, the query scaled by d ** -0.5 in h's dtype and the rotary embedding in fp32, as
-    transformers applies them (attention then takes scale 1). h: [N, D]; w_qkv: [3D, D]; cos, sin: [N, d] float32.
-    Returns q, k, v [N, H, d] in h's dtype."""
+                     b_qkv: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, eps: float,
+                     q_norm: torch.Tensor | None = None,
+                     k_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pre-LN, fused QKV projection, (ESM C) the query and key LayerNorms over the whole width, the query scaled by
+    d ** -0.5 in h's dtype and the rotary embedding in fp32, as transformers applies them (attention then takes
+    scale 1). h: [N, D]; w_qkv: [3D, D]; q_norm, k_norm: [D] or None; cos, sin: [N, d] float32. Returns q, k, v
+    [N, H, d] in h's dtype."""
     n, dim = h.shape
-    qkv = linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_qkv, b_qkv).view(n, 3, heads, dim // heads)
+    qkv = linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_qkv, b_qkv)
+    if q_norm is not None:
+        qkv = torch.cat([F.layer_norm(qkv[:, :dim], (dim,), q_norm, None, eps),
+                         F.layer_norm(qkv[:, dim: 2 * dim], (dim,), k_norm, None, eps), qkv[:, 2 * dim:]], 1)
+    qkv = qkv.view(n, 3, heads, dim // heads)
     q, k, v = qkv.unbind(1)
     q = q * (dim // heads) ** -0.5
     c, s = cos[:, None, :], sin[:, None, :]
@@ -96,32 +104,50 @@ def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor
     return q, k, v  # v stays a view of the projection: the kernel takes any row stride
 
 
-def block_output(h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, b_o: torch.Tensor, norm_w: torch.Tensor,
-                 norm_b: torch.Tensor, w_1: torch.Tensor, b_1: torch.Tensor, w_2: torch.Tensor, b_2: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """Output projection + residual, then pre-LN feed-forward (exact erf GELU) + residual. The weights are tensors
-    or :class:`~esm_turbo.embed.fp8.Fp8Weight` s. h: [N, D]; attn: [N, H, d]. Returns [N, D]."""
+def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The feed-forward's nonlinearity: ``"gelu"`` exact erf GELU ([N, F] → [N, F]), ``"swiglu"`` silu(gate) · up of
+    the stacked [N, 2F] (gate first) → [N, F]."""
+    if kind == "swiglu":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def block_output(h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, b_o: torch.Tensor | None,
+                 norm_w: torch.Tensor, norm_b: torch.Tensor, w_1: torch.Tensor, b_1: torch.Tensor | None,
+                 w_2: torch.Tensor, b_2: torch.Tensor | None, eps: float, act: str = "gelu",
+                 branch_scale: float = 1.0) -> torch.Tensor:
+    """Output projection + residual, then pre-LN feed-forward (:func:`activation`) + residual, each branch divided by
+    ``branch_scale`` (ESM C) before it is added. The weights are tensors or :class:`~esm_turbo.embed.fp8.Fp8Weight`
+    s. h: [N, D]; attn: [N, H, d]. Returns [N, D]."""
     n, dim = h.shape
-    h = h + linear(attn.reshape(n, dim), w_o, b_o)
-    x = linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_1, b_1)
-    x = x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    return h + linear(x, w_2, b_2)
+    y = linear(attn.reshape(n, dim), w_o, b_o)
+    h = h + (y if branch_scale == 1.0 else y / branch_scale)
+    x = activation(linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_1, b_1), act)
+    y = linear(x, w_2, b_2)
+    return h + (y if branch_scale == 1.0 else y / branch_scale)
 
 
 class FastEsmBlock(nn.Module):
-    """One ESM-2 transformer block's weights in the fused layout."""
+    """One transformer block's weights in the fused layout (ESM-2's or ESM C's, as ``family`` says)."""
 
-    def __init__(self, dim: int, heads: int, ffn: int, device: torch.device | str | None = None):
+    def __init__(self, dim: int, heads: int, ffn: int, device: torch.device | str | None = None,
+                 family: Family = ESM2):
         super().__init__()
         self.heads = heads
+        self.activation = family.activation
+        bias = family.linear_bias
         self.attn_norm = nn.LayerNorm(dim, device=device)
-        self.qkv = nn.Linear(dim, 3 * dim, device=device)
-        self.out = nn.Linear(dim, dim, device=device)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias, device=device)
+        self.q_norm = nn.LayerNorm(dim, bias=False, device=device) if family.q_norm else None
+        self.k_norm = nn.LayerNorm(dim, bias=False, device=device) if family.k_norm else None
+        self.out = nn.Linear(dim, dim, bias=bias, device=device)
         self.ffn_norm = nn.LayerNorm(dim, device=device)
-        self.fc1 = nn.Linear(dim, ffn, device=device)
-        self.fc2 = nn.Linear(ffn, dim, device=device)
-        # quantized weights (esm_turbo.weights): the source net's (q, k, v, out, fc1, fc2) QuantizedLinear modules,
-        # dequantized per forward in the biases' dtype; None: the weights above
+        self.fc1 = nn.Linear(dim, family.ffn_in_width(ffn), bias=bias, device=device)
+        self.fc2 = nn.Linear(ffn, dim, bias=bias, device=device)
+        # quantized weights (esm_turbo.weights): the source net's QuantizedLinear modules (q, k, v, out, the
+        # feed-forward's in (one, or gate and up), its out), dequantized per forward in the norms' dtype; None: the
+        # weights above
         self.quantized: tuple | None = None
         # FP8 weights (FastEsm.to_fp8): (W_qkv, W_o, W_1, W_2) as Fp8Weight; the dense weights are then dropped
         self.fp8: tuple[Fp8Weight, ...] | None = None
@@ -133,10 +159,16 @@ class FastEsmBlock(nn.Module):
             return self.fp8
         if self.quantized is None:
             return self.qkv.weight, self.out.weight, self.fc1.weight, self.fc2.weight
-        dtype = self.qkv.bias.dtype
-        q, k, v, o, f1, f2 = self.quantized
-        return (torch.cat([m.dequantize(dtype) for m in (q, k, v)]), o.dequantize(dtype), f1.dequantize(dtype),
-                f2.dequantize(dtype))
+        dtype = self.attn_norm.weight.dtype
+        q, k, v, o, *f1, f2 = self.quantized
+        return (torch.cat([m.dequantize(dtype) for m in (q, k, v)]), o.dequantize(dtype),
+                torch.cat([m.dequantize(dtype) for m in f1]), f2.dequantize(dtype))
+
+    def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """ESM C's query and key LayerNorm weights [D] (None for ESM-2)."""
+        if self.q_norm is None:
+            return None, None
+        return self.q_norm.weight, self.k_norm.weight
 
 
 class LMHead(nn.Module):
@@ -148,7 +180,9 @@ class LMHead(nn.Module):
         self.dense_w, self.dense_b = tensors["lm_head.dense.weight"], tensors["lm_head.dense.bias"]
         self.norm_w, self.norm_b = tensors["lm_head.layer_norm.weight"], tensors["lm_head.layer_norm.bias"]
         self.decoder = tensors.get("lm_head.decoder.weight", embeddings)
-        self.bias, self.eps = tensors["lm_head.bias"], eps
+        # ESM-2 keeps the decoder's bias as lm_head.bias, ESM C as lm_head.decoder.bias
+        self.bias = tensors["lm_head.bias"] if "lm_head.bias" in tensors else tensors["lm_head.decoder.bias"]
+        self.eps = eps
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = F.linear(h, self.dense_w, self.dense_b)
@@ -158,23 +192,30 @@ class LMHead(nn.Module):
 
 
 class FastEsm(nn.Module):
-    """ESM-2 over packed batches. Build with :meth:`from_pretrained`, :meth:`from_tensors` or :meth:`from_hf`, which
-    put the weights in: the modules are made on the meta device, where nothing is initialised (no op there that
-    would import torch's compiler stack, which costs seconds)."""
+    """ESM-2 or ESM C over packed batches. Build with :meth:`from_pretrained`, :meth:`from_tensors` or
+    :meth:`from_hf`, which put the weights in: the modules are made on the meta device, where nothing is initialised
+    (no op there that would import torch's compiler stack, which costs seconds). ``config``: a
+    :class:`~esm_turbo.model.folder.ModelShape` or transformers' ``EsmConfig`` / ``EsmcConfig`` (kept as a
+    ModelShape)."""
 
     def __init__(self, config, fused: bool | None = None):
+        from ..model.folder import shape_of
         super().__init__()
+        config = shape_of(config)
         self.config = config
+        self.family: Family = FAMILIES[config.family]
         dim, heads = config.hidden_size, config.num_attention_heads
         self.num_layers = config.num_hidden_layers
         self.eps = config.layer_norm_eps
+        self.branch_scale = self.family.residual_scale(self.num_layers)
         meta = torch.device("meta")
         self.embed_tokens = nn.Embedding(config.vocab_size, dim, _weight=torch.empty(config.vocab_size, dim,
                                                                                      device=meta))
-        self.blocks = nn.ModuleList(FastEsmBlock(dim, heads, config.intermediate_size, meta)
+        self.blocks = nn.ModuleList(FastEsmBlock(dim, heads, config.intermediate_size, meta, self.family)
                                     for _ in range(config.num_hidden_layers))
-        self.final_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps, device=meta)
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim // heads, 2).float() / (dim // heads))))
+        self.final_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps, device=meta)  # ESM C's bias: zeros
+        d = dim // heads
+        self.register_buffer("inv_freq", 1.0 / (config.rope_theta ** (torch.arange(0, d, 2).float() / d)))
         self.lm_head = None  # transformers' EsmLMHead, when logits are wanted (from_hf keeps it)
         self._fused = fused
         self.cuda_graphs = True  # FastEsm.embed replays CUDA graphs for short batches on CUDA
@@ -183,44 +224,53 @@ class FastEsm(nn.Module):
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, net, fused: bool | None = None) -> "FastEsm":
-        """From a transformers ``EsmForMaskedLM`` (or ``EsmModel``), on the net's device and dtype. The
-        weights are shared with ``net`` (no copy), except Q, K and V, concatenated into one matrix."""
+        """From a transformers ``EsmForMaskedLM`` / ``EsmcForMaskedLM`` (or the base model), on the net's device and
+        dtype. The weights are shared with ``net`` (no copy): Q, K and V (ESM C's gate and up too) are concatenated
+        into one matrix, and the net's own become views of it."""
         from ..weights.linear import QuantizedLinear
-        esm = getattr(net, "esm", net)
-        ref = esm.embeddings.word_embeddings.weight
-        model = cls(esm.config, fused=fused)
+        family = family_of_net(net)
+        base = family.base(net)
+        model = cls(base.config, fused=fused)
 
         def share(dst: nn.Module, src: nn.Module) -> None:
             dst.weight = None if isinstance(src, QuantizedLinear) else src.weight
             dst.bias = getattr(src, "bias", None)
 
+        def fuse(dst: nn.Linear, parts: list[nn.Module]) -> None:
+            for kind in ("weight", "bias") if family.linear_bias else ("weight",):
+                tensors = [getattr(m, kind) for m in parts]
+                joined = torch.cat(tensors)
+                setattr(dst, kind, nn.Parameter(joined, requires_grad=False))
+                for m, part, view in zip(parts, tensors, joined.split([t.shape[0] for t in tensors])):
+                    setattr(m, kind, nn.Parameter(view, requires_grad=part.requires_grad))
+
         with torch.no_grad():
-            share(model.embed_tokens, esm.embeddings.word_embeddings)
-            for block, layer in zip(model.blocks, esm.encoder.layer):
-                att = layer.attention
-                share(block.attn_norm, att.LayerNorm)
-                projections = (att.self.query, att.self.key, att.self.value)
-                if isinstance(att.self.query, QuantizedLinear):  # quantized weights: dequantized per forward
-                    block.quantized = (*projections, att.output.dense, layer.intermediate.dense, layer.output.dense)
-                    block.qkv.weight = None
-                    block.qkv.bias = nn.Parameter(torch.cat([m.bias for m in projections]), requires_grad=False)
-                for kind in ("weight", "bias") if block.quantized is None else ():  # fused; net's Q, K and V
-                    # become views of it (no second copy)
-                    parts = [getattr(m, kind) for m in (att.self.query, att.self.key, att.self.value)]
-                    fused = torch.cat(parts)
-                    setattr(block.qkv, kind, nn.Parameter(fused, requires_grad=False))
-                    for m, part, view in zip((att.self.query, att.self.key, att.self.value), parts, fused.chunk(3)):
-                        setattr(m, kind, nn.Parameter(view, requires_grad=part.requires_grad))
-                share(block.out, att.output.dense)
-                share(block.ffn_norm, layer.LayerNorm)
-                share(block.fc1, layer.intermediate.dense)
-                share(block.fc2, layer.output.dense)
-            share(model.final_norm, esm.encoder.emb_layer_norm_after)
-            rotary = getattr(esm, "rotary_embeddings", None)
-            inv_freq = rotary.inv_freq if rotary is not None and hasattr(rotary, "inv_freq") else None
-            if inv_freq is None:  # older transformers keep it per layer
-                inv_freq = esm.encoder.layer[0].attention.self.rotary_embeddings.inv_freq
-            model.inv_freq = inv_freq.detach().to(ref.device, torch.float32).clone()
+            share(model.embed_tokens, base.get_submodule(family.embeddings))
+            for block, layer in zip(model.blocks, family.layers(net)):
+                get = layer.get_submodule
+                share(block.attn_norm, get(family.attn_norm))
+                projections = [get(n) for n in (family.q, family.k, family.v)]
+                ffn_in = [get(n) for n in family.ffn_in]
+                if isinstance(projections[0], QuantizedLinear):  # quantized weights: dequantized per forward
+                    block.quantized = (*projections, get(family.o), *ffn_in, get(family.ffn_out))
+                    for dst, parts in ((block.qkv, projections), (block.fc1, ffn_in)):
+                        dst.weight = None
+                        dst.bias = (nn.Parameter(torch.cat([m.bias for m in parts]), requires_grad=False)
+                                    if family.linear_bias else None)
+                else:
+                    fuse(block.qkv, projections)
+                    fuse(block.fc1, ffn_in)
+                share(block.out, get(family.o))
+                share(block.ffn_norm, get(family.ffn_norm))
+                share(block.fc2, get(family.ffn_out))
+                if family.q_norm is not None:
+                    share(block.q_norm, get(family.q_norm))
+                    share(block.k_norm, get(family.k_norm))
+            final = base.get_submodule(family.final_norm)
+            share(model.final_norm, final)
+            if model.final_norm.bias is None:
+                model.final_norm.bias = nn.Parameter(torch.zeros_like(final.weight), requires_grad=False)
+            model.inv_freq = _rotary_frequencies(base, family).detach().to(final.weight.device, torch.float32).clone()
         model.lm_head = getattr(net, "lm_head", None)
         if getattr(net, "residual_offload", None) is not None:  # copies queued from the host as blocks run
             model.cuda_graphs = False
@@ -228,32 +278,42 @@ class FastEsm(nn.Module):
 
     @classmethod
     def from_tensors(cls, config, tensors: dict[str, torch.Tensor], fused: bool | None = None) -> "FastEsm":
-        """From tensors named as in ``EsmModel`` (:func:`esm_turbo.model.folder.load_tensors`), on their device and
-        in their dtype: no transformers module is built. The LM head is kept when its tensors are there (the
-        decoder tied to the token embeddings unless it has its own)."""
+        """From tensors named as in ``EsmModel`` / ``EsmcModel`` (:func:`esm_turbo.model.folder.load_tensors`), on
+        their device and in their dtype: no transformers module is built. The LM head is kept when its tensors are
+        there (ESM-2's decoder tied to the token embeddings unless it has its own)."""
         model = cls(config, fused=fused)
+        family = model.family
 
         def put(module: nn.Module, prefix: str) -> None:
             module.weight = nn.Parameter(tensors[prefix + ".weight"], requires_grad=False)
             if prefix + ".bias" in tensors:
                 module.bias = nn.Parameter(tensors[prefix + ".bias"], requires_grad=False)
 
-        put(model.embed_tokens, "embeddings.word_embeddings")
+        def stack(module: nn.Linear, prefixes: list[str]) -> None:
+            for kind in ("weight", "bias") if family.linear_bias else ("weight",):
+                module.register_parameter(kind, nn.Parameter(torch.cat([tensors.pop(f"{p}.{kind}") for p in prefixes]),
+                                                             requires_grad=False))
+
+        put(model.embed_tokens, family.embeddings)
         for i, block in enumerate(model.blocks):
-            p = f"encoder.layer.{i}."
-            qkv = [p + f"attention.self.{m}" for m in ("query", "key", "value")]
-            block.qkv.weight = nn.Parameter(torch.cat([tensors.pop(n + ".weight") for n in qkv]), requires_grad=False)
-            block.qkv.bias = nn.Parameter(torch.cat([tensors.pop(n + ".bias") for n in qkv]), requires_grad=False)
-            put(block.attn_norm, p + "attention.LayerNorm")
-            put(block.out, p + "attention.output.dense")
-            put(block.ffn_norm, p + "LayerNorm")
-            put(block.fc1, p + "intermediate.dense")
-            put(block.fc2, p + "output.dense")
-        put(model.final_norm, "encoder.emb_layer_norm_after")
-        # the rotary frequencies the constructor computed on the host, as transformers does, rounded as its buffer
-        # is: built in the checkpoint's dtype, then cast to the one the model runs in
-        stored = getattr(torch, getattr(config, "stored_dtype", "float32"), torch.float32)
+            p = family.layer_prefix(i)
+            stack(block.qkv, [p + family.q, p + family.k, p + family.v])
+            stack(block.fc1, [p + n for n in family.ffn_in])
+            put(block.attn_norm, p + family.attn_norm)
+            put(block.out, p + family.o)
+            put(block.ffn_norm, p + family.ffn_norm)
+            put(block.fc2, p + family.ffn_out)
+            if family.q_norm is not None:
+                put(block.q_norm, p + family.q_norm)
+                put(block.k_norm, p + family.k_norm)
+        put(model.final_norm, family.final_norm)
         weight = model.embed_tokens.weight
+        if not family.final_norm_bias:
+            model.final_norm.bias = nn.Parameter(torch.zeros_like(model.final_norm.weight), requires_grad=False)
+        # the rotary frequencies the constructor computed on the host, as transformers does, rounded as its buffer
+        # is: ESM-2's built in the checkpoint's dtype, ESM C's in float32, then cast to the one the model runs in
+        stored = getattr(torch, getattr(model.config, "stored_dtype", "float32"), torch.float32)
+        stored = stored if family is ESM2 else torch.float32
         model.inv_freq = model.inv_freq.to(stored).to(weight.dtype).to(weight.device, torch.float32)
         if "lm_head.dense.weight" in tensors:
             model.lm_head = LMHead(tensors, model.embed_tokens.weight, config.layer_norm_eps)
@@ -263,7 +323,8 @@ class FastEsm(nn.Module):
     def from_pretrained(cls, model: str | Path, dtype: torch.dtype | str = torch.float16,
                         device: str | torch.device = "cuda", fused: bool | None = None,
                         lm_head: bool = True) -> "FastEsm":
-        """Load ESM-2 by size name (``650M``), hub id, ``save_pretrained`` directory or fair-esm ``.pt``. A folder
+        """Load ESM-2 or ESM C by size name (``650M``, ``ESMC-300M``), hub id, ``save_pretrained`` directory or
+        fair-esm ``.pt``. A folder
         with safetensors (a hub id in the local cache too) is read straight onto the device
         (:mod:`esm_turbo.model.folder`); anything else goes through :func:`esm_turbo.load_esm`. ``dtype="fp8"``:
         read in bf16, then :meth:`to_fp8`; refused in one line on a device without FP8 tensor cores."""
@@ -356,10 +417,10 @@ class FastEsm(nn.Module):
                 break  # nothing asked for lies deeper
             w_qkv, w_o, w_1, w_2 = b.weights()
             q, k, v = attention_inputs(h, b.attn_norm.weight, b.attn_norm.bias, w_qkv, b.qkv.bias, cos, sin, b.heads,
-                                       self.eps)
+                                       self.eps, *b.qk_norms())
             a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, scale=1.0)
             h = block_output(h, a, w_o, b.out.bias, b.ffn_norm.weight, b.ffn_norm.bias, w_1, b.fc1.bias, w_2,
-                             b.fc2.bias, self.eps)
+                             b.fc2.bias, self.eps, b.activation, self.branch_scale)
             if i == self.num_layers:
                 h = self.final_norm(h)
             if i in wanted:
@@ -371,7 +432,7 @@ class FastEsm(nn.Module):
         LayerNorm after it (:func:`~esm_turbo.kernels.norm.add_layer_norm_triton`; the next block's LayerNorm too),
         the query scaling and the rotary embedding of q and k in one launch
         (:func:`~esm_turbo.kernels.rope.rope_packed_triton`), the biases in the matrix products' epilogues: nine
-        launches a block."""
+        launches a block (ESM C adds its query and key LayerNorms and SwiGLU's product)."""
         from ..kernels.norm import add_layer_norm_triton
         from ..kernels.rope import rope_packed_triton
         cos, sin = self._rotary(batch)
@@ -382,17 +443,23 @@ class FastEsm(nn.Module):
         _, x = add_layer_norm_triton(h, None, first.weight, first.bias, self.eps)
         last = min(max(wanted, default=0), self.num_layers)
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
+        inv_scale = 1.0 / self.branch_scale
         for i, b in enumerate(self.blocks[:last], start=1):
             w_qkv, w_o, w_1, w_2 = b.weights()
             qkv = linear(x, w_qkv, b.qkv.bias)
+            if b.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
+                for part, norm in ((qkv[:, :dim], b.q_norm), (qkv[:, dim: 2 * dim], b.k_norm)):
+                    part.copy_(F.layer_norm(part, (dim,), norm.weight, None, self.eps))
             q, k = rope_packed_triton(qkv, cos, sin, b.heads)
             v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
             a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, scale=1.0)
             h, x = add_layer_norm_triton(h, linear(a.reshape(n, dim), w_o, b.out.bias), b.ffn_norm.weight,
-                                         b.ffn_norm.bias, self.eps)
-            f = F.gelu(linear(x, w_1, b.fc1.bias))
+                                         b.ffn_norm.bias, self.eps, inv_scale)
+            u = linear(x, w_1, b.fc1.bias)
+            f = F.gelu(u) if b.activation == "gelu" else activation(u, b.activation)
             after = self.blocks[i].attn_norm if i < self.num_layers else self.final_norm
-            h, x = add_layer_norm_triton(h, linear(f, w_2, b.fc2.bias), after.weight, after.bias, self.eps)
+            h, x = add_layer_norm_triton(h, linear(f, w_2, b.fc2.bias), after.weight, after.bias, self.eps,
+                                         inv_scale)
             if i in wanted:
                 out[i] = x if i == self.num_layers else h
         return out
@@ -405,7 +472,7 @@ class FastEsm(nn.Module):
     def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         """[N, D] last-layer states → [N, vocab] masked-LM logits (transformers' LM head)."""
         if self.lm_head is None:
-            raise ValueError("this FastEsm was built without an LM head (load it from EsmForMaskedLM)")
+            raise ValueError("this FastEsm was built without an LM head (load it from a masked-LM checkpoint)")
         with torch.inference_mode():
             return self.lm_head(hidden_last)
 
@@ -462,6 +529,16 @@ class FastEsm(nn.Module):
         return result
 
 
+def _rotary_frequencies(base, family: Family) -> torch.Tensor:
+    """The rotary inverse frequencies [d / 2] a transformers base model holds (where this transformers keeps them)."""
+    for holder in (getattr(base, "rotary_emb", None), getattr(base, "rotary_embeddings", None)):
+        if holder is not None and getattr(holder, "inv_freq", None) is not None:
+            return holder.inv_freq
+    if family is ESM2:  # older transformers keep it per layer
+        return base.encoder.layer[0].attention.self.rotary_embeddings.inv_freq
+    raise ValueError(f"no rotary frequencies found in this {family.label} model")
+
+
 #: batches below this many tokens replay CUDA graphs in :meth:`FastEsm.embed`
 GRAPH_MAX_TOKENS = 4096
 
@@ -509,4 +586,5 @@ class _GraphedEmbed:
         return self.out
 
 
-__all__ = ["FastEsm", "FastEsmBlock", "PackedBatch", "attention_inputs", "block_output", "pack_sequences"]
+__all__ = ["FastEsm", "FastEsmBlock", "PackedBatch", "activation", "attention_inputs", "block_output",
+           "pack_sequences"]

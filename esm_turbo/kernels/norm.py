@@ -2,7 +2,8 @@
 
 ``add_layer_norm_triton(h, y, weight, bias, eps)`` returns ``(h + y, layer_norm(h + y))``: the block's new residual
 stream, rounded to its dtype as transformers' ``h + y`` is, and the next LayerNorm's output (statistics in float32,
-as ``torch.nn.functional.layer_norm`` keeps them). With ``y`` None it is the LayerNorm alone. Reference:
+as ``torch.nn.functional.layer_norm`` keeps them). With ``y`` None it is the LayerNorm alone. ``y_scale`` multiplies
+the branch first (ESM C divides each residual branch by sqrt(layers / 36)). Reference:
 :func:`add_layer_norm_reference`, which the tests tie it to.
 
 One program normalises ``ROWS`` rows of up to ``BLOCK`` channels held in registers: a read of h and y and a write of
@@ -18,17 +19,22 @@ import triton.language as tl
 
 
 def add_layer_norm_reference(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """h, y: [N, D] (y may be None); weight, bias: [D]. Returns (h + y, layer_norm(h + y)), both [N, D] in h's
-    dtype."""
-    s = h if y is None else h + y
+                             eps: float, y_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """h, y: [N, D] (y may be None); weight, bias: [D]. Returns (s, layer_norm(s)) with s = h + y · y_scale (the sum
+    in float32 when scaled, rounded once), both [N, D] in h's dtype."""
+    if y is None:
+        s = h
+    elif y_scale == 1.0:
+        s = h + y
+    else:
+        s = (h.float() + y.float() * y_scale).to(h.dtype)
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
 
 
 @triton.jit
-def _add_ln_kernel(h_ptr, y_ptr, w_ptr, b_ptr, s_ptr, x_ptr, n_rows, eps, D: tl.constexpr, BLOCK: tl.constexpr,
-                   ROWS: tl.constexpr, ADD: tl.constexpr):
-    """Rows [pid·ROWS, (pid + 1)·ROWS) of contiguous [N, D] tensors: s = h (+ y, rounded to h's dtype), x =
+def _add_ln_kernel(h_ptr, y_ptr, w_ptr, b_ptr, s_ptr, x_ptr, n_rows, eps, y_scale, D: tl.constexpr,
+                   BLOCK: tl.constexpr, ROWS: tl.constexpr, ADD: tl.constexpr, SCALED: tl.constexpr):
+    """Rows [pid·ROWS, (pid + 1)·ROWS) of contiguous [N, D] tensors: s = h (+ y · y_scale, rounded to h's dtype), x =
     layer_norm(s) with weight/bias [D]; float32 statistics (two-pass variance over the registers)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -36,7 +42,10 @@ def _add_ln_kernel(h_ptr, y_ptr, w_ptr, b_ptr, s_ptr, x_ptr, n_rows, eps, D: tl.
     at = rows[:, None].to(tl.int64) * D + cols[None, :]
     s = tl.load(h_ptr + at, mask=mask, other=0.0)
     if ADD:
-        s = (s.to(tl.float32) + tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(s.dtype)
+        y = tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            y = y * y_scale
+        s = (s.to(tl.float32) + y).to(s.dtype)
         tl.store(s_ptr + at, s, mask=mask)
     v = s.to(tl.float32)
     mean = tl.sum(v, axis=1) / D
@@ -50,7 +59,7 @@ def _add_ln_kernel(h_ptr, y_ptr, w_ptr, b_ptr, s_ptr, x_ptr, n_rows, eps, D: tl.
 
 
 def add_layer_norm_triton(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          eps: float, y_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`add_layer_norm_reference` in one launch (CUDA, or CPU under Triton's interpreter). h, y: [N, D]
     contiguous, one dtype."""
     n, d = h.shape
@@ -63,8 +72,9 @@ def add_layer_norm_triton(h: torch.Tensor, y: torch.Tensor | None, weight: torch
     block = triton.next_power_of_2(d)
     rows = max(1, min(16, 2048 // block))
     warps = 4 if block <= 2048 else 8
-    _add_ln_kernel[(triton.cdiv(n, rows),)](h, h if y is None else y, weight, bias, s, x, n, eps, D=d, BLOCK=block,
-                                            ROWS=rows, ADD=y is not None, num_warps=warps)
+    _add_ln_kernel[(triton.cdiv(n, rows),)](h, h if y is None else y, weight, bias, s, x, n, eps, float(y_scale),
+                                            D=d, BLOCK=block, ROWS=rows, ADD=y is not None, SCALED=y_scale != 1.0,
+                                            num_warps=warps)
     return s, x
 
 

@@ -1,4 +1,4 @@
-"""Load ESM-2 from a hub id, a local ``save_pretrained`` directory or a fair-esm ``.pt`` checkpoint.
+"""Load ESM-2 or ESM C from a hub id, a local ``save_pretrained`` directory or (ESM-2) a fair-esm ``.pt`` checkpoint.
 
 fair-esm checkpoints are converted once, at the edge, into transformers' ``EsmForMaskedLM`` layout,
 so the rest of the package never branches on checkpoint format.
@@ -17,7 +17,8 @@ import torch
 from transformers import EsmConfig, EsmForMaskedLM
 
 from ..errors import ModelLoadError
-from .folder import IGNORED_BUFFERS, weights_fingerprint
+from .family import ESM2, Family, family_of, hf_masked_lm_class
+from .folder import IGNORED_BUFFERS, arch_of, weights_fingerprint
 from .sizes import esm2_config, resolve_model_id
 
 log = logging.getLogger(__name__)
@@ -129,21 +130,27 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def _from_pretrained(source, where: str, dtype: torch.dtype, **kwargs) -> EsmForMaskedLM:
-    """``EsmForMaskedLM.from_pretrained`` that refuses, in one line naming the tensor, a checkpoint missing a weight,
-    holding one ESM-2 does not have, or one of another shape than the config gives (transformers would fill them
-    with random values and go on)."""
+def _from_pretrained(source, where: str, dtype: torch.dtype, family: Family | None = None, **kwargs):
+    """transformers' ``from_pretrained`` of the family's masked-LM class (``AutoModelForMaskedLM`` when the family is
+    not known yet, a hub id), refusing in one line naming the tensor a checkpoint missing a weight, holding one the
+    model does not have, or one of another shape than the config gives (transformers would fill them with random
+    values and go on)."""
+    if family is None:
+        from transformers import AutoModelForMaskedLM as cls
+    else:
+        cls = hf_masked_lm_class(family)
     with _quiet_transformers():
-        net, info = EsmForMaskedLM.from_pretrained(source, dtype=dtype, output_loading_info=True,
-                                                   ignore_mismatched_sizes=True, **kwargs)
+        net, info = cls.from_pretrained(source, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True,
+                                        **kwargs)
+    family = family_of(net.config)
     missing = [k for k in info.get("missing_keys", []) if not any(m in k for m in _MAY_LACK)]
     if missing:
         raise ModelLoadError(f"{where}: tensor {missing[0]!r} is missing" +
                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     unexpected = [k for k in info.get("unexpected_keys", []) if not any(m in k for m in _MAY_LACK)]
     if unexpected:
-        raise ModelLoadError(f"{where}: unexpected tensor {unexpected[0]!r} (not part of this ESM-2; is it an ESM-2 "
-                             f"checkpoint, and its config.json the one it was saved with?)")
+        raise ModelLoadError(f"{where}: unexpected tensor {unexpected[0]!r} (not part of this {family.label}; is it "
+                             f"an {family.label} checkpoint, and its config.json the one it was saved with?)")
     for name, got, want in info.get("mismatched_keys", []):
         raise ModelLoadError(f"{where}: tensor {name!r} has shape {list(got)}, the config gives {list(want)}")
     return net
@@ -165,12 +172,13 @@ def _hub_unreachable(timeout: float = 1.0) -> str | None:
 
 
 def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu") -> EsmForMaskedLM:
-    """Load ESM-2 for masked-LM inference in eval mode, checked: every weight present, of the shape its config
-    gives, finite.
+             device: str | torch.device = "cpu"):
+    """Load ESM-2 (``EsmForMaskedLM``) or ESM C (``EsmcForMaskedLM``) for masked-LM inference in eval mode, checked:
+    every weight present, of the shape its config gives, finite.
 
-    ``model``: a size name (``8M`` … ``15B``), a hub id (``facebook/esm2_t33_650M_UR50D``), a local
-    directory written by ``save_pretrained`` or by ``esm-turbo quantize-weights``, or a fair-esm ``.pt`` file.
+    ``model``: a size name (``8M`` … ``15B``, ``ESMC-300M`` …), a hub id (``facebook/esm2_t33_650M_UR50D``,
+    ``biohub/ESMC-300M``), a local directory written by ``save_pretrained`` or by ``esm-turbo quantize-weights``, or
+    a fair-esm ``.pt`` file (ESM-2).
     A transformers checkpoint is read straight into ``dtype`` (no float32 copy of a 16-bit model).
     """
     from ..weights.model import is_quantized_dir, load_quantized
@@ -181,16 +189,17 @@ def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
     elif is_quantized_dir(path):  # esm-turbo quantize-weights
         net = load_quantized(path)
     elif path.is_dir():
+        family = None
         if (path / "config.json").is_file():
             from .folder import read_config
-            read_config(path)  # an ESM-2 config, or a one-line error naming the field
+            family = family_of(read_config(path))  # an ESM-2 or ESM C config, or a one-line error naming the field
         try:
-            net = _from_pretrained(path, str(path), dtype)
+            net = _from_pretrained(path, str(path), dtype, family)
         except ModelLoadError:
             raise
         except Exception as err:  # noqa: BLE001
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            raise ModelLoadError(f"{path}: not a transformers ESM-2 directory ({first})") from None
+            raise ModelLoadError(f"{path}: not a transformers ESM-2 or ESM C directory ({first})") from None
     else:
         hub_id = resolve_model_id(str(model))
         try:
@@ -210,23 +219,27 @@ def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
                 raise
             except Exception as err:  # noqa: BLE001
                 raise ModelLoadError(
-                    f"cannot load ESM-2 {model!r} from the Hugging Face hub ({type(err).__name__}: "
+                    f"cannot load {model!r} from the Hugging Face hub ({type(err).__name__}: "
                     f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}). Without internet, pass "
                     f"a local path instead: a directory written by save_pretrained (e.g. --model "
                     f"/models/esm2_t33_650M_UR50D) or a fair-esm .pt file (e.g. --model "
                     f"~/.cache/torch/hub/checkpoints/esm2_t33_650M_UR50D.pt)."
                 ) from None
-    if getattr(net.config, "position_embedding_type", "") != "rotary":
+    family = family_of(net.config)  # ESM-2 or ESM C, or a one-line error
+    if family is ESM2 and getattr(net.config, "position_embedding_type", "") != "rotary":
         raise ModelLoadError(f"{model}: only ESM-2 (rotary position embeddings) is supported")
     net = net.to(device=device, dtype=dtype).eval()
     check_finite(net.state_dict().items(), str(model))
     return net
 
 
-def model_fingerprint(model: EsmForMaskedLM, samples_per_tensor: int = 65_536) -> str:
+def model_fingerprint(model, samples_per_tensor: int = 65_536) -> str:
     """sha256 of the architecture and the weights (shapes + up to 65 536 evenly spaced values of
     every tensor), so a calibration made for one model is recognised on another. Fast for 15B."""
     cfg = model.config
-    arch = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                        "intermediate_size", "vocab_size", "token_dropout")}
+    if family_of(cfg) is ESM2:  # the fields ESM-2 calibrations were always fingerprinted with
+        arch = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                            "intermediate_size", "vocab_size", "token_dropout")}
+    else:
+        arch = arch_of(cfg)
     return weights_fingerprint(arch, model.state_dict().items(), samples_per_tensor)

@@ -1,4 +1,4 @@
-"""The ESM-2 family as data (one row per released size), and EsmConfig construction from it."""
+"""The released sizes of ESM-2 and ESM C as data (one row each), and transformers configs built from them."""
 
 from __future__ import annotations
 
@@ -17,9 +17,19 @@ ESM2_SIZES: dict[str, tuple[int, int, int, str]] = {
     "15B": (48, 5120, 40, "facebook/esm2_t48_15B_UR50D"),
 }
 
+#: name → (layers, hidden size, attention heads, feed-forward width, Hugging Face hub id). Heads of 64 throughout.
+ESMC_SIZES: dict[str, tuple[int, int, int, int, str]] = {
+    "ESMC-300M": (30, 960, 15, 2560, "biohub/ESMC-300M"),
+    "ESMC-600M": (36, 1152, 18, 3072, "biohub/ESMC-600M"),
+    "ESMC-6B": (80, 2560, 40, 6912, "biohub/ESMC-6B"),
+}
+
+
 def resolve_model_id(model: str) -> str:
-    """Short size names (``650M``) → hub ids; anything else is returned as given."""
-    return ESM2_SIZES[model][3] if model in ESM2_SIZES else model
+    """Short size names (``650M``, ``ESMC-300M``) → hub ids; anything else is returned as given."""
+    if model in ESM2_SIZES:
+        return ESM2_SIZES[model][3]
+    return ESMC_SIZES[model][4] if model in ESMC_SIZES else model
 
 
 #: the trained context of ESM-2: 1024 positions = 1022 residues + <cls> + <eos>
@@ -43,3 +53,25 @@ def esm2_config(size: str | None = None, *, layers: int | None = None, hidden: i
                   token_dropout=True, mask_token_id=32, pad_token_id=1, layer_norm_eps=1e-5)
     kwargs.update(overrides)
     return EsmConfig(**kwargs)
+
+
+def esmc_config(size: str | None = None, *, layers: int | None = None, hidden: int | None = None,
+                heads: int | None = None, intermediate: int | None = None, **overrides):
+    """An ``EsmcConfig`` shaped like a released ESM C size (or custom dims; the feed-forward width defaults to
+    8/3 of the hidden size rounded up to 256, as ESM C's are), as the hub configs set it."""
+    from .family import ESMC, hf_masked_lm_class
+    hf_masked_lm_class(ESMC)  # a one-line error when this transformers has no ESM C
+    from transformers import EsmcConfig
+    if size is not None:
+        if size not in ESMC_SIZES:
+            raise ValueError(f"unknown ESM C size {size!r}: choose one of {list(ESMC_SIZES)}")
+        dl, dh, dn, df, _ = ESMC_SIZES[size]
+        layers, hidden, heads, intermediate = layers or dl, hidden or dh, heads or dn, intermediate or df
+    if None in (layers, hidden, heads):
+        raise ValueError("give a size name or all of layers, hidden and heads")
+    if intermediate is None:
+        intermediate = -(-hidden * 8 // 3 // 256) * 256
+    kwargs = dict(vocab_size=64, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  intermediate_size=intermediate, mask_token_id=32, pad_token_id=1)
+    kwargs.update(overrides)
+    return EsmcConfig(**kwargs)
