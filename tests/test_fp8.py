@@ -89,3 +89,33 @@ def test_the_fused_fp8_forward_matches_the_reference_forward(stress_dir):
     ref = FastEsm.from_pretrained(stress_dir, dtype="fp8", device="cuda", fused=False)
     a, b = fused(batch)[fused.num_layers].float(), ref(batch)[ref.num_layers].float()
     assert F.cosine_similarity(a, b, dim=-1).min() > 0.999
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 tensor cores")
+@pytest.mark.parametrize("kind", ["none", "gelu", "swiglu"])
+def test_fused_quantization_gives_the_reference_codes(kind):
+    """activation_triton(fp8=True): the e4m3 codes and row scales quantize_rows makes of the reference activation
+    (the activation itself may differ by one bf16 rounding, which moves a code by at most one step)."""
+    from esm_turbo.embed.fast_esm import activation
+    from esm_turbo.kernels.activation import activation_triton
+    torch.manual_seed(0)
+    u = 3 * torch.randn(300, 2 * 2500, device="cuda", dtype=torch.bfloat16)
+    got = activation_triton(u, kind, fp8=True)
+    rq, rs = quantize_rows(u if kind == "none" else activation(u, kind))
+    assert torch.allclose(got.scale, rs, rtol=2 ** -7)
+    assert (got.q.float() == rq.float()).float().mean() > 0.995
+    step = rq.float().abs() * 2 ** -3 + 2 ** -9  # one e4m3 step (subnormals: 2**-9)
+    assert ((got.q.float() * got.scale - rq.float() * rs).abs() <= 1.01 * step * rs).all()
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 tensor cores")
+def test_layer_norm_hands_the_next_product_its_e4m3_input():
+    from esm_turbo.kernels.norm import add_layer_norm_reference, add_layer_norm_triton
+    torch.manual_seed(0)
+    h, y = (torch.randn(513, 1280, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w, b = 1 + 0.3 * torch.randn(1280, device="cuda"), 0.1 * torch.randn(1280, device="cuda")
+    s, x = add_layer_norm_triton(h, y, w, b, 1e-5, 0.5, fp8=True)
+    s_ref, x_ref = add_layer_norm_reference(h, y, w, b, 1e-5, 0.5)
+    rq, rs = quantize_rows(x_ref)
+    assert torch.equal(s, s_ref)
+    assert torch.allclose(x.scale, rs, rtol=2 ** -7) and (x.q.float() == rq.float()).float().mean() > 0.99

@@ -432,15 +432,21 @@ class FastEsm(nn.Module):
         LayerNorm after it (:func:`~esm_turbo.kernels.norm.add_layer_norm_triton`; the next block's LayerNorm too),
         the query scaling and the rotary embedding of q and k in one launch
         (:func:`~esm_turbo.kernels.rope.rope_packed_triton`), the biases in the matrix products' epilogues: nine
-        launches a block (ESM C adds its query and key LayerNorms and SwiGLU's product)."""
-        from ..kernels.norm import add_layer_norm_triton
+        launches a block (ESM C adds its query and key LayerNorms, in place, and SwiGLU is one launch,
+        :func:`~esm_turbo.kernels.activation.activation_triton`). With FP8 weights on an FP8 GPU, every product's
+        input leaves the kernel before it already in e4m3 with its row scales (the LayerNorms', the activation's;
+        the attention output takes one quantizing launch)."""
+        from ..kernels.activation import activation_triton
+        from ..kernels.norm import add_layer_norm_triton, layer_norm_columns_
         from ..kernels.rope import rope_packed_triton
+        from .fp8 import fp8_supported
         cos, sin = self._rotary(batch)
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
         n, dim = h.shape
+        fp8 = self.is_fp8 and fp8_supported(h.device)
         first = self.blocks[0].attn_norm
-        _, x = add_layer_norm_triton(h, None, first.weight, first.bias, self.eps)
+        _, x = add_layer_norm_triton(h, None, first.weight, first.bias, self.eps, fp8=fp8)
         last = min(max(wanted, default=0), self.num_layers)
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
         inv_scale = 1.0 / self.branch_scale
@@ -448,18 +454,19 @@ class FastEsm(nn.Module):
             w_qkv, w_o, w_1, w_2 = b.weights()
             qkv = linear(x, w_qkv, b.qkv.bias)
             if b.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
-                for part, norm in ((qkv[:, :dim], b.q_norm), (qkv[:, dim: 2 * dim], b.k_norm)):
-                    part.copy_(F.layer_norm(part, (dim,), norm.weight, None, self.eps))
+                layer_norm_columns_(qkv[:, :dim], b.q_norm.weight, self.eps)
+                layer_norm_columns_(qkv[:, dim: 2 * dim], b.k_norm.weight, self.eps)
             q, k = rope_packed_triton(qkv, cos, sin, b.heads)
             v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
-            a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, scale=1.0)
-            h, x = add_layer_norm_triton(h, linear(a.reshape(n, dim), w_o, b.out.bias), b.ffn_norm.weight,
-                                         b.ffn_norm.bias, self.eps, inv_scale)
+            a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, scale=1.0).reshape(n, dim)
+            h, x = add_layer_norm_triton(h, linear(activation_triton(a, "none", fp8=True) if fp8 else a, w_o,
+                                                   b.out.bias), b.ffn_norm.weight, b.ffn_norm.bias, self.eps,
+                                         inv_scale, fp8=fp8)
             u = linear(x, w_1, b.fc1.bias)
-            f = F.gelu(u) if b.activation == "gelu" else activation(u, b.activation)
+            f = F.gelu(u) if b.activation == "gelu" and not fp8 else activation_triton(u, b.activation, fp8=fp8)
             after = self.blocks[i].attn_norm if i < self.num_layers else self.final_norm
             h, x = add_layer_norm_triton(h, linear(f, w_2, b.fc2.bias), after.weight, after.bias, self.eps,
-                                         inv_scale)
+                                         inv_scale, fp8=fp8 and i < self.num_layers)
             if i in wanted:
                 out[i] = x if i == self.num_layers else h
         return out

@@ -14,6 +14,7 @@ Bytes: a weight takes 1 byte per value plus 4 per output channel (its fp32 scale
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,15 @@ class Fp8Weight:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
 
 
+class Fp8Rows(NamedTuple):
+    """An activation already in e4m3 with one scale per row (made by the kernel that produced it:
+    :func:`~esm_turbo.kernels.norm.add_layer_norm_triton`, :func:`~esm_turbo.kernels.activation.activation_triton`):
+    ``q`` [N, K] float8_e4m3fn, ``scale`` [N, 1] float32, x ≈ q * scale."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row e4m3 quantization: x [N, K] → (x_q [N, K] float8_e4m3fn, scale [N, 1] float32), x ≈ x_q * scale."""
     xf = x.float()
@@ -57,13 +67,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).to(torch.float8_e4m3fn), scale
 
 
-def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """What :func:`fp8_linear` computes, in PyTorch: x [N, K] → [N, out] in x's dtype."""
-    xq, xs = quantize_rows(x)
+def fp8_linear_reference(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What :func:`fp8_linear` computes, in PyTorch: x [N, K] → [N, out] in x's dtype (bf16 for :class:`Fp8Rows`)."""
+    xq, xs = x if isinstance(x, Fp8Rows) else quantize_rows(x)
     y = (xq.float() * xs) @ w.dequantize().t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(FP8_COMPUTE_DTYPE if isinstance(x, Fp8Rows) else x.dtype)
 
 
 def fp8_supported(device: torch.device | str) -> bool:
@@ -90,21 +100,27 @@ def require_fp8(device: torch.device | str, what: str, instead: str) -> None:
                         f"Blackwell); this run is on {where}: {instead}")
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x Wᵀ + b with x quantized per row and W per output channel to e4m3: x [N, K] (bf16) → [N, out] (x's
-    dtype). One ``torch._scaled_mm`` on FP8 GPUs, the reference elsewhere."""
-    if not (x.is_cuda and fp8_supported(x.device)):
+def fp8_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x Wᵀ + b with x quantized per row (here, unless it comes as :class:`Fp8Rows`) and W per output channel to
+    e4m3: x [N, K] (bf16) → [N, out] (x's dtype; bf16 for Fp8Rows). One ``torch._scaled_mm`` on FP8 GPUs, the
+    reference elsewhere."""
+    held = x.q if isinstance(x, Fp8Rows) else x
+    if not (held.is_cuda and fp8_supported(held.device)):
         return fp8_linear_reference(x, w, bias)
-    xq, xs = quantize_rows(x)
-    return torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], bias=bias, out_dtype=x.dtype)
+    if isinstance(x, Fp8Rows):
+        xq, xs, out = x.q, x.scale, FP8_COMPUTE_DTYPE
+    else:
+        from ..kernels.activation import activation_triton
+        (xq, xs), out = activation_triton(x, "none", fp8=True), x.dtype
+    return torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], bias=bias, out_dtype=out)
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor | Fp8Rows, w, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` for a weight tensor, :func:`fp8_linear` for an :class:`Fp8Weight`."""
     if isinstance(w, Fp8Weight):
         return fp8_linear(x, w, bias)
     return F.linear(x, w, bias)
 
 
-__all__ = ["E4M3_MAX", "FP8_COMPUTE_DTYPE", "Fp8Weight", "fp8_linear", "fp8_linear_reference", "fp8_supported",
+__all__ = ["E4M3_MAX", "FP8_COMPUTE_DTYPE", "Fp8Rows", "Fp8Weight", "fp8_linear", "fp8_linear_reference", "fp8_supported",
            "linear", "quantize_rows", "require_fp8"]

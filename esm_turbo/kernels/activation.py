@@ -1,0 +1,85 @@
+"""FastEsm's feed-forward nonlinearity and the e4m3 row quantization of an FP8 product's input, in one pass (Triton).
+
+``activation_triton(u, kind, fp8)``: ``kind`` ``"gelu"`` (exact erf GELU, u [N, F] → [N, F]), ``"swiglu"`` (ESM C:
+silu(gate) · up of u [N, 2F], gate first → [N, F]) or ``"none"``; the result rounded to u's dtype, as the reference
+(:func:`~esm_turbo.embed.fast_esm.activation`) rounds it. ``fp8``: then quantized to e4m3 with one scale per row
+(:func:`~esm_turbo.embed.fp8.quantize_rows` of the reference's result), returned as
+:class:`~esm_turbo.embed.fp8.Fp8Rows`. Eagerly that is four passes over the activations for SwiGLU and five more for
+the quantization (a float32 copy, abs, max, divide, cast); here one read of u and one write, two reads of u with FP8
+(the row's maximum first, then the values; the second read mostly from L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+KINDS = {"none": 0, "gelu": 1, "swiglu": 2}
+
+
+@triton.jit
+def _act(u_ptr, row_at, cols, mask, F: tl.constexpr, KIND: tl.constexpr):
+    """The activation of the columns ``cols`` of the rows at ``row_at`` [R, 1] in float32, rounded to u's dtype."""
+    u = tl.load(u_ptr + row_at + cols[None, :], mask=mask, other=0.0)
+    x = u.to(tl.float32)
+    if KIND == 1:
+        x = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif KIND == 2:
+        up = tl.load(u_ptr + row_at + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = (x / (1.0 + tl.exp(-x))).to(u.dtype, fp_downcast_rounding="rtne").to(tl.float32)  # as F.silu rounds
+        x = gate * up
+    return x.to(u.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+
+
+@triton.jit
+def _activation_kernel(u_ptr, out_ptr, scale_ptr, n_rows, u_stride, F: tl.constexpr, BLOCK: tl.constexpr,
+                       ROWS: tl.constexpr, KIND: tl.constexpr, FP8: tl.constexpr):
+    """Rows [pid·ROWS, (pid + 1)·ROWS) of u (rows ``u_stride`` apart) → out [N, F] contiguous, in column blocks of
+    BLOCK; with ``FP8`` a first sweep finds each row's max |activation| and the second stores e4m3 codes, the row's
+    scale at scale_ptr [N]."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    row_at = rows[:, None].to(tl.int64) * u_stride
+    out_at = rows[:, None].to(tl.int64) * F
+    scale = tl.full((ROWS,), 1.0, tl.float32)
+    if FP8:
+        amax = tl.zeros((ROWS,), tl.float32)
+        for start in range(0, F, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = row_ok[:, None] & (cols[None, :] < F)
+            x = tl.where(mask, _act(u_ptr, row_at, cols, mask, F, KIND), 0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        scale = tl.maximum(amax / 448.0, 1.1754943508222875e-38)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+    for start in range(0, F, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = row_ok[:, None] & (cols[None, :] < F)
+        x = _act(u_ptr, row_at, cols, mask, F, KIND)
+        if FP8:
+            x = x / scale[:, None]
+        tl.store(out_ptr + out_at + cols[None, :], x.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=mask)
+
+
+def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False):
+    """See the module docstring. u: [N, F] (``"swiglu"``: [N, 2F]), columns contiguous."""
+    if kind not in KINDS:
+        raise ValueError(f"activation {kind!r}: one of {list(KINDS)}")
+    n, width = u.shape
+    if u.stride(1) != 1 or (kind == "swiglu" and width % 2):
+        raise ValueError(f"u {tuple(u.shape)} (strides {u.stride()}) does not fit activation {kind!r}")
+    f = width // 2 if kind == "swiglu" else width
+    out = torch.empty(n, f, device=u.device, dtype=torch.float8_e4m3fn if fp8 else u.dtype)
+    scale = torch.empty(n, 1, device=u.device, dtype=torch.float32) if fp8 else out
+    block = min(1024, triton.next_power_of_2(f))
+    rows = max(1, min(16, 4096 // block))
+    _activation_kernel[(triton.cdiv(n, rows),)](u, out, scale, n, u.stride(0), F=f, BLOCK=block, ROWS=rows,
+                                                KIND=KINDS[kind], FP8=fp8, num_warps=4)
+    if not fp8:
+        return out
+    from ..embed.fp8 import Fp8Rows
+    return Fp8Rows(out, scale)
+
+
+__all__ = ["KINDS", "activation_triton"]
