@@ -14,7 +14,7 @@ python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__ve
 export TORCHINDUCTOR_CACHE_DIR=/tmp/w/inductor TRITON_CACHE_DIR=/tmp/w/triton
 if has tests; then
 echo "== GPU tests"
-timeout 300 python3 -m pytest -q -rs tests/test_esmc.py tests/test_fp8.py tests/test_fast_esm.py -m gpu 2>&1 \
+timeout 300 python3 -m pytest -q -rs tests/test_esmc.py tests/test_fp8.py tests/test_fast_esm.py 2>&1 \
     | tail -15 | tee $OUT/tests_gpu.log
 fi
 if has bench; then
