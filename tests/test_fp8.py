@@ -113,7 +113,8 @@ def test_layer_norm_hands_the_next_product_its_e4m3_input():
     from esm_turbo.kernels.norm import add_layer_norm_reference, add_layer_norm_triton
     torch.manual_seed(0)
     h, y = (torch.randn(513, 1280, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    w, b = 1 + 0.3 * torch.randn(1280, device="cuda"), 0.1 * torch.randn(1280, device="cuda")
+    w = (1 + 0.3 * torch.randn(1280, device="cuda")).bfloat16()
+    b = (0.1 * torch.randn(1280, device="cuda")).bfloat16()
     s, x = add_layer_norm_triton(h, y, w, b, 1e-5, 0.5, fp8=True)
     s_ref, x_ref = add_layer_norm_reference(h, y, w, b, 1e-5, 0.5)
     rq, rs = quantize_rows(x_ref)
