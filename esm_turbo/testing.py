@@ -24,18 +24,24 @@ from .model.loading import _LAYER_MAP, _TOP_MAP
 from .model.sizes import esm2_config
 
 
+def _seeded(make_config, model_class, size, layers, hidden, heads, seed: int, init_std: float | None):
+    """(a model of a size name or of the given dims, built after seeding torch, eval; a generator seeded the same;
+    the weights' std, 0.64/√hidden unless given)."""
+    cfg = make_config(size, layers=layers if size is None else None, hidden=hidden if size is None else None,
+                      heads=heads if size is None else None)
+    torch.manual_seed(seed)
+    std = init_std if init_std is not None else 0.64 / cfg.hidden_size**0.5
+    return model_class(cfg).eval(), torch.Generator().manual_seed(seed), std
+
+
 @torch.no_grad()
 def stress_esm2(layers: int = 4, hidden: int = 64, heads: int = 4, seed: int = 0,
                 outlier_scale: float = 30.0, size: str | None = None,
                 init_std: float | None = None) -> EsmForMaskedLM:
     """A small ESM-2 (EsmForMaskedLM, fp32, eval) with planted outliers and varied sharpness.
     Weights are N(0, init_std²) with init_std = 0.64/√hidden by default (same activation scale at any width)."""
-    gen = torch.Generator().manual_seed(seed)
-    cfg = esm2_config(size, layers=layers if size is None else None, hidden=hidden if size is None else None,
-                      heads=heads if size is None else None)
-    init_std = init_std if init_std is not None else 0.64 / cfg.hidden_size**0.5
-    torch.manual_seed(seed)
-    model = EsmForMaskedLM(cfg).eval()
+    model, gen, init_std = _seeded(esm2_config, EsmForMaskedLM, size, layers, hidden, heads, seed, init_std)
+    cfg = model.config
     d = cfg.hidden_size // cfg.num_attention_heads
     n_heads, n_layers = cfg.num_attention_heads, cfg.num_hidden_layers
     for name, p in model.named_parameters():  # larger-than-default weights: non-trivial attention
@@ -153,12 +159,8 @@ def stress_esmc(layers: int = 4, hidden: int = 128, heads: int = 2, seed: int = 
     from transformers import EsmcForMaskedLM
 
     from .model.sizes import esmc_config
-    gen = torch.Generator().manual_seed(seed)
-    cfg = esmc_config(size, layers=layers if size is None else None, hidden=hidden if size is None else None,
-                      heads=heads if size is None else None)
-    init_std = init_std if init_std is not None else 0.64 / cfg.hidden_size**0.5
-    torch.manual_seed(seed)
-    model = EsmcForMaskedLM(cfg).eval()
+    model, gen, init_std = _seeded(esmc_config, EsmcForMaskedLM, size, layers, hidden, heads, seed, init_std)
+    cfg = model.config
     for name, p in model.named_parameters():
         if "norm" in name:
             p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
@@ -177,6 +179,21 @@ def save_stress_esmc(out_dir: str | Path, **kwargs) -> Path:
     """Write a :func:`stress_esmc` model with ``save_pretrained``."""
     out = Path(out_dir)
     stress_esmc(**kwargs).save_pretrained(out)
+    return out
+
+
+def to_esmc_original(model) -> dict[str, torch.Tensor]:
+    """The inverse of the ESM C package converter (:mod:`esm_turbo.model.esmc_original`): an ``EsmcForMaskedLM``'s
+    weights as that package's state dict (what its ``.pth`` files hold)."""
+    from .model.esmc_original import _BLOCK_MAP, _SPLIT, _TOP_MAP
+    state = model.state_dict()
+    out = {orig: state[ours].clone() for orig, ours in _TOP_MAP.items() if ours in state}
+    for i in range(model.config.num_hidden_layers):
+        prefix = f"esmc.layers.{i}."
+        for orig, ours in _BLOCK_MAP.items():
+            out[f"transformer.blocks.{i}.{orig}"] = state[prefix + ours].clone()
+        for orig, parts in _SPLIT.items():
+            out[f"transformer.blocks.{i}.{orig}"] = torch.cat([state[prefix + p] for p in parts])
     return out
 
 

@@ -43,6 +43,20 @@ def esmc_dir(tmp_path_factory):
     return save_stress_esmc(tmp_path_factory.mktemp("esmc"), layers=2, hidden=128, heads=2, seed=5)
 
 
+def _folder_matches_transformers(folder):
+    """FastEsm read straight from ``folder`` against transformers' net loaded from it: the last layer and the logits.
+    Returns the net."""
+    net = load_esm(folder)
+    fast = FastEsm.from_pretrained(folder, dtype=torch.float32, device="cpu")
+    batch = PackedBatch.from_sequences(SEQS)
+    last = fast.num_layers
+    hidden = fast(batch, [last])[last]
+    ref, logits = reference(net, SEQS)
+    assert _worst(hidden, batch, ref[last]) < 3e-5
+    assert _worst(fast.logits(hidden), batch, logits) < 1e-4
+    return net
+
+
 def _worst(hidden: torch.Tensor, batch: PackedBatch, ref: torch.Tensor) -> float:
     """The largest difference from the padded reference, relative to the reference's largest value (at least 1)."""
     worst = max((got.float().cpu() - ref[row, : len(got)]).abs().max().item()
@@ -58,11 +72,12 @@ def test_hidden_states_match_transformers_on_mixed_lengths(net, fused):
         from esm_turbo.kernels import triton_supported
         if not triton_supported():
             pytest.skip("needs Triton")
-    fast = FastEsm.from_hf(net, fused=fused)
-    assert fast.family is ESMC and fast.branch_scale == pytest.approx((3 / 36) ** 0.5)
-    batch = PackedBatch.from_sequences(SEQS)
-    hidden = fast(batch, [0, 1, 2, 3])
+    dev = "cuda" if fused and torch.cuda.is_available() else "cpu"
     ref, _ = reference(net, SEQS)
+    fast = FastEsm.from_hf(stress_esmc(layers=3, hidden=128, heads=2, seed=2).to(dev), fused=fused)
+    assert fast.family is ESMC and fast.branch_scale == pytest.approx((3 / 36) ** 0.5)
+    batch = PackedBatch.from_sequences(SEQS, dev)
+    hidden = fast(batch, [0, 1, 2, 3])
     for layer in range(4):
         assert _worst(hidden[layer], batch, ref[layer]) < 3e-5, layer
 
@@ -70,14 +85,8 @@ def test_hidden_states_match_transformers_on_mixed_lengths(net, fused):
 def test_folder_reads_straight_into_fast_esm_with_logits(esmc_dir):
     """The direct safetensors path (no transformers module) gives transformers' hidden states and logits, and the
     folder's fingerprint equals the loaded net's."""
-    net = load_esm(esmc_dir)
+    net = _folder_matches_transformers(esmc_dir)
     assert type(net).__name__ == "EsmcForMaskedLM" and family_of(net.config) is ESMC
-    fast = FastEsm.from_pretrained(esmc_dir, dtype=torch.float32, device="cpu")
-    batch = PackedBatch.from_sequences(SEQS)
-    hidden = fast(batch, [2])[2]
-    ref, logits = reference(net, SEQS)
-    assert _worst(hidden, batch, ref[2]) < 3e-5
-    assert _worst(fast.logits(hidden), batch, logits) < 1e-4
     shape, tensors = load_tensors(esmc_dir, dtype=torch.float32)
     assert shape.family == "esmc" and shape.vocab_size == 64 and not shape.token_dropout
     assert read_config(esmc_dir) == shape
@@ -171,6 +180,7 @@ def test_fp8_reference_runs_esmc(net):
     batch = PackedBatch.from_sequences(SEQS)
     want = fast(batch, [3])[3]
     got = FastEsm.from_hf(net).to_fp8()(batch, [3])[3].float()
+    assert net.lm_head.dense.weight.dtype == torch.float32  # the net keeps its own LM head
     cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     assert cos.min() > 0.95 and cos.mean() > 0.98
 
@@ -207,11 +217,127 @@ def test_fast_forward_within_twice_transformers_low_precision_error(dtype):
 def test_trained_testbed_embeds_as_transformers():
     """The trained ESM C testbed (fp16 on disk, read in fp32): FastEsm's last layer and logits are transformers'."""
     from pathlib import Path
-    folder = Path(__file__).resolve().parents[1] / "testbeds" / "esmc_d64_trained"
-    net = load_esm(folder)
-    fast = FastEsm.from_pretrained(folder, dtype=torch.float32, device="cpu")
+    _folder_matches_transformers(Path(__file__).resolve().parents[1] / "testbeds" / "esmc_d64_trained")
+
+
+def test_quantize_weights_takes_every_esmc_linear(esmc_dir, tmp_path):
+    """``esm-turbo quantize-weights`` on ESM C: q, k, v, o, gate, up and down in 4 bits (q/k/v and gate/up sharing
+    launches), the folder loads as an EsmcForMaskedLM, and FastEsm on it computes what transformers does."""
+    from esm_turbo.weights.linear import QuantizedLinear
+    out = tmp_path / "q4"
+    assert main(["quantize-weights", "--model", str(esmc_dir), "--out", str(out), "--quiet"]) == 0
+    net = load_esm(out)
+    assert type(net).__name__ == "EsmcForMaskedLM" and len(net.weight_quant["quantized"]) == 2 * 7
+    layer = net.esmc.layers[0]
+    linears = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+               layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+    assert all(isinstance(m, QuantizedLinear) for m in linears)
+    assert layer.mlp.gate_proj.shared is layer.mlp.up_proj.shared is not None
     batch = PackedBatch.from_sequences(SEQS)
-    hidden = fast(batch, [6])[6]
-    ref, logits = reference(net, SEQS)
-    assert _worst(hidden, batch, ref[6]) < 3e-5
-    assert _worst(fast.logits(hidden), batch, logits) < 1e-4
+    ref, _ = reference(net, SEQS)
+    assert _worst(FastEsm.from_hf(net)(batch, [2])[2], batch, ref[2]) < 3e-5
+    fp32, _ = reference(load_esm(esmc_dir), SEQS)
+    cos = torch.nn.functional.cosine_similarity(ref[2][0, 1:34], fp32[2][0, 1:34], dim=-1)
+    assert cos.mean() > 0.8  # a random stand-in; the trained testbed's figures are in results/weights
+
+
+@pytest.fixture(scope="module")
+def turbo_net():
+    """A stand-in of its own: the KV cache's attention hook is installed in place."""
+    return stress_esmc(layers=3, hidden=128, heads=2, seed=4)
+
+
+@pytest.fixture(scope="module")
+def esmc_calibration(turbo_net):
+    from esm_turbo import calibrate, read_fasta
+    return calibrate(turbo_net, read_fasta("calibration_data/calibration.fasta")[0][:16], progress=False)
+
+
+@pytest.mark.parametrize("cache", ["turbo", "fp32"])
+def test_prefill_is_exact(turbo_net, esmc_calibration, cache):
+    """The session's prefill gives transformers' logits and last states bit for bit in fp32 (the query and key
+    LayerNorms before RoPE, ESM C's own rotary and attention ops); the hook leaves a plain forward unchanged."""
+    from esm_turbo import TurboEsm
+    engine = TurboEsm(turbo_net, esmc_calibration)
+    tok, mask = encode(SEQS, add_eos=False)
+    with torch.no_grad(), engine.original():
+        ref = turbo_net(input_ids=tok, attention_mask=mask, output_hidden_states=True)
+    with torch.no_grad():
+        hooked = turbo_net(input_ids=tok, attention_mask=mask).logits
+    out = engine.session(cache).start(SEQS)
+    valid = mask.bool()
+    assert (out.logits - ref.logits)[valid].abs().max() == 0
+    assert (out.hidden - ref.hidden_states[-1])[valid].abs().max() == 0
+    assert torch.equal(hooked, ref.logits)
+
+
+def test_decode_session_on_the_compressed_cache(turbo_net, esmc_calibration):
+    """Steps, a peek, fork and rollback on the 4-bit cache: close to the FP32 cache's states, and a rolled-back step
+    taken again gives the same output."""
+    from esm_turbo import TurboEsm
+    engine = TurboEsm(turbo_net, esmc_calibration)
+    sessions = {kind: engine.session(kind) for kind in ("turbo", "fp32")}
+    outs = {}
+    for kind, session in sessions.items():
+        session.start(SEQS[:2])
+        session.fork(2)
+        for residue in "MKVL":
+            outs[kind] = session.step([residue] * 4)
+    cos = torch.nn.functional.cosine_similarity(outs["turbo"].hidden, outs["fp32"].hidden, dim=-1)
+    assert cos.min() > 0.95 and cos.mean() > 0.97  # a random stand-in; the trained testbed holds far more
+    session = sessions["turbo"]
+    peek = session.step(["<mask>"] * 4, commit=False)
+    assert torch.equal(session.lengths, torch.tensor([len(SEQS[0]) + 5] * 2 + [len(SEQS[1]) + 5] * 2))
+    session.rollback(1)
+    again = session.step(["L"] * 4)
+    assert torch.allclose(again.hidden, outs["turbo"].hidden, atol=1e-5) and peek.logits.shape == (4, 1, 64)
+    assert session.memory_report() is not None
+
+
+def test_calibrate_and_evaluate_commands_take_esmc(esmc_dir, tmp_path):
+    """``esm-turbo calibrate`` and ``evaluate`` on an ESM C folder, end to end."""
+    head = tmp_path / "cal.fasta"
+    lines = open("calibration_data/calibration.fasta").read().split(">")[1:13]
+    head.write_text("".join(">" + rec for rec in lines))
+    ckpt = tmp_path / "esmc.turbo.safetensors"
+    assert main(["calibrate", "--model", str(esmc_dir), "--fasta", str(head), "--out", str(ckpt), "--quiet"]) == 0
+    report = tmp_path / "eval.json"
+    assert main(["evaluate", "--model", str(esmc_dir), "--calibration", str(ckpt), "--fasta",
+                 "calibration_data/evaluation.fasta", "--limit", "2", "--max-steps", "6", "--json", str(report),
+                 "--quiet"]) == 0
+    overall = json.loads(report.read_text())["turbo"]["overall"]
+    assert overall["prefill_max_abs_diff"] == 0 and overall["decode_tokens"] == 12
+    assert 0.95 < overall["decode_cos_mean"] <= 1.0
+
+
+def test_paged_session_steps_as_the_contiguous_one(turbo_net, esmc_calibration):
+    """Shared-prefix forks on the paged cache step to the contiguous cache's states."""
+    from esm_turbo import TurboEsm
+    engine = TurboEsm(turbo_net, esmc_calibration)
+    outs = []
+    for paged in (False, True):
+        session = engine.session("turbo", paged=paged, block_size=16)
+        session.start(SEQS[:1])
+        session.fork(3)
+        for residue in "MKV":
+            out = session.step([residue] * 3)
+        outs.append(out.hidden)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_the_esm_c_package_weight_file_loads_converted(net, tmp_path):
+    """A state dict in the original ESM C package's layout (``.pth``) loads as transformers' EsmcForMaskedLM and
+    computes what the net it was made from computes; a file of neither layout is refused in one line."""
+    from esm_turbo.testing import to_esmc_original
+    path = tmp_path / "esmc_300m_2024_12_v0.pth"
+    torch.save(to_esmc_original(net), path)
+    loaded = load_esm(path)
+    assert type(loaded).__name__ == "EsmcForMaskedLM" and loaded.config.num_hidden_layers == 3
+    assert loaded.config.num_attention_heads == 2 and loaded.config.intermediate_size == net.config.intermediate_size
+    want, want_logits = reference(net, SEQS)
+    got, got_logits = reference(loaded, SEQS)
+    assert torch.equal(got[-1], want[-1]) and torch.equal(got_logits, want_logits)
+    bad = tmp_path / "other.pth"
+    torch.save({"embed.weight": torch.zeros(64, 128), "transformer.blocks.0.attn.mystery": torch.zeros(1)}, bad)
+    with pytest.raises(ModelLoadError, match="unexpected tensor 'transformer.blocks.0.attn.mystery'"):
+        load_esm(bad)

@@ -84,11 +84,16 @@ def test_scaled_mm_matches_the_reference_on_the_gpu():
 
 @pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 tensor cores")
 def test_the_fused_fp8_forward_matches_the_reference_forward(stress_dir):
+    """The fused path (inputs quantized in the kernels before each product) is as close to fp32 as the reference path
+    (quantize_rows before each product), token by token."""
     batch = PackedBatch.from_sequences(SEQS, device="cuda")
     fused = FastEsm.from_pretrained(stress_dir, dtype="fp8", device="cuda")
     ref = FastEsm.from_pretrained(stress_dir, dtype="fp8", device="cuda", fused=False)
-    a, b = fused(batch)[fused.num_layers].float(), ref(batch)[ref.num_layers].float()
-    assert F.cosine_similarity(a, b, dim=-1).min() > 0.999
+    full = FastEsm.from_pretrained(stress_dir, dtype=torch.float32, device="cuda", fused=False)
+    a, b, c = (m(batch)[m.num_layers].float() for m in (fused, ref, full))
+    miss_fused = 1 - F.cosine_similarity(a, c, dim=-1).min()
+    miss_ref = 1 - F.cosine_similarity(b, c, dim=-1).min()
+    assert miss_fused <= 2 * miss_ref + 1e-4, (miss_fused, miss_ref)
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 tensor cores")
@@ -101,7 +106,10 @@ def test_fused_quantization_gives_the_reference_codes(kind):
     torch.manual_seed(0)
     u = 3 * torch.randn(300, 2 * 2500, device="cuda", dtype=torch.bfloat16)
     got = activation_triton(u, kind, fp8=True)
-    rq, rs = quantize_rows(u if kind == "none" else activation(u, kind))
+    # gelu: one rounding of the float32 value, as F.gelu (the reference path's op-by-op erf formula rounds after
+    # every op); swiglu: silu(gate) rounded, then the product rounded, as the reference
+    ref = {"none": u, "gelu": F.gelu(u), "swiglu": activation(u, "swiglu")}[kind]
+    rq, rs = quantize_rows(ref)
     assert torch.allclose(got.scale, rs, rtol=2 ** -7)
     assert (got.q.float() == rq.float()).float().mean() > 0.995
     step = rq.float().abs() * 2 ** -3 + 2 ** -9  # one e4m3 step (subnormals: 2**-9)

@@ -404,6 +404,6 @@ def test_planted_outliers_preserve_the_function_and_grow_channels():
         plant_outliers(model, max_scale=200.0, seed=1)
         after = model(input_ids=tok, attention_mask=mask).logits
         with engine.context(RunContext(mode="prefill", recorder=record, valid=mask.bool())):
-            engine.esm(input_ids=tok, attention_mask=mask)
+            engine.base(input_ids=tok, attention_mask=mask)
     torch.testing.assert_close(after, before, atol=2e-4, rtol=1e-4)
     assert min(spread["k"]) > 20 and min(spread["v"]) > 20  # every layer has planted K and V channels

@@ -55,8 +55,8 @@ fi
 if has suite; then
 echo "== bench embed --sizes 650M (GPU 0)"
 CUDA_VISIBLE_DEVICES=0 python3 -m esm_turbo.cli bench embed --sizes 650M --json \
-    --out $OUT/bench_h100_650M.txt > $OUT/bench_h100_650M.json 2> $OUT/bench_progress.log
-cat $OUT/bench_h100_650M.txt
+    --out $OUT/bench_h100.txt > $OUT/bench_h100.json 2> $OUT/bench_progress.log
+cat $OUT/bench_h100.txt
 fi
 if has e2e; then
 echo "== bench embed --corpus: end to end (GPU 0)"

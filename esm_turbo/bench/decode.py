@@ -108,12 +108,12 @@ def bench_quantize(device, size: str = "650M", length: int = 1024, layers: int |
     session = engine.session(layer_codec, capacity=length + 8)
     session.start([seq], add_eos=True)  # builds tables, compiles kernels
     cache = session.cache
-    plain = time_graph(lambda: engine.esm(input_ids=tokens, attention_mask=mask), device, reps=10)
+    plain = time_graph(lambda: engine.base(input_ids=tokens, attention_mask=mask), device, reps=10)
 
     def prefill_writing():
         cache.set_lengths(0)
         with engine.context(RunContext(mode="prefill", cache=cache, valid=mask.bool())):
-            engine.esm(input_ids=tokens, attention_mask=mask)
+            engine.base(input_ids=tokens, attention_mask=mask)
 
     writing = time_graph(prefill_writing, device, reps=10)
 

@@ -358,7 +358,11 @@ class FastEsm(nn.Module):
     @torch.no_grad()
     def to_dtype(self, dtype: torch.dtype) -> "FastEsm":
         """Every weight and bias (the LM head's too) in ``dtype``, in place; the rotary frequencies stay float32.
-        FP8 weights stay FP8."""
+        FP8 weights stay FP8. A transformers LM head shared with the net it came from is converted as a copy (the
+        net keeps its own)."""
+        if self.lm_head is not None and not isinstance(self.lm_head, LMHead):
+            import copy
+            self.lm_head = copy.deepcopy(self.lm_head)
         for module in self.modules():
             for name, param in list(module.named_parameters(recurse=False)):
                 if param is not None and param.is_floating_point():

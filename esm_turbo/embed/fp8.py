@@ -122,5 +122,5 @@ def linear(x: torch.Tensor | Fp8Rows, w, bias: torch.Tensor | None) -> torch.Ten
     return F.linear(x, w, bias)
 
 
-__all__ = ["E4M3_MAX", "FP8_COMPUTE_DTYPE", "Fp8Rows", "Fp8Weight", "fp8_linear", "fp8_linear_reference", "fp8_supported",
-           "linear", "quantize_rows", "require_fp8"]
+__all__ = ["E4M3_MAX", "FP8_COMPUTE_DTYPE", "Fp8Rows", "Fp8Weight", "fp8_linear", "fp8_linear_reference",
+           "fp8_supported", "linear", "quantize_rows", "require_fp8"]

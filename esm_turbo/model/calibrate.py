@@ -67,7 +67,7 @@ def _run(engine: TurboEsm, batches: list[list[Record]], recorder, desc: str, pro
         tokens, mask = encode([r.sequence for r in batch], [r.id for r in batch])
         tokens, mask = tokens.to(engine.device), mask.to(engine.device)
         with engine.context(RunContext(mode="prefill", recorder=recorder, valid=mask.bool())), torch.no_grad():
-            engine.esm(input_ids=tokens, attention_mask=mask)
+            engine.base(input_ids=tokens, attention_mask=mask)
         tokens_seen += int(mask.sum())
     return tokens_seen
 
@@ -191,7 +191,7 @@ def channel_importance(affine: AffineStats, reach: CovarianceAccumulator | torch
 
 def _output_weights(engine: TurboEsm, layer: int) -> torch.Tensor:
     """[H, d, d] Gram matrices W_hᵀ W_h of each head's block of the attention output projection."""
-    w = engine.esm.encoder.layer[layer].attention.output.dense.weight.detach().float()  # [D, H·d]
+    w = engine.submodule(layer, engine.family.o).weight.detach().float()  # [D, H·d]
     blocks = w.reshape(w.shape[0], engine.heads, engine.head_dim).permute(1, 0, 2)  # [H, D, d]
     return blocks.transpose(1, 2) @ blocks
 

@@ -1,13 +1,13 @@
-"""TurboEsm (a loaded ESM-2 with TurboEsmSelfAttention installed) and the decode-session API.
+"""TurboEsm (a loaded ESM-2 or ESM C with TurboEsmSelfAttention installed) and the decode-session API.
 
-Decode semantics (ESM-2 is bidirectional, not causal): ``start`` runs an exact prefill of each
+Decode semantics (both families are bidirectional, not causal): ``start`` runs an exact prefill of each
 sequence (``<cls>`` + residues, right-padded for ragged batches) and stores its post-RoPE K/V in the
 cache. Each ``step`` feeds new tokens at the next positions of each sequence; they attend to the
 cached prefix (compressed) and to each other (full precision). The prefix is never recomputed, so
 its states do not see the new tokens. Running the same procedure with an uncompressed FP32 cache
 (``cache="fp32"``) is the fidelity reference.
 
-Token dropout (ESM-2's mask scaling) in a step uses the mask ratio of the whole sequence so far.
+Token dropout (ESM-2's mask scaling; ESM C has none) in a step uses the mask ratio of the whole sequence so far.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..ops.blocks import BLOCK_SIZE
 from ..quant.codec import KVCodec
 from .alphabet import alphabet, encode
 from .attention import RunContext, install
+from .family import ESM2, family_of_net
 
 _TRAIN_MASK_RATIO = 0.15 * 0.8  # fixed by ESM-2 training, as in transformers' EsmEmbeddings
 
@@ -38,13 +39,16 @@ class StepOutput:
 
 
 class TurboEsm:
-    """An ESM-2 ``EsmForMaskedLM`` whose self-attention layers can prefill into and decode from a
-    (compressed) KV cache. ``calibration`` (a :class:`~esm_turbo.model.checkpoint.Calibration`)
-    supplies the TurboESM codecs; it is checked against the model's fingerprint."""
+    """An ESM-2 ``EsmForMaskedLM`` or ESM C ``EsmcForMaskedLM`` whose self-attention layers can prefill into and
+    decode from a (compressed) KV cache. ``calibration`` (a :class:`~esm_turbo.model.checkpoint.Calibration`)
+    supplies the TurboESM codecs; it is checked against the model's fingerprint. ``base`` is transformers' base
+    model inside (``EsmModel``, ``EsmcModel``)."""
 
     def __init__(self, model: nn.Module, calibration=None, check_fingerprint: bool = True):
         self.model = model.eval()
-        self.esm = model.esm
+        self.family = family_of_net(model)
+        self.base = self.family.base(model)
+        self.layers = self.family.layers(model)
         self.attention = install(model)
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
@@ -53,6 +57,14 @@ class TurboEsm:
         self.calibration = None
         if calibration is not None:
             self.attach(calibration, check_fingerprint)
+
+    def submodule(self, layer: int, path: str) -> nn.Module:
+        """A module of block ``layer`` by its path in transformers' layout (:mod:`esm_turbo.model.family`), also
+        where it sits inside the installed attention hook (ESM C's ``self_attn.o_proj``)."""
+        prefix = self.family.attention + "."
+        if path.startswith(prefix):
+            return self.attention[layer].inner.get_submodule(path[len(prefix):])
+        return self.layers[layer].get_submodule(path)
 
     @property
     def device(self) -> torch.device:
@@ -96,15 +108,14 @@ class TurboEsm:
 
     @contextlib.contextmanager
     def original(self) -> Iterator[nn.Module]:
-        """Temporarily put the unmodified EsmSelfAttention modules back (reference computations)."""
-        layers = self.esm.encoder.layer
-        for layer, mod in zip(layers, self.attention):
-            layer.attention.self = mod.inner
+        """Temporarily put the unmodified self-attention modules back (reference computations)."""
+        for layer, mod in zip(self.layers, self.attention):
+            self.family.set_attention_module(layer, mod.inner)
         try:
             yield self.model
         finally:
-            for layer, mod in zip(layers, self.attention):
-                layer.attention.self = mod
+            for layer, mod in zip(self.layers, self.attention):
+                self.family.set_attention_module(layer, mod)
 
     def session(self, cache: str | Callable = "turbo", capacity: int = 256, paged: bool = False,
                 block_size: int = BLOCK_SIZE, gpu_budget_gib: float | None = None) -> "DecodeSession":
@@ -150,7 +161,8 @@ class DecodeSession:
         return [decode_ids(self.tokens[b, : int(n)].tolist()) for b, n in enumerate(cache.lengths)]
 
     def _heads(self, hidden: torch.Tensor) -> StepOutput:
-        hidden = self.engine.esm.encoder.emb_layer_norm_after(hidden)
+        eng = self.engine
+        hidden = eng.base.get_submodule(eng.family.final_norm)(hidden)
         logits = self.engine.model.lm_head(hidden)
         return StepOutput(logits=logits.float(), hidden=hidden.float())
 
@@ -176,7 +188,7 @@ class DecodeSession:
             cache = self.cache if len(rows) == batch else self.cache.view(rows)
             ctx = RunContext(mode="prefill", cache=cache, valid=mask[rows].bool(), recorder=recorder)
             with eng.context(ctx):
-                hidden.append(eng.esm(input_ids=tokens[rows], attention_mask=mask[rows]).last_hidden_state)
+                hidden.append(eng.base(input_ids=tokens[rows], attention_mask=mask[rows]).last_hidden_state)
             cache.commit(mask[rows].sum(1))
             if cache is not self.cache:
                 cache.give_back()
@@ -188,7 +200,10 @@ class DecodeSession:
         return StepOutput(logits=eng.model.lm_head(last).float(), hidden=last.float())
 
     def _embed(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        emb_mod = self.engine.esm.embeddings
+        eng = self.engine
+        if eng.family is not ESM2:  # no token-dropout rescaling
+            return eng.base.get_submodule(eng.family.embeddings)(tokens)
+        emb_mod = eng.base.embeddings
         emb = emb_mod.word_embeddings(tokens)
         if emb_mod.token_dropout:
             is_mask = tokens == emb_mod.mask_token_id
@@ -225,10 +240,10 @@ class DecodeSession:
         valid = torch.arange(seq, device=eng.device)[None, :] < counts[:, None]
         positions = cache.lengths[:, None] + torch.arange(seq, device=eng.device)[None, :]
         hidden = self._embed(tokens, valid)
-        cos_sin = eng.esm.rotary_embeddings(hidden, positions)
+        cos_sin = eng.base.get_submodule(eng.family.rotary)(hidden, positions)
         ctx = RunContext(mode="decode", cache=cache, new_valid=valid, commit=commit, probe=self.probe)
         with eng.context(ctx):
-            for layer in eng.esm.encoder.layer:
+            for layer in eng.layers:
                 hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
         result = self._heads(hidden)
         if commit:

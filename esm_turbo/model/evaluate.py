@@ -151,7 +151,7 @@ def _parallel_steps(engine: TurboEsm, seq: str, name: str, prefix: int, codecs: 
             return out
 
         with engine.context(RunContext(mode="custom", attend=attend)):
-            hidden = engine.esm(input_ids=tokens).last_hidden_state[0, start:]
+            hidden = engine.base(input_ids=tokens).last_hidden_state[0, start:]
         return hidden.float(), engine.model.lm_head(hidden).float()
 
     hidden, logits = run(codecs, True)

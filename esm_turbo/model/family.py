@@ -52,6 +52,8 @@ class Family:
     ffn_norm: str
     ffn_in: tuple[str, ...]
     ffn_out: str
+    attention: str  # the block's self-attention module (what the KV cache's attention hook replaces)
+    rotary: str  # the base model's rotary module: (hidden, positions) → (cos, sin)
     q_norm: str | None = None
     k_norm: str | None = None
     linear_bias: bool = True
@@ -78,6 +80,13 @@ class Family:
     def layers(self, net) -> list:
         return list(self.base(net).get_submodule(self.layers_path))
 
+    def attention_module(self, layer):
+        return layer.get_submodule(self.attention)
+
+    def set_attention_module(self, layer, module) -> None:
+        parent, _, name = self.attention.rpartition(".")
+        setattr(layer.get_submodule(parent), name, module)
+
     def ffn_in_width(self, intermediate: int) -> int:
         """Rows of the stacked feed-forward input matrix."""
         return intermediate * len(self.ffn_in)
@@ -87,12 +96,14 @@ ESM2 = Family(name="esm2", label="ESM-2", model_type="esm", prefix="esm", hf_cla
               layers_path="encoder.layer", embeddings="embeddings.word_embeddings",
               final_norm="encoder.emb_layer_norm_after", attn_norm="attention.LayerNorm",
               q="attention.self.query", k="attention.self.key", v="attention.self.value", o="attention.output.dense",
-              ffn_norm="LayerNorm", ffn_in=("intermediate.dense",), ffn_out="output.dense")
+              ffn_norm="LayerNorm", ffn_in=("intermediate.dense",), ffn_out="output.dense", attention="attention.self",
+              rotary="rotary_embeddings")
 
 ESMC = Family(name="esmc", label="ESM C", model_type="esmc", prefix="esmc", hf_class="EsmcForMaskedLM",
               layers_path="layers", embeddings="embed_tokens", final_norm="norm", attn_norm="input_layernorm",
               q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj",
               ffn_norm="post_attention_layernorm", ffn_in=("mlp.gate_proj", "mlp.up_proj"), ffn_out="mlp.down_proj",
+              attention="self_attn", rotary="rotary_emb",
               q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", linear_bias=False, final_norm_bias=False,
               activation="swiglu", residual_scaled=True, contacts=False)
 

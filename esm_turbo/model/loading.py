@@ -64,7 +64,8 @@ def convert_fair_esm(model_data: dict) -> tuple[EsmConfig, dict[str, torch.Tenso
         heads = int(_cfg_get(cfg, "encoder_attention_heads"))
         token_dropout = bool(_cfg_get(cfg, "token_dropout"))
     except (KeyError, AttributeError, TypeError) as err:
-        raise ModelLoadError(f"not a fair-esm ESM-2 checkpoint (missing {err})") from None
+        raise ModelLoadError(f"neither a fair-esm ESM-2 checkpoint (missing {err}) nor the ESM C package's "
+                             f"weights") from None
     config = esm2_config(layers=layers, hidden=hidden, heads=heads, token_dropout=token_dropout)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -84,8 +85,11 @@ def convert_fair_esm(model_data: dict) -> tuple[EsmConfig, dict[str, torch.Tenso
     return config, out
 
 
-def load_fair_esm(path: str | Path) -> EsmForMaskedLM:
-    """Load a fair-esm ``.pt`` ESM-2 checkpoint (``weights_only`` with argparse.Namespace allowed)."""
+def load_fair_esm(path: str | Path):
+    """Load a weight file: a fair-esm ``.pt`` ESM-2 checkpoint or the original ESM C package's ``.pth`` state dict
+    (:mod:`esm_turbo.model.esmc_original`), read with ``weights_only`` (argparse.Namespace allowed), converted into
+    transformers' ``EsmForMaskedLM`` / ``EsmcForMaskedLM``."""
+    from .esmc_original import convert_esmc_original, is_esmc_original
     path = Path(path)
     with torch.serialization.safe_globals([argparse.Namespace]):
         try:
@@ -94,13 +98,17 @@ def load_fair_esm(path: str | Path) -> EsmForMaskedLM:
             first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
             raise ModelLoadError(f"{path}: cannot read as a fair-esm checkpoint ({type(err).__name__}: "
                                  f"{first})") from None
-    config, state = convert_fair_esm(data)
-    model = EsmForMaskedLM(config)
+    if is_esmc_original(data):
+        config, state = convert_esmc_original(data, str(path))
+        model = hf_masked_lm_class(family_of(config))(config)
+    else:
+        config, state = convert_fair_esm(data)
+        model = EsmForMaskedLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if "contact_head" not in k and "position_ids" not in k
                and "inv_freq" not in k]
     if missing or unexpected:
-        raise ModelLoadError(f"{path}: converted checkpoint does not fit ESM-2 "
+        raise ModelLoadError(f"{path}: converted checkpoint does not fit {family_of(config).label} "
                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     model.tie_weights()
     return model

@@ -85,7 +85,17 @@ class ResidualOutput(nn.Module):
 
 def fuse_blocks(model) -> None:
     """Bind every layer of ``model`` (an ``EsmForMaskedLM`` with :class:`QuantizedLinear` block linears) as the
-    module docstring says; idempotent. Each module put in keeps the training mode of the one it replaces."""
+    module docstring says; idempotent. Each module put in keeps the training mode of the one it replaces. ESM C
+    (``EsmcForMaskedLM``) shares launches only: q, k and v, and SwiGLU's gate and up."""
+    from ..model.family import ESMC, family_of_net
+    family = family_of_net(model)
+    if family is ESMC:
+        for layer in family.layers(model):
+            for group in ((family.q, family.k, family.v), family.ffn_in):
+                members = [layer.get_submodule(name) for name in group]
+                if getattr(members[0], "shared", None) is None and SharedInput.fits(members):
+                    SharedInput(members)
+        return
     for layer in model.esm.encoder.layer:
         attn = layer.attention
         members = [attn.self.query, attn.self.key, attn.self.value]

@@ -39,21 +39,16 @@ META_KEY = "esm_turbo_weights"
 #: the safetensors metadata key of the tensors' sha256 (:func:`content_hash`)
 CONTENT_KEY = "esm_turbo_content_sha256"
 WEIGHTS_FILE = "weights.safetensors"
-#: the linear layers of each ESM-2 block that are quantized
-LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-           "intermediate.dense", "output.dense")
-
-
 def block_linears(model) -> list[tuple[str, nn.Module, str]]:
-    """(qualified name, parent module, attribute) of every block linear of an ``EsmForMaskedLM``."""
+    """(qualified name, parent module, attribute) of every block linear of an ``EsmForMaskedLM`` or
+    ``EsmcForMaskedLM`` (:meth:`~esm_turbo.model.family.Family.linear_roles`: q, k, v, o, the feed-forward's)."""
+    from ..model.family import family_of_net
+    family = family_of_net(model)
     out = []
-    for i, layer in enumerate(model.esm.encoder.layer):
-        for path in LINEARS:
-            *parents, attr = path.split(".")
-            parent = layer
-            for name in parents:
-                parent = getattr(parent, name)
-            out.append((f"esm.encoder.layer.{i}.{path}", parent, attr))
+    for i, layer in enumerate(family.layers(model)):
+        for path in family.linear_roles():
+            parent_path, _, attr = path.rpartition(".")
+            out.append((f"{family.prefix}.{family.layer_prefix(i)}{path}", layer.get_submodule(parent_path), attr))
     return out
 
 
@@ -146,11 +141,12 @@ def _umask() -> int:
 
 
 def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, int], tuple[int, int]]):
-    """An ``EsmForMaskedLM`` of ``config`` on the meta device whose block linears are :class:`QuantizedLinear` (no
-    memory is allocated); ``shape_of(name, in_features)`` gives each one's (group, passes)."""
-    from transformers import EsmForMaskedLM
+    """An ``EsmForMaskedLM`` (``EsmcForMaskedLM``) of ``config`` on the meta device whose block linears are
+    :class:`QuantizedLinear` (no memory is allocated); ``shape_of(name, in_features)`` gives each one's (group,
+    passes)."""
+    from ..model.family import family_of, hf_masked_lm_class
     with torch.device("meta"):
-        model = EsmForMaskedLM(config)
+        model = hf_masked_lm_class(family_of(config))(config)
         for k, (name, parent, attr) in enumerate(block_linears(model)):
             linear = getattr(parent, attr)
             group, passes = shape_of(name, linear.in_features)
@@ -162,16 +158,16 @@ def _quantized_shell(config, quant: WeightQuantConfig, shape_of: Callable[[str, 
 
 def random_model(config, device: torch.device | str, quant: WeightQuantConfig | None = WeightQuantConfig(),
                  dtype: torch.dtype = torch.float16, seed: int = 0):
-    """An ``EsmForMaskedLM`` of ``config``'s shape built straight on ``device`` with random weights (speed and memory
-    do not depend on the values): with ``quant``, :class:`QuantizedLinear` block linears holding random codes and no
-    fp16 copy of the model at any point (a stand-in for a quantized model too large to quantize here); None: plain
-    linears. LayerNorms are the identity, the rotary frequencies ESM-2's."""
-    from transformers import EsmForMaskedLM
+    """An ``EsmForMaskedLM`` (``EsmcForMaskedLM``) of ``config``'s shape built straight on ``device`` with random
+    weights (speed and memory do not depend on the values): with ``quant``, :class:`QuantizedLinear` block linears
+    holding random codes and no fp16 copy of the model at any point (a stand-in for a quantized model too large to
+    quantize here); None: plain linears. LayerNorms are the identity, the rotary frequencies the default ones."""
+    from ..model.family import family_of, hf_masked_lm_class
 
     from .codec import group_size
     if quant is None:
         with torch.device("meta"):
-            model = EsmForMaskedLM(config)
+            model = hf_masked_lm_class(family_of(config))(config)
     else:
         model = _quantized_shell(config, quant, lambda name, n: (group_size(n, quant.group), 1 + quant.residual))
     model.to_empty(device=device)
@@ -200,11 +196,13 @@ def random_model(config, device: torch.device | str, quant: WeightQuantConfig | 
 
 
 def load_quantized(path: str | Path):
-    """An ``EsmForMaskedLM`` with :class:`QuantizedLinear` block linears from a folder of :func:`save_quantized`."""
-    from transformers import EsmConfig
+    """An ``EsmForMaskedLM`` (``EsmcForMaskedLM``) with :class:`QuantizedLinear` block linears from a folder of
+    :func:`save_quantized`."""
+    from ..model.family import family_of, hf_masked_lm_class
     path = Path(path)
     try:
-        config = EsmConfig.from_json_file(str(path / "config.json"))
+        config_class = hf_masked_lm_class(family_of(json.loads((path / "config.json").read_text()))).config_class
+        config = config_class.from_json_file(str(path / "config.json"))
         with safe_open(str(path / WEIGHTS_FILE), framework="pt") as fh:
             header = fh.metadata() or {}
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
@@ -267,7 +265,7 @@ def _restore_buffers(model) -> None:
             buf = getattr(module, name)
             if name == "position_ids":
                 setattr(module, name, torch.arange(buf.shape[-1]).expand(buf.shape).clone())
-            elif name == "inv_freq" and hasattr(module, "compute_default_rope_parameters"):
+            elif name in ("inv_freq", "original_inv_freq") and hasattr(module, "compute_default_rope_parameters"):
                 setattr(module, name, module.compute_default_rope_parameters(model.config)[0])
             else:
                 raise CheckpointError(f"cannot rebuild the buffer {name!r} of {type(module).__name__}")
