@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import blocks, quantize, rope, weights, weights_mma  # noqa: E402
+from esm_turbo.kernels import activation, blocks, quantize, rope, weights, weights_mma  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel  # noqa: E402
@@ -108,11 +108,24 @@ def main() -> None:
     compile_sm90(rope._rope_kernel, dict(H=40, D=64, DP=64, BH=8), {"S", "sqb", "sqs", "skb", "sks", "scb", "scs"},
                  dict(q_ptr=f16, k_ptr=f16, cos_ptr=f16, sin_ptr=f16, qo_ptr=f16, ko_ptr=f16, scale="fp32"),
                  num_warps=4)
-    # FastEsm's residual add and LayerNorm (650M's width, 1 row a program; and the LayerNorm alone at 3B's, 16 rows)
-    for d, block, rows, add in ((1280, 2048, 1, True), (2560, 4096, 1, False), (320, 512, 4, True)):
-        compile_sm90(add_norm._add_ln_kernel, dict(D=d, BLOCK=block, ROWS=rows, ADD=add), {"n_rows"},
-                     dict(h_ptr=f16, y_ptr=f16, w_ptr=f16, b_ptr=f16, s_ptr=f16, x_ptr=f16, eps="fp32"),
-                     num_warps=4 if block <= 2048 else 8)
+    # FastEsm's residual add and LayerNorm (650M's width, 1 row a program; the LayerNorm alone at 3B's; 4 rows a
+    # program at 8M's; ESMC-600M's scaled branch with an e4m3 output and row scales; ESM C's bias-free query/key
+    # LayerNorm in place on strided rows)
+    for d, block, rows, add, scaled, bias, fp8 in ((1280, 2048, 1, True, False, True, False),
+                                                   (2560, 4096, 1, False, False, True, False),
+                                                   (320, 512, 4, True, False, True, False),
+                                                   (1152, 2048, 1, True, True, True, True),
+                                                   (1152, 2048, 1, False, False, False, False)):
+        compile_sm90(add_norm._add_ln_kernel, dict(D=d, BLOCK=block, ROWS=rows, ADD=add, SCALED=scaled, BIAS=bias,
+                                                   FP8=fp8), {"n_rows", "h_stride", "x_stride"},
+                     dict(h_ptr=f16, y_ptr=f16, w_ptr=f16, b_ptr=f16, s_ptr=f16, x_ptr="*fp8e4nv" if fp8 else f16,
+                          xs_ptr="*fp32", eps="fp32", y_scale="fp32"), num_warps=4 if block <= 2048 else 8)
+    # FastEsm's feed-forward activation and FP8 input quantization: GELU into e4m3, SwiGLU in bf16 and into e4m3,
+    # the attention output into e4m3
+    for kind, fp8 in ((1, True), (2, False), (2, True), (0, True)):
+        compile_sm90(activation._activation_kernel, dict(F=3072, BLOCK=1024, ROWS=4, KIND=kind, FP8=fp8),
+                     {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv" if fp8 else "*bf16",
+                                                  scale_ptr="*fp32"), num_warps=4)
     compile_sm90(weights._dequant_kernel, dict(BLOCK_M=64, BLOCK_K=64, GROUP=32, ROTATE=True, HAS_PREV=True,
                                                PRECISION="tf32", LUT=True),
                  {"M", "N", "G"}, dict(codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, rot_scale="fp32", out_ptr=f16),

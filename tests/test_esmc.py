@@ -341,3 +341,50 @@ def test_the_esm_c_package_weight_file_loads_converted(net, tmp_path):
     torch.save({"embed.weight": torch.zeros(64, 128), "transformer.blocks.0.attn.mystery": torch.zeros(1)}, bad)
     with pytest.raises(ModelLoadError, match="unexpected tensor 'transformer.blocks.0.attn.mystery'"):
         load_esm(bad)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@torch.no_grad()
+def test_decode_step_replays_as_a_cuda_graph_on_the_4bit_cache(esmc_calibration):
+    """The CUDA-graph step of an ESM C session (fused RoPE and decode kernels over the compressed cache) gives the
+    eager step's logits; committed replays advance the cache."""
+    from esm_turbo import TurboEsm
+    model = stress_esmc(layers=3, hidden=128, heads=2, seed=4).cuda()
+    session = TurboEsm(model, esmc_calibration).session("turbo", capacity=128)
+    session.start(SEQS[:2])
+    tokens = torch.full((2, 1), 32, device="cuda")
+    eager = session.step(tokens, commit=False).logits
+    assert torch.allclose(session.capture_step(tokens).replay().logits, eager, atol=1e-4)
+    before = session.lengths.clone()
+    committed = session.capture_step(tokens, commit=True, reserve=4)
+    for _ in range(3):
+        committed.replay()
+    assert torch.equal(session.lengths, before + 3)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@torch.no_grad()
+def test_a_4bit_esmc_step_on_the_fused_kernels_is_the_pytorch_path(monkeypatch):
+    """A 4-bit ESM C on CUDA (q/k/v and gate/up each in one launch): a decode step's logits are the PyTorch path's,
+    and FastEsm on it embeds as transformers' forward of the same quantized net."""
+    import esm_turbo.weights.fusion as fusion
+    import esm_turbo.weights.linear as linear
+    from esm_turbo import TurboEsm, ops
+    from esm_turbo.weights import WeightQuantConfig, quantize_model
+    model = quantize_model(stress_esmc(layers=2, hidden=128, heads=2, seed=0), WeightQuantConfig(bits=4, group=32),
+                           source="stress").cuda().half()
+    tokens = torch.full((4, 1), 5, device="cuda")
+
+    def step():
+        s = TurboEsm(model).session("fp16", capacity=64)
+        s.start(SEQS[:2])
+        s.fork(2)
+        return s.step(tokens, commit=False).logits
+
+    fused = step()
+    for module in (linear, fusion, ops):
+        monkeypatch.setattr(module, "use_kernels", lambda _: False)
+    want = step()
+    assert (fused - want).abs().max().item() <= 2e-2 * want.abs().max().item()

@@ -182,7 +182,7 @@ def random_model(config, device: torch.device | str, quant: WeightQuantConfig | 
                 t.copy_(torch.linspace(-2.5, 2.5, t.numel()))
             elif leaf.startswith("scales"):
                 t.fill_(0.02)
-            elif leaf == "inv_freq":
+            elif leaf in ("inv_freq", "original_inv_freq"):
                 dim = 2 * t.numel()
                 t.copy_(1.0 / 10000 ** (torch.arange(0, dim, 2, device=device).float() / dim))
             elif leaf == "position_ids":
