@@ -1,5 +1,5 @@
-"""esm_turbo: a calibrated 3-bit(+sign) KV cache for ESM-2 (TurboESM), with a PyTorch reference path
-and Triton kernels on CUDA. The public API is what this module exports.
+"""esm_turbo: fast embeddings, a calibrated 3-bit(+sign) KV cache (TurboESM) and 4-bit weights for ESM-2 and ESM C,
+with a PyTorch reference path and Triton kernels on CUDA. The public API is what this module exports.
 
 Names are imported on first use (PEP 562), so a command imports only what it runs: ``esm-turbo embed`` never
 pays for the calibration code or transformers' modelling classes it does not need.
@@ -21,7 +21,8 @@ _EXPORTS = {
     "PRESETS": ".model.checkpoint", "Calibration": ".model.checkpoint", "CalibrationConfig": ".model.checkpoint",
     "DecodeSession": ".model.engine", "StepOutput": ".model.engine", "TurboEsm": ".model.engine",
     "load_esm": ".model.loading", "model_fingerprint": ".model.loading",
-    "ESM2_SIZES": ".model.sizes", "esm2_config": ".model.sizes",
+    "ESM2_SIZES": ".model.sizes", "esm2_config": ".model.sizes", "ESMC_SIZES": ".model.sizes",
+    "esmc_config": ".model.sizes", "FAMILIES": ".model.family", "family_of": ".model.family",
     "KVCodec": ".quant.codec", "VectorQuantizer": ".quant.codec", "dense_codec": ".quant.codec",
     "FitOptions": ".quant.fit", "fit_quantizer": ".quant.fit", "oblivious_codec": ".quant.fit",
     "lloyd_max": ".quant.lloyd_max", "lloyd_max_weighted": ".quant.lloyd_max",
@@ -32,7 +33,7 @@ _EXPORTS = {
     "residue_ids": ".model.alphabet",
     "QuantizedLinear": ".weights.linear", "WeightQuantConfig": ".weights.codec", "quantize_model": ".weights.model",
     "load_quantized": ".weights.model", "save_quantized": ".weights.model",
-    "stress_esm2": ".testing", "plant_outliers": ".testing", "plant_product_outliers": ".testing",
+    "stress_esm2": ".testing", "stress_esmc": ".testing", "plant_outliers": ".testing", "plant_product_outliers": ".testing",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

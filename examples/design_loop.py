@@ -1,9 +1,11 @@
 """A design loop on a compressed cache: prefill a scaffold once, fork it into designs that share it, and extend every
 design by sampling residues from the model's own logits, peeking before each commit.
 
-Offline by default: a small stand-in ESM-2 (random weights), calibrated here in seconds. With real weights:
+Offline by default: a small stand-in ESM-2 (random weights), calibrated here in seconds. With real weights (ESM-2 or
+ESM C alike; the trained ESM C testbed in testbeds/ works too):
 
     python examples/design_loop.py --model facebook/esm2_t33_650M_UR50D --calibration esm2_650M.turbo.safetensors
+    python examples/design_loop.py --model testbeds/esmc_d64_trained
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def design(turbo: TurboEsm, scaffold: str, designs: int = 4, length: int = 12, t
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="ESM-2 hub id, save_pretrained folder or fair-esm .pt (default: a stand-in)")
+    ap.add_argument("--model", help="ESM-2 or ESM C hub id, save_pretrained folder or weight file (default: a stand-in)")
     ap.add_argument("--calibration", help="a checkpoint of `esm-turbo calibrate` (default: calibrate here)")
     ap.add_argument("--scaffold", default="MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ")
     ap.add_argument("--designs", type=int, default=4)
