@@ -33,7 +33,8 @@ _EXPORTS = {
     "residue_ids": ".model.alphabet",
     "QuantizedLinear": ".weights.linear", "WeightQuantConfig": ".weights.codec", "quantize_model": ".weights.model",
     "load_quantized": ".weights.model", "save_quantized": ".weights.model",
-    "stress_esm2": ".testing", "stress_esmc": ".testing", "plant_outliers": ".testing", "plant_product_outliers": ".testing",
+    "stress_esm2": ".testing", "stress_esmc": ".testing", "plant_outliers": ".testing",
+    "plant_product_outliers": ".testing",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

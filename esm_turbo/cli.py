@@ -19,7 +19,8 @@ from . import cli_checks as checks
 from .embed.benchmark import EMBED_BENCH_EXTRA, EMBED_BENCH_SIZES
 from .embed.extract import TOKS_PER_BATCH
 from .model.recipe import PRESETS, CalibrationConfig
-from .model.sizes import ESM2_SIZES
+from .model.family import MAX_CONTEXT
+from .model.sizes import ESM2_SIZES, MAX_RESIDUES
 from .quant import SUPPORTED_BITS
 from .schema import DTYPES, add_flags
 
@@ -408,8 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=TOKS_PER_BATCH,
                    help="tokens per batch (packed, no padding; with contacts, padded as in fair-esm)")
     p.add_argument("--truncation-seq-length", "--truncation_seq_length", dest="truncation_seq_length",
-                   type=checks.int_in(1, 1022),
-                   default=1022, help="residues per pass (ESM-2's trained context is 1022)")
+                   type=checks.int_in(1, MAX_CONTEXT), default=MAX_RESIDUES,
+                   help=f"residues per pass (default {MAX_RESIDUES}: ESM-2's trained context; ESM C's is "
+                        f"{MAX_CONTEXT})")
     p.add_argument("--long-policy", choices=["truncate", "windows"], default="truncate",
                    help="longer sequences: keep the first residues (warns, naming the record) or stitch "
                         "overlapping windows per residue")

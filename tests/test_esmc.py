@@ -388,3 +388,21 @@ def test_a_4bit_esmc_step_on_the_fused_kernels_is_the_pytorch_path(monkeypatch):
         monkeypatch.setattr(module, "use_kernels", lambda _: False)
     want = step()
     assert (fused - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+def test_esmc_takes_its_own_longer_context(esmc_dir, stress_dir, tmp_path, capsys):
+    """--truncation-seq-length reaches ESM C's 2,046 residues; ESM-2 refuses more than its 1,022 in one line before
+    any batch, naming its context."""
+    from esm_turbo.embed.writers import safe_name
+    fasta = tmp_path / "long.fasta"
+    write_fasta(fasta, [("long", "MKTAYIAKQR" * 150)])  # 1,500 residues
+    args = [str(fasta), "--truncation-seq-length", "2046", "--include", "mean", "--nogpu", "--quiet"]
+    assert main(["embed", "--model", str(esmc_dir), *args, "-o", str(tmp_path / "c")]) == 0
+    assert torch.load(tmp_path / "c" / f"{safe_name('long')}.pt")["mean_representations"][2].shape == (128,)
+    capsys.readouterr()
+    assert main(["embed", "--model", str(stress_dir), *args, "-o", str(tmp_path / "e")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "ESM-2's trained context is 1022 residues" in err and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit) as exit_:  # the flag's own range, at parsing
+        main(["embed", "--model", str(esmc_dir), str(fasta), "--truncation-seq-length", "2047", "-o", str(tmp_path)])
+    assert exit_.value.code == 2

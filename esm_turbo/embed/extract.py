@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from ..errors import EsmTurboError
 from ..fasta import Record
 from ..model.alphabet import encode, encode_packed, packed_residue_mask
+from ..model.family import MAX_CONTEXT, family_of
 from ..model.sizes import MAX_RESIDUES
 from ..schema import DTYPES
 from .batching import Piece, owner_ranges, plan_batches, plan_pieces, shard_by_tokens, window_spans
@@ -73,8 +74,9 @@ class EmbedConfig:
         if self.dtype == "fp8" and "contacts" in self.include:
             raise EsmTurboError("--dtype fp8 runs in FastEsm, which has no attention maps: contacts need fp16, bf16 "
                                 "or fp32")
-        if not 1 <= self.truncation_seq_length <= MAX_RESIDUES:
-            raise EsmTurboError(f"--truncation-seq-length must be in [1, {MAX_RESIDUES}] (ESM-2's trained context)")
+        if not 1 <= self.truncation_seq_length <= MAX_CONTEXT:
+            raise EsmTurboError(f"--truncation-seq-length must be in [1, {MAX_CONTEXT}] (ESM C's trained context; "
+                                f"ESM-2's is {MAX_RESIDUES})")
         if self.toks_per_batch < 3:
             raise EsmTurboError("--toks-per-batch must be at least 3 (a piece longer than it runs alone)")
         if self.window_overlap is None:
@@ -192,6 +194,10 @@ class Embedder:
             self.model.config._attn_implementation = "eager" if self.padded else "sdpa"
             self.fast = None if self.padded else FastEsm.from_hf(self.model)
         self.layers = resolve_layers(config.repr_layers, self.num_layers)
+        family = family_of((self.fast if self.fast is not None else self.model).config)
+        if config.truncation_seq_length > family.max_residues:
+            raise EsmTurboError(f"--truncation-seq-length {config.truncation_seq_length}: {family.label}'s trained "
+                                f"context is {family.max_residues} residues")
 
     def warm_up(self) -> None:
         """Compile (or find in the on-disk cache) and load every kernel of the forward on a small batch, so the first

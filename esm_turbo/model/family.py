@@ -61,6 +61,7 @@ class Family:
     activation: str = "gelu"  # "gelu" (erf) or "swiglu"
     residual_scaled: bool = False  # branches divided by sqrt(layers / 36)
     contacts: bool = True  # a contact head over the attention maps
+    max_residues: int = 1022  # the trained context, <cls> and <eos> left out
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.layers_path}.{i}."
@@ -105,10 +106,12 @@ ESMC = Family(name="esmc", label="ESM C", model_type="esmc", prefix="esmc", hf_c
               ffn_norm="post_attention_layernorm", ffn_in=("mlp.gate_proj", "mlp.up_proj"), ffn_out="mlp.down_proj",
               attention="self_attn", rotary="rotary_emb",
               q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", linear_bias=False, final_norm_bias=False,
-              activation="swiglu", residual_scaled=True, contacts=False)
+              activation="swiglu", residual_scaled=True, contacts=False, max_residues=2046)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (ESM2, ESMC)}
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES.values()}
+#: the longest trained context of any family (residues a pass)
+MAX_CONTEXT = max(f.max_residues for f in FAMILIES.values())
 
 
 def family_of(config) -> Family:
@@ -138,4 +141,4 @@ def hf_masked_lm_class(family: Family):
     return cls
 
 
-__all__ = ["ESM2", "ESMC", "FAMILIES", "Family", "family_of", "family_of_net", "hf_masked_lm_class"]
+__all__ = ["ESM2", "ESMC", "FAMILIES", "MAX_CONTEXT", "Family", "family_of", "family_of_net", "hf_masked_lm_class"]
