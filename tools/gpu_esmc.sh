@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Device-side checks for ESM C and FP8 (one call per step list): the carried wheels installed, the GPU tests of FastEsm,
-# FP8 and ESM C, the embed benchmark at 650M- and ESMC-600M-shaped (GPU 0), and the ESM C testbed's training. Logs
-# and outputs under $OUT. Usage (from the repository root):
-#   bash tools/gpu_esmc.sh CORPUS "STEPS"      STEPS: any of tests, bench, train
+# FP8 and ESM C, the embed benchmark at 650M- and ESMC-600M-shaped (GPU 0), the 4-bit ESMC-6B-shaped model's peak
+# memory while embedding, and the ESM C testbed's training. Logs and outputs under $OUT. Usage (from the repository
+# root):
+#   bash tools/gpu_esmc.sh CORPUS "STEPS"      STEPS: any of tests, bench, memory, train
 set -u
 corpus=${1:-.tb/corpus.fasta}
 steps=${2:-tests bench}
@@ -23,6 +24,10 @@ python3 -m esm_turbo.cli bench embed --sizes 650M ESMC-600M --json --out $OUT/be
     > $OUT/bench_embed_h100.json 2> $OUT/bench_progress.log
 tail -3 $OUT/bench_progress.log
 cat $OUT/bench_embed_h100.txt
+fi
+if has memory; then
+echo "== 4-bit ESMC-6B-shaped: peak memory while embedding"
+python3 scripts/esmc_6b_4bit_memory.py --out $OUT/memory_6b_4bit_h100.json 2>&1 | tail -8
 fi
 if has train; then
 echo "== train the ESM C testbed"
