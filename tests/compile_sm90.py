@@ -9,7 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import activation, blocks, quantize, rope, weights, weights_mma  # noqa: E402
+from esm_turbo.kernels import activation, blocks, quantize, rope, weights_mma  # noqa: E402
+from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel  # noqa: E402
@@ -82,14 +83,14 @@ def main() -> None:
     i32 = "*i32"
     # (split over programs, merged by the last to arrive; codes requested a tile ahead)
     for group, extras, split, ahead in ((32, True, 1, 0), (128, False, 4, 1), (32, True, 2, 1)):
-        compile_sm90(weights._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=32, BLOCK_K=256, GROUP=group,
+        compile_sm90(matmul._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=32, BLOCK_K=256, GROUP=group,
                                                           HAS_PREV=extras, HAS_BIAS=extras, GELU=extras,
                                                           PRECISION="tf32",
                                                           LUT=True, SPLIT=split, AHEAD=ahead),
                      {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)
-    compile_sm90(weights._gemv_kernel, dict(R=4, BLOCK_M=8, BLOCK_K=512, GROUP=32, HAS_PREV=True, HAS_BIAS=True,
+    compile_sm90(matmul._gemv_kernel, dict(R=4, BLOCK_M=8, BLOCK_K=512, GROUP=32, HAS_PREV=True, HAS_BIAS=True,
                                             GELU=True, LUT=True, X16=True, STAGES=3, AHEAD=True),
                  {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                  dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
@@ -101,7 +102,7 @@ def main() -> None:
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)
     for norm in (0, 2560):  # the input rotated; layer-normalized (3B's width), then rotated
-        compile_sm90(weights._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32", NORM=norm),
+        compile_sm90(rotate._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32", NORM=norm),
                      {"B", "N", "sxb"}, dict(x_ptr=f16, rot_scale="fp32", out_ptr=f16, w_ptr=f16, b_ptr=f16,
                                              y_ptr=f16, eps="fp32"), num_warps=4)
     # a decode step's query scaling and rotary embedding, q and k of 64-wide heads, eight heads a program
@@ -126,7 +127,7 @@ def main() -> None:
         compile_sm90(activation._activation_kernel, dict(F=3072, BLOCK=1024, ROWS=4, KIND=kind, FP8=fp8),
                      {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv" if fp8 else "*bf16",
                                                   scale_ptr="*fp32"), num_warps=4)
-    compile_sm90(weights._dequant_kernel, dict(BLOCK_M=64, BLOCK_K=64, GROUP=32, ROTATE=True, HAS_PREV=True,
+    compile_sm90(dequant._dequant_kernel, dict(BLOCK_M=64, BLOCK_K=64, GROUP=32, ROTATE=True, HAS_PREV=True,
                                                PRECISION="tf32", LUT=True),
                  {"M", "N", "G"}, dict(codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, rot_scale="fp32", out_ptr=f16),
                  num_warps=4)

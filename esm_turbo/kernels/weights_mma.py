@@ -1,5 +1,5 @@
 """Up to 16 rows of 4-bit weights on the tensor cores fed from registers (``mma.sync`` m16n8k16, PTX), with the codes
-in their stored row-major order: ``out = x_rot Ŵ_rotᵀ`` as :func:`~.weights.matmul_reference` (the contract), one
+in their stored row-major order: ``out = x_rot Ŵ_rotᵀ`` as :func:`~.weights.matmul.matmul_reference` (the contract), one
 launch, bias and an earlier pass's output added in the epilogue.
 
 A program owns 16 weight rows (one MMA tile) and its S warps walk the input channels, 32·WL at a time each. Lane
@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from .common import FP_FUSION, split_counters
-from .weights import LOOKUP_REGS, _finish, _last_to_arrive, codebook_bytes, lookup_word
+from .weights.lookup import LOOKUP_REGS, codebook_bytes, lookup_word
+from .weights.matmul import _finish, _last_to_arrive
 
 #: the most input rows one launch takes (two 8-column MMA tiles)
 MMA_ROWS = 16

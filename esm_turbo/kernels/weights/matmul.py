@@ -1,22 +1,12 @@
-"""4-bit quantized weights on the GPU (Triton): the fused dequantize-and-multiply ``out = x_rot Ŵ_rotᵀ`` where
-``Ŵ_rot[m, k] = codebook[code[m, k]] · scale[m, k / group]``, the rotation of the input per group, and the
-dequantization of a whole weight back to the original domain for many rows. The PyTorch references with the same
-contracts are :func:`matmul_reference`, ``QuantizedLinear.rotate_input`` and ``QuantPass.decode``;
-``esm_turbo.weights.linear.QuantizedLinear`` picks between them.
-
-The codes are read as int32 words, eight 4-bit codes a word, and each is looked up in the layer's 16-entry fp16
-codebook in registers (``_lookup8``: PTX ``prmt`` byte permutes over the codebook's bytes, about 2.6 integer
-instructions a code, no memory access; Triton's interpreter, which runs no PTX, gathers through memory instead).
-The matmul, for one or two rows (:data:`GEMV_ROWS`) on the CUDA cores (``_gemv_kernel``), stays in the code words'
-own layout: each word's eight products with an input row are summed in float32 and scaled once, into a float32 sum a
-word, reduced once at the end (no tile reshaped or moved between threads). For more rows on the tensor cores
-(``_dequant_matmul_kernel``): each program owns a [BLOCK_B, BLOCK_M] tile of the output and walks its run of input
-channels BLOCK_K at a time, the decoded tile scaled per (row, group) and fed to a dot with the input tile; a layer
-with few outputs splits its input channels over programs (float32 partial sums, added by the last program of each
-tile to finish). Both add a bias and an earlier pass's output in the epilogue (then, for FFN up, the GELU); the
-dequantized weight never reaches global memory. A rotation (the layer's Hadamard matrix, ±1 entries) is one small
-dot per group of channels, in a launch of its own or after the LayerNorm that makes the input
-(:func:`norm_rotate_triton`).
+"""The fused dequantize-and-multiply ``out = x_rot Ŵ_rotᵀ`` (Triton), ``Ŵ_rot[m, k] = codebook[code[m, k]] ·
+scale[m, k / group]``; reference :func:`matmul_reference`. For one or two rows (:data:`GEMV_ROWS`) on the CUDA cores
+(``_gemv_kernel``) the matmul stays in the code words' own layout: each word's eight products with an input row are
+summed in float32 and scaled once, reduced once at the end. For more rows on the tensor cores
+(``_dequant_matmul_kernel``) each program owns a [BLOCK_B, BLOCK_M] tile of the output and walks its run of input
+channels BLOCK_K at a time; a layer with few outputs splits its input channels over programs (float32 partial sums,
+added by the last program of each tile to finish). Both add a bias and an earlier pass's output in the epilogue
+(then, for FFN up, the GELU); the dequantized weight never reaches global memory. :func:`launch_config` holds the
+H100-tuned launch rules.
 """
 
 from __future__ import annotations
@@ -25,171 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP_FUSION, interpreting, num_sms, split_counters
-
-
-def _lookup_half(sel: str, mask: str, pairs: tuple[str, str], tab: list[str]) -> str:
-    """PTX decoding four codes into two fp16-pair registers ``pairs`` (codes 0 and 1, codes 2 and 3): ``sel`` holds
-    their low three bits (nibbles 0–3), ``mask`` the byte permute that spreads each code's fourth bit over a byte (from
-    ``w`` and ``w4`` = w << 4, whose bytes carry those bits as their sign bits); ``tab`` the codebook's eight byte
-    words (:func:`_byte_word`)."""
-    return f"""
-prmt.b32 m, w4, w, {mask};
-prmt.b32 la, {tab[0]}, {tab[1]}, {sel};
-prmt.b32 lb, {tab[2]}, {tab[3]}, {sel};
-prmt.b32 ha, {tab[4]}, {tab[5]}, {sel};
-prmt.b32 hb, {tab[6]}, {tab[7]}, {sel};
-lop3.b32 lo, la, lb, m, 0xD8;
-lop3.b32 hi, ha, hb, m, 0xD8;
-prmt.b32 {pairs[0]}, lo, hi, 0x5140;
-prmt.b32 {pairs[1]}, lo, hi, 0x7362;
-"""
-
-
-#: the PTX registers :func:`lookup_word` works in
-LOOKUP_REGS = ".reg .b32 w, w4, s, t, m, la, lb, ha, hb, lo, hi;\n"
-
-
-def lookup_word(word: str, pairs: list[str], tab: list[str]) -> str:
-    """PTX looking up the eight codes of the int32 ``word`` (channel i in nibble i) in the codebook whose byte words
-    are ``tab`` (eight operands, :func:`_byte_word`) into four fp16-pair registers ``pairs`` (codes 0–1, 2–3, 4–5,
-    6–7). Each code's low three bits pick one of eight bytes, twice (entries 0–7, 8–15) for each byte half; its fourth
-    bit, spread to a byte mask ``m`` (a sign-replicating byte permute of w and w << 4), picks between them; the low and
-    high bytes interleave into fp16 pairs. About 2.6 integer instructions a code. Needs :data:`LOOKUP_REGS`."""
-    return (f"mov.b32 w, {word};\nshl.b32 w4, w, 4;\nand.b32 s, w, 0x77777777;\nshr.b32 t, s, 16;"
-            + _lookup_half("s", "0xD9C8", (pairs[0], pairs[1]), tab)
-            + _lookup_half("t", "0xFBEA", (pairs[2], pairs[3]), tab))
-
-
-#: the codebook lookup of eight codes in registers (:func:`lookup_word`): $8 holds eight codes, $9–$16 the codebook's
-#: byte words (low bytes of entries 0–3, 4–7, 8–11, 12–15, then the high bytes); $0–$7 the eight fp16 values
-_LOOKUP_ASM = tl.constexpr("{\n" + LOOKUP_REGS + ".reg .b32 p0, p1, p2, p3;\n"
-                           + lookup_word("$8", ["p0", "p1", "p2", "p3"], [f"${9 + i}" for i in range(8)])
-                           + "".join(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};\n" for i in range(4)) + "}")
-
-
-@triton.jit
-def _byte_word(a, b, SHIFT: tl.constexpr):
-    """Bytes SHIFT/8 and SHIFT/8 + 2 of the int32 words a and b, as bytes 0–3 of one word."""
-    return (((a >> SHIFT) & 255) | (((a >> (SHIFT + 16)) & 255) << 8) | (((b >> SHIFT) & 255) << 16)
-            | (((b >> (SHIFT + 16)) & 255) << 24))
-
-
-@triton.jit
-def codebook_bytes(words):
-    """The 16-entry fp16 codebook as the eight byte words the PTX lookup takes (:func:`lookup_word`), from its int32
-    view ``words`` (entries 2j and 2j + 1 in word j; a pointer, or a tensor of pointers to the same codebook, which
-    keeps the words in each thread's own registers)."""
-    c0 = tl.load(words)
-    c1 = tl.load(words + 1)
-    c2 = tl.load(words + 2)
-    c3 = tl.load(words + 3)
-    c4 = tl.load(words + 4)
-    c5 = tl.load(words + 5)
-    c6 = tl.load(words + 6)
-    c7 = tl.load(words + 7)
-    return (_byte_word(c0, c1, 0), _byte_word(c2, c3, 0), _byte_word(c4, c5, 0), _byte_word(c6, c7, 0),
-            _byte_word(c0, c1, 8), _byte_word(c2, c3, 8), _byte_word(c4, c5, 8), _byte_word(c6, c7, 8))
-
-
-@triton.jit
-def _lookup8(word, cb_ptr, LUT: tl.constexpr):
-    """word [A, W] int32 (eight 4-bit codes, channel i of the word in nibble i) → eight fp16 [A, W] (v0 … v7): each
-    word's code i looked up in the 16-entry codebook (fp16). ``LUT``: in registers (:data:`_LOOKUP_ASM`); else
-    gathered through L1 (Triton's interpreter, which runs no PTX)."""
-    if LUT:
-        t0, t1, t2, t3, t4, t5, t6, t7 = codebook_bytes(cb_ptr.to(tl.pointer_type(tl.int32)))
-        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            _LOOKUP_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r", [word, t0, t1, t2, t3, t4, t5, t6, t7],
-            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    else:
-        v0 = tl.load(cb_ptr + (word & 15))
-        v1 = tl.load(cb_ptr + ((word >> 4) & 15))
-        v2 = tl.load(cb_ptr + ((word >> 8) & 15))
-        v3 = tl.load(cb_ptr + ((word >> 12) & 15))
-        v4 = tl.load(cb_ptr + ((word >> 16) & 15))
-        v5 = tl.load(cb_ptr + ((word >> 20) & 15))
-        v6 = tl.load(cb_ptr + ((word >> 24) & 15))
-        v7 = tl.load(cb_ptr + ((word >> 28) & 15))
-    return v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _lookup(word, cb_ptr, LUT: tl.constexpr):
-    """word [A, W] int32 → fp16 [A, 8W]: :func:`_lookup8`'s values in channel order."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = _lookup8(word, cb_ptr, LUT)
-    # stacked in bit-reversed order, so that [A, W, 2, 2, 2] flattens to channel order
-    v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-    return tl.reshape(v, (word.shape[0], word.shape[1] * 8))
-
-
-@triton.jit
-def _code_words(words_ptr, offs_m, mmask, offs_w, N):
-    """Code words [len(offs_m), len(offs_w)] int32 of rows ``offs_m`` (zeros off ``mmask``), word columns ``offs_w``
-    (eight input channels a word of the packed codes, the first in the lowest nibble)."""
-    return tl.load(words_ptr + offs_m[:, None].to(tl.int64) * (N // 8) + offs_w[None, :], mask=mmask[:, None], other=0)
-
-
-@triton.jit
-def _tile_codes(words_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """The stored parts of Ŵ_rot[offs_m, k0 : k0 + BLOCK_K]: its code words [BLOCK_M, BLOCK_K / 8] int32
-    (:func:`_code_words`) and its scales [BLOCK_M, BLOCK_K / SUB] fp16 (SUB: channels per scale within the tile).
-    Rows off ``mmask`` read as zeros."""
-    word = _code_words(words_ptr, offs_m, mmask, k0 // 8 + tl.arange(0, BLOCK_K // 8), N)
-    SUB: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
-    groups = (k0 + tl.arange(0, BLOCK_K // SUB) * SUB) // GROUP
-    scale = tl.load(scales_ptr + offs_m[:, None].to(tl.int64) * G + groups[None, :], mask=mmask[:, None], other=0.0)
-    return word, scale
-
-
-@triton.jit
-def _tile_values(word, scale, cb_ptr, DTYPE: tl.constexpr, LUT: tl.constexpr):
-    """:func:`_tile_codes`' word [BM, BK / 8] and scale [BM, NG] → DTYPE [BM, BK]: each code looked up in the 16-entry
-    codebook (:func:`_lookup`), then scaled per (row, group) in DTYPE (a 16-bit product rounded once, as a float32
-    product cast to 16 bits is)."""
-    w = _lookup(word, cb_ptr, LUT)
-    BM: tl.constexpr = word.shape[0]
-    BK: tl.constexpr = word.shape[1] * 8
-    NG: tl.constexpr = scale.shape[1]
-    return tl.reshape(tl.reshape(w.to(DTYPE), (BM, NG, BK // NG)) * scale[:, :, None].to(DTYPE), (BM, BK))
-
-
-@triton.jit
-def _weight_tile(words_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                 DTYPE: tl.constexpr, LUT: tl.constexpr):
-    """Ŵ_rot[offs_m, k0 : k0 + BLOCK_K] as DTYPE [len(offs_m), BLOCK_K]: :func:`_tile_codes`, then
-    :func:`_tile_values`."""
-    word, scale = _tile_codes(words_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K, GROUP)
-    return _tile_values(word, scale, cb_ptr, DTYPE, LUT)
-
-
-@triton.jit
-def _tile_ahead(words_ptr, cb_ptr, scales_ptr, word, scale, offs_m, mmask, k0, start, stop, N, G,
-                BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr, LUT: tl.constexpr):
-    """A walk over tiles [start, stop) with each tile's codes requested one tile ahead: (the tile at k0 decoded from
-    its codes ``word``, ``scale`` requested before, the next tile's codes, requested now; past ``stop``, start's)."""
-    nxt = k0 + BLOCK_K
-    nxt = tl.where(nxt < stop, nxt, start)
-    word_n, scale_n = _tile_codes(words_ptr, scales_ptr, offs_m, mmask, nxt, N, G, BLOCK_K, GROUP)
-    return _tile_values(word, scale, cb_ptr, DTYPE, LUT), word_n, scale_n
-
-
-@triton.jit
-def _turn(t, sign_ptr, rot_scale, ROWS: tl.constexpr, COLS: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr):
-    """t [ROWS, COLS] with each group of D columns times ``sign`` [D, D] (a Hadamard rotation's ±1 entries, exact in
-    any float type), then ``rot_scale``: float32 [ROWS, COLS]. A float32 t is split into fp16 halves for the tensor
-    cores (fp32 accuracy), unless PRECISION is ``ieee``."""
-    offs = tl.arange(0, D)
-    sign = tl.load(sign_ptr + offs[:, None] * D + offs[None, :])
-    rows = tl.reshape(t, (ROWS * (COLS // D), D))
-    if t.dtype == tl.float32 and PRECISION != "ieee":
-        hi = rows.to(tl.float16)
-        lo = (rows - hi.to(tl.float32)).to(tl.float16)
-        sign = sign.to(tl.float16)
-        turned = tl.dot(lo, sign, tl.dot(hi, sign))
-    else:
-        turned = tl.dot(rows, sign.to(t.dtype), input_precision=PRECISION)
-    return tl.reshape(turned, (ROWS, COLS)) * rot_scale
+from ..common import FP_FUSION, interpreting, num_sms, split_counters
+from .lookup import _code_words, _lookup8, _tile_ahead, _tile_codes, _weight_tile
+from .rotate import _precision
 
 
 @triton.jit
@@ -384,77 +212,13 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
                     HAS_BIAS, GELU)
 
 
-@triton.jit
-def _rotate_kernel(x_ptr, sign_ptr, rot_scale, out_ptr, w_ptr, b_ptr, y_ptr, eps, B, N, sxb, BLOCK_B: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr):
-    """Grid (cdiv(B, BLOCK_B), N / BLOCK_K, P). out [P, B, N] (contiguous, its dtype): part p = each group of GROUP
-    channels of x [B, N] (rows strided by sxb) times sign[p] ([P, GROUP, GROUP]) · rot_scale. With ``NORM`` (= N, a
-    multiple of BLOCK_K; 0: off) x is first layer-normalized (weight w [N], bias b [N], ``eps``; each row's statistics
-    in float32 from one unrolled pass of sums shifted by its first value) and rounded to y's dtype, the values
-    rotated; part 0's programs also store them to y [B, N] (contiguous)."""
-    sign_ptr += tl.program_id(2) * GROUP * GROUP
-    out_ptr += tl.program_id(2).to(tl.int64) * B * N
-    offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    bmask = offs_b[:, None] < B
-    rows = x_ptr + offs_b[:, None].to(tl.int64) * sxb
-    x = tl.load(rows + offs_k[None, :], mask=bmask, other=0.0)
-    if NORM:
-        shift = tl.load(rows, mask=bmask, other=0.0).to(tl.float32)  # [BLOCK_B, 1]
-        total = tl.zeros((BLOCK_B,), tl.float32)
-        squares = tl.zeros((BLOCK_B,), tl.float32)
-        for k0 in tl.static_range(0, NORM, BLOCK_K):
-            c = tl.load(rows + k0 + tl.arange(0, BLOCK_K)[None, :], mask=bmask, other=0.0).to(tl.float32) - shift
-            total += tl.sum(c, axis=1)
-            squares += tl.sum(c * c, axis=1)
-        centred = total / NORM
-        mean = shift + centred[:, None]
-        rstd = 1.0 / tl.sqrt(tl.maximum(squares / NORM - centred * centred, 0.0) + eps)
-        w = tl.load(w_ptr + offs_k).to(tl.float32)[None, :]
-        b = tl.load(b_ptr + offs_k).to(tl.float32)[None, :]
-        x = ((x.to(tl.float32) - mean) * rstd[:, None] * w + b).to(y_ptr.dtype.element_ty)
-        if tl.program_id(2) == 0:
-            tl.store(y_ptr + offs_b[:, None].to(tl.int64) * N + offs_k[None, :], x, mask=bmask)
-    y = _turn(x, sign_ptr, rot_scale, BLOCK_B, BLOCK_K, GROUP, PRECISION)
-    tl.store(out_ptr + offs_b[:, None].to(tl.int64) * N + offs_k[None, :], y.to(out_ptr.dtype.element_ty), mask=bmask)
-
-
-@triton.jit
-def _dequant_kernel(codes_ptr, cb_ptr, scales_ptr, sign_ptr, rot_scale, prev_ptr, out_ptr, M, N, G,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, ROTATE: tl.constexpr,
-                    HAS_PREV: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr):
-    """Grid (cdiv(M, BLOCK_M), N / BLOCK_K). out [M, N] (its dtype) = Ŵ_rot, or with ``ROTATE`` the original-domain
-    Ŵ (each group of GROUP channels times sign · rot_scale), + prev [M, N] float32. codes [M, N/8] int32."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    k0 = tl.program_id(1) * BLOCK_K
-    mmask = offs_m < M
-    w = _weight_tile(codes_ptr, cb_ptr, scales_ptr, offs_m, mmask, k0, N, G, BLOCK_K, GROUP, tl.float32, LUT)
-    if ROTATE:
-        w = _turn(w, sign_ptr, rot_scale, BLOCK_M, BLOCK_K, GROUP, PRECISION)
-    at = offs_m[:, None].to(tl.int64) * N + k0 + tl.arange(0, BLOCK_K)[None, :]
-    if HAS_PREV:
-        w += tl.load(prev_ptr + at, mask=mmask[:, None], other=0.0)
-    tl.store(out_ptr + at, w.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
-
-
-def sign_matrix(rot: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(S, c) with rot = c·S, S [d, d] float32 of ±1 on rot's device: how the kernels take a Hadamard rotation (made
-    once per layer; refused for another matrix)."""
-    host = rot.detach().float().cpu()
-    c = float(host[0, 0].abs())
-    sign = host / c
-    if not torch.equal(sign.abs(), torch.ones_like(sign)):
-        raise ValueError("the weight kernels rotate by Hadamard matrices (entries ±c) only")
-    return sign.contiguous().to(rot.device), c
-
-
 #: most rows the CUDA-core kernel (``_gemv_kernel``) multiplies by default; more take the tensor-core tiles
 GEMV_ROWS = 2
 
 
 def matmul_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """x [B, N] times the 4-bit pass's Ŵ_rotᵀ → [B, M] float32 (PyTorch; the kernel's contract)."""
-    from ..quant.packing import unpack_4bit_u8
+    from ...quant.packing import unpack_4bit_u8
     m, n = codes.shape[0], x.shape[1]
     w = codebook.float()[unpack_4bit_u8(codes).long()].view(m, scales.shape[1], -1) * scales.float()[:, :, None]
     return x.float() @ w.view(m, n).T
@@ -511,8 +275,8 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     ``gelu`` ESM-2's GELU (erf) is applied.
     ``config`` overrides :func:`launch_config`'s block_b / block_m / block_k / num_warps / num_stages / split / ahead,
     ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps / gemv_stages / gemv_ahead, and ``mma`` (the
-    register-fed tensor-core kernel, taken where :func:`~.weights_mma.mma_fits` and compiled) with mma_warps /
-    mma_words / mma_split / mma_ahead.
+    register-fed tensor-core kernel, taken where :func:`esm_turbo.kernels.weights_mma.mma_fits` and compiled) with
+    mma_warps / mma_words / mma_split / mma_ahead.
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
     [P·16], and codes, scales and bias the P weights stacked along their rows (M/P each): → [B, M], part p's outputs
@@ -540,7 +304,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     sxp = x.stride(0) if parts > 1 else 0
     out = torch.empty(b, m, device=x.device, dtype=out_dtype)
     if cfg["mma"] and lut:
-        from .weights_mma import mma_fits, mma_matmul
+        from ..weights_mma import mma_fits, mma_matmul
         if mma_fits(x, words, m, n, part_rows, group):
             return mma_matmul(x, words, codebook, scales, out, part_rows, sxp, prev=prev, bias=bias, gelu=gelu,
                               warps=cfg["mma_warps"], words_per_lane=cfg["mma_words"], split=cfg["mma_split"],
@@ -575,70 +339,6 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
 
 
 #: rows a program of :func:`norm_rotate_triton` normalizes and rotates (each reads its rows whole for their statistics):
-#: at 16 rows of 1,280–5,120 channels on an H100, 4 took 0.69–0.76× the time of 16 (2 and 8 in between)
-NORM_ROWS = 4
-
-
-def rotate_triton(x: torch.Tensor, rotation: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """x [B, N] with each group of d channels times c·S (``rotation`` = :func:`sign_matrix` of Πᵀ: x_rot = x_g Πᵀ),
-    in x's dtype, one launch. Reference: ``QuantizedLinear.rotate_input``. With S [P, d, d] (P rotations of one
-    scale c, as :func:`matmul_triton`'s parts take them): → [P, B, N]."""
-    return _launch_rotate(x, rotation)[1]
-
-
-def norm_rotate_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                       rotation: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """y = layer_norm(x [B, N]; weight, bias, eps) in x's dtype, and y rotated as :func:`rotate_triton` rotates
-    (→ [B, N] or [P, B, N]), in one launch. Reference: ``torch.nn.functional.layer_norm`` then
-    :func:`rotate_triton`."""
-    return _launch_rotate(x, rotation, (weight, bias, eps))
-
-
-def _launch_rotate(x: torch.Tensor, rotation: tuple[torch.Tensor, float],
-                   norm: tuple | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """One :func:`_rotate_kernel` launch: (the normalized x or None, the rotation(s))."""
-    b, n = x.shape
-    sign = rotation[0]
-    parts = sign.shape[0] if sign.dim() == 3 else 1
-    group = sign.shape[-1]
-    block_k = 256  # the largest power of two up to 256 dividing n
-    while n % block_k:
-        block_k //= 2
-    if block_k < group:
-        raise ValueError(f"input width {n} is not a multiple of the rotation group {group}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(*([parts] if sign.dim() == 3 else []), b, n, device=x.device, dtype=x.dtype)
-    y = torch.empty(b, n, device=x.device, dtype=x.dtype) if norm is not None else None
-    w, bias, eps = norm if norm is not None else (x, x, 0.0)
-    block_b = NORM_ROWS if norm is not None else 16
-    _rotate_kernel[(triton.cdiv(b, block_b), n // block_k, parts)](x, sign, rotation[1], out, w, bias,
-                                                                   out if y is None else y, eps, b, n, x.stride(0),
-                                                                   BLOCK_B=block_b, BLOCK_K=block_k, GROUP=group,
-                                                                   PRECISION=_precision(x), NORM=0 if y is None else n,
-                                                                   num_warps=4, enable_fp_fusion=FP_FUSION)
-    return y, out
-
-
-def dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor, dtype: torch.dtype,
-                      *, rotation: tuple[torch.Tensor, float] | None = None,
-                      prev: torch.Tensor | None = None) -> torch.Tensor:
-    """Ŵ_rot [M, N] in ``dtype`` (one launch), or with ``rotation`` = :func:`sign_matrix` of Π the original-domain Ŵ
-    (each group of d channels times Π); ``prev`` [M, N] float32 (an earlier pass) added. Reference:
-    ``QuantPass.decode`` (then ``@ Π``)."""
-    m, groups = scales.shape
-    n = codes.shape[1] * 2
-    group = n // groups
-    block_k = max(64, group)
-    if n % block_k:
-        block_k = group
-    out = torch.empty(m, n, device=codes.device, dtype=dtype)
-    sign, c = rotation if rotation is not None else (out, 1.0)
-    block_m = 64
-    _dequant_kernel[(triton.cdiv(m, block_m), n // block_k)](
-        codes.view(torch.int32), codebook, scales, sign, c, out if prev is None else prev, out, m, n, groups,
-        BLOCK_M=block_m, BLOCK_K=block_k, GROUP=group, ROTATE=rotation is not None, HAS_PREV=prev is not None,
-        PRECISION=_precision(out), LUT=not interpreting(), num_warps=4, enable_fp_fusion=FP_FUSION)
-    return out
 
 
 def _pairs(x: torch.Tensor) -> bool:
@@ -646,8 +346,3 @@ def _pairs(x: torch.Tensor) -> bool:
     strides."""
     return (x.dtype == torch.float16 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
             and x.stride(1) % 2 == 0)
-
-
-def _precision(t: torch.Tensor) -> str:
-    """A dot's input precision for ``t``'s dtype: fp32 inputs in full (as the interpreter has only that)."""
-    return "ieee" if interpreting() or t.dtype == torch.float32 else "tf32"
