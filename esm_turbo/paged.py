@@ -312,15 +312,6 @@ class PagedKVCache(KVCache):
             raise IndexError(f"row index out of range for a batch of {self.batch_size}")
         return PagedRows(self, rows)
 
-    def absorb(self, view: "PagedRows", rows: list[int]) -> None:
-        """Take a view's lengths (after its step) back into ``rows`` (what :meth:`PagedRows.give_back` does)."""
-        self.lengths[to_device_queued(rows, self.device)] = view.lengths
-        for row, length in zip(rows, view.host_lengths):
-            self.host_lengths[row] = length
-        self._max_bound = max(self._max_bound, view._max_bound)
-        self.capacity = max(self.capacity, view.capacity)
-        self._new_step()
-
     # ---- blocks of rows ----------------------------------------------------------------------------
     def _mine(self) -> set[int]:
         return {b for table in self.tables for b in table}
@@ -511,7 +502,13 @@ class PagedRows(PagedKVCache):
 
     def give_back(self) -> None:
         """The rows' lengths (and any growth) back into the parent, after the step."""
-        self.parent.absorb(self, self.rows)
+        parent = self.parent
+        parent.lengths[to_device_queued(self.rows, parent.device)] = self.lengths
+        for row, length in zip(self.rows, self.host_lengths):
+            parent.host_lengths[row] = length
+        parent._max_bound = max(parent._max_bound, self._max_bound)
+        parent.capacity = max(parent.capacity, self.capacity)
+        parent._new_step()
 
 
 __all__ = ["BLOCK_SIZE", "BlockPool", "PagedKVCache", "PagedRows"]

@@ -186,7 +186,7 @@ def test_host_tier_round_trips_exactly():
         for cache in (small, free):
             view = cache.view(rows)
             view.append(list(kv[0]), list(kv[1]))
-            cache.absorb(view, rows)
+            view.give_back()
         moved = max(moved, small.memory_report().host_bytes)
         assert small.pool.slots <= 12
     assert moved > 0  # the budget did push blocks out
@@ -210,7 +210,7 @@ def test_clean_blocks_leave_the_device_without_a_copy():
     for row in (0, 1):  # each row: one full block, then one token of a second
         view = cache.view([row])
         view.append(*[list(t) for t in torch.randn(2, LAYERS, 1, HEADS, block + 1, DIM, generator=gen)])
-        cache.absorb(view, [row])
+        view.give_back()
     moved = cache.pool.moved
     full0 = cache.tables[0][0]
     cache.view([0]).dequantize(0)  # row 0 back on the device (its blocks read, not written)
@@ -221,7 +221,7 @@ def test_clean_blocks_leave_the_device_without_a_copy():
     assert moved["out"] == before["out"] and moved["in"] > before["in"]  # only the way back in
     view = cache.view([0])
     view.append(*[list(t) for t in torch.randn(2, LAYERS, 1, HEADS, 1, DIM, generator=gen)])  # writes its 2nd block
-    cache.absorb(view, [0])
+    view.give_back()
     assert cache.pool.host_slot[cache.tables[0][1]] < 0  # written: its host copy let go
 
 
