@@ -213,7 +213,7 @@ class FastEsm(nn.Module):
                                                                                      device=meta))
         self.blocks = nn.ModuleList(FastEsmBlock(dim, heads, config.intermediate_size, meta, self.family)
                                     for _ in range(config.num_hidden_layers))
-        self.final_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps, device=meta)  # ESM C's bias: zeros
+        self.final_norm = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=self.family.final_norm_bias, device=meta)
         d = dim // heads
         self.register_buffer("inv_freq", 1.0 / (config.rope_theta ** (torch.arange(0, d, 2).float() / d)))
         self.lm_head = None  # transformers' EsmLMHead, when logits are wanted (from_hf keeps it)
@@ -268,8 +268,6 @@ class FastEsm(nn.Module):
                     share(block.k_norm, get(family.k_norm))
             final = base.get_submodule(family.final_norm)
             share(model.final_norm, final)
-            if model.final_norm.bias is None:
-                model.final_norm.bias = nn.Parameter(torch.zeros_like(final.weight), requires_grad=False)
             model.inv_freq = _rotary_frequencies(base, family).detach().to(final.weight.device, torch.float32).clone()
         model.lm_head = getattr(net, "lm_head", None)
         if getattr(net, "residual_offload", None) is not None:  # copies queued from the host as blocks run
@@ -308,8 +306,6 @@ class FastEsm(nn.Module):
                 put(block.k_norm, p + family.k_norm)
         put(model.final_norm, family.final_norm)
         weight = model.embed_tokens.weight
-        if not family.final_norm_bias:
-            model.final_norm.bias = nn.Parameter(torch.zeros_like(model.final_norm.weight), requires_grad=False)
         # the rotary frequencies the constructor computed on the host, as transformers does, rounded as its buffer
         # is: ESM-2's built in the checkpoint's dtype, ESM C's in float32, then cast to the one the model runs in
         stored = getattr(torch, getattr(model.config, "stored_dtype", "float32"), torch.float32)
