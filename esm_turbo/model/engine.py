@@ -49,6 +49,10 @@ class TurboEsm:
         self.family = family_of_net(model)
         self.base = self.family.base(model)
         self.layers = self.family.layers(model)
+        # the modules a decode step calls besides the blocks, found once (not per step)
+        self.embeddings = self.base.get_submodule(self.family.embeddings)
+        self.rotary = self.base.get_submodule(self.family.rotary)
+        self.final_norm = self.base.get_submodule(self.family.final_norm)
         self.attention = install(model)
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
@@ -161,8 +165,7 @@ class DecodeSession:
         return [decode_ids(self.tokens[b, : int(n)].tolist()) for b, n in enumerate(cache.lengths)]
 
     def _heads(self, hidden: torch.Tensor) -> StepOutput:
-        eng = self.engine
-        hidden = eng.base.get_submodule(eng.family.final_norm)(hidden)
+        hidden = self.engine.final_norm(hidden)
         logits = self.engine.model.lm_head(hidden)
         return StepOutput(logits=logits.float(), hidden=hidden.float())
 
@@ -201,12 +204,9 @@ class DecodeSession:
 
     def _embed(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         eng = self.engine
-        if eng.family is not ESM2:  # no token-dropout rescaling
-            return eng.base.get_submodule(eng.family.embeddings)(tokens)
-        emb_mod = eng.base.embeddings
-        emb = emb_mod.word_embeddings(tokens)
-        if emb_mod.token_dropout:
-            is_mask = tokens == emb_mod.mask_token_id
+        emb = eng.embeddings(tokens)
+        if eng.family is ESM2 and eng.base.embeddings.token_dropout:  # ESM C has no token-dropout rescaling
+            is_mask = tokens == eng.base.embeddings.mask_token_id
             emb = emb.masked_fill(is_mask.unsqueeze(-1), 0.0)
             masks = self.mask_counts + (is_mask & valid).sum(1)
             total = self.cache.lengths + valid.sum(1)
@@ -240,7 +240,7 @@ class DecodeSession:
         valid = torch.arange(seq, device=eng.device)[None, :] < counts[:, None]
         positions = cache.lengths[:, None] + torch.arange(seq, device=eng.device)[None, :]
         hidden = self._embed(tokens, valid)
-        cos_sin = eng.base.get_submodule(eng.family.rotary)(hidden, positions)
+        cos_sin = eng.rotary(hidden, positions)
         ctx = RunContext(mode="decode", cache=cache, new_valid=valid, commit=commit, probe=self.probe)
         with eng.context(ctx):
             for layer in eng.layers:
