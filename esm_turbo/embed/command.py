@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from ..errors import EsmTurboError
 from ..io import seconds_since_start
 from ..schema import DTYPES
 from .extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
@@ -76,7 +75,6 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
     """(the model to embed with, its fingerprint). A transformers folder with safetensors (or a hub id in the local
     cache) is read straight into FastEsm on the device; contacts, quantized folders, fair-esm files and downloads
     take transformers' ``EsmForMaskedLM``."""
-    from ..model.family import family_of
     from ..model.folder import (arch_of, canonical_name, direct_folder, expected_shapes, load_tensors,
                                 weights_fingerprint)
     from ..model.sizes import resolve_model_id
@@ -98,9 +96,6 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
     net = load_esm(model, dtype=dtype)  # loaded in the dtype it runs in (no fp32 copy), checked
-    family = family_of(net.config)
-    if "contacts" in cfg.include and not family.contacts:
-        raise EsmTurboError(f"{model}: --include contacts: {family.label} has no contact head")
     if offload:  # the residual pass in pinned host memory, a layer copied ahead (weights.offload)
         from ..weights.offload import offload_residual
         offload_residual(net, device)

@@ -179,6 +179,12 @@ class Embedder:
         config.check()
         self.config = config
         self.padded = "contacts" in config.include
+        family = family_of(model.config)  # what the family cannot do is refused before any work
+        if self.padded and not family.contacts:
+            raise EsmTurboError(f"--include contacts: {family.label} has no contact head")
+        if config.truncation_seq_length > family.max_residues:
+            raise EsmTurboError(f"--truncation-seq-length {config.truncation_seq_length}: {family.label}'s trained "
+                                f"context is {family.max_residues} residues")
         if isinstance(model, FastEsm):
             if self.padded:
                 raise EsmTurboError("contacts need transformers' attention maps: load the model with load_esm")
@@ -194,10 +200,6 @@ class Embedder:
             self.model.config._attn_implementation = "eager" if self.padded else "sdpa"
             self.fast = None if self.padded else FastEsm.from_hf(self.model)
         self.layers = resolve_layers(config.repr_layers, self.num_layers)
-        family = family_of((self.fast if self.fast is not None else self.model).config)
-        if config.truncation_seq_length > family.max_residues:
-            raise EsmTurboError(f"--truncation-seq-length {config.truncation_seq_length}: {family.label}'s trained "
-                                f"context is {family.max_residues} residues")
 
     def warm_up(self) -> None:
         """Compile (or find in the on-disk cache) and load every kernel of the forward on a small batch, so the first
