@@ -324,6 +324,11 @@ def cmd_demo(args) -> int:
     return 0
 
 
+#: what --model takes, for every command that loads a model
+MODEL_HELP = ("ESM-2 or ESM C: a size (8M…15B, ESMC-300M…), hub id, save_pretrained dir, fair-esm .pt or the ESM C "
+              "package's .pth")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors on one line (no usage block), exit code 2."""
 
@@ -345,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_validate_codec)
 
     def model_args(p):
-        p.add_argument("--model", required=True, help="size (8M…15B), hub id, save_pretrained dir or fair-esm .pt")
+        p.add_argument("--model", required=True, help=MODEL_HELP)
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                        help="cpu, cuda, cuda:N or mps (default: cuda when available)")
         p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
@@ -372,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quantize-weights", help="ESM-2's block linears in 2-4 bits (rotated groups, a codebook, "
                                                 "per-row scales); the folder loads wherever --model is taken")
-    p.add_argument("--model", required=True, help="size (8M…15B), hub id, save_pretrained dir or fair-esm .pt")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--out", required=True, help="a new folder for the quantized model")
     p.add_argument("--bits", type=checks.int_in(2, 4), default=4, help="bits per weight (default 4)")
     p.add_argument("--group", type=checks.int_in(8, 4096), default=32,
@@ -399,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("embed", help="extract ESM-2 embeddings from FASTA (fair-esm compatible outputs)")
     p.add_argument("fasta", nargs="+", help="FASTA file(s)")
-    p.add_argument("--model", required=True, help="size (8M…15B), hub id, save_pretrained dir or fair-esm .pt")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("-o", "--output", "--output-dir", dest="output", required=True,
                    help="output folder (--format pt) or .h5 file (--format h5)")
     p.add_argument("--repr-layers", "--repr_layers", dest="repr_layers", type=int, nargs="+", default=[-1],

@@ -1,7 +1,8 @@
-"""Load ESM-2 or ESM C from a hub id, a local ``save_pretrained`` directory or (ESM-2) a fair-esm ``.pt`` checkpoint.
+"""Load ESM-2 or ESM C from a hub id, a local ``save_pretrained`` directory or a weight file of the original packages
+(a fair-esm ``.pt`` checkpoint, the ESM C package's ``.pth``).
 
-fair-esm checkpoints are converted once, at the edge, into transformers' ``EsmForMaskedLM`` layout,
-so the rest of the package never branches on checkpoint format.
+Weight files are converted once, at the edge, into transformers' ``EsmForMaskedLM`` / ``EsmcForMaskedLM`` layout, so
+the rest of the package never branches on checkpoint format.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def convert_fair_esm(model_data: dict) -> tuple[EsmConfig, dict[str, torch.Tenso
     return config, out
 
 
-def load_fair_esm(path: str | Path):
+def load_weight_file(path: str | Path):
     """Load a weight file: a fair-esm ``.pt`` ESM-2 checkpoint or the original ESM C package's ``.pth`` state dict
     (:mod:`esm_turbo.model.esmc_original`), read with ``weights_only`` (argparse.Namespace allowed), converted into
     transformers' ``EsmForMaskedLM`` / ``EsmcForMaskedLM``."""
@@ -186,14 +187,14 @@ def load_esm(model: str | Path, dtype: torch.dtype = torch.float32,
 
     ``model``: a size name (``8M`` … ``15B``, ``ESMC-300M`` …), a hub id (``facebook/esm2_t33_650M_UR50D``,
     ``biohub/ESMC-300M``), a local directory written by ``save_pretrained`` or by ``esm-turbo quantize-weights``, or
-    a fair-esm ``.pt`` file (ESM-2).
+    a weight file (:func:`load_weight_file`: fair-esm ``.pt``, the ESM C package's ``.pth``).
     A transformers checkpoint is read straight into ``dtype`` (no float32 copy of a 16-bit model).
     """
     from ..weights.model import is_quantized_dir, load_quantized
     from .folder import check_finite
     path = Path(str(model)).expanduser()
     if path.is_file():
-        net = load_fair_esm(path)
+        net = load_weight_file(path)
     elif is_quantized_dir(path):  # esm-turbo quantize-weights
         net = load_quantized(path)
     elif path.is_dir():
