@@ -87,21 +87,18 @@ def fuse_blocks(model) -> None:
     """Bind every layer of ``model`` (an ``EsmForMaskedLM`` with :class:`QuantizedLinear` block linears) as the
     module docstring says; idempotent. Each module put in keeps the training mode of the one it replaces. ESM C
     (``EsmcForMaskedLM``) shares launches only: q, k and v, and SwiGLU's gate and up."""
-    from ..model.family import ESMC, family_of_net
+    from ..model.family import ESM2, family_of_net
     family = family_of_net(model)
-    if family is ESMC:
-        for layer in family.layers(model):
-            for group in ((family.q, family.k, family.v), family.ffn_in):
-                members = [layer.get_submodule(name) for name in group]
-                if getattr(members[0], "shared", None) is None and SharedInput.fits(members):
-                    SharedInput(members)
-        return
-    for layer in model.esm.encoder.layer:
+    for layer in family.layers(model):
+        for group in ((family.q, family.k, family.v), family.ffn_in):  # linears of one input: one launch
+            members = [layer.get_submodule(name) for name in group]
+            if getattr(members[0], "shared", None) is None and SharedInput.fits(members):
+                SharedInput(members)
+        if family is not ESM2:
+            continue
         attn = layer.attention
-        members = [attn.self.query, attn.self.key, attn.self.value]
-        if members[0].shared is None and SharedInput.fits(members):
-            SharedInput(members)
-        _rotate_after(attn, "LayerNorm", members[0].shared or members[0])
+        query = attn.self.query
+        _rotate_after(attn, "LayerNorm", query.shared or query)
         _rotate_after(layer, "LayerNorm", layer.intermediate.dense)
         if isinstance(layer.intermediate.dense, QuantizedLinear) and not isinstance(layer.intermediate,
                                                                                     GeluIntermediate):

@@ -39,6 +39,8 @@ META_KEY = "esm_turbo_weights"
 #: the safetensors metadata key of the tensors' sha256 (:func:`content_hash`)
 CONTENT_KEY = "esm_turbo_content_sha256"
 WEIGHTS_FILE = "weights.safetensors"
+
+
 def block_linears(model) -> list[tuple[str, nn.Module, str]]:
     """(qualified name, parent module, attribute) of every block linear of an ``EsmForMaskedLM`` or
     ``EsmcForMaskedLM`` (:meth:`~esm_turbo.model.family.Family.linear_roles`: q, k, v, o, the feed-forward's)."""
