@@ -19,6 +19,19 @@ KINDS = {"none": 0, "gelu": 1, "swiglu": 2}
 
 
 @triton.jit
+def e4m3_row_scale(amax):
+    """The e4m3 scale of rows whose largest |value| is ``amax`` (float32): amax / 448, at least the smallest normal
+    float32, as :func:`~esm_turbo.embed.fp8.quantize_rows` takes it."""
+    return tl.maximum(amax / 448.0, 1.1754943508222875e-38)
+
+
+@triton.jit
+def store_e4m3(ptr, x, scale, mask):
+    """x / scale [R, C] (float32; scale [R]) rounded to the nearest e4m3 value at ``ptr``."""
+    tl.store(ptr, (x / scale[:, None]).to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+@triton.jit
 def _act(u_ptr, row_at, cols, mask, F: tl.constexpr, KIND: tl.constexpr):
     """The activation of the columns ``cols`` of the rows at ``row_at`` [R, 1] in float32, rounded to u's dtype."""
     u = tl.load(u_ptr + row_at + cols[None, :], mask=mask, other=0.0)
@@ -50,16 +63,16 @@ def _activation_kernel(u_ptr, out_ptr, scale_ptr, n_rows, u_stride, F: tl.conste
             mask = row_ok[:, None] & (cols[None, :] < F)
             x = tl.where(mask, _act(u_ptr, row_at, cols, mask, F, KIND), 0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        scale = tl.maximum(amax / 448.0, 1.1754943508222875e-38)
+        scale = e4m3_row_scale(amax)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
     for start in range(0, F, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = row_ok[:, None] & (cols[None, :] < F)
         x = _act(u_ptr, row_at, cols, mask, F, KIND)
         if FP8:
-            x = x / scale[:, None]
-        tl.store(out_ptr + out_at + cols[None, :], x.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=mask)
+            store_e4m3(out_ptr + out_at + cols[None, :], x, scale, mask)
+        else:
+            tl.store(out_ptr + out_at + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False):
@@ -82,4 +95,4 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False):
     return Fp8Rows(out, scale)
 
 
-__all__ = ["KINDS", "activation_triton"]
+__all__ = ["KINDS", "activation_triton", "e4m3_row_scale", "store_e4m3"]

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .activation import e4m3_row_scale, store_e4m3
+
 
 def add_layer_norm_reference(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
                              eps: float, y_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,8 +64,8 @@ def _add_ln_kernel(h_ptr, y_ptr, w_ptr, b_ptr, s_ptr, x_ptr, xs_ptr, n_rows, eps
     x_at = x_ptr + rows[:, None].to(tl.int64) * x_stride + cols[None, :]
     if FP8:
         x = tl.where(mask, x.to(s.dtype).to(tl.float32), 0.0)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1.1754943508222875e-38)
-        tl.store(x_at, (x / scale[:, None]).to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        scale = e4m3_row_scale(tl.max(tl.abs(x), axis=1))
+        store_e4m3(x_at, x, scale, mask)
         tl.store(xs_ptr + rows, scale, mask=rows < n_rows)
     else:
         tl.store(x_at, x.to(x_ptr.dtype.element_ty), mask=mask)
