@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from esm_turbo.bench.baselines.user_embed import batches as sorted_batches
-from esm_turbo.embed.benchmark import hf_loop, random_esm2
+from esm_turbo.embed.benchmark import hf_loop, random_masked_lm
 from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
 from esm_turbo.bench import EMBED_FASTA
 from esm_turbo.fasta import read_fastas
@@ -29,7 +29,7 @@ for s in seqs[len(seqs) // 4:]:  # a batch from the middle of the length distrib
         break
     picked.append(s)
     used += len(s) + 2
-net = random_esm2(args.size, dev, torch.float16)
+net = random_masked_lm(args.size, dev, torch.float16)
 fast = FastEsm.from_hf(net)
 batch = PackedBatch.from_sequences(picked, dev)
 compiled = torch.compile(net.esm)

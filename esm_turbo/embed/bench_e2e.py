@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..fasta import read_fasta
-from .benchmark import _progress, gemm_ceiling, random_esm2
+from .benchmark import _progress, gemm_ceiling, random_masked_lm
 
 USER_SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "baselines" / "user_embed.py"
 _LOOP = re.compile(r"(\d+) tokens in ([\d.]+) s \((\d+) tokens/s\)")
@@ -43,7 +43,7 @@ def model_folder(size: str, out: Path, device: torch.device) -> Path:
     from transformers import EsmTokenizer
 
     from ..model.alphabet import ESM2_TOKENS
-    net = random_esm2(size, device, torch.float16 if device.type == "cuda" else torch.float32)
+    net = random_masked_lm(size, device, torch.float16 if device.type == "cuda" else torch.float32)
     net.save_pretrained(out)
     vocab = out / "vocab.txt"
     vocab.write_text("\n".join(ESM2_TOKENS) + "\n")

@@ -80,7 +80,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_esm2(size: str, device: torch.device, dtype: torch.dtype):
+def random_masked_lm(size: str, device: torch.device, dtype: torch.dtype):
     """A released ESM-2 or ESM C shape (``650M``, ``ESMC-600M``) with random weights, built on the device (speed does
     not depend on weights)."""
     from ..model.family import ESM2, ESMC, hf_masked_lm_class
@@ -196,7 +196,7 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
     :data:`REPEATS` timed passes."""
     from .extract import DTYPES, EmbedConfig, Embedder
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
-    net = random_esm2(size, device, dtype)
+    net = random_masked_lm(size, device, dtype)
     seqs = [r.sequence for r in records]
     tokens = sum(len(s) + 2 for s in seqs)
     fpt = flops_per_token(net.config)
@@ -261,7 +261,7 @@ def bench_latency(size: str, device: torch.device, length: int = 200, reps: int 
     from ..bench.synthetic import random_protein as _random_protein
     from .fast_esm import FastEsm
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    net = random_esm2(size, device, dtype)
+    net = random_masked_lm(size, device, dtype)
     fast = FastEsm.from_hf(net)
     seq = _random_protein(length, 0)
     out = {}
@@ -285,7 +285,7 @@ def bench_memory(size: str, records: list[Record], device: torch.device, budgets
     from .extract import EmbedConfig, Embedder
     if device.type != "cuda":
         return []
-    net = random_esm2(size, device, torch.float16)
+    net = random_masked_lm(size, device, torch.float16)
     rows = []
     for budget in budgets:
         embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype="fp16"), device)
@@ -380,4 +380,4 @@ def format_embed(e: dict) -> list[str]:
 
 __all__ = ["bench_embed", "bench_latency", "bench_memory", "bench_size", "flops_per_token", "format_embed",
            "fp8_gemm_ceiling", "gemm_ceiling", "hf_loop",
-           "random_esm2"]
+           "random_masked_lm"]
