@@ -74,7 +74,7 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
                        phases: _Phases | None = None, quiet: bool = False):
     """(the model to embed with, its fingerprint). A transformers folder with safetensors (or a hub id in the local
     cache) is read straight into FastEsm on the device; contacts, quantized folders, fair-esm files and downloads
-    take transformers' ``EsmForMaskedLM``."""
+    take transformers' masked-LM class (``EsmForMaskedLM``, ``EsmcForMaskedLM``)."""
     from ..model.folder import (arch_of, canonical_name, direct_folder, expected_shapes, load_tensors,
                                 weights_fingerprint)
     from ..model.sizes import resolve_model_id
