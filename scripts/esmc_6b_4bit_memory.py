@@ -45,7 +45,8 @@ def main() -> None:
         print(rows[-1], flush=True)
         del embedder
         torch.cuda.empty_cache()
-    result = dict(device=torch.cuda.get_device_name(device), size=args.size, weights_gib=mem["total_bytes"] / 2**30,
+    result = dict(command="python scripts/esmc_6b_4bit_memory.py --out results/esmc/memory_6b_4bit_h100.json",
+                  device=torch.cuda.get_device_name(device), size=args.size, weights_gib=mem["total_bytes"] / 2**30,
                   fp16_weights_gib=mem["fp16_bytes"] / 2**30, ratio_vs_fp16=mem["ratio_vs_fp16"], rows=rows)
     print(json.dumps(result, indent=1))
     if args.out:
