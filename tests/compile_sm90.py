@@ -40,8 +40,8 @@ def main() -> None:
     for d, kbits, ksign, vbits, vsign, nk, nv, kf, vf, tab in (
             (64, 4, False, 4, False, 64 * 16, 64 * 32, packed_shifts([4] * 8), shared, "*fp32"),
             (16, 3, True, 2, True, 16 * 32, 16 * 16, -1, -1, f16)):
-        bits = dict(D=d, KBITS=kbits, KSIGN=ksign, VBITS=vbits, VSIGN=vsign, NK=nk, NV=nv, KFIELDS=kf, VFIELDS=vf,
-                    **walk_consts)
+        bits = dict(D=d, KCODE_BITS=kbits, KSIGN=ksign, VCODE_BITS=vbits, VSIGN=vsign, NK=nk, NV=nv, KFIELDS=kf,
+                    VFIELDS=vf, **walk_consts)
         codes = dict(codes, k_tab_ptr=tab, v_tab_ptr=tab)
         small_ptrs = dict(small_ptrs, k_tab_ptr=tab, v_tab_ptr=tab)
         # each contiguous (PAGE = 0) and, for the grid codec, paged: blocks of whole tiles at d = 64 (a table entry
@@ -69,10 +69,11 @@ def main() -> None:
     for per_seq, block_n, grid, paged in ((True, 32, False, False), (True, 64, False, False), (False, 32, False, False),
                                           (False, 32, False, True), (True, 64, True, False), (False, 32, True, False)):
         compile_sm90(quantize._quantize_pack_kernel,
-                     dict(D=64, KBITS=3, KK=16, KFIELDS=shared, KSIGN=True, KCOMB=True, VBITS=3, VK=8, VFIELDS=-1,
-                          VSIGN=True, VCOMB=False, BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION="tf32x3", KSPLIT=2,
+                     dict(D=64, KINDEX_BITS=3, KK=16, KFIELDS=shared, KSIGN=True, KCOMB=True, VINDEX_BITS=3, VK=8,
+                          VFIELDS=-1, VSIGN=True, VCOMB=False, BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION="tf32x3",
+                          KSPLIT=2,
                           VSPLIT=1, KPOS=per_seq, VPOS=False, KGRID=grid, VGRID=grid, ASM=True, PAGED=paged),
-                     strides | {"B", "H", "S", "T_CAP", "PW"},
+                     strides | {"B", "H", "S", "PART_T", "PW"},
                      dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64,
                           pages_ptr="*i32" if paged else i64, k_lay="*i32", v_lay="*i32"), num_warps=4,
                      maxnreg=96 if block_n == 64 else None)

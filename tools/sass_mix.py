@@ -37,7 +37,7 @@ def compile_stream(d: int):
     tables = fused_tables(default_codec(heads, d))
     key, value = tables.k_code, tables.v_code
     cfg = launch_config(d, key, value, 64, heads, 1, 16384)  # a step the stream-K walk takes
-    consts = dict(D=d, KBITS=key.code_bits, VBITS=value.code_bits, KFIELDS=key.kernel_fields(),
+    consts = dict(D=d, KCODE_BITS=key.code_bits, VCODE_BITS=value.code_bits, KFIELDS=key.kernel_fields(),
                   VFIELDS=value.kernel_fields(), KSIGN=key.sign == "plane", VSIGN=value.sign == "plane", BLOCK_S=1,
                   BLOCK_T=cfg["block_t"], NK=tables.k_tab[0].numel(), NV=tables.v_tab[0].numel(),
                   PREFETCH=cfg["prefetch"], INTERPRET=0, ROWS=cfg["rows"], GRID=decode_grid(key, value), PDL=True, S=1,

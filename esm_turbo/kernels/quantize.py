@@ -7,6 +7,10 @@ For each (sequence b, head h) and token n < S: ``y = (x Πᵀ − offset) / scal
 ``pos[b] + n`` (the layout of ``esm_turbo.quant.packing``), or a paged cache's through its block table. A grid
 codec's (``VectorQuantizer.grid``) evenly spaced levels are found by rounding, not by comparing with every bound
 (:func:`_grid_code`).
+
+Constants: ``INDEX_BITS`` (``KINDEX_BITS`` / ``VINDEX_BITS``) are a kind's index bits, the sign not counted
+(:attr:`CodeLayout.index_bits`); ``PART_T`` is the stored parts' token axis (``part.shape[2]``: a contiguous cache's
+capacity, a paged pool's block size).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpr
 
 @triton.jit
 def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr, lay_ptr, idx_ptr,
-                  sign_ptr, pos_ptr, pages_ptr, PW, h, b, s_idx, nmask, H, T_CAP,
-                  D: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, FIELDS: tl.constexpr, SIGN: tl.constexpr,
+                  sign_ptr, pos_ptr, pages_ptr, PW, h, b, s_idx, nmask, H, PART_T,
+                  D: tl.constexpr, INDEX_BITS: tl.constexpr, K: tl.constexpr, FIELDS: tl.constexpr, SIGN: tl.constexpr,
                   COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr,
                   PER_SEQ: tl.constexpr, BY_POSITION: tl.constexpr, GRID: tl.constexpr, ASM: tl.constexpr,
                   PAGED: tl.constexpr):
@@ -33,7 +37,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     [BLOCK_N]; ``nmask``: which exist) — of head ``h`` of one tensor kind into its cache part (K levels per
     channel's LUT, bounds [H, K-1, D] level-major; codes at the field shifts ``FIELDS`` compiled in when every
     head shares them, else those of this head's layout row ``lay_ptr``). ``PAGED``: the parts are pools of blocks of
-    T_CAP tokens, position t of sequence b in the slot at ``pages_ptr[b·PW + t // T_CAP]``, row ``t % T_CAP``.
+    PART_T tokens, position t of sequence b in the slot at ``pages_ptr[b·PW + t // PART_T]``, row ``t % PART_T``.
 
     A prefill (``PER_SEQ``) has many programs and is bound by instructions. With ``BY_POSITION`` (field shifts
     compiled in) the channels are split by their place in a group of 8, whose widths are then constants, so a
@@ -54,10 +58,10 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     pos = tl.load(pos_ptr + (zero + b), mask=nmask, other=0)
     if PAGED:  # one table entry per token (a decode step's tokens are in different sequences)
         t = pos + s_idx
-        slot = tl.load(pages_ptr + (zero + b) * PW + t // T_CAP, mask=nmask, other=0)
-        rows = (slot.to(tl.int64) * H + h) * T_CAP + t % T_CAP
+        slot = tl.load(pages_ptr + (zero + b) * PW + t // PART_T, mask=nmask, other=0)
+        rows = (slot.to(tl.int64) * H + h) * PART_T + t % PART_T
     else:
-        rows = (b * H + h).to(tl.int64) * T_CAP + pos + s_idx  # cache rows [BLOCK_N]
+        rows = (b * H + h).to(tl.int64) * PART_T + pos + s_idx  # cache rows [BLOCK_N]
     if BY_POSITION:
         # WIDE (64-token blocks, one warpgroup's wgmma): Π's rows taken place-major (product column j·D/8 + g is
         # channel 8g + j) leave the place j in the dot's register index, so the places split apart without moving
@@ -107,7 +111,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
                 s = (y >= tl.load(cent_rows[None, :] + idx)).to(tl.int32)
 
         if SIGN:
-            if COMBINE:  # one code 2·idx + sign of BITS + 1 bits
+            if COMBINE:  # one code 2·idx + sign of INDEX_BITS + 1 bits
                 idx = idx * 2 + s
             else:
                 sword = tl.sum(tl.reshape(s, (BLOCK_N, D8, 8)) << r[None, None, :], axis=2)
@@ -121,7 +125,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             word = tl.sum(tl.reshape(idx << shift[None, :], (BLOCK_N, D8, 8)), axis=2)  # the fields do not overlap
     if SIGN and not COMBINE:  # the sign bits of a group of 8 in one byte
         tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
-    _store_words(idx_ptr, rows, word, nmask, D, BITS + COMBINE)
+    _store_words(idx_ptr, rows, word, nmask, D, INDEX_BITS + COMBINE)
 
 
 @triton.jit
@@ -252,9 +256,9 @@ def _store_words(idx_ptr, rows, word, nmask, D: tl.constexpr, WIDTH: tl.constexp
 @triton.jit
 def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
                           v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
-                          pos_ptr, pages_ptr, PW, B, H, S, T_CAP,
-                          D: tl.constexpr, KBITS: tl.constexpr, KK: tl.constexpr, KFIELDS: tl.constexpr,
-                          KSIGN: tl.constexpr, KCOMB: tl.constexpr, VBITS: tl.constexpr, VK: tl.constexpr,
+                          pos_ptr, pages_ptr, PW, B, H, S, PART_T,
+                          D: tl.constexpr, KINDEX_BITS: tl.constexpr, KK: tl.constexpr, KFIELDS: tl.constexpr,
+                          KSIGN: tl.constexpr, KCOMB: tl.constexpr, VINDEX_BITS: tl.constexpr, VK: tl.constexpr,
                           VFIELDS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
                           BLOCK_N: tl.constexpr, PER_SEQ: tl.constexpr, PRECISION: tl.constexpr,
                           KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, KPOS: tl.constexpr, VPOS: tl.constexpr,
@@ -275,12 +279,12 @@ def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_boun
         nmask = offs < B
     if pid < H:
         _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
-                      pos_ptr, pages_ptr, PW, pid, b, s_idx, nmask, H, T_CAP, D, KBITS, KK, KFIELDS, KSIGN, KCOMB,
-                      BLOCK_N, PRECISION, KSPLIT, PER_SEQ, KPOS, KGRID, ASM, PAGED)
+                      pos_ptr, pages_ptr, PW, pid, b, s_idx, nmask, H, PART_T, D, KINDEX_BITS, KK, KFIELDS, KSIGN,
+                      KCOMB, BLOCK_N, PRECISION, KSPLIT, PER_SEQ, KPOS, KGRID, ASM, PAGED)
     else:
         _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
-                      pos_ptr, pages_ptr, PW, pid - H, b, s_idx, nmask, H, T_CAP, D, VBITS, VK, VFIELDS, VSIGN, VCOMB,
-                      BLOCK_N, PRECISION, VSPLIT, PER_SEQ, VPOS, VGRID, ASM, PAGED)
+                      pos_ptr, pages_ptr, PW, pid - H, b, s_idx, nmask, H, PART_T, D, VINDEX_BITS, VK, VFIELDS, VSIGN,
+                      VCOMB, BLOCK_N, PRECISION, VSPLIT, PER_SEQ, VPOS, VGRID, ASM, PAGED)
 
 
 class _KindConsts(NamedTuple):
@@ -352,7 +356,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     _quantize_pack_kernel[launch](
         k, *k_strides, *k_args, v, *v_strides, *v_args, pos, pages, pages.shape[-1], batch, heads, s,
         k_out[0].shape[2], D=d,
-        KBITS=kc.bits, KK=kc.levels, KFIELDS=kc.fields, KSIGN=kc.sign, KCOMB=kc.combine, VBITS=vc.bits,
+        KINDEX_BITS=kc.bits, KK=kc.levels, KFIELDS=kc.fields, KSIGN=kc.sign, KCOMB=kc.combine, VINDEX_BITS=vc.bits,
         VK=vc.levels, VFIELDS=vc.fields, VSIGN=vc.sign, VCOMB=vc.combine, BLOCK_N=block_n, PER_SEQ=per_seq,
         PRECISION=cfg["precision"], KSPLIT=kc.split, VSPLIT=vc.split, KPOS=kc.by_position, VPOS=vc.by_position,
         KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), PAGED=paged, num_warps=cfg["num_warps"],

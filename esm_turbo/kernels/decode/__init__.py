@@ -13,6 +13,10 @@ Modules: ``codes`` (reading packed codes into values), ``walk`` (one query's onl
 prefix; split-K and stream-K kernels), ``merge`` (prep: queries into the keys' domain; merge: partials combined,
 output mapped back, the step's own tokens added), ``small`` (the whole step in one launch for small steps), ``plan``
 (launch planning and configuration), ``launch`` (the launcher). No dequantized tensor is written to global memory.
+
+Constants: ``CODE_BITS`` (``KCODE_BITS`` / ``VCODE_BITS``) are the bits of one stored field
+(:attr:`~esm_turbo.quant.layout.CodeLayout.code_bits`: the index, plus the sign where it is combined); ``T_CAP`` is
+the positions a row can hold (a paged cache: its block table's width times ``PAGE``, the block size).
 """
 
 from ..common import split_counters

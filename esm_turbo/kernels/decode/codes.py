@@ -19,7 +19,7 @@ ASM = tl.constexpr(not interpreting())  # inline PTX where the kernels are compi
 
 
 @triton.jit
-def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, BITS: tl.constexpr, SIGN: tl.constexpr,
+def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, CODE_BITS: tl.constexpr, SIGN: tl.constexpr,
                 BLOCK_T: tl.constexpr, GRID: tl.constexpr):
     """The packed codes of BLOCK_T token rows: (words [BLOCK_T, D/8] int32 — 8 codes each — and sign bytes
     [BLOCK_T, D/8] int32, or the words again without a sign part); [BLOCK_T, D/8, 1] with ``GRID``, whose
@@ -27,18 +27,18 @@ def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, BITS: tl.cons
     thread (a load is what anchors Triton's layout; a 2-D word broadcast to 3-D got a layout of per-thread
     slivers, shuffles and spills, SASS sm_90)."""
     D8: tl.constexpr = D // 8
-    NB: tl.constexpr = D * BITS // 8
+    NB: tl.constexpr = D * CODE_BITS // 8
     g = tl.arange(0, D8)
     if GRID:
         rows, cols, m = offs_t[:, None, None], g[None, :, None], tmask[:, None, None]
     else:
         rows, cols, m = offs_t[:, None], g[None, :], tmask[:, None]
-    if BITS == 4:  # a group of 8 codes is one aligned int32
+    if CODE_BITS == 4:  # a group of 8 codes is one aligned int32
         word = tl.load(idx_ptr.to(tl.pointer_type(tl.int32)) + rows * D8 + cols, mask=m, other=0)
     else:
         word = tl.zeros(cols.shape, dtype=tl.int32) + tl.zeros(rows.shape, dtype=tl.int32)
-        for i in tl.static_range(BITS):
-            byte = tl.load(idx_ptr + rows * NB + cols * BITS + i, mask=m, other=0)
+        for i in tl.static_range(CODE_BITS):
+            byte = tl.load(idx_ptr + rows * NB + cols * CODE_BITS + i, mask=m, other=0)
             word = word | (byte.to(tl.int32) << (8 * i))
     sb = word
     if SIGN:

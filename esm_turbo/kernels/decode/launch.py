@@ -64,8 +64,9 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     codes = (qt, keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
              keys.table, values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table),
              lengths, pages, m, l_, acc, heads, s, t_cap)
-    consts = dict(D=d, KBITS=keys.code.code_bits, VBITS=values.code.code_bits, KFIELDS=keys.code.kernel_fields(),
-                  VFIELDS=values.code.kernel_fields(), KSIGN=keys.code.sign == "plane",
+    consts = dict(D=d, KCODE_BITS=keys.code.code_bits, VCODE_BITS=values.code.code_bits,
+                  KFIELDS=keys.code.kernel_fields(), VFIELDS=values.code.kernel_fields(),
+                  KSIGN=keys.code.sign == "plane",
                   VSIGN=values.code.sign == "plane", BLOCK_S=block_s, BLOCK_T=block_t, NK=keys.table[0].numel(),
                   NV=values.table[0].numel(), PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl,
                   PAGE=page, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], launch_pdl=pdl,

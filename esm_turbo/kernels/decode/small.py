@@ -30,7 +30,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr, len_ptr,
                   page_ptr, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr, acc_ptr, count_ptr,
                   out_ptr, H, T_CAP, CHUNK, NS,
-                  D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                  D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                   VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_NS: tl.constexpr, NK: tl.constexpr,
                   NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr,
@@ -53,7 +53,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     # the first tile's codes are requested before the query rotation: their latency overlaps it
     start, end, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, kw, ks, vw, vs = _split_codes(
         k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, split * CHUNK,
-        split * CHUNK + CHUNK, H, T_CAP, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
+        split * CHUNK + CHUNK, H, T_CAP, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
     k_off = tl.load(k_offset + hd + chan)
     k_sc = tl.load(k_scale + hd + chan)
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
@@ -62,8 +62,8 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
     m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride,
-                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK,
-                          NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID, PAGE)
+                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN,
+                          NK, NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID, PAGE)
     part = pid_bh * NS + split
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -121,7 +121,7 @@ def attention_one_launch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
         keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main), keys.table,
         values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table), lengths, pages, keys.rot,
         keys.offset, keys.scale, values.rot, values.offset, values.scale, m, l_, acc, count, out, heads, t_cap,
-        chunk, splits, D=d, KBITS=keys.code.code_bits, VBITS=values.code.code_bits,
+        chunk, splits, D=d, KCODE_BITS=keys.code.code_bits, VCODE_BITS=values.code.code_bits,
         KFIELDS=keys.code.kernel_fields(), VFIELDS=values.code.kernel_fields(), KSIGN=keys.code.sign == "plane",
         VSIGN=values.code.sign == "plane", BLOCK_T=block_t, BLOCK_NS=triton.next_power_of_2(splits),
         NK=keys.table[0].numel(), NV=values.table[0].numel(), PREFETCH=cfg["prefetch"],

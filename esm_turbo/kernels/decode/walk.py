@@ -15,16 +15,16 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, pg_tab, pg_base, pg_stride, D: tl.constexpr,
-           KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
-           GRID: tl.constexpr, PAGE: tl.constexpr):
+           KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
+           BLOCK_T: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr):
     """The key and value codes of the tile at ``t0`` (rows ≥ ``end`` masked): fetched together, one memory
     round trip per tile. ``PAGE`` > 0 (a paged cache of blocks of PAGE tokens): token t lies in row
     ``table[t // PAGE] · pg_stride + pg_base + t % PAGE`` of the pool (``_rows``)."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     tmask = offs_t < end
     rows = _rows(offs_t, t0, end, pg_tab, pg_base, pg_stride, BLOCK_T, PAGE)
-    kw, ks = _load_codes(k_idx, k_sign, rows, tmask, D, KBITS, KSIGN, BLOCK_T, GRID)
-    vw, vs = _load_codes(v_idx, v_sign, rows, tmask, D, VBITS, VSIGN, BLOCK_T, GRID)
+    kw, ks = _load_codes(k_idx, k_sign, rows, tmask, D, KCODE_BITS, KSIGN, BLOCK_T, GRID)
+    vw, vs = _load_codes(v_idx, v_sign, rows, tmask, D, VCODE_BITS, VSIGN, BLOCK_T, GRID)
     return kw, ks, vw, vs
 
 
@@ -73,7 +73,7 @@ def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_la
 
 @triton.jit
 def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, start, stop, H,
-                 T_CAP, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KSIGN: tl.constexpr,
+                 T_CAP, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KSIGN: tl.constexpr,
                  VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr):
     """A program's share [start, stop) of cache row ``pid_bh`` (= b·H + h): its rows [start, end) (end: stop or
     the sequence's length), pointers to row 0 of the row in each packed part (``PAGE`` > 0: to the pool, the rows
@@ -92,18 +92,18 @@ def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr
         pg_tab = page_ptr
         pg_base = 0
         pg_stride = 0
-    k_idx = k_idx_ptr + row0 * (D * KBITS // 8)
+    k_idx = k_idx_ptr + row0 * (D * KCODE_BITS // 8)
     k_sign = k_sign_ptr + row0 * (D // 8)
-    v_idx = v_idx_ptr + row0 * (D * VBITS // 8)
+    v_idx = v_idx_ptr + row0 * (D * VCODE_BITS // 8)
     v_sign = v_sign_ptr + row0 * (D // 8)
-    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, pg_tab, pg_base, pg_stride, D, KBITS, VBITS,
-                            KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
+    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, pg_tab, pg_base, pg_stride, D, KCODE_BITS,
+                            VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
     return start, end, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, kw, ks, vw, vs
 
 
 @triton.jit
 def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, k_tab, v_tab,
-          k_lay, v_lay, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+          k_lay, v_lay, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr,
           KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
           PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr,
           ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr):
@@ -126,21 +126,21 @@ def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, 
         for it in tl.static_range(INTERPRET):
             t0 = start + it * BLOCK_T
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, pg_tab, pg_base,
-                                        pg_stride, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
+                                        pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
             m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
             nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, pg_tab, pg_base,
-                                        pg_stride, D, KBITS, VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
+                                        pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
             m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
             kw, ks, vw, vs = nkw, nks, nvw, nvs
     else:
         for t0 in range(start, end, BLOCK_T):
-            kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, pg_tab, pg_base, pg_stride, D, KBITS,
-                                    VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
+            kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, pg_tab, pg_base, pg_stride, D, KCODE_BITS,
+                                    VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
             m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
                                           v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
     acc = tl.sum(acc, axis=0)
@@ -155,7 +155,7 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                    len_ptr, page_ptr,
                     m_ptr, l_ptr, acc_ptr,
                     H, S, T_CAP, CHUNK, NS,
-                    D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                    D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                     VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
@@ -169,14 +169,14 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     qi = pid % S
     _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
                 len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK, split * CHUNK + CHUNK,
-                (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN, VSIGN,
-                BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE)
+                (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS, KFIELDS, VFIELDS, KSIGN,
+                VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE)
 
 
 @triton.jit
 def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
                    len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, R, NT, W, NS,
-                   D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                   D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                    VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_T: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr,
                    INTERPRET: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr,
@@ -197,7 +197,7 @@ def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
         k = p - _runs_meeting(r, NT, W)[0]
         _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr,
                     v_lay_ptr, len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T, hi * BLOCK_T,
-                    (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KBITS, VBITS, KFIELDS, VFIELDS, KSIGN,
+                    (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS, KFIELDS, VFIELDS, KSIGN,
                     VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE)
 
 
@@ -211,7 +211,7 @@ def _runs_meeting(row, NT, W):
 @triton.jit
 def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
                 len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, start, stop, part, H, S, T_CAP,
-                D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KFIELDS: tl.constexpr,
+                D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                 VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                 NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
                 ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr):
@@ -220,8 +220,8 @@ def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
     b = pid_bh // H
     h = pid_bh % H
     start, end, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, kw, ks, vw, vs = _split_codes(
-        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, start, stop, H, T_CAP, D, KBITS,
-        VBITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
+        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, start, stop, H, T_CAP, D,
+        KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
     g = tl.arange(0, D // 8)
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
@@ -231,8 +231,8 @@ def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
         tl.extra.cuda.gdc_wait()
     q3 = tl.load(qt_ptr + (pid_bh * S + qi) * D + chan) * LOG2E
     m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride,
-                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, D, KBITS, VBITS, KSIGN, VSIGN, NK,
-                          NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID, PAGE)
+                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN,
+                          NK, NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID, PAGE)
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
     tl.store(acc_ptr + part * D + chan, acc)
