@@ -3,9 +3,10 @@ them whole: ``esm_turbo::quantize_pack`` (encode new K or V straight into the ca
 ``esm_turbo::compressed_attention`` (decode attention that reads the cache packed).
 
 Each op has a pure-PyTorch reference here (CPU/MPS, or forced) and a Triton implementation in
-``esm_turbo.kernels`` with the same signature. :func:`fused_supported` says which codecs they cover:
-calibrated or Hadamard LUT quantizers without per-vector norms, 1–4 bits, residual ``sign`` or
-``none``. Anything else (QJL, TurboQuant norms, dense caches) takes the two-step reference path.
+``esm_turbo.kernels`` with the same signature. :func:`fused_supported` says which codecs they cover: any whose
+quantizers keep the :class:`~esm_turbo.quant.codec.FusedQuantizer` contract at 1–4 index bits (the calibrated and
+Hadamard LUT quantizers without per-vector norms, residual ``sign`` or ``none``, among them). Anything else (QJL,
+TurboQuant norms, dense caches) takes the two-step reference path.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.codec import KVCodec, VectorQuantizer
-from ..quant.tables import code_table, lookup_codes, lut_bounds, lut_code_parts
+from ..quant.codec import FusedQuantizer, KVCodec
+from ..quant.tables import lookup_codes, lut_bounds, lut_code_parts
 from ..quant.layout import CachedCodes, CodeLayout
 from ..quant.packing import layout_of
 from ..quant.rotations import affine_forward
@@ -27,14 +28,16 @@ FUSED_BITS = (1, 2, 3, 4)
 
 
 def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
-    """True if both quantizers of ``codec`` fit the fused ops (and, with ``need_kernel_shape``, the
-    Triton kernels' shape rule: head_dim/8 a power of two, i.e. d ∈ {16, 32, 64, 128, ...})."""
+    """True if both quantizers of ``codec`` keep the :class:`~esm_turbo.quant.codec.FusedQuantizer` contract and say
+    they are ready for it (``fused_ready``), with 1–4 index bits (and, with ``need_kernel_shape``, the Triton kernels'
+    shape rule: head_dim/8 a power of two, i.e. d ∈ {16, 32, 64, 128, ...}); a codec with a recent-token window
+    (``esm_turbo.window``) is read on the reference path."""
     if getattr(codec, "window", 0):
         return False
     for q in (codec.key, codec.value):
-        if not isinstance(q, VectorQuantizer) or q.normalize or q.residual not in ("none", "sign") or q.wide:
+        if not isinstance(q, FusedQuantizer) or not q.fused_ready():
             return False
-        if q.bits not in FUSED_BITS:
+        if q.code_layout().index_bits not in FUSED_BITS:
             return False
         if need_kernel_shape and (q.dim // 8) & (q.dim // 8 - 1):
             return False
@@ -98,7 +101,7 @@ def split_rotation(rot: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, lo], dim=1).contiguous()
 
 
-def _kernel_halves(q: VectorQuantizer) -> torch.Tensor:
+def _kernel_halves(q: FusedQuantizer) -> torch.Tensor:
     """:func:`split_rotation` of q's Π where the kernels run (CUDA), else empty (nothing reads it)."""
     return split_rotation(q.rot) if q.rot.is_cuda else q.rot.new_empty(0, dtype=torch.float16)
 
@@ -108,15 +111,15 @@ def _level_major(bounds: torch.Tensor) -> torch.Tensor:
     return bounds.transpose(1, 2).contiguous()
 
 
-def _op_table(q: VectorQuantizer) -> torch.Tensor:
-    """The code table the ops read: its fp16 values (:func:`code_table`) held in float32 up to head_dim 64 and
+def _op_table(q: FusedQuantizer) -> torch.Tensor:
+    """The code table the ops read: its fp16 values (``q.code_values()``) held in float32 up to head_dim 64 and
     in float16 beyond (a head's tables twice as long), whichever the H100 read faster in 9 of 10 layouts
     (``tools/bench_layouts.py``); the values are the same."""
-    table = code_table(q)
+    table = q.code_values()
     return table if q.dim >= 128 else table.float()
 
 
-def _kernel_layout(q: VectorQuantizer) -> torch.Tensor:
+def _kernel_layout(q: FusedQuantizer) -> torch.Tensor:
     """The field layout the ops take: empty for equal widths (read on the host once, at table build); else
     [H, d], the same in every group of 8 channels (what bit allocation makes: the kernels read 8 per head)."""
     if q.code_layout().equal_widths:
@@ -316,7 +319,7 @@ def _compressed_attention_fake(q, *args) -> torch.Tensor:
 
 # ---- layer-level entry points -----------------------------------------------------------------------
 
-def _codec_tables(q: VectorQuantizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _codec_tables(q: FusedQuantizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.rot, q.offset, q.scale
 
 

@@ -20,6 +20,8 @@ and look-ups are ``esm_turbo.quant.tables``.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 import torch
 from torch import nn
@@ -32,6 +34,53 @@ from .rotations import AffineStats, affine_forward, affine_inverse
 from .tables import code_table, lookup_codes, lut_code_parts, table_lookup
 
 PartSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@runtime_checkable
+class Quantizer(Protocol):
+    """The codec contract: one of a layer's key or value quantizers. ``x``: [..., H, T, d] vectors (the cache passes
+    [B, H, S, d]); parts: named tensors [..., H, T, *shape] whose trailing shapes and dtypes :meth:`part_specs` states
+    per token and head (the cache allocates them and stores them as they come). ``decode(encode(x))`` ≈ x, float32.
+    A :class:`KVCodec` pairs two; :func:`esm_turbo.quant.registry.register` names a method that builds them."""
+
+    def part_specs(self) -> PartSpecs: ...
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class FusedQuantizer(Quantizer, Protocol):
+    """A quantizer the fused ops (quantize-and-pack, decode attention: Triton on CUDA, their references elsewhere)
+    read straight from its stored codes, whatever its class. It states its codes as:
+
+    - an affine map ``y = (x Πᵀ − offset) / scale``: ``rot`` [H, d, d] (orthogonal), ``offset`` / ``scale`` [H, d];
+    - per channel, levels ``centroids`` [H, d, K] (ascending): encoding picks the nearest level's index, and with a
+      sign residual the sign of ``y − level``;
+    - :meth:`code_layout`: how the codes are stored (:class:`~esm_turbo.quant.layout.CodeLayout`: index bits, sign
+      plane or combined, field shifts); :meth:`layout`: the field layout [H, d] int32 of the packed part;
+    - :meth:`code_values`: [H, d, codes] float16, the value in ``y`` that each stored code decodes to;
+    - :meth:`fused_ready`: whether its parts are exactly the code layout's (nothing the ops would not read or write,
+      such as per-vector norms or sketches) and its values fit fp16.
+
+    ``decode`` must equal ``x̂ = (code_values[code] ⊙ scale + offset) Π``: the fused path and the codec's own decode
+    then agree (``tests/test_codec_contract.py`` holds a codec that is not a :class:`VectorQuantizer` to it)."""
+
+    heads: int
+    dim: int
+    rot: torch.Tensor
+    offset: torch.Tensor
+    scale: torch.Tensor
+    centroids: torch.Tensor
+
+    def code_layout(self) -> CodeLayout: ...
+
+    def layout(self) -> torch.Tensor: ...
+
+    def code_values(self) -> torch.Tensor: ...
+
+    def fused_ready(self) -> bool: ...
 
 #: LUT granularity: one LUT per head (the paper), one per head and (rotated) channel, or per channel a uniform grid
 #: whose values the decoder computes from the code (no look-up; ``esm_turbo.quant.allocation.grid_tables``)
@@ -126,6 +175,16 @@ class VectorQuantizer(nn.Module):
         :meth:`code_layout`."""
         self.code_layout()
         return self._field_layout
+
+    def code_values(self) -> torch.Tensor:
+        """[H, d, codes] float16 (float32 if :attr:`wide`): what each stored code decodes to in the affine domain
+        (:func:`~esm_turbo.quant.tables.code_table`)."""
+        return code_table(self)
+
+    def fused_ready(self) -> bool:
+        """Whether the fused ops read and write all it stores: no per-vector norms (TurboQuant), no QJL sketch, and
+        fp16 tables."""
+        return not self.normalize and self.residual in ("none", "sign") and not self.wide
 
     def part_specs(self) -> PartSpecs:
         """Trailing shape and dtype of each stored part, per (token, head): the code layout's ``code`` (combined

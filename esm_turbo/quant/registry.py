@@ -3,8 +3,8 @@ sweeps (``quant.method``) and the reports all read.
 
 A method builds one :class:`~esm_turbo.quant.codec.KVCodec` per layer from a :class:`MethodRequest`; what it needs to
 do so is stated (``needs``): the shapes alone, K/V samples collected from the model, or a calibration run. A codec
-pairs two quantizers (keys, values), each keeping the :class:`Quantizer` contract. A new method is one
-:func:`register` call::
+pairs two quantizers (keys, values), each keeping the :class:`~esm_turbo.quant.codec.Quantizer` contract (and, to run
+on the fused ops, :class:`~esm_turbo.quant.codec.FusedQuantizer`'s). A new method is one :func:`register` call::
 
     @register("mine", "what it does", needs="shapes")
     def _mine(req: MethodRequest) -> tuple[list[KVCodec], dict]:
@@ -19,26 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
 import torch
 
-from .codec import KVCodec, PartSpecs, dense_codec
+from .codec import FusedQuantizer, KVCodec, Quantizer, dense_codec
 
 NEEDS = ("shapes", "samples", "calibration")
-
-
-@runtime_checkable
-class Quantizer(Protocol):
-    """One of a layer's key or value quantizers. ``x``: [..., H, d] vectors (the cache passes [B, H, T, d] rows
-    flattened as it stores them); parts: named tensors whose shapes and dtypes :meth:`part_specs` states per token
-    and head (the cache allocates them, the fused kernels read them)."""
-
-    def part_specs(self) -> PartSpecs: ...
-
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]: ...
-
-    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -170,5 +157,5 @@ def _rvq(req: MethodRequest):
                       lambda v: RVQQuantizer.fit(v, depth, group, contiguous=True)), {}
 
 
-__all__ = ["KVMethod", "KV_METHODS", "MethodRequest", "NEEDS", "Quantizer", "build_codecs", "kv_method", "parse_kind",
-           "register"]
+__all__ = ["FusedQuantizer", "KVMethod", "KV_METHODS", "MethodRequest", "NEEDS", "Quantizer", "build_codecs",
+           "kv_method", "parse_kind", "register"]
