@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 #: public name → the module that defines it
 _EXPORTS = {
-    "KVCache": ".cache", "MemoryReport": ".cache",
+    "KVCache": ".cache", "MemoryReport": ".cache", "DecodeCache": ".cache_contract", "RowsView": ".cache_contract",
     "FastEsm": ".embed.fast_esm",
     "CheckpointError": ".errors", "EsmTurboError": ".errors", "FastaError": ".errors", "ModelLoadError": ".errors",
     "Record": ".fasta", "read_fasta": ".fasta", "read_fastas": ".fasta",
@@ -24,6 +24,8 @@ _EXPORTS = {
     "ESM2_SIZES": ".model.sizes", "esm2_config": ".model.sizes", "ESMC_SIZES": ".model.sizes",
     "esmc_config": ".model.sizes", "FAMILIES": ".model.family", "family_of": ".model.family",
     "KVCodec": ".quant.codec", "VectorQuantizer": ".quant.codec", "dense_codec": ".quant.codec",
+    "Quantizer": ".quant.codec", "FusedQuantizer": ".quant.codec",
+    "KV_METHODS": ".quant.registry", "MethodRequest": ".quant.registry", "register_kv_method": ".quant.registry",
     "FitOptions": ".quant.fit", "fit_quantizer": ".quant.fit", "oblivious_codec": ".quant.fit",
     "lloyd_max": ".quant.lloyd_max", "lloyd_max_weighted": ".quant.lloyd_max",
     "open_embeddings": ".embed.h5",

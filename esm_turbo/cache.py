@@ -1,17 +1,10 @@
-"""A KV cache for L layers × B sequences × H heads that stores whatever its per-layer codecs encode.
+"""The contiguous KV cache: L layers × B rows × H heads, storing whatever its per-layer codecs encode, each codec
+part in a buffer [B, H, capacity, *part_shape] that grows by doubling.
 
-Contract (shapes once)::
-
-    k, v        : [B, H, S, d]  post-RoPE keys / values of S new tokens per sequence
-    counts      : [B] long      how many of the S tokens are real for each sequence (ragged)
-    lengths     : [B] long      committed tokens per sequence
-    part buffer : [B, H, T_cap, *part_shape]   one per codec part per layer (packed bytes, norms…)
-
-``write(layer, k, v)`` encodes the S tokens into positions ``lengths[b] + j``; ``commit(counts)``
-then makes them visible. Writing without committing is how a "peek" step leaves the cache as it was.
-``truncate`` rolls sequences back, ``select`` gathers rows (beam fork), ``dequantize`` decodes one
-layer (the reference path), and ``memory_report`` accounts for every byte held. Codecs that keep KIVI's recent
-tokens in fp16 get a :class:`~esm_turbo.window.RecentWindow` beside the codes, laid over what ``dequantize`` gives.
+It keeps the cache contract, stated with its shapes in :mod:`esm_turbo.cache_contract`: ``write`` then ``commit``
+(a step written and not committed is a peek), ``truncate``, ``select`` (beam forks), ``dequantize`` (the reference
+path) and ``memory_report`` (every byte held). Codecs that keep KIVI's recent tokens in fp16 get a
+:class:`~esm_turbo.window.RecentWindow` beside the codes, laid over what ``dequantize`` gives.
 """
 
 from __future__ import annotations
@@ -220,6 +213,11 @@ class KVCache:
         on CUDA, attended in place by SDPA): they are then written before it, also in a step that is not committed."""
         from .quant.codec import DenseQuantizer
         return self.contiguous and self.device.type == "cuda" and isinstance(self.codecs[layer].key, DenseQuantizer)
+
+    def view(self, rows: list[int]) -> "KVCache":
+        """Some rows as a cache of their own: a paged cache's (:meth:`~esm_turbo.paged.PagedKVCache.view`); a
+        contiguous cache refuses."""
+        raise ValueError("stepping some rows needs a paged cache: turbo.session(paged=True)")
 
     def pages(self) -> tuple[torch.Tensor | None, int]:
         """(block table, block size) that decode attention reads the parts through: none here, rows are contiguous

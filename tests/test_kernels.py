@@ -41,7 +41,7 @@ def filled_cache(codec, batch, lengths, device, seed=0):
     for name, val in encoded.items():
         cache.parts[0][name][:, :, :t] = val
     cache.lengths = torch.tensor(lengths, device=device)
-    cache._max_bound = t
+    cache.rewind_bound(t)
     return cache
 
 

@@ -25,6 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.esm.modeling_esm import eager_attention_forward
 
 from .. import ops
+from ..cache_contract import DecodeCache
 from ..ops.reference import rope_reference
 from .family import ESM2, ESMC, Family, family_of_net
 
@@ -34,7 +35,7 @@ class RunContext:
     """What the attention layers of one forward pass should do besides attending."""
 
     mode: str = "plain"  # plain | prefill | decode | custom
-    cache: object | None = None
+    cache: DecodeCache | None = None  # the only cache interface the attention layers use
     new_valid: torch.Tensor | None = None  # [B, S] bool, decode only
     commit: bool = True
     recorder: Callable | None = None  # recorder(layer, q, k, v, valid [B,S] or None)

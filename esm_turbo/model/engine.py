@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..cache import KVCache, MemoryReport
+from ..cache_contract import DecodeCache
 from ..io import to_device_queued
 from ..ops.blocks import BLOCK_SIZE
 from ..quant.codec import KVCodec
@@ -143,13 +144,13 @@ class DecodeSession:
         self.cache_kind = cache
         self.capacity = capacity
         self.paged, self.block_size, self.gpu_budget_gib = paged, block_size, gpu_budget_gib
-        self.cache: KVCache | None = None
+        self.cache: DecodeCache | None = None  # a KVCache or PagedKVCache, used only through the contract
         self.tokens: torch.Tensor | None = None  # [B, T_cap] committed token ids
         self.mask_counts: torch.Tensor | None = None  # [B]
         self.probe: Callable | None = None
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _require_started(self) -> KVCache:
+    def _require_started(self) -> DecodeCache:
         if self.cache is None:
             raise RuntimeError("call start(sequences) before step / rollback / select")
         return self.cache

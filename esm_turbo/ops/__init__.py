@@ -8,8 +8,12 @@ everywhere.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..cache_contract import DecodeCache
 
 _FORCE_REFERENCE = False
 #: names re-exported from the submodules, imported on first use (the switch below must stay light: FastEsm asks it)
@@ -50,7 +54,7 @@ def kernel_path(codec, device: torch.device) -> bool:
     return use_kernels(device) and fused_supported(codec, need_kernel_shape=True)
 
 
-def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
+def decode_attention(q: torch.Tensor, cache: "DecodeCache", layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
                      new_valid: torch.Tensor) -> torch.Tensor:
     """Attention of new tokens over the compressed prefix of ``layer`` plus themselves. It reads and never writes:
     the caller writes the new tokens (uncommitted) when the step commits, and always first where
@@ -68,7 +72,7 @@ def decode_attention(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor, v_
     return decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
 
 
-def attend_dense(q: torch.Tensor, cache, layer: int, new_valid: torch.Tensor) -> torch.Tensor:
+def attend_dense(q: torch.Tensor, cache: "DecodeCache", layer: int, new_valid: torch.Tensor) -> torch.Tensor:
     """An uncompressed (fp16/bf16/fp32) cache on GPU, its S new tokens already written after each row's prefix
     (uncommitted): SDPA over the stored buffer in place — the baseline the compressed cache is measured against,
     with no copy of the cache."""

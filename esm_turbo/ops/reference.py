@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from ..cache_contract import DecodeCache
 
 
 def attend(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, prefix_valid: torch.Tensor,
@@ -34,7 +39,7 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return apply_rotary_pos_emb(q, k.view(shape).transpose(1, 2), cos, sin, unsqueeze_dim=1)
 
 
-def decode_attention_reference(q: torch.Tensor, cache, layer: int, k_new: torch.Tensor,
+def decode_attention_reference(q: torch.Tensor, cache: "DecodeCache", layer: int, k_new: torch.Tensor,
                                v_new: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
     """Two-step path: dequantize the whole cached prefix of ``layer``, then attend."""
     k_hat, v_hat, valid = cache.dequantize(layer)

@@ -69,6 +69,10 @@ def register(name: str, summary: str, needs: str = "shapes"):
     return add
 
 
+#: the public name of :func:`register` (``esm_turbo.register_kv_method``)
+register_kv_method = register
+
+
 def kv_method(name: str) -> KVMethod:
     """The method called ``name``; an unknown one is a ValueError naming the known ones."""
     if name not in KV_METHODS:
@@ -158,4 +162,4 @@ def _rvq(req: MethodRequest):
 
 
 __all__ = ["FusedQuantizer", "KVMethod", "KV_METHODS", "MethodRequest", "NEEDS", "Quantizer", "build_codecs",
-           "kv_method", "parse_kind", "register"]
+           "kv_method", "parse_kind", "register", "register_kv_method"]
