@@ -258,3 +258,17 @@ def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int 
         return fit_quantizer(affine, (values, torch.ones_like(values)), fit, importance=importance)
 
     return KVCodec(one(key_bits, 1), one(value_bits, 2))
+
+
+def flash_rule(out: torch.Tensor, ref: torch.Tensor, same_dtype: torch.Tensor,
+               eps: float | None = None) -> tuple[float, float, float]:
+    """The flash-attention rule for a kernel's output ``out``: its largest error against ``ref`` (fp64 or fp32) may
+    be at most twice that of ``same_dtype`` (the PyTorch path computed in ``out``'s dtype) plus ``eps`` (default: the
+    larger of one unit in the last place of ``out``'s dtype and 1e-5, times ``ref``'s largest magnitude). Returns
+    (out's error, the PyTorch path's error, the bound)."""
+    ref = ref.detach().double().cpu()
+    err = (out.detach().double().cpu() - ref).abs().max().item()
+    err_pt = (same_dtype.detach().double().cpu() - ref).abs().max().item()
+    if eps is None:
+        eps = max(torch.finfo(out.dtype).eps, 1e-5) * ref.abs().max().item()
+    return err, err_pt, 2 * err_pt + eps
