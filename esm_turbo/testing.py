@@ -260,15 +260,16 @@ def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int 
     return KVCodec(one(key_bits, 1), one(value_bits, 2))
 
 
-def flash_rule(out: torch.Tensor, ref: torch.Tensor, same_dtype: torch.Tensor,
-               eps: float | None = None) -> tuple[float, float, float]:
+def flash_rule(out: torch.Tensor, ref: torch.Tensor, same_dtype: torch.Tensor, eps: float | None = None,
+               times: float = 2.0) -> tuple[float, float, float]:
     """The flash-attention rule for a kernel's output ``out``: its largest error against ``ref`` (fp64 or fp32) may
-    be at most twice that of ``same_dtype`` (the PyTorch path computed in ``out``'s dtype) plus ``eps`` (default: the
-    larger of one unit in the last place of ``out``'s dtype and 1e-5, times ``ref``'s largest magnitude). Returns
-    (out's error, the PyTorch path's error, the bound)."""
+    be at most ``times`` (2) that of ``same_dtype`` (the PyTorch path computed in ``out``'s dtype) plus ``eps``
+    (default: the larger of one unit in the last place of ``out``'s dtype and 1e-5, times ``ref``'s largest
+    magnitude). A whole block or model chains several kernels, each rounding where the PyTorch path rounds elsewhere;
+    its tests pass a larger ``times`` and say so. Returns (out's error, the PyTorch path's error, the bound)."""
     ref = ref.detach().double().cpu()
     err = (out.detach().double().cpu() - ref).abs().max().item()
     err_pt = (same_dtype.detach().double().cpu() - ref).abs().max().item()
     if eps is None:
         eps = max(torch.finfo(out.dtype).eps, 1e-5) * ref.abs().max().item()
-    return err, err_pt, 2 * err_pt + eps
+    return err, err_pt, times * err_pt + eps
