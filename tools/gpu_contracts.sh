@@ -11,9 +11,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 export TORCHINDUCTOR_CACHE_DIR=/tmp/w/inductor TRITON_CACHE_DIR=/tmp/w/triton
 if has tests; then
 echo "== GPU tests"
-timeout 280 python3 -m pytest -q -x -rs tests/test_weights.py tests/test_esmc.py tests/test_kernels.py \
+timeout 280 python3 -m pytest -q -rfs tests/test_weights.py tests/test_esmc.py tests/test_kernels.py \
     tests/test_contracts.py tests/test_codec_contract.py tests/test_cache.py tests/test_paged.py 2>&1 \
-    | tail -25 | tee $OUT/tests_gpu.log
+    > $OUT/tests_gpu.log; tail -25 $OUT/tests_gpu.log
 fi
 for b in decode design weights; do
   if has $b; then
