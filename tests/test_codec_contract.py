@@ -9,12 +9,13 @@ from torch import nn
 from esm_turbo.cache import KVCache
 from esm_turbo.ops import attend_compressed, decode_attention_reference, fused_supported
 from esm_turbo.ops.compressed import write_compressed
-from esm_turbo.quant.codec import FusedQuantizer, KVCodec, Quantizer
+from esm_turbo.quant.codec import FusedQuantizer, KVCodec, Quantizer, keeps_fused_contract
 from esm_turbo.quant.layout import CodeLayout
 from esm_turbo.quant.packing import field_layout
 from esm_turbo.quant.registry import MethodRequest, build_codecs
 from esm_turbo.quant.rotations import affine_forward, affine_inverse
 from esm_turbo.quant.tables import lookup_codes, lut_code_parts
+from esm_turbo.testing import random_turbo_codec
 
 CUDA = torch.cuda.is_available()
 
@@ -64,6 +65,7 @@ def _codec(device) -> KVCodec:
 def test_a_quantizer_of_its_own_class_keeps_the_fused_contract():
     codec = _codec("cpu")
     assert isinstance(codec.key, FusedQuantizer) and isinstance(codec.key, Quantizer)
+    assert keeps_fused_contract(codec.key) and keeps_fused_contract(random_turbo_codec(2, 16).key)
     assert fused_supported(codec) and fused_supported(codec, need_kernel_shape=True)
 
 

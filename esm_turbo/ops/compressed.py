@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.codec import FusedQuantizer, KVCodec
+from ..quant.codec import FusedQuantizer, KVCodec, keeps_fused_contract
 from ..quant.tables import lookup_codes, lut_bounds, lut_code_parts
 from ..quant.layout import CachedCodes, CodeLayout
 from ..quant.packing import layout_of
@@ -35,7 +35,7 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     if getattr(codec, "window", 0):
         return False
     for q in (codec.key, codec.value):
-        if not isinstance(q, FusedQuantizer) or not q.fused_ready():
+        if not keeps_fused_contract(q):
             return False
         if q.code_layout().index_bits not in FUSED_BITS:
             return False

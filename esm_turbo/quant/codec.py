@@ -65,14 +65,10 @@ class FusedQuantizer(Quantizer, Protocol):
       such as per-vector norms or sketches) and its values fit fp16.
 
     ``decode`` must equal ``x̂ = (code_values[code] ⊙ scale + offset) Π``: the fused path and the codec's own decode
-    then agree (``tests/test_codec_contract.py`` holds a codec that is not a :class:`VectorQuantizer` to it)."""
+    then agree (``tests/test_codec_contract.py`` holds a codec that is not a :class:`VectorQuantizer` to it).
 
-    heads: int
-    dim: int
-    rot: torch.Tensor
-    offset: torch.Tensor
-    scale: torch.Tensor
-    centroids: torch.Tensor
+    The tensors (and ``heads``, ``dim``) are attributes, often module buffers, which ``isinstance`` against a Protocol
+    cannot see on every Python: :func:`keeps_fused_contract` checks them by name."""
 
     def code_layout(self) -> CodeLayout: ...
 
@@ -253,6 +249,17 @@ class VectorQuantizer(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, dim={self.dim}, bits={self.bits}, residual={self.residual}, "
                 f"normalize={self.normalize}")
+
+
+#: the attributes a :class:`FusedQuantizer` holds besides its methods
+FUSED_TENSORS = ("rot", "offset", "scale", "centroids")
+
+
+def keeps_fused_contract(q) -> bool:
+    """Whether ``q`` keeps :class:`FusedQuantizer`'s contract: its methods, its tensors by name (module buffers are
+    invisible to a Protocol's ``isinstance`` from Python 3.12), and ready for the fused ops (``fused_ready()``)."""
+    return (isinstance(q, FusedQuantizer) and all(isinstance(getattr(q, n, None), torch.Tensor) for n in FUSED_TENSORS)
+            and isinstance(getattr(q, "dim", None), int) and bool(q.fused_ready()))
 
 
 def _specs_nbytes(specs: PartSpecs) -> int:
