@@ -102,3 +102,15 @@ def test_the_registered_methods_keep_the_quantizer_contract():
         codec = build_codecs(method, req)[0][0]
         assert isinstance(codec.key, Quantizer) and isinstance(codec.value, Quantizer), method
         assert fused_supported(codec) is fused, method  # dense and fp8 store values; TurboQuant per-vector norms
+
+
+def test_the_protocol_check_sees_what_python_3_12_sees():
+    """From Python 3.12 a Protocol's ``isinstance`` looks members up with ``inspect.getattr_static``, which cannot see
+    module buffers: every member the Protocols state must be found that way on a calibrated quantizer (else the fused
+    path is never chosen there)."""
+    import inspect
+    q = random_turbo_codec(2, 16).key
+    for protocol in (Quantizer, FusedQuantizer):
+        members = {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+        for name in members:
+            inspect.getattr_static(q, name)  # raises AttributeError where 3.12's isinstance would fail
