@@ -1,0 +1,106 @@
+"""Study: a few values kept exact in fp16 beside the codes, at 3.0 and 4.0 bits all-in, on a trained testbed (PyTorch
+path, CPU). Two choices of which:
+
+- ``--sinks N``: the first N tokens of every row (``<cls>`` and the next few, which trained models attend to as
+  sinks), every channel; their fp16 bytes are spread over the mean row length of the evaluation set;
+- ``--sparse F``: the fraction F of each layer's values whose coding error is largest (dense-and-sparse, the
+  outliers picked by the error they would leave), each stored as fp16 and its channel index (log2 d bits), plus a
+  16-bit count per token and layer for the side list.
+
+The codec of each layer is wrapped so that its decoded K̂, V̂ carry those exact values (fp16-rounded); the all-in bits
+add their bytes.
+
+    python tools/exact_study.py ../shared/testbed/esm2_8M_trained --bits 3 4 --sinks 0 1 2 4 --out R.txt
+    python tools/exact_study.py ../shared/testbed/esm2_8M_trained --bits 3 --sinks 0 --sparse 0.005 0.01 0.02 --out R
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from esm_turbo import TurboEsm, calibrate, load_esm, read_fasta
+from esm_turbo.model.evaluate import evaluate
+from esm_turbo.model.recipe import recipe
+from esm_turbo.quant.codec import KVCodec
+
+
+class ExactCodec(KVCodec):
+    """``inner``'s codes, with some values decoded exactly (fp16-rounded): the first ``sinks`` positions (axis −2), or
+    the fraction ``sparse`` of values with the largest coding error. The exact values of the last ``encode`` are laid
+    over its ``decode`` (the evaluation's teacher-forced pass decodes what it has just encoded)."""
+
+    def __init__(self, inner: KVCodec, sinks: int = 0, sparse: float = 0.0):
+        super().__init__(inner.key, inner.value, window=0)
+        self.sinks, self.sparse = sinks, sparse
+        self.exact: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.exact = k.half(), v.half()
+        return super().encode(k, v)
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        decoded = super().decode(parts)
+        out = []
+        for x_hat, x in zip(decoded, self.exact):
+            x = x.float()
+            if self.sinks:
+                x_hat[..., : self.sinks, :] = x[..., : self.sinks, :]
+            if self.sparse:
+                err = (x - x_hat).abs()
+                n = max(1, int(self.sparse * err.numel()))
+                cut = err.flatten().kthvalue(err.numel() - n + 1).values
+                x_hat = torch.where(err >= cut, x, x_hat)
+            out.append(x_hat)
+        return out[0], out[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--bits", type=float, nargs="+", default=[3.0, 4.0], help="all-in bits of the codes (3 or 4)")
+    ap.add_argument("--sinks", type=int, nargs="+", default=[0, 1, 2, 4])
+    ap.add_argument("--sparse", type=float, nargs="+", default=[], help="fractions of values kept exact (with 0 sinks)")
+    ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
+    ap.add_argument("--evaluation", default="calibration_data/evaluation.fasta")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    model = load_esm(args.model)
+    cal_records, eval_records = read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
+    mean_len = sum(len(r.sequence) + 1 for r in eval_records) / len(eval_records)  # <cls> + residues
+    lines = [f"# python tools/exact_study.py {args.model} --bits {' '.join(map(str, args.bits))} "
+             f"--sinks {' '.join(map(str, args.sinks))}" + (f" --sparse {' '.join(map(str, args.sparse))}"
+                                                            if args.sparse else ""),
+             f"# {len(eval_records)} held-out sequences (mean {mean_len:.0f} tokens), half prefilled exactly, the rest "
+             "decoded; PyTorch path, CPU",
+             f"{'code bits':>9} {'sinks':>5}" + (f" {'sparse':>6}" if args.sparse else "")
+             + f" {'all-in':>7} {'mean cos':>9} {'worst seq':>9} {'worst tok':>9} {'<0.95':>7}"]
+    for bits in args.bits:
+        t0 = time.time()
+        cal = calibrate(model, cal_records, recipe("default", index_bits=int(bits) - 1), progress=False)
+        engine = TurboEsm(model, cal)
+        heads, dim = cal.codecs[0].key.heads, cal.codecs[0].key.dim
+        for sinks, sparse in [(n, 0.0) for n in args.sinks] + [(0, f) for f in args.sparse]:
+            codecs = [ExactCodec(c, sinks, sparse) if sinks or sparse else c for c in cal.codecs]
+            report = evaluate(engine, eval_records, cache=lambda layer, h, d, cs=codecs: cs[layer], progress=False)
+            o, m = report["overall"], report["memory"]
+            exact = sinks * 16 / mean_len  # fp16 bits per value of the exact tokens, spread over a row
+            side = sparse * (16 + math.log2(dim)) + 16 / (heads * dim) if sparse else 0.0  # value, index, count
+            all_in = m["bits_per_value"] * (1 - sinks / mean_len) + exact + side
+            lines.append(f"{bits:>9.1f} {sinks:>5d}" + (f" {sparse:>6.3f}" if args.sparse else "")
+                         + f" {all_in:>7.3f} {o['decode_cos_mean']:>9.4f} "
+                         f"{o['decode_cos_worst_seq']:>9.4f} {o['decode_cos_min']:>9.4f} "
+                         f"{o['decode_tail_share']:>7.2%}")
+            print(lines[-1], f"({time.time() - t0:.0f} s)", flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
