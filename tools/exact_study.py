@@ -91,7 +91,7 @@ def main() -> None:
             exact = sinks * 16 / mean_len  # fp16 bits per value of the exact tokens, spread over a row
             side = sparse * (16 + math.log2(dim)) + 16 / (heads * dim) if sparse else 0.0  # value, index, count
             all_in = m["bits_per_value"] * (1 - sinks / mean_len) + exact + side
-            lines.append(f"{bits:>9.1f} {sinks:>5d}" + (f" {sparse:>6.3f}" if args.sparse else "")
+            lines.append(f"{bits:>9.1f} {sinks:>5d}" + (f" {sparse:>6.4f}" if args.sparse else "")
                          + f" {all_in:>7.3f} {o['decode_cos_mean']:>9.4f} "
                          f"{o['decode_cos_worst_seq']:>9.4f} {o['decode_cos_min']:>9.4f} "
                          f"{o['decode_tail_share']:>7.2%}")
