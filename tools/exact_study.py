@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from esm_turbo import TurboEsm, calibrate, load_esm, read_fasta
+from esm_turbo.experiments.methods import collect_kv
 from esm_turbo.model.evaluate import evaluate
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec
@@ -65,20 +66,14 @@ class ExactCodec(KVCodec):
         return out[0], out[1]
 
 
-@torch.no_grad()
-def _coding_errors(engine: TurboEsm, codecs: list[KVCodec], records) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _coding_errors(model, codecs: list[KVCodec], records) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the absolute coding errors of keys and of values over the prefill of ``records`` (a sample of
     at most 2^24 each, for the quantile)."""
-    seen: list[list[list[torch.Tensor]]] = [[[], []] for _ in codecs]
-
-    def record(layer, q, k, v, valid):
-        rows = valid[0].bool()
-        for kind, (x, x_hat) in enumerate(zip((k, v), codecs[layer].decode(codecs[layer].encode(k, v)))):
-            seen[layer][kind].append((x - x_hat).abs()[0][:, rows].flatten())
-
-    for rec in records:
-        engine.session("fp32").start([rec.sequence], [rec.id], recorder=record)
-    return [tuple(torch.cat(kind)[: 2**24] for kind in layer) for layer in seen]
+    errors = []
+    for codec, (k, v) in zip(codecs, collect_kv(model, records, max_tokens=2**30)):  # [H, N, d] each
+        k_hat, v_hat = codec.decode(codec.encode(k, v))
+        errors.append(tuple((x - x_hat).abs().flatten()[: 2**24] for x, x_hat in ((k, k_hat), (v, v_hat))))
+    return errors
 
 
 def main() -> None:
@@ -111,7 +106,7 @@ def main() -> None:
         cal = calibrate(model, cal_records, recipe("default", index_bits=int(bits) - 1), progress=False)
         engine = TurboEsm(model, cal)
         heads, dim = cal.codecs[0].key.heads, cal.codecs[0].key.dim
-        errors = _coding_errors(engine, cal.codecs, cal_records[:32]) if args.fitted and args.sparse else None
+        errors = _coding_errors(model, cal.codecs, cal_records[:32]) if args.fitted and args.sparse else None
         for sinks, sparse in [(n, 0.0) for n in args.sinks] + [(0, f) for f in args.sparse]:
             cuts = ([tuple(float(e.quantile(1 - sparse)) for e in layer) for layer in errors] if errors and sparse
                     else [None] * len(cal.codecs))

@@ -111,10 +111,10 @@ _RETIRED: list[torch.Tensor] = []
 
 def split_counters(n: int, device: torch.device) -> torch.Tensor:
     """At least ``n`` int32 arrival counts, all zero, for a launch whose last program to finish a unit of work merges
-    it and zeroes its count again (``decode.small._small_kernel``, a split
-    ``weights.matmul._dequant_matmul_kernel``): one buffer per device and stream, so a step needs no memset launch (a tenth of the smallest step's time). Launches on
-    one stream run in order and share it safely; a CUDA graph keeps the buffer of the stream it was captured on, so two
-    graphs captured on one stream must not be replayed concurrently on different streams. A new buffer found
+    it and zeroes its count again (``decode.small._small_kernel``, a split ``weights.matmul._dequant_matmul_kernel``):
+    one buffer per device and stream, so a step needs no memset launch (a tenth of the smallest step's time). Launches
+    on one stream run in order and share it safely; a CUDA graph keeps the buffer of the stream it was captured on, so
+    two graphs captured on one stream must not be replayed concurrently on different streams. A new buffer found
     missing during a capture is zeroed inside it."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
