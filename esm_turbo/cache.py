@@ -75,6 +75,7 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         # host-side upper bound of lengths.max(): capacity checks need no device sync (CUDA graphs)
         self._max_bound = 0
+        self._version = 0  # bumped when the stored buffers are replaced (storage_version)
         self._written = 0
         self.parts: list[dict[str, torch.Tensor]] = [self._alloc(c, batch_size, self.capacity) for c in codecs]
         #: KIVI's fp16 recent-token window, a layer over the codes for the codecs that keep one (esm_turbo.window)
@@ -121,9 +122,16 @@ class KVCache:
                                "reserve")
         self._max_bound += tokens
 
+    @property
+    def storage_version(self) -> object:
+        """Changes whenever the stored buffers are replaced (growth, select): a captured step replays while it
+        stays."""
+        return self._version
+
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return
+        self._version += 1
         new_cap = max(needed, 2 * self.capacity)
         for layer, codec in enumerate(self.codecs):
             fresh = self._alloc(codec, self.batch_size, new_cap)
@@ -203,6 +211,7 @@ class KVCache:
         if bool(((rows < 0) | (rows >= self.batch_size)).any()):
             raise IndexError(f"row index out of range for a batch of {self.batch_size}")
         self._select_storage(rows)
+        self._version += 1
         self.lengths = self.lengths.index_select(0, rows)
         if self.window is not None:
             self.window.select(rows)

@@ -82,13 +82,19 @@ class DecodeCache(Protocol):
 
     # ---- CUDA-graph capture ---------------------------------------------------------------------------------
     def reserve(self, tokens: int) -> None:
-        """Room for ``tokens`` more positions a row now (the buffers of a captured step cannot grow)."""
+        """Room for ``tokens`` more positions a row now (the buffers of a captured step cannot grow; a paged cache
+        takes each row's blocks for them now and keeps them, so its block tables stay as they are)."""
 
     def rewind_bound(self, bound: int) -> None:
         """Put :attr:`length_bound` back to ``bound`` (a capture records a step without running it)."""
 
     def claim(self, tokens: int) -> None:
         """Count ``tokens`` more a row on the host for a replayed step that commits them."""
+
+    @property
+    def storage_version(self) -> object:
+        """Changes whenever the buffers or block tables a step reads and writes may be replaced (growth, select, a
+        block taken, copied or moved): a captured step replays only while it stays the same."""
 
     # ---- accounting -----------------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

@@ -110,6 +110,7 @@ class BlockPool:
                 bufs[name][:n].copy_(layer[name])
                 layer[name] = bufs[name]
         self.free_slots = list(range(n + extra - 1, n - 1, -1)) + self.free_slots
+        self.epoch += 1  # the slots stay, the buffers are new (a captured step holds the old ones)
 
     def _grow_host(self) -> None:
         """More host slots (at least as many as there are, and as the device holds), in new pinned chunks."""
@@ -286,6 +287,7 @@ class PagedKVCache(KVCache):
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
         self.host_lengths = [0] * batch_size  # ``lengths`` on the host: block bookkeeping never waits for the device
         self._tables: tuple[int, dict[int, torch.Tensor]] = (-1, {})  # (epoch, {width: [B, width] slots})
+        self._reach: list[int] | None = None  # positions each row's blocks are held up to (reserve), else None
         self._new_step()
 
     def _new_step(self) -> None:
@@ -336,7 +338,7 @@ class PagedKVCache(KVCache):
 
     def _release_past_ends(self) -> None:
         for row, length in enumerate(self.host_lengths):
-            keep = -(-length // self.block_size)
+            keep = -(-max(length, self._reach[row] if self._reach else 0) // self.block_size)
             if len(self.tables[row]) > keep:
                 for block in self.tables[row][keep:]:
                     self.pool.drop(block)
@@ -363,8 +365,55 @@ class PagedKVCache(KVCache):
         return tables[width]
 
     def _width(self, extra: int = 0) -> int:
-        """Blocks a table needs for the longest row plus ``extra`` tokens (at least one)."""
-        return max(1, -(-(max(self.host_lengths) + extra) // self.block_size))
+        """Blocks a table needs for the longest row plus ``extra`` tokens (at least one), and while blocks are
+        reserved (:meth:`reserve`) for the farthest reach: one table, the same tensor, for every step within it."""
+        reach = max(self._reach) if self._reach else 0
+        return max(1, -(-(max(max(self.host_lengths) + extra, reach)) // self.block_size))
+
+    # ---- CUDA-graph capture ----------------------------------------------------------------------
+    @property
+    def storage_version(self) -> object:
+        """The pool's epoch (every block taken, copied, moved or freed, every table changed, the pool grown) with
+        the cache's own version (select): a captured step replays while it stays."""
+        return self._version, self.pool.epoch
+
+    def reserve(self, tokens: int) -> None:
+        """Take every row's blocks for ``tokens`` more positions now (copying a shared block it would write) and
+        keep them until a select: steps within the reach write through block tables that no longer change, so a
+        CUDA graph captures them. Refused under a device budget (blocks move between steps)."""
+        if self.pool.limit is not None:
+            raise RuntimeError("capture_step: a paged cache under a device budget (gpu_budget_gib) moves blocks "
+                               "between steps; step it eagerly")
+        bs, keep, copies = self.block_size, self._mine(), []
+        reach = [n + int(tokens) for n in self.host_lengths]
+        if self._reach:
+            reach = [max(a, b) for a, b in zip(reach, self._reach)]
+        self.pool.reserve(sum(max(0, -(-r // bs) - len(t)) for r, t in zip(reach, self.tables)), keep)
+        for row, (start, end) in enumerate(zip(self.host_lengths, reach)):
+            for index in range(start // bs, -(-end // bs)):
+                self._own(row, index, keep, copies)
+        self.pool.copy_blocks(copies)
+        self._reach = reach
+        self._ensure_capacity(max(reach))
+        self._new_step()
+
+    def rewind_bound(self, bound: int) -> None:
+        """:attr:`length_bound` and each row's host length back by what a capture counted past ``bound`` (a captured
+        paged step commits every token of every row)."""
+        back = self._max_bound - int(bound)
+        self.host_lengths = [n - back for n in self.host_lengths]
+        super().rewind_bound(bound)
+        self._new_step()
+
+    def claim(self, tokens: int) -> None:
+        """Count ``tokens`` more a row (host lengths too) for a replayed committing step; refused past the reach
+        reserved before the capture."""
+        if not self._reach or any(n + tokens > r for n, r in zip(self.host_lengths, self._reach)):
+            raise RuntimeError("the captured step's reserved cache room is used up; capture again with a larger "
+                               "reserve")
+        self.host_lengths = [n + tokens for n in self.host_lengths]
+        self._max_bound += tokens
+        self._new_step()
 
     def pages(self) -> tuple[torch.Tensor, int]:
         """(pages [B, ceil(max length / block_size)] int32 on the device, block_size): what the fused decode kernel
@@ -439,6 +488,8 @@ class PagedKVCache(KVCache):
                 self.pool.drop(block)
         self.tables = tables
         self.host_lengths = [self.host_lengths[r] for r in rows.tolist()]
+        self._reach = None  # the rows' reserved blocks are shared now: a write copies them as usual
+        self._release_past_ends()
         self.pool.tables_changed()
         self._new_step()
 
@@ -495,6 +546,7 @@ class PagedRows(PagedKVCache):
         self.tables = [parent.tables[r] for r in rows]  # … the same list objects, per row
         self.lengths = parent.lengths[to_device_queued(self.rows, parent.device)]  # … and copies of these
         self.host_lengths = [parent.host_lengths[r] for r in rows]
+        self._reach = [parent._reach[r] for r in rows] if parent._reach else None
         self.batch_size = len(rows)
         self._written = 0
         self._tables = (-1, {})

@@ -272,20 +272,21 @@ class DecodeSession:
 
         ``tokens`` [B, S] (and ``counts``) are copied into static inputs that ``CapturedStep.replay``
         refills; with ``commit`` each replay appends to the cache, and room for ``reserve`` such steps is
-        made now (the graph holds the cache buffers, so they may not grow later). Re-capture after
-        ``select``/``fork``."""
+        made now (the graph holds the cache buffers, so they may not grow later; a paged cache takes its rows'
+        blocks for them now, and its captured step commits every token of every row). A replay refuses once the
+        cache has changed under it (``select``, ``fork``, growth): capture again."""
         cache = self._require_started()
-        if not cache.contiguous:
-            raise RuntimeError("capture_step needs the contiguous cache: a paged cache takes blocks on the host "
-                               "as rows grow")
         if not cache.device.type == "cuda":
             raise RuntimeError("capture_step needs the model and cache on a CUDA device")
         if getattr(self.engine.model, "residual_offload", None) is not None:
             raise RuntimeError("capture_step: the model's residual pass is offloaded (its copies are queued from the "
                                "host as layers run); step eagerly")
+        if not cache.contiguous and counts is not None:
+            raise ValueError("capture_step: a captured paged step commits every token of every row (counts=None)")
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=cache.device).clone()
-        counts = (torch.full((cache.batch_size,), tokens.shape[1], device=cache.device) if counts is None
-                  else torch.as_tensor(counts, dtype=torch.long, device=cache.device).clone())
+        static_counts = (torch.full((cache.batch_size,), tokens.shape[1], device=cache.device) if counts is None
+                         else torch.as_tensor(counts, dtype=torch.long, device=cache.device).clone())
+        step_counts = static_counts if cache.contiguous else None  # paged: whole steps, counted on the host
         if commit:
             cache.reserve(reserve * tokens.shape[1])
             self.fit_to_cache()
@@ -293,14 +294,15 @@ class DecodeSession:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compiles kernels and builds the fused tables
             for _ in range(2):
-                self.step(tokens, counts, commit=False)
+                self.step(tokens, step_counts, commit=False)
         torch.cuda.current_stream().wait_stream(side)
         bound = cache.length_bound
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self.step(tokens, counts, commit=commit)
+            out = self.step(tokens, step_counts, commit=commit)
         cache.rewind_bound(bound)  # capture ran no kernels; replays advance it
-        return CapturedStep(self, graph, tokens, counts, out, commit, tokens.shape[1])
+        return CapturedStep(self, graph, tokens, static_counts, out, commit, tokens.shape[1], cache,
+                            cache.storage_version)
 
     def fit_to_cache(self) -> None:
         """Grow the session's token record to the cache's capacity (after the cache grew)."""
@@ -371,11 +373,16 @@ class CapturedStep:
     output: StepOutput
     commit: bool
     width: int
+    cache: DecodeCache  # the cache it was captured on (held: the graph writes its buffers) …
+    version: object  # … and its storage_version then: a replay needs both unchanged
 
     def replay(self, tokens: torch.Tensor | None = None) -> StepOutput:
+        cache = self.session.cache
+        if cache is not self.cache or cache.storage_version != self.version:
+            raise RuntimeError("the cache changed since this step was captured (a new start, select, fork, growth or "
+                               "blocks taken): capture the step again")
         if tokens is not None:
             self.tokens.copy_(tokens)
-        cache = self.session.cache
         if self.commit:
             cache.claim(self.width)
         self.graph.replay()
