@@ -24,6 +24,9 @@ from .decode import SHAPES, bench_attention, bench_cpu_steps, bench_decode, benc
 from .report import BenchResult, format_result, to_json
 from .timing import graph_floor_us, peak_copy_gbs
 
+#: rows of the decode suite besides the most each cache fits in its budget
+DECODE_BATCHES = (16, 64)
+
 EMBED_FASTA = [str(CALIBRATION_DATA / "calibration.fasta"), str(CALIBRATION_DATA / "evaluation.fasta")]
 
 
@@ -46,7 +49,7 @@ def run(quick: bool = False, device: str | None = None, reference: bool = False,
         batches, lengths = ((1, 8), (1024, 4096)) if quick else ((1, 8, 64), (1024, 4096, 16384))
         res.attention = bench_attention(dev, batches, lengths)
         res.quantize = bench_quantize(dev)
-        res.decode = bench_decode(dev)
+        res.decode = bench_decode(dev, batches=() if quick else DECODE_BATCHES)
     else:
         res.notes.append("CPU: reference paths at small sizes; a smoke run, not a speed claim")
         res.attention = bench_attention(dev, (1, 4), (256,), {"650M": (20, 64)})

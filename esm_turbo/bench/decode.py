@@ -133,49 +133,82 @@ def bench_quantize(device, size: str = "650M", length: int = 1024, layers: int |
 
 @torch.no_grad()
 def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: float = 8.0, steps: int = 16,
-                 layers: int | None = None, max_batch: int = 1024) -> list[dict]:
-    """Decode tokens/s with an fp16 cache and the compressed cache, each at the largest batch whose
-    KV cache fits ``budget_gib`` at ``context`` + ``steps`` tokens."""
+                 layers: int | None = None, max_batch: int = 1024, batches: tuple[int, ...] = ()) -> list[dict]:
+    """Decode tokens/s with an fp16 cache and the compressed caches, each at the largest batch whose KV cache fits
+    ``budget_gib`` at ``context`` + ``steps`` tokens and at each of ``batches`` below it. On CUDA each row also holds
+    the step's floor (:func:`~esm_turbo.bench.step.step_report`: one read of what the step must read, at the pure-read
+    rate measured here) and where its time goes (:func:`~esm_turbo.bench.step.profile_step` of a replay)."""
     from ..model.engine import TurboEsm
     from ..model.alphabet import alphabet
+    from .step import read_rate_gbs
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     model = stand_in_model(size, device, dtype, layers)
     engine = TurboEsm(model)
-    rows = []
+    rate = read_rate_gbs(device) if device.type == "cuda" else None
+    token = alphabet().get_idx("A")
+    rows, made = [], []
     for kind in ("fp16", "turbo-3+1-lut", "turbo-3+1-grid"):
         factory = (lambda layer, h, d, grid=kind.endswith("grid"): default_codec(h, d, layer, grid)) \
             if kind != "fp16" else "fp16"
         codecs = engine.codecs(factory)
         per_token = sum(c.bytes_per_token() for c in codecs) * engine.heads
         tokens_per_row = context + steps
-        batch = min(max_batch, int(budget_gib * 2**30 // (per_token * tokens_per_row)))
-        session = synthetic_session(engine, factory, batch, context, steps)
-        cache = session.cache
-        step_tokens = torch.full((batch, 1), alphabet().get_idx("A"), device=device)
-        if device.type == "cuda":
-            captured = session.capture_step(step_tokens, commit=True, reserve=steps + 2)
-            captured.replay()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                captured.replay()
-            torch.cuda.synchronize()
-            sec = time.perf_counter() - t0
-        else:
-            session.step(step_tokens)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                session.step(step_tokens)
-            sec = time.perf_counter() - t0
-        rows.append(dict(cache=kind, batch=batch, context=context, kv_bytes_per_token=per_token,
-                         kv_gib=per_token * tokens_per_row * batch / 2**30, tokens_per_s=batch * steps / sec,
-                         step_ms=sec / steps * 1e3))
-        del session, cache
-        if device.type == "cuda":
+        most = min(max_batch, int(budget_gib * 2**30 // (per_token * tokens_per_row)))
+        for batch in sorted({b for b in batches if b < most} | {most}):
+            made.append((factory, batch))
+            row = _decode_row(engine, factory, kind, batch, context, steps, device, token, rate)
+            row.update(kv_bytes_per_token=per_token, kv_gib=per_token * tokens_per_row * batch / 2**30,
+                       at_budget=batch == most)
+            rows.append(row)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if rate is not None:  # last: a profiler leaves the process slower after it (CUPTI stays attached)
+        for row, (factory, batch) in zip(rows, made):
+            row["breakdown"] = _profile_row(engine, factory, batch, context, device, token)
             torch.cuda.empty_cache()
-    for row in rows[1:]:
-        row["speedup_vs_fp16"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    fp16 = {r["batch"]: r["tokens_per_s"] for r in rows if r["cache"] == "fp16"}
+    fp16_budget = next(r["tokens_per_s"] for r in rows if r["cache"] == "fp16" and r["at_budget"])
+    for row in rows:  # under one budget against the fp16 cache's most rows; else at the same rows, where measured
+        base = fp16_budget if row["at_budget"] else fp16.get(row["batch"])
+        if row["cache"] != "fp16" and base:
+            row["speedup_vs_fp16"] = row["tokens_per_s"] / base
     return rows
+
+
+def _profile_row(engine, factory, batch: int, context: int, device, token: int) -> dict:
+    """:func:`.step.profile_step` of one captured step of ``batch`` rows over a fresh synthetic ``context``-token
+    cache (the same kernels eagerly if the profiler sees none inside the graph)."""
+    from .step import profile_step
+    session = synthetic_session(engine, factory, batch, context, 4)
+    tokens = torch.full((batch, 1), token, device=device)
+    found = profile_step(session.capture_step(tokens, commit=True, reserve=4).replay, device)
+    if not found["launches"]:
+        found = profile_step(lambda: session.step(tokens, commit=False), device) | dict(eager=True)
+    return found
+
+
+def _decode_row(engine, factory, kind: str, batch: int, context: int, steps: int, device, token: int,
+                rate_gbs: float | None) -> dict:
+    """Tokens/s of ``steps`` decode steps of ``batch`` rows over a synthetic ``context``-token cache (CUDA: one
+    captured step replayed), and with ``rate_gbs`` (CUDA) the step's floor (:func:`.step.step_report`)."""
+    from .step import step_report
+    session = synthetic_session(engine, factory, batch, context, steps + 2)
+    step_tokens = torch.full((batch, 1), token, device=device)
+    step = session.capture_step(step_tokens, commit=True, reserve=steps + 2).replay if device.type == "cuda" \
+        else (lambda: session.step(step_tokens))
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    sec = time.perf_counter() - t0
+    row = dict(cache=kind, batch=batch, context=context, tokens_per_s=batch * steps / sec, step_ms=sec / steps * 1e3)
+    if rate_gbs is not None:
+        row.update(step_report(session, row["step_ms"], rate_gbs), read_gbs=rate_gbs)
+    return row
 
 
 @torch.no_grad()

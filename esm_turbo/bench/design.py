@@ -19,6 +19,7 @@ from ..ops import attend_compressed, use_kernels
 from ..ops.blocks import BLOCK_SIZE
 from ..ops.compressed import fused_tables
 from .synthetic import as_blocks, layer_codec, random_protein, shuffled_pages, stand_in_model, synthetic_cache
+from .step import format_breakdown, kv_bytes_held, profile_step, read_rate_gbs, step_report
 from .timing import link_h2d_gbs, time_graph
 
 
@@ -33,6 +34,7 @@ class DesignBench:
     rows: list[dict] = field(default_factory=list)  # tokens/s: the fastest of ROUNDS interleaved rounds
     offload: dict = field(default_factory=dict)  # a quarter of distinct rows a step, in and over a budget
     block_tables: dict = field(default_factory=dict)  # decode attention through block tables vs contiguous
+    read_gbs: float | None = None  # a pure read's rate, what each step's floor is taken at (CUDA)
 
 
 def _sync(device: torch.device) -> None:
@@ -76,24 +78,26 @@ def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, c
     res = DesignBench(name, f"{size}-shaped" + (f" ({layers} layers)" if layers else ""), prefix, candidates, tail,
                       block_size)
     step = torch.full((candidates, 1), alphabet().get_idx("A"), device=device)
-    sessions = {}
-    for kind, paged in (("compressed, paged", True), ("compressed, contiguous", False), ("fp16, contiguous", False)):
-        factory = "fp16" if kind.startswith("fp16") else layer_codec
-        session = engine.session(factory, capacity=prefix + tail, paged=paged, block_size=block_size)
-        session.start([scaffold])
-        session.fork(candidates)
-        sessions[kind] = session
+    room = prefix + tail + REPLAYS + 1  # the eager steps, then a captured step's replays
+    sessions = {kind: _forked(engine, kind, scaffold, candidates, room, block_size) for kind in CACHES}
     times = _interleaved({kind: (lambda i, s=s: s.step(step)) for kind, s in sessions.items()}, tail - 1, device)
     print("bench design: forks done", file=sys.stderr, flush=True)
+    rate = read_rate_gbs(device) if device.type == "cuda" else None
     for kind, session in sessions.items():
         rep = session.memory_report()
         per_token = rep.bytes_per_token_per_layer * rep.layers
         least = (prefix + candidates * tail) * per_token
-        held = rep.used_bytes if session.paged else rep.tokens * per_token  # contiguous: every row's tokens
+        held = kv_bytes_held(rep, session.paged)
         sec = min(times[kind])
-        res.rows.append(dict(cache=kind, held_bytes=held, least_bytes=least, vs_least=held / least,
-                             shared_saved_bytes=rep.shared_saved_bytes, tokens_per_s=candidates / sec,
-                             step_ms=sec * 1e3, round_ms=[t * 1e3 for t in times[kind]]))
+        row = dict(cache=kind, held_bytes=held, least_bytes=least, vs_least=held / least,
+                   shared_saved_bytes=rep.shared_saved_bytes, tokens_per_s=candidates / sec,
+                   step_ms=sec * 1e3, round_ms=[t * 1e3 for t in times[kind]])
+        if rate is not None:
+            row.update(step_report(session, row["step_ms"], rate))
+            row["captured_ms"] = _captured_ms(session, step, device)  # the step as a CUDA graph
+            row["captured_of_floor"] = row["floor_ms"] / row["captured_ms"]
+        res.rows.append(row)
+    res.read_gbs = rate
     del sessions, session
     _sync(device)
     fp16 = res.rows[-1]["held_bytes"]
@@ -103,7 +107,47 @@ def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, c
     heads, dim = engine.heads, engine.head_dim
     res.block_tables = (bench_block_tables(device, heads, dim, 64, 16384, block_size) if device.type == "cuda" else
                         bench_block_tables(device, heads, dim, 2, 256, block_size))
+    if rate is not None:  # last: a profiler leaves the process slower after it (CUPTI stays attached)
+        for row in res.rows:
+            session = _forked(engine, row["cache"], scaffold, candidates, room, block_size)
+            for _ in range(tail):
+                session.step(step)
+            row["breakdown"] = profile_step(lambda: session.step(step, commit=False), device) | dict(eager=True)
+            del session
+            _sync(device)
     return res
+
+
+#: the design loop's caches: the compressed cache paged and contiguous, and the contiguous fp16 cache
+CACHES = ("compressed, paged", "compressed, contiguous", "fp16, contiguous")
+
+
+def _forked(engine, kind: str, scaffold: str, candidates: int, capacity: int, block_size: int):
+    """A session of cache ``kind`` (:data:`CACHES`) holding ``scaffold`` forked into ``candidates`` rows."""
+    session = engine.session("fp16" if kind.startswith("fp16") else layer_codec, capacity=capacity,
+                             paged=kind.endswith("paged"), block_size=block_size)
+    session.start([scaffold])
+    session.fork(candidates)
+    return session
+
+
+#: replays of a captured step timed after one untimed (the sessions hold room for them)
+REPLAYS = 8
+
+
+def _captured_ms(session, step: torch.Tensor, device: torch.device) -> float:
+    """Milliseconds of ``session``'s committing step captured as a CUDA graph (room for :data:`REPLAYS` + 1 more
+    tokens a row reserved first: the contiguous cache within its capacity, the paged cache's blocks taken), the
+    median of :data:`REPLAYS` replays."""
+    captured = session.capture_step(step, commit=True, reserve=REPLAYS + 1)
+    times = []
+    for _ in range(REPLAYS + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        captured.replay()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[REPLAYS // 2] * 1e3
 
 
 def bench_block_tables(device: torch.device, heads: int, dim: int, batch: int, context: int,
@@ -184,11 +228,22 @@ def _bench_offload(engine, device: torch.device, prefix: int, rows: int, steps: 
 def format_design(res: DesignBench) -> str:
     lines = [f"design loop: {res.candidates} candidates forked from one {res.prefix}-token scaffold, each extended by "
              f"{res.tail} tokens ({res.model}, {res.device}; blocks of {res.block_size})",
-             f"  {'cache':<24}{'held MiB':>10}{'× least':>9}{'× fp16':>8}{'tokens/s':>11}{'step ms':>9}"]
+             f"  {'cache':<24}{'held MiB':>10}{'× least':>9}{'× fp16':>8}{'tokens/s':>11}{'step ms':>9}"
+             + (f"{'floor ms':>10}{'reached':>9}" if res.read_gbs else "")]
     for r in res.rows:
+        floor = f"{r['floor_ms']:>10.2f}{100 * r['of_floor']:>8.0f}%" if "floor_ms" in r else ""
         lines.append(f"  {r['cache']:<24}{r['held_bytes'] / 2**20:>10.1f}{r['vs_least']:>8.2f}×{r['vs_fp16']:>7.3f}×"
-                     f"{r['tokens_per_s']:>11.0f}{r['step_ms']:>9.2f}")
-    lines.append("  least: one scaffold plus every tail at the cache's bytes per token")
+                     f"{r['tokens_per_s']:>11.0f}{r['step_ms']:>9.2f}{floor}")
+    lines.append("  least: one scaffold plus every tail at the cache's bytes per token; steps run eagerly")
+    if res.read_gbs:
+        lines.append(f"  floor: one read of what a step must read (the cache's keys and values, the weights, each "
+                     f"layer's hidden states) at a pure read's {res.read_gbs:.0f} GB/s, measured here")
+        flat = next(r for r in res.rows if r["cache"] == "compressed, contiguous")
+        for r in res.rows:
+            lines.append(f"  {r['cache']}: {format_breakdown(r['breakdown'], r['step_ms'])}")
+            lines.append(f"    captured as a CUDA graph: {r['captured_ms']:.2f} ms a step, "
+                         f"{100 * r['captured_of_floor']:.0f}% of the floor, "
+                         f"{flat['captured_ms'] / r['captured_ms']:.2f}x the contiguous compressed cache's speed")
     if res.offload:
         o = res.offload
         lines.append(f"host tier: {o['rows']} distinct {res.prefix}-token sequences on the paged cache, "

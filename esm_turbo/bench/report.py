@@ -30,11 +30,12 @@ def format_result(res: BenchResult) -> str:
         lines.append(f"a graph of one one-element add: {res.graph_floor_us:.1f} µs, timed as every call below (each µs "
                      "includes it)")
     if res.attention:
+        r = DEFAULT_RECIPE
         lines.append(f"\ndecode attention per layer call (1 new token per sequence; the default widths: keys "
-                     f"{DEFAULT_RECIPE.key_index_bits} + {DEFAULT_RECIPE.residual}, values {DEFAULT_RECIPE.value_index_bits} + "
-                     f"{DEFAULT_RECIPE.residual} bits; default tables: {DEFAULT_RECIPE.lut})")
-        lines.append(f"(µs: one call replayed as a CUDA graph; step µs: per call of {STEP_CALLS} calls in one graph, as a "
-                     f"decode step's layers replay)")
+                     f"{r.key_index_bits} + {r.residual}, values {r.value_index_bits} + {r.residual} bits; default "
+                     f"tables: {r.lut})")
+        lines.append(f"(µs: one call replayed as a CUDA graph; step µs: per call of {STEP_CALLS} calls in one graph, "
+                     f"as a decode step's layers replay)")
         lines.append("(fused: per-channel LUT codes, lut='channel'; grid: the same kernels and bytes on a grid codec's "
                      "cache, lut='grid', values computed from the codes, no table look-ups)")
         lines.append("(read µs: a kernel that only reads the bytes the grid kernel reads, the least any kernel reading "
@@ -60,15 +61,26 @@ def format_result(res: BenchResult) -> str:
     q = res.quantize
     if q:
         lines.append(f"\nquantize-and-pack ({q['path']}), {q['model']}, prefill of {q['tokens']} tokens "
-                     f"({q['prefill_ms']:.2f} ms):\n  prefill writing the compressed cache {q['prefill_writing_ms']:.2f} ms,"
-                     f" added {q['added_ms']:.3f} ms = {100 * q['added_fraction']:.1f}%\n"
+                     f"({q['prefill_ms']:.2f} ms):\n  prefill writing the compressed cache "
+                     f"{q['prefill_writing_ms']:.2f} ms, added {q['added_ms']:.3f} ms = "
+                     f"{100 * q['added_fraction']:.1f}%\n"
                      f"  its launches timed alone {q['quantize_pack_ms']:.3f} ms = {100 * q['fraction']:.1f}%")
     if res.decode:
-        lines.append("\nend-to-end decode under one KV budget")
+        lines.append("\nend-to-end decode, one token a row a step (CUDA: the step captured as a graph)")
+        if res.decode[0].get("read_gbs"):
+            lines.append(f"(floor: one read of what a step must read, the cache's keys and values, the weights and "
+                         f"each layer's hidden states, at a pure read's {res.decode[0]['read_gbs']:.0f} GB/s, "
+                         f"measured here)")
         for r in res.decode:
             ratio = f"  {r['speedup_vs_fp16']:.2f}× fp16" if "speedup_vs_fp16" in r else ""
-            lines.append(f"  {r['cache']:14} batch {r['batch']:>5}  KV {r['kv_gib']:.2f} GiB  "
-                         f"{r['tokens_per_s']:>10.0f} tokens/s  ({r['step_ms']:.2f} ms/step){ratio}")
+            budget = " (budget)" if r.get("at_budget") else ""
+            floor = (f"  floor {r['floor_ms']:.2f} ms = {100 * r['of_floor']:.0f}% reached"
+                     if "floor_ms" in r else "")
+            lines.append(f"  {r['cache']:14} batch {r['batch']:>5}{budget:9} KV {r['kv_gib']:5.2f} GiB "
+                         f"{r['tokens_per_s']:>9.0f} tokens/s ({r['step_ms']:.2f} ms/step){floor}{ratio}")
+            if "breakdown" in r:
+                from .step import format_breakdown
+                lines.append(f"      {format_breakdown(r['breakdown'], r['step_ms'])}")
     if res.embed:
         from ..embed.benchmark import format_embed
         lines += format_embed(res.embed)
@@ -76,7 +88,8 @@ def format_result(res: BenchResult) -> str:
         lines.append("\nCPU decode step, batch 1 (PyTorch reference path), and calibration of the stand-in model")
         for r in res.cpu_steps:
             lines.append(f"  {r['size']:>4}-shaped, {r['context']} cached tokens, {r['threads']} threads: "
-                         f"3+1-bit cache {r['turbo-3+1_step_ms']:.1f} ms/step, fp32 cache {r['fp32_step_ms']:.1f} ms/step; "
+                         f"3+1-bit cache {r['turbo-3+1_step_ms']:.1f} ms/step, fp32 cache "
+                         f"{r['fp32_step_ms']:.1f} ms/step; "
                          f"calibration on {r['calibration_tokens']} tokens {r['calibration_s']:.1f} s")
     lines += [f"note: {n}" for n in res.notes]
     return "\n".join(lines)

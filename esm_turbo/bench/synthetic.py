@@ -20,8 +20,8 @@ def default_codec(heads: int, dim: int, seed: int = 0, grid: bool | None = None)
     """A random codec of the default calibration's widths and residual (:data:`DEFAULT_RECIPE`) and tables (its
     grid, unless ``grid`` says: uniform levels or per-channel LUTs)."""
     grid = DEFAULT_RECIPE.lut == "grid" if grid is None else grid
-    return random_turbo_codec(heads, dim, DEFAULT_RECIPE.key_index_bits, DEFAULT_RECIPE.value_index_bits, DEFAULT_RECIPE.residual,
-                              seed, grid=grid)
+    r = DEFAULT_RECIPE
+    return random_turbo_codec(heads, dim, r.key_index_bits, r.value_index_bits, r.residual, seed, grid=grid)
 
 
 def layer_codec(layer: int, heads: int, dim: int):
