@@ -1,0 +1,112 @@
+"""Study: widths per layer from a measured sensitivity, at a mean of 3.0 bits all-in, on a trained testbed (PyTorch
+path, CPU).
+
+Each layer's sensitivity is the drop in mean decode cos when that layer alone goes from 4.0 to 2.0 bits all-in (the
+others at 4.0). The most sensitive k layers then take 4.0 bits and the least sensitive k take 2.0, the rest 3.0: the
+same mean as the uniform 3.0-bit default, every byte counted by the cache's memory report. The k = 2 allocation the
+other way round is the control. With ``--sparse F`` the best allocation also keeps the values whose coding error
+passes a per-layer threshold fitted at the fraction F (dense-and-sparse, ``tools/exact_study.py --fitted``).
+
+    python tools/layer_bits_study.py ../shared/testbed/esm2_d64_trained --sparse 0.0025 --out R.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+from exact_study import ExactCodec, _coding_errors
+
+from esm_turbo import TurboEsm, calibrate, load_esm, read_fasta
+from esm_turbo.model.evaluate import evaluate
+from esm_turbo.model.recipe import recipe
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="layers moved up and down a bit")
+    ap.add_argument("--sparse", type=float, default=0.0, help="with the best allocation, dense-and-sparse at F")
+    ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
+    ap.add_argument("--evaluation", default="calibration_data/evaluation.fasta")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    model = load_esm(args.model)
+    cal_records, eval_records = read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
+    t0 = time.time()
+    cals = {bits: calibrate(model, cal_records, recipe("default", index_bits=bits - 1), progress=False)
+            for bits in (2, 3, 4)}
+    engine = TurboEsm(model, cals[3])
+    layers = len(cals[3].codecs)
+    heads, dim = cals[3].codecs[0].key.heads, cals[3].codecs[0].key.dim
+
+    def run(widths: list[int], codecs=None) -> dict:
+        codecs = codecs or [cals[w].codecs[i] for i, w in enumerate(widths)]
+        report = evaluate(engine, eval_records, cache=lambda layer, h, d: codecs[layer], progress=False)
+        o = report["overall"]
+        return dict(widths=widths, bits=report["memory"]["bits_per_value"], mean=o["decode_cos_mean"],
+                    worst=o["decode_cos_worst_seq"], token=o["decode_cos_min"], tail=o["decode_tail_share"])
+
+    rows = []
+
+    def add(label: str, row: dict) -> dict:
+        row["label"] = label
+        rows.append(row)
+        print(f"{label:28} {' '.join(map(str, row['widths']))}  {row['bits']:.3f}  {row['mean']:.4f}  "
+              f"{row['worst']:.4f}  {row['token']:.3f}  {row['tail']:.2%}  ({time.time() - t0:.0f} s)", flush=True)
+        return row
+
+    uniform3 = add("uniform 3.0", run([3] * layers))
+    uniform4 = add("uniform 4.0", run([4] * layers))
+    drops = []
+    for layer in range(layers):
+        row = add(f"layer {layer} at 2.0, rest 4.0", run([2 if i == layer else 4 for i in range(layers)]))
+        drops.append(uniform4["mean"] - row["mean"])
+    order = sorted(range(layers), key=lambda i: -drops[i])  # most sensitive first
+    best = uniform3
+    for k in args.ks:
+        if 2 * k > layers:
+            continue
+        widths = [3] * layers
+        for i in order[:k]:
+            widths[i] = 4
+        for i in order[-k:]:
+            widths[i] = 2
+        row = add(f"sensitive k={k} up, k down", run(widths))
+        best = max(best, row, key=lambda r: (r["worst"], r["mean"]))
+    if layers >= 4:
+        widths = [3] * layers
+        for i in order[:2]:
+            widths[i] = 2
+        for i in order[-2:]:
+            widths[i] = 4
+        add("control: k=2 the other way", run(widths))
+    if args.sparse:
+        errors = {w: _coding_errors(model, cals[w].codecs, cal_records[:32]) for w in set(best["widths"])}
+        codecs = []
+        for i, w in enumerate(best["widths"]):
+            cuts = tuple(float(e.quantile(1 - args.sparse)) for e in errors[w][i])
+            codecs.append(ExactCodec(cals[w].codecs[i], 0, args.sparse, cuts))
+        row = run(best["widths"], codecs)
+        kept = sum(c.kept[0] for c in codecs) / max(1, sum(c.kept[1] for c in codecs))
+        row["bits"] += kept * (16 + math.log2(dim)) + 16 / (heads * dim)  # value, index, a count per token
+        add(f"best + sparse {kept:.2%}", row)
+    lines = [f"# python tools/layer_bits_study.py {args.model} --ks {' '.join(map(str, args.ks))}"
+             + (f" --sparse {args.sparse}" if args.sparse else ""),
+             f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU. "
+             "Sensitivity: mean decode cos lost when one layer goes 4.0 -> 2.0 bits all-in, the rest at 4.0: "
+             + ", ".join(f"layer {i} {d:.4f}" for i, d in enumerate(drops)),
+             f"{'allocation':28} {'bits a layer':>12}  all-in  mean cos  worst seq  worst tok  <0.95"]
+    for r in rows:
+        lines.append(f"{r['label']:28} {' '.join(map(str, r['widths'])):>12}  {r['bits']:.3f}   {r['mean']:.4f}    "
+                     f"{r['worst']:.4f}     {r['token']:.3f}  {r['tail']:.2%}")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
