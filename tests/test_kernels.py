@@ -744,6 +744,9 @@ def test_dense_cache_sdpa_path_matches_reference():
     out = attend_dense(q, cache, 0, valid)
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
     assert torch.equal(cache.lengths, torch.tensor([5, 40, 0]))  # nothing committed by a peek
+    memo = {}  # a step's layers share the mask of what each row sees: made by the first, the same outputs
+    assert torch.equal(attend_dense(q, cache, 0, valid, memo), out) and len(memo) == 1
+    assert torch.equal(attend_dense(q, cache, 0, valid, memo), out) and len(memo) == 1
 
 
 def test_eager_calls_skip_the_op_dispatch(monkeypatch):

@@ -42,7 +42,7 @@ class RunContext:
     probe: Callable | None = None  # probe(layer, q, k, v, out) during decode (evaluation)
     valid: torch.Tensor | None = None  # [B, S] bool, prefill token validity for recorders
     attend: Callable | None = None  # attend(layer, q, k, v) → out [B, H, S, d], custom mode only
-    extras: dict = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)  # what the layers of one pass compute once and share (ops.attend_dense)
 
 
 def _esmc_rope():
@@ -136,7 +136,7 @@ class TurboEsmSelfAttention(nn.Module):
         # the cache and the new tokens as they are, or an uncompressed GPU cache in place, new tokens included
         if ctx.commit or cache.attends_from_storage(self.layer_idx):
             cache.write(self.layer_idx, k, v, ctx.new_valid)
-        out = ops.decode_attention(q, cache, self.layer_idx, k, v, ctx.new_valid)
+        out = ops.decode_attention(q, cache, self.layer_idx, k, v, ctx.new_valid, ctx.memo)
         if ctx.probe is not None:
             ctx.probe(self.layer_idx, q, k, v, out)
         return self._output(out.transpose(1, 2).reshape(batch, seq, -1).contiguous()), None

@@ -55,35 +55,41 @@ def kernel_path(codec, device: torch.device) -> bool:
 
 
 def decode_attention(q: torch.Tensor, cache: "DecodeCache", layer: int, k_new: torch.Tensor, v_new: torch.Tensor,
-                     new_valid: torch.Tensor) -> torch.Tensor:
+                     new_valid: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
     """Attention of new tokens over the compressed prefix of ``layer`` plus themselves. It reads and never writes:
     the caller writes the new tokens (uncommitted) when the step commits, and always first where
     ``cache.attends_from_storage(layer)`` (an uncompressed GPU cache, attended in place with them).
 
-    q, k_new, v_new: [B, H, S, d]; new_valid: [B, S] bool. Returns [B, H, S, d].
+    q, k_new, v_new: [B, H, S, d]; new_valid: [B, S] bool. Returns [B, H, S, d]. ``memo``: one dict per step, shared
+    by its layers (what does not change between them is computed once).
     """
     from .compressed import attend_compressed
     from .reference import decode_attention_reference
     if cache.attends_from_storage(layer):
-        return attend_dense(q, cache, layer, new_valid)
+        return attend_dense(q, cache, layer, new_valid, memo)
     if cache.fused[layer]:
         return attend_compressed(cache.codecs[layer], cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid,
                                  *cache.pages())
     return decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
 
 
-def attend_dense(q: torch.Tensor, cache: "DecodeCache", layer: int, new_valid: torch.Tensor) -> torch.Tensor:
+def attend_dense(q: torch.Tensor, cache: "DecodeCache", layer: int, new_valid: torch.Tensor,
+                 memo: dict | None = None) -> torch.Tensor:
     """An uncompressed (fp16/bf16/fp32) cache on GPU, its S new tokens already written after each row's prefix
     (uncommitted): SDPA over the stored buffer in place — the baseline the compressed cache is measured against,
-    with no copy of the cache."""
+    with no copy of the cache. The mask [B, 1, 1, T_cap] of what each row sees is the same in every layer of a step:
+    made once where a ``memo`` is shared by them."""
     parts = cache.parts[layer]
     keys, values = parts["k.x"], parts["v.x"]
-    pos = torch.arange(keys.shape[2], device=q.device)[None, :]
-    rel = pos - cache.lengths[:, None]  # [B, T_cap]: position relative to the new tokens
-    new_ok = torch.gather(new_valid, 1, rel.clamp(0, new_valid.shape[1] - 1))
-    visible = (rel < 0) | ((rel < new_valid.shape[1]) & new_ok)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.to(keys.dtype), keys, values, attn_mask=visible[:, None, None, :], scale=1.0)
+    mask = None if memo is None else memo.get(("dense_visible", keys.shape[2]))
+    if mask is None:
+        pos = torch.arange(keys.shape[2], device=q.device)[None, :]
+        rel = pos - cache.lengths[:, None]  # [B, T_cap]: position relative to the new tokens
+        new_ok = torch.gather(new_valid, 1, rel.clamp(0, new_valid.shape[1] - 1))
+        mask = ((rel < 0) | ((rel < new_valid.shape[1]) & new_ok))[:, None, None, :]
+        if memo is not None:
+            memo[("dense_visible", keys.shape[2])] = mask
+    out = torch.nn.functional.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=1.0)
     return out.to(q.dtype)
 
 
