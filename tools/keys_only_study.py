@@ -1,0 +1,118 @@
+"""Study: a keys-only cache for ESM-2. Keys and values of a layer are both linear in the same normalised hidden state
+(k = h·Wkᵀ + bk, v = h·Wvᵀ + bv, Wk square), so v = (k − bk)·M + bv with M = Wk⁻ᵀ·Wvᵀ: the values need not be stored.
+The cache keeps the keys only, at more bits, and decodes each value from its decoded key (RoPE undone at the key's
+position). Attention is linear in the values, so a kernel could apply M once per query to the attention-weighted
+keys; here the PyTorch path decodes the values outright (the same numbers up to rounding).
+
+Measured against the default recipe at the same all-in bits (PyTorch path, CPU):
+
+    python tools/keys_only_study.py ../shared/testbed/esm2_d64_trained --out R.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from esm_turbo import TurboEsm, calibrate, load_esm, read_fasta
+from esm_turbo.model.evaluate import evaluate
+from esm_turbo.model.recipe import recipe
+from esm_turbo.quant.codec import KVCodec, dense_codec
+
+
+class _Nothing(nn.Module):
+    """A value quantizer that stores nothing (the values come from the keys)."""
+
+    def __init__(self, heads: int, dim: int):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+
+    def part_specs(self) -> dict:
+        return {}
+
+    def encode(self, x: torch.Tensor) -> dict:
+        return {}
+
+
+def _unrotate(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """ESM-2's rotary embedding undone: x [B, H, T, d] post-RoPE at positions 0..T-1 → pre-RoPE, with the model's own
+    inverse frequencies (a checkpoint's stored buffer, which may differ from 10000^(−2i/d) in its last digits)."""
+    d, t = x.shape[-1], x.shape[-2]
+    freqs = torch.outer(torch.arange(t, dtype=torch.float64), inv_freq.double())
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos - torch.cat([-x2, x1], -1) * sin
+
+
+class KeysOnlyCodec(KVCodec):
+    """``inner``'s key codes only; values decoded as (k̂_pre − bk)·M + bv (module docstring)."""
+
+    def __init__(self, inner: KVCodec, m: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor, inv_freq: torch.Tensor):
+        super().__init__(inner.key, _Nothing(inner.key.heads, inner.key.dim))
+        self.m, self.bk, self.bv, self.inv_freq = m, bk, bv, inv_freq
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        k_hat = self.key.decode({n[2:]: t for n, t in parts.items() if n.startswith("k.")})
+        b, h, t, d = k_hat.shape
+        pre = _unrotate(k_hat.double(), self.inv_freq).permute(0, 2, 1, 3).reshape(b, t, h * d)
+        v = (pre - self.bk) @ self.m + self.bv  # [B, T, H·d]
+        return k_hat, v.reshape(b, t, h, d).permute(0, 2, 1, 3).to(k_hat.dtype)
+
+
+def value_maps(model) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer (M, bk, bv, inv_freq), M, bk, bv in float64: v = (k_pre − bk)·M + bv."""
+    out = []
+    for layer in model.esm.encoder.layer:
+        attn = layer.attention.self
+        wk, wv = attn.key.weight.detach().double(), attn.value.weight.detach().double()
+        m = torch.linalg.solve(wk.T, wv.T)  # Wk⁻ᵀ·Wvᵀ
+        out.append((m, attn.key.bias.detach().double(), attn.value.bias.detach().double(),
+                    model.esm.rotary_embeddings.inv_freq.detach()))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
+    ap.add_argument("--evaluation", default="calibration_data/evaluation.fasta")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    model = load_esm(args.model)
+    maps = value_maps(model)
+    conds = [float(torch.linalg.cond(layer.attention.self.key.weight.detach().double()))
+             for layer in model.esm.encoder.layer]
+    cal_records, eval_records = read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
+    t0 = time.time()
+    lines = [f"# python tools/keys_only_study.py {args.model}",
+             f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU. "
+             "cond(Wk) per layer: " + ", ".join(f"{c:.0f}" for c in conds),
+             f"{'cache':34} {'all-in':>6} {'mean cos':>9} {'worst seq':>9} {'worst tok':>9} {'<0.95':>6}"]
+    runs = [("default, keys and values", recipe("default", index_bits=b), False) for b in (1, 2, 3)]
+    runs += [(f"keys only, keys at {kb}+1", recipe("default", key_index_bits=kb, value_index_bits=1,
+                                                  split="as-given"), True) for kb in (2, 3, 4)]
+    runs.append(("keys only, keys exact (fp32)", None, True))  # what the map alone loses
+    heads = model.config.num_attention_heads
+    for label, cfg, keys_only in runs:
+        cal = calibrate(model, cal_records, cfg, progress=False) if cfg is not None else None
+        inner = cal.codecs if cal is not None else [dense_codec(heads, model.config.hidden_size // heads)] * len(maps)
+        codecs = [KeysOnlyCodec(c, *mp) for c, mp in zip(inner, maps)] if keys_only else inner
+        engine = TurboEsm(model, cal) if cal is not None else TurboEsm(model)
+        report = evaluate(engine, eval_records, cache=lambda layer, h, d, cs=codecs: cs[layer], progress=False)
+        o, bits = report["overall"], report["memory"]["bits_per_value"]
+        lines.append(f"{label:34} {bits:>6.3f} {o['decode_cos_mean']:>9.4f} {o['decode_cos_worst_seq']:>9.4f} "
+                     f"{o['decode_cos_min']:>9.4f} {o['decode_tail_share']:>6.2%}")
+        print(lines[-1], f"({time.time() - t0:.0f} s)", flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
