@@ -80,3 +80,15 @@ def test_decode_rows_gpu_hold_their_floor_and_breakdown():
         if r["cache"] != "fp16":
             assert kinds["cache write"] > 0
     assert "floor" in format_result(BenchResult(device="cuda", decode=rows))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+def test_design_rows_gpu_hold_their_floor_and_captured_steps():
+    """The design bench (CUDA) captures each cache's step, the paged one included, and profiles each eagerly."""
+    from esm_turbo.bench.design import bench_design, format_design
+    res = bench_design(torch.device("cuda"), "8M", prefix=64, candidates=8, tail=8, block_size=16, layers=2)
+    assert [r["cache"] for r in res.rows] == ["compressed, paged", "compressed, contiguous", "fp16, contiguous"]
+    for r in res.rows:
+        assert r["captured_ms"] > 0 and 0 < r["captured_of_floor"] <= 1.05 and r["of_floor"] > 0
+        assert r["breakdown"]["eager"] and r["breakdown"]["kinds_ms"]["attention"] > 0
+    assert "captured as a CUDA graph" in format_design(res)
