@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from pathlib import Path
 
 import torch
 
-from esm_turbo import TurboEsm, calibrate, load_esm, read_fasta
+from esm_turbo import TurboEsm, calibrate
 from esm_turbo.experiments.methods import collect_kv
-from esm_turbo.model.evaluate import evaluate
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec
+from study_common import finish, measure, parse
 
 
 class ExactCodec(KVCodec):
@@ -78,7 +77,6 @@ def _coding_errors(model, codecs: list[KVCodec], records) -> list[tuple[torch.Te
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
     ap.add_argument("--bits", type=float, nargs="+", default=[3.0, 4.0], help="all-in bits of the codes (3 or 4)")
     ap.add_argument("--sinks", type=int, nargs="+", default=[0, 1, 2, 4])
     ap.add_argument("--sparse", type=float, nargs="+", default=[], help="fractions of values kept exact (with 0 sinks)")
@@ -86,12 +84,7 @@ def main() -> None:
                     help="--sparse: keep the values whose error passes a per-layer threshold fitted on the "
                          "calibration set at that fraction (what a streaming kernel can do), not each tensor's top "
                          "fraction; the kept share measured on the evaluation set counts in the bits")
-    ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
-    ap.add_argument("--evaluation", default="calibration_data/evaluation.fasta")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    model = load_esm(args.model)
-    cal_records, eval_records = read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
+    args, model, cal_records, eval_records = parse(ap)
     mean_len = sum(len(r.sequence) + 1 for r in eval_records) / len(eval_records)  # <cls> + residues
     command = f"python tools/exact_study.py {args.model} --bits {' '.join(map(str, args.bits))} --sinks " + " ".join(
         map(str, args.sinks)) + (f" --sparse {' '.join(map(str, args.sparse))}" if args.sparse else "") + (
@@ -111,22 +104,16 @@ def main() -> None:
             cuts = ([tuple(float(e.quantile(1 - sparse)) for e in layer) for layer in errors] if errors and sparse
                     else [None] * len(cal.codecs))
             codecs = [ExactCodec(c, sinks, sparse, cut) if sinks or sparse else c for c, cut in zip(cal.codecs, cuts)]
-            report = evaluate(engine, eval_records, cache=lambda layer, h, d, cs=codecs: cs[layer], progress=False)
-            o, m = report["overall"], report["memory"]
+            r = measure(engine, eval_records, codecs)
             exact = sinks * 16 / mean_len  # fp16 bits per value of the exact tokens, spread over a row
             if errors and sparse:  # the share the fitted thresholds kept on the evaluation set
                 sparse = sum(c.kept[0] for c in codecs) / max(1, sum(c.kept[1] for c in codecs))
             side = sparse * (16 + math.log2(dim)) + 16 / (heads * dim) if sparse else 0.0  # value, index, count
-            all_in = m["bits_per_value"] * (1 - sinks / mean_len) + exact + side
+            all_in = r["bits"] * (1 - sinks / mean_len) + exact + side
             lines.append(f"{bits:>9.1f} {sinks:>5d}" + (f" {sparse:>6.4f}" if args.sparse else "")
-                         + f" {all_in:>7.3f} {o['decode_cos_mean']:>9.4f} "
-                         f"{o['decode_cos_worst_seq']:>9.4f} {o['decode_cos_min']:>9.4f} "
-                         f"{o['decode_tail_share']:>7.2%}")
+                         + f" {all_in:>7.3f} {r['mean']:>9.4f} {r['worst']:>9.4f} {r['token']:>9.4f} {r['tail']:>7.2%}")
             print(lines[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    finish(lines, args.out)
 
 
 if __name__ == "__main__":

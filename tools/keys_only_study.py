@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from esm_turbo import TurboEsm, calibrate, load_esm, read_fasta
-from esm_turbo.model.evaluate import evaluate
+from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec, dense_codec
+from study_common import finish, measure, parse
 
 
 class _Nothing(nn.Module):
@@ -78,16 +77,10 @@ def value_maps(model) -> list[tuple[torch.Tensor, ...]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
-    ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
-    ap.add_argument("--evaluation", default="calibration_data/evaluation.fasta")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    model = load_esm(args.model)
+    args, model, cal_records, eval_records = parse(ap)
     maps = value_maps(model)
     conds = [float(torch.linalg.cond(layer.attention.self.key.weight.detach().double()))
              for layer in model.esm.encoder.layer]
-    cal_records, eval_records = read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
     t0 = time.time()
     lines = [f"# python tools/keys_only_study.py {args.model}",
              f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU. "
@@ -103,15 +96,11 @@ def main() -> None:
         inner = cal.codecs if cal is not None else [dense_codec(heads, model.config.hidden_size // heads)] * len(maps)
         codecs = [KeysOnlyCodec(c, *mp) for c, mp in zip(inner, maps)] if keys_only else inner
         engine = TurboEsm(model, cal) if cal is not None else TurboEsm(model)
-        report = evaluate(engine, eval_records, cache=lambda layer, h, d, cs=codecs: cs[layer], progress=False)
-        o, bits = report["overall"], report["memory"]["bits_per_value"]
-        lines.append(f"{label:34} {bits:>6.3f} {o['decode_cos_mean']:>9.4f} {o['decode_cos_worst_seq']:>9.4f} "
-                     f"{o['decode_cos_min']:>9.4f} {o['decode_tail_share']:>6.2%}")
+        r = measure(engine, eval_records, codecs)
+        lines.append(f"{label:34} {r['bits']:>6.3f} {r['mean']:>9.4f} {r['worst']:>9.4f} {r['token']:>9.4f} "
+                     f"{r['tail']:>6.2%}")
         print(lines[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    finish(lines, args.out)
 
 
 if __name__ == "__main__":

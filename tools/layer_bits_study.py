@@ -15,26 +15,19 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from pathlib import Path
 
 from exact_study import ExactCodec, _coding_errors
+from study_common import finish, measure, parse
 
-from esm_turbo import TurboEsm, calibrate, load_esm, read_fasta
-from esm_turbo.model.evaluate import evaluate
+from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="layers moved up and down a bit")
     ap.add_argument("--sparse", type=float, default=0.0, help="with the best allocation, dense-and-sparse at F")
-    ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
-    ap.add_argument("--evaluation", default="calibration_data/evaluation.fasta")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
-    model = load_esm(args.model)
-    cal_records, eval_records = read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
+    args, model, cal_records, eval_records = parse(ap)
     t0 = time.time()
     cals = {bits: calibrate(model, cal_records, recipe("default", index_bits=bits - 1), progress=False)
             for bits in (2, 3, 4)}
@@ -44,10 +37,7 @@ def main() -> None:
 
     def run(widths: list[int], codecs=None) -> dict:
         codecs = codecs or [cals[w].codecs[i] for i, w in enumerate(widths)]
-        report = evaluate(engine, eval_records, cache=lambda layer, h, d: codecs[layer], progress=False)
-        o = report["overall"]
-        return dict(widths=widths, bits=report["memory"]["bits_per_value"], mean=o["decode_cos_mean"],
-                    worst=o["decode_cos_worst_seq"], token=o["decode_cos_min"], tail=o["decode_tail_share"])
+        return dict(widths=widths, **measure(engine, eval_records, codecs))
 
     rows = []
 
@@ -102,10 +92,7 @@ def main() -> None:
     for r in rows:
         lines.append(f"{r['label']:28} {' '.join(map(str, r['widths'])):>12}  {r['bits']:.3f}   {r['mean']:.4f}    "
                      f"{r['worst']:.4f}     {r['token']:.3f}  {r['tail']:.2%}")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    finish(lines, args.out)
 
 
 if __name__ == "__main__":

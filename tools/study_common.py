@@ -1,0 +1,39 @@
+"""What the fidelity study tools share: one evaluation of a cache's codecs on held-out sequences, summarised, and the
+report written."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from esm_turbo import load_esm, read_fasta
+from esm_turbo.model.evaluate import evaluate
+
+
+def parse(ap: argparse.ArgumentParser):
+    """``ap``'s arguments plus the ones every study takes (the model, its calibration and evaluation sets, ``--out``);
+    returns (args, model, calibration records, evaluation records)."""
+    ap.add_argument("model")
+    ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
+    ap.add_argument("--evaluation", default="calibration_data/evaluation.fasta")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    return args, load_esm(args.model), read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
+
+
+def measure(engine, records, codecs) -> dict:
+    """Decode fidelity of ``engine`` with layer l's cache coded by ``codecs[l]`` over ``records`` (half of each
+    prefilled exactly, the rest decoded; PyTorch path): all-in ``bits`` and the mean, worst-sequence and worst-token
+    cos and the share of tokens under 0.95."""
+    report = evaluate(engine, records, cache=lambda layer, h, d: codecs[layer], progress=False)
+    o = report["overall"]
+    return dict(bits=report["memory"]["bits_per_value"], mean=o["decode_cos_mean"], worst=o["decode_cos_worst_seq"],
+                token=o["decode_cos_min"], tail=o["decode_tail_share"])
+
+
+def finish(lines: list[str], out: Path | None) -> None:
+    """Print the report's lines and write them to ``out`` if given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        out.write_text(text)
