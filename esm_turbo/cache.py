@@ -56,6 +56,10 @@ class MemoryReport:
         return out
 
 
+#: a replayed captured step past the room reserved before its capture (the graph's buffers cannot grow)
+ROOM_USED_UP = "the captured step's reserved cache room is used up; capture again with a larger reserve"
+
+
 class KVCache:
     """Batched, ragged KV cache over per-layer codecs (compressed or dense)."""
 
@@ -118,8 +122,7 @@ class KVCache:
         """Count ``tokens`` more per row on the host for a replayed captured step that commits them; refused when
         they pass the room reserved before the capture (the graph's buffers cannot grow)."""
         if self._max_bound + tokens > self.capacity:
-            raise RuntimeError("the captured step's reserved cache room is used up; capture again with a larger "
-                               "reserve")
+            raise RuntimeError(ROOM_USED_UP)
         self._max_bound += tokens
 
     @property

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .cache import KVCache, MemoryReport
+from .cache import ROOM_USED_UP, KVCache, MemoryReport
 from .errors import EsmTurboError
 from .io import to_device_queued
 from .ops.blocks import BLOCK_SIZE, BlockLayout
@@ -409,8 +409,7 @@ class PagedKVCache(KVCache):
         """Count ``tokens`` more a row (host lengths too) for a replayed committing step; refused past the reach
         reserved before the capture."""
         if not self._reach or any(n + tokens > r for n, r in zip(self.host_lengths, self._reach)):
-            raise RuntimeError("the captured step's reserved cache room is used up; capture again with a larger "
-                               "reserve")
+            raise RuntimeError(ROOM_USED_UP)  # the rows' own reach: the shared bound may run past a rolled-back row
         self.host_lengths = [n + tokens for n in self.host_lengths]
         self._max_bound += tokens
         self._new_step()

@@ -20,7 +20,7 @@ from ..ops.blocks import BLOCK_SIZE
 from ..ops.compressed import fused_tables
 from .synthetic import as_blocks, layer_codec, random_protein, shuffled_pages, stand_in_model, synthetic_cache
 from .step import format_breakdown, kv_bytes_held, profile_step, read_rate_gbs, step_report
-from .timing import link_h2d_gbs, time_graph
+from .timing import link_h2d_gbs, time_eager, time_graph
 
 
 @dataclass
@@ -138,16 +138,9 @@ REPLAYS = 8
 def _captured_ms(session, step: torch.Tensor, device: torch.device) -> float:
     """Milliseconds of ``session``'s committing step captured as a CUDA graph (room for :data:`REPLAYS` + 1 more
     tokens a row reserved first: the contiguous cache within its capacity, the paged cache's blocks taken), the
-    median of :data:`REPLAYS` replays."""
+    median of :data:`REPLAYS` replays after one untimed (:func:`~.timing.time_eager`)."""
     captured = session.capture_step(step, commit=True, reserve=REPLAYS + 1)
-    times = []
-    for _ in range(REPLAYS + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        captured.replay()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times[1:])[REPLAYS // 2] * 1e3
+    return time_eager(captured.replay, device, reps=REPLAYS) * 1e3
 
 
 def bench_block_tables(device: torch.device, heads: int, dim: int, batch: int, context: int,
