@@ -11,7 +11,7 @@ set -u
 steps=${1:-tests decode design weights}
 has() { [[ " $steps " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 export TORCHINDUCTOR_CACHE_DIR=/tmp/w/inductor TRITON_CACHE_DIR=/tmp/w/triton
 here=$PWD
@@ -20,8 +20,11 @@ echo "== GPU tests"
 SECONDS=0
 set -f  # TESTS may name parametrized tests: their brackets are not patterns
 # with pytest-xdist among the carried wheels, WORKERS processes share the tests (kernel compiles are CPU-bound)
+# (one CPU thread each: the CPU references of 12 processes with a thread per core each crawl), every result named in
+# the log so that a run cut off at its limit still says which tests passed
 xdist=$(PYTHONPATH=/tmp/site python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-12}")
-PYTHONPATH=$here:/tmp/site timeout ${TEST_LIMIT:-280} python3 -m pytest -q -rfs $xdist ${TESTS:-tests/test_weights.py \
+[ -n "$xdist" ] && export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+PYTHONPATH=$here:/tmp/site timeout ${TEST_LIMIT:-280} python3 -m pytest -v --durations=25 -rfs -p no:benchmark $xdist ${TESTS:-tests/test_weights.py \
     tests/test_esmc.py tests/test_kernels.py tests/test_contracts.py tests/test_codec_contract.py tests/test_cache.py \
     tests/test_paged.py tests/test_paged_capture.py tests/test_step_floor.py tests/test_bench.py} 2>&1 > $OUT/tests_gpu.log
 set +f
