@@ -24,7 +24,9 @@ set -f  # TESTS may name parametrized tests: their brackets are not patterns
 # the log so that a run cut off at its limit still says which tests passed
 xdist=$(PYTHONPATH=/tmp/site python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-12}")
 [ -n "$xdist" ] && export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-PYTHONPATH=$here:/tmp/site timeout ${TEST_LIMIT:-280} python3 -m pytest -v --durations=25 -rfs -p no:benchmark $xdist ${TESTS:-tests/test_weights.py \
+# with pytest-timeout carried too, a test that runs past TEST_TIMEOUT seconds fails with the stack it was stuck in
+per_test=$(PYTHONPATH=/tmp/site python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-240}")
+PYTHONPATH=$here:/tmp/site timeout ${TEST_LIMIT:-280} python3 -m pytest -v --durations=25 -rfs -p no:benchmark $xdist $per_test ${TESTS:-tests/test_weights.py \
     tests/test_esmc.py tests/test_kernels.py tests/test_contracts.py tests/test_codec_contract.py tests/test_cache.py \
     tests/test_paged.py tests/test_paged_capture.py tests/test_step_floor.py tests/test_bench.py} 2>&1 > $OUT/tests_gpu.log
 set +f
