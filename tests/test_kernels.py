@@ -106,16 +106,19 @@ def paged_args(args, block_size, seed=0):
 
 
 def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto",
-                         allocate=True, shared=False, grid=False, config=None, block_size=0):
+                         allocate=True, shared=False, grid=False, config=None, block_size=0, max_bits=None):
     """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
     float64 from the same values. ``allocate``: channels of allocated widths, each head its own (the kernels
     read a field layout per head) or, ``shared``, the same for every head (compiled-in shifts, as for equal
     widths); ``grid``: a grid codec, whose values the kernels compute from the codes. ``block_size`` > 0: the
-    kernel reads the cache laid out in blocks of that many tokens through a block table (:func:`paged_args`)."""
+    kernel reads the cache laid out in blocks of that many tokens through a block table (:func:`paged_args`).
+    ``max_bits``: the widest channel of an allocation (default bits + 1)."""
     from esm_turbo.kernels.decode import compressed_attention_triton
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)  # (keys, values): the default's split
     codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=seed, allocate=allocate,
-                               shared=shared, grid=grid).to(DEVICE)
+                               shared=shared, grid=grid, max_bits=max_bits).to(DEVICE)
+    if max_bits is not None:  # the allocation did use widths beyond bits + 1
+        assert max(int(q.widths.max()) for q in (codec.key, codec.value)) > max(key_bits, value_bits) + 1
     tables = fused_tables(codec)
     assert (decode_grid(tables.k_code, tables.v_code) > 0) == grid
     if not allocate or shared:
@@ -185,6 +188,17 @@ def test_decode_kernel_grid_codec(bits, residual, d, allocate, shared, path):
     both launch paths, fused and separate sign bits, compiled-in and per-head field layouts."""
     check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1 if path == "one" else 2, path=path,
                          allocate=allocate, shared=shared, grid=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,residual,shared,grid,max_bits", [
+    (2, "sign", True, True, 6), (2, "sign", False, True, 6), ((4, 2), "none", True, True, 7),
+    (2, "sign", True, False, 6), (3, "sign", True, True, 7)])
+def test_decode_kernel_wide_widths(bits, residual, shared, grid, max_bits):
+    """Allocations whose widest channels take far more than the mean (``max_channel_bits``, preset ``wide``): the
+    field layouts and the grid's widest code reach 7 and 8 bits."""
+    check_kernel_matches(bits, residual, 64, batch=3, lengths=[1, 70, 0], s=1, path="split", shared=shared,
+                         grid=grid, max_bits=max_bits)
 
 
 @needs_triton
@@ -428,7 +442,16 @@ def test_quantize_pack_kernel_grid_codec(bits, residual, d, shared, s, block_n):
     check_quantize_matches(bits, residual, d, torch.float16, shared, s, block_n=block_n, grid=True)
 
 
-def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=False):
+@needs_triton
+@pytest.mark.parametrize("bits,residual,shared,grid,max_bits", [
+    (2, "sign", True, True, 6), (2, "sign", False, True, 6), ((4, 2), "none", True, True, 7),
+    (2, "sign", True, False, 6)])
+def test_quantize_pack_kernel_wide_widths(bits, residual, shared, grid, max_bits):
+    """The quantize kernel on allocations with channels far wider than the mean (preset ``wide``)."""
+    check_quantize_matches(bits, residual, 64, torch.float16, shared, 7, block_n=16, grid=grid, max_bits=max_bits)
+
+
+def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=False, max_bits=None):
     """One launch encodes keys and values (different tables, strided inputs) into their parts, as the
     reference does: a prefill of S tokens per sequence (programs per sequence) or a decode step of one
     token per sequence (programs across sequences), blocks of ``block_n`` partly masked. Allocated widths, read from each
@@ -438,7 +461,7 @@ def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=Fa
     heads, batch = 2, 3
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
     codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=key_bits, shared=shared,
-                               grid=grid).to(DEVICE)
+                               grid=grid, max_bits=max_bits).to(DEVICE)
     tables = fused_tables(codec)
     # shared: the kernel compiles the field shifts in; else it reads each head's layout row
     layouts = {"k": tables.k_code, "v": tables.v_code}

@@ -331,6 +331,38 @@ def test_value_heads_combine_from_their_chosen_candidates():
 
 
 
+def test_wide_widths_keep_the_bytes_and_the_fused_path(tmp_path):
+    """Channels wider than index bits + 1 (the default's values, preset ``wide``'s keys too; up to 6 index bits): at 2
+    index bits + sign, on a model with planted outlier channels and values of uneven reach, the allocation uses
+    them, the bytes per token stay
+    those of widths capped at bits + 1 (preset ``values-capped``), the fused ops take the codec, and the checkpoint
+    loads back with the same widths and codes."""
+    from esm_turbo.model.recipe import recipe
+    from esm_turbo.ops.compressed import fused_supported
+    from esm_turbo.testing import plant_outliers, stress_esm2
+    stress_model = plant_outliers(stress_esm2(layers=2, hidden=64, heads=4, seed=0))
+    for layer in stress_model.esm.encoder.layer:  # two channels of each head whose values reach the output 30x more
+        with torch.no_grad():
+            layer.attention.output.dense.weight.view(64, 4, 16)[:, :, :2] *= 30
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:40]
+    capped, default, wide = (calibrate(stress_model, recs, recipe(name, index_bits=2), progress=False)
+                             for name in ("values-capped", "default", "wide"))
+    for cal in (default, wide):
+        assert all(c.bytes_per_token() == d.bytes_per_token() for c, d in zip(cal.codecs, capped.codecs))
+
+    def widest(cal, kind):
+        return max(int(getattr(c, kind).widths.max()) for c in cal.codecs)
+    assert widest(capped, "value") <= 2 and widest(capped, "key") <= 4  # keys 3, values 1: at most + 1
+    assert 2 < widest(default, "value") <= 6 and widest(default, "key") <= 4  # the default widens the values alone
+    assert 4 < widest(wide, "key") <= 6
+    assert all(fused_supported(c, need_kernel_shape=True) for c in wide.codecs)
+    loaded = Calibration.load(wide.save(tmp_path / "wide.safetensors"))
+    x = torch.randn(1, wide.codecs[0].key.heads, 5, wide.codecs[0].key.dim)
+    for a, b in zip(wide.codecs, loaded.codecs):
+        assert torch.equal(a.key.widths, b.key.widths) and torch.equal(a.value.widths, b.value.widths)
+        assert torch.equal(b.key.decode(b.key.encode(x)), a.key.decode(a.key.encode(x)))
+
+
 def test_grid_calibration_and_checkpoint(stress_model, tmp_path):
     """``lut="grid"`` calibrates evenly spaced levels per channel (allocated widths kept), saves and loads back
     as a grid (the fused ops then compute values from the codes), and a grid checkpoint whose tables are not the

@@ -158,14 +158,14 @@ def _pick_table_heads(candidates: tuple[ChannelTables, ...], choice: torch.Tenso
                           for b in range(len(parts[0].eps))], torch.cat([p.mse for p in parts]), candidates[0].grid)
 
 
-def _tables_by_layer(hists: list[HistogramAccumulator], bits: int, config: CalibrationConfig,
+def _tables_by_layer(hists: list[HistogramAccumulator], bits: int, config: CalibrationConfig, kind: str,
                      max_groups: int = 1 << 16) -> list[ChannelTables | None]:
     """With bit allocation or grids, each layer's :class:`ChannelTables`, fitted for as many layers at once as
     ``max_groups`` channels allow (on a GPU the Lloyd iterations cost launches, not arithmetic); else Nones."""
     grid = config.lut == "grid"
     if not (config.bit_allocation or grid):
         return [None] * len(hists)
-    top = widest_bits(bits, config.max_channel_bits) if config.bit_allocation else bits
+    top = widest_bits(bits, config.channel_cap(kind)) if config.bit_allocation else bits
     sign_mode = config.sign_mode if config.residual == "sign" else None
     per_layer = hists[0].count.shape[0]
     step = max(1, max_groups // per_layer)
@@ -279,7 +279,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     _run(engine, batches, record_hist, "calibrate: LUTs", progress)
 
     bits = {"k": config.key_index_bits, "v": config.value_index_bits}
-    tables = {kind: _tables_by_layer(hist[kind], bits[source[kind]], config) for kind in rotation}
+    tables = {kind: _tables_by_layer(hist[kind], bits[source[kind]], config, source[kind]) for kind in rotation}
     quantizers: dict[str, list[VectorQuantizer]] = {kind: [] for kind in rotation}
     importances: dict[str, list[torch.Tensor | None]] = {kind: [] for kind in rotation}
     for li in range(layers):
@@ -294,7 +294,8 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
                 importance = channel_importance(affine[kind][li], reach)
             importances[kind].append(importance)
             fit = FitOptions(bits[source[kind]], config.residual, config.sign_mode,
-                             quantizer_seed(config, li, source[kind]), config.max_channel_bits, config.shared_widths)
+                             quantizer_seed(config, li, source[kind]), config.channel_cap(source[kind]),
+                             config.shared_widths)
             quantizers[kind].append(fit_quantizer(affine[kind][li], points[kind], fit, shared, importance,
                                                   tables[kind][li]).to(engine.device))
 

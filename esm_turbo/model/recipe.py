@@ -47,11 +47,20 @@ class CalibrationConfig:
                                     "--no-bit-allocation: every channel the same width")
     max_channel_bits: Optional[int] = _f(None, "widest channel under bit allocation (None: index bits + 1)",
                                          range=(1, 7))
+    max_value_channel_bits: Optional[int] = _f(6, "widest value channel under bit allocation (None: as "
+                                                  "max_channel_bits)", range=(1, 7))
     shared_widths: bool = _f(True, "one bit allocation for every head of a layer (the GPU kernels then compile its "
                                    "field shifts in)")
     attention_weight: float = _f(0.5, "a: each token counts (1 - a) + a x (the attention it receives) in the fits and "
                                       "the allocation; 0 counts every token once", range=(0.0, 1.0))
     seed: int = _f(0, "seed of seeded rotations and sketches")
+
+    def channel_cap(self, kind: str) -> Optional[int]:
+        """The widest channel an allocation may give the keys (``kind`` "k") or the values ("v"); None: index bits
+        + 1."""
+        if kind == "v" and self.max_value_channel_bits is not None:
+            return self.max_value_channel_bits
+        return self.max_channel_bits
 
     def __post_init__(self):
         for name in ("key_rotation", "value_rotation"):
@@ -93,6 +102,8 @@ PRESETS: dict[str, CalibrationConfig] = {
     "v-unrotated": CalibrationConfig(value_rotation="identity"),
     "shared-lut": CalibrationConfig(shared_lut=True, value_rotation="identity", bit_allocation=False),
     "no-residual": CalibrationConfig(residual="none", split="as-given"),  # the sign bit dropped, nothing else
+    "wide": CalibrationConfig(max_channel_bits=6),  # keys' channels too may take up to 6 index bits
+    "values-capped": CalibrationConfig(max_value_channel_bits=None),  # value channels at most index bits + 1
 }
 
 
@@ -120,10 +131,14 @@ def recipe(preset: str = "default", index_bits: int | None = None, **overrides: 
     if "key_index_bits" in overrides or "value_index_bits" in overrides:
         overrides.setdefault("split", "as-given")
     cfg = replace(cfg, **overrides)
-    widest = max(cfg.key_index_bits, cfg.value_index_bits)
-    if cfg.max_channel_bits is not None and cfg.max_channel_bits < widest:
-        raise ValueError(f"max_channel_bits {cfg.max_channel_bits} is below the mean index width {widest} (keys "
-                         f"{cfg.key_index_bits}, values {cfg.value_index_bits}); give at least {widest}")
+    for kind, bits in (("k", cfg.key_index_bits), ("v", cfg.value_index_bits)):
+        cap = cfg.channel_cap(kind)
+        if cap is not None and cap < bits:
+            name = "max_value_channel_bits" if kind == "v" and cfg.max_value_channel_bits is not None \
+                else "max_channel_bits"
+            raise ValueError(f"{name} {cap} is below the mean index width of the {'keys' if kind == 'k' else 'values'}"
+                             f" ({bits}; keys {cfg.key_index_bits}, values {cfg.value_index_bits}); give at least "
+                             f"{bits}")
     return cfg
 
 
