@@ -136,9 +136,9 @@ def recipe(preset: str = "default", index_bits: int | None = None, **overrides: 
         if cap is not None and cap < bits:
             name = "max_value_channel_bits" if kind == "v" and cfg.max_value_channel_bits is not None \
                 else "max_channel_bits"
-            raise ValueError(f"{name} {cap} is below the mean index width of the {'keys' if kind == 'k' else 'values'}"
-                             f" ({bits}; keys {cfg.key_index_bits}, values {cfg.value_index_bits}); give at least "
-                             f"{bits}")
+            raise ValueError(f"{name} {cap} is below the mean index width {bits} of the "
+                             f"{'keys' if kind == 'k' else 'values'} (keys {cfg.key_index_bits}, values "
+                             f"{cfg.value_index_bits}); give at least {bits}")
     return cfg
 
 
