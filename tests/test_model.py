@@ -334,9 +334,8 @@ def test_value_heads_combine_from_their_chosen_candidates():
 def test_wide_widths_keep_the_bytes_and_the_fused_path(tmp_path):
     """Channels wider than index bits + 1 (the default's values, preset ``wide``'s keys too; up to 6 index bits): at 2
     index bits + sign, on a model with planted outlier channels and values of uneven reach, the allocation uses
-    them, the bytes per token stay
-    those of widths capped at bits + 1 (preset ``values-capped``), the fused ops take the codec, and the checkpoint
-    loads back with the same widths and codes."""
+    them, the bytes per token stay those of widths capped at bits + 1 (preset ``values-capped``), the fused ops take
+    the codec, and the checkpoint loads back with the same widths and codes."""
     from esm_turbo.model.recipe import recipe
     from esm_turbo.ops.compressed import fused_supported
     from esm_turbo.testing import plant_outliers, stress_esm2

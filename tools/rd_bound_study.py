@@ -27,7 +27,7 @@ import time
 import torch
 
 from esm_turbo import TurboEsm, calibrate
-from esm_turbo.model.calibrate import _run, token_batches
+from esm_turbo.experiments.methods import collect_kv
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import DenseQuantizer, KVCodec
 from study_common import finish, measure, parse
@@ -82,19 +82,6 @@ class IdealQuantizer(DenseQuantizer):
         return {"x": y_hat @ self.from_basis + self.mean[:, None]}
 
 
-@torch.no_grad()
-def collect(model, records) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer, the calibration set's post-RoPE queries, keys and values: (q, k, v), each [H, N, d]."""
-    engine = TurboEsm(model)
-    store: dict[int, list] = {i: [] for i in range(engine.num_layers)}
-
-    def record(layer, q, k, v, valid):
-        store[layer].append([x.float().permute(1, 0, 2, 3)[:, valid].cpu() for x in (q, k, v)])
-
-    _run(engine, token_batches(records, 8192, 2**30), record, "collect Q/K/V", progress=False)
-    return [tuple(torch.cat([b[i] for b in store[layer]], dim=1) for i in range(3)) for layer in store]
-
-
 def output_metric(model, layer: int, heads: int, dim: int) -> torch.Tensor:
     """[H, d, d]: W_oᵀ·W_o restricted to each head's input columns of layer ``layer``'s output projection."""
     from esm_turbo.model.family import family_of_net
@@ -114,7 +101,7 @@ def main() -> None:
     heads = cfg.num_attention_heads
     dim = cfg.hidden_size // heads
     t0 = time.time()
-    kv = collect(model, cal_records)
+    kv = collect_kv(model, cal_records, max_tokens=2**30, queries=True)  # [(q, k, v)] per layer
     command = (f"python tools/rd_bound_study.py {args.model} --bits {' '.join(map(str, args.bits))}"
                + (" --weighted" if args.weighted else "")
                + (f" --recipes {' '.join(args.recipes)}" if args.recipes else ""))

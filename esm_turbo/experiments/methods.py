@@ -15,23 +15,17 @@ from .config import QuantConf
 
 
 @torch.no_grad()
-def collect_kv(model, records: list[Record], max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Post-RoPE keys and values of up to ``max_tokens`` real tokens per layer: [(k [H,N,d], v [H,N,d])]."""
+def collect_kv(model, records: list[Record], max_tokens: int, queries: bool = False) -> list[tuple[torch.Tensor, ...]]:
+    """Post-RoPE keys and values of up to ``max_tokens`` real tokens per layer: [(k [H,N,d], v [H,N,d])], with
+    ``queries`` the layer's queries first: [(q, k, v)]."""
     engine = TurboEsm(model)
     store: dict[int, list] = {i: [] for i in range(engine.num_layers)}
 
     def record(layer, q, k, v, valid):
-        for kind_i, x in enumerate((k, v)):
-            rows = x.float().permute(1, 0, 2, 3)[:, valid]  # [H, N, d]
-            store[layer].append((kind_i, rows.cpu()))
+        store[layer].append([x.float().permute(1, 0, 2, 3)[:, valid].cpu() for x in ((q, k, v) if queries else (k, v))])
 
     _run(engine, token_batches(records, 8192, max_tokens), record, "collect K/V", progress=False)
-    out = []
-    for layer in range(engine.num_layers):
-        k = torch.cat([t for i, t in store[layer] if i == 0], dim=1)
-        v = torch.cat([t for i, t in store[layer] if i == 1], dim=1)
-        out.append((k, v))
-    return out
+    return [tuple(torch.cat(kind, dim=1) for kind in zip(*store[layer])) for layer in range(engine.num_layers)]
 
 
 def build_codecs(q: QuantConf, model, calibration: list[Record], samples_fn) -> tuple[list[KVCodec], dict]:

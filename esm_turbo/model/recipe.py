@@ -45,8 +45,8 @@ class CalibrationConfig:
     channel_bins: int = _f(512, "histogram bins per channel (values standardised, +-10 rms)", range=(16, None))
     bit_allocation: bool = _f(True, "index widths per channel by its share of the output error (the same bytes); "
                                     "--no-bit-allocation: every channel the same width")
-    max_channel_bits: Optional[int] = _f(None, "widest channel under bit allocation (None: index bits + 1)",
-                                         range=(1, 7))
+    max_channel_bits: Optional[int] = _f(None, "widest key channel under bit allocation, and value channel when "
+                                               "max_value_channel_bits is None (None: index bits + 1)", range=(1, 7))
     max_value_channel_bits: Optional[int] = _f(6, "widest value channel under bit allocation (None: as "
                                                   "max_channel_bits)", range=(1, 7))
     shared_widths: bool = _f(True, "one bit allocation for every head of a layer (the GPU kernels then compile its "
