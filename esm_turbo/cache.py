@@ -246,8 +246,11 @@ class KVCache:
         self.parts = [{n: b.index_select(0, rows) for n, b in layer.items()} for layer in self.parts]
 
     def layer_parts(self, layer: int, upto: int | None = None) -> dict[str, torch.Tensor]:
-        """The stored parts of one layer, cut to the first ``upto`` positions (default: max length)."""
-        t = int(self.lengths.max()) if upto is None else upto
+        """The stored parts of one layer, cut to the first ``upto`` positions (default: max length; while a CUDA graph
+        is captured, the whole buffer: its replays' lengths are not known now, and the readers mask by ``lengths``)."""
+        if upto is None:
+            upto = self.capacity if ops.capturing(self.lengths) else int(self.lengths.max())
+        t = upto
         return {n: b[:, :, :t] for n, b in self.parts[layer].items()}
 
     def dequantize(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -238,6 +238,9 @@ def cmd_bench(args) -> int:
         return _bench_weights(args)
     if args.suite == "design":
         return _bench_design(args)
+    if args.suite == "widths" and not (torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")):
+        raise EsmTurboError("bench widths times the fused kernel against a pure read of its bytes: it needs a CUDA "
+                            "device")
     if args.sizes and args.suite not in ("embed", "weights"):
         raise EsmTurboError(f"--sizes: the {args.suite} suite runs its own shapes (--sizes chooses those of the embed "
                             f"and weights suites)")
@@ -450,9 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("bench", help="kernel / quantize / decode speed vs baselines measured in the same run")
-    p.add_argument("suite", nargs="?", choices=["decode", "embed", "weights", "design", "all"], default="decode",
-                   help="decode: attention kernel, quantize-and-pack, decode tokens/s; embed: extraction vs "
-                        "transformers; weights: the 4-bit weight kernel vs fp16 (CUDA); design: forks of one "
+    p.add_argument("suite", nargs="?", choices=["decode", "widths", "embed", "weights", "design", "all"],
+                   default="decode",
+                   help="decode: attention kernel, quantize-and-pack, decode tokens/s; widths: the decode attention "
+                        "at 4.0 and 3.0 bits all-in against its read floor (CUDA; also in decode); embed: extraction "
+                        "vs transformers; weights: the 4-bit weight kernel vs fp16 (CUDA); design: forks of one "
                         "scaffold on the paged, contiguous and fp16 caches; all: decode and embed")
     p.add_argument("--fasta", nargs="+", default=None, help="FASTA for the embed suite (default: calibration_data)")
     p.add_argument("--corpus", default=None,

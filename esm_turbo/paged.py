@@ -500,9 +500,13 @@ class PagedKVCache(KVCache):
         return torch.tensor(padded, dtype=torch.long)
 
     def layer_parts(self, layer: int, upto: int | None = None) -> dict[str, torch.Tensor]:
-        """The stored parts of one layer gathered through the block tables: [B, H, upto, *part_shape]."""
-        t = int(self.lengths.max()) if upto is None else upto
+        """The stored parts of one layer gathered through the block tables: [B, H, upto, *part_shape] (default: max
+        length; while a CUDA graph is captured, every block the table holds, the reserved reach: the readers mask by
+        ``lengths``)."""
         pages, _ = self.pages()
+        if upto is None:
+            upto = pages.shape[1] * self.block_size if ops.capturing(self.lengths) else int(self.lengths.max())
+        t = upto
         if pages.shape[1] * self.block_size < t:  # past every row's end: padded with each row's last block
             extra = -(-t // self.block_size) - pages.shape[1]
             pages = torch.cat([pages, pages[:, -1:].expand(-1, extra)], dim=1)

@@ -234,30 +234,32 @@ def save_stress_model(out_dir: str | Path, fair_esm_pt: bool = True, **kwargs) -
 
 def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int = 3, residual: str = "sign",
                        seed: int = 0, allocate: bool = True, max_bits: int | None = None, shared: bool = True,
-                       grid: bool = False):
+                       grid: bool = False, value_max_bits: int | None = None, importance_spread: float = 1.5):
     """A calibrated-style :class:`~esm_turbo.quant.codec.KVCodec` without a model: Haar rotations,
     random per-channel centring and scaling, per-channel LUTs and ε fitted on Gaussian samples of
     per-channel spread (every channel's table differs) and, with ``allocate``, channel widths allocated by a
-    random importance (log-normal: widths from 0 to ``max_bits``, default bits + 1; ``shared``: the same widths
-    for every head, as calibration does by default; ``grid``: uniform levels, ``lut="grid"``). For kernel tests and
-    speed benchmarks (values are what a calibration produces)."""
+    random importance (log-normal, σ = ``importance_spread`` in its log: widths from 0 to ``max_bits``, default
+    bits + 1, the values' to ``value_max_bits``, default ``max_bits``; ``shared``: the same widths for every head, as
+    calibration does by default; ``grid``: uniform levels, ``lut="grid"``). For kernel tests and speed benchmarks
+    (values are what a calibration produces)."""
     from .quant.codec import KVCodec, VectorQuantizer
     from .quant.fit import FitOptions, fit_quantizer
     from .quant.rotations import AffineStats, haar_orthogonal
 
     gen = torch.Generator().manual_seed(seed)
 
-    def one(bits: int, salt: int) -> VectorQuantizer:
+    def one(bits: int, salt: int, max_bits: int | None) -> VectorQuantizer:
         affine = AffineStats(rot=haar_orthogonal(dim, seed + salt, heads),
                              offset=torch.randn(heads, dim, generator=gen),
                              scale=torch.exp(0.5 * torch.randn(heads, dim, generator=gen)))
         spread = 0.6 + 0.8 * torch.rand(heads * dim, 1, generator=gen, dtype=torch.float64)
         values = torch.randn(heads * dim, 512, generator=gen, dtype=torch.float64) * spread
-        importance = torch.exp(1.5 * torch.randn(heads, dim, generator=gen)) if allocate else None
+        importance = torch.exp(importance_spread * torch.randn(heads, dim, generator=gen)) if allocate else None
         fit = FitOptions(bits, residual, "bin", seed + salt, max_bits, shared, grid)
         return fit_quantizer(affine, (values, torch.ones_like(values)), fit, importance=importance)
 
-    return KVCodec(one(key_bits, 1), one(value_bits, 2))
+    value_max_bits = max_bits if value_max_bits is None else value_max_bits
+    return KVCodec(one(key_bits, 1, max_bits), one(value_bits, 2, value_max_bits))
 
 
 def flash_rule(out: torch.Tensor, ref: torch.Tensor, same_dtype: torch.Tensor, eps: float | None = None,

@@ -32,6 +32,36 @@ def test_attention_rows_gpu_have_their_read_floor():
     assert res.graph_floor_us > 0 and "ceiling" in format_result(res)
 
 
+def test_widths_rows_are_the_budgets_they_name():
+    """The caches the widths rows time hold the bits their labels say, their value channels as wide as the recipe
+    lets a trained model's allocation make them (CPU: the codecs only; the timing runs on CUDA)."""
+    from esm_turbo.bench.decode import WIDTH_RECIPES
+    from esm_turbo.bench.synthetic import TRAINED_SPREAD, synthetic_cache
+    from esm_turbo.model.recipe import recipe
+    widest = {}
+    for label, preset, bits in WIDTH_RECIPES:
+        cfg = recipe(preset, bits).resolved()
+        cache = synthetic_cache(20, 64, 1, 8, "cpu", recipe=cfg, spread=TRAINED_SPREAD)
+        all_in = cache.memory_report().bytes_per_token_per_layer * 8 / (2 * 20 * 64)
+        assert label.startswith(f"{all_in:.1f} bits"), (label, all_in)
+        codec = cache.codecs[0]
+        widest[preset, bits] = [int(q.widths.max()) for q in (codec.key, codec.value)]
+    assert widest["values-capped", 3] == [4, 4]  # index bits + 1
+    assert widest["default", 3][1] == 6 and widest["default", 2][1] == 6  # the values reach their cap of 6
+    assert widest["wide", 2][0] > widest["default", 2][0]  # keys too, under the preset wide
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+def test_widths_rows_gpu_time_each_budget_against_its_read():
+    from esm_turbo.bench.decode import WIDTH_RECIPES, bench_widths
+    rows = bench_widths(torch.device("cuda"), batch=2, length=1024)
+    assert [r["recipe"] for r in rows] == [label for label, _, _ in WIDTH_RECIPES]
+    for r in rows:
+        assert r["fused_us"] > 0 and r["read_us"] > 0 and r["of_read"] == r["read_us"] / r["fused_us"]
+        assert r["per_bit_vs_first"] == r["us_per_bit"] / rows[0]["us_per_bit"]
+    assert "per bit" in format_result(BenchResult(device="cuda", widths=rows))
+
+
 def test_cli_bench_embed_smoke(tmp_path, capsys):
     from esm_turbo.fasta import write_fasta
     fasta = tmp_path / "x.fasta"

@@ -679,6 +679,8 @@ def test_decode_kernel_split_widths_gpu(bits, d):
     for shared in (False, True):
         check_kernel_matches(bits, "sign", d, 64, [300] * 63 + [1], s=1, heads=4, seed=d, shared=shared)
         check_kernel_matches(bits, "none", d, 2, [16384, 700], s=1, heads=4, dtype=torch.float16, shared=shared)
+    for path in ("one", "split"):  # grid codecs of such widths take the default cache's one-warp and stream-K walks
+        check_kernel_matches(bits, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True, grid=True)
     check_kernel_matches(bits, "sign", d, 8, [500] * 8, s=4, heads=4, dtype=torch.float16, shared=True)
     for path in ("one", "split"):
         check_kernel_matches(bits, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True)

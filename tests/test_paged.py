@@ -121,8 +121,9 @@ def _paged_and_contiguous_outputs(engine, factory, block_size):
         outputs.append((steps, session.sequences()))
         if paged and block_size == 4:
             assert session.cache.memory_report().shared_saved_bytes > 0  # rows 1 and 2 share their blocks
-            with pytest.raises(RuntimeError, match="CUDA device"):  # a paged step captures on CUDA (tested there)
-                session.capture_step(torch.zeros(4, 1, dtype=torch.long))
+            if session.cache.device.type != "cuda":  # on CUDA a paged step captures (test_paged_capture.py)
+                with pytest.raises(RuntimeError, match="CUDA device"):
+                    session.capture_step(torch.zeros(4, 1, dtype=torch.long))
     return outputs
 
 

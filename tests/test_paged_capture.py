@@ -106,6 +106,20 @@ def test_a_replay_refuses_a_changed_cache(stress_model, paged):
     assert replays == [1]
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_rollback_keeps_what_a_captured_step_reads_in_place(stress_model, paged):
+    """A captured step holds the addresses of the session's token record, mask counts and cache lengths: a rollback
+    changes them in place (a new tensor would leave a replay reading freed memory)."""
+    session = TurboEsm(stress_model).session("turboquant-3", capacity=32, paged=paged, block_size=4)
+    session.start(["MKTAYIAKQR", "GSHMLE"])
+    session.step(torch.full((2, 2), 32))  # two <mask> tokens a row
+    held = [t.data_ptr() for t in (session.tokens, session.mask_counts, session.cache.lengths)]
+    counts = session.mask_counts.clone()
+    session.rollback(1)
+    assert [t.data_ptr() for t in (session.tokens, session.mask_counts, session.cache.lengths)] == held
+    assert torch.equal(session.mask_counts, counts - 1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 def test_a_paged_step_replays_as_a_cuda_graph():
     """Forks of a scaffold on the paged cache, stepped by replays of one captured committing step, give the eager

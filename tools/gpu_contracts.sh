@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device-side checks for the contracts work: the GPU tests of the kernels, caches, weights and ESM C, then the decode,
 # design and weights benchmarks (each under its own time limit), logs and outputs under $OUT. Usage (from the
-# repository root):   bash tools/gpu_contracts.sh "STEPS"      STEPS: any of tests ab decode design weights
+# repository root):   bash tools/gpu_contracts.sh "STEPS"      STEPS: any of tests ab decode widths design weights
 # TESTS names the tests to run (default: the GPU-heavy files), TEST_LIMIT their time limit in seconds.
 # With BASE=DIR (a tree of an earlier commit, e.g. `git archive REV esm_turbo pyproject.toml calibration_data`), each
 # bench runs there first and then here, on the same GPU in the same call: a before/after pair (bench_NAME.base.txt).
@@ -54,7 +54,7 @@ if has ab; then  # each part in a process of its own: a profiler leaves its proc
     done
   done
 fi
-for b in decode design weights; do
+for b in decode widths design weights; do
   if has $b; then
     if [ -n "${BASE:-}" ]; then bench $b "$here/$BASE" .base; fi
     bench $b "$here" ""

@@ -9,7 +9,9 @@ speed does not depend on them.
    computed from the codes, no table look-ups) at the same widths and bytes;
 2. quantize-and-pack of a 650M-shaped model's prefill (L=1024) vs the prefill itself;
 3. decode tokens/s of a 650M-shaped model at 1K context, compressed (LUT and grid codecs) vs fp16 cache under
-   one KV budget.
+   one KV budget;
+4. the fused decode attention at 650M B=64 T=16K on caches of 4.0 and 3.0 bits all-in (channels capped as the
+   default and the presets ``wide`` and ``values-capped`` cap them): µs, its read floor, µs per bit stored.
 
 On CPU it runs the reference paths at small sizes (a smoke run; nothing there is a speed claim).
 """
@@ -20,7 +22,7 @@ import torch
 
 from ..fasta import CALIBRATION_DATA
 from ..ops import force_reference
-from .decode import SHAPES, bench_attention, bench_cpu_steps, bench_decode, bench_quantize
+from .decode import SHAPES, bench_attention, bench_cpu_steps, bench_decode, bench_quantize, bench_widths
 from .report import BenchResult, format_result, to_json
 from .timing import graph_floor_us, peak_copy_gbs
 
@@ -32,7 +34,7 @@ EMBED_FASTA = [str(CALIBRATION_DATA / "calibration.fasta"), str(CALIBRATION_DATA
 
 def run(quick: bool = False, device: str | None = None, reference: bool = False, suite: str = "decode",
         fasta: list[str] | None = None, sizes: list[str] | None = None, corpus: str | None = None) -> BenchResult:
-    """``suite``: decode (attention, quantize, decode tokens/s), embed, or all."""
+    """``suite``: decode (attention, quantize, decode tokens/s, widths), widths (CUDA), embed, or all."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     force_reference(reference)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -46,8 +48,12 @@ def run(quick: bool = False, device: str | None = None, reference: bool = False,
     if dev.type == "cuda":
         res.peak_copy_gbs = peak_copy_gbs(dev)
         res.graph_floor_us = graph_floor_us(dev)
+        if suite == "widths":
+            res.widths = bench_widths(dev, *((8, 4096) if quick else (64, 16384)))
+            return res
         batches, lengths = ((1, 8), (1024, 4096)) if quick else ((1, 8, 64), (1024, 4096, 16384))
         res.attention = bench_attention(dev, batches, lengths)
+        res.widths = bench_widths(dev, *((8, 4096) if quick else (64, 16384)))
         res.quantize = bench_quantize(dev)
         res.decode = bench_decode(dev, batches=() if quick else DECODE_BATCHES)
     else:
@@ -61,4 +67,4 @@ def run(quick: bool = False, device: str | None = None, reference: bool = False,
 
 
 __all__ = ["BenchResult", "SHAPES", "bench_attention", "bench_cpu_steps", "bench_decode", "bench_quantize",
-           "format_result", "run", "to_json"]
+           "bench_widths", "format_result", "run", "to_json"]

@@ -11,8 +11,8 @@ from ..cache import KVCache
 from ..fasta import CALIBRATION_DATA
 from ..ops import attend_compressed, use_kernels
 from ..ops.compressed import fused_tables
-from .synthetic import (bytes_read, default_codec, layer_codec, random_protein, stand_in_model, synthetic_cache,
-                        synthetic_session)
+from .synthetic import (TRAINED_SPREAD, bytes_read, default_codec, layer_codec, random_protein, stand_in_model,
+                        synthetic_cache, synthetic_session)
 from .timing import read_floor_us, time_graph, time_in_step
 
 SHAPES = {"650M": (20, 64), "15B": (40, 128)}
@@ -87,6 +87,43 @@ def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> li
                 rows.append(row)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    return rows
+
+
+#: the widths rows: (label, preset, mean index bits); the first is the one the others are held to per bit stored
+WIDTH_RECIPES = (("4.0 bits, channels <= 4", "values-capped", 3), ("4.0 bits, default", "default", 3),
+                 ("3.0 bits, values <= 2", "values-capped", 2), ("3.0 bits, default", "default", 2),
+                 ("3.0 bits, wide", "wide", 2))
+
+
+def bench_widths(device: torch.device, batch: int = 64, length: int = 16384, shape: str = "650M") -> list[dict]:
+    """The fused decode attention per layer call on caches of each of :data:`WIDTH_RECIPES` (random codes of the
+    recipe's widths, allocated as unevenly as on a trained model (:data:`TRAINED_SPREAD`): how wide a channel may be
+    changes the fields the kernel unpacks, not the bytes): µs, the read floor of its own bytes, and µs per bit stored
+    against the first row's (CUDA)."""
+    from ..model.recipe import recipe
+    heads, dim = SHAPES[shape]
+    rows = []
+    q = torch.randn(batch, heads, 1, dim, device=device) * dim**-0.5
+    k_new = torch.randn(batch, heads, 1, dim, device=device)
+    v_new = torch.randn_like(k_new)
+    valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    for label, preset, bits in WIDTH_RECIPES:
+        cfg = recipe(preset, bits).resolved()
+        cache = synthetic_cache(heads, dim, batch, length, device, recipe=cfg, spread=TRAINED_SPREAD)
+        codec = cache.codecs[0]
+        widths = [qz.code_layout().widest for qz in (codec.key, codec.value)]  # bits, the sign's included
+        all_in = cache.memory_report().bytes_per_token_per_layer * 8 / (2 * heads * dim)
+        us, step_us, gbs = time_fused(cache, q, k_new, v_new, valid)
+        read_us = read_floor_us(bytes_read(cache), device)
+        rows.append(dict(recipe=label, preset=preset, shape=shape, batch=batch, context=length, bits=all_in,
+                         widest_key=widths[0], widest_value=widths[1], fused_us=us, fused_step_us=step_us,
+                         fused_gbs=gbs, read_us=read_us, of_read=read_us / us, us_per_bit=us / all_in))
+        cache = codec = None
+        torch.cuda.empty_cache()
+    for r in rows:
+        r["per_bit_vs_first"] = r["us_per_bit"] / rows[0]["us_per_bit"]
+        r["speedup_vs_first"] = rows[0]["fused_us"] / r["fused_us"]
     return rows
 
 

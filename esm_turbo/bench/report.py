@@ -15,6 +15,7 @@ class BenchResult:
     peak_copy_gbs: float | None = None
     graph_floor_us: float | None = None
     attention: list[dict] = field(default_factory=list)
+    widths: list[dict] = field(default_factory=list)
     quantize: dict = field(default_factory=dict)
     decode: list[dict] = field(default_factory=list)
     embed: dict = field(default_factory=dict)
@@ -58,6 +59,18 @@ def format_result(res: BenchResult) -> str:
                      f"{r['grid_us']:>8.1f} {f(r['grid_speedup_vs_sdpa_fp16'], '.2f'):>6} {f(grid_pct, '.0f'):>6} "
                      f"{r['grid_step_us']:>12.1f} {f(r['grid_step_speedup_vs_sdpa_fp16'], '.2f'):>10} "
                      f"{f(r.get('read_us'), '.1f'):>8} {f(r.get('ceiling_vs_sdpa_fp16'), '.2f'):>7}")
+    if res.widths:
+        w = res.widths[0]
+        lines.append(f"\ndecode attention per layer call at {w['shape']} B={w['batch']} T={w['context']} by bit budget "
+                     f"and widest channel (bits all-in, as memory_report() counts them; widest: a field's bits, sign "
+                     f"included; per bit: µs per bit stored against the first row's)")
+        lines.append(f"{'recipe':26} {'bits':>5} {'widest k/v':>10} {'fused µs':>9} {'read µs':>8} {'%read':>6} "
+                     f"{'GB/s':>6} {'step µs':>8} {'per bit':>8} {'×first':>7}")
+        for r in res.widths:
+            lines.append(f"{r['recipe']:26} {r['bits']:>5.2f} {r['widest_key']:>5}/{r['widest_value']:<4} "
+                         f"{r['fused_us']:>9.1f} {r['read_us']:>8.1f} {100 * r['of_read']:>6.0f} "
+                         f"{r['fused_gbs']:>6.0f} "
+                         f"{r['fused_step_us']:>8.1f} {r['per_bit_vs_first']:>8.2f} {r['speedup_vs_first']:>7.2f}")
     q = res.quantize
     if q:
         lines.append(f"\nquantize-and-pack ({q['path']}), {q['model']}, prefill of {q['tokens']} tokens "

@@ -16,12 +16,22 @@ from ..testing import random_turbo_codec
 DEFAULT_RECIPE = CalibrationConfig().resolved()
 
 
-def default_codec(heads: int, dim: int, seed: int = 0, grid: bool | None = None):
-    """A random codec of the default calibration's widths and residual (:data:`DEFAULT_RECIPE`) and tables (its
-    grid, unless ``grid`` says: uniform levels or per-channel LUTs)."""
-    grid = DEFAULT_RECIPE.lut == "grid" if grid is None else grid
-    r = DEFAULT_RECIPE
-    return random_turbo_codec(heads, dim, r.key_index_bits, r.value_index_bits, r.residual, seed, grid=grid)
+#: σ of the log of a random channel importance like a trained model's: at heads of 64 and 3.0 bits its allocation
+#: leaves half the value channels at 0 index bits and gives a quarter 5 or 6, as calibration does on the trained
+#: testbed (testing's default, 1.5, spreads the widths far less)
+TRAINED_SPREAD = 4.5
+
+
+def default_codec(heads: int, dim: int, seed: int = 0, grid: bool | None = None,
+                  recipe: CalibrationConfig = DEFAULT_RECIPE, spread: float = 1.5):
+    """A random codec of a calibration's widths, widest channels and residual (``recipe``, resolved; default
+    :data:`DEFAULT_RECIPE`) and tables (its grid, unless ``grid`` says: uniform levels or per-channel LUTs), the
+    widths allocated by a random importance of log-σ ``spread``."""
+    r = recipe
+    grid = r.lut == "grid" if grid is None else grid
+    return random_turbo_codec(heads, dim, r.key_index_bits, r.value_index_bits, r.residual, seed, r.bit_allocation,
+                              r.channel_cap("k"), grid=grid, value_max_bits=r.channel_cap("v"),
+                              importance_spread=spread)
 
 
 def layer_codec(layer: int, heads: int, dim: int):
@@ -36,10 +46,11 @@ def _fitted_codec(layer: int, heads: int, dim: int):
 
 
 def synthetic_cache(heads: int, dim: int, batch: int, length: int, device, seed: int = 0,
-                     grid: bool | None = None) -> KVCache:
-    """A one-layer TurboESM cache of the default widths (:func:`default_codec`) full of random codes at
-    ``length`` per row."""
-    codec = default_codec(heads, dim, seed, grid).to(device)
+                     grid: bool | None = None, recipe: CalibrationConfig = DEFAULT_RECIPE,
+                     spread: float = 1.5) -> KVCache:
+    """A one-layer TurboESM cache of a recipe's widths (:func:`default_codec`; default the default's) full of random
+    codes at ``length`` per row."""
+    codec = default_codec(heads, dim, seed, grid, recipe, spread).to(device)
     cache = KVCache([codec], batch, capacity=length, device=device)
     fill_synthetic(cache, length, torch.Generator(device=device).manual_seed(seed))
     return cache

@@ -321,7 +321,8 @@ class DecodeSession:
         cache.truncate(n)
         pos = torch.arange(self.tokens.shape[1], device=cache.device)[None, :]
         dropped = (pos >= cache.lengths[:, None]) & (pos < old[:, None])
-        self.mask_counts = self.mask_counts - ((self.tokens == alphabet().mask_idx) & dropped).sum(1)
+        # in place: a captured step reads this tensor (a new one would leave the graph reading freed memory)
+        self.mask_counts.sub_(((self.tokens == alphabet().mask_idx) & dropped).sum(1))
 
     def select(self, rows: torch.Tensor | list[int]) -> None:
         """Keep (or repeat, to fork beams) rows of the batch."""

@@ -47,6 +47,12 @@ def use_kernels(where: torch.Tensor | torch.device) -> bool:
     return triton_available()
 
 
+def capturing(where: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream while ``where`` lives on CUDA: reading a device
+    value on the host (``int(lengths.max())``) is refused then."""
+    return where.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def kernel_path(codec, device: torch.device) -> bool:
     """Whether a cache layer of ``codec`` on ``device`` runs the fused ops (writes and decode attention): the one
     place this is decided, when a cache is built (``KVCache.fused``)."""
@@ -93,5 +99,6 @@ def attend_dense(q: torch.Tensor, cache: "DecodeCache", layer: int, new_valid: t
     return out.to(q.dtype)
 
 
-__all__ = ["attend", "attend_compressed", "attend_dense", "decode_attention", "decode_attention_reference", "force_reference",
-           "fused_supported", "gather_blocks", "kernel_path", "scatter_rows", "use_kernels", "write_compressed"]
+__all__ = ["attend", "attend_compressed", "attend_dense", "capturing", "decode_attention", "decode_attention_reference",
+           "force_reference", "fused_supported", "gather_blocks", "kernel_path", "scatter_rows", "use_kernels",
+           "write_compressed"]

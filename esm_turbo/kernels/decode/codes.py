@@ -35,6 +35,8 @@ def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, CODE_BITS: tl
         rows, cols, m = offs_t[:, None], g[None, :], tmask[:, None]
     if CODE_BITS == 4:  # a group of 8 codes is one aligned int32
         word = tl.load(idx_ptr.to(tl.pointer_type(tl.int32)) + rows * D8 + cols, mask=m, other=0)
+    elif CODE_BITS == 2:  # one aligned int16 (a token's run of them loads as vectors; byte pairs did not)
+        word = tl.load(idx_ptr.to(tl.pointer_type(tl.int16)) + rows * D8 + cols, mask=m, other=0).to(tl.int32) & 0xFFFF
     else:
         word = tl.zeros(cols.shape, dtype=tl.int32) + tl.zeros(rows.shape, dtype=tl.int32)
         for i in tl.static_range(CODE_BITS):

@@ -74,7 +74,7 @@ def launch_config(d: int, key: CodeLayout, value: CodeLayout, batch: int, heads:
                   overrides: dict | None = None) -> dict:
     """The launch configuration of a decode step (``compressed_attention_triton``'s ``config`` keys), chosen per
     cache layout and shape; ``overrides`` replace any key (for tuning). Reasons: ``docs/kernels.md``."""
-    lean = key.code_bits == value.code_bits and "plane" not in (key.sign, value.sign)  # one code word a channel
+    lean = "plane" not in (key.sign, value.sign)  # one code word a channel (keys and values of any widths)
     lean_grid = lean and decode_grid(key, value) > 0  # the default cache
     if d <= 64:
         cfg = dict(block_t=64, num_warps=2, waves=4)
