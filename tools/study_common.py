@@ -10,11 +10,15 @@ from esm_turbo import load_esm, read_fasta
 from esm_turbo.model.evaluate import evaluate
 
 
+#: the calibration set a study fits on unless told
+CALIBRATION = "calibration_data/calibration.fasta"
+
+
 def parse(ap: argparse.ArgumentParser):
     """``ap``'s arguments plus the ones every study takes (the model, its calibration and evaluation sets, ``--out``);
     returns (args, model, calibration records, evaluation records)."""
     ap.add_argument("model")
-    ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
+    ap.add_argument("--calibration", default=CALIBRATION)
     ap.add_argument("--evaluation", default="calibration_data/evaluation.fasta")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

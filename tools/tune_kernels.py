@@ -7,6 +7,7 @@ the alternative's time over the default's: every entry ≥ 1 (within noise) says
 
     python tools/tune_kernels.py                    # decode attention and quantize-and-pack
     python tools/tune_kernels.py --out results/gpu/launch_constants_h100.txt
+    python tools/tune_kernels.py --index-bits 2 --steps 64:16384   # the 3.0-bit default's cache at 650M B=64 T=16K
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import sys
 
 import torch
 
-from esm_turbo.bench.synthetic import default_codec, synthetic_cache
+from esm_turbo.bench.synthetic import TRAINED_SPREAD, default_codec, synthetic_cache
 from esm_turbo.bench.timing import time_graph
 from esm_turbo.cache import KVCache
 from esm_turbo.kernels.decode import compressed_attention_triton, launch_config
 from esm_turbo.kernels.quantize import quantize_pack_triton
+from esm_turbo.model.recipe import recipe
 from esm_turbo.ops.compressed import cached_codes, fused_tables
 
 #: (name, heads, head_dim): ESM-2 650M's and 15B's attention layers
@@ -46,12 +48,16 @@ def alternatives(cfg: dict, d: int) -> list[tuple[str, dict]]:
     return alts
 
 
-def tune_decode(out) -> None:
+def tune_decode(out, index_bits: int | None = None, shapes=SHAPES, steps=STEPS) -> None:
+    """The decode attention's launch knobs on the default codec's caches, or (``index_bits``) on the default recipe's
+    at that many mean index bits with widths allocated as unevenly as a trained model's."""
     dev = torch.device("cuda")
-    print("## decode attention: µs per call (CUDA graph, cold L2); × default = alternative / default", file=out)
-    for name, heads, d in SHAPES:
-        for batch, t in STEPS:
-            cache = synthetic_cache(heads, d, batch, t, dev)
+    print("## decode attention: µs per call (CUDA graph, cold L2); × default = alternative / default"
+          + (f"; the default recipe at {index_bits} index bits" if index_bits is not None else ""), file=out)
+    widths = {} if index_bits is None else dict(recipe=recipe("default", index_bits).resolved(), spread=TRAINED_SPREAD)
+    for name, heads, d in shapes:
+        for batch, t in steps:
+            cache = synthetic_cache(heads, d, batch, t, dev, **widths)
             codec = cache.codecs[0]
             keys, values = (cached_codes(codec, cache.parts[0], kind) for kind in "kv")
             q = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
@@ -72,6 +78,7 @@ def tune_decode(out) -> None:
                     cells.append(f"{label} {us / base:.2f}")
                 except Exception as err:  # noqa: BLE001 - a launch that does not compile or fit is reported
                     cells.append(f"{label} {type(err).__name__}")
+                print(f"{name} B={batch} T={t}: default {base:.1f} µs, {cells[-1]}", file=sys.stderr, flush=True)
             path = "one launch" if cfg["small"] else ("stream-K" if cfg["stream"] else "split-K")
             print(f"{name} B={batch} T={t}: default ({path}, block_t {cfg['block_t']}, {cfg['num_warps']} warps) "
                   f"{base:.1f} µs | " + ", ".join(cells), file=out, flush=True)
@@ -111,13 +118,19 @@ def tune_quantize(out) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the table here (default: stdout)")
+    parser.add_argument("--index-bits", type=int, default=None,
+                        help="decode attention only, on the default recipe's caches at these mean index bits")
+    parser.add_argument("--steps", nargs="+", default=None, metavar="B:T",
+                        help="only these steps (batch:cached tokens), 650M-shaped")
     args = parser.parse_args(argv)
     out = open(args.out, "w") if args.out else sys.stdout
     import triton
     print(f"# tools/tune_kernels.py on {torch.cuda.get_device_name()} (triton {triton.__version__}, "
           f"torch {torch.__version__})", file=out)
-    tune_decode(out)
-    tune_quantize(out)
+    steps = tuple(tuple(int(x) for x in st.split(":")) for st in args.steps) if args.steps else STEPS
+    tune_decode(out, args.index_bits, SHAPES[:1] if args.steps else SHAPES, steps)
+    if args.index_bits is None and not args.steps:
+        tune_quantize(out)
     if args.out:
         out.close()
 
