@@ -209,6 +209,31 @@ def test_grid_tables_fit_evenly_spaced_levels():
     assert bool((grid.mse[:, 1:] <= grid.mse[:, :-1]).all())  # more bits, less error
 
 
+def test_a_grid_span_moves_the_outer_levels_toward_the_extremes():
+    """``span`` s moves a grid's outer levels s of the way from the least-squares fit out to the points' extremes
+    (s = 1: they sit on them), evenly spaced still, never inwards, at 8 levels or more; the errors it reports are its
+    own levels'."""
+    from esm_turbo.quant.allocation import grid_tables
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 20000, generator=gen, dtype=torch.float64)
+    x[1] = x[1].exp()
+    w = torch.ones_like(x)
+
+    def levels(grid, b):
+        return torch.stack([grid.luts[b] - grid.eps[b][..., 0], grid.luts[b] + grid.eps[b][..., 1]], -1).flatten(1)
+    fits = {s: grid_tables(x, w, 3, sign=True, span=s) for s in (0.0, 0.5, 1.0)}
+    for b in (0, 1):  # 2 and 4 levels: kept
+        assert torch.equal(levels(fits[1.0], b), levels(fits[0.0], b))
+    for b in (2, 3):  # 8 and 16 levels
+        tight, half, full = (levels(fits[s], b) for s in (0.0, 0.5, 1.0))
+        assert torch.allclose(full[:, 0], x.amin(1)) and torch.allclose(full[:, -1], x.amax(1))
+        assert torch.allclose(half[:, 0], (tight[:, 0] + full[:, 0]) / 2)
+        assert torch.allclose(half[:, -1], (tight[:, -1] + full[:, -1]) / 2)
+        steps = half.diff(dim=1)
+        assert torch.allclose(steps, steps[:, :1].expand_as(steps), rtol=1e-9)
+        assert bool((fits[0.5].mse[:, b] > fits[0.0].mse[:, b]).all())  # a wider range: more squared error
+
+
 def test_grid_codec_decodes_codes_as_themselves():
     """A grid quantizer folds each channel's (start, step) into its affine map: code j decodes to j (the kernels
     compute values, never look them up), and encoding picks the nearest of the evenly spaced levels."""

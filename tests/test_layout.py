@@ -83,6 +83,7 @@ def test_recipe_names_and_legacy_checkpoints():
         recipe(max_channel_bits=2)
     old = config_from_meta({"key_bits": 4, "value_bits": 2, "residual": "none"})
     assert (old.key_index_bits, old.value_index_bits, old.attention_weight) == (4, 2, 0.0)
+    assert (old.max_value_channel_bits, old.grid_span) == (None, 0.0)  # fields it predates: their value then
     assert PRESETS["default"] == CalibrationConfig()
 
 

@@ -173,7 +173,7 @@ def _tables_by_layer(hists: list[HistogramAccumulator], bits: int, config: Calib
     for first in range(0, len(hists), step):
         points = [h.padded() for h in hists[first:first + step]]
         values, weights = torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points])
-        fitted = (grid_tables(values, weights, top, sign_mode is not None) if grid
+        fitted = (grid_tables(values, weights, top, sign_mode is not None, span=config.grid_span) if grid
                   else channel_tables(values, weights, top, sign_mode))
         out += [fitted.rows(i * per_layer, (i + 1) * per_layer) for i in range(len(points))]
     return out

@@ -39,6 +39,9 @@ class CalibrationConfig:
                           "Lloyd-Max LUT per channel), head (one per head, the paper); auto: grid with a sign "
                           "residual, channel without", choices=("auto", "channel", "head", "grid"))
     shared_lut: bool = _f(False, "one LUT for keys and values")
+    grid_span: float = _f(0.5, "grid levels: each channel's outer levels moved this share of the way from its "
+                               "least-squares range (which clips its rare large values) out to the calibration's "
+                               "extremes; 0: the least-squares range", range=(0.0, 1.0))
     max_tokens: Optional[int] = _f(None, "stop after this many calibration tokens", range=(1, None))
     batch_tokens: int = _f(8192, "padded tokens per calibration batch", range=(16, None))
     bins: int = _f(4096, "histogram bins per LUT fit with lut=head", range=(16, None))
@@ -104,6 +107,7 @@ PRESETS: dict[str, CalibrationConfig] = {
     "no-residual": CalibrationConfig(residual="none", split="as-given"),  # the sign bit dropped, nothing else
     "wide": CalibrationConfig(max_channel_bits=6),  # keys' channels too may take up to 6 index bits
     "values-capped": CalibrationConfig(max_value_channel_bits=None),  # value channels at most index bits + 1
+    "tight-grid": CalibrationConfig(grid_span=0.0),  # each grid's least-squares range (clips the rare large values)
 }
 
 
@@ -149,4 +153,5 @@ LEGACY_FIELDS = {"key_bits": "key_index_bits", "value_bits": "value_index_bits"}
 def config_from_meta(stored: dict) -> CalibrationConfig:
     """The config a checkpoint's metadata stored (older names mapped; fields it predates at their value then)."""
     fields = {LEGACY_FIELDS.get(k, k): v for k, v in stored.items()}
-    return CalibrationConfig(**{"attention_weight": 0.0, "split": "as-given", **fields})
+    return CalibrationConfig(**{"attention_weight": 0.0, "split": "as-given", "max_value_channel_bits": None,
+                                "grid_span": 0.0, **fields})

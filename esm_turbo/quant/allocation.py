@@ -73,7 +73,7 @@ def channel_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int,
 
 
 def grid_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int, sign: bool,
-                iterations: int = 300) -> ChannelTables:
+                iterations: int = 300, span: float = 0.0) -> ChannelTables:
     """:class:`ChannelTables` of *uniform* quantizers, widths 0 … ``max_bits``: a channel of b index bits (+ the
     sign bit, ``sign``) has n = 2^(b + sign) evenly spaced levels ``a + s·j``, its code j the level's rank, so a
     decoder computes a value from its code instead of looking it up (the GPU kernels' ``GRID`` path). With a sign
@@ -81,7 +81,8 @@ def grid_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int, sign
     both sides — nearest-level coding of the n levels. Each (a, s) minimises the weighted squared error by
     alternating nearest-level cells and the least-squares line through them (each step lowers it), starting
     from the span of an n-level Lloyd-Max fit, until no step moves by 1e-12 of its size (or ``iterations``).
-    Width 0 without a sign is one level, the mean."""
+    Width 0 without a sign is one level, the mean. ``span`` > 0 then moves the outer levels that share of the way
+    out to the points' extremes (:func:`_spanned`); the widths' errors are those of the levels kept."""
     points = SortedPoints(values, weights)
     luts, eps, mse = [], [], []
     for b in range(max_bits + 1):
@@ -89,7 +90,8 @@ def grid_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int, sign
         if n == 1:
             levels = points.mean()[:, None]
         else:
-            levels = _uniform_fit(points, lloyd_max_sorted(points, b + int(sign))[0], iterations)
+            levels = _spanned(points, _uniform_fit(points, lloyd_max_sorted(points, b + int(sign))[0], iterations),
+                              span)
         if sign:
             lut = 0.5 * (levels[:, 0::2] + levels[:, 1::2])
             e = (0.5 * (levels[:, 1::2] - levels[:, 0::2]))[..., None].expand(-1, -1, 2).contiguous()
@@ -99,6 +101,23 @@ def grid_tables(values: torch.Tensor, weights: torch.Tensor, max_bits: int, sign
         eps.append(e)
         mse.append(_mse(points, levels, None))
     return ChannelTables(luts, eps, torch.stack(mse, 1), grid=True)
+
+
+#: the fewest levels a grid's range is widened at (:func:`_spanned`): coarser grids keep their least-squares range
+SPAN_MIN_LEVELS = 8
+
+
+def _spanned(points: SortedPoints, levels: torch.Tensor, span: float) -> torch.Tensor:
+    """Evenly spaced levels [G, n] whose outer ones moved ``span`` (0 … 1) of the way out to the points' extremes
+    (never inwards), for grids of at least :data:`SPAN_MIN_LEVELS` levels: the least-squares fit clips a channel's
+    rare large values to its outer levels, and on trained models those clipped tokens are the worst decoded ones;
+    a grid of 2 or 4 levels pays more in its typical values than it saves (``docs/recipe.md``, "Grid ranges")."""
+    if span <= 0 or levels.shape[1] < SPAN_MIN_LEVELS:
+        return levels
+    n = levels.shape[1]
+    lo = levels[:, :1] + span * (points.lo[:, None] - levels[:, :1]).clamp(max=0)
+    hi = levels[:, -1:] + span * (points.hi[:, None] - levels[:, -1:]).clamp(min=0)
+    return lo + (hi - lo) / (n - 1) * torch.arange(n, dtype=levels.dtype, device=levels.device)
 
 
 def _uniform_fit(points: SortedPoints, start: torch.Tensor, iterations: int) -> torch.Tensor:
