@@ -67,7 +67,7 @@ def test_decode_fidelity_bars(stress_model):
     ev = read_fasta("calibration_data/evaluation.fasta")[0][::4]
     results = {}
     for name in ("default", "query-keys", "paper", "uniform-bits", "per-head-widths", "uniform-tokens", "head-lut",
-                 "no-rotation", "no-residual", "pca-keys", "keys-first", "default-3"):
+                 "no-rotation", "no-residual", "pca-keys", "keys-first", "default-3", "tight-grid"):
         # the default at 3 bits all-in: its split resolves to keys 4, values 2 (CalibrationConfig.split)
         cfg = replace(PRESETS["default"], residual="none") if name == "default-3" else PRESETS[name]
         engine = TurboEsm(stress_model, calibrate(stress_model, recs, cfg, progress=False))
@@ -75,14 +75,14 @@ def test_decode_fidelity_bars(stress_model):
     per_seq = lambda n: [s["decode_cos_mean"] for s in results[n]["sequences"]]  # noqa: E731
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     err = lambda n: sum(results[n]["layers"]["attn_rel_err"])  # noqa: E731
-    # per-sequence bars: 3+1 bits ≥ 0.97 (0.989 on these 8 sequences) and 3 bits ≥ 0.955 (0.973)
+    # per-sequence bars: 3+1 bits ≥ 0.97 (0.988 on these 8 sequences) and 3 bits ≥ 0.955 (0.973)
     assert min(per_seq("default")) >= 0.97, per_seq("default")
     assert min(per_seq("no-residual")) >= 0.955, per_seq("no-residual")
     # tokens counted by the attention they receive (attention_weight 0.5) against every token once: a lower
-    # attention error (0.265 vs 0.276) and a worst sequence as high
+    # attention error (0.290 vs 0.336) and a worst sequence as high
     assert err("default") < err("uniform-tokens")
     assert min(per_seq("default")) >= min(per_seq("uniform-tokens")) - 0.001
-    # allocating bits by channel lowers the attention error at the same bytes (0.265 vs 0.305)
+    # allocating bits by channel lowers the attention error at the same bytes (0.290 vs 0.339)
     assert err("default") < 0.97 * err("uniform-bits")
     assert mean(per_seq("default")) >= mean(per_seq("uniform-bits")) - 0.002
     # one allocation for every head of a layer (what lets the kernels compile the field shifts in) costs nothing
@@ -96,11 +96,16 @@ def test_decode_fidelity_bars(stress_model):
     # values chosen per head (rotated or not) against no rotation at all: a lower attention error
     assert mean(per_seq("default")) >= mean(per_seq("no-rotation")) - 0.002
     assert err("default") < err("no-rotation")
-    # keys turned for their queries (query-keys, the former default): on this random-weight model they lower the
-    # attention error (0.249 vs 0.265) and lift the mean (0.9943 vs 0.9924), not the worst sequence; on trained
-    # models they lose the worst tokens (results/fidelity/README.md), which is why the default leaves keys unrotated
-    assert err("query-keys") < err("default")
+    # keys turned for their queries (query-keys, the former default): on this random-weight model they lift the
+    # mean (0.9925 vs 0.9919), not the worst sequence; on trained models they lose the worst tokens
+    # (results/fidelity/README.md), which is why the default leaves keys unrotated
+    assert mean(per_seq("query-keys")) > mean(per_seq("default"))
     assert min(per_seq("default")) >= min(per_seq("query-keys")) - 0.002
+    # grid ranges half way out to the calibration's extremes (the default) against the least-squares range
+    # (tight-grid): more squared error in the attention here (0.290 vs 0.265) and the worst sequence within 0.002;
+    # on the trained models they lift every tail (docs/recipe.md, "Grid ranges")
+    assert err("tight-grid") < err("default")
+    assert min(per_seq("default")) >= min(per_seq("tight-grid")) - 0.002
     assert err("default") < err("pca-keys")
     assert min(per_seq("default")) >= min(per_seq("pca-keys"))
     assert err("default") < 0.8 * err("paper")
