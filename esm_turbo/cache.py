@@ -250,8 +250,7 @@ class KVCache:
         is captured, the whole buffer: its replays' lengths are not known now, and the readers mask by ``lengths``)."""
         if upto is None:
             upto = self.capacity if ops.capturing(self.lengths) else int(self.lengths.max())
-        t = upto
-        return {n: b[:, :, :t] for n, b in self.parts[layer].items()}
+        return {n: b[:, :, :upto] for n, b in self.parts[layer].items()}
 
     def dequantize(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Reference path: (K̂ [B,H,T,d], V̂ [B,H,T,d], valid [B,T] bool), T = max length."""

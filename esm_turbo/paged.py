@@ -504,10 +504,9 @@ class PagedKVCache(KVCache):
         length; while a CUDA graph is captured, every block the table holds, the reserved reach: the readers mask by
         ``lengths``)."""
         pages, _ = self.pages()
-        if upto is None:
-            upto = pages.shape[1] * self.block_size if ops.capturing(self.lengths) else int(self.lengths.max())
-        t = upto
-        if pages.shape[1] * self.block_size < t:  # past every row's end: padded with each row's last block
+        reach = pages.shape[1] * self.block_size
+        t = upto if upto is not None else reach if ops.capturing(self.lengths) else int(self.lengths.max())
+        if reach < t:  # past every row's end: padded with each row's last block
             extra = -(-t // self.block_size) - pages.shape[1]
             pages = torch.cat([pages, pages[:, -1:].expand(-1, extra)], dim=1)
         return {name: ops.gather_blocks(pool, pages)[:, :, :t] for name, pool in self.pool.dev[layer].items()}

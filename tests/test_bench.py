@@ -42,7 +42,7 @@ def test_widths_rows_are_the_budgets_they_name():
     for label, preset, bits in WIDTH_RECIPES:
         cfg = recipe(preset, bits).resolved()
         cache = synthetic_cache(20, 64, 1, 8, "cpu", recipe=cfg, spread=TRAINED_SPREAD)
-        all_in = cache.memory_report().bytes_per_token_per_layer * 8 / (2 * 20 * 64)
+        all_in = cache.memory_report().bits_per_value
         assert label.startswith(f"{all_in:.1f} bits"), (label, all_in)
         codec = cache.codecs[0]
         widest[preset, bits] = [int(q.widths.max()) for q in (codec.key, codec.value)]

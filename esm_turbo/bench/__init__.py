@@ -48,12 +48,11 @@ def run(quick: bool = False, device: str | None = None, reference: bool = False,
     if dev.type == "cuda":
         res.peak_copy_gbs = peak_copy_gbs(dev)
         res.graph_floor_us = graph_floor_us(dev)
+        res.widths = bench_widths(dev, *((8, 4096) if quick else (64, 16384)))
         if suite == "widths":
-            res.widths = bench_widths(dev, *((8, 4096) if quick else (64, 16384)))
             return res
         batches, lengths = ((1, 8), (1024, 4096)) if quick else ((1, 8, 64), (1024, 4096, 16384))
         res.attention = bench_attention(dev, batches, lengths)
-        res.widths = bench_widths(dev, *((8, 4096) if quick else (64, 16384)))
         res.quantize = bench_quantize(dev)
         res.decode = bench_decode(dev, batches=() if quick else DECODE_BATCHES)
     else:

@@ -113,7 +113,7 @@ def bench_widths(device: torch.device, batch: int = 64, length: int = 16384, sha
         cache = synthetic_cache(heads, dim, batch, length, device, recipe=cfg, spread=TRAINED_SPREAD)
         codec = cache.codecs[0]
         widths = [qz.code_layout().widest for qz in (codec.key, codec.value)]  # bits, the sign's included
-        all_in = cache.memory_report().bytes_per_token_per_layer * 8 / (2 * heads * dim)
+        all_in = cache.memory_report().bits_per_value
         us, step_us, gbs = time_fused(cache, q, k_new, v_new, valid)
         read_us = read_floor_us(bytes_read(cache), device)
         rows.append(dict(recipe=label, preset=preset, shape=shape, batch=batch, context=length, bits=all_in,

@@ -27,8 +27,7 @@ class FitOptions:
     """How a quantizer is fitted: ``bits`` index bits (a mean under allocation); ``residual`` sign / qjl / none;
     ``sign_mode`` bin / head (sign magnitudes per LUT bin or per head); ``seed`` of the QJL sketch; ``max_bits``: the
     widest channel under allocation (default bits + 1); ``shared_widths``: one allocation for every head;
-    ``grid``: uniform levels per channel instead of LUTs; ``span``: how far a grid's outer levels move out to the
-    points' extremes (``allocation.grid_tables``)."""
+    ``grid``: uniform levels per channel instead of LUTs."""
 
     bits: int
     residual: str = "sign"
@@ -37,7 +36,6 @@ class FitOptions:
     max_bits: int | None = None
     shared_widths: bool = False
     grid: bool = False
-    span: float = 0.0
 
 
 def fit_quantizer(affine: AffineStats, points: tuple[torch.Tensor, torch.Tensor], fit: FitOptions,
@@ -68,7 +66,7 @@ def fit_quantizer(affine: AffineStats, points: tuple[torch.Tensor, torch.Tensor]
                              "own tables")
         top = widest_bits(fit.bits, fit.max_bits) if importance is not None else fit.bits
         if tables is None and grid:
-            tables = grid_tables(*points, top, fit.residual == "sign", span=fit.span)
+            tables = grid_tables(*points, top, fit.residual == "sign")
         elif tables is None:
             tables = channel_tables(*points, top, fit.sign_mode if fit.residual == "sign" else None)
         return _allocated(affine, tables, fit, importance)
