@@ -219,6 +219,13 @@ class FastEsm(nn.Module):
         self.lm_head = None  # transformers' EsmLMHead, when logits are wanted (from_hf keeps it)
         self._fused = fused
         self.cuda_graphs = True  # FastEsm.embed replays CUDA graphs for short batches on CUDA
+        # the fused path's products with their pointwise work (GELU, the residual adds) folded into the epilogue
+        # (esm_turbo.kernels.gemm): None where it measured faster (kernels.gemm.TILES), True always, False never
+        self.fused_products: bool | None = None
+        # the fused path's attention over batches planned on the host: "triton" (esm_turbo.kernels.varlen_attention,
+        # tiles of 64 tokens, in the dtypes it measured faster in: kernels.varlen_attention.GPU_DTYPES) or "flash"
+        # (flash-attention's variable-length kernel); captured graphs take flash
+        self.attention_kernel = "triton"
         self._graphs: dict = {}
 
     # ---- loading ---------------------------------------------------------------------------------
@@ -440,6 +447,7 @@ class FastEsm(nn.Module):
         from ..kernels.norm import add_layer_norm_triton, layer_norm_columns_
         from ..kernels.rope import rope_packed_triton
         from .fp8 import fp8_supported
+        from .products import folds, product
         cos, sin = self._rotary(batch)
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
@@ -450,26 +458,51 @@ class FastEsm(nn.Module):
         last = min(max(wanted, default=0), self.num_layers)
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
         inv_scale = 1.0 / self.branch_scale
+        policy = self.fused_products
+        blocks = None
+        if self.attention_kernel == "triton" and batch.lengths:
+            from ..kernels.varlen_attention import GPU_DTYPES, query_blocks
+            if not h.is_cuda or h.dtype in GPU_DTYPES:  # where it measured faster than flash (and the interpreter)
+                blocks = query_blocks(batch.lengths, h.device)  # cut once, read by every layer
         for i, b in enumerate(self.blocks[:last], start=1):
             w_qkv, w_o, w_1, w_2 = b.weights()
-            qkv = linear(x, w_qkv, b.qkv.bias)
+            qkv = product(x, w_qkv, b.qkv.bias, kernel=folds(x, w_qkv, "bias", policy))
             if b.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
                 layer_norm_columns_(qkv[:, :dim], b.q_norm.weight, self.eps)
                 layer_norm_columns_(qkv[:, dim: 2 * dim], b.k_norm.weight, self.eps)
             q, k = rope_packed_triton(qkv, cos, sin, b.heads)
             v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
-            a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, scale=1.0).reshape(n, dim)
-            h, x = add_layer_norm_triton(h, linear(activation_triton(a, "none", fp8=True) if fp8 else a, w_o,
-                                                   b.out.bias), b.ffn_norm.weight, b.ffn_norm.bias, self.eps,
-                                         inv_scale, fp8=fp8)
-            u = linear(x, w_1, b.fc1.bias)
-            f = F.gelu(u) if b.activation == "gelu" and not fp8 else activation_triton(u, b.activation, fp8=fp8)
+            a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, 1.0, blocks).reshape(n, dim)
+            a = activation_triton(a, "none", fp8=True) if fp8 else a
+            h, x = self._residual(h, a, w_o, b.out.bias, b.ffn_norm, inv_scale, fp8, policy)
+            if b.activation == "gelu" and folds(x, w_1, "gelu", policy):  # bias and GELU in the epilogue
+                if fp8:  # the rows' maxima come with it: one read of the activation to quantize it
+                    f, amax = product(x, w_1, b.fc1.bias, "gelu", row_amax=True)
+                    f = activation_triton(f, "none", fp8=True, amax=amax)
+                else:
+                    f = product(x, w_1, b.fc1.bias, "gelu")
+            else:
+                u = product(x, w_1, b.fc1.bias, kernel=False)
+                f = F.gelu(u) if b.activation == "gelu" and not fp8 else activation_triton(u, b.activation, fp8=fp8)
             after = self.blocks[i].attn_norm if i < self.num_layers else self.final_norm
-            h, x = add_layer_norm_triton(h, linear(f, w_2, b.fc2.bias), after.weight, after.bias, self.eps,
-                                         inv_scale, fp8=fp8 and i < self.num_layers)
+            h, x = self._residual(h, f, w_2, b.fc2.bias, after, inv_scale, fp8 and i < self.num_layers, policy)
             if i in wanted:
                 out[i] = x if i == self.num_layers else h
         return out
+
+    def _residual(self, h: torch.Tensor, x, w, bias: torch.Tensor | None, norm: nn.LayerNorm, inv_scale: float,
+                  fp8: bool, policy: bool | None) -> tuple:
+        """An output projection, the residual add and the LayerNorm after it: (h + (x wᵀ + b) · inv_scale, the
+        LayerNorm of that), h [N, D]. Where the product folds its epilogue (:func:`~.products.folds`) the add is in
+        it and the LayerNorm reads one tensor; else the add and the LayerNorm run in one launch after a cuBLAS
+        product. ``fp8``: the LayerNorm's output as e4m3 rows."""
+        from ..kernels.norm import add_layer_norm_triton
+        from .products import folds, product
+        if folds(x, w, "residual", policy):
+            s = product(x, w, bias, "residual", residual=h, residual_scale=inv_scale)
+            return add_layer_norm_triton(s, None, norm.weight, norm.bias, self.eps, fp8=fp8)
+        return add_layer_norm_triton(h, product(x, w, bias, kernel=False), norm.weight, norm.bias, self.eps,
+                                     inv_scale, fp8=fp8)
 
     def _flash(self) -> bool:
         """Whether attention runs in the flash variable-length kernel (else one padded SDPA per layer)."""

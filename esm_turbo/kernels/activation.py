@@ -46,23 +46,26 @@ def _act(u_ptr, row_at, cols, mask, F: tl.constexpr, KIND: tl.constexpr):
 
 
 @triton.jit
-def _activation_kernel(u_ptr, out_ptr, scale_ptr, n_rows, u_stride, F: tl.constexpr, BLOCK: tl.constexpr,
-                       ROWS: tl.constexpr, KIND: tl.constexpr, FP8: tl.constexpr):
+def _activation_kernel(u_ptr, out_ptr, scale_ptr, amax_ptr, n_rows, u_stride, F: tl.constexpr, BLOCK: tl.constexpr,
+                       ROWS: tl.constexpr, KIND: tl.constexpr, FP8: tl.constexpr, KNOWN_AMAX: tl.constexpr):
     """Rows [pid·ROWS, (pid + 1)·ROWS) of u (rows ``u_stride`` apart) → out [N, F] contiguous, in column blocks of
-    BLOCK; with ``FP8`` a first sweep finds each row's max |activation| and the second stores e4m3 codes, the row's
-    scale at scale_ptr [N]."""
+    BLOCK; with ``FP8`` a first sweep finds each row's max |activation| (or, ``KNOWN_AMAX``, reads it at amax_ptr
+    [N]) and the second stores e4m3 codes, the row's scale at scale_ptr [N]."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     row_at = rows[:, None].to(tl.int64) * u_stride
     out_at = rows[:, None].to(tl.int64) * F
     scale = tl.full((ROWS,), 1.0, tl.float32)
     if FP8:
-        amax = tl.zeros((ROWS,), tl.float32)
-        for start in range(0, F, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = row_ok[:, None] & (cols[None, :] < F)
-            x = tl.where(mask, _act(u_ptr, row_at, cols, mask, F, KIND), 0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        if KNOWN_AMAX:
+            amax = tl.load(amax_ptr + rows, mask=row_ok, other=0.0)
+        else:
+            amax = tl.zeros((ROWS,), tl.float32)
+            for start in range(0, F, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = row_ok[:, None] & (cols[None, :] < F)
+                x = tl.where(mask, _act(u_ptr, row_at, cols, mask, F, KIND), 0.0)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         scale = e4m3_row_scale(amax)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
     for start in range(0, F, BLOCK):
@@ -75,8 +78,10 @@ def _activation_kernel(u_ptr, out_ptr, scale_ptr, n_rows, u_stride, F: tl.conste
             tl.store(out_ptr + out_at + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False):
-    """See the module docstring. u: [N, F] (``"swiglu"``: [N, 2F]), columns contiguous."""
+def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch.Tensor | None = None):
+    """See the module docstring. u: [N, F] (``"swiglu"``: [N, 2F]), columns contiguous. ``amax`` [N] float32 (with
+    ``fp8``): each row's largest |activation| when already known (the product before it found it,
+    :func:`~esm_turbo.kernels.gemm.gemm` ``row_amax``): then one read of u, not two."""
     if kind not in KINDS:
         raise ValueError(f"activation {kind!r}: one of {list(KINDS)}")
     n, width = u.shape
@@ -87,8 +92,11 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False):
     scale = torch.empty(n, 1, device=u.device, dtype=torch.float32) if fp8 else out
     block = min(1024, triton.next_power_of_2(f))
     rows = max(1, min(16, 4096 // block))
-    _activation_kernel[(triton.cdiv(n, rows),)](u, out, scale, n, u.stride(0), F=f, BLOCK=block, ROWS=rows,
-                                                KIND=KINDS[kind], FP8=fp8, num_warps=4)
+    if amax is not None and (not fp8 or amax.shape != (n,) or amax.dtype != torch.float32):
+        raise ValueError(f"amax {tuple(amax.shape)} {amax.dtype} goes with fp8 and is [{n}] float32")
+    _activation_kernel[(triton.cdiv(n, rows),)](u, out, scale, scale if amax is None else amax, n, u.stride(0), F=f,
+                                                BLOCK=block, ROWS=rows, KIND=KINDS[kind], FP8=fp8,
+                                                KNOWN_AMAX=amax is not None, num_warps=4)
     if not fp8:
         return out
     from ..embed.fp8 import Fp8Rows

@@ -24,13 +24,13 @@ def add_layer_norm_reference(h: torch.Tensor, y: torch.Tensor | None, weight: to
                              eps: float, y_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """h, y: [N, D] (y may be None); weight, bias: [D]. Returns (s, layer_norm(s)) with s = h + y · y_scale (the sum
     in float32 when scaled, rounded once), both [N, D] in h's dtype."""
-    if y is None:
-        s = h
-    elif y_scale == 1.0:
-        s = h + y
-    else:
-        s = (h.float() + y.float() * y_scale).to(h.dtype)
+    s = h if y is None else residual_sum(h, y, y_scale)
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+
+
+def residual_sum(h: torch.Tensor, y: torch.Tensor, y_scale: float = 1.0) -> torch.Tensor:
+    """h + y · y_scale [N, D] in h's dtype: the plain sum, or when scaled the float32 sum rounded once."""
+    return h + y if y_scale == 1.0 else (h.float() + y.float() * y_scale).to(h.dtype)
 
 
 @triton.jit
@@ -112,4 +112,4 @@ def layer_norm_columns_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     return x
 
 
-__all__ = ["add_layer_norm_reference", "add_layer_norm_triton", "layer_norm_columns_"]
+__all__ = ["add_layer_norm_reference", "add_layer_norm_triton", "layer_norm_columns_", "residual_sum"]

@@ -1,0 +1,68 @@
+"""A FastEsm block's matrix products, and which of them run with their pointwise work folded into the epilogue.
+
+:func:`product` takes a weight as a tensor (fp16/bf16; fp32 under Triton's interpreter) or an
+:class:`~esm_turbo.embed.fp8.Fp8Weight`, an input as a tensor or :class:`~esm_turbo.embed.fp8.Fp8Rows`, and one of
+:data:`~esm_turbo.kernels.gemm.EPILOGUES`, and runs it in :func:`~esm_turbo.kernels.gemm.gemm` (a plain product with
+only a bias may run in cuBLAS instead). :func:`folds` says which: the products the kernel measured faster on, as
+:data:`~esm_turbo.kernels.gemm.TILES` lists them, unless a caller forces it. Reference: the unfused ops,
+:func:`product_reference`, which the tests tie it to."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import Fp8Rows, Fp8Weight, fp8_linear_reference, fp8_supported, linear
+
+def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
+            epilogue: str = "bias", residual: torch.Tensor | None = None, residual_scale: float = 1.0,
+            row_amax: bool = False, kernel: bool = True):
+    """x [M, K] (or its e4m3 rows) times w [N, K]ᵀ plus the bias, then ``epilogue`` (``"bias"``, ``"gelu"``,
+    ``"residual"`` with residual [M, N] and ``residual_scale``): [M, N] in x's dtype (bf16 for FP8), and with
+    ``row_amax`` also each row's largest |output| [M] float32. ``kernel`` False (a plain product only): cuBLAS. A
+    plain tensor input to an FP8 weight is quantized per row first; FP8 weights off an FP8 GPU take the reference's
+    arithmetic."""
+    from ..kernels.gemm import gemm
+    fp8 = isinstance(w, Fp8Weight)
+    if fp8 and not fp8_supported((x.q if isinstance(x, Fp8Rows) else x).device):
+        y = product_reference(x, w, bias, epilogue, residual, residual_scale)
+        return (y, y.float().abs().amax(1)) if row_amax else y
+    if epilogue == "bias" and not row_amax and not kernel:
+        return linear(x, w, bias)
+    if fp8:
+        if not isinstance(x, Fp8Rows):
+            from ..kernels.activation import activation_triton
+            x = activation_triton(x, "none", fp8=True)
+        return gemm(x.q, w.q, bias, epilogue, residual, residual_scale, x.scale, w.scale, row_amax)
+    return gemm(x, w, bias, epilogue, residual, residual_scale, row_amax=row_amax)
+
+
+def folds(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, epilogue: str, policy: bool | None) -> bool:
+    """Whether this product runs in the Triton kernel with ``epilogue`` folded in: ``policy`` True / False forces it
+    (float32 on the GPU never: cuBLAS there), None asks the measured table (:func:`~esm_turbo.kernels.gemm.measured`,
+    on CUDA)."""
+    held = x.q if isinstance(x, Fp8Rows) else x
+    weight = w.q if isinstance(w, Fp8Weight) else w
+    if held.is_cuda and held.dtype == torch.float32:
+        return False
+    if policy is not None:
+        return policy
+    from ..kernels.gemm import measured
+    return held.is_cuda and measured(weight.shape[0], weight.shape[1], weight.dtype, epilogue)
+
+
+def product_reference(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
+                      epilogue: str = "bias", residual: torch.Tensor | None = None,
+                      residual_scale: float = 1.0) -> torch.Tensor:
+    """:func:`product` op by op: ``F.linear`` (or :func:`~esm_turbo.embed.fp8.fp8_linear_reference`), then
+    ``F.gelu`` or the residual add (``add_layer_norm_reference``'s sum)."""
+    y = fp8_linear_reference(x, w, bias) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
+    if epilogue == "gelu":
+        return F.gelu(y)
+    if epilogue == "residual":
+        from ..kernels.norm import residual_sum
+        return residual_sum(residual, y, residual_scale)
+    return y
+
+
+__all__ = ["folds", "product", "product_reference"]

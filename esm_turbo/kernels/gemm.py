@@ -1,0 +1,267 @@
+"""FastEsm's matrix products with their pointwise work folded into the epilogue (Triton, tensor cores).
+
+``gemm(x, w, bias, epilogue=..., residual=..., residual_scale=...)`` computes ``y = x wᵀ + b`` [M, N] from x [M, K]
+and w [N, K] (fp16 or bf16; or e4m3 with one float32 scale per row of x and per row of w, see
+:mod:`esm_turbo.embed.fp8`) and finishes it in registers before the one store:
+
+* ``"bias"``: y, rounded to the output dtype (what ``F.linear`` returns);
+* ``"gelu"``: erf GELU of the rounded y, rounded again (``F.gelu(F.linear(x, w, b))``: ESM-2's FFN-up);
+* ``"residual"``: ``h + y`` (h [M, N] the residual stream), or with ``residual_scale`` s ≠ 1 ``h + y · s`` summed
+  in float32 and rounded once (the output projections: ``add_layer_norm_reference``'s sum). The LayerNorm after it
+  then reads one tensor, not two.
+
+Each rounding sits where the PyTorch reference (:func:`gemm_reference`) rounds, so the two differ only in the order
+of the float32 sums. With FP8 inputs the float32 product is scaled by both scales before the bias (what
+``torch._scaled_mm`` computes) and the output is bf16; ``row_amax`` then also returns each row's largest |output|
+(each column tile's maxima written side by side, then reduced: no atomics, the same result on every run), so the
+next product's per-row e4m3 scale needs no second read of the activation.
+
+The kernel is persistent (one program per multiprocessor walks the output tiles, grouped along M so that a group's
+weight columns stay in L2) and reads its tiles through tensor descriptors (TMA on Hopper) or, under Triton's
+interpreter and on GPUs without TMA, through masked pointer loads. Tile shapes come from :data:`TILES` per product
+shape and dtype (measured on the device; ``tools/tune_gemm.py``), else from :func:`default_tile`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import interpreting, num_sms
+
+EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2}
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One launch plan: the output tile (bm × bn), the K step, how many K steps are in flight (stages), warps, the
+    M-group of the tile order, whether the epilogue works on two column halves (less register pressure), and whether
+    the tile loop is warp-specialized (loads, products and the epilogue in warps of their own, where Triton offers
+    it)."""
+
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    stages: int = 3
+    warps: int = 8
+    group_m: int = 8
+    subtile: bool = True
+    ws: bool = False
+
+
+#: the products where the kernel, its epilogue folded in, measured faster than cuBLAS followed by the separate pass
+#: (``tools/tune_gemm.py`` on an H200, 16,384 rows, each against ``F.linear`` / ``torch._scaled_mm`` and the pointwise
+#: kernel it replaces, timed in the same run), and the tile that won: (N, K, input dtype, epilogue) → Tile. Products
+#: not listed run in cuBLAS (:mod:`esm_turbo.embed.products`).
+TILES: dict[tuple[int, int, str, str], Tile] = {
+    # fp16, ESM-2 650M and 3B FFN-up with GELU: 439 µs against 342 + 112 µs; 1,513 against 1,316 + 215
+    (5120, 1280, "float16", "gelu"): Tile(128, 128, 64, 4, 8, 8, False),
+    (10240, 2560, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True, True),
+    # e4m3, the QKV projections (bias only): 151 µs against torch._scaled_mm's 162 (650M); 556 against 578 (3B)
+    (3840, 1280, "float8_e4m3fn", "bias"): Tile(128, 256, 128, 4, 8, 8, True),
+    (7680, 2560, "float8_e4m3fn", "bias"): Tile(256, 128, 128, 3, 8, 8, False),
+    # e4m3, FFN-down with the residual add: 177 µs against 181 + the add (650M); 685 against 694 + the add (3B)
+    (1280, 5120, "float8_e4m3fn", "residual"): Tile(128, 256, 128, 4, 8, 8, True),
+    (2560, 10240, "float8_e4m3fn", "residual"): Tile(128, 256, 128, 4, 8, 8, True),
+}
+
+
+def default_tile(n: int, k: int, dtype: torch.dtype) -> Tile:
+    """A tile for products with no measured entry: 128 × 256 (× 128 wide in K for e4m3, whose values are half the
+    bytes), three stages; narrower for small N."""
+    bk = 128 if dtype == torch.float8_e4m3fn else 64
+    bn = 256 if n >= 1024 else 128
+    return Tile(128, bn, bk, 3, 8, 8, bn >= 256)
+
+
+def measured(n: int, k: int, dtype: torch.dtype, epilogue: str) -> bool:
+    """Whether the folded product [*, K] × [N, K]ᵀ with ``epilogue`` measured faster here than cuBLAS and its pass."""
+    return (n, k, str(dtype).removeprefix("torch."), epilogue) in TILES
+
+
+def tile_for(n: int, k: int, dtype: torch.dtype, epilogue: str = "bias") -> Tile:
+    return TILES.get((n, k, str(dtype).removeprefix("torch."), epilogue), default_tile(n, k, dtype))
+
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile index → (pid_m, pid_n), GROUP_M row tiles walked together along N."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
+
+
+@triton.jit
+def _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr, sw_ptr,
+            amax_ptr, part, parts, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+            SCALED: tl.constexpr, AMAX: tl.constexpr):
+    """The epilogue of one [BM, BN'] part of the accumulator (float32) at rows offs_m, columns offs_n: scales (FP8),
+    bias, the rounding to c's dtype, then GELU or the residual add, each rounded as the reference rounds; one store.
+    ``AMAX``: the rows' largest |value| of this part at column ``part`` of amax [M, parts]."""
+    out_ty = c_ptr.dtype.element_ty
+    row_ok = offs_m < M
+    col_ok = offs_n < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    y = acc
+    if FP8:
+        sa = tl.load(sa_ptr + offs_m, mask=row_ok, other=0.0)
+        sw = tl.load(sw_ptr + offs_n, mask=col_ok, other=0.0)
+        y = y * sa[:, None] * sw[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = y.to(out_ty, fp_downcast_rounding="rtne").to(tl.float32)  # what the product alone would return
+    if EPI == 1:
+        y = (y * 0.5 * (1.0 + tl.math.erf(y * 0.7071067811865476))).to(out_ty, fp_downcast_rounding="rtne")
+    elif EPI == 2:
+        h = tl.load(res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        if SCALED:
+            y = h + y * res_scale
+        else:
+            y = h + y
+        y = y.to(out_ty, fp_downcast_rounding="rtne")
+    else:
+        y = y.to(out_ty, fp_downcast_rounding="rtne")
+    if AMAX:
+        tl.store(amax_ptr + offs_m.to(tl.int64) * parts + part,
+                 tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=1), mask=row_ok)
+    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], y, mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr, sw_ptr, amax_ptr, M, N, K,
+                 stride_am, stride_wn, stride_cm, stride_rm, res_scale, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, TMA: tl.constexpr,
+                 SUBTILE: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+                 SCALED: tl.constexpr, AMAX: tl.constexpr, WS: tl.constexpr):
+    """Persistent: program p computes output tiles p, p + NUM_SMS, … of the [M, N] output (c = x wᵀ, x [M, K] rows
+    ``stride_am`` apart, w [N, K] rows ``stride_wn`` apart, both with contiguous K), then :func:`_finish`."""
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BK)
+    tile_c = start - NUM_SMS  # the epilogue's own count: the loop's is pipelined ahead of it
+    offs_k = tl.arange(0, BK)
+    parts = num_pid_n * (2 if SUBTILE else 1)
+    for tile in tl.range(start, num_tiles, NUM_SMS, flatten=True, warp_specialize=WS):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if TMA:
+            for ki in range(k_tiles):
+                a = a_desc.load([pid_m * BM, ki * BK])
+                w = w_desc.load([pid_n * BN, ki * BK])
+                acc = tl.dot(a, w.T, acc)
+        else:
+            rows = pid_m * BM + tl.arange(0, BM)
+            cols = pid_n * BN + tl.arange(0, BN)
+            a_at = a_ptr + tl.where(rows < M, rows, 0).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+            w_at = w_ptr + tl.where(cols < N, cols, 0).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+            for ki in range(k_tiles):
+                k_ok = offs_k[None, :] < K - ki * BK
+                a = tl.load(a_at, mask=k_ok, other=0.0)
+                w = tl.load(w_at, mask=k_ok, other=0.0)
+                acc = tl.dot(a, w.T, acc)
+                a_at += BK
+                w_at += BK
+        tile_c += NUM_SMS
+        pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        if SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+            acc0, acc1 = tl.split(halves)
+            offs_n = pid_n * BN + tl.arange(0, BN // 2)
+            _finish(acc0, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
+                    sw_ptr, amax_ptr, 2 * pid_n, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX)
+            _finish(acc1, offs_m, offs_n + BN // 2, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale,
+                    sa_ptr, sw_ptr, amax_ptr, 2 * pid_n + 1, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX)
+        else:
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
+                    sw_ptr, amax_ptr, pid_n, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX)
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether tiles are read through tensor descriptors: CUDA with TMA (compute capability 9.0 or later)."""
+    return (device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "bias",
+         residual: torch.Tensor | None = None, residual_scale: float = 1.0, x_scale: torch.Tensor | None = None,
+         w_scale: torch.Tensor | None = None, row_amax: bool = False, tile: Tile | None = None,
+         tma: bool | None = None):
+    """See the module docstring. x [M, K], w [N, K] (K contiguous in both; e4m3 with x_scale [M] or [M, 1] and
+    w_scale [N] float32), bias [N] or None, residual [M, N] (``epilogue="residual"``). Returns [M, N] in x's dtype
+    (bf16 for e4m3), and with ``row_amax`` also the rows' largest |value| [M] float32."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue {epilogue!r}: one of {list(EPILOGUES)}")
+    m, k = x.shape
+    n = w.shape[0]
+    fp8 = x.dtype == torch.float8_e4m3fn
+    if w.shape[1] != k or w.dtype != x.dtype or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} (K contiguous) do not "
+                         "make a product")
+    if x.is_cuda and x.dtype == torch.float32:
+        raise ValueError("float32 products run in cuBLAS on the GPU (the kernel's dots there are tf32)")
+    if fp8 and (x_scale is None or w_scale is None):
+        raise ValueError("e4m3 inputs need x_scale and w_scale")
+    if (epilogue == "residual") != (residual is not None):
+        raise ValueError("a residual goes with epilogue='residual', and only with it")
+    out_dtype = torch.bfloat16 if fp8 else x.dtype
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != out_dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not the [{m}, {n}] {out_dtype} output")
+    tile = tile or tile_for(n, k, x.dtype, epilogue)
+    if tma is None:
+        tma = tma_supported(x.device)
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    parts = triton.cdiv(n, tile.bn) * (2 if tile.subtile else 1)
+    amax = torch.empty(m, parts, device=x.device, dtype=torch.float32) if row_amax else out
+    if m == 0:
+        return (out, amax[:, 0]) if row_amax else out
+    sms = num_sms(x.device)
+    tiles = triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn)
+    a_desc = _descriptor(x, [tile.bm, tile.bk]) if tma else x
+    w_desc = _descriptor(w, [tile.bn, tile.bk]) if tma else w
+    _gemm_kernel[(min(sms, tiles),)](
+        x, a_desc, w, w_desc, out, bias if bias is not None else out, residual if residual is not None else out,
+        x_scale if fp8 else out, w_scale if fp8 else out, amax, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0, float(residual_scale), BM=tile.bm, BN=tile.bn,
+        BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=sms, TMA=tma, SUBTILE=tile.subtile, EPI=EPILOGUES[epilogue],
+        HAS_BIAS=bias is not None, FP8=fp8, SCALED=residual_scale != 1.0, AMAX=row_amax, WS=tile.ws,
+        num_warps=tile.warps, num_stages=tile.stages)
+    return (out, amax.amax(1)) if row_amax else out
+
+
+def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "bias",
+                   residual: torch.Tensor | None = None, residual_scale: float = 1.0,
+                   x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What :func:`gemm` computes, in PyTorch: the product in float32 (e4m3 inputs scaled), the bias, a rounding to
+    the output dtype, then the epilogue's op rounded once."""
+    fp8 = x.dtype == torch.float8_e4m3fn
+    out_dtype = torch.bfloat16 if fp8 else x.dtype
+    y = x.float() @ w.float().t()
+    if fp8:
+        y = y * x_scale.reshape(-1, 1).float() * w_scale.reshape(1, -1).float()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(out_dtype)
+    if epilogue == "gelu":
+        yf = y.float()
+        return (yf * 0.5 * (1.0 + torch.erf(yf * 0.7071067811865476))).to(out_dtype)
+    if epilogue == "residual":
+        from .norm import residual_sum
+        return residual_sum(residual, y, residual_scale)
+    return y
+
+
+__all__ = ["EPILOGUES", "TILES", "Tile", "default_tile", "gemm", "gemm_reference", "measured", "tile_for",
+           "tma_supported"]

@@ -1,0 +1,109 @@
+"""The matrix products with folded epilogues (esm_turbo.kernels.gemm) against their PyTorch reference: under Triton's
+interpreter on CPU (small tiles), and on the GPU with the tiles the forward uses (tensor descriptors on Hopper)."""
+
+import pytest
+import torch
+
+from esm_turbo.kernels import triton_supported
+
+pytestmark = pytest.mark.skipif(not triton_supported(), reason="needs Triton (its interpreter on CPU)")
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _small_tile():
+    from esm_turbo.kernels.gemm import Tile
+    return None if CUDA else Tile(16, 32, 16, 2, 4, 2, True)
+
+
+def _inputs(m, n, k, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(DEV, dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEV, dtype)
+    b = (0.3 * torch.randn(n, generator=gen)).to(DEV, dtype)
+    h = (2 * torch.randn(m, n, generator=gen)).to(DEV, dtype)
+    return x, w, b, h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []))
+@pytest.mark.parametrize("epilogue,scale", [("bias", 1.0), ("gelu", 1.0), ("residual", 1.0), ("residual", 0.5)])
+def test_gemm_epilogues_match_the_reference(dtype, epilogue, scale):
+    """Every epilogue, M and N not multiples of the tile, K not a multiple of its step: the reference's value up to
+    the order of the float32 sums (a last-place difference of the output dtype, or a few in float32)."""
+    from esm_turbo.kernels.gemm import gemm, gemm_reference
+    if dtype == torch.float32 and CUDA:
+        pytest.skip("the fused path runs fp16/bf16 on the GPU (float32 only under the interpreter)")
+    m, n, k = (300, 200, 328) if CUDA else (37, 72, 40)
+    x, w, b, h = _inputs(m, n, k, dtype, seed=n + k)
+    res = h if epilogue == "residual" else None
+    got = gemm(x, w, b, epilogue, res, scale, tile=_small_tile())
+    want = gemm_reference(x, w, b, epilogue, res, scale)
+    assert got.dtype == want.dtype and got.shape == (m, n)
+    tol = 4 * torch.finfo(dtype).eps * want.float().abs().max().item() + 1e-6
+    assert (got.float() - want.float()).abs().max().item() <= tol
+
+
+def test_gemm_rows_of_zero_and_argument_checks():
+    from esm_turbo.kernels.gemm import gemm
+    x, w, b, h = _inputs(8, 16, 16, torch.float32 if not CUDA else torch.float16, 0)
+    assert gemm(x[:0], w, b, tile=_small_tile()).shape == (0, 16)
+    with pytest.raises(ValueError, match="epilogue"):
+        gemm(x, w, b, "relu")
+    with pytest.raises(ValueError, match="residual"):
+        gemm(x, w, b, "residual")
+    with pytest.raises(ValueError, match="make a product"):
+        gemm(x, w[:, :8], b)
+
+
+def test_fp8_products_scale_then_add_the_bias_and_find_the_row_maxima():
+    """e4m3 inputs with row scales (what FastEsm's FP8 path feeds the kernel): bf16 out, the scales applied before the
+    bias, and with row_amax each row's largest |output| (the maxima of the bf16 values stored)."""
+    from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
+    from esm_turbo.kernels.gemm import Tile, gemm, gemm_reference
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = (300, 200, 320) if CUDA else (21, 48, 64)
+    xq, xs = quantize_rows(torch.randn(m, k, generator=gen).to(DEV))
+    wq = Fp8Weight.quantize(torch.randn(n, k, generator=gen).to(DEV))
+    b = torch.randn(n, generator=gen).to(DEV, torch.bfloat16)
+    if DEV == "cpu" or torch.cuda.get_device_capability() >= (8, 9):
+        tile = None if CUDA else Tile(16, 16, 32, 2, 4, 2, False)
+        got, amax = gemm(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale, row_amax=True, tile=tile)
+        want = gemm_reference(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale)
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+        assert torch.equal(amax, got.float().abs().amax(1))
+
+
+def test_activation_quantizes_with_a_known_row_maximum():
+    """activation_triton(fp8=True, amax=...) gives the codes and scales of the two-sweep version, in one read."""
+    from esm_turbo.kernels.activation import activation_triton
+    u = 3 * torch.randn(19, 700, device=DEV, dtype=torch.bfloat16 if CUDA else torch.float32)
+    two = activation_triton(u, "none", fp8=True)
+    one = activation_triton(u, "none", fp8=True, amax=u.float().abs().amax(1))
+    assert torch.equal(one.scale, two.scale) and torch.equal(one.q.float(), two.q.float())
+    with pytest.raises(ValueError, match="amax"):
+        activation_triton(u, "none", fp8=True, amax=torch.zeros(3, device=DEV))
+
+
+def test_the_folded_block_is_as_close_to_fp32_as_the_unfolded_block():
+    """FastEsm's fused path with every epilogue folded into the products and with none: under the interpreter (fp32)
+    the same hidden states to rounding; on the GPU in fp16 no further from the fp32 model than twice the unfolded
+    block is (the flash-attention rule)."""
+    from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
+    from esm_turbo.testing import stress_esm2
+    net = stress_esm2(layers=2, hidden=64, heads=4, seed=4).to(DEV)
+    seqs = ["MKTAYIAKQRQISFVKSHFSRQ", "GSHMLEDPVDAFQ", "W" * 40]
+    batch = PackedBatch.from_sequences(seqs, DEV)
+    want = FastEsm.from_hf(net, fused=False)(batch, [1, 2])
+    fast = FastEsm.from_hf(net.half() if CUDA else net, fused=True)
+    got = {}
+    for folded in (False, True):
+        fast.fused_products = folded
+        got[folded] = fast(batch, [1, 2])
+    for layer in (1, 2):
+        ref = want[layer].double()
+        err = {f: (got[f][layer].double() - ref).abs().max().item() for f in got}
+        if CUDA:
+            assert err[True] <= 2 * err[False] + torch.finfo(torch.float16).eps * ref.abs().max().item(), err
+        else:
+            assert err[True] <= 2e-5 * max(1.0, ref.abs().max().item()), err

@@ -1,0 +1,57 @@
+"""The Triton attention of 64-token tiles over a packed batch (esm_turbo.kernels.varlen_attention) against the
+per-sequence reference: under Triton's interpreter on CPU, and in fp16/bf16 on the GPU under the flash-attention
+rule."""
+
+import pytest
+import torch
+
+from esm_turbo.embed.varlen import varlen_attention_reference
+from esm_turbo.kernels import triton_supported
+
+pytestmark = pytest.mark.skipif(not triton_supported(), reason="needs Triton (its interpreter on CPU)")
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def test_query_blocks_cut_each_sequence_into_tiles_of_its_own():
+    from esm_turbo.kernels.varlen_attention import query_blocks
+    table = query_blocks([1, 70, 3, 130], "cpu").tolist()
+    assert table[0] == [0, 1, 65, 71, 74, 138, 202]       # block starts
+    assert table[1] == [0, 1, 1, 71, 74, 74, 74]          # their sequence's start
+    assert table[2] == [1, 71, 71, 74, 204, 204, 204]     # and end
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] if not CUDA else [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64, 80])
+def test_triton_varlen_attention_matches_the_reference(dtype, head_dim):
+    """Sequences of 1, 63, 64, 65 and 200 tokens; v a column view of a wider projection output (the layout FastEsm
+    hands it); the output no further from float64 than twice the reference in the same dtype."""
+    from esm_turbo.kernels.varlen_attention import query_blocks, varlen_attention_triton
+    lengths = [1, 63, 64, 65, 200] if CUDA else [1, 63, 65, 7]
+    n, heads = sum(lengths), 3
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k = (torch.randn(n, heads, head_dim, generator=gen).to(DEV, dtype) for _ in range(2))
+    wide = torch.randn(n, 3 * heads * head_dim, generator=gen).to(DEV, dtype)
+    v = wide[:, 2 * heads * head_dim:].view(n, heads, head_dim)
+    out = varlen_attention_triton(q, k, v, query_blocks(lengths, DEV))
+    ref = varlen_attention_reference(q.double(), k.double(), v.double(), lengths)
+    err = (out.double() - ref).abs().max().item()
+    if dtype == torch.float32:
+        assert err < 1e-5
+    else:
+        own = (varlen_attention_reference(q, k, v, lengths).double() - ref).abs().max().item()
+        assert torch.isfinite(out).all() and err <= 2 * own + torch.finfo(dtype).eps, (err, own)
+
+
+def test_fast_esm_takes_the_triton_attention_when_asked():
+    from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
+    from esm_turbo.testing import stress_esm2
+    net = stress_esm2(layers=2, hidden=64, heads=4, seed=5).to(DEV)
+    if CUDA:
+        net = net.half()
+    fast = FastEsm.from_hf(net, fused=True)
+    batch = PackedBatch.from_sequences(["MKTAYIAKQRQISFVKSHFSRQ", "W" * 70, "GSHM"], DEV)
+    flash = fast(batch, [2])[2].float()
+    fast.attention_kernel = "triton"
+    tiles = fast(batch, [2])[2].float()
+    assert (tiles - flash).abs().max() <= (4e-3 if CUDA else 1e-5) * max(1.0, flash.abs().max().item())

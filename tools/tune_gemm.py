@@ -1,0 +1,279 @@
+"""FastEsm's matrix products on the GPU: the cuBLAS ceiling, the Triton GEMMs with fused epilogues
+(esm_turbo.kernels.gemm) over a list of tiles, checked against the reference, the attention kernels torch ships, and
+the whole forward with and without the folded epilogues, all in one run.
+
+usage: python tools/tune_gemm.py [--sizes 650M 3B 150M] [--tokens 16384] [--out DIR] [--skip-fp8] [--first N]
+
+Per model shape and product (QKV with its bias, O with the residual add, FFN-up with GELU, FFN-down with the residual
+add), at ``--tokens`` rows: cuBLAS alone (``F.linear`` with the bias: the ceiling of that product), cuBLAS followed by
+the epilogue's op (what the block ran before), and each tile of the Triton kernel (µs, median of do_bench). A tile
+whose output misses the flash-attention rule against a float32 reference is reported and never chosen. The best tiles
+go to DIR/tiles.json (beside the unfused time: esm_turbo.kernels.gemm.TILES lists those that win). The forward A/B
+(before: cuBLAS products and flash attention; after: the defaults) and the profile run on the library's own table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from esm_turbo.kernels import gemm as G
+
+T = G.Tile
+FP16_TILES = [T(128, 256, 64, 3, 8, 8, True), T(128, 256, 64, 3, 8, 8, False), T(128, 256, 64, 3, 8, 8, True, True),
+              T(128, 256, 64, 3, 8, 8, False, True), T(256, 128, 64, 3, 8, 8, False), T(128, 128, 64, 4, 8, 8, False),
+              T(128, 128, 64, 4, 4, 8, False, True), T(128, 256, 128, 2, 8, 8, True), T(128, 128, 128, 3, 8, 8, False)]
+FP8_TILES = [T(128, 256, 128, 3, 8, 8, True), T(256, 128, 128, 3, 8, 8, False), T(128, 256, 128, 3, 8, 8, True, True),
+             T(128, 128, 128, 4, 8, 8, False), T(128, 256, 128, 4, 8, 8, True), T(128, 128, 128, 4, 4, 8, False, True)]
+#: (name, epilogue) of a block's four products, in order
+PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def bench(fn) -> float:
+    """Median µs."""
+    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def shapes(size: str) -> list[tuple[str, str, int, int]]:
+    from esm_turbo.model.sizes import esm2_config
+    cfg = esm2_config(size)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    dims = {"qkv": (3 * d, d), "o": (d, d), "ffn_up": (f, d), "ffn_down": (d, f)}
+    return [(name, epi, *dims[name]) for name, epi in PRODUCTS]
+
+
+def unfused(x, w, b, epi, h, xs=None, ws=None):
+    """The product as the block ran it before: cuBLAS (torch._scaled_mm for e4m3) with its bias, then the op."""
+    if xs is not None:
+        y = torch._scaled_mm(x, w.t(), scale_a=xs[:, None], scale_b=ws[None, :], bias=b, out_dtype=torch.bfloat16)
+    else:
+        y = F.linear(x, w, b)
+    if epi == "gelu":
+        return F.gelu(y)
+    if epi == "residual":
+        return h + y
+    return y
+
+
+def tune_product(size, name, epi, n, k, m, dtype, tiles, out_rows):
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n + k)
+    fp8 = dtype == torch.float8_e4m3fn
+    out_dtype = torch.bfloat16 if fp8 else dtype
+    xf = torch.randn(m, k, device=dev, generator=gen)
+    wf = torch.randn(n, k, device=dev, generator=gen) / k ** 0.5
+    b = (0.1 * torch.randn(n, device=dev, generator=gen)).to(out_dtype)
+    h = torch.randn(m, n, device=dev, generator=gen).to(out_dtype) if epi == "residual" else None
+    if fp8:
+        from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
+        xq, xs = quantize_rows(xf)
+        xs = xs[:, 0].contiguous()
+        wq = Fp8Weight.quantize(wf)
+        x, w, ws = xq, wq.q, wq.scale
+    else:
+        x, w, xs, ws = xf.to(dtype), wf.to(dtype), None, None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = G.gemm_reference(x, w, b, epi, h, x_scale=xs, w_scale=ws).double()
+    base = unfused(x, w, b, epi, h, xs, ws)
+    err_base = (base.double() - ref).abs().max().item()
+    eps = torch.finfo(out_dtype).eps * ref.abs().max().item()
+    row = dict(size=size, product=name, epilogue=epi, m=m, n=n, k=k, dtype=str(dtype).removeprefix("torch."),
+               cublas_plain_us=bench(lambda: unfused(x, w, b, "bias", None, xs, ws)),
+               cublas_unfused_us=bench(lambda: unfused(x, w, b, epi, h, xs, ws)), tiles=[])
+    amax = fp8 and epi == "gelu"
+    for t in tiles:
+        for tma in ([True, False] if t in tiles[:1] else [True]):
+            label = (f"{t.bm}x{t.bn}x{t.bk} s{t.stages} w{t.warps} {'sub' if t.subtile else 'full'}"
+                     f"{' ws' if t.ws else ''} {'tma' if tma else 'ptr'}")
+            try:
+                def run():
+                    return G.gemm(x, w, b, epi, h, x_scale=xs, w_scale=ws, row_amax=amax, tile=t, tma=tma)
+                got = run()
+                got = got[0] if amax else got
+                err = (got.double() - ref).abs().max().item()
+                ok = bool(torch.isfinite(got).all()) and err <= 2 * err_base + eps
+                us = bench(run)
+                row["tiles"].append(dict(tile=t.__dict__, tma=tma, label=label, us=us, err=err, ok=ok))
+            except Exception as e:  # noqa: BLE001 - a tile that does not build (shared memory) is reported
+                row["tiles"].append(dict(tile=t.__dict__, tma=tma, label=label, error=f"{type(e).__name__}: {e}"[:200]))
+    good = [r for r in row["tiles"] if r.get("ok")]
+    row["best"] = min(good, key=lambda r: r["us"]) if good else None
+    row["err_base"] = err_base
+    out_rows.append(row)
+    best = row["best"]
+    log(f"{size} {name:8} {row['dtype']:14} cuBLAS {row['cublas_plain_us']:8.1f} µs, unfused "
+        f"{row['cublas_unfused_us']:8.1f}, best Triton {best['us'] if best else float('nan'):8.1f} "
+        f"({best['label'] if best else 'none passed'})")
+    return row
+
+
+def attention_rows(size: str, tokens: int) -> list[dict]:
+    """flash varlen vs cuDNN varlen on real lengths (one length-sorted batch of ``tokens``)."""
+    from esm_turbo.bench import EMBED_FASTA
+    from esm_turbo.embed.varlen import varlen_attention, varlen_attention_reference
+    from esm_turbo.fasta import read_fastas
+    from esm_turbo.model.sizes import esm2_config
+    cfg = esm2_config(size)
+    heads, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    seqs = sorted((len(r.sequence) + 2 for r in read_fastas(EMBED_FASTA)), reverse=True)
+    lengths, used = [], 0
+    for n in seqs[len(seqs) // 4:]:
+        if used + n > tokens:
+            break
+        lengths.append(n)
+        used += n
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(used, heads, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    flops = sum(4 * n * n * heads * d for n in lengths)
+    rows = []
+    from esm_turbo.kernels.varlen_attention import query_blocks, varlen_attention_triton
+    blocks = query_blocks(lengths, "cuda")
+    cands = {"flash_varlen": lambda: varlen_attention(q, k, v, cu, max(lengths))}
+    for warps, stages in ((4, 2), (4, 3), (8, 2)):
+        cands[f"triton_w{warps}_s{stages}"] = (lambda w=warps, st=stages:
+                                               varlen_attention_triton(q, k, v, blocks, warps=w, stages=st))
+    ref = varlen_attention_reference(q.double(), k.double(), v.double(), lengths)
+    own = (varlen_attention_reference(q, k, v, lengths).double() - ref).abs().max().item()
+    for name, fn in cands.items():
+        try:
+            out = fn()
+            err = (out.double() - ref).abs().max().item()
+            us = bench(fn)
+            rows.append(dict(size=size, kernel=name, tokens=used, sequences=len(lengths), us=us,
+                             tflops=flops / us / 1e6, err_vs_fp64=err, sdpa_fp16_err=own, ok=err <= 2 * own + 1e-3))
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(size=size, kernel=name, error=f"{type(e).__name__}: {e}"[:300]))
+        log(f"attention {size} {rows[-1]}")
+    return rows
+
+
+def forward_rows(size: str, tokens: int, fp8: bool) -> list[dict]:
+    """The whole forward on one real-length batch: folded epilogues on and off, fp16, bf16 (and FP8)."""
+    from esm_turbo.bench import EMBED_FASTA
+    from esm_turbo.embed.benchmark import random_masked_lm
+    from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
+    from esm_turbo.fasta import read_fastas
+    dev = torch.device("cuda")
+    seqs = sorted((r.sequence for r in read_fastas(EMBED_FASTA)), key=len, reverse=True)
+    picked, used = [], 0
+    for s in seqs[len(seqs) // 4:]:
+        if used + len(s) + 2 > tokens:
+            break
+        picked.append(s)
+        used += len(s) + 2
+    batch = PackedBatch.from_sequences(picked, dev)
+    rows = []
+    for dt in (["fp16", "bf16"] + (["fp8"] if fp8 else [])):
+        net = random_masked_lm(size, dev, torch.float16 if dt == "fp16" else torch.bfloat16)
+        fast = FastEsm.from_hf(net)
+        if dt == "fp8":
+            fast = fast.to_fp8()
+        outs = {}
+        variants = {"before": (False, "flash"), "after": (None, "triton")}
+        best = {}
+        for _ in range(3):  # interleaved, the best of three each: the card's clocks drift over a run
+            for name, (policy, attention) in variants.items():
+                fast.fused_products, fast.attention_kernel = policy, attention
+                fn = lambda: fast(batch, [fast.num_layers])  # noqa: E731
+                outs.setdefault(name, fn()[fast.num_layers].float())
+                ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+                best[name] = min(best.get(name, ms), ms)
+        for name in variants:
+            ms = best[name]
+            rows.append(dict(size=size, dtype=dt, variant=name, tokens=used, ms=ms, tokens_per_s=used / ms * 1e3,
+                             min_token_cos_vs_before=F.cosine_similarity(outs["before"], outs[name],
+                                                                         dim=-1).min().item()))
+            log(f"forward {size} {dt} {name}: {ms:.2f} ms, {used / ms * 1e3:.0f} tokens/s")
+        net = fast = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def profile_forward(size: str, tokens: int, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    from esm_turbo.embed.benchmark import random_masked_lm
+    from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
+    from esm_turbo.bench import EMBED_FASTA
+    from esm_turbo.fasta import read_fastas
+    dev = torch.device("cuda")
+    seqs = sorted((r.sequence for r in read_fastas(EMBED_FASTA)), key=len, reverse=True)
+    picked, used = [], 0
+    for s in seqs[len(seqs) // 4:]:
+        if used + len(s) + 2 > tokens:
+            break
+        picked.append(s)
+        used += len(s) + 2
+    fast = FastEsm.from_hf(random_masked_lm(size, dev, torch.float16))
+    batch = PackedBatch.from_sequences(picked, dev)
+    for _ in range(3):
+        fast(batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fast(batch)
+        torch.cuda.synchronize()
+    path.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20,
+                                              max_name_column_width=90))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="+", default=["650M", "3B", "150M"])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--skip-products", action="store_true", help="only the attention, forward and profile parts")
+    ap.add_argument("--first", type=int, default=None, help="only the first N tiles of each list")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from esm_turbo.embed.fp8 import fp8_supported
+    fp8 = fp8_supported("cuda") and not args.skip_fp8
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    rows, tiles = [], {}
+    for size in ([] if args.skip_products else args.sizes):
+        for name, epi, n, k in shapes(size):
+            for dtype, cands in ((torch.float16, FP16_TILES),) + (((torch.float8_e4m3fn, FP8_TILES),) if fp8 else ()):
+                cands = cands[: args.first] if args.first else cands
+                row = tune_product(size, name, epi, n, k, args.tokens, dtype, cands, rows)
+                if row["best"]:
+                    tiles[f"{n},{k},{row['dtype']},{epi}"] = dict(row["best"]["tile"], tma=row["best"]["tma"],
+                                                                  us=row["best"]["us"],
+                                                                  unfused_us=row["cublas_unfused_us"])
+        (args.out / "tiles.json").write_text(json.dumps(tiles, indent=1))
+    attn, fwd = [], []
+    for size in args.sizes:
+        try:
+            attn += attention_rows(size, args.tokens)
+        except Exception as e:  # noqa: BLE001
+            log(f"attention {size} failed: {e}")
+        try:
+            fwd += forward_rows(size, args.tokens, fp8)
+        except Exception as e:  # noqa: BLE001
+            log(f"forward {size} failed: {type(e).__name__}: {e}")
+    try:
+        profile_forward(args.sizes[0], args.tokens, args.out / "profile_folded.txt")
+    except Exception as e:  # noqa: BLE001
+        log(f"profile failed: {e}")
+    (args.out / "tune_gemm.json").write_text(json.dumps(dict(products=rows, attention=attn, forward=fwd), indent=1))
+    print("\nproduct           dtype          cuBLAS µs  unfused µs  Triton µs  best tile")
+    for r in rows:
+        b = r["best"]
+        print(f"{r['size']:5} {r['product']:10} {r['dtype']:14} {r['cublas_plain_us']:9.1f} {r['cublas_unfused_us']:10.1f} "
+              f"{b['us'] if b else float('nan'):10.1f}  {b['label'] if b else 'none passed'}")
+    for r in attn:
+        print(r)
+    for r in fwd:
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
