@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import activation, blocks, quantize, rope, weights_mma  # noqa: E402
+from esm_turbo.kernels import activation, blocks, gemm, quantize, rope, varlen_attention, weights_mma  # noqa: E402
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
@@ -124,10 +124,35 @@ def main() -> None:
                           xs_ptr="*fp32", eps="fp32", y_scale="fp32"), num_warps=4 if block <= 2048 else 8)
     # FastEsm's feed-forward activation and FP8 input quantization: GELU into e4m3, SwiGLU in bf16 and into e4m3,
     # the attention output into e4m3
-    for kind, fp8 in ((1, True), (2, False), (2, True), (0, True)):
-        compile_sm90(activation._activation_kernel, dict(F=3072, BLOCK=1024, ROWS=4, KIND=kind, FP8=fp8),
+    # (and the quantization alone with the rows' maxima known)
+    for kind, fp8, known in ((1, True, False), (2, False, False), (2, True, False), (0, True, False), (0, True, True)):
+        compile_sm90(activation._activation_kernel, dict(F=3072, BLOCK=1024, ROWS=4, KIND=kind, FP8=fp8,
+                                                         KNOWN_AMAX=known),
                      {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv" if fp8 else "*bf16",
-                                                  scale_ptr="*fp32"), num_warps=4)
+                                                  scale_ptr="*fp32", amax_ptr="*fp32"), num_warps=4)
+    # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor
+    # descriptors and through pointers, e4m3 QKV (bias) and FFN-down (residual) with row and column scales, e4m3 GELU
+    # with the rows' maxima; then the attention of 64-token tiles at heads of 64 and of 32
+    ints = {"M", "N", "K", "stride_am", "stride_wn", "stride_cm", "stride_rm"}
+    for dt, tile, epi, tma, amax in (("fp16", gemm.Tile(128, 128, 64, 4, 8, 8, False), 1, True, False),
+                                     ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True, True), 1, True, False),
+                                     ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 2, False, False),
+                                     ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 0, True, False),
+                                     ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 2, True, False),
+                                     ("fp8e4nv", gemm.Tile(128, 128, 128, 4, 8, 8, False), 1, True, True)):
+        out = "bf16" if dt == "fp8e4nv" else dt
+        desc = lambda rows: f"tensordesc<{dt}[{rows}, {tile.bk}]>"  # noqa: E731
+        compile_sm90(gemm._gemm_kernel, dict(BM=tile.bm, BN=tile.bn, BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=132,
+                                             TMA=tma, SUBTILE=tile.subtile, EPI=epi, HAS_BIAS=True,
+                                             FP8=dt == "fp8e4nv", SCALED=False, AMAX=amax, WS=tile.ws), ints,
+                     dict(a_ptr=f"*{dt}", w_ptr=f"*{dt}", c_ptr=f"*{out}", bias_ptr=f"*{out}", res_ptr=f"*{out}",
+                          a_desc=desc(tile.bm) if tma else f"*{dt}", w_desc=desc(tile.bn) if tma else f"*{dt}",
+                          res_scale="fp32"), num_warps=tile.warps)
+    for d in (64, 32):
+        compile_sm90(varlen_attention._varlen_kernel, dict(D=d, DP=d, BM=64, BN=64), {"n_blocks", "sq", "sk", "sv",
+                                                                                        "so"},
+                     dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, o_ptr=f16, blocks_ptr="*i32", scale_log2e="fp32"),
+                     num_warps=4)
     compile_sm90(dequant._dequant_kernel, dict(BLOCK_M=64, BLOCK_K=64, GROUP=32, ROTATE=True, HAS_PREV=True,
                                                PRECISION="tf32", LUT=True),
                  {"M", "N", "G"}, dict(codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, rot_scale="fp32", out_ptr=f16),

@@ -117,21 +117,29 @@ def tune_product(size, name, epi, n, k, m, dtype, tiles, out_rows):
     return row
 
 
+def real_batch(tokens: int) -> list[str]:
+    """One length-sorted batch of real proteins (calibration_data) from the middle of the length distribution, up to
+    ``tokens`` tokens with <cls> and <eos>."""
+    from esm_turbo.bench import EMBED_FASTA
+    from esm_turbo.fasta import read_fastas
+    seqs = sorted((r.sequence for r in read_fastas(EMBED_FASTA)), key=len, reverse=True)
+    picked, used = [], 0
+    for s in seqs[len(seqs) // 4:]:
+        if used + len(s) + 2 > tokens:
+            break
+        picked.append(s)
+        used += len(s) + 2
+    return picked
+
+
 def attention_rows(size: str, tokens: int) -> list[dict]:
     """flash varlen vs cuDNN varlen on real lengths (one length-sorted batch of ``tokens``)."""
-    from esm_turbo.bench import EMBED_FASTA
     from esm_turbo.embed.varlen import varlen_attention, varlen_attention_reference
-    from esm_turbo.fasta import read_fastas
     from esm_turbo.model.sizes import esm2_config
     cfg = esm2_config(size)
     heads, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
-    seqs = sorted((len(r.sequence) + 2 for r in read_fastas(EMBED_FASTA)), reverse=True)
-    lengths, used = [], 0
-    for n in seqs[len(seqs) // 4:]:
-        if used + n > tokens:
-            break
-        lengths.append(n)
-        used += n
+    lengths = [len(s) + 2 for s in real_batch(tokens)]
+    used = sum(lengths)
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     q, k, v = (torch.randn(used, heads, d, device="cuda", dtype=torch.float16) for _ in range(3))
     flops = sum(4 * n * n * heads * d for n in lengths)
@@ -159,18 +167,11 @@ def attention_rows(size: str, tokens: int) -> list[dict]:
 
 def forward_rows(size: str, tokens: int, fp8: bool) -> list[dict]:
     """The whole forward on one real-length batch: folded epilogues on and off, fp16, bf16 (and FP8)."""
-    from esm_turbo.bench import EMBED_FASTA
     from esm_turbo.embed.benchmark import random_masked_lm
     from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
-    from esm_turbo.fasta import read_fastas
     dev = torch.device("cuda")
-    seqs = sorted((r.sequence for r in read_fastas(EMBED_FASTA)), key=len, reverse=True)
-    picked, used = [], 0
-    for s in seqs[len(seqs) // 4:]:
-        if used + len(s) + 2 > tokens:
-            break
-        picked.append(s)
-        used += len(s) + 2
+    picked = real_batch(tokens)
+    used = sum(len(s) + 2 for s in picked)
     batch = PackedBatch.from_sequences(picked, dev)
     rows = []
     for dt in (["fp16", "bf16"] + (["fp8"] if fp8 else [])):
@@ -203,16 +204,8 @@ def profile_forward(size: str, tokens: int, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
     from esm_turbo.embed.benchmark import random_masked_lm
     from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
-    from esm_turbo.bench import EMBED_FASTA
-    from esm_turbo.fasta import read_fastas
     dev = torch.device("cuda")
-    seqs = sorted((r.sequence for r in read_fastas(EMBED_FASTA)), key=len, reverse=True)
-    picked, used = [], 0
-    for s in seqs[len(seqs) // 4:]:
-        if used + len(s) + 2 > tokens:
-            break
-        picked.append(s)
-        used += len(s) + 2
+    picked = real_batch(tokens)
     fast = FastEsm.from_hf(random_masked_lm(size, dev, torch.float16))
     batch = PackedBatch.from_sequences(picked, dev)
     for _ in range(3):
