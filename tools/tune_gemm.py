@@ -260,8 +260,9 @@ def main() -> None:
     print("\nproduct           dtype          cuBLAS µs  unfused µs  Triton µs  best tile")
     for r in rows:
         b = r["best"]
-        print(f"{r['size']:5} {r['product']:10} {r['dtype']:14} {r['cublas_plain_us']:9.1f} {r['cublas_unfused_us']:10.1f} "
-              f"{b['us'] if b else float('nan'):10.1f}  {b['label'] if b else 'none passed'}")
+        print(f"{r['size']:5} {r['product']:10} {r['dtype']:14} {r['cublas_plain_us']:9.1f} "
+              f"{r['cublas_unfused_us']:10.1f} {b['us'] if b else float('nan'):10.1f}  "
+              f"{b['label'] if b else 'none passed'}")
     for r in attn:
         print(r)
     for r in fwd:

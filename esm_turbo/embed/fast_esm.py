@@ -8,10 +8,12 @@ of block ``i``, the last layer after the final LayerNorm. What each family compu
 :mod:`esm_turbo.model.family`.
 
 Sequences of a batch sit one after another (``<cls> residues <eos>``, N tokens in all), so no GEMM
-touches a padding row; attention runs per sequence through flash-attention's variable-length kernel
-(:mod:`esm_turbo.embed.varlen`). On CUDA in fp16/bf16 each block is nine launches with nothing to compile
-(:meth:`FastEsm._forward_fused`): cuBLAS products with their biases, one Triton kernel for each residual add and
-the LayerNorm after it, one for the query scaling and rotary embedding of q and k, flash attention and the GELU.
+touches a padding row; attention runs per sequence (:mod:`esm_turbo.embed.varlen`: in fp16 in 64-token tiles,
+:mod:`esm_turbo.kernels.varlen_attention`; else flash-attention's variable-length kernel). On CUDA in fp16/bf16 each
+block is eight or nine launches with nothing to compile (:meth:`FastEsm._forward_fused`): the products (cuBLAS with
+their biases, or where it measured faster the Triton kernel with GELU or the residual add folded in,
+:mod:`esm_turbo.embed.products`), one Triton kernel for each residual add and the LayerNorm after it, one for the
+query scaling and rotary embedding of q and k, the attention and the GELU.
 Elsewhere the same block runs as two plain PyTorch functions (:func:`attention_inputs`, :func:`block_output`, the
 reference). Pooling (mean over residues, ``<cls>``) is done on the device, and only the layers asked for are kept.
 
@@ -438,8 +440,9 @@ class FastEsm(nn.Module):
         """The same forward in fewer launches, with no compiler to wait for: each residual add fused with the
         LayerNorm after it (:func:`~esm_turbo.kernels.norm.add_layer_norm_triton`; the next block's LayerNorm too),
         the query scaling and the rotary embedding of q and k in one launch
-        (:func:`~esm_turbo.kernels.rope.rope_packed_triton`), the biases in the matrix products' epilogues: nine
-        launches a block (ESM C adds its query and key LayerNorms, in place, and SwiGLU is one launch,
+        (:func:`~esm_turbo.kernels.rope.rope_packed_triton`), the biases in the matrix products' epilogues, and
+        where :func:`~esm_turbo.embed.products.folds` says so GELU or the residual add too: nine launches a block or
+        fewer (ESM C adds its query and key LayerNorms, in place, and SwiGLU is one launch,
         :func:`~esm_turbo.kernels.activation.activation_triton`). With FP8 weights on an FP8 GPU, every product's
         input leaves the kernel before it already in e4m3 with its row scales (the LayerNorms', the activation's;
         the attention output takes one quantizing launch)."""

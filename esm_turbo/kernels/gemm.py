@@ -18,8 +18,9 @@ next product's per-row e4m3 scale needs no second read of the activation.
 
 The kernel is persistent (one program per multiprocessor walks the output tiles, grouped along M so that a group's
 weight columns stay in L2) and reads its tiles through tensor descriptors (TMA on Hopper) or, under Triton's
-interpreter and on GPUs without TMA, through masked pointer loads. Tile shapes come from :data:`TILES` per product
-shape and dtype (measured on the device; ``tools/tune_gemm.py``), else from :func:`default_tile`.
+interpreter, on GPUs without TMA and for inputs whose rows are not 16-byte aligned, through masked pointer loads.
+Tile shapes come from :data:`TILES` per product shape, dtype and epilogue (measured on the device,
+``tools/tune_gemm.py``), else from :func:`default_tile`.
 """
 
 from __future__ import annotations
@@ -220,8 +221,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != out_dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not the [{m}, {n}] {out_dtype} output")
     tile = tile or tile_for(n, k, x.dtype, epilogue)
-    if tma is None:
-        tma = tma_supported(x.device)
+    if tma is None:  # a descriptor needs 16-byte aligned rows
+        tma = tma_supported(x.device) and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+                                              for t in (x, w))
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     parts = triton.cdiv(n, tile.bn) * (2 if tile.subtile else 1)
     amax = torch.empty(m, parts, device=x.device, dtype=torch.float32) if row_amax else out
