@@ -132,8 +132,9 @@ def plant_product_outliers(model, channels: int = 4, low: float = 20.0, high: fl
     columns of the next product ÷ s) and of the attention output (V's output channels and biases × s, W_o's input
     columns ÷ s), s growing from ``low`` in the first block to ``high`` in the last. Pre-LN ESM-2 feeds its residual
     stream to a product only through a LayerNorm, so this is where a residual stream's outlier channels meet an
-    FP8 (or int8) product; the model computes what it did before, up to rounding. Needs dense fp32/bf16/fp16
-    weights (before :meth:`~esm_turbo.embed.fast_esm.FastEsm.to_fp8`)."""
+    FP8 (or int8) product; the model computes what it did before, up to rounding (ESM C too: its bias-free
+    LayerNorms and products, and its query and key LayerNorms, which see the product's unchanged output). Needs dense
+    fp32/bf16/fp16 weights (before :meth:`~esm_turbo.embed.fast_esm.FastEsm.to_fp8`)."""
     gen = torch.Generator().manual_seed(seed)
     dim = model.config.hidden_size
     for i, b in enumerate(model.blocks):
@@ -141,11 +142,13 @@ def plant_product_outliers(model, channels: int = 4, low: float = 20.0, high: fl
         for norm, lin in ((b.attn_norm, b.qkv), (b.ffn_norm, b.fc1)):
             picked = torch.randperm(dim, generator=gen)[:channels]
             norm.weight[picked] *= s
-            norm.bias[picked] *= s
+            if norm.bias is not None:
+                norm.bias[picked] *= s
             lin.weight[:, picked] /= s
         picked = torch.randperm(dim, generator=gen)[:channels]
         b.qkv.weight[2 * dim + picked] *= s
-        b.qkv.bias[2 * dim + picked] *= s
+        if b.qkv.bias is not None:
+            b.qkv.bias[2 * dim + picked] *= s
         b.out.weight[:, picked] /= s
     return model
 

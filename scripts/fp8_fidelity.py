@@ -116,21 +116,24 @@ def main() -> None:
     ap.add_argument("--tsv", type=Path, default=Path(__file__).resolve().parents[2] / "shared/protein_data/"
                     "real_proteins.tsv", help="real proteins at full length (id, sequence columns)")
     ap.add_argument("--real", type=int, default=485, help="how many of --tsv's proteins")
+    ap.add_argument("--corpus", type=Path, default=None, help="the corpus.fasta.gz the testbeds were trained on "
+                    "(default: beside each testbed)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     real = []
     if args.tsv.is_file():
         with open(args.tsv) as fh:
             real = [r["sequence"].upper()[:1022] for r in csv.DictReader(fh, delimiter="\t")][: args.real]
-    lines = [f"# python scripts/fp8_fidelity.py {' '.join(str(t) for t in args.testbeds)} (CPU, torch "
-             f"{torch.__version__})",
+    corpus = f" --corpus {args.corpus}" if args.corpus else ""
+    lines = [f"# python scripts/fp8_fidelity.py {' '.join(str(t) for t in args.testbeds)}{corpus} --sequences "
+             f"{args.sequences} --real {args.real} (CPU, torch {torch.__version__})",
              f"# per testbed: {args.sequences} held-out corpus windows (perplexity: 15% of residues masked) + "
              f"{len(real)} real proteins at full length; cosines against the same model in fp32",
              "testbed            outliers  max/median | dtype | perplexity vs fp32 | mean-emb cos min | "
              "token cos min    mean | seconds"]
     print("\n".join(lines), flush=True)
     for folder in args.testbeds:
-        window = held_out(folder, args.sequences)
+        window = held_out(folder, args.sequences, args.corpus)
         gen = torch.Generator().manual_seed(0)
         masks = [torch.rand(len(s), generator=gen) < 0.15 for s in window]
         seqs = window + real
