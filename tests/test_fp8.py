@@ -56,6 +56,19 @@ def test_a_model_in_fp8_stays_close_to_fp32_also_with_outlier_channels(stress_di
         assert model.logits(h8).shape == (h8.shape[0], 33)
 
 
+def test_outliers_planted_into_esmc_preserve_its_function():
+    """ESM C's LayerNorms and products carry no biases and its query and key have LayerNorms of their own: the
+    planting scales what is there and the model computes what it did."""
+    from esm_turbo.testing import stress_esmc
+    fast = FastEsm.from_hf(stress_esmc(layers=3, hidden=128, heads=2, seed=3), fused=False)
+    batch = PackedBatch.from_sequences(SEQS)
+    before = fast(batch)[fast.num_layers]
+    gain = fast.blocks[-1].attn_norm.weight.abs().max()
+    plant_product_outliers(fast, channels=2)
+    assert torch.allclose(fast(batch)[fast.num_layers], before, atol=1e-4, rtol=1e-4)
+    assert fast.blocks[-1].attn_norm.weight.abs().max() / gain > 50
+
+
 def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores(stress_dir, tmp_path, capsys):
     fasta = tmp_path / "in.fasta"
     fasta.write_text(">a\nMKTAYIAKQRQ\n")
