@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .fp8 import Fp8Rows, Fp8Weight, fp8_linear_reference, fp8_supported, linear
 
+
 def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
             epilogue: str = "bias", residual: torch.Tensor | None = None, residual_scale: float = 1.0,
             row_amax: bool = False, kernel: bool = True):
@@ -56,13 +57,9 @@ def product_reference(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bi
                       residual_scale: float = 1.0) -> torch.Tensor:
     """:func:`product` op by op: ``F.linear`` (or :func:`~esm_turbo.embed.fp8.fp8_linear_reference`), then
     ``F.gelu`` or the residual add (``add_layer_norm_reference``'s sum)."""
+    from ..kernels.gemm import epilogue_reference
     y = fp8_linear_reference(x, w, bias) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
-    if epilogue == "gelu":
-        return F.gelu(y)
-    if epilogue == "residual":
-        from ..kernels.norm import residual_sum
-        return residual_sum(residual, y, residual_scale)
-    return y
+    return epilogue_reference(y, epilogue, residual, residual_scale)
 
 
 __all__ = ["folds", "product", "product_reference"]

@@ -87,13 +87,13 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch
     n, width = u.shape
     if u.stride(1) != 1 or (kind == "swiglu" and width % 2):
         raise ValueError(f"u {tuple(u.shape)} (strides {u.stride()}) does not fit activation {kind!r}")
+    if amax is not None and (not fp8 or amax.shape != (n,) or amax.dtype != torch.float32):
+        raise ValueError(f"amax {tuple(amax.shape)} {amax.dtype} goes with fp8 and is [{n}] float32")
     f = width // 2 if kind == "swiglu" else width
     out = torch.empty(n, f, device=u.device, dtype=torch.float8_e4m3fn if fp8 else u.dtype)
     scale = torch.empty(n, 1, device=u.device, dtype=torch.float32) if fp8 else out
     block = min(1024, triton.next_power_of_2(f))
     rows = max(1, min(16, 4096 // block))
-    if amax is not None and (not fp8 or amax.shape != (n,) or amax.dtype != torch.float32):
-        raise ValueError(f"amax {tuple(amax.shape)} {amax.dtype} goes with fp8 and is [{n}] float32")
     _activation_kernel[(triton.cdiv(n, rows),)](u, out, scale, scale if amax is None else amax, n, u.stride(0), F=f,
                                                 BLOCK=block, ROWS=rows, KIND=KINDS[kind], FP8=fp8,
                                                 KNOWN_AMAX=amax is not None, num_warps=4)

@@ -255,15 +255,21 @@ def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         y = y * x_scale.reshape(-1, 1).float() * w_scale.reshape(1, -1).float()
     if bias is not None:
         y = y + bias.float()
-    y = y.to(out_dtype)
+    return epilogue_reference(y.to(out_dtype), epilogue, residual, residual_scale)
+
+
+def epilogue_reference(y: torch.Tensor, epilogue: str, residual: torch.Tensor | None = None,
+                       residual_scale: float = 1.0) -> torch.Tensor:
+    """An epilogue's op on a product's rounded output y [M, N], rounded once: ``F.gelu``, or the residual sum
+    (:func:`~esm_turbo.kernels.norm.residual_sum`), or nothing for ``"bias"``."""
     if epilogue == "gelu":
-        yf = y.float()
-        return (yf * 0.5 * (1.0 + torch.erf(yf * 0.7071067811865476))).to(out_dtype)
+        import torch.nn.functional as F
+        return F.gelu(y)
     if epilogue == "residual":
         from .norm import residual_sum
         return residual_sum(residual, y, residual_scale)
     return y
 
 
-__all__ = ["EPILOGUES", "TILES", "Tile", "default_tile", "gemm", "gemm_reference", "measured", "tile_for",
-           "tma_supported"]
+__all__ = ["EPILOGUES", "TILES", "Tile", "default_tile", "epilogue_reference", "gemm", "gemm_reference", "measured",
+           "tile_for", "tma_supported"]
