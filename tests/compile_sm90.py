@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import activation, blocks, gemm, quantize, rope, varlen_attention, weights_mma  # noqa: E402
+from esm_turbo.kernels import activation, blocks, gemm, quantize, rope, segment, varlen_attention, weights_mma  # noqa: E402
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
@@ -148,11 +148,17 @@ def main() -> None:
                      dict(a_ptr=f"*{dt}", w_ptr=f"*{dt}", c_ptr=f"*{out}", bias_ptr=f"*{out}", res_ptr=f"*{out}",
                           a_desc=desc(tile.bm) if tma else f"*{dt}", w_desc=desc(tile.bn) if tma else f"*{dt}",
                           res_scale="fp32"), num_warps=tile.warps)
-    for d in (64, 32):
-        compile_sm90(varlen_attention._varlen_kernel, dict(D=d, DP=d, BM=64, BN=64), {"n_blocks", "sq", "sk", "sv",
+    for d, bn in ((64, 64), (64, 32), (32, 32)):  # varlen_attention.LENGTH_CLASSES' key tiles
+        compile_sm90(varlen_attention._varlen_kernel, dict(D=d, DP=d, BM=64, BN=bn), {"n_blocks", "sq", "sk", "sv",
                                                                                         "so"},
                      dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, o_ptr=f16, blocks_ptr="*i32", scale_log2e="fp32"),
                      num_warps=4)
+    # FastEsm's query scaling and rotary embedding over (token, head) pairs, and its mean pooling of the residues
+    compile_sm90(rope._rope_packed_kernel, dict(H=20, D=64, DP=64, P=32), {"n_pairs", "s_tok", "s_cos"},
+                 dict(qkv_ptr=f16, cos_ptr="*fp32", sin_ptr="*fp32", qo_ptr=f16, ko_ptr=f16, scale="fp32"),
+                 num_warps=4)
+    compile_sm90(segment._segment_mean_kernel, dict(ROWS=32, BLOCK_D=128), {"D", "h_stride"},
+                 dict(h_ptr=f16, starts_ptr="*i32", ends_ptr="*i32", out_ptr="*fp32"), num_warps=4)
     compile_sm90(dequant._dequant_kernel, dict(BLOCK_M=64, BLOCK_K=64, GROUP=32, ROTATE=True, HAS_PREV=True,
                                                PRECISION="tf32", LUT=True),
                  {"M", "N", "G"}, dict(codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, rot_scale="fp32", out_ptr=f16),

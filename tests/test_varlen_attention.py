@@ -21,19 +21,35 @@ def test_query_blocks_cut_each_sequence_into_tiles_of_its_own():
     assert table[2] == [1, 71, 71, 74, 204, 204, 204]     # and end
 
 
+def test_attention_plan_puts_each_sequence_in_the_first_class_it_fits():
+    from esm_turbo.kernels.varlen_attention import AttentionTile, attention_plan
+    short, long = AttentionTile(64, 64), AttentionTile(128, 64, 8)
+    plan = attention_plan([1, 70, 3, 130], "cpu", ((64, short), (100, long)))
+    assert [t for _, t in plan.launches] == [short, long]
+    assert plan.launches[0][0].tolist() == [[0, 71], [0, 71], [1, 74]]           # the 1- and 3-token sequences
+    assert plan.launches[1][0].tolist() == [[1, 74, 202], [1, 74, 74], [71, 204, 204]]  # 70 and 130 in 128-blocks
+    assert len(attention_plan([5, 6], "cpu", ((64, short), (100, long))).launches) == 1
+
+
+TILES = [(64, 64, 4, None), (128, 64, 8, 3), (64, 32, 4, 2), (128, 128, 8, 2)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32] if not CUDA else [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 80])
-def test_triton_varlen_attention_matches_the_reference(dtype, head_dim):
-    """Sequences of 1, 63, 64, 65 and 200 tokens; v a column view of a wider projection output (the layout FastEsm
-    hands it); the output no further from float64 than twice the reference in the same dtype."""
-    from esm_turbo.kernels.varlen_attention import query_blocks, varlen_attention_triton
-    lengths = [1, 63, 64, 65, 200] if CUDA else [1, 63, 65, 7]
+@pytest.mark.parametrize("tile", TILES if CUDA else TILES[:2], ids=lambda t: "x".join(map(str, t[:2])))
+def test_triton_varlen_attention_matches_the_reference(dtype, head_dim, tile):
+    """Sequences of 1, 63, 64, 65 and 200 tokens (full key tiles, a partial last one, a sequence shorter than one
+    tile); v a column view of a wider projection output (the layout FastEsm hands it); the output no further from
+    float64 than twice the reference in the same dtype, for every tile shape."""
+    from esm_turbo.kernels.varlen_attention import AttentionTile, query_blocks, varlen_attention_triton
+    tile = AttentionTile(*tile)
+    lengths = [1, 63, 64, 65, 200] if CUDA else [1, 63, 65, 7, 130]
     n, heads = sum(lengths), 3
     gen = torch.Generator().manual_seed(head_dim)
     q, k = (torch.randn(n, heads, head_dim, generator=gen).to(DEV, dtype) for _ in range(2))
     wide = torch.randn(n, 3 * heads * head_dim, generator=gen).to(DEV, dtype)
     v = wide[:, 2 * heads * head_dim:].view(n, heads, head_dim)
-    out = varlen_attention_triton(q, k, v, query_blocks(lengths, DEV))
+    out = varlen_attention_triton(q, k, v, query_blocks(lengths, DEV, tile.bm), tile=tile)
     ref = varlen_attention_reference(q.double(), k.double(), v.double(), lengths)
     err = (out.double() - ref).abs().max().item()
     if dtype == torch.float32:

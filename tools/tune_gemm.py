@@ -140,12 +140,12 @@ def attention_rows(size: str, tokens: int) -> list[dict]:
     q, k, v = (torch.randn(used, heads, d, device="cuda", dtype=torch.float16) for _ in range(3))
     flops = sum(4 * n * n * heads * d for n in lengths)
     rows = []
-    from esm_turbo.kernels.varlen_attention import query_blocks, varlen_attention_triton
+    from esm_turbo.kernels.varlen_attention import AttentionTile, query_blocks, varlen_attention_triton
     blocks = query_blocks(lengths, "cuda")
     cands = {"flash_varlen": lambda: varlen_attention(q, k, v, cu, max(lengths))}
     for warps, stages in ((4, 2), (4, 3), (8, 2)):
         cands[f"triton_w{warps}_s{stages}"] = (lambda w=warps, st=stages:
-                                               varlen_attention_triton(q, k, v, blocks, warps=w, stages=st))
+                                               varlen_attention_triton(q, k, v, blocks, tile=AttentionTile(warps=w, stages=st)))
     ref = varlen_attention_reference(q.double(), k.double(), v.double(), lengths)
     own = (varlen_attention_reference(q, k, v, lengths).double() - ref).abs().max().item()
     for name, fn in cands.items():

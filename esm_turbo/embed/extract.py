@@ -235,7 +235,8 @@ class Embedder:
         out = {"mean": torch.stack([m for m, _ in pooled]), "bos": torch.stack([b for _, b in pooled])}
 
         def residues(mask: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.flatnonzero(mask)).to(self.device, non_blocking=True)
+            idx = torch.from_numpy(np.flatnonzero(mask))
+            return (idx.pin_memory() if self.device.type == "cuda" else idx).to(self.device, non_blocking=True)
         if len(token_rows):
             idx = residues(packed_residue_mask(cu, None if len(token_rows) == len(seqs) else token_rows))
             out["tokens"] = torch.stack([hidden[layer].index_select(0, idx) for layer in self.layers]).float()

@@ -62,9 +62,9 @@ class PackedBatch:
         """From host arrays (numpy or tensors): ids, positions [N]; cu [S + 1] sequence starts."""
         ids, positions, cu = (torch.as_tensor(a) for a in (ids, positions, cu))
         lengths = (cu[1:] - cu[:-1]).tolist()
-        if torch.device(device).type == "cuda":
-            ids, positions = ids.pin_memory(), positions.pin_memory()
         cu32 = cu.to(torch.int32)
+        if torch.device(device).type == "cuda":  # pinned, so that the copies do not wait for the GPU
+            ids, positions, cu32 = ids.pin_memory(), positions.pin_memory(), cu32.pin_memory()
         return cls(ids.to(device, non_blocking=True), positions.to(device, non_blocking=True),
                    cu32.to(device, non_blocking=True), lengths, max(lengths))
 
@@ -464,9 +464,9 @@ class FastEsm(nn.Module):
         policy = self.fused_products
         blocks = None
         if self.attention_kernel == "triton" and batch.lengths:
-            from ..kernels.varlen_attention import GPU_DTYPES, query_blocks
+            from ..kernels.varlen_attention import GPU_DTYPES, attention_plan
             if not h.is_cuda or h.dtype in GPU_DTYPES:  # where it measured faster than flash (and the interpreter)
-                blocks = query_blocks(batch.lengths, h.device)  # cut once, read by every layer
+                blocks = attention_plan(batch.lengths, h.device)  # cut once, read by every layer
         for i, b in enumerate(self.blocks[:last], start=1):
             w_qkv, w_o, w_1, w_2 = b.weights()
             qkv = product(x, w_qkv, b.qkv.bias, kernel=folds(x, w_qkv, "bias", policy))
@@ -524,15 +524,19 @@ class FastEsm(nn.Module):
     def pool(h: torch.Tensor, batch: PackedBatch, sequences: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """On h's device, in float32: mean over each sequence's residues (``<cls>``/``<eos>`` left out)
         [S, D] and each ``<cls>`` state [S, D]. h: [N, D]; only the first S sequences of the batch when
-        ``sequences`` = S is given."""
-        starts = batch.cu_seqlens[:-1].long()[:sequences]
-        ends = batch.cu_seqlens[1:].long()[:sequences]
-        csum = torch.zeros(h.shape[0] + 1, h.shape[1], device=h.device, dtype=torch.float32)
-        torch.cumsum(h.float(), dim=0, out=csum[1:])
+        ``sequences`` = S is given. On CUDA one Triton launch (:mod:`esm_turbo.kernels.segment`), else its
+        reference; both sum in float32 in a fixed order."""
+        from ..kernels import triton_available
+        from ..kernels.segment import segment_mean_reference, segment_mean_triton
+        starts = batch.cu_seqlens[:-1][:sequences]
+        ends = batch.cu_seqlens[1:][:sequences]
         # residues of sequence s are tokens [start + 1, end - 1)
-        sums = csum[ends - 1] - csum[starts + 1]
-        counts = (ends - starts - 2).clamp(min=1).float()[:, None]
-        return sums / counts, h[starts].float()
+        lo, hi = starts + 1, torch.maximum(ends - 1, starts + 1)
+        if h.is_cuda and triton_available():
+            mean = segment_mean_triton(h, lo, hi)
+        else:
+            mean = segment_mean_reference(h, lo.long(), hi.long())
+        return mean, h[starts.long()].float()
 
     def _graphed(self, n_tokens: int, n_seqs: int, layers: tuple[int, ...]) -> "_GraphedEmbed":
         key = (n_tokens, n_seqs, layers)

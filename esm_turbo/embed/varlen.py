@@ -61,13 +61,13 @@ def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, layout: tuple | None = None, scale: float | None = None,
-                     blocks: torch.Tensor | None = None) -> torch.Tensor:
+                     blocks=None) -> torch.Tensor:
     """Attention of each sequence of a packed batch to itself (``scale`` default 1/sqrt(d)).
 
     q, k, v: [N, H, d]; cu_seqlens: [S + 1] int32 on q's device; max_seqlen: the longest sequence;
     layout: :func:`padded_layout` of the batch, for where the flash kernel cannot run; blocks: the batch's
-    :func:`~esm_turbo.kernels.varlen_attention.query_blocks`, to run the Triton kernel of 64-token tiles instead of
-    flash attention's (short sequences waste less of it on padding). Returns [N, H, d].
+    :func:`~esm_turbo.kernels.varlen_attention.attention_plan`, to run the Triton kernel of tiles cut to the
+    sequences instead of flash attention's (short sequences waste less of it on padding). Returns [N, H, d].
     """
     if blocks is not None:
         from ..kernels.varlen_attention import varlen_attention_triton

@@ -73,6 +73,40 @@ def rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     return qo.transpose(1, 2), ko.transpose(1, 2)
 
 
+#: channels one program of the packed kernel embeds (pairs of a token and a head × the head's width): on an H200 a
+#: 16K-token 650M-shaped batch embeds in 51 µs at 2,048 (52 at 4,096, 65 at 8,192; a copy of the same bytes 47.5 µs;
+#: one program per token and 8 heads took 60)
+PAIR_ELEMENTS = 2048
+
+
+@triton.jit
+def _rope_packed_kernel(qkv_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_pairs, s_tok, s_cos, scale, H: tl.constexpr,
+                        D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr):
+    """Program i: (token, head) pairs [i·P, (i + 1)·P) of a packed batch, pair t·H + j being head j of token t; q of
+    the pair at qkv_ptr + t·s_tok + j·D, k H·D further on. cos, sin [N, D] (row stride s_cos); qo, ko [N, H, D]
+    contiguous, so a pair's output row is the pair's index. The same arithmetic as :func:`_embed_rows`."""
+    pairs = tl.program_id(0) * P + tl.arange(0, P)
+    dims = tl.arange(0, DP)
+    tok = pairs // H
+    mask = (pairs[:, None] < n_pairs) & (dims[None, :] < D)
+    partner = tl.where(dims < D // 2, dims + D // 2, dims - D // 2)
+    trig = tok[:, None].to(tl.int64) * s_cos + dims[None, :]
+    cos = tl.load(cos_ptr + trig, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + trig, mask=mask, other=0.0).to(tl.float32)
+    row = qkv_ptr + tok[:, None].to(tl.int64) * s_tok + (pairs % H)[:, None] * D
+    out = pairs[:, None].to(tl.int64) * D + dims[None, :]
+    first = dims[None, :] < D // 2
+    for part in tl.static_range(2):  # q (scaled first, rounded to its dtype, as transformers does), then k
+        x = tl.load(row + part * H * D + dims[None, :], mask=mask, other=0.0)
+        xp = tl.load(row + part * H * D + partner[None, :], mask=mask, other=0.0)
+        if part == 0:
+            x = (x.to(tl.float32) * scale).to(x.dtype)
+            xp = (xp.to(tl.float32) * scale).to(xp.dtype)
+        xp = tl.where(first, -xp.to(tl.float32), xp.to(tl.float32))
+        y = x.to(tl.float32) * cos + xp * sin
+        tl.store((qo_ptr if part == 0 else ko_ptr) + out, y.to(qo_ptr.dtype.element_ty), mask=mask)
+
+
 def rope_packed_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same embedding for a packed batch (FastEsm): qkv [N, 3·H·d] (q, k, v side by side, as the fused
@@ -85,12 +119,12 @@ def rope_packed_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"qkv {tuple(qkv.shape)} and cos, sin {tuple(cos.shape)}, {tuple(sin.shape)} do not describe "
                          f"{heads} heads of a packed batch")
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
-    qo = torch.empty(1, n, heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    qo = torch.empty(n, heads, head_dim, device=qkv.device, dtype=qkv.dtype)
     ko = torch.empty_like(qo)
     dp = triton.next_power_of_2(head_dim)
-    bh = min(triton.next_power_of_2(heads), max(1, 512 // dp))
-    q, k = qkv[:, :dim], qkv[:, dim: 2 * dim]
-    _rope_kernel[(n, triton.cdiv(heads, bh))](q, k, cos, sin, qo, ko, n, 0, q.stride(0), 0, k.stride(0), 0,
-                                              cos.stride(0), head_dim ** -0.5, H=heads, D=head_dim, DP=dp, BH=bh,
-                                              num_warps=4, enable_fp_fusion=False)
-    return qo[0], ko[0]
+    pairs = max(1, PAIR_ELEMENTS // dp)
+    if n:
+        _rope_packed_kernel[(triton.cdiv(n * heads, pairs),)](qkv, cos, sin, qo, ko, n * heads, qkv.stride(0),
+                                                              cos.stride(0), head_dim ** -0.5, H=heads, D=head_dim,
+                                                              DP=dp, P=pairs, num_warps=4, enable_fp_fusion=False)
+    return qo, ko

@@ -2,21 +2,26 @@
 
 Protein batches hold many short sequences (a 16K-token batch of real proteins: about a hundred, a median near 150
 tokens). A kernel whose query and key tiles are 128 tokens spends most of a short sequence's work on padding; here
-the tiles are ``BLOCK`` (64) tokens, and each program owns one query block of one sequence and one head, walking only
-that sequence's keys with an online softmax in float32 (exp2), the output rounded once to q's dtype.
+each program owns one query block of one sequence and one head, walking only that sequence's keys with an online
+softmax in float32 (exp2): full key tiles with no masks, then the sequence's last partial tile masked; the output
+rounded once to q's dtype. The tile follows the length: :data:`LENGTH_CLASSES` gives short sequences 64-token query
+blocks and long ones larger tiles, as measured (``tools/tune_attention.py``).
 
-:func:`query_blocks` cuts a batch into those blocks once on the host (``[B]`` int32 sequence starts, block starts and
-sequence ends), and every layer reuses them. Reference: ``esm_turbo.embed.varlen.varlen_attention_reference``, which
-the tests tie the kernel to under the flash-attention rule.
+:func:`attention_plan` cuts a batch into those blocks once on the host (per class, ``[3, B]`` int32 tables of block
+starts, sequence starts and sequence ends, :func:`query_blocks`), and every layer reuses it: one launch per class
+present. Reference: ``esm_turbo.embed.varlen.varlen_attention_reference``, which the tests tie the kernel to under
+the flash-attention rule.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-#: query and key tile (tokens)
+#: the 64-token query and key tile of short sequences
 BLOCK = 64
 #: the dtypes FastEsm runs this kernel in on the GPU, instead of flash attention: where it measured faster (fp16 on an
 #: H200, 16K-token batches of real lengths: 110 µs against 169 at 650M-shaped, 213 against 330 at 3B, 73 against 138
@@ -24,18 +29,91 @@ BLOCK = 64
 GPU_DTYPES = (torch.float16,)
 
 
-def query_blocks(lengths: list[int], device: torch.device | str, block: int = BLOCK) -> torch.Tensor:
-    """[3, B] int32 on ``device``: for each query block of each sequence (sequences one after another, ``lengths``
-    tokens each), its first token, its sequence's first token and its sequence's end."""
+@dataclass(frozen=True)
+class AttentionTile:
+    """One launch's shape: query block ``bm`` and key tile ``bn`` tokens, ``warps``, key tiles in flight
+    ``stages`` (None: 3 for heads up to 64 wide, 2 above, whose tiles would fill a smaller GPU's shared memory)."""
+
+    bm: int = BLOCK
+    bn: int = BLOCK
+    warps: int = 4
+    stages: int | None = None
+
+
+#: (longest sequence in tokens, tile) in increasing order: a sequence takes the first class it fits, the last class
+#: takes the rest. Measured on an H200 (``tools/tune_attention.py``, 20 heads of 64, 16K-token batches): key tiles
+#: of 32 are 3-14% faster up to sequences of about 256 tokens (L ~ 128: 84.5 µs against 91.8), tiles of 64 from
+#: about 320 on (L ~ 1,024: 263 against 288); query blocks of 128 won nowhere by more than the run's noise
+LENGTH_CLASSES: tuple[tuple[int, AttentionTile], ...] = ((288, AttentionTile(64, 32, 4, 3)), (1 << 30, AttentionTile()))
+
+
+@dataclass
+class AttentionPlan:
+    """A batch cut into query blocks, one :func:`query_blocks` table per tile class present: ``launches`` =
+    [(table [3, B] int32 on the device, tile)]."""
+
+    launches: list[tuple[torch.Tensor, AttentionTile]]
+
+
+def query_blocks(lengths: list[int], device: torch.device | str, block: int = BLOCK,
+                 select=None) -> torch.Tensor:
+    """[3, B] int32 on ``device``: for each query block of ``block`` tokens of each sequence (sequences one after
+    another, ``lengths`` tokens each; only those ``select`` marks when given, a boolean array), its first token, its
+    sequence's first token and its sequence's end. From pinned memory, so that the copy does not wait for the GPU."""
     import numpy as np
     lens = np.asarray(lengths, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    if select is not None:
+        lens, starts = lens[select], starts[select]
     counts = -(-lens // block)
     seq = np.repeat(np.arange(len(lens)), counts)
     first = np.repeat(starts, counts) + block * (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts,
                                                                                      counts))
-    table = np.stack([first, starts[seq], (starts + lens)[seq]]).astype(np.int32)
-    return torch.from_numpy(table).to(device, non_blocking=True)
+    table = torch.from_numpy(np.stack([first, starts[seq], (starts + lens)[seq]]).astype(np.int32))
+    if torch.device(device).type == "cuda":
+        table = table.pin_memory()
+    return table.to(device, non_blocking=True)
+
+
+def attention_plan(lengths: list[int], device: torch.device | str,
+                   classes: tuple[tuple[int, AttentionTile], ...] | None = None) -> AttentionPlan:
+    """The batch's query blocks, each sequence in the first of ``classes`` (default :data:`LENGTH_CLASSES`) whose
+    longest length it fits."""
+    import numpy as np
+    classes = classes or LENGTH_CLASSES
+    lens = np.asarray(lengths, dtype=np.int64)
+    launches, below = [], np.zeros(len(lens), dtype=bool)
+    for i, (longest, tile) in enumerate(classes):
+        fits = (lens <= longest) if i < len(classes) - 1 else np.ones(len(lens), dtype=bool)
+        select = fits & ~below
+        below |= fits
+        if select.any():
+            launches.append((query_blocks(lengths, device, tile.bm, select), tile))
+    return AttentionPlan(launches)
+
+
+@triton.jit
+def _attend(q, k_ptr, v_ptr, start, s1, col, sk, sv, dims, dmask, m_i, l_i, acc, scale_log2e, BN: tl.constexpr,
+            MASKED: tl.constexpr):
+    """One key tile [start, start + BN) of the online softmax: (m_i, l_i, acc) updated. ``MASKED``: keys from s1 on
+    left out (the sequence's last, partial tile)."""
+    keys = start + tl.arange(0, BN)
+    if MASKED:
+        key_ok = keys < s1
+        kv_mask = key_ok[:, None] & dmask[None, :]
+    else:
+        kv_mask = dmask[None, :]
+    k = tl.load(k_ptr + keys[:, None].to(tl.int64) * sk + col + dims[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, k.T) * scale_log2e
+    if MASKED:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + keys[:, None].to(tl.int64) * sv + col + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -52,36 +130,30 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, n_blocks, sq, sk, sv,
     dims = tl.arange(0, DP)
     row_ok = rows < s1
     dmask = dims < D
-    q = tl.load(q_ptr + rows[:, None].to(tl.int64) * sq + h * D + dims[None, :], mask=row_ok[:, None] & dmask[None, :],
+    col = h * D
+    q = tl.load(q_ptr + rows[:, None].to(tl.int64) * sq + col + dims[None, :], mask=row_ok[:, None] & dmask[None, :],
                 other=0.0)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, DP), tl.float32)
-    for start in range(s0, s1, BN):
-        keys = start + tl.arange(0, BN)
-        key_ok = keys < s1
-        kv_mask = key_ok[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + keys[:, None].to(tl.int64) * sk + h * D + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, k.T) * scale_log2e
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + keys[:, None].to(tl.int64) * sv + h * D + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    full = s0 + (s1 - s0) // BN * BN
+    for start in range(s0, full, BN):
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, start, s1, col, sk, sv, dims, dmask, m_i, l_i, acc, scale_log2e,
+                                BN, False)
+    if full < s1:
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, full, s1, col, sk, sv, dims, dmask, m_i, l_i, acc, scale_log2e,
+                                BN, True)
     out = acc / l_i[:, None]
-    tl.store(o_ptr + rows[:, None].to(tl.int64) * so + h * D + dims[None, :], out.to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * so + col + dims[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dmask[None, :])
 
 
-def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
-                            scale: float | None = None, warps: int = 4, stages: int | None = None) -> torch.Tensor:
+def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan | torch.Tensor,
+                            scale: float | None = None, tile: AttentionTile | None = None) -> torch.Tensor:
     """q, k, v: [N, H, d] (any token stride, heads and channels contiguous: v may be a view of the fused
-    projection's output); blocks: :func:`query_blocks` of the batch. Returns [N, H, d] in q's dtype; ``scale``
-    default 1/sqrt(d). ``stages``: key tiles in flight, by default 3 (measured best at d = 32 and 64), 2 for heads
-    wider than 64 (whose tiles would fill a smaller GPU's shared memory)."""
+    projection's output); plan: :func:`attention_plan` of the batch, or one :func:`query_blocks` table run with
+    ``tile`` (default :class:`AttentionTile`'s; its ``bm`` must be the table's block). Returns [N, H, d] in q's
+    dtype; ``scale`` default 1/sqrt(d)."""
     n, heads, d = q.shape
     for t in (q, k, v):
         if t.shape != q.shape or t.stride(2) != 1 or t.stride(1) != d:
@@ -89,14 +161,17 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
                              "heads and channels contiguous")
     scale = d ** -0.5 if scale is None else scale
     out = torch.empty(n, heads, d, device=q.device, dtype=q.dtype)
-    nb = blocks.shape[1]
-    if nb == 0:
-        return out
+    launches = plan.launches if isinstance(plan, AttentionPlan) else [(plan, tile or AttentionTile())]
     dp = triton.next_power_of_2(max(d, 16))
-    _varlen_kernel[(nb, heads)](q, k, v, out, blocks, nb, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-                                scale * 1.4426950408889634, D=d, DP=dp, BM=BLOCK, BN=BLOCK, num_warps=warps,
-                                num_stages=stages or (3 if dp <= 64 else 2))
+    for table, t in launches:
+        nb = table.shape[1]
+        if nb == 0:
+            continue
+        _varlen_kernel[(nb, heads)](q, k, v, out, table, nb, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                                    scale * 1.4426950408889634, D=d, DP=dp, BM=t.bm, BN=t.bn, num_warps=t.warps,
+                                    num_stages=t.stages or (3 if dp <= 64 else 2))
     return out
 
 
-__all__ = ["BLOCK", "GPU_DTYPES", "query_blocks", "varlen_attention_triton"]
+__all__ = ["AttentionPlan", "AttentionTile", "BLOCK", "GPU_DTYPES", "LENGTH_CLASSES", "attention_plan",
+           "query_blocks", "varlen_attention_triton"]

@@ -1,0 +1,148 @@
+"""Where the GPU waits in FastEsm's forward and in ``Embedder.run``: host enqueue time against GPU time, and the
+largest idle gaps between kernels with what the host was doing in them (torch.profiler, CPU and CUDA).
+
+usage: python tools/gpu_gaps.py [--size 650M] [--tokens 16384] [--copies 4] [--out DIR]
+
+Per part (one forward on one real-length batch; the embedder over the bench's records, nothing written): wall time,
+GPU busy time (the union of kernel and copy intervals), the host's own time to enqueue a forward with the GPU kept
+busy, the share of GPU idle, and the 12 largest gaps with the kernels either side and the CPU ops inside them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def gaps(prof, wall_ms: float, top: int = 12) -> dict:
+    """Busy time of the GPU stream and its largest gaps, from a profile's events."""
+    events = prof.events()
+    gpu = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events
+                  if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda t: t[0])
+    cpu = [(e.time_range.start, e.time_range.end, e.name) for e in events
+           if e.device_type == torch.autograd.DeviceType.CPU]
+    busy, holes, end, prev = 0.0, [], None, None
+    for s, e, name in gpu:  # merged intervals: busy time, and the holes between them
+        if end is None or s > end:
+            if end is not None:
+                holes.append((s - end, end, s, prev, name))
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+        prev = name if e >= end else prev
+    holes.sort(reverse=True)
+    out = []
+    for width, a, b, before, after in holes[:top]:
+        inside = sorted({n for s, e, n in cpu if s < b and e > a and not n.startswith("ProfilerStep")})[:8]
+        out.append(dict(gap_us=round(width, 1), before=before[:60], after=after[:60], cpu=inside))
+    total_gap = sum(h[0] for h in holes)
+    return dict(wall_ms=wall_ms, gpu_busy_ms=busy / 1e3, gaps_ms=total_gap / 1e3, n_gaps=len(holes),
+                gaps_over_20us_ms=sum(h[0] for h in holes if h[0] > 20) / 1e3, largest=out)
+
+
+def forward_part(size: str, tokens: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from torch.profiler import ProfilerActivity, profile
+    from tune_gemm import real_batch
+
+    from esm_turbo.embed.benchmark import random_masked_lm
+    from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
+    dev = torch.device("cuda")
+    picked = real_batch(tokens)
+    fast = FastEsm.from_hf(random_masked_lm(size, dev, torch.float16))
+    batch = PackedBatch.from_sequences(picked, dev)
+    for _ in range(3):
+        fast(batch)
+    torch.cuda.synchronize()
+    # host enqueue time with the GPU kept busy: a big matmul first so nothing the host queues can start at once
+    big = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
+    enqueue = []
+    for _ in range(5):
+        for _ in range(20):
+            big @ big
+        t0 = time.perf_counter()
+        fast(batch)
+        enqueue.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    walls = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fast(batch)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fast(batch)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    row = gaps(prof, wall)
+    row.update(part="forward", tokens=sum(len(s) + 2 for s in picked), host_enqueue_ms=min(enqueue),
+               wall_unprofiled_ms=min(walls))
+    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    return row, cpu
+
+
+def embedder_part(size: str, copies: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from esm_turbo.bench import EMBED_FASTA
+    from esm_turbo.embed.benchmark import _NullWriter, random_masked_lm
+    from esm_turbo.embed.extract import EmbedConfig, Embedder
+    from esm_turbo.fasta import Record, read_fastas
+    dev = torch.device("cuda")
+    base = read_fastas(EMBED_FASTA)
+    records = [Record(f"{r.id}#{k}", r.sequence, r.source) for k in range(copies) for r in base]
+    emb = Embedder(random_masked_lm(size, dev, torch.float16), EmbedConfig(include=["mean"]), dev)
+    emb.run(records, _NullWriter(), progress=False)
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        emb.run(records, _NullWriter(), progress=False)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        emb.run(records, _NullWriter(), progress=False)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    row = gaps(prof, wall)
+    tokens = sum(len(r.sequence) + 2 for r in records)
+    row.update(part="embedder", tokens=tokens, wall_unprofiled_ms=min(walls),
+               tokens_per_s=tokens / min(walls) * 1e3)
+    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    cpu += "\n" + prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90)
+    return row, cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="650M")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=Path("gaps"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, fn, arg in (("forward", forward_part, args.tokens), ("embedder", embedder_part, args.copies)):
+        row, cpu = fn(args.size, arg)
+        row["size"] = args.size
+        rows.append(row)
+        (args.out / f"cpu_{name}.txt").write_text(cpu)
+        log(json.dumps(row, indent=1))
+    (args.out / "gaps.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
