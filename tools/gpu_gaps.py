@@ -50,20 +50,12 @@ def gaps(prof, wall_ms: float, top: int = 12) -> dict:
                 gaps_over_20us_ms=sum(h[0] for h in holes if h[0] > 20) / 1e3, largest=out)
 
 
-def forward_part(size: str, tokens: int) -> dict:
+def forward_part(size: str, tokens: int) -> tuple[dict, str]:
     sys.path.insert(0, str(Path(__file__).parent))
     from torch.profiler import ProfilerActivity, profile
-    from tune_gemm import real_batch
-
-    from esm_turbo.embed.benchmark import random_masked_lm
-    from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
+    from tune_gemm import warm_forward
     dev = torch.device("cuda")
-    picked = real_batch(tokens)
-    fast = FastEsm.from_hf(random_masked_lm(size, dev, torch.float16))
-    batch = PackedBatch.from_sequences(picked, dev)
-    for _ in range(3):
-        fast(batch)
-    torch.cuda.synchronize()
+    fast, batch, picked = warm_forward(size, tokens)
     # host enqueue time with the GPU kept busy: a big matmul first so nothing the host queues can start at once
     big = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
     enqueue = []
@@ -93,7 +85,7 @@ def forward_part(size: str, tokens: int) -> dict:
     return row, cpu
 
 
-def embedder_part(size: str, copies: int) -> dict:
+def embedder_part(size: str, copies: int) -> tuple[dict, str]:
     from torch.profiler import ProfilerActivity, profile
 
     from esm_turbo.bench import EMBED_FASTA

@@ -196,8 +196,9 @@ def forward_rows(size: str, tokens: int, fp8: bool) -> list[dict]:
     return rows
 
 
-def profile_forward(size: str, tokens: int, path: Path) -> None:
-    from torch.profiler import ProfilerActivity, profile
+def warm_forward(size: str, tokens: int) -> tuple:
+    """A random ``size``-shaped FastEsm in fp16 on the GPU and one :func:`real_batch` packed for it, three forwards
+    run: (model, batch, the batch's sequences)."""
     from esm_turbo.embed.benchmark import random_masked_lm
     from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
     dev = torch.device("cuda")
@@ -207,6 +208,12 @@ def profile_forward(size: str, tokens: int, path: Path) -> None:
     for _ in range(3):
         fast(batch)
     torch.cuda.synchronize()
+    return fast, batch, picked
+
+
+def profile_forward(size: str, tokens: int, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    fast, batch, _ = warm_forward(size, tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fast(batch)
         torch.cuda.synchronize()
