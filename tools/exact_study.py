@@ -26,7 +26,7 @@ from esm_turbo import TurboEsm, calibrate
 from esm_turbo.experiments.methods import collect_kv
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec
-from study_common import finish, measure, parse
+from study_common import data_flags, finish, measure, parse
 
 
 class ExactCodec(KVCodec):
@@ -88,7 +88,7 @@ def main() -> None:
     mean_len = sum(len(r.sequence) + 1 for r in eval_records) / len(eval_records)  # <cls> + residues
     command = f"python tools/exact_study.py {args.model} --bits {' '.join(map(str, args.bits))} --sinks " + " ".join(
         map(str, args.sinks)) + (f" --sparse {' '.join(map(str, args.sparse))}" if args.sparse else "") + (
-        " --fitted" if args.fitted else "")
+        " --fitted" if args.fitted else "") + data_flags(args)
     lines = [f"# {command}",
              f"# {len(eval_records)} held-out sequences (mean {mean_len:.0f} tokens), half prefilled exactly, the rest "
              "decoded; PyTorch path, CPU",

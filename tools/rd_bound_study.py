@@ -30,7 +30,7 @@ from esm_turbo import TurboEsm, calibrate
 from esm_turbo.experiments.methods import collect_kv
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import DenseQuantizer, KVCodec
-from study_common import finish, measure, parse
+from study_common import data_flags, finish, measure, parse
 
 
 def water_fill(variances: torch.Tensor, bits: float) -> torch.Tensor:
@@ -104,7 +104,7 @@ def main() -> None:
     kv = collect_kv(model, cal_records, max_tokens=2**30, queries=True)  # [(q, k, v)] per layer
     command = (f"python tools/rd_bound_study.py {args.model} --bits {' '.join(map(str, args.bits))}"
                + (" --weighted" if args.weighted else "")
-               + (f" --recipes {' '.join(args.recipes)}" if args.recipes else ""))
+               + (f" --recipes {' '.join(args.recipes)}" if args.recipes else "") + data_flags(args))
     lines = [f"# {command}",
              f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU; "
              f"Gaussian model fitted on {kv[0][1].shape[1]} calibration tokens a head",

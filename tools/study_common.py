@@ -10,8 +10,9 @@ from esm_turbo import load_esm, read_fasta
 from esm_turbo.model.evaluate import evaluate
 
 
-#: the calibration set a study fits on unless told
+#: the calibration set a study fits on, and the held-out set it measures on, unless told
 CALIBRATION = "calibration_data/calibration.fasta"
+EVALUATION = "calibration_data/evaluation.fasta"
 
 
 def parse(ap: argparse.ArgumentParser):
@@ -19,10 +20,18 @@ def parse(ap: argparse.ArgumentParser):
     returns (args, model, calibration records, evaluation records)."""
     ap.add_argument("model")
     ap.add_argument("--calibration", default=CALIBRATION)
-    ap.add_argument("--evaluation", default="calibration_data/evaluation.fasta")
+    ap.add_argument("--evaluation", default=EVALUATION)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     return args, load_esm(args.model), read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
+
+
+def data_flags(args) -> str:
+    """The ``--calibration`` / ``--evaluation`` flags of a study's command line, where they are not the defaults (for
+    the report's header)."""
+    return "".join(f" --{name} {value}" for name, value, default in (("calibration", args.calibration, CALIBRATION),
+                                                                     ("evaluation", args.evaluation, EVALUATION))
+                   if value != default)
 
 
 def measure(engine, records, codecs) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import replace
 from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
 from esm_turbo.testing import plant_outliers
-from study_common import CALIBRATION, finish, measure, parse
+from study_common import data_flags, finish, measure, parse
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     args, model, cal_records, eval_records = parse(ap)
     lines = [f"# python tools/widths_study.py {args.model} --specs {' '.join(args.specs)}"
              + (" --plant" if args.plant else "")
-             + (f" --calibration {args.calibration}" if args.calibration != CALIBRATION else ""),
+             + data_flags(args),
              f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU",
              f"{'model':<11} {'index':>5} {'key cap':>7} {'value cap':>9} {'span':>4} {'all-in':>6} {'mean cos':>9} "
              f"{'worst seq':>9} {'worst tok':>9} {'<0.95':>7}"]
