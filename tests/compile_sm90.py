@@ -9,7 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import activation, blocks, gemm, quantize, rope, segment, varlen_attention, weights_mma  # noqa: E402
+from esm_turbo.kernels import (activation, blocks, gemm, quantize, rope, segment, varlen_attention,  # noqa: E402
+                               weights_mma)
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402

@@ -23,35 +23,29 @@ def log(msg: str) -> None:
 
 
 def gaps(prof, wall_ms: float, top: int = 12) -> dict:
-    """Busy time of the GPU stream and its largest gaps, from a profile's events."""
+    """Busy time of the GPU (``esm_turbo.bench.step.breakdown``) and its largest idle gaps, from a profile's
+    events."""
+    from esm_turbo.bench.step import breakdown, kernel_times
     events = prof.events()
-    gpu = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events
-                  if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda t: t[0])
+    kernels = kernel_times(events)
     cpu = [(e.time_range.start, e.time_range.end, e.name) for e in events
            if e.device_type == torch.autograd.DeviceType.CPU]
-    busy, holes, end, prev = 0.0, [], None, None
-    for s, e, name in gpu:  # merged intervals: busy time, and the holes between them
-        if end is None or s > end:
-            if end is not None:
-                holes.append((s - end, end, s, prev, name))
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-        prev = name if e >= end else prev
+    holes, last_end, last_name = [], None, None
+    for name, start, end in kernels:
+        if last_end is not None and start > last_end:
+            holes.append((start - last_end, last_end, start, last_name, name))
+        if last_end is None or end >= last_end:
+            last_end, last_name = end, name
     holes.sort(reverse=True)
     out = []
     for width, a, b, before, after in holes[:top]:
         inside = sorted({n for s, e, n in cpu if s < b and e > a and not n.startswith("ProfilerStep")})[:8]
         out.append(dict(gap_us=round(width, 1), before=before[:60], after=after[:60], cpu=inside))
-    total_gap = sum(h[0] for h in holes)
-    return dict(wall_ms=wall_ms, gpu_busy_ms=busy / 1e3, gaps_ms=total_gap / 1e3, n_gaps=len(holes),
-                gaps_over_20us_ms=sum(h[0] for h in holes if h[0] > 20) / 1e3, largest=out)
+    return dict(wall_ms=wall_ms, gpu_busy_ms=breakdown(kernels)["busy_ms"], gaps_ms=sum(h[0] for h in holes) / 1e3,
+                n_gaps=len(holes), gaps_over_20us_ms=sum(h[0] for h in holes if h[0] > 20) / 1e3, largest=out)
 
 
 def forward_part(size: str, tokens: int) -> tuple[dict, str]:
-    sys.path.insert(0, str(Path(__file__).parent))
     from torch.profiler import ProfilerActivity, profile
     from tune_gemm import warm_forward
     dev = torch.device("cuda")

@@ -144,8 +144,8 @@ def attention_rows(size: str, tokens: int) -> list[dict]:
     blocks = query_blocks(lengths, "cuda")
     cands = {"flash_varlen": lambda: varlen_attention(q, k, v, cu, max(lengths))}
     for warps, stages in ((4, 2), (4, 3), (8, 2)):
-        cands[f"triton_w{warps}_s{stages}"] = (lambda w=warps, st=stages:
-                                               varlen_attention_triton(q, k, v, blocks, tile=AttentionTile(warps=w, stages=st)))
+        tile = AttentionTile(warps=warps, stages=stages)
+        cands[f"triton_w{warps}_s{stages}"] = lambda t=tile: varlen_attention_triton(q, k, v, blocks, tile=t)
     ref = varlen_attention_reference(q.double(), k.double(), v.double(), lengths)
     own = (varlen_attention_reference(q, k, v, lengths).double() - ref).abs().max().item()
     for name, fn in cands.items():

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ..errors import EsmTurboError
 from ..fasta import Record
+from ..io import to_device_queued
 from ..model.alphabet import encode, encode_packed, packed_residue_mask
 from ..model.family import MAX_CONTEXT, family_of
 from ..model.sizes import MAX_RESIDUES
@@ -235,8 +236,7 @@ class Embedder:
         out = {"mean": torch.stack([m for m, _ in pooled]), "bos": torch.stack([b for _, b in pooled])}
 
         def residues(mask: np.ndarray) -> torch.Tensor:
-            idx = torch.from_numpy(np.flatnonzero(mask))
-            return (idx.pin_memory() if self.device.type == "cuda" else idx).to(self.device, non_blocking=True)
+            return to_device_queued(np.flatnonzero(mask), self.device)
         if len(token_rows):
             idx = residues(packed_residue_mask(cu, None if len(token_rows) == len(seqs) else token_rows))
             out["tokens"] = torch.stack([hidden[layer].index_select(0, idx) for layer in self.layers]).float()

@@ -60,13 +60,12 @@ class PackedBatch:
     @classmethod
     def from_arrays(cls, ids, positions, cu, device: torch.device | str = "cpu") -> "PackedBatch":
         """From host arrays (numpy or tensors): ids, positions [N]; cu [S + 1] sequence starts."""
-        ids, positions, cu = (torch.as_tensor(a) for a in (ids, positions, cu))
+        from ..io import to_device_queued
+        device = torch.device(device)
+        cu = torch.as_tensor(cu)
         lengths = (cu[1:] - cu[:-1]).tolist()
-        cu32 = cu.to(torch.int32)
-        if torch.device(device).type == "cuda":  # pinned, so that the copies do not wait for the GPU
-            ids, positions, cu32 = ids.pin_memory(), positions.pin_memory(), cu32.pin_memory()
-        return cls(ids.to(device, non_blocking=True), positions.to(device, non_blocking=True),
-                   cu32.to(device, non_blocking=True), lengths, max(lengths))
+        return cls(to_device_queued(ids, device), to_device_queued(positions, device),
+                   to_device_queued(cu, device, torch.int32), lengths, max(lengths))
 
     @classmethod
     def from_sequences(cls, seqs: list[str], device: torch.device | str = "cpu") -> "PackedBatch":

@@ -4,8 +4,8 @@ Protein batches hold many short sequences (a 16K-token batch of real proteins: a
 tokens). A kernel whose query and key tiles are 128 tokens spends most of a short sequence's work on padding; here
 each program owns one query block of one sequence and one head, walking only that sequence's keys with an online
 softmax in float32 (exp2): full key tiles with no masks, then the sequence's last partial tile masked; the output
-rounded once to q's dtype. The tile follows the length: :data:`LENGTH_CLASSES` gives short sequences 64-token query
-blocks and long ones larger tiles, as measured (``tools/tune_attention.py``).
+rounded once to q's dtype. The tile follows the length: :data:`LENGTH_CLASSES` gives short sequences 32-token key
+tiles and long ones 64-token tiles, as measured (``tools/tune_attention.py``); query blocks are 64 tokens.
 
 :func:`attention_plan` cuts a batch into those blocks once on the host (per class, ``[3, B]`` int32 tables of block
 starts, sequence starts and sequence ends, :func:`query_blocks`), and every layer reuses it: one launch per class
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from ..io import to_device_queued
 
 #: the 64-token query and key tile of short sequences
 BLOCK = 64
@@ -69,10 +71,7 @@ def query_blocks(lengths: list[int], device: torch.device | str, block: int = BL
     seq = np.repeat(np.arange(len(lens)), counts)
     first = np.repeat(starts, counts) + block * (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts,
                                                                                      counts))
-    table = torch.from_numpy(np.stack([first, starts[seq], (starts + lens)[seq]]).astype(np.int32))
-    if torch.device(device).type == "cuda":
-        table = table.pin_memory()
-    return table.to(device, non_blocking=True)
+    return to_device_queued(np.stack([first, starts[seq], (starts + lens)[seq]]), torch.device(device), torch.int32)
 
 
 def attention_plan(lengths: list[int], device: torch.device | str,
