@@ -26,8 +26,9 @@ def _inputs(m, n, k, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []))
-@pytest.mark.parametrize("epilogue,scale", [("bias", 1.0), ("gelu", 1.0), ("residual", 1.0), ("residual", 0.5)])
-def test_gemm_epilogues_match_the_reference(dtype, epilogue, scale):
+@pytest.mark.parametrize("epilogue,scale,form", [("bias", 1.0, "erfc"), ("gelu", 1.0, "erfc"), ("gelu", 1.0, "erf"),
+                                                 ("residual", 1.0, "erfc"), ("residual", 0.5, "erfc")])
+def test_gemm_epilogues_match_the_reference(dtype, epilogue, scale, form):
     """Every epilogue, M and N not multiples of the tile, K not a multiple of its step: the reference's value up to
     the order of the float32 sums (a last-place difference of the output dtype, or a few in float32)."""
     from esm_turbo.kernels.gemm import gemm, gemm_reference
@@ -36,11 +37,27 @@ def test_gemm_epilogues_match_the_reference(dtype, epilogue, scale):
     m, n, k = (300, 200, 328) if CUDA else (37, 72, 40)
     x, w, b, h = _inputs(m, n, k, dtype, seed=n + k)
     res = h if epilogue == "residual" else None
-    got = gemm(x, w, b, epilogue, res, scale, tile=_small_tile())
+    got = gemm(x, w, b, epilogue, res, scale, tile=_small_tile(), gelu_form=form)
     want = gemm_reference(x, w, b, epilogue, res, scale)
     assert got.dtype == want.dtype and got.shape == (m, n)
     tol = 4 * torch.finfo(dtype).eps * want.float().abs().max().item() + 1e-6
     assert (got.float() - want.float()).abs().max().item() <= tol
+
+
+def test_gelu_rounds_as_the_exact_gelu_on_every_fp16_value():
+    """The kernels' GELU (kernels.common.gelu in its default form) over every finite fp16 value: the float64 GELU
+    rounded to fp16 on all but a handful, none off by more than one unit in the last place."""
+    import math
+
+    from esm_turbo.kernels.activation import activation_triton
+    bits = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    u = bits[torch.isfinite(bits)][:63488].reshape(62, 1024)
+    got = activation_triton(u.to(DEV), "gelu").cpu()
+    x = u.double()
+    want = (0.5 * x * (1 + torch.erf(x / math.sqrt(2)))).half()
+    ulp = (torch.nextafter(want.abs(), torch.tensor(math.inf, dtype=torch.float16)).float() - want.float().abs())
+    assert (got != want).sum().item() <= 16
+    assert ((got.float() - want.float()).abs() <= ulp).all()
 
 
 def test_gemm_rows_of_zero_and_argument_checks():
@@ -49,6 +66,8 @@ def test_gemm_rows_of_zero_and_argument_checks():
     assert gemm(x[:0], w, b, tile=_small_tile()).shape == (0, 16)
     with pytest.raises(ValueError, match="epilogue"):
         gemm(x, w, b, "relu")
+    with pytest.raises(ValueError, match="gelu_form"):
+        gemm(x, w, b, "gelu", gelu_form="tanh")
     with pytest.raises(ValueError, match="residual"):
         gemm(x, w, b, "residual")
     with pytest.raises(ValueError, match="make a product"):

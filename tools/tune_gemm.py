@@ -1,8 +1,12 @@
 """FastEsm's matrix products on the GPU: the cuBLAS ceiling, the Triton GEMMs with fused epilogues
 (esm_turbo.kernels.gemm) over a list of tiles, checked against the reference, the attention kernels torch ships, and
-the whole forward with and without the folded epilogues, all in one run.
+the whole forward with and without the folded epilogues, all in one run. ``--gelu-forms``: only FFN-up with GELU,
+each form of its erf (esm_turbo.kernels.common.GELU_FORMS) over every tile, beside cuBLAS alone, cuBLAS + F.gelu,
+cuBLASLt's own GELU epilogue (tanh-approximate: not ESM-2's function, shown as a bound) and the Triton kernel with
+the bias only (what the epilogue's arithmetic costs); the form that wins goes into kernels.gemm.TILES with its tile.
 
 usage: python tools/tune_gemm.py [--sizes 650M 3B 150M] [--tokens 16384] [--out DIR] [--skip-fp8] [--first N]
+       python tools/tune_gemm.py --gelu-forms [--sizes ...] [--out DIR]
 
 Per model shape and product (QKV with its bias, O with the residual add, FFN-up with GELU, FFN-down with the residual
 add), at ``--tokens`` rows: cuBLAS alone (``F.linear`` with the bias: the ceiling of that product), cuBLAS followed by
@@ -221,6 +225,40 @@ def profile_forward(size: str, tokens: int, path: Path) -> None:
                                               max_name_column_width=90))
 
 
+def gelu_rows(size: str, tokens: int) -> dict:
+    """FFN-up at ``tokens`` rows, fp16: every form of GELU over every tile of FP16_TILES (see the module
+    docstring)."""
+    from esm_turbo.kernels import common
+    dev = torch.device("cuda")
+    cfg_n, cfg_k = next((n, k) for name, _, n, k in shapes(size) if name == "ffn_up")
+    gen = torch.Generator(device=dev).manual_seed(cfg_n)
+    x = torch.randn(tokens, cfg_k, device=dev, generator=gen).half()
+    w = (torch.randn(cfg_n, cfg_k, device=dev, generator=gen) / cfg_k ** 0.5).half()
+    b = (0.1 * torch.randn(cfg_n, device=dev, generator=gen)).half()
+    ref = G.gemm_reference(x, w, b, "gelu").double()
+    err_base = (F.gelu(F.linear(x, w, b)).double() - ref).abs().max().item()
+    row = dict(size=size, n=cfg_n, k=cfg_k, m=tokens, cublas_us=bench(lambda: F.linear(x, w, b)),
+               cublas_gelu_us=bench(lambda: F.gelu(F.linear(x, w, b))),
+               cublaslt_tanh_gelu_us=bench(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)), forms={})
+    for form in ["bias-only", *common.GELU_FORMS]:
+        best = None
+        for t in FP16_TILES:
+            epi, kw = ("bias", {}) if form == "bias-only" else ("gelu", dict(gelu_form=form))
+            try:
+                def run(epi=epi, t=t, kw=kw):
+                    return G.gemm(x, w, b, epi, tile=t, **kw)
+                err = (run().double() - ref).abs().max().item() if epi == "gelu" else 0.0
+                us = bench(run)
+            except Exception as e:  # noqa: BLE001 - a tile that does not build is skipped
+                log(f"{size} {form} {t}: {type(e).__name__}")
+                continue
+            if err <= 2 * err_base + 1e-3 and (best is None or us < best["us"]):
+                best = dict(us=us, err=err, tile=t.__dict__)
+        row["forms"][form] = best
+        log(f"gelu {size} {form}: {best}")
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["650M", "3B", "150M"])
@@ -229,8 +267,18 @@ def main() -> None:
     ap.add_argument("--skip-fp8", action="store_true")
     ap.add_argument("--skip-products", action="store_true", help="only the attention, forward and profile parts")
     ap.add_argument("--first", type=int, default=None, help="only the first N tiles of each list")
+    ap.add_argument("--gelu-forms", action="store_true", help="only the GELU forms in FFN-up and the forward")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.gelu_forms:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+        rows = [gelu_rows(size, args.tokens) for size in args.sizes]
+        (args.out / "gelu_forms.json").write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            forms = "  ".join(f"{f} {v['us']:.1f}" for f, v in r["forms"].items() if v)
+            print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  "
+                  f"cuBLASLt tanh-GELU {r['cublaslt_tanh_gelu_us']:.1f}  Triton {forms}")
+        return
     from esm_turbo.embed.fp8 import fp8_supported
     fp8 = fp8_supported("cuda") and not args.skip_fp8
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")

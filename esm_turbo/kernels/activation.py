@@ -1,7 +1,7 @@
 """FastEsm's feed-forward nonlinearity and the e4m3 row quantization of an FP8 product's input, in one pass (Triton).
 
-``activation_triton(u, kind, fp8)``: ``kind`` ``"gelu"`` (exact erf GELU, u [N, F] → [N, F]), ``"swiglu"`` (ESM C:
-silu(gate) · up of u [N, 2F], gate first → [N, F]) or ``"none"``; the result rounded to u's dtype, as the reference
+``activation_triton(u, kind, fp8)``: ``kind`` ``"gelu"`` (erf GELU, :func:`~esm_turbo.kernels.common.gelu`;
+u [N, F] → [N, F]), ``"swiglu"`` (ESM C: silu(gate) · up of u [N, 2F], gate first → [N, F]) or ``"none"``; the result rounded to u's dtype, as the reference
 (:func:`~esm_turbo.embed.fast_esm.activation`) rounds it. ``fp8``: then quantized to e4m3 with one scale per row
 (:func:`~esm_turbo.embed.fp8.quantize_rows` of the reference's result), returned as
 :class:`~esm_turbo.embed.fp8.Fp8Rows`. Eagerly that is four passes over the activations for SwiGLU and five more for
@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from . import common
+from .common import GELU_FORMS, gelu
 
 KINDS = {"none": 0, "gelu": 1, "swiglu": 2}
 
@@ -32,12 +35,12 @@ def store_e4m3(ptr, x, scale, mask):
 
 
 @triton.jit
-def _act(u_ptr, row_at, cols, mask, F: tl.constexpr, KIND: tl.constexpr):
+def _act(u_ptr, row_at, cols, mask, F: tl.constexpr, KIND: tl.constexpr, GELU: tl.constexpr):
     """The activation of the columns ``cols`` of the rows at ``row_at`` [R, 1] in float32, rounded to u's dtype."""
     u = tl.load(u_ptr + row_at + cols[None, :], mask=mask, other=0.0)
     x = u.to(tl.float32)
     if KIND == 1:
-        x = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        x = gelu(x, GELU)
     elif KIND == 2:
         up = tl.load(u_ptr + row_at + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         gate = (x / (1.0 + tl.exp(-x))).to(u.dtype, fp_downcast_rounding="rtne").to(tl.float32)  # as F.silu rounds
@@ -47,7 +50,8 @@ def _act(u_ptr, row_at, cols, mask, F: tl.constexpr, KIND: tl.constexpr):
 
 @triton.jit
 def _activation_kernel(u_ptr, out_ptr, scale_ptr, amax_ptr, n_rows, u_stride, F: tl.constexpr, BLOCK: tl.constexpr,
-                       ROWS: tl.constexpr, KIND: tl.constexpr, FP8: tl.constexpr, KNOWN_AMAX: tl.constexpr):
+                       ROWS: tl.constexpr, KIND: tl.constexpr, FP8: tl.constexpr, KNOWN_AMAX: tl.constexpr,
+                       GELU: tl.constexpr):
     """Rows [pid·ROWS, (pid + 1)·ROWS) of u (rows ``u_stride`` apart) → out [N, F] contiguous, in column blocks of
     BLOCK; with ``FP8`` a first sweep finds each row's max |activation| (or, ``KNOWN_AMAX``, reads it at amax_ptr
     [N]) and the second stores e4m3 codes, the row's scale at scale_ptr [N]."""
@@ -64,14 +68,14 @@ def _activation_kernel(u_ptr, out_ptr, scale_ptr, amax_ptr, n_rows, u_stride, F:
             for start in range(0, F, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 mask = row_ok[:, None] & (cols[None, :] < F)
-                x = tl.where(mask, _act(u_ptr, row_at, cols, mask, F, KIND), 0.0)
+                x = tl.where(mask, _act(u_ptr, row_at, cols, mask, F, KIND, GELU), 0.0)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         scale = e4m3_row_scale(amax)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
     for start in range(0, F, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = row_ok[:, None] & (cols[None, :] < F)
-        x = _act(u_ptr, row_at, cols, mask, F, KIND)
+        x = _act(u_ptr, row_at, cols, mask, F, KIND, GELU)
         if FP8:
             store_e4m3(out_ptr + out_at + cols[None, :], x, scale, mask)
         else:
@@ -96,7 +100,8 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch
     rows = max(1, min(16, 4096 // block))
     _activation_kernel[(triton.cdiv(n, rows),)](u, out, scale, scale if amax is None else amax, n, u.stride(0), F=f,
                                                 BLOCK=block, ROWS=rows, KIND=KINDS[kind], FP8=fp8,
-                                                KNOWN_AMAX=amax is not None, num_warps=4)
+                                                KNOWN_AMAX=amax is not None,
+                                                GELU=GELU_FORMS[common.GELU_FORM], num_warps=4)
     if not fp8:
         return out
     from ..embed.fp8 import Fp8Rows

@@ -14,6 +14,39 @@ import triton.language as tl
 FP_FUSION = True
 
 
+#: the forms of ESM-2's erf GELU a kernel can compute (:func:`gelu`): libdevice's ``erff``, or the complementary
+#: error function's Chebyshev fit (one reciprocal, one exp2 and nine FMAs; relative error under 1.2e-7 everywhere,
+#: so the fp16/bf16 result rounds as ``F.gelu``'s but for the rare value within that of a rounding boundary)
+GELU_FORMS = {"erf": 0, "erfc": 1}
+#: the form the kernels use unless a measured tile says otherwise (``kernels.gemm.TILES``; ``tools/tune_gemm.py
+#: --gelu-forms`` times both in the FFN-up product)
+GELU_FORM = "erfc"
+
+
+@triton.jit
+def gelu(x, FORM: tl.constexpr):
+    """x·Φ(x) of float32 x (any shape), Φ the standard normal CDF: ``FORM`` 0 through libdevice's erf, 1 through
+    Φ(-|x|) = erfc(|x|/√2)/2 = t·exp(-z² + P(t))/2 with z = |x|/√2, t = 1/(1 + z/2) and P of degree 9 (Numerical
+    Recipes' ``erfcc``), whose error is relative in the tails too."""
+    if FORM == 0:
+        y = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    else:
+        z = tl.abs(x) * 0.7071067811865476
+        t = tl.math.fdiv(1.0, 1.0 + 0.5 * z)
+        p = 0.17087277 * t - 0.82215223
+        p = p * t + 1.48851587
+        p = p * t - 1.13520398
+        p = p * t + 0.27886807
+        p = p * t - 0.18628806
+        p = p * t + 0.09678418
+        p = p * t + 0.37409196
+        p = p * t + 1.00002368
+        p = p * t - 1.26551223
+        tail = 0.5 * t * tl.exp2((p - z * z) * 1.4426950408889634)
+        y = x * tl.where(x >= 0, 1.0 - tail, tail)
+    return y
+
+
 @triton.constexpr_function
 def field_shift(fields, j):
     """Where field j (0…8; 8: the word's width) starts in a group word of the boundaries ``fields``

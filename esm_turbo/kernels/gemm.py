@@ -5,7 +5,8 @@ and w [N, K] (fp16 or bf16; or e4m3 with one float32 scale per row of x and per 
 :mod:`esm_turbo.embed.fp8`) and finishes it in registers before the one store:
 
 * ``"bias"``: y, rounded to the output dtype (what ``F.linear`` returns);
-* ``"gelu"``: erf GELU of the rounded y, rounded again (``F.gelu(F.linear(x, w, b))``: ESM-2's FFN-up);
+* ``"gelu"``: erf GELU of the rounded y (:func:`~esm_turbo.kernels.common.gelu`), rounded again
+  (``F.gelu(F.linear(x, w, b))``: ESM-2's FFN-up);
 * ``"residual"``: ``h + y`` (h [M, N] the residual stream), or with ``residual_scale`` s ≠ 1 ``h + y · s`` summed
   in float32 and rounded once (the output projections: ``add_layer_norm_reference``'s sum). The LayerNorm after it
   then reads one tensor, not two.
@@ -31,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting, num_sms
+from . import common
+from .common import GELU_FORMS, gelu, interpreting, num_sms
 
 EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2}
 
@@ -39,9 +41,9 @@ EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2}
 @dataclass(frozen=True)
 class Tile:
     """One launch plan: the output tile (bm × bn), the K step, how many K steps are in flight (stages), warps, the
-    M-group of the tile order, whether the epilogue works on two column halves (less register pressure), and whether
+    M-group of the tile order, whether the epilogue works on two column halves (less register pressure), whether
     the tile loop is warp-specialized (loads, products and the epilogue in warps of their own, where Triton offers
-    it)."""
+    it), and the form of GELU's erf (:data:`~esm_turbo.kernels.common.GELU_FORMS`) when the epilogue has one."""
 
     bm: int = 128
     bn: int = 256
@@ -51,6 +53,7 @@ class Tile:
     group_m: int = 8
     subtile: bool = True
     ws: bool = False
+    gelu: str = common.GELU_FORM
 
 
 #: the products where the kernel, its epilogue folded in, measured faster than cuBLAS followed by the separate pass
@@ -58,9 +61,11 @@ class Tile:
 #: kernel it replaces, timed in the same run), and the tile that won: (N, K, input dtype, epilogue) → Tile. Products
 #: not listed run in cuBLAS (:mod:`esm_turbo.embed.products`).
 TILES: dict[tuple[int, int, str, str], Tile] = {
-    # fp16, ESM-2 650M and 3B FFN-up with GELU: 439 µs against 342 + 112 µs; 1,513 against 1,316 + 215
-    (5120, 1280, "float16", "gelu"): Tile(128, 128, 64, 4, 8, 8, False),
-    (10240, 2560, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True, True),
+    # fp16 FFN-up with GELU (``tune_gemm.py --gelu-forms``), ESM-2 650M: 420 µs against cuBLAS's 306 + F.gelu's 150
+    # (libdevice's erf: 450); 150M: 138 against 91 + 54 (erf: 153); 3B: 1,511 against 1,289 + 227 (erfc: 1,538)
+    (5120, 1280, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True),
+    (2560, 640, "float16", "gelu"): Tile(256, 128, 64, 3, 8, 8, False),
+    (10240, 2560, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True, gelu="erf"),
     # e4m3, the QKV projections (bias only): 151 µs against torch._scaled_mm's 162 (650M); 556 against 578 (3B)
     (3840, 1280, "float8_e4m3fn", "bias"): Tile(128, 256, 128, 4, 8, 8, True),
     (7680, 2560, "float8_e4m3fn", "bias"): Tile(256, 128, 128, 3, 8, 8, False),
@@ -99,7 +104,7 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr, sw_ptr,
             amax_ptr, part, parts, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
-            SCALED: tl.constexpr, AMAX: tl.constexpr):
+            SCALED: tl.constexpr, AMAX: tl.constexpr, GELU: tl.constexpr):
     """The epilogue of one [BM, BN'] part of the accumulator (float32) at rows offs_m, columns offs_n: scales (FP8),
     bias, the rounding to c's dtype, then GELU or the residual add, each rounded as the reference rounds; one store.
     ``AMAX``: the rows' largest |value| of this part at column ``part`` of amax [M, parts]."""
@@ -116,7 +121,7 @@ def _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stri
         y += tl.load(bias_ptr + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y = y.to(out_ty, fp_downcast_rounding="rtne").to(tl.float32)  # what the product alone would return
     if EPI == 1:
-        y = (y * 0.5 * (1.0 + tl.math.erf(y * 0.7071067811865476))).to(out_ty, fp_downcast_rounding="rtne")
+        y = gelu(y, GELU).to(out_ty, fp_downcast_rounding="rtne")
     elif EPI == 2:
         h = tl.load(res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=mask,
                     other=0.0).to(tl.float32)
@@ -138,7 +143,7 @@ def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr,
                  stride_am, stride_wn, stride_cm, stride_rm, res_scale, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, TMA: tl.constexpr,
                  SUBTILE: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
-                 SCALED: tl.constexpr, AMAX: tl.constexpr, WS: tl.constexpr):
+                 SCALED: tl.constexpr, AMAX: tl.constexpr, WS: tl.constexpr, GELU: tl.constexpr):
     """Persistent: program p computes output tiles p, p + NUM_SMS, … of the [M, N] output (c = x wᵀ, x [M, K] rows
     ``stride_am`` apart, w [N, K] rows ``stride_wn`` apart, both with contiguous K), then :func:`_finish`."""
     start = tl.program_id(0)
@@ -177,13 +182,13 @@ def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr,
             acc0, acc1 = tl.split(halves)
             offs_n = pid_n * BN + tl.arange(0, BN // 2)
             _finish(acc0, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
-                    sw_ptr, amax_ptr, 2 * pid_n, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX)
+                    sw_ptr, amax_ptr, 2 * pid_n, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX, GELU)
             _finish(acc1, offs_m, offs_n + BN // 2, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale,
-                    sa_ptr, sw_ptr, amax_ptr, 2 * pid_n + 1, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX)
+                    sa_ptr, sw_ptr, amax_ptr, 2 * pid_n + 1, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX, GELU)
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
-                    sw_ptr, amax_ptr, pid_n, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX)
+                    sw_ptr, amax_ptr, pid_n, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX, GELU)
 
 
 def tma_supported(device: torch.device) -> bool:
@@ -199,10 +204,11 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "bias",
          residual: torch.Tensor | None = None, residual_scale: float = 1.0, x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, row_amax: bool = False, tile: Tile | None = None,
-         tma: bool | None = None):
+         tma: bool | None = None, gelu_form: str | None = None):
     """See the module docstring. x [M, K], w [N, K] (K contiguous in both; e4m3 with x_scale [M] or [M, 1] and
     w_scale [N] float32), bias [N] or None, residual [M, N] (``epilogue="residual"``). Returns [M, N] in x's dtype
-    (bf16 for e4m3), and with ``row_amax`` also the rows' largest |value| [M] float32."""
+    (bf16 for e4m3), and with ``row_amax`` also the rows' largest |value| [M] float32. ``gelu_form``: how GELU's erf
+    is computed (:data:`~esm_turbo.kernels.common.GELU_FORMS`; None: the tile's)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}: one of {list(EPILOGUES)}")
     m, k = x.shape
@@ -221,6 +227,9 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != out_dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not the [{m}, {n}] {out_dtype} output")
     tile = tile or tile_for(n, k, x.dtype, epilogue)
+    gelu_form = gelu_form or tile.gelu
+    if gelu_form not in GELU_FORMS:
+        raise ValueError(f"gelu_form {gelu_form!r}: one of {list(GELU_FORMS)}")
     if tma is None:  # a descriptor needs 16-byte aligned rows
         tma = tma_supported(x.device) and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                                               for t in (x, w))
@@ -239,6 +248,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
         residual.stride(0) if residual is not None else 0, float(residual_scale), BM=tile.bm, BN=tile.bn,
         BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=sms, TMA=tma, SUBTILE=tile.subtile, EPI=EPILOGUES[epilogue],
         HAS_BIAS=bias is not None, FP8=fp8, SCALED=residual_scale != 1.0, AMAX=row_amax, WS=tile.ws,
+        GELU=GELU_FORMS[gelu_form],
         num_warps=tile.warps, num_stages=tile.stages)
     return (out, amax.amax(1)) if row_amax else out
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import FP_FUSION, interpreting, num_sms, split_counters
+from ..common import FP_FUSION, gelu, interpreting, num_sms, split_counters
 from .lookup import _code_words, _lookup8, _tile_ahead, _tile_codes, _weight_tile
 from .rotate import _precision
 
@@ -33,7 +33,7 @@ def _finish(acc, rows, outs, B, M, sob, prev_ptr, bias_ptr, out_ptr, HAS_PREV: t
     if HAS_BIAS:
         acc += tl.load(bias_ptr + outs, mask=outs < M, other=0.0).to(tl.float32)
     if GELU:
-        acc = acc * 0.5 * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+        acc = gelu(acc, 0)
     tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
