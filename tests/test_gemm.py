@@ -1,6 +1,8 @@
 """The matrix products with folded epilogues (esm_turbo.kernels.gemm) against their PyTorch reference: under Triton's
 interpreter on CPU (small tiles), and on the GPU with the tiles the forward uses (tensor descriptors on Hopper)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -31,13 +33,14 @@ def _inputs(m, n, k, dtype, seed):
 def test_gemm_epilogues_match_the_reference(dtype, epilogue, scale, form):
     """Every epilogue, M and N not multiples of the tile, K not a multiple of its step: the reference's value up to
     the order of the float32 sums (a last-place difference of the output dtype, or a few in float32)."""
-    from esm_turbo.kernels.gemm import gemm, gemm_reference
+    from esm_turbo.kernels.gemm import gemm, gemm_reference, tile_for
     if dtype == torch.float32 and CUDA:
         pytest.skip("the fused path runs fp16/bf16 on the GPU (float32 only under the interpreter)")
     m, n, k = (300, 200, 328) if CUDA else (37, 72, 40)
     x, w, b, h = _inputs(m, n, k, dtype, seed=n + k)
     res = h if epilogue == "residual" else None
-    got = gemm(x, w, b, epilogue, res, scale, tile=_small_tile(), gelu_form=form)
+    tile = dataclasses.replace(_small_tile() or tile_for(n, k, dtype, epilogue), gelu=form)
+    got = gemm(x, w, b, epilogue, res, scale, tile=tile)
     want = gemm_reference(x, w, b, epilogue, res, scale)
     assert got.dtype == want.dtype and got.shape == (m, n)
     tol = 4 * torch.finfo(dtype).eps * want.float().abs().max().item() + 1e-6
@@ -61,13 +64,13 @@ def test_gelu_rounds_as_the_exact_gelu_on_every_fp16_value():
 
 
 def test_gemm_rows_of_zero_and_argument_checks():
-    from esm_turbo.kernels.gemm import gemm
+    from esm_turbo.kernels.gemm import Tile, gemm
     x, w, b, h = _inputs(8, 16, 16, torch.float32 if not CUDA else torch.float16, 0)
     assert gemm(x[:0], w, b, tile=_small_tile()).shape == (0, 16)
     with pytest.raises(ValueError, match="epilogue"):
         gemm(x, w, b, "relu")
-    with pytest.raises(ValueError, match="gelu_form"):
-        gemm(x, w, b, "gelu", gelu_form="tanh")
+    with pytest.raises(ValueError, match="GELU form"):
+        gemm(x, w, b, "gelu", tile=Tile(gelu="tanh"))
     with pytest.raises(ValueError, match="residual"):
         gemm(x, w, b, "residual")
     with pytest.raises(ValueError, match="make a product"):

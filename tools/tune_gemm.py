@@ -18,6 +18,7 @@ go to DIR/tiles.json (beside the unfused time: esm_turbo.kernels.gemm.TILES list
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -243,10 +244,10 @@ def gelu_rows(size: str, tokens: int) -> dict:
     for form in ["bias-only", *common.GELU_FORMS]:
         best = None
         for t in FP16_TILES:
-            epi, kw = ("bias", {}) if form == "bias-only" else ("gelu", dict(gelu_form=form))
+            epi, tile = ("bias", t) if form == "bias-only" else ("gelu", dataclasses.replace(t, gelu=form))
             try:
-                def run(epi=epi, t=t, kw=kw):
-                    return G.gemm(x, w, b, epi, tile=t, **kw)
+                def run(epi=epi, tile=tile):
+                    return G.gemm(x, w, b, epi, tile=tile)
                 err = (run().double() - ref).abs().max().item() if epi == "gelu" else 0.0
                 us = bench(run)
             except Exception as e:  # noqa: BLE001 - a tile that does not build is skipped

@@ -1,12 +1,12 @@
 """FastEsm's feed-forward nonlinearity and the e4m3 row quantization of an FP8 product's input, in one pass (Triton).
 
 ``activation_triton(u, kind, fp8)``: ``kind`` ``"gelu"`` (erf GELU, :func:`~esm_turbo.kernels.common.gelu`;
-u [N, F] → [N, F]), ``"swiglu"`` (ESM C: silu(gate) · up of u [N, 2F], gate first → [N, F]) or ``"none"``; the result rounded to u's dtype, as the reference
-(:func:`~esm_turbo.embed.fast_esm.activation`) rounds it. ``fp8``: then quantized to e4m3 with one scale per row
-(:func:`~esm_turbo.embed.fp8.quantize_rows` of the reference's result), returned as
-:class:`~esm_turbo.embed.fp8.Fp8Rows`. Eagerly that is four passes over the activations for SwiGLU and five more for
-the quantization (a float32 copy, abs, max, divide, cast); here one read of u and one write, two reads of u with FP8
-(the row's maximum first, then the values; the second read mostly from L2).
+u [N, F] → [N, F]), ``"swiglu"`` (ESM C: silu(gate) · up of u [N, 2F], gate first → [N, F]) or ``"none"``; the result
+rounded to u's dtype, as the reference (:func:`~esm_turbo.embed.fast_esm.activation`) rounds it. ``fp8``: then
+quantized to e4m3 with one scale per row (:func:`~esm_turbo.embed.fp8.quantize_rows` of the reference's result),
+returned as :class:`~esm_turbo.embed.fp8.Fp8Rows`. Eagerly that is four passes over the activations for SwiGLU and
+five more for the quantization (a float32 copy, abs, max, divide, cast); here one read of u and one write, two reads
+of u with FP8 (the row's maximum first, then the values; the second read mostly from L2).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common
-from .common import GELU_FORMS, gelu
+from .common import GELU_FORM, GELU_FORMS, gelu
 
 KINDS = {"none": 0, "gelu": 1, "swiglu": 2}
 
@@ -101,7 +100,7 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch
     _activation_kernel[(triton.cdiv(n, rows),)](u, out, scale, scale if amax is None else amax, n, u.stride(0), F=f,
                                                 BLOCK=block, ROWS=rows, KIND=KINDS[kind], FP8=fp8,
                                                 KNOWN_AMAX=amax is not None,
-                                                GELU=GELU_FORMS[common.GELU_FORM], num_warps=4)
+                                                GELU=GELU_FORMS[GELU_FORM], num_warps=4)
     if not fp8:
         return out
     from ..embed.fp8 import Fp8Rows

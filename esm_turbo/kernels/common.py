@@ -16,7 +16,7 @@ FP_FUSION = True
 
 #: the forms of ESM-2's erf GELU a kernel can compute (:func:`gelu`): libdevice's ``erff``, or the complementary
 #: error function's Chebyshev fit (one reciprocal, one exp2 and nine FMAs; relative error under 1.2e-7 everywhere,
-#: so the fp16/bf16 result rounds as ``F.gelu``'s but for the rare value within that of a rounding boundary)
+#: so the fp16/bf16 result rounds as the exact GELU's but for the rare value within that of a rounding boundary)
 GELU_FORMS = {"erf": 0, "erfc": 1}
 #: the form the kernels use unless a measured tile says otherwise (``kernels.gemm.TILES``; ``tools/tune_gemm.py
 #: --gelu-forms`` times both in the FFN-up product)

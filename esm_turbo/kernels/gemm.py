@@ -32,8 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common
-from .common import GELU_FORMS, gelu, interpreting, num_sms
+from .common import GELU_FORM, GELU_FORMS, gelu, interpreting, num_sms
 
 EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2}
 
@@ -53,7 +52,7 @@ class Tile:
     group_m: int = 8
     subtile: bool = True
     ws: bool = False
-    gelu: str = common.GELU_FORM
+    gelu: str = GELU_FORM
 
 
 #: the products where the kernel, its epilogue folded in, measured faster than cuBLAS followed by the separate pass
@@ -204,11 +203,10 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "bias",
          residual: torch.Tensor | None = None, residual_scale: float = 1.0, x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, row_amax: bool = False, tile: Tile | None = None,
-         tma: bool | None = None, gelu_form: str | None = None):
+         tma: bool | None = None):
     """See the module docstring. x [M, K], w [N, K] (K contiguous in both; e4m3 with x_scale [M] or [M, 1] and
     w_scale [N] float32), bias [N] or None, residual [M, N] (``epilogue="residual"``). Returns [M, N] in x's dtype
-    (bf16 for e4m3), and with ``row_amax`` also the rows' largest |value| [M] float32. ``gelu_form``: how GELU's erf
-    is computed (:data:`~esm_turbo.kernels.common.GELU_FORMS`; None: the tile's)."""
+    (bf16 for e4m3), and with ``row_amax`` also the rows' largest |value| [M] float32."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}: one of {list(EPILOGUES)}")
     m, k = x.shape
@@ -227,9 +225,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != out_dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not the [{m}, {n}] {out_dtype} output")
     tile = tile or tile_for(n, k, x.dtype, epilogue)
-    gelu_form = gelu_form or tile.gelu
-    if gelu_form not in GELU_FORMS:
-        raise ValueError(f"gelu_form {gelu_form!r}: one of {list(GELU_FORMS)}")
+    if tile.gelu not in GELU_FORMS:
+        raise ValueError(f"tile's GELU form {tile.gelu!r}: one of {list(GELU_FORMS)}")
     if tma is None:  # a descriptor needs 16-byte aligned rows
         tma = tma_supported(x.device) and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                                               for t in (x, w))
@@ -248,7 +245,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
         residual.stride(0) if residual is not None else 0, float(residual_scale), BM=tile.bm, BN=tile.bn,
         BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=sms, TMA=tma, SUBTILE=tile.subtile, EPI=EPILOGUES[epilogue],
         HAS_BIAS=bias is not None, FP8=fp8, SCALED=residual_scale != 1.0, AMAX=row_amax, WS=tile.ws,
-        GELU=GELU_FORMS[gelu_form],
+        GELU=GELU_FORMS[tile.gelu],
         num_warps=tile.warps, num_stages=tile.stages)
     return (out, amax.amax(1)) if row_amax else out
 
