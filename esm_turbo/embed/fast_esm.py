@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -405,7 +406,11 @@ class FastEsm(nn.Module):
 
     def _rotary(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, d] float32 of each token's position (transformers' rotary table)."""
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        return self.rotary_tables(batch.positions)
+
+    def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, d] float32 of positions [N] (transformers' rotary table)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
@@ -445,52 +450,72 @@ class FastEsm(nn.Module):
         :func:`~esm_turbo.kernels.activation.activation_triton`). With FP8 weights on an FP8 GPU, every product's
         input leaves the kernel before it already in e4m3 with its row scales (the LayerNorms', the activation's;
         the attention output takes one quantizing launch)."""
-        from ..kernels.activation import activation_triton
-        from ..kernels.norm import add_layer_norm_triton, layer_norm_columns_
-        from ..kernels.rope import rope_packed_triton
         from .fp8 import fp8_supported
-        from .products import folds, product
         cos, sin = self._rotary(batch)
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
         n, dim = h.shape
         fp8 = self.is_fp8 and fp8_supported(h.device)
-        first = self.blocks[0].attn_norm
-        _, x = add_layer_norm_triton(h, None, first.weight, first.bias, self.eps, fp8=fp8)
+        _, x = self.first_norm(h, fp8)
         last = min(max(wanted, default=0), self.num_layers)
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
-        inv_scale = 1.0 / self.branch_scale
-        policy = self.fused_products
         blocks = None
         if self.attention_kernel == "triton" and batch.lengths:
             from ..kernels.varlen_attention import GPU_DTYPES, attention_plan
             if not h.is_cuda or h.dtype in GPU_DTYPES:  # where it measured faster than flash (and the interpreter)
                 blocks = attention_plan(batch.lengths, h.device)  # cut once, read by every layer
-        for i, b in enumerate(self.blocks[:last], start=1):
-            w_qkv, w_o, w_1, w_2 = b.weights()
-            qkv = product(x, w_qkv, b.qkv.bias, kernel=folds(x, w_qkv, "bias", policy))
-            if b.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
-                layer_norm_columns_(qkv[:, :dim], b.q_norm.weight, self.eps)
-                layer_norm_columns_(qkv[:, dim: 2 * dim], b.k_norm.weight, self.eps)
-            q, k = rope_packed_triton(qkv, cos, sin, b.heads)
-            v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
-            a = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, 1.0, blocks).reshape(n, dim)
-            a = activation_triton(a, "none", fp8=True) if fp8 else a
-            h, x = self._residual(h, a, w_o, b.out.bias, b.ffn_norm, inv_scale, fp8, policy)
-            if b.activation == "gelu" and folds(x, w_1, "gelu", policy):  # bias and GELU in the epilogue
-                if fp8:  # the rows' maxima come with it: one read of the activation to quantize it
-                    f, amax = product(x, w_1, b.fc1.bias, "gelu", row_amax=True)
-                    f = activation_triton(f, "none", fp8=True, amax=amax)
-                else:
-                    f = product(x, w_1, b.fc1.bias, "gelu")
-            else:
-                u = product(x, w_1, b.fc1.bias, kernel=False)
-                f = F.gelu(u) if b.activation == "gelu" and not fp8 else activation_triton(u, b.activation, fp8=fp8)
-            after = self.blocks[i].attn_norm if i < self.num_layers else self.final_norm
-            h, x = self._residual(h, f, w_2, b.fc2.bias, after, inv_scale, fp8 and i < self.num_layers, policy)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _layer: int) -> torch.Tensor:
+            return varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, 1.0, blocks).reshape(n, dim)
+
+        for i in range(1, last + 1):
+            h, x = self.fused_block(i, h, x, cos, sin, attend, fp8)
             if i in wanted:
                 out[i] = x if i == self.num_layers else h
         return out
+
+    def first_norm(self, h: torch.Tensor, fp8: bool = False):
+        """(h, the first block's attention LayerNorm of it) in one launch, as :meth:`fused_block` takes them."""
+        from ..kernels.norm import add_layer_norm_triton
+        first = self.blocks[0].attn_norm
+        return add_layer_norm_triton(h, None, first.weight, first.bias, self.eps, fp8=fp8)
+
+    def fused_block(self, i: int, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor,
+                    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+                    fp8: bool = False) -> tuple:
+        """Block ``i`` (1 … num_layers) of the fused path over N tokens: h [N, D] the residual stream, x its LayerNorm
+        by the block's attention norm (or its e4m3 rows, ``fp8``), cos, sin [N, d] float32. ``attend(q, k, v, i - 1)``
+        (q scaled and rotated, k rotated, v: [N, H, d]) gives the attention output [N, D] (or, ``fp8``, of any
+        layout the next product takes). Returns (h after the block, its LayerNorm by the next block's attention norm
+        or, after the last block, the final norm) as the next call takes them."""
+        from ..kernels.activation import activation_triton
+        from ..kernels.norm import layer_norm_columns_
+        from ..kernels.rope import rope_packed_triton
+        from .products import folds, product
+        n, dim = h.shape
+        b = self.blocks[i - 1]
+        policy, inv_scale = self.fused_products, 1.0 / self.branch_scale
+        w_qkv, w_o, w_1, w_2 = b.weights()
+        qkv = product(x, w_qkv, b.qkv.bias, kernel=folds(x, w_qkv, "bias", policy))
+        if b.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
+            layer_norm_columns_(qkv[:, :dim], b.q_norm.weight, self.eps)
+            layer_norm_columns_(qkv[:, dim: 2 * dim], b.k_norm.weight, self.eps)
+        q, k = rope_packed_triton(qkv, cos, sin, b.heads)
+        v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
+        a = attend(q, k, v, i - 1)
+        a = activation_triton(a, "none", fp8=True) if fp8 else a
+        h, x = self._residual(h, a, w_o, b.out.bias, b.ffn_norm, inv_scale, fp8, policy)
+        if b.activation == "gelu" and folds(x, w_1, "gelu", policy):  # bias and GELU in the epilogue
+            if fp8:  # the rows' maxima come with it: one read of the activation to quantize it
+                f, amax = product(x, w_1, b.fc1.bias, "gelu", row_amax=True)
+                f = activation_triton(f, "none", fp8=True, amax=amax)
+            else:
+                f = product(x, w_1, b.fc1.bias, "gelu")
+        else:
+            u = product(x, w_1, b.fc1.bias, kernel=False)
+            f = F.gelu(u) if b.activation == "gelu" and not fp8 else activation_triton(u, b.activation, fp8=fp8)
+        after = self.blocks[i].attn_norm if i < self.num_layers else self.final_norm
+        return self._residual(h, f, w_2, b.fc2.bias, after, inv_scale, fp8 and i < self.num_layers, policy)
 
     def _residual(self, h: torch.Tensor, x, w, bias: torch.Tensor | None, norm: nn.LayerNorm, inv_scale: float,
                   fp8: bool, policy: bool | None) -> tuple:

@@ -41,7 +41,7 @@ def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.
 def folds(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, epilogue: str, policy: bool | None) -> bool:
     """Whether this product runs in the Triton kernel with ``epilogue`` folded in: ``policy`` True / False forces it
     (float32 on the GPU never: cuBLAS there), None asks the measured table (:func:`~esm_turbo.kernels.gemm.measured`,
-    on CUDA)."""
+    on CUDA, at x's rows)."""
     held = x.q if isinstance(x, Fp8Rows) else x
     weight = w.q if isinstance(w, Fp8Weight) else w
     if held.is_cuda and held.dtype == torch.float32:
@@ -49,7 +49,7 @@ def folds(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, epilogue: str,
     if policy is not None:
         return policy
     from ..kernels.gemm import measured
-    return held.is_cuda and measured(weight.shape[0], weight.shape[1], weight.dtype, epilogue)
+    return held.is_cuda and measured(weight.shape[0], weight.shape[1], weight.dtype, epilogue, held.shape[0])
 
 
 def product_reference(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,

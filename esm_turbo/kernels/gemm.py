@@ -82,9 +82,17 @@ def default_tile(n: int, k: int, dtype: torch.dtype) -> Tile:
     return Tile(128, bn, bk, 3, 8, 8, bn >= 256)
 
 
-def measured(n: int, k: int, dtype: torch.dtype, epilogue: str) -> bool:
-    """Whether the folded product [*, K] × [N, K]ᵀ with ``epilogue`` measured faster here than cuBLAS and its pass."""
-    return (n, k, str(dtype).removeprefix("torch."), epilogue) in TILES
+#: the fewest rows at which the products in :data:`TILES` run folded: they were measured faster at 16,384 rows (an
+#: embedding batch) and slower than cuBLAS followed by the pass at a decode step's rows (the tiles are 128 × 256; a
+#: 650M-shaped step of 195 rows on an H200: 5.34 ms with FFN-up folded, 4.75 ms in cuBLAS and the pass); the rows
+#: between are not measured yet (``tools/step_paths.py`` sweeps them)
+FOLD_MIN_ROWS = 4096
+
+
+def measured(n: int, k: int, dtype: torch.dtype, epilogue: str, rows: int = FOLD_MIN_ROWS) -> bool:
+    """Whether the folded product [rows, K] × [N, K]ᵀ with ``epilogue`` measured faster here than cuBLAS and its
+    pass (:data:`TILES`, from :data:`FOLD_MIN_ROWS` rows)."""
+    return rows >= FOLD_MIN_ROWS and (n, k, str(dtype).removeprefix("torch."), epilogue) in TILES
 
 
 def tile_for(n: int, k: int, dtype: torch.dtype, epilogue: str = "bias") -> Tile:

@@ -131,15 +131,22 @@ class TurboEsmSelfAttention(nn.Module):
             return self._output(out.transpose(1, 2).reshape(batch, seq, -1).contiguous()), None
         if ctx.mode != "decode":
             raise ValueError(f"unknown attention mode {ctx.mode!r}")
-        cache = ctx.cache
-        # the engine writes (uncommitted until the step commits); attention only reads: the committed prefix from
-        # the cache and the new tokens as they are, or an uncompressed GPU cache in place, new tokens included
-        if ctx.commit or cache.attends_from_storage(self.layer_idx):
-            cache.write(self.layer_idx, k, v, ctx.new_valid)
-        out = ops.decode_attention(q, cache, self.layer_idx, k, v, ctx.new_valid, ctx.memo)
+        out = decode_attend(ctx, self.layer_idx, q, k, v)
         if ctx.probe is not None:
             ctx.probe(self.layer_idx, q, k, v, out)
         return self._output(out.transpose(1, 2).reshape(batch, seq, -1).contiguous()), None
+
+
+def decode_attend(ctx: RunContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention in ``layer``: the new tokens' k, v written to ``ctx.cache`` (uncommitted until the
+    step commits) where the step commits or the cache attends in place, then q attends to the committed prefix and
+    the new tokens. q (scaled and rotated), k (rotated), v: [B, H, S, d]; returns [B, H, S, d]."""
+    cache = ctx.cache
+    # attention only reads: the committed prefix from the cache and the new tokens as they are, or an uncompressed
+    # GPU cache in place, new tokens included
+    if ctx.commit or cache.attends_from_storage(layer):
+        cache.write(layer, k, v, ctx.new_valid)
+    return ops.decode_attention(q, cache, layer, k, v, ctx.new_valid, ctx.memo)
 
 
 def install(model: nn.Module) -> list[TurboEsmSelfAttention]:

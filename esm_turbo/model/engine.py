@@ -27,6 +27,7 @@ from ..quant.codec import KVCodec
 from .alphabet import alphabet, encode
 from .attention import RunContext, install
 from .family import ESM2, family_of_net
+from .fused_step import fused_decode, fused_step_applies
 
 _TRAIN_MASK_RATIO = 0.15 * 0.8  # fixed by ESM-2 training, as in transformers' EsmEmbeddings
 
@@ -62,6 +63,21 @@ class TurboEsm:
         self.calibration = None
         if calibration is not None:
             self.attach(calibration, check_fingerprint)
+        # decode steps through FastEsm's fused blocks (esm_turbo.model.fused_step): None where they apply (CUDA,
+        # fp16/bf16, dense weights), True / False to force it either way
+        self.fused_step: bool | None = None
+        from ..weights.linear import QuantizedLinear
+        self.dense_weights = not any(isinstance(m, QuantizedLinear) for m in model.modules())
+        self._fast = None
+
+    def fast(self):
+        """A :class:`~esm_turbo.embed.fast_esm.FastEsm` over this engine's weights (shared, no copy: the Q, K and V
+        weights become views of one matrix), made on first use; fused decode steps run its blocks."""
+        if self._fast is None:
+            from ..embed.fast_esm import FastEsm
+            with self.original() as net:  # transformers' module paths, the attention modules' own
+                self._fast = FastEsm.from_hf(net)
+        return self._fast
 
     def submodule(self, layer: int, path: str) -> nn.Module:
         """A module of block ``layer`` by its path in transformers' layout (:mod:`esm_turbo.model.family`), also
@@ -165,8 +181,8 @@ class DecodeSession:
         cache = self._require_started()
         return [decode_ids(self.tokens[b, : int(n)].tolist()) for b, n in enumerate(cache.lengths)]
 
-    def _heads(self, hidden: torch.Tensor) -> StepOutput:
-        hidden = self.engine.final_norm(hidden)
+    def _heads(self, hidden: torch.Tensor, normed: bool = False) -> StepOutput:
+        hidden = hidden if normed else self.engine.final_norm(hidden)
         logits = self.engine.model.lm_head(hidden)
         return StepOutput(logits=logits.float(), hidden=hidden.float())
 
@@ -241,12 +257,15 @@ class DecodeSession:
         valid = torch.arange(seq, device=eng.device)[None, :] < counts[:, None]
         positions = cache.lengths[:, None] + torch.arange(seq, device=eng.device)[None, :]
         hidden = self._embed(tokens, valid)
-        cos_sin = eng.rotary(hidden, positions)
         ctx = RunContext(mode="decode", cache=cache, new_valid=valid, commit=commit, probe=self.probe)
-        with eng.context(ctx):
-            for layer in eng.layers:
-                hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
-        result = self._heads(hidden)
+        if fused_step_applies(eng, self.probe is not None):
+            result = self._heads(fused_decode(eng.fast(), hidden, positions, ctx), normed=True)
+        else:
+            cos_sin = eng.rotary(hidden, positions)
+            with eng.context(ctx):
+                for layer in eng.layers:
+                    hidden = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
+            result = self._heads(hidden)
         if commit:
             cache.commit(counts if added is None else added)
             self.fit_to_cache()
