@@ -161,3 +161,28 @@ def test_the_users_batches_stay_within_the_budget():
     assert sorted(i for b in plan for i in b) == list(range(len(seqs)))
     assert all(len(b) * (len(seqs[b[0]]) + 2) <= 1024 or len(b) == 1 for b in plan)
     assert [len(seqs[b[0]]) for b in plan] == sorted((len(seqs[b[0]]) for b in plan), reverse=True)
+
+
+def test_embed_bench_times_methods_in_turn_until_each_has_its_seconds():
+    """Every method passes once untimed, then in rounds until it has the passes and the seconds asked for (at most
+    MAX_REPEATS); one that fails is reported and the others timed."""
+    import time as clock
+    from esm_turbo.embed import benchmark
+    order = []
+
+    def method(name, seconds):
+        def run():
+            order.append(name)
+            clock.sleep(seconds)
+        return run
+
+    def broken():
+        raise RuntimeError("no kernel")
+    got = benchmark._timed_all({"slow": method("slow", 0.02), "fast": method("fast", 0.002), "broken": broken},
+                               torch.device("cpu"), repeats=2, min_seconds=0.05)
+    assert isinstance(got["broken"], RuntimeError)
+    assert got["slow"] >= 0.02 and 0.002 <= got["fast"] < 0.02
+    assert order[:2] == ["slow", "fast"] and order[2:4] == ["slow", "fast"]  # warm-up, then in turn
+    assert order.count("slow") - 1 == 3  # 2 passes < 0.05 s, the third passes it
+    assert order.count("fast") - 1 == benchmark.MAX_REPEATS  # 20 × 2 ms never reach 0.05 s: capped
+    assert benchmark._timed_all({"x": method("x", 0)}, torch.device("cpu"))["x"] >= 0  # CPU: no seconds asked
