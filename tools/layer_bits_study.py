@@ -7,7 +7,12 @@ same mean as the uniform 3.0-bit default, every byte counted by the cache's memo
 other way round is the control. With ``--sparse F`` the best allocation also keeps the values whose coding error
 passes a per-layer threshold fitted at the fraction F (dense-and-sparse, ``tools/exact_study.py --fitted``).
 
+With ``--at-four K [K ...]`` it measures dense-and-sparse inside 4.0 bits all-in instead: the K least sensitive
+layers at 3.0 bits (the rest at 4.0) pay for a side list fitted at each ``--fractions`` F in every layer, and a row
+counts only where its all-in bits come to 4.0 or less (the codes' widths come in whole index bits a layer).
+
     python tools/layer_bits_study.py ../shared/testbed/esm2_d64_trained --sparse 0.0025 --out R.txt
+    python tools/layer_bits_study.py ../shared/testbed/esm2_8M_trained --at-four 1 --fractions 0.0025 0.004 --out R
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import math
 import time
 
 from exact_study import ExactCodec, _coding_errors
-from study_common import finish, measure, parse
+from study_common import data_flags, finish, measure, parse
 
 from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
@@ -27,6 +32,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="layers moved up and down a bit")
     ap.add_argument("--sparse", type=float, default=0.0, help="with the best allocation, dense-and-sparse at F")
+    ap.add_argument("--at-four", type=int, nargs="+", default=[],
+                    help="inside 4.0 bits all-in: these many least sensitive layers at 3.0 pay for a side list")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.0025], help="--at-four: side-list fractions")
     args, model, cal_records, eval_records = parse(ap)
     t0 = time.time()
     cals = {bits: calibrate(model, cal_records, recipe("default", index_bits=bits - 1), progress=False)
@@ -48,6 +56,24 @@ def main() -> None:
               f"{row['worst']:.4f}  {row['token']:.3f}  {row['tail']:.2%}  ({time.time() - t0:.0f} s)", flush=True)
         return row
 
+    def sparse_row(label: str, widths: list[int], fraction: float) -> dict:
+        """``widths`` with every layer's values past a threshold fitted at ``fraction`` kept exact."""
+        codecs = []
+        for i, w in enumerate(widths):
+            cuts = tuple(float(e.quantile(1 - fraction)) for e in errors(w)[i])
+            codecs.append(ExactCodec(cals[w].codecs[i], 0, fraction, cuts))
+        row = run(widths, codecs)
+        kept = sum(c.kept[0] for c in codecs) / max(1, sum(c.kept[1] for c in codecs))
+        row["bits"] += kept * (16 + math.log2(dim)) + 16 / (heads * dim)  # value, index, a count per token
+        return add(f"{label} + sparse {kept:.2%}", row)
+
+    seen_errors: dict = {}
+
+    def errors(width: int):
+        if width not in seen_errors:
+            seen_errors[width] = _coding_errors(model, cals[width].codecs, cal_records[:32])
+        return seen_errors[width]
+
     uniform3 = add("uniform 3.0", run([3] * layers))
     uniform4 = add("uniform 4.0", run([4] * layers))
     drops = []
@@ -55,6 +81,13 @@ def main() -> None:
         row = add(f"layer {layer} at 2.0, rest 4.0", run([2 if i == layer else 4 for i in range(layers)]))
         drops.append(uniform4["mean"] - row["mean"])
     order = sorted(range(layers), key=lambda i: -drops[i])  # most sensitive first
+    for k in args.at_four:
+        widths = [3 if i in order[-k:] else 4 for i in range(layers)]
+        add(f"{k} least sensitive at 3.0", run(widths))
+        for fraction in args.fractions:
+            sparse_row(f"{k} least at 3.0", widths, fraction)
+    if args.at_four:
+        args.ks = []
     best = uniform3
     for k in args.ks:
         if 2 * k > layers:
@@ -66,25 +99,19 @@ def main() -> None:
             widths[i] = 2
         row = add(f"sensitive k={k} up, k down", run(widths))
         best = max(best, row, key=lambda r: (r["worst"], r["mean"]))
-    if layers >= 4:
+    if layers >= 4 and not args.at_four:
         widths = [3] * layers
         for i in order[:2]:
             widths[i] = 2
         for i in order[-2:]:
             widths[i] = 4
         add("control: k=2 the other way", run(widths))
-    if args.sparse:
-        errors = {w: _coding_errors(model, cals[w].codecs, cal_records[:32]) for w in set(best["widths"])}
-        codecs = []
-        for i, w in enumerate(best["widths"]):
-            cuts = tuple(float(e.quantile(1 - args.sparse)) for e in errors[w][i])
-            codecs.append(ExactCodec(cals[w].codecs[i], 0, args.sparse, cuts))
-        row = run(best["widths"], codecs)
-        kept = sum(c.kept[0] for c in codecs) / max(1, sum(c.kept[1] for c in codecs))
-        row["bits"] += kept * (16 + math.log2(dim)) + 16 / (heads * dim)  # value, index, a count per token
-        add(f"best + sparse {kept:.2%}", row)
-    lines = [f"# python tools/layer_bits_study.py {args.model} --ks {' '.join(map(str, args.ks))}"
-             + (f" --sparse {args.sparse}" if args.sparse else ""),
+    if args.sparse and not args.at_four:
+        sparse_row("best", best["widths"], args.sparse)
+    flags = (f" --at-four {' '.join(map(str, args.at_four))} --fractions {' '.join(map(str, args.fractions))}"
+             if args.at_four else f" --ks {' '.join(map(str, args.ks))}" + (f" --sparse {args.sparse}" if args.sparse
+                                                                            else ""))
+    lines = [f"# python tools/layer_bits_study.py {args.model}{flags}{data_flags(args)}",
              f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU. "
              "Sensitivity: mean decode cos lost when one layer goes 4.0 -> 2.0 bits all-in, the rest at 4.0: "
              + ", ".join(f"layer {i} {d:.4f}" for i, d in enumerate(drops)),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from .alphabet import alphabet, encode
 from .attention import RunContext, install
 from .family import ESM2, family_of_net
 from .fused_step import fused_decode, fused_step_applies
+
+if TYPE_CHECKING:
+    from ..embed.fast_esm import FastEsm
 
 _TRAIN_MASK_RATIO = 0.15 * 0.8  # fixed by ESM-2 training, as in transformers' EsmEmbeddings
 
@@ -44,7 +47,8 @@ class TurboEsm:
     """An ESM-2 ``EsmForMaskedLM`` or ESM C ``EsmcForMaskedLM`` whose self-attention layers can prefill into and
     decode from a (compressed) KV cache. ``calibration`` (a :class:`~esm_turbo.model.checkpoint.Calibration`)
     supplies the TurboESM codecs; it is checked against the model's fingerprint. ``base`` is transformers' base
-    model inside (``EsmModel``, ``EsmcModel``)."""
+    model inside (``EsmModel``, ``EsmcModel``). ``fused_step``: whether decode steps run FastEsm's fused blocks
+    (:mod:`esm_turbo.model.fused_step`; None: where they apply) or transformers' layers."""
 
     def __init__(self, model: nn.Module, calibration=None, check_fingerprint: bool = True):
         self.model = model.eval()
@@ -70,7 +74,7 @@ class TurboEsm:
         self.dense_weights = not any(isinstance(m, QuantizedLinear) for m in model.modules())
         self._fast = None
 
-    def fast(self):
+    def fast(self) -> "FastEsm":
         """A :class:`~esm_turbo.embed.fast_esm.FastEsm` over this engine's weights (shared, no copy: the Q, K and V
         weights become views of one matrix), made on first use; fused decode steps run its blocks."""
         if self._fast is None:
