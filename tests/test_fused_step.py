@@ -59,6 +59,11 @@ def test_fused_step_on_a_paged_session():
     session.fork(2)  # forks share blocks: both copies of a row step alike
     out = session.step(torch.full((6, 1), 7, device=DEV))
     assert torch.allclose(out.logits[0], out.logits[1], atol=1e-5)
+    some = {}
+    for fused in (False, True):  # some rows alone, as a design loop steps a group
+        engine.fused_step = fused
+        some[fused] = session.step(torch.full((2, 1), 8, device=DEV), rows=[1, 4], commit=False).logits
+    assert torch.allclose(some[True], some[False], atol=1e-4, rtol=1e-4)
 
 
 def test_fused_step_applies_only_where_it_should():
