@@ -22,16 +22,22 @@ def parse(ap: argparse.ArgumentParser):
     ap.add_argument("--calibration", default=CALIBRATION)
     ap.add_argument("--evaluation", default=EVALUATION)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--planted", action="store_true",
+                    help="with function-preserving K/V outliers planted first (esm_turbo.testing.plant_outliers)")
     args = ap.parse_args()
-    return args, load_esm(args.model), read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
+    model = load_esm(args.model)
+    if args.planted:
+        from esm_turbo.testing import plant_outliers
+        plant_outliers(model)
+    return args, model, read_fasta(args.calibration)[0], read_fasta(args.evaluation)[0]
 
 
 def data_flags(args) -> str:
-    """The ``--calibration`` / ``--evaluation`` flags of a study's command line, where they are not the defaults (for
-    the report's header)."""
+    """The ``--calibration`` / ``--evaluation`` flags of a study's command line, where they are not the defaults, and
+    ``--planted`` (for the report's header)."""
     return "".join(f" --{name} {value}" for name, value, default in (("calibration", args.calibration, CALIBRATION),
                                                                      ("evaluation", args.evaluation, EVALUATION))
-                   if value != default)
+                   if value != default) + (" --planted" if args.planted else "")
 
 
 def measure(engine, records, codecs) -> dict:

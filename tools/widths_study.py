@@ -30,8 +30,8 @@ def main() -> None:
              f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU",
              f"{'model':<11} {'index':>5} {'key cap':>7} {'value cap':>9} {'span':>4} {'all-in':>6} {'mean cos':>9} "
              f"{'worst seq':>9} {'worst tok':>9} {'<0.95':>7}"]
-    for planted in ([False, True] if args.plant else [False]):
-        if planted:
+    for planted in ([False, True] if args.plant and not args.planted else [args.planted]):
+        if planted and not args.planted:
             plant_outliers(model)
         for spec in args.specs:
             bits, key_cap, value_cap, *span = spec.split(":")
