@@ -34,9 +34,10 @@ class ExactCodec(KVCodec):
     the fraction ``sparse`` of values with the largest coding error. The exact values of the last ``encode`` are laid
     over its ``decode`` (the evaluation's teacher-forced pass decodes what it has just encoded)."""
 
-    def __init__(self, inner: KVCodec, sinks: int = 0, sparse: float = 0.0, cuts: tuple[float, float] | None = None):
+    def __init__(self, inner: KVCodec, sinks: int = 0, sparse: float = 0.0, cuts: tuple[float, float] | None = None,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(inner.key, inner.value, window=0)
-        self.sinks, self.sparse, self.cuts = sinks, sparse, cuts
+        self.sinks, self.sparse, self.cuts, self.scales = sinks, sparse, cuts, scales
         self.exact: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kept = [0, 0]  # values kept exact, values seen (with ``cuts``)
 
@@ -53,6 +54,8 @@ class ExactCodec(KVCodec):
                 x_hat[..., : self.sinks, :] = x[..., : self.sinks, :]
             if self.sparse:
                 err = (x - x_hat).abs()
+                if self.scales is not None:  # each error over its channel's spread: [H, 1, d]
+                    err = err / self.scales[kind]
                 if self.cuts is not None:  # a threshold fitted on the calibration set, as a streaming kernel would
                     cut = self.cuts[kind]
                     self.kept[0] += int((err > cut).sum())
@@ -65,13 +68,17 @@ class ExactCodec(KVCodec):
         return out[0], out[1]
 
 
-def _coding_errors(model, codecs: list[KVCodec], records) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _coding_errors(model, codecs: list[KVCodec], records, relative: bool = False) -> list[tuple]:
     """Per layer, the absolute coding errors of keys and of values over the prefill of ``records`` (a sample of
-    at most 2^24 each, for the quantile)."""
+    at most 2^24 each, for the quantile); ``relative``: each over its channel's spread (std over the tokens), and
+    then also the spreads, [H, 1, d] for keys and values, as ((k errors, v errors), (k spreads, v spreads))."""
     errors = []
     for codec, (k, v) in zip(codecs, collect_kv(model, records, max_tokens=2**30)):  # [H, N, d] each
         k_hat, v_hat = codec.decode(codec.encode(k, v))
-        errors.append(tuple((x - x_hat).abs().flatten()[: 2**24] for x, x_hat in ((k, k_hat), (v, v_hat))))
+        spreads = tuple(x.std(dim=1, keepdim=True).clamp_min(1e-6) for x in (k, v))
+        errs = tuple(((x - x_hat).abs() / (s if relative else 1.0)).flatten()[: 2**24]
+                     for x, x_hat, s in ((k, k_hat, spreads[0]), (v, v_hat, spreads[1])))
+        errors.append((errs, spreads) if relative else errs)
     return errors
 
 

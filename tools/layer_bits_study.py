@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--at-four", type=int, nargs="+", default=[],
                     help="inside 4.0 bits all-in: these many least sensitive layers at 3.0 pay for a side list")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.0025], help="--at-four: side-list fractions")
+    ap.add_argument("--relative", action="store_true",
+                    help="the side list ranks each value's error over its channel's spread, not the error itself")
     args, model, cal_records, eval_records = parse(ap)
     t0 = time.time()
     cals = {bits: calibrate(model, cal_records, recipe("default", index_bits=bits - 1), progress=False)
@@ -60,8 +62,9 @@ def main() -> None:
         """``widths`` with every layer's values past a threshold fitted at ``fraction`` kept exact."""
         codecs = []
         for i, w in enumerate(widths):
-            cuts = tuple(float(e.quantile(1 - fraction)) for e in errors(w)[i])
-            codecs.append(ExactCodec(cals[w].codecs[i], 0, fraction, cuts))
+            errs, spreads = errors(w)[i] if args.relative else (errors(w)[i], None)
+            cuts = tuple(float(e.quantile(1 - fraction)) for e in errs)
+            codecs.append(ExactCodec(cals[w].codecs[i], 0, fraction, cuts, spreads))
         row = run(widths, codecs)
         kept = sum(c.kept[0] for c in codecs) / max(1, sum(c.kept[1] for c in codecs))
         row["bits"] += kept * (16 + math.log2(dim)) + 16 / (heads * dim)  # value, index, a count per token
@@ -71,7 +74,7 @@ def main() -> None:
 
     def errors(width: int):
         if width not in seen_errors:
-            seen_errors[width] = _coding_errors(model, cals[width].codecs, cal_records[:32])
+            seen_errors[width] = _coding_errors(model, cals[width].codecs, cal_records[:32], args.relative)
         return seen_errors[width]
 
     uniform3 = add("uniform 3.0", run([3] * layers))
@@ -108,9 +111,11 @@ def main() -> None:
         add("control: k=2 the other way", run(widths))
     if args.sparse and not args.at_four:
         sparse_row("best", best["widths"], args.sparse)
-    flags = (f" --at-four {' '.join(map(str, args.at_four))} --fractions {' '.join(map(str, args.fractions))}"
-             if args.at_four else f" --ks {' '.join(map(str, args.ks))}" + (f" --sparse {args.sparse}" if args.sparse
-                                                                            else ""))
+    if args.at_four:
+        flags = (f" --at-four {' '.join(map(str, args.at_four))} --fractions {' '.join(map(str, args.fractions))}"
+                 + (" --relative" if args.relative else ""))
+    else:
+        flags = f" --ks {' '.join(map(str, args.ks))}" + (f" --sparse {args.sparse}" if args.sparse else "")
     lines = [f"# python tools/layer_bits_study.py {args.model}{flags}{data_flags(args)}",
              f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU. "
              "Sensitivity: mean decode cos lost when one layer goes 4.0 -> 2.0 bits all-in, the rest at 4.0: "
