@@ -69,16 +69,16 @@ class ExactCodec(KVCodec):
 
 
 def _coding_errors(model, codecs: list[KVCodec], records, relative: bool = False) -> list[tuple]:
-    """Per layer, the absolute coding errors of keys and of values over the prefill of ``records`` (a sample of
-    at most 2^24 each, for the quantile); ``relative``: each over its channel's spread (std over the tokens), and
-    then also the spreads, [H, 1, d] for keys and values, as ((k errors, v errors), (k spreads, v spreads))."""
+    """Per layer ((k errors, v errors), (k spreads, v spreads)): the absolute coding errors of keys and of values over
+    the prefill of ``records`` (a sample of at most 2^24 each, for the quantile), with ``relative`` each over its
+    channel's spread, and those spreads (std over the tokens, [H, 1, d]; None without ``relative``)."""
     errors = []
     for codec, (k, v) in zip(codecs, collect_kv(model, records, max_tokens=2**30)):  # [H, N, d] each
         k_hat, v_hat = codec.decode(codec.encode(k, v))
-        spreads = tuple(x.std(dim=1, keepdim=True).clamp_min(1e-6) for x in (k, v))
-        errs = tuple(((x - x_hat).abs() / (s if relative else 1.0)).flatten()[: 2**24]
+        spreads = tuple(x.std(dim=1, keepdim=True).clamp_min(1e-6) for x in (k, v)) if relative else (1.0, 1.0)
+        errs = tuple(((x - x_hat).abs() / s).flatten()[: 2**24]
                      for x, x_hat, s in ((k, k_hat, spreads[0]), (v, v_hat, spreads[1])))
-        errors.append((errs, spreads) if relative else errs)
+        errors.append((errs, spreads if relative else None))
     return errors
 
 
@@ -108,7 +108,7 @@ def main() -> None:
         heads, dim = cal.codecs[0].key.heads, cal.codecs[0].key.dim
         errors = _coding_errors(model, cal.codecs, cal_records[:32]) if args.fitted and args.sparse else None
         for sinks, sparse in [(n, 0.0) for n in args.sinks] + [(0, f) for f in args.sparse]:
-            cuts = ([tuple(float(e.quantile(1 - sparse)) for e in layer) for layer in errors] if errors and sparse
+            cuts = ([tuple(float(e.quantile(1 - sparse)) for e in layer) for layer, _ in errors] if errors and sparse
                     else [None] * len(cal.codecs))
             codecs = [ExactCodec(c, sinks, sparse, cut) if sinks or sparse else c for c, cut in zip(cal.codecs, cuts)]
             r = measure(engine, eval_records, codecs)

@@ -62,7 +62,7 @@ def main() -> None:
         """``widths`` with every layer's values past a threshold fitted at ``fraction`` kept exact."""
         codecs = []
         for i, w in enumerate(widths):
-            errs, spreads = errors(w)[i] if args.relative else (errors(w)[i], None)
+            errs, spreads = errors(w)[i]
             cuts = tuple(float(e.quantile(1 - fraction)) for e in errs)
             codecs.append(ExactCodec(cals[w].codecs[i], 0, fraction, cuts, spreads))
         row = run(widths, codecs)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from esm_turbo.bench.step import breakdown, kernel_times, read_rate_gbs, step_report
 from esm_turbo.bench.synthetic import layer_codec, stand_in_model, synthetic_session
-from esm_turbo.bench.timing import time_graph
+from esm_turbo.bench.timing import time_eager, time_graph
 from esm_turbo.kernels import gemm as G
 from esm_turbo.model.alphabet import alphabet
 from esm_turbo.model.engine import TurboEsm
@@ -27,21 +27,6 @@ from esm_turbo.model.engine import TurboEsm
 #: (cache, rows, cached tokens): bench decode's steps at its 8 GiB budget, and bench design's
 STEPS = (("compressed", 195, 1024), ("fp16", 48, 1024), ("compressed", 256, 1088), ("compressed", 64, 1024))
 ROWS = (256, 1024, 2048, 4096, 8192, 16384)
-
-
-def replay_ms(replay, n: int = 30, rounds: int = 3) -> float:
-    """The fastest of ``rounds`` mean times of ``n`` replays, ms."""
-    for _ in range(3):
-        replay()
-    best = float("inf")
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            replay()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / n * 1e3)
-    return best
 
 
 def _log(msg: str) -> None:
@@ -67,7 +52,7 @@ def step_rows(rate: float, profiled: bool = True) -> list[dict]:
         logits = {}
         for path, fused in (("layers", False), ("fused", True)):
             session, step = captured(cache, batch, context, fused)
-            ms = replay_ms(step.replay)
+            ms = time_eager(step.replay, dev, reps=30) * 1e3  # as bench design times a captured step
             logits[path] = step.replay().logits.float().cpu()
             row = dict(cache=cache, rows=batch, context=context, path=path, step_ms=ms,
                        **step_report(session, ms, rate))

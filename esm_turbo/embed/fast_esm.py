@@ -404,10 +404,6 @@ class FastEsm(nn.Module):
             x = (x * ((1 - MASK_RATIO_TRAIN) / (1 - observed))[seg][:, None]).to(x.dtype)
         return x
 
-    def _rotary(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, d] float32 of each token's position (transformers' rotary table)."""
-        return self.rotary_tables(batch.positions)
-
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, d] float32 of positions [N] (transformers' rotary table)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -421,7 +417,7 @@ class FastEsm(nn.Module):
         wanted = {self.num_layers} if layers is None else set(layers)
         if self.uses_kernels():
             return self._forward_fused(batch, wanted)
-        cos, sin = self._rotary(batch)
+        cos, sin = self.rotary_tables(batch.positions)
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
@@ -451,7 +447,7 @@ class FastEsm(nn.Module):
         input leaves the kernel before it already in e4m3 with its row scales (the LayerNorms', the activation's;
         the attention output takes one quantizing launch)."""
         from .fp8 import fp8_supported
-        cos, sin = self._rotary(batch)
+        cos, sin = self.rotary_tables(batch.positions)
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
         n, dim = h.shape
