@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import (activation, blocks, gemm, quantize, rope, segment, varlen_attention,  # noqa: E402
+from esm_turbo.kernels import (activation, blocks, gemm, gemm_split, quantize, rope, segment, varlen_attention,  # noqa: E402
                                weights_mma)
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
@@ -152,6 +152,12 @@ def main() -> None:
                      dict(a_ptr=f"*{dt}", w_ptr=f"*{dt}", c_ptr=f"*{out}", bias_ptr=f"*{out}", res_ptr=f"*{out}",
                           a_desc=desc(tile.bm) if tma else f"*{dt}", w_desc=desc(tile.bn) if tma else f"*{dt}",
                           res_scale="fp32"), num_warps=tile.warps)
+    # a step's few rows split along K (kernels.gemm_split): the last to arrive adds the partials, every epilogue
+    for epi, split in ((0, 8), (1, 2), (2, 16), (0, 1)):
+        compile_sm90(gemm_split._split_gemm_kernel, dict(BM=64, BN=128, BK=64, SPLIT=split, EPI=epi, HAS_BIAS=True,
+                                                         SCALED=True, GELU=gemm.GELU_FORMS[gemm.GELU_FORM]), ints,
+                     dict(a_ptr=f16, w_ptr=f16, c_ptr=f16, bias_ptr=f16, res_ptr=f16, part_ptr="*fp32",
+                          count_ptr="*i32", res_scale="fp32"), num_warps=4)
     for d, bn in ((64, 64), (64, 32), (32, 32)):  # varlen_attention.LENGTH_CLASSES' key tiles
         compile_sm90(varlen_attention._varlen_kernel, dict(D=d, DP=d, BM=64, BN=bn), {"n_blocks", "sq", "sk", "sv",
                                                                                         "so"},

@@ -47,6 +47,43 @@ def test_gemm_epilogues_match_the_reference(dtype, epilogue, scale, form):
     assert (got.float() - want.float()).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("epilogue,scale", [("bias", 1.0), ("gelu", 1.0), ("residual", 0.5)])
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_split_products_match_the_reference(epilogue, scale, split):
+    """A step's few rows split along K (kernels.gemm_split): every epilogue, M and N not multiples of the tile, K
+    not a multiple of its step (a run may be empty); the reference's value up to the order of the float32 sums, the
+    same on a second launch (partials added in split order), the arrival counts left at zero."""
+    from esm_turbo.kernels.common import split_counters
+    from esm_turbo.kernels.gemm import gemm, gemm_reference
+    from esm_turbo.kernels.gemm_split import SplitTile
+    dtype = torch.float16 if CUDA else torch.float32
+    m, n, k = (195, 1280, 5128) if CUDA else (37, 72, 72)
+    x, w, b, h = _inputs(m, n, k, dtype, seed=split)
+    res = h if epilogue == "residual" else None
+    tile = SplitTile(64, 128, 64, 4 * split) if CUDA else SplitTile(16, 32, 16, split, 2, 4)
+    got = gemm(x, w, b, epilogue, res, scale, split=tile)
+    want = gemm_reference(x, w, b, epilogue, res, scale)
+    assert got.dtype == want.dtype and got.shape == (m, n)
+    tol = 4 * torch.finfo(dtype).eps * want.float().abs().max().item() + 1e-6
+    assert (got.float() - want.float()).abs().max().item() <= tol
+    assert torch.equal(gemm(x, w, b, epilogue, res, scale, split=tile), got)
+    assert not split_counters(1, x.device).any()
+
+
+def test_split_launch_plan():
+    """plan(): rows in tiles of 16-64, K split where output tiles alone leave the multiprocessors idle, each run at
+    least MIN_K_STEPS steps; a split product with FP8 inputs or row maxima is refused."""
+    from esm_turbo.kernels.gemm import gemm
+    from esm_turbo.kernels.gemm_split import MIN_K_STEPS, SplitTile, plan
+    assert plan(16, 1280, 1280, 132).bm == 16 and plan(195, 1280, 1280, 132).bm == 64
+    wide = plan(195, 1280, 5120, 132)
+    assert wide.split > 1 and 5120 // wide.bk // wide.split >= MIN_K_STEPS
+    assert plan(4096, 5120, 1280, 132).split == 1
+    x, w, b, _ = _inputs(8, 32, 32, torch.float32 if not CUDA else torch.float16, seed=0)
+    with pytest.raises(ValueError, match="split product"):
+        gemm(x, w, b, split=SplitTile(16, 32, 16, 1), row_amax=True)
+
+
 def test_gelu_rounds_as_the_exact_gelu_on_every_fp16_value():
     """The kernels' GELU (kernels.common.gelu in its default form) over every finite fp16 value: the float64 GELU
     rounded to fp16 on all but a handful, none off by more than one unit in the last place."""

@@ -1,6 +1,7 @@
-"""A decode step's two paths on the GPU, timed in one run: through transformers' layers and through FastEsm's fused
+"""A decode step's paths on the GPU, timed in one run: through transformers' layers and through FastEsm's fused
 blocks (esm_turbo.model.fused_step), each captured as a CUDA graph, on the 650M-shaped steps ``esm-turbo bench
-decode`` and ``bench design`` take (random weights, synthetic caches), each with its floor (one read of what the step
+decode`` and ``bench design`` take (random weights, synthetic caches; the fused blocks' products as the library picks
+them, in cuBLAS, or in the Triton kernel), each with its floor (one read of what the step
 must read, esm_turbo.bench.step) and its GPU time by kernel kind. Then where folding a product's epilogue pays: the
 folded products of kernels.gemm.TILES against cuBLAS followed by the pass, from a decode step's rows to an
 embedding batch's (what sets kernels.gemm.FOLD_MIN_ROWS).
@@ -26,7 +27,11 @@ from esm_turbo.model.engine import TurboEsm
 
 #: (cache, rows, cached tokens): bench decode's steps at its 8 GiB budget, and bench design's
 STEPS = (("compressed", 195, 1024), ("fp16", 48, 1024), ("compressed", 256, 1088), ("compressed", 64, 1024))
-ROWS = (256, 1024, 2048, 4096, 8192, 16384)
+#: the step's paths: transformers' layers, and the fused blocks with their products as FastEsm.fused_products asks
+#: (None: each as kernels.gemm.measured says; False: cuBLAS and the pointwise passes; True: every product in the
+#: persistent Triton kernel, epilogues folded)
+PATHS = {"layers": None, "fused": None, "fused-cublas": False, "fused-triton": True}
+ROWS = (1024, 2048, 4096, 8192, 16384)
 
 
 def _log(msg: str) -> None:
@@ -34,7 +39,7 @@ def _log(msg: str) -> None:
 
 
 @torch.no_grad()
-def step_rows(rate: float, profiled: bool = True) -> list[dict]:
+def step_rows(rate: float, profiled: bool = True, paths=tuple(PATHS), steps=STEPS) -> list[dict]:
     """Each of STEPS through both paths: captured step ms, its floor and the logits' largest difference between the
     paths; then (``profiled``) one replay of each profiled by kernel kind, in a pass after every timing (a profiler
     leaves CUDA's tracing attached, which slows what runs after it)."""
@@ -43,15 +48,16 @@ def step_rows(rate: float, profiled: bool = True) -> list[dict]:
     token = alphabet().get_idx("A")
     rows = []
 
-    def captured(cache: str, batch: int, context: int, fused: bool):
+    def captured(cache: str, batch: int, context: int, path: str):
         session = synthetic_session(engine, layer_codec if cache == "compressed" else "fp16", batch, context, 8)
-        engine.fused_step = fused
+        engine.fused_step = path != "layers"
+        engine.fast().fused_products = PATHS[path]
         return session, session.capture_step(torch.full((batch, 1), token, device=dev))
 
-    for cache, batch, context in STEPS:
+    for cache, batch, context in steps:
         logits = {}
-        for path, fused in (("layers", False), ("fused", True)):
-            session, step = captured(cache, batch, context, fused)
+        for path in ("layers",) + tuple(p for p in paths if p != "layers"):
+            session, step = captured(cache, batch, context, path)
             ms = time_eager(step.replay, dev, reps=30) * 1e3  # as bench design times a captured step
             logits[path] = step.replay().logits.float().cpu()
             row = dict(cache=cache, rows=batch, context=context, path=path, step_ms=ms,
@@ -64,7 +70,7 @@ def step_rows(rate: float, profiled: bool = True) -> list[dict]:
     if profiled:
         from torch.profiler import ProfilerActivity, profile
         for row in rows:
-            session, step = captured(row["cache"], row["rows"], row["context"], row["path"] == "fused")
+            session, step = captured(row["cache"], row["rows"], row["context"], row["path"])
             step.replay()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -74,7 +80,7 @@ def step_rows(rate: float, profiled: bool = True) -> list[dict]:
             row.update(launches=parts["launches"], kinds_ms=parts["kinds_ms"])
             del session, step
             torch.cuda.empty_cache()
-    engine.fused_step = None
+    engine.fused_step = engine.fast().fused_products = None
     return rows
 
 
@@ -102,19 +108,23 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON here (and the table beside it, .txt)")
     ap.add_argument("--no-profile", action="store_true", help="time the steps only")
     ap.add_argument("--no-folds", action="store_true", help="leave out the products' rows sweep")
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    ap.add_argument("--steps", nargs="+", type=int, default=None, help="only these of STEPS (indices)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rate = read_rate_gbs(dev)
     res = dict(device=torch.cuda.get_device_name(), read_gbs=rate, folds=[] if args.no_folds else fold_rows())
-    res["steps"] = step_rows(rate, not args.no_profile)
+    steps = STEPS if args.steps is None else tuple(STEPS[i] for i in args.steps)
+    res["steps"] = step_rows(rate, not args.no_profile, tuple(args.paths), steps)
     lines = [f"decode step paths, 650M-shaped, captured as CUDA graphs ({res['device']}; floor at a pure read's "
              f"{rate:.0f} GB/s, measured here)",
-             "  cache       rows  context  path     step ms  floor ms  reached  kernels  attention  linears  other"]
+             "  cache       rows  context  path          step ms  floor ms  reached  kernels  attention  linears"
+             "  other"]
     for r in res["steps"]:
         k = r.get("kinds_ms", {})
         kinds = " ".join(f"{k[kind]:{w}.2f}" if kind in k else " " * w for kind, w in
                          (("attention", 10), ("linears", 8), ("other", 6)))
-        lines.append(f"  {r['cache']:10} {r['rows']:5} {r['context']:8}  {r['path']:7} {r['step_ms']:8.2f} "
+        lines.append(f"  {r['cache']:10} {r['rows']:5} {r['context']:8}  {r['path']:12} {r['step_ms']:8.2f} "
                      f"{r['floor_ms']:9.2f} {r['of_floor']:8.0%} {r.get('launches', ''):>8} {kinds}")
     lines.append("folded products (kernels.gemm.TILES, fp16) against cuBLAS + the pass, µs by rows")
     for r in res["folds"]:

@@ -27,12 +27,16 @@ Tile shapes come from :data:`TILES` per product shape, dtype and epilogue (measu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from .common import GELU_FORM, GELU_FORMS, gelu, interpreting, num_sms
+
+if TYPE_CHECKING:
+    from .gemm_split import SplitTile
 
 EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2}
 
@@ -211,10 +215,12 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "bias",
          residual: torch.Tensor | None = None, residual_scale: float = 1.0, x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, row_amax: bool = False, tile: Tile | None = None,
-         tma: bool | None = None):
+         tma: bool | None = None, split: "SplitTile | None" = None):
     """See the module docstring. x [M, K], w [N, K] (K contiguous in both; e4m3 with x_scale [M] or [M, 1] and
     w_scale [N] float32), bias [N] or None, residual [M, N] (``epilogue="residual"``). Returns [M, N] in x's dtype
-    (bf16 for e4m3), and with ``row_amax`` also the rows' largest |value| [M] float32."""
+    (bf16 for e4m3), and with ``row_amax`` also the rows' largest |value| [M] float32. With ``split`` (a
+    :class:`~esm_turbo.kernels.gemm_split.SplitTile`; fp16/bf16) the product runs split along K instead
+    (:mod:`esm_turbo.kernels.gemm_split`: measured, slower than cuBLAS at a step's rows, so never by default)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}: one of {list(EPILOGUES)}")
     m, k = x.shape
@@ -239,6 +245,11 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
         tma = tma_supported(x.device) and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                                               for t in (x, w))
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    if split is not None and m:
+        if fp8 or row_amax:
+            raise ValueError("a split product takes fp16/bf16 inputs and returns no row maxima")
+        from .gemm_split import split_gemm
+        return split_gemm(x, w, bias, out, epilogue, residual, residual_scale, GELU_FORMS[tile.gelu], split)
     parts = triton.cdiv(n, tile.bn) * (2 if tile.subtile else 1)
     amax = torch.empty(m, parts, device=x.device, dtype=torch.float32) if row_amax else out
     if m == 0:

@@ -1,0 +1,128 @@
+"""The matrix products of a few rows (a decode step's 16–512), split along K so that every multiprocessor reads
+its share of the weights: ``y = x wᵀ + b`` [M, N] from x [M, K] and w [N, K] (fp16 or bf16), finished by the same
+epilogue as :func:`~esm_turbo.kernels.gemm.gemm` (``"bias"``, ``"gelu"``, ``"residual"``; :func:`~.gemm._finish`).
+Reached through ``gemm(..., split=SplitTile(...))`` only: measured on an H200 (``tools/tune_split.py``,
+``results/gpu/split_h200.txt``) it ran slower than cuBLAS at every step shape of 650M and 3B at 16–256 rows, its
+best launch 1.0–2.8× cuBLAS's time, so the library's products never take it by default (``docs/kernels.md``).
+
+At a step's rows a product reads its weight once and does little arithmetic a byte (195 rows: about the ridge of an
+H200), so its time could be one read of the weight if the whole GPU read it. A tile grid over the output alone
+leaves most multiprocessors idle (a [195, 1280] output is 40 tiles of 64 × 128 on 132 multiprocessors), so the grid
+here is (output column tiles, row tiles, ``split``): program (j, i, s) sums the s-th of ``split`` equal runs of K into
+a float32 partial [split, M, N], counts its arrival, and the tile's last program to arrive adds the partials in split
+order (the same sums on every run, eager or replayed) and finishes the tile (the count set back to zero for the next
+launch, :func:`~esm_turbo.kernels.common.split_counters`). ``split`` = 1 is a plain tiled product, no partials.
+
+:func:`plan` picks a launch (:class:`SplitTile`) from the shape and the multiprocessors. Reference:
+:func:`~esm_turbo.kernels.gemm.gemm_reference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import split_counters
+from .gemm import EPILOGUES, _finish
+from .weights.matmul import _last_to_arrive
+
+
+@dataclass(frozen=True)
+class SplitTile:
+    """One launch: the output tile (bm × bn), the K step, the runs of K (split), stages and warps."""
+
+    bm: int = 64
+    bn: int = 128
+    bk: int = 64
+    split: int = 1
+    stages: int = 4
+    warps: int = 4
+
+
+#: programs a multiprocessor the split aims at, and the fewest K steps a run keeps
+WAVES = 2
+MIN_K_STEPS = 4
+
+
+def plan(m: int, n: int, k: int, sms: int, bn: int = 128, bk: int = 64) -> SplitTile:
+    """The launch for an [m, k] × [n, k]ᵀ product: rows in tiles of 16–64 (64 from 64 rows), ``bn`` output
+    columns, and K split into the fewest equal runs (a power of two, each at least :data:`MIN_K_STEPS` steps of
+    ``bk``) that give :data:`WAVES` programs a multiprocessor."""
+    bm = min(64, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    steps = triton.cdiv(k, bk)
+    split = 1
+    while tiles * split < WAVES * sms and steps // (2 * split) >= MIN_K_STEPS:
+        split *= 2
+    return SplitTile(bm, bn, bk, split)
+
+
+@triton.jit
+def _split_gemm_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, M, N, K, stride_am, stride_wn,
+                       stride_cm, stride_rm, res_scale, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       SPLIT: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+                       GELU: tl.constexpr):
+    """Grid (cdiv(N, BN), cdiv(M, BM), SPLIT): program (j, i, s) multiplies rows [i·BM, (i + 1)·BM) of x by columns
+    [j·BN, (j + 1)·BN) of wᵀ over the s-th run of K (runs of whole BK steps; the last may be shorter or empty), then
+    stores a partial (SPLIT > 1, the last to arrive finishes) or finishes the tile (``_finish``)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    s = tl.program_id(2)
+    steps = tl.cdiv(tl.cdiv(K, BK), SPLIT)
+    k_lo = s * steps * BK
+    k_hi = tl.minimum(K, k_lo + steps * BK)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    a_at = a_ptr + tl.where(offs_m < M, offs_m, 0).to(tl.int64)[:, None] * stride_am + (k_lo + offs_k)[None, :]
+    w_at = w_ptr + tl.where(offs_n < N, offs_n, 0).to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        k_ok = offs_k[None, :] < K - k0
+        a = tl.load(a_at, mask=k_ok, other=0.0)
+        w = tl.load(w_at, mask=k_ok, other=0.0)
+        acc = tl.dot(a, w.T, acc)
+        a_at += BK
+        w_at += BK
+    if SPLIT > 1:
+        at = tl.where(offs_m < M, offs_m, 0).to(tl.int64)[:, None] * N + tl.where(offs_n < N, offs_n, 0)[None, :]
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        tl.store(part_ptr + s.to(tl.int64) * M * N + at, acc, mask=mask)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        if _last_to_arrive(count_ptr + tile, SPLIT):
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for t in tl.static_range(SPLIT):
+                acc += tl.load(part_ptr + t * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+            _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, c_ptr,
+                    c_ptr, c_ptr, 0, 1, EPI, HAS_BIAS, False, SCALED, False, GELU)
+            tl.store(count_ptr + tile, 0)  # every run has counted: zero again for the next launch
+    else:
+        _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, c_ptr, c_ptr,
+                c_ptr, 0, 1, EPI, HAS_BIAS, False, SCALED, False, GELU)
+
+
+def split_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, epilogue: str,
+               residual: torch.Tensor | None, residual_scale: float, gelu_form: int,
+               tile: SplitTile | None = None) -> torch.Tensor:
+    """The product into ``out`` [M, N] (x [M, K], w [N, K], K contiguous; checked by the caller,
+    :func:`~esm_turbo.kernels.gemm.gemm`); ``tile`` None: :func:`plan`'s."""
+    from .common import num_sms
+    m, k = x.shape
+    n = w.shape[0]
+    tile = tile or plan(m, n, k, num_sms(x.device))
+    grid = (triton.cdiv(n, tile.bn), triton.cdiv(m, tile.bm), tile.split)
+    parts = torch.empty(tile.split, m, n, device=x.device, dtype=torch.float32) if tile.split > 1 else out
+    counts = split_counters(grid[0] * grid[1], x.device) if tile.split > 1 else out
+    _split_gemm_kernel[grid](
+        x, w, out, bias if bias is not None else out, residual if residual is not None else out, parts, counts, m, n,
+        k, x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+        float(residual_scale), BM=tile.bm, BN=tile.bn, BK=tile.bk, SPLIT=tile.split, EPI=EPILOGUES[epilogue],
+        HAS_BIAS=bias is not None, SCALED=residual_scale != 1.0, GELU=gelu_form, num_warps=tile.warps,
+        num_stages=tile.stages)
+    return out
+
+
+__all__ = ["SplitTile", "plan", "split_gemm"]

@@ -1,0 +1,129 @@
+"""A decode step's matrix products at its few rows, on the GPU: cuBLAS (``F.linear``, then the epilogue's pass)
+against the split-K kernel (esm_turbo.kernels.gemm_split) with the launch plan() picks and over a grid of launches,
+beside one read of the weight at a pure read's rate measured in the same run. Each product runs over enough distinct
+weights in one CUDA graph that none is in L2 when it is read (as in a step, where every layer's weights are its own):
+µs per product = the replay's time / the weights.
+
+    python tools/tune_split.py [--sizes 650M 3B] [--rows 16 48 195 256] [--out results/gpu/split_h200.json]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from esm_turbo.bench.step import read_rate_gbs
+from esm_turbo.bench.timing import time_graph
+from esm_turbo.kernels import gemm as G
+from esm_turbo.kernels.common import num_sms
+from esm_turbo.kernels.gemm_split import SplitTile, plan
+
+#: (name, epilogue) of a block's four products, in order
+PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"))
+GRID = dict(bn=(64, 128), bk=(64, 128), split=(1, 2, 4, 8, 16), stages=(4,))
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def shapes(size: str) -> list[tuple[str, str, int, int]]:
+    from esm_turbo.model.sizes import esm2_config
+    cfg = esm2_config(size)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    dims = {"qkv": (3 * d, d), "o": (d, d), "ffn_up": (f, d), "ffn_down": (d, f)}
+    return [(name, epi, *dims[name]) for name, epi in PRODUCTS]
+
+
+def per_product_us(fn, weights: list, dev: torch.device) -> float:
+    """fn(w) over every weight in one captured graph: µs per call (the replay's median)."""
+    return time_graph(lambda: [fn(w) for w in weights], dev) * 1e6 / len(weights)
+
+
+def product_row(size: str, name: str, epi: str, n: int, k: int, m: int, rate: float, sweep: bool) -> dict:
+    dev = torch.device("cuda")
+    count = max(4, min(64, (256 << 20) // (n * k * 2)))
+    weights = [(torch.randn(n, k, device=dev) / k ** 0.5).half() for _ in range(count)]
+    b = (0.1 * torch.randn(n, device=dev)).half()
+    x = torch.randn(m, k, device=dev).half()
+    h = torch.randn(m, n, device=dev).half() if epi == "residual" else None
+    ref = G.gemm_reference(x, weights[0], b, epi, h).double()
+    err_base = (G.epilogue_reference(F.linear(x, weights[0], b), epi, h).double() - ref).abs().max().item()
+    eps = torch.finfo(torch.float16).eps * ref.abs().max().item()
+    row = dict(size=size, product=name, epilogue=epi, rows=m, n=n, k=k, weights=count,
+               read_us=n * k * 2 / (rate * 1e9) * 1e6,
+               cublas_us=per_product_us(lambda w: F.linear(x, w, b), weights, dev),
+               cublas_pass_us=per_product_us(lambda w: G.epilogue_reference(F.linear(x, w, b), epi, h), weights, dev))
+    chosen = plan(m, n, k, num_sms(dev))
+
+    def split_us(tile: SplitTile, epilogue: str) -> float | None:
+        res = h if epilogue == "residual" else None
+        try:
+            got = G.gemm(x, weights[0], b, epilogue, res, split=tile)
+        except Exception as e:  # noqa: BLE001 - a launch that does not build (shared memory) is skipped
+            _log(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
+            return None
+        if epilogue == epi and (got.double() - ref).abs().max().item() > 2 * err_base + eps:
+            _log(f"  {tile}: misses the reference")
+            return None
+        return per_product_us(lambda w: G.gemm(x, w, b, epilogue, res, split=tile), weights, dev)
+
+    row["plan"] = dict(tile=chosen.__dict__, us=split_us(chosen, epi))
+    if sweep:
+        grid = []
+        for bn, bk, split, stages in itertools.product(*GRID.values()):
+            if split > 1 and -(-k // bk) < 2 * split:
+                continue
+            tile = SplitTile(chosen.bm, bn, bk, split, stages, 4)
+            us = split_us(tile, "bias")
+            if us is not None:
+                grid.append(dict(tile=tile.__dict__, bias_us=us))
+        best = min(grid, key=lambda r: r["bias_us"]) if grid else None
+        if best:
+            best["us"] = split_us(SplitTile(**best["tile"]), epi)
+        row.update(grid=grid, best=best)
+    best = row.get("best") or {}
+    _log(f"{size} {name:8} rows {m:4}: read {row['read_us']:6.1f} µs, cuBLAS {row['cublas_us']:6.1f} "
+         f"(+ pass {row['cublas_pass_us']:6.1f}), split plan {row['plan']['us'] or float('nan'):6.1f}"
+         f", best {best.get('us') or float('nan'):6.1f} {best.get('tile', '')}")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["650M", "3B"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[16, 48, 195, 256])
+    ap.add_argument("--no-sweep", action="store_true", help="plan()'s launch only")
+    ap.add_argument("--out", default=None, help="JSON here (and the table beside it, .txt)")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rate = read_rate_gbs(dev)
+    rows = [product_row(size, name, epi, n, k, m, rate, not args.no_sweep)
+            for size in args.sizes for name, epi, n, k in shapes(size) for m in args.rows]
+    lines = [f"a step's products, fp16, µs a product over cold weights ({torch.cuda.get_device_name()}; one read at "
+             f"{rate:.0f} GB/s, measured here)",
+             "  size  product   rows  read  cuBLAS  +pass   plan  best  plan/(cuBLAS+pass)  best launch"]
+    for r in rows:
+        best = r.get("best") or {}
+        t = best.get("tile", {})
+        launch = f"{t['bm']}x{t['bn']}x{t['bk']} split {t['split']} s{t['stages']}" if t else ""
+        plan_us, best_us = r["plan"]["us"] or float("nan"), best.get("us") or float("nan")
+        lines.append(f"  {r['size']:5} {r['product']:8} {r['rows']:5} {r['read_us']:5.1f} {r['cublas_us']:7.1f} "
+                     f"{r['cublas_pass_us']:6.1f} {plan_us:6.1f} {best_us:5.1f} {plan_us / r['cublas_pass_us']:10.2f}"
+                     f"          {launch}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), read_gbs=rate, rows=rows), f, indent=1)
+        with open(args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
