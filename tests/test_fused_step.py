@@ -76,6 +76,12 @@ def test_fused_step_applies_only_where_it_should():
     from esm_turbo.weights import WeightQuantConfig, quantize_model
     quantized = TurboEsm(quantize_model(stress_esm2(layers=1, seed=0), WeightQuantConfig(bits=4)))
     assert not quantized.dense_weights  # 4-bit linears step on their own kernels, in transformers' layers
+    from esm_turbo.bench.weights import _Free
+    from esm_turbo.weights.model import block_linears
+    stand_in = stress_esm2(layers=1, seed=0)
+    _, parent, attr = block_linears(stand_in)[-1]
+    setattr(parent, attr, _Free(getattr(parent, attr).out_features))  # bench weights' linear that costs nothing
+    assert not TurboEsm(stand_in).dense_weights and TurboEsm(stress_esmc(layers=1, seed=0)).dense_weights
     if torch.cuda.is_available():
         engine = TurboEsm(stress_esm2(layers=1, seed=0).cuda().half())
         assert fused_step_applies(engine, probed=False)

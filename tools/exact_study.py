@@ -32,12 +32,16 @@ from study_common import data_flags, finish, measure, parse
 class ExactCodec(KVCodec):
     """``inner``'s codes, with some values decoded exactly (fp16-rounded): the first ``sinks`` positions (axis −2), or
     the fraction ``sparse`` of values with the largest coding error. The exact values of the last ``encode`` are laid
-    over its ``decode`` (the evaluation's teacher-forced pass decodes what it has just encoded)."""
+    over its ``decode`` (the evaluation's teacher-forced pass decodes what it has just encoded). With ``cuts`` (a
+    threshold per kind, fitted on the calibration set) a value is kept where its error passes its kind's cut, each
+    error first divided by its channel's spread where ``scales`` [H, 1, d] per kind are given; ``also`` adds a second
+    (cuts, scales) rule, and a value passing either is kept."""
 
     def __init__(self, inner: KVCodec, sinks: int = 0, sparse: float = 0.0, cuts: tuple[float, float] | None = None,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None, also: tuple | None = None):
         super().__init__(inner.key, inner.value, window=0)
-        self.sinks, self.sparse, self.cuts, self.scales = sinks, sparse, cuts, scales
+        self.sinks, self.sparse = sinks, sparse
+        self.rules = [r for r in ((cuts, scales), also) if r is not None and r[0] is not None]
         self.exact: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kept = [0, 0]  # values kept exact, values seen (with ``cuts``)
 
@@ -54,16 +58,16 @@ class ExactCodec(KVCodec):
                 x_hat[..., : self.sinks, :] = x[..., : self.sinks, :]
             if self.sparse:
                 err = (x - x_hat).abs()
-                if self.scales is not None:  # each error over its channel's spread: [H, 1, d]
-                    err = err / self.scales[kind]
-                if self.cuts is not None:  # a threshold fitted on the calibration set, as a streaming kernel would
-                    cut = self.cuts[kind]
-                    self.kept[0] += int((err > cut).sum())
+                if self.rules:  # thresholds fitted on the calibration set, as a streaming kernel would
+                    keep = torch.zeros_like(err, dtype=torch.bool)
+                    for cuts, scales in self.rules:
+                        keep |= (err if scales is None else err / scales[kind]) > cuts[kind]
+                    self.kept[0] += int(keep.sum())
                     self.kept[1] += err.numel()
                 else:  # this tensor's own top fraction
                     n = max(1, int(self.sparse * err.numel()))
-                    cut = err.flatten().kthvalue(err.numel() - n + 1).values
-                x_hat = torch.where(err > cut if self.cuts is not None else err >= cut, x, x_hat)
+                    keep = err >= err.flatten().kthvalue(err.numel() - n + 1).values
+                x_hat = torch.where(keep, x, x_hat)
             out.append(x_hat)
         return out[0], out[1]
 

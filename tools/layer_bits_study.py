@@ -9,7 +9,8 @@ passes a per-layer threshold fitted at the fraction F (dense-and-sparse, ``tools
 
 With ``--at-four K [K ...]`` it measures dense-and-sparse inside 4.0 bits all-in instead: the K least sensitive
 layers at 3.0 bits (the rest at 4.0) pay for a side list fitted at each ``--fractions`` F in every layer, and a row
-counts only where its all-in bits come to 4.0 or less (the codes' widths come in whole index bits a layer).
+counts only where its all-in bits come to 4.0 or less (the codes' widths come in whole index bits a layer). ``--rank``
+says how the side list ranks the values (each error, each over its channel's spread, or either).
 
     python tools/layer_bits_study.py ../shared/testbed/esm2_d64_trained --sparse 0.0025 --out R.txt
     python tools/layer_bits_study.py ../shared/testbed/esm2_8M_trained --at-four 1 --fractions 0.0025 0.004 --out R
@@ -35,8 +36,10 @@ def main() -> None:
     ap.add_argument("--at-four", type=int, nargs="+", default=[],
                     help="inside 4.0 bits all-in: these many least sensitive layers at 3.0 pay for a side list")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.0025], help="--at-four: side-list fractions")
-    ap.add_argument("--relative", action="store_true",
-                    help="the side list ranks each value's error over its channel's spread, not the error itself")
+    ap.add_argument("--rank", choices=["absolute", "relative", "both"], default="absolute",
+                    help="the side list ranks each value's error (absolute), its error over its channel's spread "
+                         "(relative), or keeps what passes either, each fitted at half the fraction (both)")
+    ap.add_argument("--relative", dest="rank", action="store_const", const="relative", help="--rank relative")
     args, model, cal_records, eval_records = parse(ap)
     t0 = time.time()
     cals = {bits: calibrate(model, cal_records, recipe("default", index_bits=bits - 1), progress=False)
@@ -61,21 +64,23 @@ def main() -> None:
     def sparse_row(label: str, widths: list[int], fraction: float) -> dict:
         """``widths`` with every layer's values past a threshold fitted at ``fraction`` kept exact."""
         codecs = []
+        share = fraction / 2 if args.rank == "both" else fraction
         for i, w in enumerate(widths):
-            errs, spreads = errors(w)[i]
-            cuts = tuple(float(e.quantile(1 - fraction)) for e in errs)
-            codecs.append(ExactCodec(cals[w].codecs[i], 0, fraction, cuts, spreads))
+            rules = [(tuple(float(e.quantile(1 - share)) for e in errs), spreads)
+                     for errs, spreads in (errors(w, relative)[i] for relative in relatives)]
+            codecs.append(ExactCodec(cals[w].codecs[i], 0, fraction, *rules[0], also=rules[1] if rules[1:] else None))
         row = run(widths, codecs)
         kept = sum(c.kept[0] for c in codecs) / max(1, sum(c.kept[1] for c in codecs))
         row["bits"] += kept * (16 + math.log2(dim)) + 16 / (heads * dim)  # value, index, a count per token
         return add(f"{label} + sparse {kept:.2%}", row)
 
     seen_errors: dict = {}
+    relatives = {"absolute": (False,), "relative": (True,), "both": (False, True)}[args.rank]
 
-    def errors(width: int):
-        if width not in seen_errors:
-            seen_errors[width] = _coding_errors(model, cals[width].codecs, cal_records[:32], args.relative)
-        return seen_errors[width]
+    def errors(width: int, relative: bool):
+        if (width, relative) not in seen_errors:
+            seen_errors[width, relative] = _coding_errors(model, cals[width].codecs, cal_records[:32], relative)
+        return seen_errors[width, relative]
 
     uniform3 = add("uniform 3.0", run([3] * layers))
     uniform4 = add("uniform 4.0", run([4] * layers))
@@ -113,7 +118,7 @@ def main() -> None:
         sparse_row("best", best["widths"], args.sparse)
     if args.at_four:
         flags = (f" --at-four {' '.join(map(str, args.at_four))} --fractions {' '.join(map(str, args.fractions))}"
-                 + (" --relative" if args.relative else ""))
+                 + (f" --rank {args.rank}" if args.rank != "absolute" else ""))
     else:
         flags = f" --ks {' '.join(map(str, args.ks))}" + (f" --sparse {args.sparse}" if args.sparse else "")
     lines = [f"# python tools/layer_bits_study.py {args.model}{flags}{data_flags(args)}",

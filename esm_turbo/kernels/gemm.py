@@ -87,9 +87,10 @@ def default_tile(n: int, k: int, dtype: torch.dtype) -> Tile:
 
 
 #: the fewest rows at which the products in :data:`TILES` run folded: they were measured faster at 16,384 rows (an
-#: embedding batch) and slower than cuBLAS followed by the pass at a decode step's rows (the tiles are 128 × 256; a
-#: 650M-shaped step of 195 rows on an H200: 5.34 ms with FFN-up folded, 4.75 ms in cuBLAS and the pass); the rows
-#: between are not measured yet (``tools/step_paths.py`` sweeps them)
+#: embedding batch) and slower than cuBLAS followed by the pass at a decode step's rows (a 650M-shaped step of 195
+#: rows on an H200: 5.34 ms with FFN-up folded, 4.75 ms in cuBLAS and the pass). Each product alone in a CUDA graph
+#: (``tools/step_paths.py``, ``results/gpu/step_paths_h200.txt``): 0.74–0.93× cuBLAS + the pass at 1,024–2,048 rows,
+#: 0.89–1.06× from 4,096
 FOLD_MIN_ROWS = 4096
 
 

@@ -70,8 +70,9 @@ class TurboEsm:
         # decode steps through FastEsm's fused blocks (esm_turbo.model.fused_step): None where they apply (CUDA,
         # fp16/bf16, dense weights), True / False to force it either way
         self.fused_step: bool | None = None
-        from ..weights.linear import QuantizedLinear
-        self.dense_weights = not any(isinstance(m, QuantizedLinear) for m in model.modules())
+        # every block linear a plain nn.Linear (not 4-bit weights, nor a stand-in a bench put there)
+        self.dense_weights = all(isinstance(self.submodule(i, path), nn.Linear)
+                                 for i in range(self.num_layers) for path in self.family.linear_roles())
         self._fast = None
 
     def fast(self) -> "FastEsm":
