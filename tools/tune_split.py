@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,22 +20,9 @@ from esm_turbo.bench.timing import time_graph
 from esm_turbo.kernels import gemm as G
 from esm_turbo.kernels.common import num_sms
 from esm_turbo.kernels.gemm_split import SplitTile, plan
+from tune_gemm import log as _log, shapes
 
-#: (name, epilogue) of a block's four products, in order
-PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"))
 GRID = dict(bn=(64, 128), bk=(64, 128), split=(1, 2, 4, 8, 16), stages=(4,))
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def shapes(size: str) -> list[tuple[str, str, int, int]]:
-    from esm_turbo.model.sizes import esm2_config
-    cfg = esm2_config(size)
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    dims = {"qkv": (3 * d, d), "o": (d, d), "ffn_up": (f, d), "ffn_down": (d, f)}
-    return [(name, epi, *dims[name]) for name, epi in PRODUCTS]
 
 
 def per_product_us(fn, weights: list, dev: torch.device) -> float:

@@ -242,15 +242,15 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     tile = tile or tile_for(n, k, x.dtype, epilogue)
     if tile.gelu not in GELU_FORMS:
         raise ValueError(f"tile's GELU form {tile.gelu!r}: one of {list(GELU_FORMS)}")
-    if tma is None:  # a descriptor needs 16-byte aligned rows
-        tma = tma_supported(x.device) and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-                                              for t in (x, w))
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if split is not None and m:
         if fp8 or row_amax:
             raise ValueError("a split product takes fp16/bf16 inputs and returns no row maxima")
         from .gemm_split import split_gemm
         return split_gemm(x, w, bias, out, epilogue, residual, residual_scale, GELU_FORMS[tile.gelu], split)
+    if tma is None:  # a descriptor needs 16-byte aligned rows
+        tma = tma_supported(x.device) and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+                                              for t in (x, w))
     parts = triton.cdiv(n, tile.bn) * (2 if tile.subtile else 1)
     amax = torch.empty(m, parts, device=x.device, dtype=torch.float32) if row_amax else out
     if m == 0:

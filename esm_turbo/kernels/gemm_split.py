@@ -3,7 +3,8 @@ its share of the weights: ``y = x wᵀ + b`` [M, N] from x [M, K] and w [N, K] (
 epilogue as :func:`~esm_turbo.kernels.gemm.gemm` (``"bias"``, ``"gelu"``, ``"residual"``; :func:`~.gemm._finish`).
 Reached through ``gemm(..., split=SplitTile(...))`` only: measured on an H200 (``tools/tune_split.py``,
 ``results/gpu/split_h200.txt``) it ran slower than cuBLAS at every step shape of 650M and 3B at 16–256 rows, its
-best launch 1.0–2.8× cuBLAS's time, so the library's products never take it by default (``docs/kernels.md``).
+best launch 1.0–2.8× cuBLAS's time (0.87–2.6× cuBLAS followed by the epilogue's pass), so the library's products
+never take it by default (``docs/kernels.md``).
 
 At a step's rows a product reads its weight once and does little arithmetic a byte (195 rows: about the ridge of an
 H200), so its time could be one read of the weight if the whole GPU read it. A tile grid over the output alone
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import split_counters
+from .common import num_sms, split_counters
 from .gemm import EPILOGUES, _finish
 from .weights.matmul import _last_to_arrive
 
@@ -109,7 +110,6 @@ def split_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out:
                tile: SplitTile | None = None) -> torch.Tensor:
     """The product into ``out`` [M, N] (x [M, K], w [N, K], K contiguous; checked by the caller,
     :func:`~esm_turbo.kernels.gemm.gemm`); ``tile`` None: :func:`plan`'s."""
-    from .common import num_sms
     m, k = x.shape
     n = w.shape[0]
     tile = tile or plan(m, n, k, num_sms(x.device))
