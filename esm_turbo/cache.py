@@ -167,7 +167,11 @@ class KVCache:
         if self.fused[layer]:
             ops.write_compressed(codec, self.parts[layer], k, v, self.lengths)
             return
-        for name, val in codec.encode(k, v).items():
+        vals = codec.encode(k, v)
+        if vals.keys() == {"k.x", "v.x"}:  # uncompressed: both in one launch on the kernel path
+            ops.write_dense(self.parts[layer], vals["k.x"], vals["v.x"], self.lengths)
+            return
+        for name, val in vals.items():
             ops.scatter_rows(self.parts[layer][name], val, self.lengths)
 
     def commit(self, counts: torch.Tensor | int) -> None:

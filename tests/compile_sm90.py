@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 from esm_turbo.bench import read  # noqa: E402
 from esm_turbo.kernels import (activation, blocks, gemm, gemm_split, quantize, rope, segment, varlen_attention,  # noqa: E402
-                               weights_mma)
+                               weights_mma, write)
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, small, walk  # noqa: E402
@@ -111,6 +111,10 @@ def main() -> None:
     compile_sm90(rope._rope_kernel, dict(H=40, D=64, DP=64, BH=8), {"S", "sqb", "sqs", "skb", "sks", "scb", "scs"},
                  dict(q_ptr=f16, k_ptr=f16, cos_ptr=f16, sin_ptr=f16, qo_ptr=f16, ko_ptr=f16, scale="fp32"),
                  num_warps=4)
+    # an uncompressed cache's write of a step's keys and values, 64-wide heads, sixteen heads a program
+    compile_sm90(write._write_rows_kernel, dict(D=64, DP=64, BH=16),
+                 {"S", "H", "skb", "skh", "sks", "svb", "svh", "svs", "sbb", "sbh", "sbt", "scb", "sch", "sct"},
+                 dict(k_ptr=f16, v_ptr=f16, kb_ptr=f16, vb_ptr=f16, pos_ptr=i64), num_warps=4)
     # FastEsm's residual add and LayerNorm (650M's width, 1 row a program; the LayerNorm alone at 3B's; 4 rows a
     # program at 8M's; ESMC-600M's scaled branch with an e4m3 output and row scales; ESM C's bias-free query/key
     # LayerNorm in place on strided rows)

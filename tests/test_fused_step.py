@@ -75,28 +75,113 @@ def test_fused_step_applies_only_where_it_should():
     assert not fused_step_applies(engine, probed=True)  # a probe watches transformers' layers
     from esm_turbo.weights import WeightQuantConfig, quantize_model
     quantized = TurboEsm(quantize_model(stress_esm2(layers=1, seed=0), WeightQuantConfig(bits=4)))
-    assert not quantized.dense_weights  # 4-bit linears step on their own kernels, in transformers' layers
-    from esm_turbo.bench.weights import _Free
+    assert quantized.quantized_weights and not quantized.dense_weights  # 4-bit linears on their own kernels
     from esm_turbo.weights.model import block_linears
     stand_in = stress_esm2(layers=1, seed=0)
     _, parent, attr = block_linears(stand_in)[-1]
-    setattr(parent, attr, _Free(getattr(parent, attr).out_features))  # bench weights' linear that costs nothing
-    assert not TurboEsm(stand_in).dense_weights and TurboEsm(stress_esmc(layers=1, seed=0)).dense_weights
+    setattr(parent, attr, _StandIn(getattr(parent, attr)))  # a linear that is neither nn.Linear nor 4-bit
+    stand_in = TurboEsm(stand_in)
+    assert not stand_in.dense_weights and not stand_in.quantized_weights
+    assert TurboEsm(stress_esmc(layers=1, seed=0)).dense_weights
     if torch.cuda.is_available():
         engine = TurboEsm(stress_esm2(layers=1, seed=0).cuda().half())
         assert fused_step_applies(engine, probed=False)
         assert not fused_step_applies(TurboEsm(stress_esm2(layers=1, seed=0).cuda()), probed=False)  # fp32
+        stand_in.model.cuda().half()
+        assert not fused_step_applies(stand_in, probed=False)
+
+
+class _StandIn(torch.nn.Module):
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def _quantized(make, seed: int, layers: int = 2):
+    from esm_turbo.weights import WeightQuantConfig, quantize_model
+    return quantize_model(make(layers=layers, seed=seed), WeightQuantConfig(bits=4, group=32))
+
+
+def _4bit_kernels(monkeypatch, counts: dict | None = None):
+    """The 4-bit linears on their kernels on CPU too (Triton's interpreter), counting the rotation launches."""
+    import esm_turbo.kernels.weights as kw
+    import esm_turbo.weights.fusion as fusion
+    import esm_turbo.weights.linear as linear
+    import esm_turbo.weights.step as step
+    for module in (linear, fusion, step):
+        monkeypatch.setattr(module, "use_kernels", lambda _: True)
+    if counts is not None:
+        for name in ("rotate_triton", "norm_rotate_triton"):
+            counts[name] = 0
+            monkeypatch.setattr(kw, name, lambda *a, _n=name, _f=getattr(kw, name):
+                                counts.__setitem__(_n, counts[_n] + 1) or _f(*a))
+
+
+@pytest.mark.parametrize("make", [stress_esm2, stress_esmc])
+@pytest.mark.parametrize("kernels", [False, True], ids=["pytorch", "4-bit-kernels"])
+def test_fused_step_over_4bit_weights_gives_the_layers_outputs(make, kernels, monkeypatch):
+    """4-bit weights: the fused blocks' products (StepProducts at a step's rows) against the 4-bit linears in
+    transformers' layers, on the compressed cache, in fp32: the PyTorch paths, or (``kernels``) the 4-bit kernels
+    under Triton's interpreter on CPU. On the kernels, ESM-2's fused step rotates in the LayerNorms' launches for
+    QKV and FFN up: one rotation launch a product only for the attention output and FFN down."""
+    _needs_triton()
+    counts = {}
+    if kernels:
+        _4bit_kernels(monkeypatch, counts)
+    engine = TurboEsm(_quantized(make, seed=4).to(DEV).float())
+    assert engine.quantized_weights
+    want, lengths, _ = _steps(engine, False, _codec)
+    counts.update({name: 0 for name in counts})
+    got, got_lengths, _ = _steps(engine, True, _codec)
+    assert torch.equal(got_lengths, lengths)
+    for a, b in zip(want, got):
+        assert torch.allclose(b.logits, a.logits, atol=2e-4, rtol=2e-4), (b.logits - a.logits).abs().max()
+    if kernels and make is stress_esm2:  # 4 steps of 2 layers
+        assert counts == {"rotate_triton": 4 * 2 * 2, "norm_rotate_triton": 4 * 2 * 2}, counts
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["pytorch", "4-bit-kernels"])
+def test_step_product_matches_its_linears(kernels, monkeypatch):
+    """A StepProduct's every epilogue against its linears' own forwards, one linear and three stacked (on the 4-bit
+    kernels too, under Triton's interpreter on CPU)."""
+    if kernels:
+        _needs_triton()
+        _4bit_kernels(monkeypatch)
+    from esm_turbo.kernels.gemm import epilogue_reference
+    from esm_turbo.weights.step import step_products
+    net = _quantized(stress_esm2, seed=5, layers=1).to(DEV)
+    layer = net.esm.encoder.layer[0]
+    qkv, out, up, down = step_products((layer.attention.self.query, layer.attention.self.key,
+                                        layer.attention.self.value, layer.attention.output.dense,
+                                        layer.intermediate.dense, layer.output.dense))
+    assert qkv.shape == (3 * net.config.hidden_size, net.config.hidden_size)
+    x = torch.randn(5, net.config.hidden_size, device=DEV)
+    members = [layer.attention.self.query, layer.attention.self.key, layer.attention.self.value]
+    with torch.no_grad():
+        want = torch.cat([m(x) for m in members], dim=-1)
+        assert torch.allclose(qkv(x), want, atol=1e-4, rtol=1e-4)
+        dense = out.linears[0]
+        y, h = dense(x), torch.randn(5, dense.out_features, device=DEV)
+        for epilogue, scale in (("gelu", 1.0), ("residual", 1.0), ("residual", 0.5)):
+            got = out(x, epilogue, residual=h, residual_scale=scale)
+            assert torch.allclose(got, epilogue_reference(y, epilogue, h, scale), atol=1e-4, rtol=1e-4), epilogue
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 kernels and CUDA graphs need a GPU")
 @pytest.mark.parametrize("make", [stress_esm2, stress_esmc])
-def test_fused_fp16_step_within_the_layers_rounding_and_replays(make):
+@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "4-bit"])
+def test_fused_fp16_step_within_the_layers_rounding_and_replays(make, quantized):
     """In fp16 the fused blocks round where transformers' layers round elsewhere: both are held against an fp32 step
-    (twice the layers' error, plus an ulp); a captured step replays the eager one bit for bit."""
-    net = make(layers=4, seed=3).cuda()
-    ref_engine = TurboEsm(net)  # fp32 weights: the reference
+    (twice the layers' error, plus an ulp); a captured step replays the eager one bit for bit. 4-bit weights: the
+    same codes in both (the fp32 step's linears on the same kernels)."""
+    def build():
+        return _quantized(make, seed=3, layers=4) if quantized else make(layers=4, seed=3)
+    ref_engine = TurboEsm(build().cuda())  # fp32 weights: the reference
     ref, _, _ = _steps(ref_engine, False, "fp32", steps=2)
-    half = TurboEsm(make(layers=4, seed=3).cuda().half())
+    half = TurboEsm(build().cuda().half())
     layers, _, _ = _steps(half, False, "fp16", steps=2)
     fused, _, session = _steps(half, None, "fp16", steps=2)
     for r, a, b in zip(ref, layers, fused):

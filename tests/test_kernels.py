@@ -601,16 +601,16 @@ def test_kernels_compile_for_sm90():
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid, grid paged), prep, merge twice (many
     # sequences per program, several queries); quantize-and-pack six times: prefills in blocks of 32 and 64, a decode
     # step (also into a paged pool), the last two also with grid codes; the 4-bit weights' tensor-core matmul three
-    # times (groups of 32 and 128, split and merged in-kernel, codes a tile ahead), CUDA-core matmul,
-    # input rotation (also after a layer norm) and dequantization; a paged pool's block moves both ways; a decode
-    # step's rotary embedding; FastEsm's residual add and LayerNorm five times (with and without the add, one row and
-    # four a program, a scaled branch into e4m3, in place without a bias) and its activation kernel five times (GELU,
-    # SwiGLU, none; into e4m3 or not; with the rows' maxima known); its products with folded epilogues six times (fp16
-    # GELU through descriptors, warp-specialized, fp16 residual through pointers, e4m3 bias, residual and GELU with row
-    # maxima) and split along K at a step's rows four times (bias, GELU, scaled residual; one run), its attention
-    # three times (key tiles of 64 and 32 at heads of 64, of 32 at heads of 32), its rotary over (token, head) pairs
-    # and its mean pooling; the bench's read-only kernel
-    assert len(compiled) == 66, out
+    # times (groups of 32 and 128, split and merged in-kernel, codes a tile ahead), CUDA-core matmul, input rotation
+    # (also after a layer norm) and dequantization; a paged pool's block moves both ways; a decode step's rotary
+    # embedding and an uncompressed cache's write; FastEsm's residual add and LayerNorm five times (with and without the
+    # add, one row and four a program, a scaled branch into e4m3, in place without a bias) and its activation kernel
+    # five times (GELU, SwiGLU, none; into e4m3 or not; with the rows' maxima known); its products with folded epilogues
+    # six times (fp16 GELU through descriptors, warp-specialized, fp16 residual through pointers, e4m3 bias, residual
+    # and GELU with row maxima) and split along K at a step's rows four times (bias, GELU, scaled residual; one run),
+    # its attention three times (key tiles of 64 and 32 at heads of 64, of 32 at heads of 32), its rotary over (token,
+    # head) pairs and its mean pooling; the bench's read-only kernel
+    assert len(compiled) == 67, out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
@@ -884,6 +884,29 @@ def test_block_moves_match_the_reference(shapes, heads, word):
         for name in a:
             assert torch.equal(a[name], b[name])
             assert torch.equal(a[name][slots], s[name][slots])
+
+
+@needs_triton
+@pytest.mark.parametrize("heads,d,s", [(20, 64, 1), (3, 24, 2)])
+def test_dense_write_kernel_equals_scatter_rows(heads, d, s):
+    """An uncompressed cache's write of a step's keys and values in one launch (kernels/write.py) against
+    ``ops.scatter_rows`` per buffer: the same buffers, from strided [B, S, H, d] views cast to the cache's dtype, rows
+    at their own positions, nothing else touched."""
+    from esm_turbo.kernels.write import write_rows_triton
+    from esm_turbo.ops import scatter_rows
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    b, cap = 3, 16
+    k, v = (torch.randn(b, s, heads, d, generator=gen).to(dev).transpose(1, 2) for _ in range(2))
+    pos = torch.tensor([0, 5, cap - s], device=dev)
+    want = [torch.randn(b, heads, cap, d, generator=gen).to(dev, torch.float16) for _ in range(2)]
+    got = [t.clone() for t in want]
+    for buf, val in zip(want, (k, v)):
+        scatter_rows(buf, val.to(buf.dtype), pos)
+    write_rows_triton(got[0], got[1], k, v, pos)
+    assert all(torch.equal(a, g) for a, g in zip(want, got))
+    with pytest.raises(ValueError, match="do not fit the buffers"):
+        write_rows_triton(got[0], got[1], k[:, :1], v, pos)
 
 
 @needs_triton

@@ -4,6 +4,7 @@ For every shape, the default launch (``esm_turbo.kernels.decode.launch_config``)
 alone; an alternative must give the default's output (to 2e-3) before it is timed. Timing as ``esm-turbo bench``
 times: one call replayed as a CUDA graph after an L2 flush, median µs. Writes a table whose ``× default`` column is
 the alternative's time over the default's: every entry ≥ 1 (within noise) says the default is the fastest choice.
+Beside each default: a pure read of the bytes the call reads (``bench.timing.read_floor_us``) and its share of it.
 
     python tools/tune_kernels.py                    # decode attention and quantize-and-pack
     python tools/tune_kernels.py --out results/gpu/launch_constants_h100.txt
@@ -17,8 +18,8 @@ import sys
 
 import torch
 
-from esm_turbo.bench.synthetic import TRAINED_SPREAD, default_codec, synthetic_cache
-from esm_turbo.bench.timing import time_graph
+from esm_turbo.bench.synthetic import TRAINED_SPREAD, bytes_read, default_codec, synthetic_cache
+from esm_turbo.bench.timing import read_floor_us, time_graph
 from esm_turbo.cache import KVCache
 from esm_turbo.kernels.decode import compressed_attention_triton, launch_config
 from esm_turbo.kernels.quantize import quantize_pack_triton
@@ -67,6 +68,7 @@ def tune_decode(out, index_bits: int | None = None, shapes=SHAPES, steps=STEPS) 
             cfg = launch_config(d, keys.code, values.code, batch, heads, 1, t)
             ref = compressed_attention_triton(*args)
             base = time_graph(lambda: compressed_attention_triton(*args), dev) * 1e6
+            floor = read_floor_us(bytes_read(cache), dev)
             cells = []
             for label, over in alternatives(cfg, d):
                 try:
@@ -81,7 +83,8 @@ def tune_decode(out, index_bits: int | None = None, shapes=SHAPES, steps=STEPS) 
                 print(f"{name} B={batch} T={t}: default {base:.1f} µs, {cells[-1]}", file=sys.stderr, flush=True)
             path = "one launch" if cfg["small"] else ("stream-K" if cfg["stream"] else "split-K")
             print(f"{name} B={batch} T={t}: default ({path}, block_t {cfg['block_t']}, {cfg['num_warps']} warps) "
-                  f"{base:.1f} µs | " + ", ".join(cells), file=out, flush=True)
+                  f"{base:.1f} µs, {floor / base:.0%} of a {floor:.1f} µs read | " + ", ".join(cells),
+                  file=out, flush=True)
             del cache, codec, keys, values
             torch.cuda.empty_cache()
 

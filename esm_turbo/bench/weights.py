@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..model.sizes import esm2_config
+from ..weights.step import StepProduct
 from .timing import read_floor_us, time_graph
 
 WEIGHT_SIZES = ("650M", "3B", "15B")
@@ -212,21 +213,26 @@ def peak_memory(size: str, device: torch.device, tokens: int = 4096, prefix: int
     return out
 
 
-class _Free(torch.nn.Module):
-    """A linear that costs nothing: its output is one preallocated zero tensor per input shape (no kernel), to time
-    the rest of a step; with a block's input to add (fused into a 4-bit linear's epilogue), that input itself."""
+class _FreeProduct(StepProduct):
+    """A fused block's product that costs nothing: one preallocated zero tensor per input shape (no kernel); with a
+    residual to add (the kernel's epilogue), that residual itself. To time the rest of a step."""
 
-    def __init__(self, out_features: int):
-        super().__init__()
-        self.out_features, self._out = out_features, {}
+    def __call__(self, x: torch.Tensor, epilogue: str = "bias", residual: torch.Tensor | None = None,
+                 residual_scale: float = 1.0) -> torch.Tensor:
+        if epilogue == "residual":
+            return residual
+        shape = (x.shape[0], self.shape[0])
+        out = self.__dict__.setdefault("_out", {})
+        if shape not in out:
+            out[shape] = x.new_zeros(shape)
+        return out[shape]
 
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        if add is not None:
-            return add
-        shape = (*x.shape[:-1], self.out_features)
-        if shape not in self._out:
-            self._out[shape] = x.new_zeros(shape)
-        return self._out[shape]
+
+def _free_products(engine) -> None:
+    """Every block product of ``engine``'s fused step at a step's rows made free (:class:`_FreeProduct`)."""
+    from ..weights.step import step_products
+    for block in engine.fast().blocks:
+        block._step_products = tuple(_FreeProduct(p.linears) for p in step_products(block.quantized))
 
 
 @torch.no_grad()
@@ -234,28 +240,28 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
     """A design loop's decode step on a ``size``-shaped model with fp16 weights and with 4-bit weights in groups of
     :data:`GROUP` (both random, built on the device: ``weights.model.random_model``): a ``prefix``-token scaffold
     forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph
-    (``DecodeSession.capture_step``; eagerly a step is bound by the host, not the weights). Milliseconds per step.
-    The ceiling of the 4-bit step: the 4-bit model's step with block linears that cost nothing (``free_ms``: its
-    LayerNorms still normalize and rotate; the GELU and the skip connections' adds go with the linears' kernels)
-    plus a pure read of the 4-bit weights' bytes (``read_ms``: one read of them all), or plus each linear launch's
-    own read floor (``launch_ms``: q/k/v, attention output, FFN up and FFN down a layer, each as long as a pure read
-    of its bytes)."""
+    (``DecodeSession.capture_step``; eagerly a step is bound by the host, not the weights). Milliseconds per step:
+    both on FastEsm's fused blocks (``model.fused_step``; 4-bit products on their own kernels,
+    ``weights.step.StepProduct``), and the 4-bit step through transformers' layers (``4-bit_layers_ms``).
+    The ceiling of the 4-bit step: the fused 4-bit step with products that cost nothing (``free_ms``: its LayerNorms,
+    rotary, attention and cache writes still run; the skip connections' adds go with the products) plus a pure read
+    of the 4-bit weights' bytes (``read_ms``: one read of them all), or plus each product launch's own read floor
+    (``launch_ms``: QKV, attention output, FFN up and FFN down a layer, each as long as a pure read of its bytes)."""
     import triton.testing
 
     from ..model.alphabet import alphabet
     from ..model.engine import TurboEsm
-    from ..model.sizes import esm2_config
     from ..weights.codec import WeightQuantConfig
-    from ..weights.model import block_linears, random_model, weight_memory
+    from ..weights.model import random_model, weight_memory
     from .synthetic import layer_codec, random_protein
-    from .timing import read_floor_us
     out = dict(size=size, beam=beam, prefix=prefix)
     four = WeightQuantConfig(bits=4, group=GROUP)
-    for name, quant in (("fp16", None), ("4-bit", four), ("free", four)):
+    for name, quant in (("fp16", None), ("4-bit", four), ("4-bit_layers", four), ("free", four)):
         model = random_model(esm2_config(size), device, quant)
+        engine = TurboEsm(model)
+        engine.fused_step = name != "4-bit_layers"
         if name == "free":
-            for _, parent, attr in block_linears(model):
-                setattr(parent, attr, _Free(getattr(parent, attr).out_features))
+            _free_products(engine)
         if name == "4-bit":
             out["read_ms"] = read_floor_us(weight_memory(model)["quantized_linear_bytes"], device) / 1e3
             first = model.esm.encoder.layer[0]
@@ -263,12 +269,12 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
                 [first.attention.output.dense], [first.intermediate.dense], [first.output.dense]
             out["launch_ms"] = len(model.esm.encoder.layer) * sum(
                 read_floor_us(sum(m.nbytes() for m in group), device) for group in launches) / 1e3
-        session = TurboEsm(model).session(layer_codec, capacity=prefix + 8)
+        session = engine.session(layer_codec, capacity=prefix + 8)
         session.start([random_protein(prefix - 1, 0)])
         session.fork(beam)
         step = session.capture_step(torch.full((beam, 1), alphabet().get_idx("A"), device=device))
         out[f"{name}_ms"] = triton.testing.do_bench(step.graph.replay, warmup=25, rep=100, return_mode="median")
-        del session, step, model
+        del session, step, model, engine
         gc.collect()
         torch.cuda.empty_cache()
     return out
@@ -353,7 +359,9 @@ def format_weights(res: WeightBench) -> str:
     for d in res.decode:
         lines.append(f"  design-loop decode step, {d['size']}-shaped, {d['beam']} rows on a {d['prefix']}-token "
                      f"scaffold (CUDA graph): fp16 weights {d['fp16_ms']:.2f} ms, 4-bit {d['4-bit_ms']:.2f} ms "
-                     f"({d['fp16_ms'] / d['4-bit_ms']:.2f}×)" + (
+                     f"({d['fp16_ms'] / d['4-bit_ms']:.2f}×" + (
+                         f"; through transformers' layers {d['4-bit_layers_ms']:.2f} ms, "
+                         f"{d['fp16_ms'] / d['4-bit_layers_ms']:.2f}×" if "4-bit_layers_ms" in d else "") + ")" + (
                          f"; ceiling {d['fp16_ms'] / (d['free_ms'] + d['read_ms']):.2f}× (the 4-bit step without "
                          f"its linears {d['free_ms']:.2f} ms + a pure read of the 4-bit weights {d['read_ms']:.2f} ms)"
                          if "free_ms" in d else "") + (

@@ -151,20 +151,37 @@ class FastEsmBlock(nn.Module):
         # feed-forward's in (one, or gate and up), its out), dequantized per forward in the norms' dtype; None: the
         # weights above
         self.quantized: tuple | None = None
+        self._step_products: tuple | None = None  # the quantized weights as a decode step's products, made once
         # FP8 weights (FastEsm.to_fp8): (W_qkv, W_o, W_1, W_2) as Fp8Weight; the dense weights are then dropped
         self.fp8: tuple[Fp8Weight, ...] | None = None
 
-    def weights(self) -> tuple:
+    def weights(self, rows: int | None = None) -> tuple:
         """(W_qkv [3D, D], W_o [D, D], W_1 [F, D], W_2 [D, F]) as the block functions take them: tensors, or
-        :class:`~esm_turbo.embed.fp8.Fp8Weight` s after :meth:`FastEsm.to_fp8`."""
+        :class:`~esm_turbo.embed.fp8.Fp8Weight` s after :meth:`FastEsm.to_fp8`. Quantized weights at up to
+        ``KERNEL_ROWS`` ``rows`` (a decode step's): :class:`~esm_turbo.weights.step.StepProduct` s, which
+        :func:`~.products.product` runs on the 4-bit kernels; at more, dequantized."""
         if self.fp8 is not None:
             return self.fp8
         if self.quantized is None:
             return self.qkv.weight, self.out.weight, self.fc1.weight, self.fc2.weight
+        products = self.step_products(rows)
+        if products is not None:
+            return products
         dtype = self.attn_norm.weight.dtype
         q, k, v, o, *f1, f2 = self.quantized
         return (torch.cat([m.dequantize(dtype) for m in (q, k, v)]), o.dequantize(dtype),
                 torch.cat([m.dequantize(dtype) for m in f1]), f2.dequantize(dtype))
+
+    def step_products(self, rows: int | None) -> tuple | None:
+        """The quantized weights as :class:`~esm_turbo.weights.step.StepProduct` s (made once) at up to
+        ``KERNEL_ROWS`` ``rows``; None for other weights or more rows."""
+        from ..weights.linear import KERNEL_ROWS
+        if self.quantized is None or self.fp8 is not None or rows is None or rows > KERNEL_ROWS:
+            return None
+        if self._step_products is None:
+            from ..weights.step import step_products
+            self._step_products = step_products(self.quantized)
+        return self._step_products
 
     def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """ESM C's query and key LayerNorm weights [D] (None for ESM-2)."""
@@ -474,7 +491,9 @@ class FastEsm(nn.Module):
         """(h, the first block's attention LayerNorm of it) in one launch, as :meth:`fused_block` takes them."""
         from ..kernels.norm import add_layer_norm_triton
         first = self.blocks[0].attn_norm
-        return add_layer_norm_triton(h, None, first.weight, first.bias, self.eps, fp8=fp8)
+        products = None if fp8 else self.blocks[0].step_products(h.shape[0])
+        x = products[0].normalize(h, first.weight, first.bias, self.eps) if products else None
+        return (h, x) if x is not None else add_layer_norm_triton(h, None, first.weight, first.bias, self.eps, fp8=fp8)
 
     def fused_block(self, i: int, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor,
                     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
@@ -491,7 +510,7 @@ class FastEsm(nn.Module):
         n, dim = h.shape
         b = self.blocks[i - 1]
         policy, inv_scale = self.fused_products, 1.0 / self.branch_scale
-        w_qkv, w_o, w_1, w_2 = b.weights()
+        w_qkv, w_o, w_1, w_2 = b.weights(rows=n)
         qkv = product(x, w_qkv, b.qkv.bias, kernel=folds(x, w_qkv, "bias", policy))
         if b.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
             layer_norm_columns_(qkv[:, :dim], b.q_norm.weight, self.eps)
@@ -500,7 +519,7 @@ class FastEsm(nn.Module):
         v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
         a = attend(q, k, v, i - 1)
         a = activation_triton(a, "none", fp8=True) if fp8 else a
-        h, x = self._residual(h, a, w_o, b.out.bias, b.ffn_norm, inv_scale, fp8, policy)
+        h, x = self._residual(h, a, w_o, b.out.bias, b.ffn_norm, inv_scale, fp8, policy, then=w_1)
         if b.activation == "gelu" and folds(x, w_1, "gelu", policy):  # bias and GELU in the epilogue
             if fp8:  # the rows' maxima come with it: one read of the activation to quantize it
                 f, amax = product(x, w_1, b.fc1.bias, "gelu", row_amax=True)
@@ -510,19 +529,26 @@ class FastEsm(nn.Module):
         else:
             u = product(x, w_1, b.fc1.bias, kernel=False)
             f = F.gelu(u) if b.activation == "gelu" and not fp8 else activation_triton(u, b.activation, fp8=fp8)
-        after = self.blocks[i].attn_norm if i < self.num_layers else self.final_norm
-        return self._residual(h, f, w_2, b.fc2.bias, after, inv_scale, fp8 and i < self.num_layers, policy)
+        last = i == self.num_layers
+        after = self.final_norm if last else self.blocks[i].attn_norm
+        then = None if last else (self.blocks[i].step_products(n) or (None,))[0]
+        return self._residual(h, f, w_2, b.fc2.bias, after, inv_scale, fp8 and not last, policy, then=then)
 
     def _residual(self, h: torch.Tensor, x, w, bias: torch.Tensor | None, norm: nn.LayerNorm, inv_scale: float,
-                  fp8: bool, policy: bool | None) -> tuple:
+                  fp8: bool, policy: bool | None, then=None) -> tuple:
         """An output projection, the residual add and the LayerNorm after it: (h + (x wᵀ + b) · inv_scale, the
         LayerNorm of that), h [N, D]. Where the product folds its epilogue (:func:`~.products.folds`) the add is in
         it and the LayerNorm reads one tensor; else the add and the LayerNorm run in one launch after a cuBLAS
-        product. ``fp8``: the LayerNorm's output as e4m3 rows."""
+        product. ``fp8``: the LayerNorm's output as e4m3 rows. ``then``: the product the LayerNorm feeds (a
+        :class:`~esm_turbo.weights.step.StepProduct` makes its own input's rotation with the LayerNorm)."""
         from ..kernels.norm import add_layer_norm_triton
+        from ..weights.step import StepProduct
         from .products import folds, product
         if folds(x, w, "residual", policy):
             s = product(x, w, bias, "residual", residual=h, residual_scale=inv_scale)
+            y = then.normalize(s, norm.weight, norm.bias, self.eps) if isinstance(then, StepProduct) else None
+            if y is not None:
+                return s, y
             return add_layer_norm_triton(s, None, norm.weight, norm.bias, self.eps, fp8=fp8)
         return add_layer_norm_triton(h, product(x, w, bias, kernel=False), norm.weight, norm.bias, self.eps,
                                      inv_scale, fp8=fp8)

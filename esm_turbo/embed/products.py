@@ -1,7 +1,8 @@
 """A FastEsm block's matrix products, and which of them run with their pointwise work folded into the epilogue.
 
-:func:`product` takes a weight as a tensor (fp16/bf16; fp32 under Triton's interpreter) or an
-:class:`~esm_turbo.embed.fp8.Fp8Weight`, an input as a tensor or :class:`~esm_turbo.embed.fp8.Fp8Rows`, and one of
+:func:`product` takes a weight as a tensor (fp16/bf16; fp32 under Triton's interpreter), an
+:class:`~esm_turbo.embed.fp8.Fp8Weight` or a :class:`~esm_turbo.weights.step.StepProduct` (4-bit linears at a step's
+rows, on their own kernel), an input as a tensor or :class:`~esm_turbo.embed.fp8.Fp8Rows`, and one of
 :data:`~esm_turbo.kernels.gemm.EPILOGUES`, and runs it in :func:`~esm_turbo.kernels.gemm.gemm` (a plain product with
 only a bias may run in cuBLAS instead). :func:`folds` says which: the products the kernel measured faster on, as
 :data:`~esm_turbo.kernels.gemm.TILES` lists them, unless a caller forces it. Reference: the unfused ops,
@@ -24,6 +25,9 @@ def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.
     plain tensor input to an FP8 weight is quantized per row first; FP8 weights off an FP8 GPU take the reference's
     arithmetic."""
     from ..kernels.gemm import gemm
+    from ..weights.step import StepProduct
+    if isinstance(w, StepProduct):  # 4-bit linears at a step's rows: their own kernels, their own biases
+        return w(x, epilogue, residual, residual_scale)
     fp8 = isinstance(w, Fp8Weight)
     if fp8 and not fp8_supported((x.q if isinstance(x, Fp8Rows) else x).device):
         y = product_reference(x, w, bias, epilogue, residual, residual_scale)
@@ -42,6 +46,9 @@ def folds(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, epilogue: str,
     """Whether this product runs in the Triton kernel with ``epilogue`` folded in: ``policy`` True / False forces it
     (float32 on the GPU never: cuBLAS there), None asks the measured table (:func:`~esm_turbo.kernels.gemm.measured`,
     on CUDA, at x's rows)."""
+    from ..weights.step import StepProduct
+    if isinstance(w, StepProduct):  # the 4-bit kernel's epilogue costs nothing; its reference path, the same ops
+        return True
     held = x.q if isinstance(x, Fp8Rows) else x
     weight = w.q if isinstance(w, Fp8Weight) else w
     if held.is_cuda and held.dtype == torch.float32:

@@ -68,11 +68,14 @@ class TurboEsm:
         if calibration is not None:
             self.attach(calibration, check_fingerprint)
         # decode steps through FastEsm's fused blocks (esm_turbo.model.fused_step): None where they apply (CUDA,
-        # fp16/bf16, dense weights), True / False to force it either way
+        # fp16/bf16, dense or quantized weights), True / False to force it either way
         self.fused_step: bool | None = None
-        # every block linear a plain nn.Linear (not 4-bit weights, nor a stand-in a bench put there)
-        self.dense_weights = all(isinstance(self.submodule(i, path), nn.Linear)
-                                 for i in range(self.num_layers) for path in self.family.linear_roles())
+        from ..weights.linear import QuantizedLinear
+        # every block linear a plain nn.Linear, or every one a QuantizedLinear (esm_turbo.weights), not a stand-in a
+        # bench put there: the weights FastEsm's blocks take
+        linears = [self.submodule(i, path) for i in range(self.num_layers) for path in self.family.linear_roles()]
+        self.dense_weights = all(isinstance(m, nn.Linear) for m in linears)
+        self.quantized_weights = all(isinstance(m, QuantizedLinear) for m in linears)
         self._fast = None
 
     def fast(self) -> "FastEsm":

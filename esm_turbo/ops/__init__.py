@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 _FORCE_REFERENCE = False
 #: names re-exported from the submodules, imported on first use (the switch below must stay light: FastEsm asks it)
 _LAZY = {"attend_compressed": "compressed", "fused_supported": "compressed", "gather_blocks": "compressed",
-         "scatter_rows": "compressed", "write_compressed": "compressed", "attend": "reference",
-         "decode_attention_reference": "reference"}
+         "scatter_rows": "compressed", "write_compressed": "compressed", "write_dense": "compressed",
+         "attend": "reference", "decode_attention_reference": "reference"}
 
 
 def __getattr__(name: str):
@@ -101,4 +101,4 @@ def attend_dense(q: torch.Tensor, cache: "DecodeCache", layer: int, new_valid: t
 
 __all__ = ["attend", "attend_compressed", "attend_dense", "capturing", "decode_attention", "decode_attention_reference",
            "force_reference", "fused_supported", "gather_blocks", "kernel_path", "scatter_rows", "use_kernels",
-           "write_compressed"]
+           "write_compressed", "write_dense"]

@@ -149,6 +149,19 @@ def scatter_rows(buf: torch.Tensor, val: torch.Tensor, pos: torch.Tensor, pages:
     buf[rows, :, at] = val.transpose(1, 2)  # advanced indices split by a slice put [B, S] first
 
 
+def write_dense(parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    """An uncompressed layer's new keys and values k, v [B, H, S, d] into its buffers ``parts["k.x"]``,
+    ``parts["v.x"]`` [B, H, T_cap, d] at rows ``pos[b] + j``: one launch on the kernel path
+    (:func:`~esm_turbo.kernels.write.write_rows_triton`), :func:`scatter_rows` each elsewhere."""
+    from . import use_kernels
+    if use_kernels(k):
+        from ..kernels.write import write_rows_triton
+        write_rows_triton(parts["k.x"], parts["v.x"], k, v, pos)
+        return
+    scatter_rows(parts["k.x"], k.to(parts["k.x"].dtype), pos)
+    scatter_rows(parts["v.x"], v.to(parts["v.x"].dtype), pos)
+
+
 def gather_blocks(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """A paged cache's rows: pool [slots, H, block, *] read through pages [B, blocks] (slot ids) → [B, H,
     blocks·block, *]."""

@@ -142,16 +142,14 @@ class QuantizedLinear(nn.Module):
                     x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype)), add)
             if self.shared is not None:  # with the other linears of this input, in one launch
                 return self._finish(self.shared.output(self, x), add)
-            from ..kernels.weights import matmul_triton, rotate_triton
+            from ..kernels.weights import rotate_triton
             self._residual_ready()
             x_rot = given_rotation(self, x)
             if x_rot is None:
                 x_rot = rotate_triton(flat, self.input_turn(x.device))
-            y = None if add is None else add.reshape(-1, self.out_features).contiguous()
-            for p in range(self.passes):  # the fused kernel, pass by pass: the first adds ``add``, the last the bias
-                last = p == self.passes - 1
-                y = matmul_triton(x_rot, *self._pass(p).tensors(), bias=self.bias if last else None, prev=y,
-                                  gelu=last and self.activation == "gelu", out_dtype=x.dtype if last else torch.float32)
+            y = kernel_passes(x_rot, [self._pass(p).tensors() for p in range(self.passes)], self.bias,
+                              None if add is None else add.reshape(-1, self.out_features),
+                              self.activation == "gelu", x.dtype)
             return y.view(*x.shape[:-1], self.out_features)
         y = self.rotate_input(x) @ self.rotated_weight(x.dtype).T
         return self._finish(y + self.bias.to(x.dtype) if self.bias is not None else y, add)
@@ -238,23 +236,43 @@ class SharedInput:
 
     def output(self, member: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         """``member``'s forward of x [..., N] (→ [..., M]), computed with the other members' in one launch."""
-        from ..kernels.weights import matmul_triton, rotate_triton
         last = self._last
         if last is None or last[0] is not x or last[1] != x._version:
-            member._residual_ready()
-            st = self._stacked()
-            x_rot, y = given_rotation(self, x), None
-            if x_rot is None:
-                x_rot = rotate_triton(x.reshape(-1, member.in_features), st["turn"])
-            for p in range(member.passes):
-                end = p == member.passes - 1
-                y = matmul_triton(x_rot, st[f"codes{p}"], st[f"scales{p}"], st[f"codebook{p}"],
-                                  bias=st.get("bias") if end else None, prev=y,
-                                  out_dtype=x.dtype if end else torch.float32)
-            last = self._last = (x, x._version, y)
+            last = self._last = (x, x._version, self.product(x))
         rows = member.out_features
         i = next(k for k, m in enumerate(self.members) if m is member)
         return last[2][:, i * rows:(i + 1) * rows].view(*x.shape[:-1], rows)
+
+
+    def product(self, x: torch.Tensor, gelu: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+        """Every member's output of x [..., K] side by side, [N, ΣM] (N: x's rows; member i's in columns
+        [i·M, (i + 1)·M)), in one rotation launch (none where x's producer handed it over) and one matmul launch a
+        pass; ``add`` [N, ΣM] added in the first pass's epilogue, or with ``gelu``
+        ESM-2's GELU applied in the last's."""
+        from ..kernels.weights import rotate_triton
+        first = self.members[0]
+        first._residual_ready()
+        st = self._stacked()
+        x_rot = given_rotation(self, x)
+        if x_rot is None:
+            x_rot = rotate_triton(x.reshape(-1, first.in_features), st["turn"])
+        return kernel_passes(x_rot, [(st[f"codes{p}"], st[f"scales{p}"], st[f"codebook{p}"])
+                                     for p in range(first.passes)], st.get("bias"), add, gelu, x.dtype)
+
+
+def kernel_passes(x_rot: torch.Tensor, passes: list[tuple], bias: torch.Tensor | None, add: torch.Tensor | None,
+                  gelu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """The fused 4-bit kernel (``kernels.weights.matmul_triton``) pass by pass over x_rot ([N, K], or [P, N, K] for P
+    stacked linears) and each pass's (codes, scales, codebook): [N, M] in ``out_dtype``. The first pass adds ``add``
+    [N, M] (a block's input), the last the bias and, with ``gelu``, ESM-2's GELU; the passes between them sum in
+    float32."""
+    from ..kernels.weights import matmul_triton
+    y = None if add is None else add.contiguous()
+    for p, tensors in enumerate(passes):
+        last = p == len(passes) - 1
+        y = matmul_triton(x_rot, *tensors, bias=bias if last else None, prev=y, gelu=last and gelu,
+                          out_dtype=out_dtype if last else torch.float32)
+    return y
 
 
 def given_rotation(consumer: QuantizedLinear | SharedInput, x: torch.Tensor) -> torch.Tensor | None:
