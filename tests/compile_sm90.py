@@ -84,11 +84,12 @@ def main() -> None:
     # turned back to the original domain (fp32 tiles in fp16 halves)
     i32 = "*i32"
     # (split over programs, merged by the last to arrive; codes requested a tile ahead)
-    for group, extras, split, ahead in ((32, True, 1, 0), (128, False, 4, 1), (32, True, 2, 1)):
+    # (the last also a programmatic dependent launch, its codes prefetched into L2)
+    for group, extras, split, ahead, hop in ((32, True, 1, 0, 0), (128, False, 4, 1, 0), (32, True, 2, 1, 1)):
         compile_sm90(matmul._dequant_matmul_kernel, dict(BLOCK_B=16, BLOCK_M=32, BLOCK_K=256, GROUP=group,
                                                           HAS_PREV=extras, HAS_BIAS=extras, GELU=extras,
-                                                          PRECISION="tf32",
-                                                          LUT=True, SPLIT=split, AHEAD=ahead),
+                                                          PRECISION="tf32", LUT=True, SPLIT=split, AHEAD=ahead,
+                                                          PDL=hop, PREFETCH=hop),
                      {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)
@@ -97,9 +98,11 @@ def main() -> None:
                  {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp"},
                  dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16), num_warps=4)
     # the register-fed tensor-core kernel: 1–8 and 9–16 rows, 4 and 2 code words a lane, split over programs
-    for tiles, wl, split, extras, ahead in ((1, 4, 1, True, 1), (2, 4, 4, True, 1), (2, 2, 2, False, 0)):
+    # (the second also a programmatic dependent launch, its codes and scales prefetched into L2)
+    for tiles, wl, split, extras, ahead, hop in ((1, 4, 1, True, 1, 0), (2, 4, 4, True, 1, 1), (2, 2, 2, False, 0, 0)):
         compile_sm90(weights_mma._mma_kernel, dict(TILES=tiles, S=4, WL=wl, SPLIT=split, GROUP=32, HAS_PREV=extras,
-                                                   HAS_BIAS=extras, GELU=extras, AHEAD=ahead),
+                                                   HAS_BIAS=extras, GELU=extras, AHEAD=ahead, PDL=hop,
+                                                   PREFETCH=hop),
                      {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp", "zero"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)

@@ -210,6 +210,41 @@ def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, 
     assert not split_counters(240 // 16, dev).any()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch and L2 prefetch are CUDA")
+@pytest.mark.parametrize("mma", [True, False])
+@torch.no_grad()
+def test_dependent_launches_and_prefetch_keep_a_chain_of_products_exact(mma):
+    """A chain of 4-bit products in one CUDA graph, each one's input the one before's output (a step's order), with
+    every launch a programmatic dependent launch whose codes are prefetched into L2 before it waits: bit for bit the
+    chain launched plainly (register-fed and tile kernels; split over programs)."""
+    from esm_turbo.kernels.weights import matmul_triton
+    dev = torch.device("cuda")
+    qs = [QuantizedLinear.from_linear(_linear(512, 512, seed=s), WeightQuantConfig(bits=4, group=32), seed=s)
+          for s in range(6)]
+    ws = [tuple(getattr(q, k).to(dev) for k in ("codes0", "scales0", "codebook0")) for q in qs]
+    gen = torch.Generator().manual_seed(0)
+    xa, xb = (torch.randn(12, 512, generator=gen).to(dev, torch.float16) for _ in range(2))
+    x0 = xa.clone()
+    outs = {}
+    for flags in (False, True):
+        cfg = dict(gemv=False, mma=mma, mma_split=2, split=2, pdl=flags, prefetch=flags)
+
+        def chain():
+            h = x0
+            for w in ws:
+                h = matmul_triton(h, *w, config=cfg, prev=h, out_dtype=torch.float16)
+            return h
+        x0.copy_(xa)
+        chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain()
+        x0.copy_(xb)  # the replay reads the new input
+        graph.replay()
+        outs[flags] = got.clone()
+    assert outs[True].isfinite().all() and torch.equal(outs[True], outs[False])
+
+
 @pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
                     reason="triton >= 3.5 is not installed")
 def test_register_fed_kernel_launch_divides_the_channels():

@@ -104,3 +104,16 @@ def read_floor_us(nbytes: int, device: torch.device) -> float:
     words.random_()
     sms = num_sms(device)
     return min(time_graph(lambda: read_words(words, sms * n), device) for n in READ_PROGRAMS_PER_SM) * 1e6
+
+
+def launch_floors_us(sizes: list[int], device: torch.device) -> float:
+    """µs (as :func:`time_graph`) of one graph of pure reads, one launch a byte count of ``sizes`` over its own buffer
+    (so none is in L2 when it is read, as a step's launches over every layer's own weights), the fastest of
+    :data:`READ_PROGRAMS_PER_SM`: the least a step reading those bytes in those launches takes (CUDA)."""
+    from ..kernels.common import num_sms
+    from .read import WORDS_PER_WARP, read_words
+    bufs = [torch.empty(-(-n // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device).random_()
+            for n in sizes]
+    sms = num_sms(device)
+    return min(time_graph(lambda: [read_words(b, sms * p) for b in bufs], device)
+               for p in READ_PROGRAMS_PER_SM) * 1e6

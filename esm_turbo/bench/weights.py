@@ -21,7 +21,7 @@ import torch
 
 from ..model.sizes import esm2_config
 from ..weights.step import StepProduct
-from .timing import read_floor_us, time_graph
+from .timing import launch_floors_us, read_floor_us, time_graph
 
 WEIGHT_SIZES = ("650M", "3B", "15B")
 ROWS = (1, 2, 4, 16, 64, 4096)
@@ -236,7 +236,7 @@ def _free_products(engine) -> None:
 
 
 @torch.no_grad()
-def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1024) -> dict:
+def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1024, profiled: bool = False) -> dict:
     """A design loop's decode step on a ``size``-shaped model with fp16 weights and with 4-bit weights in groups of
     :data:`GROUP` (both random, built on the device: ``weights.model.random_model``): a ``prefix``-token scaffold
     forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph
@@ -246,34 +246,40 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
     The ceiling of the 4-bit step: the fused 4-bit step with products that cost nothing (``free_ms``: its LayerNorms,
     rotary, attention and cache writes still run; the skip connections' adds go with the products) plus a pure read
     of the 4-bit weights' bytes (``read_ms``: one read of them all), or plus each product launch's own read floor
-    (``launch_ms``: QKV, attention output, FFN up and FFN down a layer, each as long as a pure read of its bytes)."""
+    (``launch_ms``: QKV, attention output, FFN up and FFN down a layer, each a pure read of its bytes in a launch of its
+    own, all in one graph: ``timing.launch_floors_us``).
+    ``profiled``: each step's kernels by kind too (``{name}_kernels``: ``bench.step.breakdown`` less its top list)."""
     import triton.testing
 
     from ..model.alphabet import alphabet
     from ..model.engine import TurboEsm
     from ..weights.codec import WeightQuantConfig
     from ..weights.model import random_model, weight_memory
+    from .step import profile_step
     from .synthetic import layer_codec, random_protein
     out = dict(size=size, beam=beam, prefix=prefix)
     four = WeightQuantConfig(bits=4, group=GROUP)
     for name, quant in (("fp16", None), ("4-bit", four), ("4-bit_layers", four), ("free", four)):
         model = random_model(esm2_config(size), device, quant)
-        engine = TurboEsm(model)
-        engine.fused_step = name != "4-bit_layers"
-        if name == "free":
-            _free_products(engine)
-        if name == "4-bit":
+        if name == "4-bit":  # transformers' module paths, before the engine wraps the attention
             out["read_ms"] = read_floor_us(weight_memory(model)["quantized_linear_bytes"], device) / 1e3
             first = model.esm.encoder.layer[0]
             launches = [first.attention.self.query, first.attention.self.key, first.attention.self.value], \
                 [first.attention.output.dense], [first.intermediate.dense], [first.output.dense]
-            out["launch_ms"] = len(model.esm.encoder.layer) * sum(
-                read_floor_us(sum(m.nbytes() for m in group), device) for group in launches) / 1e3
+            out["launch_ms"] = launch_floors_us([sum(m.nbytes() for m in group) for group in launches]
+                                                * len(model.esm.encoder.layer), device) / 1e3
+        engine = TurboEsm(model)
+        engine.fused_step = name != "4-bit_layers"
+        if name == "free":
+            _free_products(engine)
         session = engine.session(layer_codec, capacity=prefix + 8)
         session.start([random_protein(prefix - 1, 0)])
         session.fork(beam)
         step = session.capture_step(torch.full((beam, 1), alphabet().get_idx("A"), device=device))
         out[f"{name}_ms"] = triton.testing.do_bench(step.graph.replay, warmup=25, rep=100, return_mode="median")
+        if profiled:
+            parts = profile_step(step.graph.replay, device)
+            out[f"{name}_kernels"] = {k: v for k, v in parts.items() if k != "top"}
         del session, step, model, engine
         gc.collect()
         torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .common import FP_FUSION, split_counters
+from .prefetch import prefetch_rows
 from .weights.lookup import LOOKUP_REGS, codebook_bytes, lookup_word
 from .weights.matmul import _finish, _last_to_arrive
 
@@ -155,13 +156,18 @@ def _gather(c: tl.constexpr, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_
 def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                 B, M, N, G, sxb, sob, PR, sxp, zero, TILES: tl.constexpr, S: tl.constexpr, WL: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GELU: tl.constexpr, AHEAD: tl.constexpr):
+                GELU: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Grid (M / 16, SPLIT), S warps. x [B, N] fp16 (B ≤ 8·TILES; rows strided by sxb, 16-byte aligned), codes
     [M, N/8] int32 (16-byte aligned rows), scales [M, G] fp16, codebook [16] fp16 (read through ``zero`` · lane, zero
     at run time), out [B, M] (rows strided by sob; its dtype) = x Ŵ_rotᵀ (+ prev, + bias, GELU: ``_finish``). Parts
     (PR, sxp) and the split (partials [SPLIT, B, M], arrival counts, the last program finishing) as the tensor-core
     kernel's. The walk: (N / (32·WL)) / SPLIT chunks of 32·WL channels a program, chunk s + S·j to warp s.
-    ``AHEAD``: each step's codes and scales are requested a step before."""
+    ``AHEAD``: each step's codes and scales are requested a step before. ``PDL`` (launched as a programmatic
+    dependent launch): the next kernel may launch at once, and this one reads its codebook and first codes (weights,
+    which no earlier kernel writes) before it waits for the kernel before it to finish. ``PREFETCH``: the program's
+    codes and scales are asked into L2 at its start (``kernels.prefetch``), 16 threads a row each."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     CH: tl.constexpr = 32 * WL
     chunks = N // CH // SPLIT
     steps = chunks // S
@@ -185,6 +191,11 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     x_b = x_a + 8 * (sxb // 2)
     ok_a = g < B
     ok_b = g + 8 < B
+    if PREFETCH:
+        prefetch_rows(codes_ptr, tile * 16 + i, N // 8, tl.program_id(1) * chunks * (4 * WL), chunks * (4 * WL), i < 16)
+        g0 = tl.program_id(1) * chunks * CH // GROUP
+        g1 = ((tl.program_id(1) + 1) * chunks * CH + GROUP - 1) // GROUP
+        prefetch_rows(scales_ptr, tile * 16 + i - 16, G, g0, g1 - g0, (i >= 16) & (i < 32))
     s0 = tl.zeros((32 * S,), tl.float32)
     s1 = tl.zeros((32 * S,), tl.float32)
     s2 = tl.zeros((32 * S,), tl.float32)
@@ -195,6 +206,8 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     s7 = tl.zeros((32 * S,), tl.float32)
     if AHEAD:
         a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, 0, S, WL, GROUP)
+    if PDL:  # the input, the sums' buffers and the counts only once the kernel before has finished
+        tl.extra.cuda.gdc_wait()
     for j in range(steps):
         if AHEAD:  # the next step's codes requested before this one's are decoded (the last step: its own again)
             na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsa, nsb = _step_codes(
@@ -283,10 +296,11 @@ def mma_launch(n: int, warps: int, words: int, split: int) -> tuple[int, int, in
 def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, scales: torch.Tensor,
                out: torch.Tensor, part_rows: int, sxp: int, *, prev: torch.Tensor | None, bias: torch.Tensor | None,
                gelu: bool = False, warps: int = 4, words_per_lane: int = 4, split: int = 1,
-               ahead: int = 1) -> torch.Tensor:
+               ahead: int = 1, pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
     """``out`` [B, M] = x Ŵ_rotᵀ (+ prev + bias, then GELU with ``gelu``) in one launch of :func:`_mma_kernel`
     (CUDA; :func:`mma_fits`): x [P, B, N] fp16 (each part's rotated input, parts ``sxp`` elements apart,
-    ``part_rows`` outputs each), words [M, N/8] int32, codebook [P·16], scales [M, G] fp16."""
+    ``part_rows`` outputs each), words [M, N/8] int32, codebook [P·16], scales [M, G] fp16. ``pdl``: launched as a
+    programmatic dependent launch (sm_90 and up); ``prefetch``: the codes and scales asked into L2 first (sm_90)."""
     _, b, n = x.shape
     m, groups = scales.shape
     warps, wl, split = mma_launch(n, warps, words_per_lane, split)
@@ -296,5 +310,6 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
         x, words, codebook, scales, x if prev is None else prev, x if bias is None else bias, out, partials, counts,
         b, m, n, groups, x.stride(1), out.stride(0), part_rows, sxp, 0,
         TILES=1 if b <= 8 else 2, S=warps, WL=wl, SPLIT=split, GROUP=n // groups, HAS_PREV=prev is not None,
-        HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, num_warps=warps, enable_fp_fusion=FP_FUSION)
+        HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, PDL=pdl, PREFETCH=prefetch, num_warps=warps, launch_pdl=pdl,
+        enable_fp_fusion=FP_FUSION)
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..common import FP_FUSION, gelu, interpreting, num_sms, split_counters
+from ..prefetch import prefetch_rows
 from .lookup import _code_words, _lookup8, _tile_ahead, _tile_codes, _weight_tile
 from .rotate import _precision
 
@@ -51,7 +52,7 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
                            B, M, N, G, sxb, sob, PR, sxp, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
                            GELU: tl.constexpr, PRECISION: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr,
-                           AHEAD: tl.constexpr):
+                           AHEAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Grid (cdiv(M, BLOCK_M), cdiv(B, BLOCK_B), SPLIT). x [B, N] (rows strided by sxb; rotated), codes [M, N/8] int32
     (the packed uint8 codes read as words), scales [M, G] fp16, codebook [16] fp16, out [B, M] (rows strided by sob;
     its dtype) = x Ŵ_rotᵀ (+ prev [B, M], + bias [M], GELU: :func:`_finish`). Parts: output rows [p·PR, (p + 1)·PR)
@@ -59,7 +60,12 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
     SPLIT > 1 program (i, j, s) sums the s-th of SPLIT equal runs of input channels into partials [SPLIT, B, M] float32 (``part_ptr``)
     and counts its arrival in ``count_ptr[j·grid(0) + i]`` (int32, zero at launch and left zero); the last of a tile
     adds the SPLIT partials and finishes the tile. N % (SPLIT·BLOCK_K) == 0; BLOCK_K and GROUP powers of two.
-    ``AHEAD``: each tile's codes and scales are requested a tile before it is decoded (:func:`_tile_ahead`)."""
+    ``AHEAD``: each tile's codes and scales are requested a tile before it is decoded (:func:`_tile_ahead`). ``PDL``
+    (a programmatic dependent launch): the next kernel may launch at once, and the first tile's codes (weights) are
+    requested before this one waits for the kernel before it to finish. ``PREFETCH``: the program's codes and scales
+    are asked into L2 at its start (``kernels.prefetch``)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mmask = offs_m < M
@@ -70,8 +76,13 @@ def _dequant_matmul_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_
     RUN = N // SPLIT
     start = tl.program_id(2) * RUN
     acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
+    if PREFETCH:
+        prefetch_rows(codes_ptr, offs_m, N // 8, start // 8, RUN // 8, mmask)
+        prefetch_rows(scales_ptr, offs_m, G, start // GROUP, (start + RUN + GROUP - 1) // GROUP - start // GROUP, mmask)
     if AHEAD:  # each tile's codes requested a tile before it is decoded, carried in registers
         word, scale = _tile_codes(codes_ptr, scales_ptr, offs_m, mmask, start, N, G, BLOCK_K, GROUP)
+    if PDL:  # the input, the sums' buffers and the counts only once the kernel before has finished
+        tl.extra.cuda.gdc_wait()
     for k0 in range(start, start + RUN, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_b[:, None].to(tl.int64) * sxb + offs_k[None, :], mask=bmask[:, None], other=0.0)
@@ -237,7 +248,10 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
     tiles. Larger layers take the register-fed tensor-core kernel (``weights_mma``; fp16 input) instead, where it
     measured faster: from 50 M weights at one row, 16 M at two and at 9–16 rows, 4 M at 3–8 rows; 4 warps (8 on a
     square layer), 4 code words a lane and row (2 where the channels ask), FFN down's input channels split over 4
-    programs (2 past 8 rows from 5,120 outputs), codes requested a step ahead up to 8 rows."""
+    programs (2 past 8 rows from 5,120 outputs), codes requested a step ahead (over cold weights at 16 rows, as in a
+    step, the faster: ``tools/tune_weights_step.py``). Programmatic dependent launch and the L2 prefetch of a
+    program's codes (``pdl``, ``prefetch``) are options, off: at a step's 16 rows on an H200 they made the products
+    slower (``results/gpu/weights_step_h200.txt``)."""
     m, n = out_features, in_features
     long_input = n >= 2 * m  # FFN down
     if rows > 1:
@@ -249,11 +263,11 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
     else:
         gemv = (8, 512, 4)
     cfg = dict(gemv=rows <= GEMV_ROWS, gemv_m=gemv[0], gemv_k=gemv[1], gemv_warps=gemv[2], gemv_stages=3,
-               gemv_ahead=1, split=1, ahead=0)
+               gemv_ahead=1, split=1, ahead=0, pdl=False, prefetch=False)
     cfg |= dict(mma=rows <= 16 and m * n >= (50e6 if rows == 1 else 16e6 if rows == 2 or rows > 8 else 4e6),
                 mma_warps=8 if m == n else 4, mma_words=4,
                 mma_split=(2 if rows > 8 and m >= 5120 else 4) if long_input else 1,
-                mma_ahead=int(rows <= 8))
+                mma_ahead=1)
     if rows > 16:
         block_b = triton.next_power_of_2(min(rows, 64))
         return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
@@ -301,6 +315,8 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
             cfg["gemv_m"] //= 2
     words = codes.view(torch.int32)  # eight codes a word
     lut = not interpreting()
+    hopper = lut and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl, prefetch = bool(cfg["pdl"]) and hopper, bool(cfg["prefetch"]) and hopper
     sxp = x.stride(0) if parts > 1 else 0
     out = torch.empty(b, m, device=x.device, dtype=out_dtype)
     if cfg["mma"] and lut:
@@ -308,7 +324,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
         if mma_fits(x, words, m, n, part_rows, group):
             return mma_matmul(x, words, codebook, scales, out, part_rows, sxp, prev=prev, bias=bias, gelu=gelu,
                               warps=cfg["mma_warps"], words_per_lane=cfg["mma_words"], split=cfg["mma_split"],
-                              ahead=cfg["mma_ahead"])
+                              ahead=cfg["mma_ahead"], pdl=pdl, prefetch=prefetch)
     prev_arg, bias_arg = x if prev is None else prev, x if bias is None else bias
     if cfg["gemv"]:  # a few rows: on the CUDA cores
         block_k = cfg["gemv_k"]
@@ -333,7 +349,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
                                  BLOCK_B=cfg["block_b"], BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], GROUP=group,
                                  HAS_PREV=prev is not None, HAS_BIAS=bias is not None, GELU=gelu,
                                  PRECISION=_precision(x),
-                                 LUT=lut, SPLIT=split, AHEAD=cfg["ahead"],
+                                 LUT=lut, SPLIT=split, AHEAD=cfg["ahead"], PDL=pdl, PREFETCH=prefetch, launch_pdl=pdl,
                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=FP_FUSION)
     return out
 

@@ -1,0 +1,137 @@
+"""A decode step's 4-bit products at its few rows, on the GPU, over cold weights: the 4-bit kernel's default launch
+(``kernels.weights.launch_config``) against a grid of launches of the register-fed tensor-core kernel
+(``kernels.weights_mma``) and of the tensor-core tile kernel (each with the default's programmatic dependent launch
+and L2 prefetch; the default launch with each of those on and off), beside fp16 cuBLAS on the same shape, one read
+of the 4-bit bytes at a pure read's rate, and each launch's own read floor in a step (a pure read of each product's
+bytes as its own launch, all in one graph). Each product runs over enough distinct weights in one CUDA graph that
+none is in L2 when it is read (as in a step, where every layer's weights are its own): µs per product = the replay's
+time / the weights. Every launch is checked against ``matmul_reference`` first.
+
+    python tools/tune_weights_step.py [--sizes 650M 3B] [--rows 16] [--out results/gpu/weights_step_h200.json]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from esm_turbo.bench.step import read_rate_gbs
+from esm_turbo.bench.timing import launch_floors_us
+from esm_turbo.kernels.common import num_sms
+from esm_turbo.kernels.weights import launch_config, matmul_reference, matmul_triton
+from tune_gemm import log, shapes
+from tune_split import per_product_us
+
+GROUP = 32
+MMA_GRID = dict(mma_warps=(2, 4, 8), mma_words=(2, 4), mma_split=(1, 2, 4, 8), mma_ahead=(0, 1))
+TILE_GRID = dict(block_m=(16, 32, 64), block_k=(128, 256), split=(1, 2, 4, 8))
+
+
+def _weights(m: int, n: int, count: int, dev: torch.device) -> list[tuple]:
+    """``count`` random 4-bit weights [m, n]: (codes, scales, codebook) each."""
+    out = []
+    for i in range(count):
+        gen = torch.Generator(device=dev).manual_seed(i)
+        out.append((torch.randint(0, 256, (m, n // 2), dtype=torch.uint8, device=dev, generator=gen),
+                    (torch.rand(m, n // GROUP, device=dev, generator=gen) * 0.02 + 0.01).half(),
+                    torch.linspace(-2.5, 2.5, 16, device=dev).half()))
+    return out
+
+
+def product_row(size: str, name: str, epi: str, m: int, n: int, rows: int, rate: float, sweep: bool) -> dict:
+    dev = torch.device("cuda")
+    nbytes = m * n // 2 + m * n // GROUP * 2 + 16 * 2
+    count = max(8, min(96, (384 << 20) // nbytes))
+    weights = _weights(m, n, count, dev)
+    x = torch.randn(rows, n, device=dev).half()
+    bias = (0.1 * torch.randn(m, device=dev)).half()
+    prev = torch.randn(rows, m, device=dev).half() if epi == "residual" else None
+    gelu = epi == "gelu"
+    codes, scales, cb = weights[0]
+    ref = matmul_reference(x, codes, scales, cb).float() + bias.float()
+    ref = ref + prev.float() if prev is not None else ref
+    ref = F.gelu(ref) if gelu else ref
+    tol = 2e-3 * ref.abs().max().item()
+    w16 = [torch.randn(m, n, device=dev).half() for _ in range(max(4, min(64, (256 << 20) // (m * n * 2))))]
+
+    def run(cfg: dict) -> float | None:
+        def call(w):
+            return matmul_triton(x, *w, config=cfg, bias=bias, prev=prev, gelu=gelu, out_dtype=torch.float16)
+        try:
+            got = call(weights[0])
+        except Exception as e:  # noqa: BLE001 - a launch that does not build is skipped
+            log(f"  {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            return None
+        if (got.float() - ref).abs().max().item() > tol:
+            log(f"  {cfg}: misses the reference")
+            return None
+        return per_product_us(call, weights, dev)
+
+    default = launch_config(rows, m, n, num_sms(dev))
+    row = dict(size=size, product=name, epilogue=epi, rows=rows, m=m, n=n, weights=count, bytes=nbytes,
+               read_us=nbytes / (rate * 1e3), launch_floor_us=launch_floors_us([nbytes] * count, dev) / count,
+               fp16_us=per_product_us(lambda w: F.linear(x, w, bias), w16, dev),
+               default=dict(kernel="mma" if default["mma"] else "gemv" if default["gemv"] else "tile",
+                            us=run({})),
+               flags=[dict(pdl=p, prefetch=f, us=run(dict(pdl=p, prefetch=f)))
+                      for p, f in ((False, False), (True, False), (False, True), (True, True))])
+    if sweep:
+        grid = []
+        for vals in itertools.product(*MMA_GRID.values()):
+            cfg = dict(zip(MMA_GRID, vals), mma=True, gemv=False)
+            us = run(cfg)
+            if us is not None:
+                grid.append(dict(kernel="mma", config=cfg, us=us))
+        for vals in itertools.product(*TILE_GRID.values()):
+            cfg = dict(zip(TILE_GRID, vals), mma=False, gemv=False, block_b=16, num_warps=4, num_stages=3, ahead=1)
+            if n % (cfg["block_k"] * cfg["split"]):
+                continue
+            us = run(cfg)
+            if us is not None:
+                grid.append(dict(kernel="tile", config=cfg, us=us))
+        row.update(grid=grid, best=min(grid, key=lambda r: r["us"]) if grid else None)
+    best = row.get("best") or {}
+    log("  pdl/prefetch off, pdl, prefetch, both: " + ", ".join(f"{f['us'] or float('nan'):.1f}" for f in row["flags"]))
+    log(f"{size} {name:8} rows {rows:3}: read {row['read_us']:5.1f} µs, launch floor {row['launch_floor_us']:5.1f}, "
+        f"fp16 {row['fp16_us']:5.1f}, default {row['default']['us'] or float('nan'):5.1f}, "
+        f"best {best.get('us') or float('nan'):5.1f} {best.get('kernel', '')} {best.get('config', '')}")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["650M", "3B"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[16])
+    ap.add_argument("--no-sweep", action="store_true", help="the default launch only")
+    ap.add_argument("--out", default=None, help="JSON here (and the table beside it, .txt)")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rate = read_rate_gbs(dev)
+    rows = [product_row(size, name, epi, m, n, r, rate, not args.no_sweep)
+            for size in args.sizes for name, epi, m, n in shapes(size) for r in args.rows]
+    lines = [f"a step's 4-bit products, µs a product over cold weights ({torch.cuda.get_device_name()}; one read at "
+             f"{rate:.0f} GB/s, measured here)",
+             "  size  product   rows  read  launch floor   fp16  default  best  default/best  best launch",
+             "       (the default with programmatic dependent launch / L2 prefetch: off/off, on/off, off/on, on/on)"]
+    for r in rows:
+        best = r.get("best") or {}
+        d_us, b_us = r["default"]["us"] or float("nan"), best.get("us") or float("nan")
+        cfg = {k: v for k, v in best.get("config", {}).items() if k not in ("mma", "gemv")}
+        lines.append(f"  {r['size']:5} {r['product']:8} {r['rows']:5} {r['read_us']:5.1f} {r['launch_floor_us']:8.1f}"
+                     f"      {r['fp16_us']:6.1f} {d_us:7.1f} {b_us:6.1f} {d_us / b_us:9.2f}     "
+                     f"{best.get('kernel', '')} {cfg}")
+        lines.append("        " + " / ".join(f"{f['us'] or float('nan'):.1f}" for f in r["flags"]))
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), read_gbs=rate, rows=rows), f, indent=1)
+        with open(args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
