@@ -79,19 +79,37 @@ def product_row(size: str, name: str, epi: str, n: int, k: int, m: int, rate: fl
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def save(out: str | None, text: str, rate: float, rows: list[dict]) -> None:
+    """Print the table; with ``out``, the rows as JSON there and the table beside it (.txt)."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), read_gbs=rate, rows=rows), f, indent=1)
+        with open(out.rsplit(".", 1)[0] + ".txt", "w") as f:
+            f.write(text + "\n")
+
+
+def measure(doc: str, rows: list[int], no_sweep: str, row_fn, what: str) -> tuple:
+    """A step-products tool's run: its command line (--sizes, --rows, --no-sweep with help ``no_sweep``, --out), the
+    pure read's rate, ``row_fn(size, name, epilogue, out, in, rows, rate, sweep)`` for each product and row count, and
+    the table's first line (``what``, the GPU and the rate) → (args, rate, rows, title)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["650M", "3B"])
-    ap.add_argument("--rows", nargs="+", type=int, default=[16, 48, 195, 256])
-    ap.add_argument("--no-sweep", action="store_true", help="plan()'s launch only")
+    ap.add_argument("--rows", nargs="+", type=int, default=rows)
+    ap.add_argument("--no-sweep", action="store_true", help=no_sweep)
     ap.add_argument("--out", default=None, help="JSON here (and the table beside it, .txt)")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    rate = read_rate_gbs(dev)
-    rows = [product_row(size, name, epi, n, k, m, rate, not args.no_sweep)
-            for size in args.sizes for name, epi, n, k in shapes(size) for m in args.rows]
-    lines = [f"a step's products, fp16, µs a product over cold weights ({torch.cuda.get_device_name()}; one read at "
-             f"{rate:.0f} GB/s, measured here)",
+    rate = read_rate_gbs(torch.device("cuda"))
+    out = [row_fn(size, name, epi, n, k, m, rate, not args.no_sweep)
+           for size in args.sizes for name, epi, n, k in shapes(size) for m in args.rows]
+    return args, rate, out, (f"{what}, µs a product over cold weights ({torch.cuda.get_device_name()}; one read at "
+                             f"{rate:.0f} GB/s, measured here)")
+
+
+def main() -> None:
+    args, rate, rows, title = measure(__doc__, [16, 48, 195, 256], "plan()'s launch only", product_row,
+                                      "a step's products, fp16")
+    lines = [title,
              "  size  product   rows  read  cuBLAS  +pass   plan  best  plan/(cuBLAS+pass)  best launch"]
     for r in rows:
         best = r.get("best") or {}
@@ -101,13 +119,7 @@ def main() -> None:
         lines.append(f"  {r['size']:5} {r['product']:8} {r['rows']:5} {r['read_us']:5.1f} {r['cublas_us']:7.1f} "
                      f"{r['cublas_pass_us']:6.1f} {plan_us:6.1f} {best_us:5.1f} {plan_us / r['cublas_pass_us']:10.2f}"
                      f"          {launch}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), read_gbs=rate, rows=rows), f, indent=1)
-        with open(args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
-            f.write(text + "\n")
+    save(args.out, "\n".join(lines), rate, rows)
 
 
 if __name__ == "__main__":

@@ -11,19 +11,16 @@ time / the weights. Every launch is checked against ``matmul_reference`` first.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 
 import torch
 import torch.nn.functional as F
 
-from esm_turbo.bench.step import read_rate_gbs
 from esm_turbo.bench.timing import launch_floors_us
 from esm_turbo.kernels.common import num_sms
 from esm_turbo.kernels.weights import launch_config, matmul_reference, matmul_triton
-from tune_gemm import log, shapes
-from tune_split import per_product_us
+from tune_gemm import log
+from tune_split import measure, per_product_us, save
 
 GROUP = 32
 MMA_GRID = dict(mma_warps=(2, 4, 8), mma_words=(2, 4), mma_split=(1, 2, 4, 8), mma_ahead=(0, 1))
@@ -102,18 +99,8 @@ def product_row(size: str, name: str, epi: str, m: int, n: int, rows: int, rate:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", nargs="+", default=["650M", "3B"])
-    ap.add_argument("--rows", nargs="+", type=int, default=[16])
-    ap.add_argument("--no-sweep", action="store_true", help="the default launch only")
-    ap.add_argument("--out", default=None, help="JSON here (and the table beside it, .txt)")
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    rate = read_rate_gbs(dev)
-    rows = [product_row(size, name, epi, m, n, r, rate, not args.no_sweep)
-            for size in args.sizes for name, epi, m, n in shapes(size) for r in args.rows]
-    lines = [f"a step's 4-bit products, µs a product over cold weights ({torch.cuda.get_device_name()}; one read at "
-             f"{rate:.0f} GB/s, measured here)",
+    args, rate, rows, title = measure(__doc__, [16], "the default launch only", product_row, "a step's 4-bit products")
+    lines = [title,
              "  size  product   rows  read  launch floor   fp16  default  best  default/best  best launch",
              "       (the default with programmatic dependent launch / L2 prefetch: off/off, on/off, off/on, on/on)"]
     for r in rows:
@@ -124,13 +111,7 @@ def main() -> None:
                      f"      {r['fp16_us']:6.1f} {d_us:7.1f} {b_us:6.1f} {d_us / b_us:9.2f}     "
                      f"{best.get('kernel', '')} {cfg}")
         lines.append("        " + " / ".join(f"{f['us'] or float('nan'):.1f}" for f in r["flags"]))
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), read_gbs=rate, rows=rows), f, indent=1)
-        with open(args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
-            f.write(text + "\n")
+    save(args.out, "\n".join(lines), rate, rows)
 
 
 if __name__ == "__main__":
