@@ -17,32 +17,23 @@ import torch
 import torch.nn.functional as F
 
 from esm_turbo.bench.timing import launch_floors_us
+from esm_turbo.bench.weights import random_pass
 from esm_turbo.kernels.common import num_sms
 from esm_turbo.kernels.weights import launch_config, matmul_reference, matmul_triton
 from tune_gemm import log
 from tune_split import measure, per_product_us, save
 
-GROUP = 32
 MMA_GRID = dict(mma_warps=(2, 4, 8), mma_words=(2, 4), mma_split=(1, 2, 4, 8), mma_ahead=(0, 1))
 TILE_GRID = dict(block_m=(16, 32, 64), block_k=(128, 256), split=(1, 2, 4, 8))
-
-
-def _weights(m: int, n: int, count: int, dev: torch.device) -> list[tuple]:
-    """``count`` random 4-bit weights [m, n]: (codes, scales, codebook) each."""
-    out = []
-    for i in range(count):
-        gen = torch.Generator(device=dev).manual_seed(i)
-        out.append((torch.randint(0, 256, (m, n // 2), dtype=torch.uint8, device=dev, generator=gen),
-                    (torch.rand(m, n // GROUP, device=dev, generator=gen) * 0.02 + 0.01).half(),
-                    torch.linspace(-2.5, 2.5, 16, device=dev).half()))
-    return out
+FLAGS = ((False, False), (True, False), (False, True), (True, True))  # (pdl, prefetch)
 
 
 def product_row(size: str, name: str, epi: str, m: int, n: int, rows: int, rate: float, sweep: bool) -> dict:
     dev = torch.device("cuda")
-    nbytes = m * n // 2 + m * n // GROUP * 2 + 16 * 2
+    first = random_pass(m, n, dev, seed=0)
+    nbytes = sum(t.numel() * t.element_size() for t in first)
     count = max(8, min(96, (384 << 20) // nbytes))
-    weights = _weights(m, n, count, dev)
+    weights = [first] + [random_pass(m, n, dev, seed=i) for i in range(1, count)]
     x = torch.randn(rows, n, device=dev).half()
     bias = (0.1 * torch.randn(m, device=dev)).half()
     prev = torch.randn(rows, m, device=dev).half() if epi == "residual" else None
@@ -68,13 +59,13 @@ def product_row(size: str, name: str, epi: str, m: int, n: int, rows: int, rate:
         return per_product_us(call, weights, dev)
 
     default = launch_config(rows, m, n, num_sms(dev))
+    flags = [dict(pdl=p, prefetch=f, us=run(dict(pdl=p, prefetch=f))) for p, f in FLAGS]
     row = dict(size=size, product=name, epilogue=epi, rows=rows, m=m, n=n, weights=count, bytes=nbytes,
                read_us=nbytes / (rate * 1e3), launch_floor_us=launch_floors_us([nbytes] * count, dev) / count,
                fp16_us=per_product_us(lambda w: F.linear(x, w, bias), w16, dev),
                default=dict(kernel="mma" if default["mma"] else "gemv" if default["gemv"] else "tile",
-                            us=run({})),
-               flags=[dict(pdl=p, prefetch=f, us=run(dict(pdl=p, prefetch=f)))
-                      for p, f in ((False, False), (True, False), (False, True), (True, True))])
+                            us=flags[FLAGS.index((default["pdl"], default["prefetch"]))]["us"]),
+               flags=flags)
     if sweep:
         grid = []
         for vals in itertools.product(*MMA_GRID.values()):

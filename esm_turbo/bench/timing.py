@@ -98,18 +98,14 @@ READ_PROGRAMS_PER_SM = (12, 16)
 def read_floor_us(nbytes: int, device: torch.device) -> float:
     """µs (as :func:`time_graph`) of a kernel that only reads ``nbytes`` (rounded up to whole 2 KB chunks), the
     fastest of :data:`READ_PROGRAMS_PER_SM`: the least any kernel reading those bytes takes (CUDA)."""
-    from ..kernels.common import num_sms
-    from .read import WORDS_PER_WARP, read_words
-    words = torch.empty(-(-nbytes // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device)
-    words.random_()
-    sms = num_sms(device)
-    return min(time_graph(lambda: read_words(words, sms * n), device) for n in READ_PROGRAMS_PER_SM) * 1e6
+    return launch_floors_us([nbytes], device)
 
 
 def launch_floors_us(sizes: list[int], device: torch.device) -> float:
-    """µs (as :func:`time_graph`) of one graph of pure reads, one launch a byte count of ``sizes`` over its own buffer
-    (so none is in L2 when it is read, as a step's launches over every layer's own weights), the fastest of
-    :data:`READ_PROGRAMS_PER_SM`: the least a step reading those bytes in those launches takes (CUDA)."""
+    """µs (as :func:`time_graph`) of one graph of pure reads, one launch a byte count of ``sizes`` (each rounded up to
+    whole 2 KB chunks) over its own buffer (so none is in L2 when it is read, as a step's launches over every layer's
+    own weights), the fastest of :data:`READ_PROGRAMS_PER_SM`: the least a step reading those bytes in those launches
+    takes (CUDA)."""
     from ..kernels.common import num_sms
     from .read import WORDS_PER_WARP, read_words
     bufs = [torch.empty(-(-n // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device).random_()

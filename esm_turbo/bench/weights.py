@@ -68,8 +68,10 @@ def linear_shapes(size: str) -> list[tuple[str, int, int]]:
     return [("qkv", 3 * d, d), ("out", d, d), ("ffn_up", 4 * d, d), ("ffn_down", d, 4 * d)]
 
 
-def _random_pass(m: int, n: int, device: torch.device):
-    gen = torch.Generator(device=device).manual_seed(m * 7 + n)
+def random_pass(m: int, n: int, device: torch.device, seed: int | None = None) -> tuple:
+    """A random 4-bit pass of an [m, n] weight in groups of :data:`GROUP` (speed does not depend on the values):
+    (codes [m, n/2] uint8, scales [m, n/GROUP] fp16, codebook [16] fp16), seeded by the shape unless ``seed``."""
+    gen = torch.Generator(device=device).manual_seed(m * 7 + n if seed is None else seed)
     codes = torch.randint(0, 256, (m, n // 2), dtype=torch.uint8, device=device, generator=gen)
     scales = (torch.rand(m, n // GROUP, device=device, generator=gen) * 0.02 + 0.01).half()
     codebook = torch.linspace(-2.5, 2.5, 16, device=device).half()
@@ -89,7 +91,7 @@ def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tu
     turn = sign_matrix(rotation(GROUP, 0).to(device))
     for size in sizes or WEIGHT_SIZES:
         for name, m, n in linear_shapes(size):
-            codes, scales, codebook = _random_pass(m, n, device)
+            codes, scales, codebook = random_pass(m, n, device)
             w16 = torch.randn(m, n, device=device, dtype=torch.float16) * 0.02
             nbytes = sum(t.numel() * t.element_size() for t in (codes, scales, codebook))
             floor = read_floor_us(nbytes, device)

@@ -114,6 +114,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def sm90(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are compiled for compute capability 9.0 or later (CUDA, not Triton's
+    interpreter): tensor descriptors (TMA), programmatic dependent launch, bulk prefetches."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def num_sms(device: torch.device) -> int:
     """The device's multiprocessors (a few on CPU: Triton's interpreter, in tests)."""
     if device.type != "cuda":

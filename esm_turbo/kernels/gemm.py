@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import GELU_FORM, GELU_FORMS, gelu, interpreting, num_sms
+from .common import GELU_FORM, GELU_FORMS, gelu, num_sms, sm90
 
 if TYPE_CHECKING:
     from .gemm_split import SplitTile
@@ -205,7 +205,7 @@ def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr,
 
 def tma_supported(device: torch.device) -> bool:
     """Whether tiles are read through tensor descriptors: CUDA with TMA (compute capability 9.0 or later)."""
-    return (device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9)
+    return sm90(device)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import FP_FUSION, gelu, interpreting, num_sms, split_counters
+from ..common import FP_FUSION, gelu, interpreting, num_sms, sm90, split_counters
 from ..prefetch import prefetch_rows
 from .lookup import _code_words, _lookup8, _tile_ahead, _tile_codes, _weight_tile
 from .rotate import _precision
@@ -315,7 +315,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
             cfg["gemv_m"] //= 2
     words = codes.view(torch.int32)  # eight codes a word
     lut = not interpreting()
-    hopper = lut and torch.cuda.get_device_capability(x.device)[0] >= 9
+    hopper = bool(cfg["pdl"] or cfg["prefetch"]) and sm90(x.device)  # asked only when either is asked for
     pdl, prefetch = bool(cfg["pdl"]) and hopper, bool(cfg["prefetch"]) and hopper
     sxp = x.stride(0) if parts > 1 else 0
     out = torch.empty(b, m, device=x.device, dtype=out_dtype)
