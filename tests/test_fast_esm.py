@@ -342,3 +342,43 @@ def test_fused_forward_matches_the_reference_path(net):
         assert torch.allclose(a[layer], b[layer], atol=2e-5, rtol=1e-5), (layer, (a[layer] - b[layer]).abs().max())
     only = fused(batch, [2])
     assert list(only) == [2] and torch.equal(only[2], b[2])
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "fp8", "esmc"])
+def test_replayed_blocks_give_the_eager_forward_bit_for_bit(kind):
+    """Blocks 2 … L − 1 replayed from one captured block, each layer's tensors copied in, give every layer's hidden
+    states exactly as running every block eagerly does (ESM-2 in fp16 and bf16, FP8 weights on a GPU with FP8, and
+    ESM C), batch after batch of other shapes."""
+    from esm_turbo.embed.fp8 import fp8_supported
+    from esm_turbo.testing import stress_esmc
+    if kind == "fp8" and not fp8_supported(torch.device("cuda")):
+        pytest.skip("needs a GPU with FP8")
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if kind in ("bf16", "fp8") else torch.float16
+    net = (stress_esmc(layers=5, hidden=128, heads=2) if kind == "esmc" else stress_esm2(layers=6, hidden=320,
+                                                                                         heads=20))
+    fast = FastEsm.from_hf(net.cuda().to(dtype).eval())
+    if kind == "fp8":
+        fast.to_fp8()
+    layers = list(range(fast.num_layers + 1))
+    for seqs in (SEQS, SEQS[:2] * 7, ["W" * 300, "MKV"]):
+        batch = PackedBatch.from_sequences(seqs, "cuda")
+        fast.block_graphs = False
+        eager = fast(batch, layers)
+        fast.block_graphs = True
+        replayed = fast(batch, layers)
+        for layer in layers:
+            assert torch.equal(eager[layer], replayed[layer]), (kind, layer)
+        assert fast._replays_blocks(replayed[1], fast.num_layers)
+
+
+def test_blocks_replay_by_default_only_where_it_measured_faster():
+    from esm_turbo.embed.fast_esm import replay_pays
+    assert replay_pays(16384, 640, 28)  # 150M-shaped, 16K tokens
+    assert replay_pays(4096, 1280, 31)  # 650M-shaped, a short batch
+    assert not replay_pays(16384, 1280, 31)  # 650M-shaped, 16K tokens: bound by the GPU
+    assert not replay_pays(16384, 320, 4)  # 8M: too few blocks to pay for the capture
+    fast = FastEsm.from_hf(stress_esm2(layers=12, hidden=64, heads=4))
+    assert not fast._replays_blocks(torch.zeros(8, 64), 12)  # off CUDA

@@ -42,7 +42,7 @@ REPEATS = 2
 MIN_TIMED_S = 3.0
 MAX_REPEATS = 20
 #: shapes of the GPU suite and how many copies of the sequence set each embeds
-EMBED_BENCH_SIZES = {"8M": 8, "150M": 8, "650M": 8, "3B": 2}
+EMBED_BENCH_SIZES = {"8M": 8, "35M": 8, "150M": 8, "650M": 8, "3B": 2}
 #: shapes run only when ``--sizes`` names them
 EMBED_BENCH_EXTRA = {"ESMC-300M": 8, "ESMC-600M": 8, "ESMC-6B": 1}
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +128,44 @@ def block_output(h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, b_o: to
     x = activation(linear(F.layer_norm(h, (dim,), norm_w, norm_b, eps), w_1, b_1), act)
     y = linear(x, w_2, b_2)
     return h + (y if branch_scale == 1.0 else y / branch_scale)
+
+
+class BlockTensors(NamedTuple):
+    """What block i of the fused path reads (:meth:`FastEsm.block_tensors`): the four products' weights (tensors,
+    :class:`~esm_turbo.embed.fp8.Fp8Weight` or :class:`~esm_turbo.weights.step.StepProduct`) and biases, the
+    feed-forward's LayerNorm, ESM C's query and key LayerNorms (None for ESM-2) and the LayerNorm after the block (the
+    next block's attention norm, or the final norm)."""
+
+    w_qkv: object
+    b_qkv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    w_o: object
+    b_o: torch.Tensor | None
+    ffn_w: torch.Tensor
+    ffn_b: torch.Tensor | None
+    w_1: object
+    b_1: torch.Tensor | None
+    w_2: object
+    b_2: torch.Tensor | None
+    after_w: torch.Tensor
+    after_b: torch.Tensor | None
+
+    def leaves(self) -> list[torch.Tensor]:
+        """Every tensor, in order (an FP8 weight's codes, then its scales)."""
+        out: list[torch.Tensor] = []
+        for v in self:
+            if isinstance(v, Fp8Weight):
+                out += [v.q, v.scale]
+            elif isinstance(v, torch.Tensor):
+                out.append(v)
+        return out
+
+    def with_leaves(self, leaves: list[torch.Tensor]) -> "BlockTensors":
+        """The same fields over other tensors (:meth:`leaves`' order)."""
+        it = iter(leaves)
+        return BlockTensors(*(Fp8Weight(next(it), next(it)) if isinstance(v, Fp8Weight)
+                              else next(it) if isinstance(v, torch.Tensor) else v for v in self))
 
 
 class FastEsmBlock(nn.Module):
@@ -245,6 +283,12 @@ class FastEsm(nn.Module):
         # tiles of 64 tokens, in the dtypes it measured faster in: kernels.varlen_attention.GPU_DTYPES) or "flash"
         # (flash-attention's variable-length kernel); captured graphs take flash
         self.attention_kernel = "triton"
+        # the fused path on CUDA captures block 2 of each batch as a CUDA graph and replays it for the blocks after
+        # it with their tensors copied in (_BlockGraph): the host's launch work once a batch, not once a block.
+        # None: where it can (FastEsm._replays_blocks); False: never
+        self.block_graphs: bool | None = None
+        self._block_graph: "_BlockGraph | None" = None
+        self._block_pool = None  # the memory pool every batch's captured block allocates from (made at the first)
         self._graphs: dict = {}
 
     # ---- loading ---------------------------------------------------------------------------------
@@ -393,7 +437,7 @@ class FastEsm(nn.Module):
             head = self.lm_head
             for name in ("dense_w", "dense_b", "norm_w", "norm_b", "bias", "decoder"):
                 setattr(head, name, getattr(head, name).to(dtype))
-        self._graphs = {}
+        self._graphs, self._block_graph = {}, None
         return self
 
     @property
@@ -481,11 +525,33 @@ class FastEsm(nn.Module):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _layer: int) -> torch.Tensor:
             return varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, 1.0, blocks).reshape(n, dim)
 
-        for i in range(1, last + 1):
+        first = 1
+        if self._replays_blocks(h, last):  # block 1 eager (every kernel built and loaded), 2 … last − 1 replayed
+            h, x = self.fused_block(1, h, x, cos, sin, attend, fp8)
+            if 1 in wanted:
+                out[1] = h.clone()
+            graph = _BlockGraph(self, h, x, cos, sin, attend, fp8)
+            self._block_graph = graph  # kept until the next batch's is captured: their pool then stays allocated
+            for i in range(2, last):
+                graph.replay(self.block_tensors(i, n))
+                if i in wanted:
+                    out[i] = h.clone()  # the graph's buffers hold the next block's output after its replay
+            first = last
+        for i in range(first, last + 1):
             h, x = self.fused_block(i, h, x, cos, sin, attend, fp8)
             if i in wanted:
                 out[i] = x if i == self.num_layers else h
         return out
+
+    def _replays_blocks(self, h: torch.Tensor, last: int) -> bool:
+        """Whether :meth:`_forward_fused` replays one captured block for blocks 2 … ``last`` − 1: where it can (on
+        CUDA, dense or FP8 weights, three blocks or more, not inside a capture) and :attr:`block_graphs` is True, or
+        None and :func:`replay_pays` says so for h's tokens."""
+        if self.block_graphs is False:
+            return False
+        can = (h.is_cuda and last >= 3 and not torch.cuda.is_current_stream_capturing()
+               and all(b.quantized is None for b in self.blocks))
+        return can and (self.block_graphs or replay_pays(h.shape[0], h.shape[1], last - 2))
 
     def first_norm(self, h: torch.Tensor, fp8: bool = False):
         """(h, the first block's attention LayerNorm of it) in one launch, as :meth:`fused_block` takes them."""
@@ -495,63 +561,81 @@ class FastEsm(nn.Module):
         x = products[0].normalize(h, first.weight, first.bias, self.eps) if products else None
         return (h, x) if x is not None else add_layer_norm_triton(h, None, first.weight, first.bias, self.eps, fp8=fp8)
 
+    def block_tensors(self, i: int, rows: int) -> BlockTensors:
+        """What block ``i`` (1 … num_layers) reads over ``rows`` tokens (:meth:`FastEsmBlock.weights` at those
+        rows)."""
+        b = self.blocks[i - 1]
+        after = self.final_norm if i == self.num_layers else self.blocks[i].attn_norm
+        w_qkv, w_o, w_1, w_2 = b.weights(rows=rows)
+        return BlockTensors(w_qkv, b.qkv.bias, *b.qk_norms(), w_o, b.out.bias, b.ffn_norm.weight, b.ffn_norm.bias,
+                            w_1, b.fc1.bias, w_2, b.fc2.bias, after.weight, after.bias)
+
     def fused_block(self, i: int, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor,
                     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
-                    fp8: bool = False) -> tuple:
+                    fp8: bool = False, tensors: BlockTensors | None = None, into: tuple | None = None) -> tuple:
         """Block ``i`` (1 … num_layers) of the fused path over N tokens: h [N, D] the residual stream, x its LayerNorm
         by the block's attention norm (or its e4m3 rows, ``fp8``), cos, sin [N, d] float32. ``attend(q, k, v, i - 1)``
         (q scaled and rotated, k rotated, v: [N, H, d]) gives the attention output [N, D] (or, ``fp8``, of any
         layout the next product takes). Returns (h after the block, its LayerNorm by the next block's attention norm
-        or, after the last block, the final norm) as the next call takes them."""
+        or, after the last block, the final norm) as the next call takes them. ``tensors``: what the block reads
+        (default :meth:`block_tensors` of block i); ``into``: (h, x) buffers the two outputs are written to (a
+        captured block's own inputs, :class:`_BlockGraph`)."""
         from ..kernels.activation import activation_triton
         from ..kernels.norm import layer_norm_columns_
         from ..kernels.rope import rope_packed_triton
         from .products import folds, product
         n, dim = h.shape
-        b = self.blocks[i - 1]
+        b = self.blocks[i - 1]  # the shape of every block alike: heads, activation
+        last = i == self.num_layers
+        then = None  # the product after the block, where it makes its input's rotation with the LayerNorm
+        if tensors is None:
+            tensors = self.block_tensors(i, n)
+            then = None if last else (self.blocks[i].step_products(n) or (None,))[0]
+        t = tensors
         policy, inv_scale = self.fused_products, 1.0 / self.branch_scale
-        w_qkv, w_o, w_1, w_2 = b.weights(rows=n)
-        qkv = product(x, w_qkv, b.qkv.bias, kernel=folds(x, w_qkv, "bias", policy))
-        if b.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
-            layer_norm_columns_(qkv[:, :dim], b.q_norm.weight, self.eps)
-            layer_norm_columns_(qkv[:, dim: 2 * dim], b.k_norm.weight, self.eps)
+        qkv = product(x, t.w_qkv, t.b_qkv, kernel=folds(x, t.w_qkv, "bias", policy))
+        if t.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
+            layer_norm_columns_(qkv[:, :dim], t.q_norm, self.eps)
+            layer_norm_columns_(qkv[:, dim: 2 * dim], t.k_norm, self.eps)
         q, k = rope_packed_triton(qkv, cos, sin, b.heads)
         v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
         a = attend(q, k, v, i - 1)
         a = activation_triton(a, "none", fp8=True) if fp8 else a
-        h, x = self._residual(h, a, w_o, b.out.bias, b.ffn_norm, inv_scale, fp8, policy, then=w_1)
-        if b.activation == "gelu" and folds(x, w_1, "gelu", policy):  # bias and GELU in the epilogue
+        h, x = self._residual(h, a, t.w_o, t.b_o, (t.ffn_w, t.ffn_b), inv_scale, fp8, policy, then=t.w_1)
+        if b.activation == "gelu" and folds(x, t.w_1, "gelu", policy):  # bias and GELU in the epilogue
             if fp8:  # the rows' maxima come with it: one read of the activation to quantize it
-                f, amax = product(x, w_1, b.fc1.bias, "gelu", row_amax=True)
+                f, amax = product(x, t.w_1, t.b_1, "gelu", row_amax=True)
                 f = activation_triton(f, "none", fp8=True, amax=amax)
             else:
-                f = product(x, w_1, b.fc1.bias, "gelu")
+                f = product(x, t.w_1, t.b_1, "gelu")
         else:
-            u = product(x, w_1, b.fc1.bias, kernel=False)
+            u = product(x, t.w_1, t.b_1, kernel=False)
             f = F.gelu(u) if b.activation == "gelu" and not fp8 else activation_triton(u, b.activation, fp8=fp8)
-        last = i == self.num_layers
-        after = self.final_norm if last else self.blocks[i].attn_norm
-        then = None if last else (self.blocks[i].step_products(n) or (None,))[0]
-        return self._residual(h, f, w_2, b.fc2.bias, after, inv_scale, fp8 and not last, policy, then=then)
+        return self._residual(h, f, t.w_2, t.b_2, (t.after_w, t.after_b), inv_scale, fp8 and not last, policy,
+                              then=then, into=into)
 
-    def _residual(self, h: torch.Tensor, x, w, bias: torch.Tensor | None, norm: nn.LayerNorm, inv_scale: float,
-                  fp8: bool, policy: bool | None, then=None) -> tuple:
+    def _residual(self, h: torch.Tensor, x, w, bias: torch.Tensor | None, norm: tuple, inv_scale: float,
+                  fp8: bool, policy: bool | None, then=None, into: tuple | None = None) -> tuple:
         """An output projection, the residual add and the LayerNorm after it: (h + (x wᵀ + b) · inv_scale, the
         LayerNorm of that), h [N, D]. Where the product folds its epilogue (:func:`~.products.folds`) the add is in
         it and the LayerNorm reads one tensor; else the add and the LayerNorm run in one launch after a cuBLAS
-        product. ``fp8``: the LayerNorm's output as e4m3 rows. ``then``: the product the LayerNorm feeds (a
-        :class:`~esm_turbo.weights.step.StepProduct` makes its own input's rotation with the LayerNorm)."""
+        product. ``norm``: the LayerNorm's (weight, bias). ``fp8``: the LayerNorm's output as e4m3 rows. ``then``: the
+        product the LayerNorm feeds (a :class:`~esm_turbo.weights.step.StepProduct` makes its own input's rotation
+        with the LayerNorm). ``into``: (h, x) buffers to write the two outputs to."""
         from ..kernels.norm import add_layer_norm_triton
         from ..weights.step import StepProduct
         from .products import folds, product
+        norm_w, norm_b = norm
         if folds(x, w, "residual", policy):
             s = product(x, w, bias, "residual", residual=h, residual_scale=inv_scale)
-            y = then.normalize(s, norm.weight, norm.bias, self.eps) if isinstance(then, StepProduct) else None
+            y = then.normalize(s, norm_w, norm_b, self.eps) if isinstance(then, StepProduct) else None
             if y is not None:
                 return s, y
-            return add_layer_norm_triton(s, None, norm.weight, norm.bias, self.eps, fp8=fp8)
-        return add_layer_norm_triton(h, product(x, w, bias, kernel=False), norm.weight, norm.bias, self.eps,
-                                     inv_scale, fp8=fp8)
+            if into is not None:
+                s = into[0].copy_(s)
+            return add_layer_norm_triton(s, None, norm_w, norm_b, self.eps, fp8=fp8, out=into)
+        return add_layer_norm_triton(h, product(x, w, bias, kernel=False), norm_w, norm_b, self.eps, inv_scale,
+                                     fp8=fp8, out=into)
 
     def _flash(self) -> bool:
         """Whether attention runs in the flash variable-length kernel (else one padded SDPA per layer)."""
@@ -630,6 +714,61 @@ def _rotary_frequencies(base, family: Family) -> torch.Tensor:
     if family is ESM2:  # older transformers keep it per layer
         return base.encoder.layer[0].attention.self.rotary_embeddings.inv_freq
     raise ValueError(f"no rotary frequencies found in this {family.label} model")
+
+
+#: a batch's blocks replay one captured block (:class:`_BlockGraph`) by default where a block's work, tokens × width²,
+#: is at most this: its GPU time is then near the host's time to launch it eagerly. On an H200 (its host CPU) 16K-token
+#: batches replayed ran 150M-shaped forwards (work 6.7e9) 1.4x faster and 650M-shaped ones (2.7e10) 2% slower
+#: (results/embed/block_graphs_h200.json)
+BLOCK_GRAPH_MAX_WORK = 1.2e10
+#: ... and at least this many blocks replay: the capture costs about three blocks' launches on the host
+BLOCK_GRAPH_MIN_REPLAYS = 8
+
+
+def replay_pays(tokens: int, width: int, replays: int) -> bool:
+    """Whether replaying a captured block ``replays`` times beats launching each block (see
+    :data:`BLOCK_GRAPH_MAX_WORK`)."""
+    return replays >= BLOCK_GRAPH_MIN_REPLAYS and tokens * width ** 2 <= BLOCK_GRAPH_MAX_WORK
+
+
+class _BlockGraph:
+    """One batch's block of the fused forward, captured once as a CUDA graph and replayed for block after block.
+
+    The graph reads its input (h, x) from the buffers it is made with (block 1's outputs) and writes its output back
+    into them, and reads the block's weights, biases and norms from tensors of its own: :meth:`replay` copies a
+    block's into them in one multi-tensor copy (the block's weight bytes once more, about 1% of a block's time at a
+    16K-token batch) and replays. So the host enqueues a block's nine launches once a batch instead of once a block;
+    on the CPUs that drive an H100 or H200 that is what bounds the smaller ESM-2s' forwards. The capture runs on a
+    side stream without synchronising (``torch.cuda.graph`` would wait for the device and empty the cache); block 1,
+    run eagerly before it, has built and loaded every kernel the capture meets. Every batch's graph allocates from
+    one memory pool (the model's), and the model keeps the last graph until the next is captured: the
+    pool's memory then stays allocated between batches instead of being asked of the driver again at every capture.
+    """
+
+    def __init__(self, model: FastEsm, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor, attend, fp8: bool):
+        tensors = model.block_tensors(2, h.shape[0])
+        self.buffers = [torch.empty_like(t) for t in tensors.leaves()]
+        own = tensors.with_leaves(self.buffers)
+        into = (h, tuple(x) if fp8 else x)
+        self.graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(h.device)
+        side = torch.cuda.Stream(h.device)
+        side.wait_stream(current)  # the buffers were allocated on the current stream
+        with torch.cuda.stream(side):
+            if model._block_pool is None:
+                model._block_pool = torch.cuda.graph_pool_handle()
+            self.graph.capture_begin(pool=model._block_pool, capture_error_mode="thread_local")
+            try:
+                model.fused_block(2, h, x, cos, sin, attend, fp8, tensors=own, into=into)
+            finally:
+                self.graph.capture_end()
+        current.wait_stream(side)
+
+    def replay(self, tensors: BlockTensors) -> None:
+        """One block: its ``tensors`` (:meth:`FastEsm.block_tensors`) copied in, the graph replayed on the current
+        stream."""
+        torch._foreach_copy_(self.buffers, tensors.leaves())
+        self.graph.replay()
 
 
 #: batches below this many tokens replay CUDA graphs in :meth:`FastEsm.embed`

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -114,17 +115,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache
+@functools.cache
+def _device_properties(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.multi_processor_count
+
+
+def _cuda_properties(index: int | None) -> tuple[int, int]:
+    """(major compute capability, multiprocessors) of CUDA device ``index`` (None: the current one), asked once a
+    device: the query costs microseconds a launch."""
+    return _device_properties(torch.cuda.current_device() if index is None else index)
+
+
 def sm90(device: torch.device) -> bool:
     """Whether kernels on ``device`` are compiled for compute capability 9.0 or later (CUDA, not Triton's
     interpreter): tensor descriptors (TMA), programmatic dependent launch, bulk prefetches."""
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and not interpreting() and _cuda_properties(device.index)[0] >= 9
 
 
 def num_sms(device: torch.device) -> int:
     """The device's multiprocessors (a few on CPU: Triton's interpreter, in tests)."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_properties(device.index)[1]
 
 
 def dot_precision(t: torch.Tensor) -> str:

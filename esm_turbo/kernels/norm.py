@@ -83,22 +83,29 @@ def _launch(h, y, weight, bias, s, x, xs, eps: float, y_scale: float) -> None:
 
 
 def add_layer_norm_triton(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                          eps: float, y_scale: float = 1.0, fp8: bool = False):
+                          eps: float, y_scale: float = 1.0, fp8: bool = False, out: tuple | None = None):
     """:func:`add_layer_norm_reference` in one launch (CUDA, or CPU under Triton's interpreter). h, y: [N, D]
     contiguous, one dtype. ``fp8``: the LayerNorm's output comes as :class:`~esm_turbo.embed.fp8.Fp8Rows` (what
-    :func:`~esm_turbo.embed.fp8.quantize_rows` makes of the reference's output), ready for an FP8 product."""
+    :func:`~esm_turbo.embed.fp8.quantize_rows` makes of the reference's output), ready for an FP8 product. ``out``:
+    (s, x) contiguous buffers of those shapes to write the sum and the LayerNorm to (neither h nor y; without y the
+    sum is h itself, so s must be h)."""
     if y is not None and (y.shape != h.shape or y.dtype != h.dtype):
         raise ValueError(f"h {tuple(h.shape)} {h.dtype} and y {tuple(y.shape)} {y.dtype} differ")
     h = h.contiguous()
     y = None if y is None else y.contiguous()
-    s = h if y is None else torch.empty_like(h)
+    if out is not None and (out[0] is y or (y is not None and out[0] is h) or (y is None and out[0] is not h)):
+        raise ValueError("out's sum must be a buffer of its own (h itself when there is no y)")
+    s = h if y is None else (out[0] if out is not None else torch.empty_like(h))
     if not fp8:
-        x = torch.empty_like(h)
+        x = out[1] if out is not None else torch.empty_like(h)
         _launch(h, y, weight, bias, s, x, None, eps, y_scale)
         return s, x
     from ..embed.fp8 import Fp8Rows
-    x = torch.empty(h.shape, device=h.device, dtype=torch.float8_e4m3fn)
-    xs = torch.empty(h.shape[0], 1, device=h.device, dtype=torch.float32)
+    if out is not None:
+        x, xs = out[1]
+    else:
+        x = torch.empty(h.shape, device=h.device, dtype=torch.float8_e4m3fn)
+        xs = torch.empty(h.shape[0], 1, device=h.device, dtype=torch.float32)
     _launch(h, y, weight, bias, s, x, xs, eps, y_scale)
     return s, Fp8Rows(x, xs)
 

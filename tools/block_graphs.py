@@ -1,0 +1,114 @@
+"""FastEsm's forward with every block launched eagerly against blocks 2 … L − 1 replayed from one captured block
+(``FastEsm.block_graphs`` False / True), on one GPU, interleaved, best of each.
+
+usage: python tools/block_graphs.py [--sizes 35M 150M 650M 650M:4096] [--embed 35M 150M] [--out F.json]
+
+Per shape (``size`` or ``size:tokens``, a real-length batch of about that many tokens, random weights, fp16): the
+host's time to enqueue one forward with the GPU kept busy, a forward's wall time alone (synchronised), and the time per
+forward of six queued back to back (what a stream of batches meets), for both; whether both give every layer bit for
+bit. ``--embed``: ``Embedder.run`` over the bench's records (nothing written) both ways, tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _host_ms(fn, busy: torch.Tensor, reps: int = 5) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        for _ in range(60):  # queued work, so that nothing the host enqueues waits for the GPU
+            busy @ busy
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return best
+
+
+def _wall_ms(fn, reps: int = 10, queued: int = 1) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(queued):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) * 1e3 / queued)
+    return best
+
+
+def forward_rows(spec: str) -> dict:
+    from tune_gemm import warm_forward
+    size, _, tokens = spec.partition(":")
+    fast, batch, _ = warm_forward(size, int(tokens or 16384))
+    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    layers = list(range(fast.num_layers + 1))
+    row: dict = dict(size=size, tokens=int(batch.tokens.shape[0]), layers=fast.num_layers,
+                     width=fast.config.hidden_size)
+    outs = {}
+    for _ in range(2):
+        for name, mode in (("eager", False), ("replayed", True)):
+            fast.block_graphs = mode
+            outs[name] = fast(batch, layers)
+            for key, value in (("host_ms", _host_ms(lambda: fast(batch), busy)),
+                               ("wall_ms", _wall_ms(lambda: fast(batch))),
+                               ("queued_ms", _wall_ms(lambda: fast(batch), reps=3, queued=6))):
+                row[f"{name}_{key}"] = min(row.get(f"{name}_{key}", float("inf")), value)
+    row["identical"] = all(torch.equal(outs["eager"][k], outs["replayed"][k]) for k in layers)
+    row["queued_speedup"] = row["eager_queued_ms"] / row["replayed_queued_ms"]
+    return row
+
+
+def embedder_row(size: str, copies: int = 4) -> dict:
+    from esm_turbo.bench import EMBED_FASTA
+    from esm_turbo.embed.benchmark import _NullWriter, random_masked_lm
+    from esm_turbo.embed.extract import EmbedConfig, Embedder
+    from esm_turbo.fasta import Record, read_fastas
+    dev = torch.device("cuda")
+    records = [Record(f"{r.id}#{k}", r.sequence, r.source) for k in range(copies) for r in read_fastas(EMBED_FASTA)]
+    tokens = sum(len(r.sequence) + 2 for r in records)
+    emb = Embedder(random_masked_lm(size, dev, torch.float16), EmbedConfig(include=["mean"]), dev)
+    emb.run(records, _NullWriter(), progress=False)
+    best: dict[str, float] = {}
+    for _ in range(3):
+        for name, mode in (("eager", False), ("replayed", True)):
+            emb.fast.block_graphs = mode
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            emb.run(records, _NullWriter(), progress=False)
+            torch.cuda.synchronize()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+    return dict(size=size, part="embedder", tokens=tokens, **{f"{k}_tokens_per_s": tokens / v for k, v in best.items()},
+                speedup=best["eager"] / best["replayed"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="*", default=["35M", "150M", "650M", "650M:4096"])
+    ap.add_argument("--embed", nargs="*", default=["35M", "150M"])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    rows = []
+    for spec in args.sizes:
+        rows.append(forward_rows(spec))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    for size in args.embed:
+        rows.append(embedder_row(size))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    result = dict(device=torch.cuda.get_device_name(), rows=rows)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
