@@ -285,7 +285,7 @@ class FastEsm(nn.Module):
         self.attention_kernel = "triton"
         # the fused path on CUDA captures block 2 of each batch as a CUDA graph and replays it for the blocks after
         # it with their tensors copied in (_BlockGraph): the host's launch work once a batch, not once a block.
-        # None: where it can (FastEsm._replays_blocks); False: never
+        # None: where replay_pays says it pays; True: wherever it can (FastEsm._replays_blocks); False: never
         self.block_graphs: bool | None = None
         self._block_graph: "_BlockGraph | None" = None
         self._block_pool = None  # the memory pool every batch's captured block allocates from (made at the first)
@@ -717,9 +717,10 @@ def _rotary_frequencies(base, family: Family) -> torch.Tensor:
 
 
 #: a batch's blocks replay one captured block (:class:`_BlockGraph`) by default where a block's work, tokens × width²,
-#: is at most this: its GPU time is then near the host's time to launch it eagerly. On an H200 (its host CPU) 16K-token
-#: batches replayed ran 150M-shaped forwards (work 6.7e9) 1.4x faster and 650M-shaped ones (2.7e10) 2% slower
-#: (results/embed/block_graphs_h200.json)
+#: is at most this: its GPU time is then near the host's time to launch it eagerly. On an H200 and its host CPU,
+#: 16K-token batches (results/embed/block_graphs_h200.json): 150M-shaped (work 6.7e9) the host's work a forward
+#: 13.8 -> 4.1 ms, Embedder.run 2.08x faster on a busy host and queued forwards 4% slower where the host keeps up;
+#: 650M-shaped (2.7e10) 3% slower, bound by the GPU either way
 BLOCK_GRAPH_MAX_WORK = 1.2e10
 #: ... and at least this many blocks replay: the capture costs about three blocks' launches on the host
 BLOCK_GRAPH_MIN_REPLAYS = 8
