@@ -431,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16", "fp8"], default="auto",
                    help="compute dtype (auto: fp16 on CUDA, fp32 on CPU; fp8: the matrix products in FP8 e4m3 on GPUs "
                         "that have it, the rest in bf16); outputs are stored as float32")
+    p.add_argument("--fp8-keep", type=int, nargs="+", default=[], metavar="BLOCK",
+                   help="with --dtype fp8: blocks whose products stay in bf16 (0 the first, -1 the last); the trained "
+                        "ESM C testbed holds every FP8 fidelity bar with --fp8-keep 0 (docs/embed-speed.md)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu… (default: cuda when available)")
     p.add_argument("--nogpu", action="store_true", help="run on CPU (fair-esm's flag)")
     p.add_argument("--offload-residual", action="store_true",

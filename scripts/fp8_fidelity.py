@@ -99,11 +99,14 @@ def outlier_ratio(model: FastEsm, seqs: list[str]) -> float:
 
 
 def variant(folder: Path, dtype: str, planted: bool) -> FastEsm:
+    """The testbed in ``dtype``: fp32, fp16, bf16, fp8, or ``fp8:K,...`` (FP8 with blocks K, ... kept in bf16,
+    :meth:`FastEsm.to_fp8`'s ``keep``)."""
     model = FastEsm.from_pretrained(folder, dtype=torch.float32, device="cpu")
     if planted:
         plant_product_outliers(model)
-    if dtype == "fp8":
-        return model.to_fp8()
+    if dtype.startswith("fp8"):
+        keep = tuple(int(k) for k in dtype.partition(":")[2].split(",") if k)
+        return model.to_fp8(keep=keep)
     if dtype != "fp32":
         return model.to_dtype({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype])
     return model
@@ -118,6 +121,8 @@ def main() -> None:
     ap.add_argument("--real", type=int, default=485, help="how many of --tsv's proteins")
     ap.add_argument("--corpus", type=Path, default=None, help="the corpus.fasta.gz the testbeds were trained on "
                     "(default: beside each testbed)")
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES),
+                    help="rows beside fp32: fp16, bf16, fp8, fp8:K,... (FP8, blocks K, ... in bf16; 0 the first)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     real = []
@@ -125,6 +130,7 @@ def main() -> None:
         with open(args.tsv) as fh:
             real = [r["sequence"].upper()[:1022] for r in csv.DictReader(fh, delimiter="\t")][: args.real]
     corpus = f" --corpus {args.corpus}" if args.corpus else ""
+    corpus += f" --dtypes {' '.join(args.dtypes)}" if args.dtypes != list(DTYPES) else ""
     lines = [f"# python scripts/fp8_fidelity.py {' '.join(str(t) for t in args.testbeds)}{corpus} --sequences "
              f"{args.sequences} --real {args.real} (CPU, torch {torch.__version__})",
              f"# per testbed: {args.sequences} held-out corpus windows (perplexity: 15% of residues masked) + "
@@ -145,7 +151,7 @@ def main() -> None:
             lines.append(f"{folder.name:18} {'planted' if planted else 'none':>8} {ratio:11.1f} | fp32  | "
                          f"{ppl0:10.3f}         |                  |                       |")
             print(lines[-1], flush=True)
-            for dtype in DTYPES:
+            for dtype in args.dtypes:
                 start = time.perf_counter()
                 model = variant(folder, dtype, planted)
                 ppl = perplexity(model, window, masks)

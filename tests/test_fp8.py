@@ -79,6 +79,12 @@ def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores(stress_dir, tmp_path
     assert main(["embed", "--model", str(stress_dir), str(fasta), "-o", str(out), "--dtype", "fp8", "--include",
                  "contacts"]) == 2
     assert "contacts need" in capsys.readouterr().err
+    assert main(["embed", "--model", str(stress_dir), str(fasta), "-o", str(out), "--fp8-keep", "0"]) == 2
+    assert "--fp8-keep names blocks kept out of FP8: it goes with --dtype fp8" in capsys.readouterr().err
+    if FP8_GPU:  # blocks checked against the model's before any work
+        assert main(["embed", "--model", str(stress_dir), str(fasta), "-o", str(out), "--dtype", "fp8",
+                     "--fp8-keep", "9"]) == 2
+        assert "--fp8-keep 9: the model has blocks 0" in capsys.readouterr().err and not out.exists()
     if not FP8_GPU:
         with pytest.raises(Exception, match="FP8 tensor cores"):
             FastEsm.from_pretrained(stress_dir, dtype="fp8", device="cpu")
@@ -93,6 +99,39 @@ def test_scaled_mm_matches_the_reference_on_the_gpu():
         got, want = fp8_linear(x, w, b).float(), fp8_linear_reference(x, w, b).float()
         # the same e4m3 products summed in another order, then rounded to bf16 (2**-8 relative)
         assert ((got - want).abs() <= want.abs() * 2 ** -7 + 1e-2 * want.abs().max()).all()
+
+
+def test_blocks_kept_out_of_fp8_run_their_products_in_bf16(stress_dir):
+    """to_fp8(keep=...) leaves the named blocks' products in bf16 (the rest in e4m3), and the forward runs them so:
+    with every block kept it is the bf16 model's."""
+    batch = PackedBatch.from_sequences(SEQS)
+    model = FastEsm.from_pretrained(stress_dir, dtype=torch.float32, device="cpu").to_fp8(keep=(0, -1))
+    assert model.blocks[0].fp8 is None and model.blocks[-1].fp8 is None and model.blocks[1].fp8 is not None
+    assert model.blocks[0].qkv.weight.dtype == torch.bfloat16
+    n = len(model.blocks)
+    every = FastEsm.from_pretrained(stress_dir, dtype=torch.float32, device="cpu").to_fp8(keep=tuple(range(n)))
+    bf16 = FastEsm.from_pretrained(stress_dir, dtype=torch.float32, device="cpu").to_dtype(torch.bfloat16)
+    assert not every.is_fp8 and torch.equal(every(batch)[n], bf16(batch)[n])
+    assert model(batch)[n].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="blocks 0"):
+        FastEsm.from_pretrained(stress_dir, dtype=torch.float32, device="cpu").to_fp8(keep=(n,))
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 tensor cores")
+@pytest.mark.parametrize("keep", [(0,), (0, -1), (1,)])
+def test_the_fused_forward_with_blocks_kept_in_bf16_matches_the_reference(stress_dir, keep):
+    """Blocks in bf16 among FP8 ones on the fused path (each LayerNorm hands the next block its input in the form its
+    products take; blocks replayed only while block and next keep block 2's forms) against the reference path."""
+    batch = PackedBatch.from_sequences(SEQS, device="cuda")
+    fused = FastEsm.from_pretrained(stress_dir, dtype=torch.bfloat16, device="cuda").to_fp8(keep=keep)
+    ref = FastEsm.from_pretrained(stress_dir, dtype=torch.bfloat16, device="cuda", fused=False).to_fp8(keep=keep)
+    full = FastEsm.from_pretrained(stress_dir, dtype=torch.float32, device="cuda", fused=False)
+    c = full(batch)[full.num_layers].float()
+    miss_ref = 1 - F.cosine_similarity(ref(batch)[ref.num_layers].float(), c, dim=-1).min()
+    for graphs in (False, True):
+        fused.block_graphs = graphs
+        a = fused(batch)[fused.num_layers].float()
+        assert 1 - F.cosine_similarity(a, c, dim=-1).min() <= 2 * miss_ref + 1e-4, (keep, graphs)
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 tensor cores")

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..errors import EsmTurboError
 from ..io import seconds_since_start
 from ..schema import DTYPES
 from .extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
@@ -90,7 +91,7 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
         if phases is not None:
             phases.mark("fingerprint")
         fast = FastEsm.from_tensors(config, tensors)
-        return (fast.to_fp8() if cfg.dtype == "fp8" else fast), fingerprint
+        return (fast.to_fp8(fp8_blocks(cfg.fp8_keep, fast.num_layers)) if cfg.dtype == "fp8" else fast), fingerprint
     from ..model.loading import load_esm
     if quiet:  # transformers' own loading bar
         from transformers.utils import logging as hf_logging
@@ -107,8 +108,17 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
     fingerprint = weights_fingerprint(arch, named)
     if cfg.dtype == "fp8":
         from .fast_esm import FastEsm
-        return FastEsm.from_hf(net).to_fp8(), fingerprint
+        fast = FastEsm.from_hf(net)
+        return fast.to_fp8(fp8_blocks(cfg.fp8_keep, fast.num_layers)), fingerprint
     return net, fingerprint
+
+
+def fp8_blocks(keep: list[int], layers: int) -> tuple[int, ...]:
+    """``--fp8-keep``'s blocks, checked against the model's ``layers`` (one line naming the block)."""
+    bad = [k for k in keep if not -layers <= k < layers]
+    if bad:
+        raise EsmTurboError(f"--fp8-keep {bad[0]}: the model has blocks 0 … {layers - 1} (or -{layers} … -1)")
+    return tuple(keep)
 
 
 def run_embed(args) -> int:
@@ -119,7 +129,7 @@ def run_embed(args) -> int:
     rank, world = distributed_context()
     cfg = EmbedConfig(repr_layers=args.repr_layers, include=args.include, toks_per_batch=args.toks_per_batch,
                       truncation_seq_length=args.truncation_seq_length, long_policy=args.long_policy,
-                      window_overlap=args.window_overlap, dtype=args.dtype)
+                      window_overlap=args.window_overlap, dtype=args.dtype, fp8_keep=list(args.fp8_keep))
     cfg.check()
     device = torch.device("cpu" if args.nogpu else (args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     if device.type == "cuda" and world > 1 and device.index is None:
@@ -134,8 +144,11 @@ def run_embed(args) -> int:
     meta = dict(model=str(args.model), dtype=dtype_name, include=sorted(set(cfg.include)),
                 truncation_seq_length=cfg.truncation_seq_length, long_policy=cfg.long_policy,
                 window_overlap=cfg.window_overlap)
+    if cfg.dtype == "fp8":
+        meta["fp8_keep"] = sorted(cfg.fp8_keep)
     if layers is not None:
         meta["repr_layers"] = resolve_layers(args.repr_layers, layers)  # refused here, before the model is loaded
+        fp8_blocks(cfg.fp8_keep, layers)
     writer = make_writer(args.format, args.output, rank, world)
     check_output(writer, meta, args.resume, args.overwrite)
     summary = EmbedSummary()

@@ -55,6 +55,7 @@ class EmbedConfig:
     long_policy: str = "truncate"  # truncate | windows
     window_overlap: int | None = None  # default: 256, at most a quarter of the window
     dtype: str = "auto"  # auto (fp16 on CUDA, fp32 elsewhere) | fp32 | fp16 | bf16 | fp8 (FP8 products, bf16 around)
+    fp8_keep: list[int] = field(default_factory=list)  # fp8: blocks whose products stay in bf16 (FastEsm.to_fp8)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the model's activations take on ``device``: ``dtype`` (bf16 for fp8, whose matrix products
@@ -72,6 +73,8 @@ class EmbedConfig:
             raise EsmTurboError(f"--include: unknown kind(s) {bad}; choose from {list(INCLUDE_KINDS)}")
         if self.dtype not in ("auto", "fp8") and self.dtype not in DTYPES:
             raise EsmTurboError(f"--dtype {self.dtype!r}: choose auto, fp32, fp16, bf16 or fp8")
+        if self.fp8_keep and self.dtype != "fp8":
+            raise EsmTurboError("--fp8-keep names blocks kept out of FP8: it goes with --dtype fp8")
         if self.dtype == "fp8" and "contacts" in self.include:
             raise EsmTurboError("--dtype fp8 runs in FastEsm, which has no attention maps: contacts need fp16, bf16 "
                                 "or fp32")

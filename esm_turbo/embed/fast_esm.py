@@ -408,13 +408,18 @@ class FastEsm(nn.Module):
         return cls.from_hf(load_esm(model, dtype=dtype, device=device), fused=fused)
 
     @torch.no_grad()
-    def to_fp8(self) -> "FastEsm":
+    def to_fp8(self, keep: tuple[int, ...] = ()) -> "FastEsm":
         """The four matrix products of every block in FP8 (:mod:`esm_turbo.embed.fp8`: e4m3 weights with a scale per
-        output channel, activations with a scale per token, fp32 accumulation) and everything else in bf16, in place.
-        On GPUs without FP8 (and on CPU) the products run in the PyTorch reference, which computes the same numbers
-        slowly: it is there to measure fidelity, not for speed."""
-        for b in self.blocks:
-            if b.fp8 is None:
+        output channel, activations with a scale per token, fp32 accumulation) and everything else in bf16, in place;
+        the blocks ``keep`` names (0 the first, −1 the last) keep their products in bf16. On GPUs without FP8 (and on
+        CPU) the products run in the PyTorch reference, which computes the same numbers slowly: it is there to
+        measure fidelity, not for speed."""
+        n = len(self.blocks)
+        if any(not -n <= k < n for k in keep):
+            raise ValueError(f"keep {keep}: the model has blocks 0 … {n - 1}")
+        kept = {k % n for k in keep}
+        for i, b in enumerate(self.blocks):
+            if b.fp8 is None and i not in kept:
                 b.fp8 = tuple(Fp8Weight.quantize(w) for w in b.weights())
                 b.quantized = None
                 for m in (b.qkv, b.out, b.fc1, b.fc2):
@@ -512,8 +517,9 @@ class FastEsm(nn.Module):
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
         n, dim = h.shape
-        fp8 = self.is_fp8 and fp8_supported(h.device)
-        _, x = self.first_norm(h, fp8)
+        on_fp8 = fp8_supported(h.device)
+        fp8s = [on_fp8 and b.fp8 is not None for b in self.blocks] + [False]  # block i's products in FP8: fp8s[i - 1]
+        _, x = self.first_norm(h, fp8s[0])
         last = min(max(wanted, default=0), self.num_layers)
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
         blocks = None
@@ -526,19 +532,23 @@ class FastEsm(nn.Module):
             return varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, 1.0, blocks).reshape(n, dim)
 
         first = 1
-        if self._replays_blocks(h, last):  # block 1 eager (every kernel built and loaded), 2 … last − 1 replayed
-            h, x = self.fused_block(1, h, x, cos, sin, attend, fp8)
+        if self._replays_blocks(h, last):  # block 1 eager (every kernel built and loaded), then blocks replayed
+            h, x = self.fused_block(1, h, x, cos, sin, attend, fp8s[0], fp8s[1])
             if 1 in wanted:
                 out[1] = h.clone()
-            graph = _BlockGraph(self, h, x, cos, sin, attend, fp8)
+            # blocks 2 … whose products and whose next block's are in FP8 as block 2's are, before the last
+            stop = 2
+            while stop < last and fp8s[stop - 1: stop + 1] == fp8s[1:3]:
+                stop += 1
+            graph = _BlockGraph(self, h, x, cos, sin, attend, fp8s[1], fp8s[2])
             self._block_graph = graph  # kept until the next batch's is captured: their pool then stays allocated
-            for i in range(2, last):
+            for i in range(2, stop):
                 graph.replay(self.block_tensors(i, n))
                 if i in wanted:
                     out[i] = h.clone()  # the graph's buffers hold the next block's output after its replay
-            first = last
+            first = stop
         for i in range(first, last + 1):
-            h, x = self.fused_block(i, h, x, cos, sin, attend, fp8)
+            h, x = self.fused_block(i, h, x, cos, sin, attend, fp8s[i - 1], fp8s[i])
             if i in wanted:
                 out[i] = x if i == self.num_layers else h
         return out
@@ -572,12 +582,14 @@ class FastEsm(nn.Module):
 
     def fused_block(self, i: int, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor,
                     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
-                    fp8: bool = False, tensors: BlockTensors | None = None, into: tuple | None = None) -> tuple:
+                    fp8: bool = False, fp8_next: bool | None = None, tensors: BlockTensors | None = None,
+                    into: tuple | None = None) -> tuple:
         """Block ``i`` (1 … num_layers) of the fused path over N tokens: h [N, D] the residual stream, x its LayerNorm
         by the block's attention norm (or its e4m3 rows, ``fp8``), cos, sin [N, d] float32. ``attend(q, k, v, i - 1)``
         (q scaled and rotated, k rotated, v: [N, H, d]) gives the attention output [N, D] (or, ``fp8``, of any
         layout the next product takes). Returns (h after the block, its LayerNorm by the next block's attention norm
-        or, after the last block, the final norm) as the next call takes them. ``tensors``: what the block reads
+        or, after the last block, the final norm) as the next call takes them: as e4m3 rows where ``fp8_next`` (the
+        next block's products in FP8; default ``fp8`` before the last block). ``tensors``: what the block reads
         (default :meth:`block_tensors` of block i); ``into``: (h, x) buffers the two outputs are written to (a
         captured block's own inputs, :class:`_BlockGraph`)."""
         from ..kernels.activation import activation_triton
@@ -611,8 +623,9 @@ class FastEsm(nn.Module):
         else:
             u = product(x, t.w_1, t.b_1, kernel=False)
             f = F.gelu(u) if b.activation == "gelu" and not fp8 else activation_triton(u, b.activation, fp8=fp8)
-        return self._residual(h, f, t.w_2, t.b_2, (t.after_w, t.after_b), inv_scale, fp8 and not last, policy,
-                              then=then, into=into)
+        fp8_next = (fp8 and not last) if fp8_next is None else fp8_next
+        return self._residual(h, f, t.w_2, t.b_2, (t.after_w, t.after_b), inv_scale, fp8_next, policy, then=then,
+                              into=into)
 
     def _residual(self, h: torch.Tensor, x, w, bias: torch.Tensor | None, norm: tuple, inv_scale: float,
                   fp8: bool, policy: bool | None, then=None, into: tuple | None = None) -> tuple:
@@ -746,11 +759,12 @@ class _BlockGraph:
     pool's memory then stays allocated between batches instead of being asked of the driver again at every capture.
     """
 
-    def __init__(self, model: FastEsm, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor, attend, fp8: bool):
+    def __init__(self, model: FastEsm, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor, attend, fp8: bool,
+                 fp8_next: bool):
         tensors = model.block_tensors(2, h.shape[0])
         self.buffers = [torch.empty_like(t) for t in tensors.leaves()]
         own = tensors.with_leaves(self.buffers)
-        into = (h, tuple(x) if fp8 else x)
+        into = (h, tuple(x) if fp8_next else x)
         self.graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(h.device)
         side = torch.cuda.Stream(h.device)
@@ -760,7 +774,7 @@ class _BlockGraph:
                 model._block_pool = torch.cuda.graph_pool_handle()
             self.graph.capture_begin(pool=model._block_pool, capture_error_mode="thread_local")
             try:
-                model.fused_block(2, h, x, cos, sin, attend, fp8, tensors=own, into=into)
+                model.fused_block(2, h, x, cos, sin, attend, fp8, fp8_next, tensors=own, into=into)
             finally:
                 self.graph.capture_end()
         current.wait_stream(side)
