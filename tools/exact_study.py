@@ -35,12 +35,14 @@ class ExactCodec(KVCodec):
     over its ``decode`` (the evaluation's teacher-forced pass decodes what it has just encoded). With ``cuts`` (a
     threshold per kind, fitted on the calibration set) a value is kept where its error passes its kind's cut, each
     error first divided by its channel's spread where ``scales`` [H, 1, d] per kind are given; ``also`` adds a second
-    (cuts, scales) rule, and a value passing either is kept."""
+    (cuts, scales) rule, and a value passing either is kept. With ``slots`` = k instead, each token keeps its k values
+    of each kind (over all heads and channels) whose error, over ``scales`` where given, is largest: a side list of
+    fixed size, k slots a token."""
 
     def __init__(self, inner: KVCodec, sinks: int = 0, sparse: float = 0.0, cuts: tuple[float, float] | None = None,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None, also: tuple | None = None):
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None, also: tuple | None = None, slots: int = 0):
         super().__init__(inner.key, inner.value, window=0)
-        self.sinks, self.sparse = sinks, sparse
+        self.sinks, self.sparse, self.slots, self.scales = sinks, sparse, slots, scales
         self.rules = [r for r in ((cuts, scales), also) if r is not None and r[0] is not None]
         self.exact: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kept = [0, 0]  # values kept exact, values seen (with ``cuts``)
@@ -56,6 +58,9 @@ class ExactCodec(KVCodec):
             x = x.float()
             if self.sinks:
                 x_hat[..., : self.sinks, :] = x[..., : self.sinks, :]
+            if self.slots:
+                x_hat = torch.where(_top_per_token((x - x_hat).abs() / (1.0 if self.scales is None
+                                                                       else self.scales[kind]), self.slots), x, x_hat)
             if self.sparse:
                 err = (x - x_hat).abs()
                 if self.rules:  # thresholds fitted on the calibration set, as a streaming kernel would
@@ -70,6 +75,15 @@ class ExactCodec(KVCodec):
                 x_hat = torch.where(keep, x, x_hat)
             out.append(x_hat)
         return out[0], out[1]
+
+
+def _top_per_token(score: torch.Tensor, k: int) -> torch.Tensor:
+    """score [..., H, N, d] → bool mask of each token's k largest over its H·d values."""
+    s = score.transpose(-3, -2)  # [..., N, H, d]
+    flat = s.reshape(*s.shape[:-2], -1)
+    idx = flat.topk(min(k, flat.shape[-1]), dim=-1).indices
+    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True)
+    return keep.reshape(s.shape).transpose(-3, -2)
 
 
 def _coding_errors(model, codecs: list[KVCodec], records, relative: bool = False) -> list[tuple]:

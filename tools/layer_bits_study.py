@@ -35,7 +35,10 @@ def main() -> None:
     ap.add_argument("--sparse", type=float, default=0.0, help="with the best allocation, dense-and-sparse at F")
     ap.add_argument("--at-four", type=int, nargs="+", default=[],
                     help="inside 4.0 bits all-in: these many least sensitive layers at 3.0 pay for a side list")
-    ap.add_argument("--fractions", type=float, nargs="+", default=[0.0025], help="--at-four: side-list fractions")
+    ap.add_argument("--fractions", type=float, nargs="*", default=[0.0025], help="--at-four: side-list fractions")
+    ap.add_argument("--slots", type=int, nargs="+", default=[],
+                    help="--at-four: also a side list of fixed size, these many slots a token and kind (each token's "
+                         "largest errors, ranked as --rank absolute or relative)")
     ap.add_argument("--rank", choices=["absolute", "relative", "both"], default="absolute",
                     help="the side list ranks each value's error (absolute), its error over its channel's spread "
                          "(relative), or keeps what passes either, each fitted at half the fraction (both)")
@@ -74,6 +77,15 @@ def main() -> None:
         row["bits"] += kept * (16 + math.log2(dim)) + 16 / (heads * dim)  # value, index, a count per token
         return add(f"{label} + sparse {kept:.2%}", row)
 
+    def slots_row(label: str, widths: list[int], slots: int) -> dict:
+        """``widths`` with each token's ``slots`` worst-coded values of each kind kept exact."""
+        relative = args.rank == "relative"
+        codecs = [ExactCodec(cals[w].codecs[i], scales=errors(w, True)[i][1] if relative else None, slots=slots)
+                  for i, w in enumerate(widths)]
+        row = run(widths, codecs)
+        row["bits"] += slots * (16 + math.ceil(math.log2(heads * dim))) / (heads * dim)  # value and index a slot
+        return add(f"{label} + {slots} slot{'s' if slots > 1 else ''}", row)
+
     seen_errors: dict = {}
     relatives = {"absolute": (False,), "relative": (True,), "both": (False, True)}[args.rank]
 
@@ -94,6 +106,8 @@ def main() -> None:
         add(f"{k} least sensitive at 3.0", run(widths))
         for fraction in args.fractions:
             sparse_row(f"{k} least at 3.0", widths, fraction)
+        for slots in args.slots:
+            slots_row(f"{k} least at 3.0", widths, slots)
     if args.at_four:
         args.ks = []
     best = uniform3
@@ -117,7 +131,9 @@ def main() -> None:
     if args.sparse and not args.at_four:
         sparse_row("best", best["widths"], args.sparse)
     if args.at_four:
-        flags = (f" --at-four {' '.join(map(str, args.at_four))} --fractions {' '.join(map(str, args.fractions))}"
+        flags = (f" --at-four {' '.join(map(str, args.at_four))}"
+                 + (f" --fractions {' '.join(map(str, args.fractions))}" if args.fractions else " --fractions")
+                 + (f" --slots {' '.join(map(str, args.slots))}" if args.slots else "")
                  + (f" --rank {args.rank}" if args.rank != "absolute" else ""))
     else:
         flags = f" --ks {' '.join(map(str, args.ks))}" + (f" --sparse {args.sparse}" if args.sparse else "")
