@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from ..errors import EsmTurboError
 from ..io import seconds_since_start
 from ..schema import DTYPES
 from .extract import EmbedConfig, Embedder, EmbedSummary, distributed_context, resolve_layers
@@ -115,10 +114,8 @@ def load_for_embedding(model: str, cfg: EmbedConfig, device: torch.device, logit
 
 def fp8_blocks(keep: list[int], layers: int) -> tuple[int, ...]:
     """``--fp8-keep``'s blocks, checked against the model's ``layers`` (one line naming the block)."""
-    bad = [k for k in keep if not -layers <= k < layers]
-    if bad:
-        raise EsmTurboError(f"--fp8-keep {bad[0]}: the model has blocks 0 … {layers - 1} (or -{layers} … -1)")
-    return tuple(keep)
+    from .fast_esm import check_blocks
+    return check_blocks(keep, layers, "--fp8-keep")
 
 
 def run_embed(args) -> int:

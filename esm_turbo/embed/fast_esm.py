@@ -415,9 +415,7 @@ class FastEsm(nn.Module):
         CPU) the products run in the PyTorch reference, which computes the same numbers slowly: it is there to
         measure fidelity, not for speed."""
         n = len(self.blocks)
-        if any(not -n <= k < n for k in keep):
-            raise ValueError(f"keep {keep}: the model has blocks 0 … {n - 1}")
-        kept = {k % n for k in keep}
+        kept = {k % n for k in check_blocks(keep, n)}
         for i, b in enumerate(self.blocks):
             if b.fp8 is None and i not in kept:
                 b.fp8 = tuple(Fp8Weight.quantize(w) for w in b.weights())
@@ -717,6 +715,16 @@ class FastEsm(nn.Module):
             result["per_token"] = {layer: [p[1:-1] for p in hidden[layer][: len(ids)].float().cpu().split(lengths)]
                                    for layer in resolved}
         return result
+
+
+def check_blocks(blocks, count: int, name: str = "keep") -> tuple[int, ...]:
+    """``blocks`` (0 the first, −1 the last) checked against a model of ``count`` blocks, refused in one line naming
+    ``name`` and the first block out of range."""
+    bad = [k for k in blocks if not -count <= k < count]
+    if bad:
+        from ..errors import EsmTurboError
+        raise EsmTurboError(f"{name} {bad[0]}: the model has blocks 0 … {count - 1} (or -{count} … -1)")
+    return tuple(blocks)
 
 
 def _rotary_frequencies(base, family: Family) -> torch.Tensor:

@@ -116,7 +116,6 @@ def interpreting() -> bool:
 
 
 @functools.cache
-@functools.cache
 def _device_properties(index: int) -> tuple[int, int]:
     props = torch.cuda.get_device_properties(index)
     return props.major, props.multi_processor_count
