@@ -6,6 +6,8 @@ and the same real sequences
 
 * ``ours``: :class:`~esm_turbo.embed.extract.Embedder` (what ``esm-turbo embed`` runs) into a writer that
   discards what reached the host;
+* ``ours_fp8`` / ``ours_fp8_keep0`` (GPUs with FP8): the same with every block's products in FP8 e4m3 / with the first
+  block's in bf16 (``--fp8-keep 0``);
 * ``hf_sorted`` (the baseline of every claim): transformers' ``EsmModel`` (``EsmcModel``) with SDPA, length-sorted
   batches under the same token budget (rows × longest), masked mean on the GPU;
 * ``hf_compiled``: the same loop with the stock model under ``torch.compile`` (a user's one-line
@@ -34,7 +36,7 @@ from ..model.alphabet import encode
 
 #: dense fp16/bf16 tensor-core peak (no sparsity), by GPU name
 DENSE_FP16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-METHODS = ("ours", "ours_fp8", "hf_sorted", "hf_compiled", "hf_unsorted", "fair_esm")
+METHODS = ("ours", "ours_fp8", "ours_fp8_keep0", "hf_sorted", "hf_compiled", "hf_unsorted", "fair_esm")
 #: timed passes per method (the best is kept), after one warm-up pass over the whole set: at least REPEATS, and on a
 #: GPU as many more as fill MIN_TIMED_S of each method's passes, up to MAX_REPEATS (the best of two passes of a fraction
 #: of a second drifted by a fifth between processes with the card's clocks)
@@ -242,11 +244,12 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
         embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype=name), device)
         runs["ours"] = lambda: embedder.run(records, _NullWriter(), progress=False)
     from .fp8 import fp8_supported
-    if "ours_fp8" in methods and fp8_supported(device):
-        from .fast_esm import FastEsm
-        fp8 = Embedder(FastEsm.from_hf(net).to_fp8(), EmbedConfig(include=["mean"], toks_per_batch=budget,
-                                                                  dtype="fp8"), device)
-        runs["ours_fp8"] = lambda: fp8.run(records, _NullWriter(), progress=False)
+    for method, keep in (("ours_fp8", ()), ("ours_fp8_keep0", (0,))):
+        if method in methods and fp8_supported(device):
+            from .fast_esm import FastEsm
+            fp8 = Embedder(FastEsm.from_hf(net).to_fp8(keep), EmbedConfig(include=["mean"], toks_per_batch=budget,
+                                                                          dtype="fp8", fp8_keep=list(keep)), device)
+            runs[method] = lambda fp8=fp8: fp8.run(records, _NullWriter(), progress=False)
     from ..bench.baselines.user_embed import batches as sorted_batches  # importing esm_turbo.bench is heavy
     sorted_all = sorted_batches(seqs, budget)
     if "hf_sorted" in methods:
@@ -274,7 +277,8 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
             row[method]["x_sorted"] = row[method]["tokens_per_s"] / base if base else None
     row["gemm_ceiling_tokens_per_s"] = gemm_ceiling(net.config, budget, device, dtype)
     row["fp8_gemm_ceiling_tokens_per_s"] = fp8_gemm_ceiling(net.config, budget, device)
-    for method, ceiling in (("ours", "gemm_ceiling_tokens_per_s"), ("ours_fp8", "fp8_gemm_ceiling_tokens_per_s")):
+    for method, ceiling in (("ours", "gemm_ceiling_tokens_per_s"), ("ours_fp8", "fp8_gemm_ceiling_tokens_per_s"),
+                            ("ours_fp8_keep0", "fp8_gemm_ceiling_tokens_per_s")):
         if row[ceiling] and "tokens_per_s" in row.get(method, {}):
             row[method]["pct_gemm_ceiling"] = 100 * row[method]["tokens_per_s"] / row[ceiling]
     return row
@@ -384,18 +388,18 @@ def format_embed(e: dict) -> list[str]:
                 continue
             x = r[m]
             if "error" in x:
-                lines.append(f"    {m:12} failed: {x['error']}")
+                lines.append(f"    {m:14} failed: {x['error']}")
                 continue
             pct = f"{x['pct_peak']:5.1f}%" if x.get("pct_peak") is not None else "   n/a"
             ratio = f"{x['x_sorted']:.2f}×" if x.get("x_sorted") else "n/a"
-            which = "FP8" if m.endswith("fp8") else "GEMM"
+            which = "FP8" if "fp8" in m else "GEMM"
             extra = f"   {x['pct_gemm_ceiling']:.0f}% of the {which} ceiling" if "pct_gemm_ceiling" in x else ""
-            lines.append(f"    {m:12} {x['tokens_per_s']:>10.0f} tokens/s  {pct}  {ratio:>6}{extra}")
+            lines.append(f"    {m:14} {x['tokens_per_s']:>10.0f} tokens/s  {pct}  {ratio:>6}{extra}")
         if r.get("gemm_ceiling_tokens_per_s"):
-            lines.append(f"    {'GEMM ceiling':12} {r['gemm_ceiling_tokens_per_s']:>10.0f} tokens/s (matrix products "
+            lines.append(f"    {'GEMM ceiling':14} {r['gemm_ceiling_tokens_per_s']:>10.0f} tokens/s (matrix products "
                          f"alone, {r['toks_per_batch']} rows)")
         if r.get("fp8_gemm_ceiling_tokens_per_s"):
-            lines.append(f"    {'FP8 ceiling':12} {r['fp8_gemm_ceiling_tokens_per_s']:>10.0f} tokens/s (the same "
+            lines.append(f"    {'FP8 ceiling':14} {r['fp8_gemm_ceiling_tokens_per_s']:>10.0f} tokens/s (the same "
                          f"products in FP8 e4m3, row-wise scales)")
     for r in e.get("latency", []):
         lines.append(f"  one {r['length']}-residue sequence through the {r['size']}-shaped model, end to end: "
