@@ -371,7 +371,7 @@ def test_replayed_blocks_give_the_eager_forward_bit_for_bit(kind):
         replayed = fast(batch, layers)
         for layer in layers:
             assert torch.equal(eager[layer], replayed[layer]), (kind, layer)
-        assert fast._replays_blocks(replayed[1], fast.num_layers)
+        assert fast._replayed_blocks(replayed[1], fast.num_layers, fast.fp8_forms(replayed[1].device)) > 2
 
 
 def test_blocks_replay_by_default_only_where_it_measured_faster():
@@ -381,4 +381,20 @@ def test_blocks_replay_by_default_only_where_it_measured_faster():
     assert not replay_pays(16384, 1280, 31)  # 650M-shaped, 16K tokens: bound by the GPU
     assert not replay_pays(16384, 320, 4)  # 8M: too few blocks to pay for the capture
     fast = FastEsm.from_hf(stress_esm2(layers=12, hidden=64, heads=4))
-    assert not fast._replays_blocks(torch.zeros(8, 64), 12)  # off CUDA
+    assert fast._replayed_blocks(torch.zeros(8, 64), 12, [False] * 13) == 2  # off CUDA: none
+
+
+def test_a_captured_block_stands_only_for_blocks_of_its_input_form():
+    """A captured block writes its output over its input: the run it replays holds blocks whose products and whose
+    next block's take block 2's form (FP8 rows or not), so blocks kept out of FP8 end it or rule it out."""
+    from esm_turbo.embed.fast_esm import replayed_run
+
+    def forms(layers: int, kept: tuple[int, ...]) -> list[bool]:
+        return [i not in {k % layers for k in kept} for i in range(layers)] + [False]
+    assert replayed_run(forms(6, ()), 6) == 6  # blocks 2 … 5 replayed, the last eager
+    assert replayed_run([False] * 7, 6) == 6
+    assert replayed_run(forms(6, (0,)), 6) == 6  # block 1 in bf16 runs eagerly before the capture anyway
+    assert replayed_run(forms(6, (-1,)), 6) == 5  # block 5's next (6) is in bf16: 2 … 4
+    assert replayed_run(forms(6, (3,)), 6) == 3  # block 4 in bf16: only block 2 takes block 2's forms
+    assert replayed_run(forms(3, (0, -1)), 3) == 2  # block 2 in FP8 before a bf16 block: none
+    assert replayed_run(forms(6, (1,)), 6) == 2  # block 2 in bf16 before FP8 ones: none

@@ -213,8 +213,10 @@ class FastEsmBlock(nn.Module):
     def step_products(self, rows: int | None) -> tuple | None:
         """The quantized weights as :class:`~esm_turbo.weights.step.StepProduct` s (made once) at up to
         ``KERNEL_ROWS`` ``rows``; None for other weights or more rows."""
+        if self.quantized is None or self.fp8 is not None or rows is None:
+            return None
         from ..weights.linear import KERNEL_ROWS
-        if self.quantized is None or self.fp8 is not None or rows is None or rows > KERNEL_ROWS:
+        if rows > KERNEL_ROWS:
             return None
         if self._step_products is None:
             from ..weights.step import step_products
@@ -285,7 +287,7 @@ class FastEsm(nn.Module):
         self.attention_kernel = "triton"
         # the fused path on CUDA captures block 2 of each batch as a CUDA graph and replays it for the blocks after
         # it with their tensors copied in (_BlockGraph): the host's launch work once a batch, not once a block.
-        # None: where replay_pays says it pays; True: wherever it can (FastEsm._replays_blocks); False: never
+        # None: where replay_pays says it pays; True: wherever it can (FastEsm._replayed_blocks); False: never
         self.block_graphs: bool | None = None
         self._block_graph: "_BlockGraph | None" = None
         self._block_pool = None  # the memory pool every batch's captured block allocates from (made at the first)
@@ -510,13 +512,11 @@ class FastEsm(nn.Module):
         :func:`~esm_turbo.kernels.activation.activation_triton`). With FP8 weights on an FP8 GPU, every product's
         input leaves the kernel before it already in e4m3 with its row scales (the LayerNorms', the activation's;
         the attention output takes one quantizing launch)."""
-        from .fp8 import fp8_supported
         cos, sin = self.rotary_tables(batch.positions)
         h = self._embed(batch)
         out = {0: h} if 0 in wanted else {}
         n, dim = h.shape
-        on_fp8 = fp8_supported(h.device)
-        fp8s = [on_fp8 and b.fp8 is not None for b in self.blocks] + [False]  # block i's products in FP8: fp8s[i - 1]
+        fp8s = self.fp8_forms(h.device)  # block i's products in FP8: fp8s[i - 1]
         _, x = self.first_norm(h, fp8s[0])
         last = min(max(wanted, default=0), self.num_layers)
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
@@ -529,16 +529,12 @@ class FastEsm(nn.Module):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _layer: int) -> torch.Tensor:
             return varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, 1.0, blocks).reshape(n, dim)
 
-        first = 1
-        if self._replays_blocks(h, last):  # block 1 eager (every kernel built and loaded), then blocks replayed
+        first, stop = 1, self._replayed_blocks(h, last, fp8s)
+        if stop > 2:  # block 1 eager (every kernel built and loaded), then blocks 2 … stop − 1 replayed
             h, x = self.fused_block(1, h, x, cos, sin, attend, fp8s[0], fp8s[1])
             if 1 in wanted:
                 out[1] = h.clone()
-            # blocks 2 … whose products and whose next block's are in FP8 as block 2's are, before the last
-            stop = 2
-            while stop < last and fp8s[stop - 1: stop + 1] == fp8s[1:3]:
-                stop += 1
-            graph = _BlockGraph(self, h, x, cos, sin, attend, fp8s[1], fp8s[2])
+            graph = _BlockGraph(self, h, x, cos, sin, attend, fp8s[1])
             self._block_graph = graph  # kept until the next batch's is captured: their pool then stays allocated
             for i in range(2, stop):
                 graph.replay(self.block_tensors(i, n))
@@ -551,15 +547,26 @@ class FastEsm(nn.Module):
                 out[i] = x if i == self.num_layers else h
         return out
 
-    def _replays_blocks(self, h: torch.Tensor, last: int) -> bool:
-        """Whether :meth:`_forward_fused` replays one captured block for blocks 2 … ``last`` − 1: where it can (on
-        CUDA, dense or FP8 weights, three blocks or more, not inside a capture) and :attr:`block_graphs` is True, or
-        None and :func:`replay_pays` says so for h's tokens."""
-        if self.block_graphs is False:
-            return False
-        can = (h.is_cuda and last >= 3 and not torch.cuda.is_current_stream_capturing()
-               and all(b.quantized is None for b in self.blocks))
-        return can and (self.block_graphs or replay_pays(h.shape[0], h.shape[1], last - 2))
+    def _replayed_blocks(self, h: torch.Tensor, last: int, fp8s: list[bool]) -> int:
+        """The block after those :meth:`_forward_fused` replays from one captured block 2 (2: none). A captured block
+        writes its output over its input, so the blocks replayed are 2 … up to ``last`` − 1 while a block's products
+        and its next block's take block 2's input form (``fp8s[i - 1]``: block i's products in FP8). It replays where
+        it can (on CUDA, dense or FP8 weights, not inside a capture) and :attr:`block_graphs` is True, or None and
+        :func:`replay_pays` says so for h's tokens and that many blocks."""
+        if self.block_graphs is False or not h.is_cuda or torch.cuda.is_current_stream_capturing():
+            return 2
+        if any(b.quantized is not None for b in self.blocks):
+            return 2
+        stop = replayed_run(fp8s, last)
+        replays = stop - 2
+        return stop if replays and (self.block_graphs or replay_pays(h.shape[0], h.shape[1], replays)) else 2
+
+    def fp8_forms(self, device: torch.device) -> list[bool]:
+        """Per block, whether its products run in FP8 on ``device`` (its input comes as e4m3 rows), and False after
+        the last: [num_layers + 1]."""
+        from .fp8 import fp8_supported
+        on_fp8 = fp8_supported(device)
+        return [on_fp8 and b.fp8 is not None for b in self.blocks] + [False]
 
     def first_norm(self, h: torch.Tensor, fp8: bool = False):
         """(h, the first block's attention LayerNorm of it) in one launch, as :meth:`fused_block` takes them."""
@@ -634,12 +641,11 @@ class FastEsm(nn.Module):
         product the LayerNorm feeds (a :class:`~esm_turbo.weights.step.StepProduct` makes its own input's rotation
         with the LayerNorm). ``into``: (h, x) buffers to write the two outputs to."""
         from ..kernels.norm import add_layer_norm_triton
-        from ..weights.step import StepProduct
-        from .products import folds, product
+        from .products import folds, is_step_product, product
         norm_w, norm_b = norm
         if folds(x, w, "residual", policy):
             s = product(x, w, bias, "residual", residual=h, residual_scale=inv_scale)
-            y = then.normalize(s, norm_w, norm_b, self.eps) if isinstance(then, StepProduct) else None
+            y = then.normalize(s, norm_w, norm_b, self.eps) if is_step_product(then) else None
             if y is not None:
                 return s, y
             if into is not None:
@@ -753,6 +759,16 @@ def replay_pays(tokens: int, width: int, replays: int) -> bool:
     return replays >= BLOCK_GRAPH_MIN_REPLAYS and tokens * width ** 2 <= BLOCK_GRAPH_MAX_WORK
 
 
+def replayed_run(fp8s: list[bool], last: int) -> int:
+    """The block after the run 2, 3, … (before ``last``) that one captured block 2 can stand for: a captured block
+    writes its output over its input, so each block of the run and the block after it must take block 2's input
+    form (``fp8s[i - 1]``: block i's products in FP8). 2 where there is no such run."""
+    stop = 2
+    while stop < last and fp8s[stop - 1] == fp8s[stop] == fp8s[1]:
+        stop += 1
+    return stop
+
+
 class _BlockGraph:
     """One batch's block of the fused forward, captured once as a CUDA graph and replayed for block after block.
 
@@ -767,12 +783,11 @@ class _BlockGraph:
     pool's memory then stays allocated between batches instead of being asked of the driver again at every capture.
     """
 
-    def __init__(self, model: FastEsm, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor, attend, fp8: bool,
-                 fp8_next: bool):
+    def __init__(self, model: FastEsm, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor, attend, fp8: bool):
         tensors = model.block_tensors(2, h.shape[0])
         self.buffers = [torch.empty_like(t) for t in tensors.leaves()]
         own = tensors.with_leaves(self.buffers)
-        into = (h, tuple(x) if fp8_next else x)
+        into = (h, tuple(x) if fp8 else x)  # the block's output in its input's form: fp8 for both its and the next's
         self.graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(h.device)
         side = torch.cuda.Stream(h.device)
@@ -782,7 +797,7 @@ class _BlockGraph:
                 model._block_pool = torch.cuda.graph_pool_handle()
             self.graph.capture_begin(pool=model._block_pool, capture_error_mode="thread_local")
             try:
-                model.fused_block(2, h, x, cos, sin, attend, fp8, fp8_next, tensors=own, into=into)
+                model.fused_block(2, h, x, cos, sin, attend, fp8, fp8, tensors=own, into=into)
             finally:
                 self.graph.capture_end()
         current.wait_stream(side)

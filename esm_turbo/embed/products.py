@@ -10,6 +10,8 @@ only a bias may run in cuBLAS instead). :func:`folds` says which: the products t
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -25,8 +27,7 @@ def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.
     plain tensor input to an FP8 weight is quantized per row first; FP8 weights off an FP8 GPU take the reference's
     arithmetic."""
     from ..kernels.gemm import gemm
-    from ..weights.step import StepProduct
-    if isinstance(w, StepProduct):  # 4-bit linears at a step's rows: their own kernels, their own biases
+    if is_step_product(w):  # 4-bit linears at a step's rows: their own kernels, their own biases
         return w(x, epilogue, residual, residual_scale)
     fp8 = isinstance(w, Fp8Weight)
     if fp8 and not fp8_supported((x.q if isinstance(x, Fp8Rows) else x).device):
@@ -42,12 +43,19 @@ def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.
     return gemm(x, w, bias, epilogue, residual, residual_scale, row_amax=row_amax)
 
 
+def is_step_product(w) -> bool:
+    """Whether ``w`` is a :class:`~esm_turbo.weights.step.StepProduct` (4-bit linears at a step's rows). One exists
+    only once its module is imported, so asking never imports :mod:`esm_turbo.weights` (scipy with it: seconds of
+    every embed command's start-up)."""
+    step = sys.modules.get(f"{__name__.split('.')[0]}.weights.step")
+    return step is not None and isinstance(w, step.StepProduct)
+
+
 def folds(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, epilogue: str, policy: bool | None) -> bool:
     """Whether this product runs in the Triton kernel with ``epilogue`` folded in: ``policy`` True / False forces it
     (float32 on the GPU never: cuBLAS there), None asks the measured table (:func:`~esm_turbo.kernels.gemm.measured`,
     on CUDA, at x's rows)."""
-    from ..weights.step import StepProduct
-    if isinstance(w, StepProduct):  # the 4-bit kernel's epilogue costs nothing; its reference path, the same ops
+    if is_step_product(w):  # the 4-bit kernel's epilogue costs nothing; its reference path, the same ops
         return True
     held = x.q if isinstance(x, Fp8Rows) else x
     weight = w.q if isinstance(w, Fp8Weight) else w
@@ -69,4 +77,4 @@ def product_reference(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bi
     return epilogue_reference(y, epilogue, residual, residual_scale)
 
 
-__all__ = ["folds", "product", "product_reference"]
+__all__ = ["folds", "is_step_product", "product", "product_reference"]
