@@ -141,10 +141,13 @@ def main() -> None:
                                                   scale_ptr="*fp32", amax_ptr="*fp32"), num_warps=4)
     # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor
     # descriptors and through pointers, e4m3 QKV (bias) and FFN-down (residual) with row and column scales, e4m3 GELU
-    # with the rows' maxima (GELU's erf in each form: the fit, and libdevice's where TILES keeps it); then the
+    # with the rows' maxima (GELU's erf in each form: the fit, and libdevice's where TILES keeps it), fp16 and e4m3
+    # QKV with the rotary embedding at heads of 64 (compiled here with FMA contraction on); then the
     # attention of 64-token tiles at heads of 64 and of 32
-    ints = {"M", "N", "K", "stride_am", "stride_wn", "stride_cm", "stride_rm"}
+    ints = {"M", "N", "K", "stride_am", "stride_wn", "stride_cm", "stride_rm", "stride_cos", "q_cols"}
     for dt, tile, epi, tma, amax in (("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 1, True, False),
+                                     ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 3, True, False),
+                                     ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 3, True, False),
                                      ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True, gelu="erf"), 1, True, False),
                                      ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 2, False, False),
                                      ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 0, True, False),
@@ -155,10 +158,10 @@ def main() -> None:
         compile_sm90(gemm._gemm_kernel, dict(BM=tile.bm, BN=tile.bn, BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=132,
                                              TMA=tma, SUBTILE=tile.subtile, EPI=epi, HAS_BIAS=True,
                                              FP8=dt == "fp8e4nv", SCALED=False, AMAX=amax, WS=tile.ws,
-                                             GELU=gemm.GELU_FORMS[tile.gelu]), ints,
+                                             GELU=gemm.GELU_FORMS[tile.gelu], HD=64), ints,
                      dict(a_ptr=f"*{dt}", w_ptr=f"*{dt}", c_ptr=f"*{out}", bias_ptr=f"*{out}", res_ptr=f"*{out}",
                           a_desc=desc(tile.bm) if tma else f"*{dt}", w_desc=desc(tile.bn) if tma else f"*{dt}",
-                          res_scale="fp32"), num_warps=tile.warps)
+                          res_scale="fp32", q_scale="fp32"), num_warps=tile.warps)
     # a step's few rows split along K (kernels.gemm_split): the last to arrive adds the partials, every epilogue
     for epi, split in ((0, 8), (1, 2), (2, 16), (0, 1)):
         compile_sm90(gemm_split._split_gemm_kernel, dict(BM=64, BN=128, BK=64, SPLIT=split, EPI=epi, HAS_BIAS=True,

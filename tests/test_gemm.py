@@ -47,6 +47,59 @@ def test_gemm_epilogues_match_the_reference(dtype, epilogue, scale, form):
     assert (got.float() - want.float()).abs().max().item() <= tol
 
 
+def _rope_tables(m: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [m, head_dim] float32 of ESM-2's rotary embedding at positions of a few packed sequences."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.cat([torch.arange(n) for n in torch.randint(1, 60, (m,), generator=gen).tolist()])[:m]
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat(2 * [pos.float()[:, None] * inv[None, :]], -1)
+    return emb.cos().to(DEV), emb.sin().to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []))
+@pytest.mark.parametrize("heads,head_dim", [(5, 16), (2, 32)])
+def test_the_rotary_epilogue_is_the_rotary_kernel_after_the_product_bit_for_bit(dtype, heads, head_dim):
+    """The q/k/v projection with the rotary embedding in its epilogue (``"rope"``): the queries scaled and queries and
+    keys rotated exactly as the product followed by ``rope_packed_triton`` (the same tile, so the same float32 sums;
+    the same roundings, no fused multiply-add), the values as the product gives them; and the PyTorch reference's up
+    to the order of the sums. Parts straddle the q|k and k|v seams; M is not a multiple of the tile."""
+    from esm_turbo.kernels.gemm import Tile, gemm, gemm_reference
+    from esm_turbo.kernels.rope import rope_packed_reference, rope_packed_triton
+    if dtype == torch.float32 and CUDA:
+        pytest.skip("the fused path runs fp16/bf16 on the GPU (float32 only under the interpreter)")
+    dim = heads * head_dim
+    m = 300 if CUDA else 37
+    x, w, b, _ = _inputs(m, 3 * dim, dim, dtype, seed=dim)
+    cos, sin = _rope_tables(m, head_dim, seed=heads)
+    tile = Tile(128, 128, 64, 3, 8, 8, True) if CUDA else Tile(16, 64, 16, 2, 4, 2, True)
+    got = gemm(x, w, b, "rope", tile=tile, rope=(cos, sin))
+    plain = gemm(x, w, b, tile=tile)
+    q, k = rope_packed_triton(plain, cos, sin, heads)
+    assert torch.equal(got[:, :dim], q.flatten(1)) and torch.equal(got[:, dim: 2 * dim], k.flatten(1))
+    assert torch.equal(got[:, 2 * dim:], plain[:, 2 * dim:])
+    q_ref, k_ref = rope_packed_reference(plain, cos, sin, heads)  # the rotary kernel's own reference
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    want = gemm_reference(x, w, b, "rope", rope=(cos, sin))
+    tol = 4 * torch.finfo(dtype).eps * want.float().abs().max().item() + 1e-6
+    assert (got.float() - want.float()).abs().max().item() <= tol
+
+
+def test_the_rotary_epilogue_checks_its_tables_and_tile():
+    from esm_turbo.kernels.gemm import Tile, gemm, rope_fits
+    dtype = torch.float16 if CUDA else torch.float32
+    x, w, b, _ = _inputs(8, 96, 32, dtype, 0)
+    cos, sin = _rope_tables(8, 16, 0)
+    with pytest.raises(ValueError, match="rope"):
+        gemm(x, w, b, "rope")
+    with pytest.raises(ValueError, match="rope"):
+        gemm(x, w, b, rope=(cos, sin))
+    with pytest.raises(ValueError, match="tables"):
+        gemm(x, w, b, "rope", rope=(cos[:4], sin[:4]))
+    with pytest.raises(ValueError, match="whole"):
+        gemm(x, w, b, "rope", tile=Tile(16, 16, 16, 2, 4, 2, True), rope=(cos, sin))  # halves of 8 columns
+    assert rope_fits(Tile(bn=256, subtile=True), 64) and not rope_fits(Tile(bn=256, subtile=True), 24)
+
+
 @pytest.mark.parametrize("epilogue,scale", [("bias", 1.0), ("gelu", 1.0), ("residual", 0.5)])
 @pytest.mark.parametrize("split", [1, 2, 4])
 def test_split_products_match_the_reference(epilogue, scale, split):

@@ -7,9 +7,11 @@ the bias only (what the epilogue's arithmetic costs); the form that wins goes in
 
 usage: python tools/tune_gemm.py [--sizes 650M 3B 150M] [--tokens 16384] [--out DIR] [--skip-fp8] [--first N]
        python tools/tune_gemm.py --gelu-forms [--sizes ...] [--out DIR]
+       python tools/tune_gemm.py --products qkv:rope [--sizes ...] [--out DIR]   # those rows, then the rotary A/B
 
 Per model shape and product (QKV with its bias, O with the residual add, FFN-up with GELU, FFN-down with the residual
-add), at ``--tokens`` rows: cuBLAS alone (``F.linear`` with the bias: the ceiling of that product), cuBLAS followed by
+add, QKV with the rotary embedding against cuBLAS and the rotary kernel), at ``--tokens`` rows:
+cuBLAS alone (``F.linear`` with the bias: the ceiling of that product), cuBLAS followed by
 the epilogue's op (what the block ran before), and each tile of the Triton kernel (µs, median of do_bench). A tile
 whose output misses the flash-attention rule against a float32 reference is reported and never chosen. The best tiles
 go to DIR/tiles.json (beside the unfused time: esm_turbo.kernels.gemm.TILES lists those that win). The forward A/B
@@ -36,8 +38,8 @@ FP16_TILES = [T(128, 256, 64, 3, 8, 8, True), T(128, 256, 64, 3, 8, 8, False), T
               T(128, 128, 64, 4, 4, 8, False, True), T(128, 256, 128, 2, 8, 8, True), T(128, 128, 128, 3, 8, 8, False)]
 FP8_TILES = [T(128, 256, 128, 3, 8, 8, True), T(256, 128, 128, 3, 8, 8, False), T(128, 256, 128, 3, 8, 8, True, True),
              T(128, 128, 128, 4, 8, 8, False), T(128, 256, 128, 4, 8, 8, True), T(128, 128, 128, 4, 4, 8, False, True)]
-#: (name, epilogue) of a block's four products, in order
-PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"))
+#: (name, epilogue) of a block's four products, in order, and QKV with the rotary embedding folded in
+PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"), ("qkv", "rope"))
 
 
 def log(msg: str) -> None:
@@ -57,17 +59,32 @@ def shapes(size: str) -> list[tuple[str, str, int, int]]:
     return [(name, epi, *dims[name]) for name, epi in PRODUCTS]
 
 
-def unfused(x, w, b, epi, h, xs=None, ws=None):
-    """The product as the block ran it before: cuBLAS (torch._scaled_mm for e4m3) with its bias, then the op."""
+def unfused(x, w, b, epi, h, xs=None, ws=None, rope=None):
+    """The product as the block ran it before: cuBLAS (torch._scaled_mm for e4m3) with its bias, then the op (for
+    ``"rope"`` the rotary kernel, ``rope_packed_triton``)."""
     if xs is not None:
         y = torch._scaled_mm(x, w.t(), scale_a=xs[:, None], scale_b=ws[None, :], bias=b, out_dtype=torch.bfloat16)
     else:
         y = F.linear(x, w, b)
+    if epi == "rope":
+        from esm_turbo.kernels.rope import rope_packed_triton
+        return rope_packed_triton(y, *rope, y.shape[1] // 3 // rope[0].shape[1])
     return G.epilogue_reference(y, epi, h)
 
 
-def tune_product(size, name, epi, n, k, m, dtype, tiles, out_rows):
+def rope_tables(m: int, head_dim: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [m, head_dim] float32 at the positions of 300-token sequences packed end to end."""
+    pos = torch.arange(m, device=dev) % 300
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim))
+    emb = torch.cat(2 * [pos.float()[:, None] * inv[None, :]], -1)
+    return emb.cos(), emb.sin()
+
+
+def tune_product(size, name, epi, n, k, m, dtype, tiles, out_rows, head_dim=None):
     dev = torch.device("cuda")
+    rope = rope_tables(m, head_dim, dev) if epi == "rope" else None
+    if rope is not None:
+        tiles = [t for t in tiles if G.rope_fits(t, head_dim)]
     gen = torch.Generator(device=dev).manual_seed(n + k)
     fp8 = dtype == torch.float8_e4m3fn
     out_dtype = torch.bfloat16 if fp8 else dtype
@@ -84,13 +101,16 @@ def tune_product(size, name, epi, n, k, m, dtype, tiles, out_rows):
     else:
         x, w, xs, ws = xf.to(dtype), wf.to(dtype), None, None
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref = G.gemm_reference(x, w, b, epi, h, x_scale=xs, w_scale=ws).double()
-    base = unfused(x, w, b, epi, h, xs, ws)
+    ref = G.gemm_reference(x, w, b, epi, h, x_scale=xs, w_scale=ws, rope=rope).double()
+    base = unfused(x, w, b, epi, h, xs, ws, rope)
+    if rope is not None:  # the pass's q and k laid over the product, as the folded epilogue writes them
+        base = torch.cat([base[0].flatten(1), base[1].flatten(1), unfused(x, w, b, "bias", h, xs, ws)[:, 2 * n // 3:]],
+                         1)
     err_base = (base.double() - ref).abs().max().item()
     eps = torch.finfo(out_dtype).eps * ref.abs().max().item()
     row = dict(size=size, product=name, epilogue=epi, m=m, n=n, k=k, dtype=str(dtype).removeprefix("torch."),
                cublas_plain_us=bench(lambda: unfused(x, w, b, "bias", None, xs, ws)),
-               cublas_unfused_us=bench(lambda: unfused(x, w, b, epi, h, xs, ws)), tiles=[])
+               cublas_unfused_us=bench(lambda: unfused(x, w, b, epi, h, xs, ws, rope)), tiles=[])
     amax = fp8 and epi == "gelu"
     for t in tiles:
         for tma in ([True, False] if t in tiles[:1] else [True]):
@@ -98,7 +118,8 @@ def tune_product(size, name, epi, n, k, m, dtype, tiles, out_rows):
                      f"{' ws' if t.ws else ''} {'tma' if tma else 'ptr'}")
             try:
                 def run():
-                    return G.gemm(x, w, b, epi, h, x_scale=xs, w_scale=ws, row_amax=amax, tile=t, tma=tma)
+                    return G.gemm(x, w, b, epi, h, x_scale=xs, w_scale=ws, row_amax=amax, tile=t, tma=tma,
+                                  rope=rope)
                 got = run()
                 got = got[0] if amax else got
                 err = (got.double() - ref).abs().max().item()
@@ -216,6 +237,52 @@ def warm_forward(size: str, tokens: int) -> tuple:
     return fast, batch, picked
 
 
+def rope_ab(size: str, tokens: int, tiles: dict, copies: int = 4) -> list[dict]:
+    """The forward on one real-length batch and ``Embedder.run`` over the bench's records (nothing written), fp16, with
+    the library's table as it is and with this run's best rotary QKV tile (``tiles``) added to it, interleaved, best
+    of three each; the two forwards' last layers compared."""
+    from esm_turbo.bench import EMBED_FASTA
+    from esm_turbo.embed.benchmark import _NullWriter
+    from esm_turbo.embed.extract import EmbedConfig, Embedder
+    from esm_turbo.fasta import Record, read_fastas
+    from esm_turbo.model.sizes import esm2_config
+    cfg = esm2_config(size)
+    key = (3 * cfg.hidden_size, cfg.hidden_size, "float16", "rope")
+    found = tiles.get(",".join(map(str, key)))
+    if found is None:
+        return []
+    tile = G.Tile(**{f.name: found[f.name] for f in dataclasses.fields(G.Tile)})
+    fast, batch, picked = warm_forward(size, tokens)
+    records = [Record(f"{r.id}#{c}", r.sequence, r.source) for c in range(copies) for r in read_fastas(EMBED_FASTA)]
+    emb = Embedder(fast, EmbedConfig(include=["mean"]), torch.device("cuda"))
+    n_tok = sum(len(r.sequence) + 2 for r in records)
+    best, outs = {}, {}
+    for _ in range(3):
+        for variant in ("table", "rope folded"):
+            if variant == "table":
+                G.TILES.pop(key, None)
+            else:
+                G.TILES[key] = tile
+            fn = lambda: fast(batch, [fast.num_layers])  # noqa: E731
+            outs.setdefault(variant, fn()[fast.num_layers].float())
+            ms = triton.testing.do_bench(fn, warmup=20, rep=200, return_mode="median")
+            emb.run(records, _NullWriter(), progress=False)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            emb.run(records, _NullWriter(), progress=False)
+            torch.cuda.synchronize()
+            run_s = time.perf_counter() - t0
+            old = best.get(variant, (float("inf"), float("inf")))
+            best[variant] = (min(old[0], ms), min(old[1], run_s))
+    G.TILES.pop(key, None)
+    cos = F.cosine_similarity(outs["table"], outs["rope folded"], dim=-1).min().item()
+    rows = [dict(size=size, variant=v, forward_ms=ms, forward_tokens_per_s=batch.tokens.numel() / ms * 1e3,
+                 embedder_tokens_per_s=n_tok / run_s, min_token_cos_vs_table=cos) for v, (ms, run_s) in best.items()]
+    for r in rows:
+        log(f"rope A/B {r}")
+    return rows
+
+
 def profile_forward(size: str, tokens: int, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
     fast, batch, _ = warm_forward(size, tokens)
@@ -269,6 +336,8 @@ def main() -> None:
     ap.add_argument("--skip-products", action="store_true", help="only the attention, forward and profile parts")
     ap.add_argument("--first", type=int, default=None, help="only the first N tiles of each list")
     ap.add_argument("--gelu-forms", action="store_true", help="only the GELU forms in FFN-up and the forward")
+    ap.add_argument("--products", nargs="+", default=None, metavar="NAME:EPILOGUE",
+                    help="only these products (e.g. qkv:rope), then the rotary A/B instead of the other parts")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.gelu_forms:
@@ -285,15 +354,28 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     rows, tiles = [], {}
     for size in ([] if args.skip_products else args.sizes):
+        from esm_turbo.model.sizes import esm2_config
+        head_dim = esm2_config(size).hidden_size // esm2_config(size).num_attention_heads
         for name, epi, n, k in shapes(size):
+            if args.products and f"{name}:{epi}" not in args.products:
+                continue
             for dtype, cands in ((torch.float16, FP16_TILES),) + (((torch.float8_e4m3fn, FP8_TILES),) if fp8 else ()):
                 cands = cands[: args.first] if args.first else cands
-                row = tune_product(size, name, epi, n, k, args.tokens, dtype, cands, rows)
+                row = tune_product(size, name, epi, n, k, args.tokens, dtype, cands, rows, head_dim)
                 if row["best"]:
                     tiles[f"{n},{k},{row['dtype']},{epi}"] = dict(row["best"]["tile"], tma=row["best"]["tma"],
                                                                   us=row["best"]["us"],
                                                                   unfused_us=row["cublas_unfused_us"])
         (args.out / "tiles.json").write_text(json.dumps(tiles, indent=1))
+    if args.products:
+        ab = [r for size in args.sizes for r in rope_ab(size, args.tokens, tiles)]
+        (args.out / "tune_gemm.json").write_text(json.dumps(dict(products=rows, rope_ab=ab), indent=1))
+        print_products(rows)
+        for r in ab:
+            print(f"{r['size']:5} {r['variant']:12} forward {r['forward_ms']:7.2f} ms "
+                  f"({r['forward_tokens_per_s']:,.0f} tokens/s)  Embedder.run {r['embedder_tokens_per_s']:,.0f} "
+                  f"tokens/s  worst token cos vs the table's {r['min_token_cos_vs_table']:.6f}")
+        return
     attn, fwd = [], []
     for size in args.sizes:
         try:
@@ -309,16 +391,20 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         log(f"profile failed: {e}")
     (args.out / "tune_gemm.json").write_text(json.dumps(dict(products=rows, attention=attn, forward=fwd), indent=1))
-    print("\nproduct           dtype          cuBLAS µs  unfused µs  Triton µs  best tile")
-    for r in rows:
-        b = r["best"]
-        print(f"{r['size']:5} {r['product']:10} {r['dtype']:14} {r['cublas_plain_us']:9.1f} "
-              f"{r['cublas_unfused_us']:10.1f} {b['us'] if b else float('nan'):10.1f}  "
-              f"{b['label'] if b else 'none passed'}")
+    print_products(rows)
     for r in attn:
         print(r)
     for r in fwd:
         print(r)
+
+
+def print_products(rows: list[dict]) -> None:
+    print("\nproduct                 dtype          cuBLAS µs  unfused µs  Triton µs  best tile")
+    for r in rows:
+        b = r["best"]
+        print(f"{r['size']:5} {r['product']:6} {r['epilogue']:9} {r['dtype']:14} {r['cublas_plain_us']:9.1f} "
+              f"{r['cublas_unfused_us']:10.1f} {b['us'] if b else float('nan'):10.1f}  "
+              f"{b['label'] if b else 'none passed'}")
 
 
 if __name__ == "__main__":

@@ -600,7 +600,7 @@ class FastEsm(nn.Module):
         from ..kernels.activation import activation_triton
         from ..kernels.norm import layer_norm_columns_
         from ..kernels.rope import rope_packed_triton
-        from .products import folds, product
+        from .products import folds, product, rope_folds
         n, dim = h.shape
         b = self.blocks[i - 1]  # the shape of every block alike: heads, activation
         last = i == self.num_layers
@@ -610,12 +610,17 @@ class FastEsm(nn.Module):
             then = None if last else (self.blocks[i].step_products(n) or (None,))[0]
         t = tensors
         policy, inv_scale = self.fused_products, 1.0 / self.branch_scale
-        qkv = product(x, t.w_qkv, t.b_qkv, kernel=folds(x, t.w_qkv, "bias", policy))
-        if t.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
-            layer_norm_columns_(qkv[:, :dim], t.q_norm, self.eps)
-            layer_norm_columns_(qkv[:, dim: 2 * dim], t.k_norm, self.eps)
-        q, k = rope_packed_triton(qkv, cos, sin, b.heads)
-        v = qkv[:, 2 * dim:].view(n, b.heads, dim // b.heads)
+        head_dim = dim // b.heads
+        if t.q_norm is None and folds(x, t.w_qkv, "rope", policy) and rope_folds(t.w_qkv, head_dim):
+            qkv = product(x, t.w_qkv, t.b_qkv, "rope", rope=(cos, sin))  # q scaled, q and k rotated in its epilogue
+            q, k = qkv[:, :dim].view(n, b.heads, head_dim), qkv[:, dim: 2 * dim].view(n, b.heads, head_dim)
+        else:
+            qkv = product(x, t.w_qkv, t.b_qkv, kernel=folds(x, t.w_qkv, "bias", policy))
+            if t.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
+                layer_norm_columns_(qkv[:, :dim], t.q_norm, self.eps)
+                layer_norm_columns_(qkv[:, dim: 2 * dim], t.k_norm, self.eps)
+            q, k = rope_packed_triton(qkv, cos, sin, b.heads)
+        v = qkv[:, 2 * dim:].view(n, b.heads, head_dim)
         a = attend(q, k, v, i - 1)
         a = activation_triton(a, "none", fp8=True) if fp8 else a
         h, x = self._residual(h, a, t.w_o, t.b_o, (t.ffn_w, t.ffn_b), inv_scale, fp8, policy, then=t.w_1)

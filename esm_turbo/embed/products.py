@@ -20,9 +20,10 @@ from .fp8 import Fp8Rows, Fp8Weight, fp8_linear_reference, fp8_supported, linear
 
 def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
             epilogue: str = "bias", residual: torch.Tensor | None = None, residual_scale: float = 1.0,
-            row_amax: bool = False, kernel: bool = True):
+            row_amax: bool = False, kernel: bool = True, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """x [M, K] (or its e4m3 rows) times w [N, K]ᵀ plus the bias, then ``epilogue`` (``"bias"``, ``"gelu"``,
-    ``"residual"`` with residual [M, N] and ``residual_scale``): [M, N] in x's dtype (bf16 for FP8), and with
+    ``"residual"`` with residual [M, N] and ``residual_scale``, ``"rope"`` with rope = (cos, sin) [M, d]: the
+    q/k/v projection's queries scaled and queries and keys rotated): [M, N] in x's dtype (bf16 for FP8), and with
     ``row_amax`` also each row's largest |output| [M] float32. ``kernel`` False (a plain product only): cuBLAS. A
     plain tensor input to an FP8 weight is quantized per row first; FP8 weights off an FP8 GPU take the reference's
     arithmetic."""
@@ -31,7 +32,7 @@ def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.
         return w(x, epilogue, residual, residual_scale)
     fp8 = isinstance(w, Fp8Weight)
     if fp8 and not fp8_supported((x.q if isinstance(x, Fp8Rows) else x).device):
-        y = product_reference(x, w, bias, epilogue, residual, residual_scale)
+        y = product_reference(x, w, bias, epilogue, residual, residual_scale, rope)
         return (y, y.float().abs().amax(1)) if row_amax else y
     if epilogue == "bias" and not row_amax and not kernel:
         return linear(x, w, bias)
@@ -39,8 +40,8 @@ def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.
         if not isinstance(x, Fp8Rows):
             from ..kernels.activation import activation_triton
             x = activation_triton(x, "none", fp8=True)
-        return gemm(x.q, w.q, bias, epilogue, residual, residual_scale, x.scale, w.scale, row_amax)
-    return gemm(x, w, bias, epilogue, residual, residual_scale, row_amax=row_amax)
+        return gemm(x.q, w.q, bias, epilogue, residual, residual_scale, x.scale, w.scale, row_amax, rope=rope)
+    return gemm(x, w, bias, epilogue, residual, residual_scale, row_amax=row_amax, rope=rope)
 
 
 def is_step_product(w) -> bool:
@@ -67,14 +68,25 @@ def folds(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, epilogue: str,
     return held.is_cuda and measured(weight.shape[0], weight.shape[1], weight.dtype, epilogue, held.shape[0])
 
 
+def rope_folds(w: torch.Tensor | Fp8Weight, head_dim: int) -> bool:
+    """Whether the q/k/v projection ``w`` [3·D, D] can take the rotary embedding into its epilogue: its kernel's tile
+    (:func:`~esm_turbo.kernels.gemm.tile_for`) holds whole heads of ``head_dim`` in each part. (Whether it should is
+    :func:`folds`' question.)"""
+    if is_step_product(w):
+        return False
+    from ..kernels.gemm import rope_fits, tile_for
+    weight = w.q if isinstance(w, Fp8Weight) else w
+    return rope_fits(tile_for(weight.shape[0], weight.shape[1], weight.dtype, "rope"), head_dim)
+
+
 def product_reference(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
                       epilogue: str = "bias", residual: torch.Tensor | None = None,
-                      residual_scale: float = 1.0) -> torch.Tensor:
+                      residual_scale: float = 1.0, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """:func:`product` op by op: ``F.linear`` (or :func:`~esm_turbo.embed.fp8.fp8_linear_reference`), then
-    ``F.gelu`` or the residual add (``add_layer_norm_reference``'s sum)."""
+    ``F.gelu``, the residual add (``add_layer_norm_reference``'s sum) or the rotary embedding."""
     from ..kernels.gemm import epilogue_reference
     y = fp8_linear_reference(x, w, bias) if isinstance(w, Fp8Weight) else F.linear(x, w, bias)
-    return epilogue_reference(y, epilogue, residual, residual_scale)
+    return epilogue_reference(y, epilogue, residual, residual_scale, rope)
 
 
-__all__ = ["folds", "is_step_product", "product", "product_reference"]
+__all__ = ["folds", "is_step_product", "product", "product_reference", "rope_folds"]

@@ -9,7 +9,11 @@ and w [N, K] (fp16 or bf16; or e4m3 with one float32 scale per row of x and per 
   (``F.gelu(F.linear(x, w, b))``: ESM-2's FFN-up);
 * ``"residual"``: ``h + y`` (h [M, N] the residual stream), or with ``residual_scale`` s ≠ 1 ``h + y · s`` summed
   in float32 and rounded once (the output projections: ``add_layer_norm_reference``'s sum). The LayerNorm after it
-  then reads one tensor, not two.
+  then reads one tensor, not two;
+* ``"rope"`` (the QKV projection, ``rope=(cos, sin)`` [M, d] float32 of each row's position): the query columns (the
+  first N / 3) scaled by d ** -0.5 and rounded, then queries and keys (the first 2N / 3) rotated by the rotary
+  embedding, head by head, as :func:`~esm_turbo.kernels.rope.rope_packed_triton` computes it (float32, no fused
+  multiply-add); the values as they are. Each part of a tile the epilogue works on must hold whole heads.
 
 Each rounding sits where the PyTorch reference (:func:`gemm_reference`) rounds, so the two differ only in the order
 of the float32 sums. With FP8 inputs the float32 product is scaled by both scales before the bias (what
@@ -38,7 +42,7 @@ from .common import GELU_FORM, GELU_FORMS, gelu, num_sms, sm90
 if TYPE_CHECKING:
     from .gemm_split import SplitTile
 
-EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2}
+EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2, "rope": 3}
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,61 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _rounded(acc, offs_m, offs_n, M, N, c_ptr, bias_ptr, sa_ptr, sw_ptr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr):
+    """A part of the accumulator as the product alone returns it: scaled (FP8), the bias added, rounded to c's dtype
+    (returned in float32)."""
+    y = acc
+    if FP8:
+        sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
+        sw = tl.load(sw_ptr + offs_n, mask=offs_n < N, other=0.0)
+        y = y * sa[:, None] * sw[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return y.to(c_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+
+
+@triton.jit
+def _finish_rope(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, sa_ptr, sw_ptr, cos_ptr, sin_ptr, stride_cos,
+                 q_cols, q_scale, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, BM: tl.constexpr, BNP: tl.constexpr,
+                 HD: tl.constexpr):
+    """The ``"rope"`` epilogue of one [BM, BNP] part (BNP whole heads of HD channels): the product's rounded value;
+    columns < ``q_cols`` (queries) times ``q_scale``, rounded; columns < 2 · q_cols (queries and keys) rotated,
+    ``x · cos + rotate_half(x) · sin`` with cos, sin [M, HD] float32 (rows ``stride_cos`` apart) in float32 (the launch
+    takes no fused multiply-add, as the rotary kernel's); one store."""
+    out_ty = c_ptr.dtype.element_ty
+    row_ok = offs_m < M
+    y = _rounded(acc, offs_m, offs_n, M, N, c_ptr, bias_ptr, sa_ptr, sw_ptr, HAS_BIAS, FP8)
+    y = tl.where((offs_n < q_cols)[None, :], (y * q_scale).to(out_ty, fp_downcast_rounding="rtne").to(tl.float32), y)
+    G: tl.constexpr = BNP // HD
+    HALF: tl.constexpr = HD // 2
+    x1, x2 = tl.split(tl.permute(tl.reshape(y, (BM, G, 2, HALF)), (0, 1, 3, 2)))  # each head's halves [BM, G, HALF]
+    at = offs_m[:, None].to(tl.int64) * stride_cos + tl.arange(0, HALF)[None, :]
+    c1 = tl.load(cos_ptr + at, mask=row_ok[:, None], other=0.0)[:, None, :]
+    s1 = tl.load(sin_ptr + at, mask=row_ok[:, None], other=0.0)[:, None, :]
+    c2 = tl.load(cos_ptr + at + HALF, mask=row_ok[:, None], other=0.0)[:, None, :]
+    s2 = tl.load(sin_ptr + at + HALF, mask=row_ok[:, None], other=0.0)[:, None, :]
+    rotated = tl.join(x1 * c1 - x2 * s1, x2 * c2 + x1 * s2)  # [BM, G, HALF, 2]
+    rotated = tl.reshape(tl.permute(rotated, (0, 1, 3, 2)), (BM, BNP))
+    y = tl.where((offs_n < 2 * q_cols)[None, :], rotated, y).to(out_ty, fp_downcast_rounding="rtne")
+    mask = row_ok[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], y, mask=mask)
+
+
+@triton.jit
+def _part(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr, sw_ptr,
+          amax_ptr, part, parts, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI: tl.constexpr,
+          HAS_BIAS: tl.constexpr, FP8: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr, GELU: tl.constexpr,
+          BM: tl.constexpr, BNP: tl.constexpr, HD: tl.constexpr):
+    """One part's epilogue: :func:`_finish_rope` for ``"rope"``, else :func:`_finish`."""
+    if EPI == 3:
+        _finish_rope(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, sa_ptr, sw_ptr, cos_ptr, sin_ptr,
+                     stride_cos, q_cols, q_scale, HAS_BIAS, FP8, BM, BNP, HD)
+    else:
+        _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr, sw_ptr,
+                amax_ptr, part, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX, GELU)
+
+
+@triton.jit
 def _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr, sw_ptr,
             amax_ptr, part, parts, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
             SCALED: tl.constexpr, AMAX: tl.constexpr, GELU: tl.constexpr):
@@ -124,14 +183,7 @@ def _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stri
     row_ok = offs_m < M
     col_ok = offs_n < N
     mask = row_ok[:, None] & col_ok[None, :]
-    y = acc
-    if FP8:
-        sa = tl.load(sa_ptr + offs_m, mask=row_ok, other=0.0)
-        sw = tl.load(sw_ptr + offs_n, mask=col_ok, other=0.0)
-        y = y * sa[:, None] * sw[None, :]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y = y.to(out_ty, fp_downcast_rounding="rtne").to(tl.float32)  # what the product alone would return
+    y = _rounded(acc, offs_m, offs_n, M, N, c_ptr, bias_ptr, sa_ptr, sw_ptr, HAS_BIAS, FP8)
     if EPI == 1:
         y = gelu(y, GELU).to(out_ty, fp_downcast_rounding="rtne")
     elif EPI == 2:
@@ -151,13 +203,15 @@ def _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stri
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr, sw_ptr, amax_ptr, M, N, K,
-                 stride_am, stride_wn, stride_cm, stride_rm, res_scale, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, TMA: tl.constexpr,
-                 SUBTILE: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
-                 SCALED: tl.constexpr, AMAX: tl.constexpr, WS: tl.constexpr, GELU: tl.constexpr):
+def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr, sw_ptr, amax_ptr, cos_ptr, sin_ptr,
+                 M, N, K, stride_am, stride_wn, stride_cm, stride_rm, stride_cos, q_cols, res_scale, q_scale,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                 TMA: tl.constexpr, SUBTILE: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 FP8: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr, WS: tl.constexpr, GELU: tl.constexpr,
+                 HD: tl.constexpr):
     """Persistent: program p computes output tiles p, p + NUM_SMS, … of the [M, N] output (c = x wᵀ, x [M, K] rows
-    ``stride_am`` apart, w [N, K] rows ``stride_wn`` apart, both with contiguous K), then :func:`_finish`."""
+    ``stride_am`` apart, w [N, K] rows ``stride_wn`` apart, both with contiguous K), then each part's epilogue
+    (:func:`_part`)."""
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -193,14 +247,17 @@ def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr,
             halves = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
             acc0, acc1 = tl.split(halves)
             offs_n = pid_n * BN + tl.arange(0, BN // 2)
-            _finish(acc0, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
-                    sw_ptr, amax_ptr, 2 * pid_n, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX, GELU)
-            _finish(acc1, offs_m, offs_n + BN // 2, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale,
-                    sa_ptr, sw_ptr, amax_ptr, 2 * pid_n + 1, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX, GELU)
+            _part(acc0, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
+                  sw_ptr, amax_ptr, 2 * pid_n, parts, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI, HAS_BIAS,
+                  FP8, SCALED, AMAX, GELU, BM, BN // 2, HD)
+            _part(acc1, offs_m, offs_n + BN // 2, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale,
+                  sa_ptr, sw_ptr, amax_ptr, 2 * pid_n + 1, parts, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI,
+                  HAS_BIAS, FP8, SCALED, AMAX, GELU, BM, BN // 2, HD)
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
-            _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
-                    sw_ptr, amax_ptr, pid_n, parts, EPI, HAS_BIAS, FP8, SCALED, AMAX, GELU)
+            _part(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
+                  sw_ptr, amax_ptr, pid_n, parts, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI, HAS_BIAS, FP8,
+                  SCALED, AMAX, GELU, BM, BN, HD)
 
 
 def tma_supported(device: torch.device) -> bool:
@@ -216,10 +273,12 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "bias",
          residual: torch.Tensor | None = None, residual_scale: float = 1.0, x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, row_amax: bool = False, tile: Tile | None = None,
-         tma: bool | None = None, split: "SplitTile | None" = None):
+         tma: bool | None = None, split: "SplitTile | None" = None,
+         rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """See the module docstring. x [M, K], w [N, K] (K contiguous in both; e4m3 with x_scale [M] or [M, 1] and
-    w_scale [N] float32), bias [N] or None, residual [M, N] (``epilogue="residual"``). Returns [M, N] in x's dtype
-    (bf16 for e4m3), and with ``row_amax`` also the rows' largest |value| [M] float32. With ``split`` (a
+    w_scale [N] float32), bias [N] or None, residual [M, N] (``epilogue="residual"``), rope (cos, sin) [M, d] float32
+    (``epilogue="rope"``). Returns [M, N] in x's dtype (bf16 for e4m3), and with ``row_amax`` also the rows' largest
+    |value| [M] float32. With ``split`` (a
     :class:`~esm_turbo.kernels.gemm_split.SplitTile`; fp16/bf16) the product runs split along K instead
     (:mod:`esm_turbo.kernels.gemm_split`: measured, slower than cuBLAS at a step's rows, so never by default)."""
     if epilogue not in EPILOGUES:
@@ -242,10 +301,13 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     tile = tile or tile_for(n, k, x.dtype, epilogue)
     if tile.gelu not in GELU_FORMS:
         raise ValueError(f"tile's GELU form {tile.gelu!r}: one of {list(GELU_FORMS)}")
+    if (epilogue == "rope") != (rope is not None):
+        raise ValueError("rope's (cos, sin) go with epilogue='rope', and only with it")
+    head_dim = check_rope(rope, m, n, tile) if rope is not None else 2
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if split is not None and m:
-        if fp8 or row_amax:
-            raise ValueError("a split product takes fp16/bf16 inputs and returns no row maxima")
+        if fp8 or row_amax or rope is not None:
+            raise ValueError("a split product takes fp16/bf16 inputs and returns no row maxima nor rotary")
         from .gemm_split import split_gemm
         return split_gemm(x, w, bias, out, epilogue, residual, residual_scale, GELU_FORMS[tile.gelu], split)
     if tma is None:  # a descriptor needs 16-byte aligned rows
@@ -259,20 +321,43 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     tiles = triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn)
     a_desc = _descriptor(x, [tile.bm, tile.bk]) if tma else x
     w_desc = _descriptor(w, [tile.bn, tile.bk]) if tma else w
+    cos, sin = rope if rope is not None else (out, out)
     _gemm_kernel[(min(sms, tiles),)](
         x, a_desc, w, w_desc, out, bias if bias is not None else out, residual if residual is not None else out,
-        x_scale if fp8 else out, w_scale if fp8 else out, amax, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else 0, float(residual_scale), BM=tile.bm, BN=tile.bn,
-        BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=sms, TMA=tma, SUBTILE=tile.subtile, EPI=EPILOGUES[epilogue],
-        HAS_BIAS=bias is not None, FP8=fp8, SCALED=residual_scale != 1.0, AMAX=row_amax, WS=tile.ws,
-        GELU=GELU_FORMS[tile.gelu],
-        num_warps=tile.warps, num_stages=tile.stages)
+        x_scale if fp8 else out, w_scale if fp8 else out, amax, cos, sin, m, n, k, x.stride(0), w.stride(0),
+        out.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if rope is not None else 0,
+        n // 3, float(residual_scale), head_dim ** -0.5, BM=tile.bm, BN=tile.bn, BK=tile.bk, GROUP_M=tile.group_m,
+        NUM_SMS=sms, TMA=tma, SUBTILE=tile.subtile, EPI=EPILOGUES[epilogue], HAS_BIAS=bias is not None, FP8=fp8,
+        SCALED=residual_scale != 1.0, AMAX=row_amax, WS=tile.ws, GELU=GELU_FORMS[tile.gelu], HD=head_dim,
+        num_warps=tile.warps, num_stages=tile.stages, enable_fp_fusion=rope is None)
     return (out, amax.amax(1)) if row_amax else out
+
+
+def check_rope(rope: tuple[torch.Tensor, torch.Tensor], m: int, n: int, tile: Tile) -> int:
+    """The head width of a ``"rope"`` product [M, N] (N = 3 × the heads' width) with ``rope`` = (cos, sin), after
+    checking them and that each part of ``tile`` the epilogue works on holds whole heads."""
+    cos, sin = rope
+    d = cos.shape[-1] if cos.dim() == 2 else 0
+    if (cos.shape != (m, d) or sin.shape != cos.shape or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or cos.stride(1) != 1 or sin.stride() != cos.stride() or d % 2 or n % 3 or d == 0 or (n // 3) % d):
+        raise ValueError(f"rope's cos, sin {tuple(cos.shape)}, {tuple(sin.shape)} (float32, rows alike) are not the "
+                         f"[{m}, d] tables of a [{m}, {n}] q/k/v product's heads")
+    if not rope_fits(tile, d):
+        raise ValueError(f"tile {tile.bn} columns wide ({'halves' if tile.subtile else 'whole'}) does not hold whole "
+                         f"{d}-wide heads")
+    return d
+
+
+def rope_fits(tile: Tile, head_dim: int) -> bool:
+    """Whether every part of ``tile``'s columns the epilogue works on holds whole heads of ``head_dim``."""
+    part = tile.bn // 2 if tile.subtile else tile.bn
+    return head_dim >= 2 and part % head_dim == 0 and head_dim & (head_dim - 1) == 0
 
 
 def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "bias",
                    residual: torch.Tensor | None = None, residual_scale: float = 1.0,
-                   x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """What :func:`gemm` computes, in PyTorch: the product in float32 (e4m3 inputs scaled), the bias, a rounding to
     the output dtype, then the epilogue's op rounded once."""
     fp8 = x.dtype == torch.float8_e4m3fn
@@ -282,13 +367,23 @@ def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         y = y * x_scale.reshape(-1, 1).float() * w_scale.reshape(1, -1).float()
     if bias is not None:
         y = y + bias.float()
-    return epilogue_reference(y.to(out_dtype), epilogue, residual, residual_scale)
+    return epilogue_reference(y.to(out_dtype), epilogue, residual, residual_scale, rope)
 
 
 def epilogue_reference(y: torch.Tensor, epilogue: str, residual: torch.Tensor | None = None,
-                       residual_scale: float = 1.0) -> torch.Tensor:
+                       residual_scale: float = 1.0, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """An epilogue's op on a product's rounded output y [M, N], rounded once: ``F.gelu``, or the residual sum
-    (:func:`~esm_turbo.kernels.norm.residual_sum`), or nothing for ``"bias"``."""
+    (:func:`~esm_turbo.kernels.norm.residual_sum`), or the rotary embedding of the queries and keys
+    (:func:`~esm_turbo.kernels.rope.rope_packed_reference` written over them; ``rope`` = (cos, sin)), or nothing for
+    ``"bias"``."""
+    if epilogue == "rope":
+        from .rope import rope_packed_reference
+        cos, sin = rope
+        dim = y.shape[1] // 3
+        q, k = rope_packed_reference(y, cos, sin, dim // cos.shape[1])
+        out = y.clone()
+        out[:, :dim], out[:, dim: 2 * dim] = q.flatten(1), k.flatten(1)
+        return out
     if epilogue == "gelu":
         import torch.nn.functional as F
         return F.gelu(y)
@@ -298,5 +393,5 @@ def epilogue_reference(y: torch.Tensor, epilogue: str, residual: torch.Tensor | 
     return y
 
 
-__all__ = ["EPILOGUES", "TILES", "Tile", "default_tile", "epilogue_reference", "gemm", "gemm_reference", "measured",
-           "tile_for", "tma_supported"]
+__all__ = ["EPILOGUES", "TILES", "Tile", "check_rope", "default_tile", "epilogue_reference", "gemm", "gemm_reference",
+           "measured", "rope_fits", "tile_for", "tma_supported"]

@@ -107,6 +107,25 @@ def _rope_packed_kernel(qkv_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_pairs, s_to
         tl.store((qo_ptr if part == 0 else ko_ptr) + out, y.to(qo_ptr.dtype.element_ty), mask=mask)
 
 
+def rope_packed_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`rope_packed_triton` computes, in PyTorch: qkv [N, 3·H·d], cos, sin [N, d] float32 → q (times
+    d ** -0.5, rounded to qkv's dtype), k, each ``x · cos + rotate_half(x) · sin`` in float32 rounded once,
+    [N, H, d]."""
+    n, width = qkv.shape
+    dim = width // 3
+    d = dim // heads
+    q = (qkv[:, :dim].float() * d ** -0.5).to(qkv.dtype).view(n, heads, d)
+    k = qkv[:, dim: 2 * dim].reshape(n, heads, d)
+    c, s = cos[:, None, :], sin[:, None, :]
+
+    def rotated(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        half = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
+        return (x * c + half * s).to(qkv.dtype)
+    return rotated(q), rotated(k)
+
+
 def rope_packed_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same embedding for a packed batch (FastEsm): qkv [N, 3·H·d] (q, k, v side by side, as the fused
