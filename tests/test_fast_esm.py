@@ -372,6 +372,24 @@ def test_replayed_blocks_give_the_eager_forward_bit_for_bit(kind):
         for layer in layers:
             assert torch.equal(eager[layer], replayed[layer]), (kind, layer)
         assert fast._replayed_blocks(replayed[1], fast.num_layers, fast.fp8_forms(replayed[1].device)) > 2
+        assert len(fast._packed) == fast.num_layers - 1 and not fast._packed.stale  # one contiguous copy a replay
+    # a block's weights moved after packing (a new tensor, other values): the replay copies leaf by leaf and reads
+    # the new values, then the blocks are packed again
+    b = fast.blocks[3]
+    if b.fp8 is None:
+        b.fc2.weight.data = b.fc2.weight.data * 0.5
+    else:
+        b.fp8[3].scale.data = b.fp8[3].scale.data * 0.5
+    batch = PackedBatch.from_sequences(SEQS, "cuda")
+    fast.block_graphs = False
+    eager = fast(batch, layers)
+    fast.block_graphs = True
+    moved = fast(batch, layers)
+    assert fast._packed.stale
+    for layer in layers:
+        assert torch.equal(eager[layer], moved[layer]), (kind, layer)
+    again = fast(batch, layers)
+    assert not fast._packed.stale and torch.equal(again[fast.num_layers], eager[fast.num_layers])
 
 
 def test_blocks_replay_by_default_only_where_it_measured_faster():
@@ -382,6 +400,34 @@ def test_blocks_replay_by_default_only_where_it_measured_faster():
     assert not replay_pays(16384, 320, 4)  # 8M: too few blocks to pay for the capture
     fast = FastEsm.from_hf(stress_esm2(layers=12, hidden=64, heads=4))
     assert fast._replayed_blocks(torch.zeros(8, 64), 12, [False] * 13) == 2  # off CUDA: none
+
+
+def test_packed_blocks_hold_each_block_in_one_flat_buffer_and_notice_moved_weights():
+    """PackedBlocks makes every leaf of blocks 2 … L a view of its block's flat buffer (at aligned offsets, the same
+    layout in every block), leaves the forward's numbers as they were, and gives no buffer for a block whose leaves
+    were moved afterwards."""
+    from esm_turbo.embed.block_replay import FLAT_ALIGN, PackedBlocks, flat_layout
+    torch.manual_seed(0)
+    fast = FastEsm.from_hf(stress_esm2(layers=4, hidden=64, heads=4).eval())
+    batch = PackedBatch.from_sequences(SEQS)
+    before = fast(batch, [4])[4]
+    with torch.inference_mode():
+        packed = PackedBlocks(fast, batch.tokens.shape[0])
+    assert len(packed) == 3 and not packed.stale
+    layouts = set()
+    for i in (2, 3, 4):
+        leaves = fast.block_tensors(i, 1).leaves()
+        flat = packed.flat(i, leaves)
+        offsets, total = flat_layout(leaves)
+        layouts.add((tuple(offsets), total))
+        assert flat is not None and flat.numel() == total and all(o % FLAT_ALIGN == 0 for o in offsets)
+        assert all(t.data_ptr() == flat.data_ptr() + o for t, o in zip(leaves, offsets))
+    assert len(layouts) == 1
+    assert not fast.blocks[2].qkv.weight.is_inference()  # still an ordinary parameter
+    assert torch.equal(fast(batch, [4])[4], before)
+    fast.blocks[2].out.weight.data = fast.blocks[2].out.weight.data.clone()
+    assert packed.flat(3, fast.block_tensors(3, 1).leaves()) is None and packed.stale
+    assert packed.flat(4, fast.block_tensors(4, 1).leaves()) is not None
 
 
 def test_a_captured_block_stands_only_for_blocks_of_its_input_form():

@@ -1,11 +1,12 @@
 """FastEsm's forward with every block launched eagerly against blocks 2 … L − 1 replayed from one captured block
-(``FastEsm.block_graphs`` False / True), on one GPU, interleaved, best of each.
+(``FastEsm.block_graphs`` False / True), on one GPU, interleaved, best of each; replayed blocks take their weights
+in one contiguous copy (``block_replay.PackedBlocks``) or, as ``replayed_leaf``, leaf by leaf.
 
 usage: python tools/block_graphs.py [--sizes 35M 150M 650M 650M:4096] [--embed 35M 150M] [--out F.json]
 
 Per shape (``size`` or ``size:tokens``, a real-length batch of about that many tokens, random weights, fp16): the
 host's time to enqueue one forward with the GPU kept busy, a forward's wall time alone (synchronised), and the time per
-forward of six queued back to back (what a stream of batches meets), for both; whether both give every layer bit for
+forward of six queued back to back (what a stream of batches meets), for each; whether all give every layer bit for
 bit. ``--embed``: ``Embedder.run`` over the bench's records (nothing written) both ways, tokens/s.
 """
 from __future__ import annotations
@@ -18,7 +19,18 @@ from pathlib import Path
 
 import torch
 
+from esm_turbo.embed import block_replay
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+MODES = (("eager", False, True), ("replayed", True, True), ("replayed_leaf", True, False))
+
+
+def _copies(flat: bool) -> None:
+    """Replays copy each block's weights in one contiguous copy (``flat``) or leaf by leaf."""
+    block_replay.PackedBlocks.flat = _FLAT if flat else (lambda self, i, leaves: None)
+
+
+_FLAT = block_replay.PackedBlocks.flat
 
 
 def _host_ms(fn, busy: torch.Tensor, reps: int = 5) -> float:
@@ -55,15 +67,18 @@ def forward_rows(spec: str) -> dict:
                      width=fast.config.hidden_size)
     outs = {}
     for _ in range(2):
-        for name, mode in (("eager", False), ("replayed", True)):
+        for name, mode, flat in MODES:
             fast.block_graphs = mode
+            _copies(flat)
             outs[name] = fast(batch, layers)
             for key, value in (("host_ms", _host_ms(lambda: fast(batch), busy)),
                                ("wall_ms", _wall_ms(lambda: fast(batch))),
                                ("queued_ms", _wall_ms(lambda: fast(batch), reps=3, queued=6))):
                 row[f"{name}_{key}"] = min(row.get(f"{name}_{key}", float("inf")), value)
-    row["identical"] = all(torch.equal(outs["eager"][k], outs["replayed"][k]) for k in layers)
+    _copies(True)
+    row["identical"] = all(torch.equal(outs["eager"][k], outs[m][k]) for k in layers for m in outs)
     row["queued_speedup"] = row["eager_queued_ms"] / row["replayed_queued_ms"]
+    row["flat_copy_speedup"] = row["replayed_leaf_queued_ms"] / row["replayed_queued_ms"]
     return row
 
 
@@ -79,15 +94,17 @@ def embedder_row(size: str, copies: int = 4) -> dict:
     emb.run(records, _NullWriter(), progress=False)
     best: dict[str, float] = {}
     for _ in range(3):
-        for name, mode in (("eager", False), ("replayed", True)):
+        for name, mode, flat in MODES:
             emb.fast.block_graphs = mode
+            _copies(flat)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             emb.run(records, _NullWriter(), progress=False)
             torch.cuda.synchronize()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+    _copies(True)
     return dict(size=size, part="embedder", tokens=tokens, **{f"{k}_tokens_per_s": tokens / v for k, v in best.items()},
-                speedup=best["eager"] / best["replayed"])
+                speedup=best["eager"] / best["replayed"], flat_copy_speedup=best["replayed_leaf"] / best["replayed"])
 
 
 def main() -> None:

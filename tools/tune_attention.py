@@ -26,7 +26,9 @@ from esm_turbo.kernels.varlen_attention import AttentionTile, attention_plan, qu
 TILES = [AttentionTile(64, 64, 4, 3), AttentionTile(64, 64, 4, 2), AttentionTile(64, 32, 4, 3),
          AttentionTile(64, 128, 4, 2), AttentionTile(128, 64, 8, 3), AttentionTile(128, 64, 8, 2),
          AttentionTile(128, 64, 4, 3), AttentionTile(128, 128, 8, 2), AttentionTile(128, 32, 8, 3),
-         AttentionTile(64, 64, 8, 3)]
+         AttentionTile(64, 64, 8, 3), AttentionTile(64, 32, 4, 2), AttentionTile(64, 32, 4, 4),
+         AttentionTile(64, 32, 2, 3), AttentionTile(32, 32, 2, 3), AttentionTile(128, 32, 4, 3),
+         AttentionTile(64, 16, 4, 3)]  # the last six for narrow heads (d = 32, 150M-shaped)
 LENGTHS = (40, 80, 128, 160, 200, 256, 320, 400, 512, 640, 800, 1024)
 
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..model.alphabet import check_sequence, encode_packed
 from ..model.family import ESM2, FAMILIES, Family, family_of_net
+from .block_replay import BlockGraph, PackedBlocks, replay_pays, replayed_run
 from .fp8 import FP8_COMPUTE_DTYPE, Fp8Weight, linear
 from .varlen import flash_available, padded_layout, varlen_attention
 
@@ -286,10 +287,12 @@ class FastEsm(nn.Module):
         # (flash-attention's variable-length kernel); captured graphs take flash
         self.attention_kernel = "triton"
         # the fused path on CUDA captures block 2 of each batch as a CUDA graph and replays it for the blocks after
-        # it with their tensors copied in (_BlockGraph): the host's launch work once a batch, not once a block.
+        # it with their tensors copied in (block_replay.BlockGraph): the host's launch work once a batch, not once a
+        # block.
         # None: where replay_pays says it pays; True: wherever it can (FastEsm._replayed_blocks); False: never
         self.block_graphs: bool | None = None
-        self._block_graph: "_BlockGraph | None" = None
+        self._block_graph: BlockGraph | None = None
+        self._packed: PackedBlocks | None = None  # blocks 2 … num_layers in one flat buffer each, made at a replay
         self._block_pool = None  # the memory pool every batch's captured block allocates from (made at the first)
         self._graphs: dict = {}
 
@@ -442,7 +445,7 @@ class FastEsm(nn.Module):
             head = self.lm_head
             for name in ("dense_w", "dense_b", "norm_w", "norm_b", "bias", "decoder"):
                 setattr(head, name, getattr(head, name).to(dtype))
-        self._graphs, self._block_graph = {}, None
+        self._graphs, self._block_graph, self._packed = {}, None, None
         return self
 
     @property
@@ -534,10 +537,12 @@ class FastEsm(nn.Module):
             h, x = self.fused_block(1, h, x, cos, sin, attend, fp8s[0], fp8s[1])
             if 1 in wanted:
                 out[1] = h.clone()
-            graph = _BlockGraph(self, h, x, cos, sin, attend, fp8s[1])
+            if self._packed is None or self._packed.stale:
+                self._packed = PackedBlocks(self, n)  # each replay's weight copy then one contiguous copy
+            graph = BlockGraph(self, h, x, cos, sin, attend, fp8s[1], self._packed)
             self._block_graph = graph  # kept until the next batch's is captured: their pool then stays allocated
             for i in range(2, stop):
-                graph.replay(self.block_tensors(i, n))
+                graph.replay(i, self.block_tensors(i, n))
                 if i in wanted:
                     out[i] = h.clone()  # the graph's buffers hold the next block's output after its replay
             first = stop
@@ -596,7 +601,7 @@ class FastEsm(nn.Module):
         or, after the last block, the final norm) as the next call takes them: as e4m3 rows where ``fp8_next`` (the
         next block's products in FP8; default ``fp8`` before the last block). ``tensors``: what the block reads
         (default :meth:`block_tensors` of block i); ``into``: (h, x) buffers the two outputs are written to (a
-        captured block's own inputs, :class:`_BlockGraph`)."""
+        captured block's own inputs, :class:`~.block_replay.BlockGraph`)."""
         from ..kernels.activation import activation_triton
         from ..kernels.norm import layer_norm_columns_
         from ..kernels.rope import rope_packed_triton
@@ -746,72 +751,6 @@ def _rotary_frequencies(base, family: Family) -> torch.Tensor:
     if family is ESM2:  # older transformers keep it per layer
         return base.encoder.layer[0].attention.self.rotary_embeddings.inv_freq
     raise ValueError(f"no rotary frequencies found in this {family.label} model")
-
-
-#: a batch's blocks replay one captured block (:class:`_BlockGraph`) by default where a block's work, tokens × width²,
-#: is at most this: its GPU time is then near the host's time to launch it eagerly. On an H200 and its host CPU,
-#: 16K-token batches (results/embed/block_graphs_h200.json): 150M-shaped (work 6.7e9) the host's work a forward
-#: 13.8 -> 4.1 ms, Embedder.run 2.08x faster on a busy host and queued forwards 4% slower where the host keeps up;
-#: 650M-shaped (2.7e10) 3% slower, bound by the GPU either way
-BLOCK_GRAPH_MAX_WORK = 1.2e10
-#: ... and at least this many blocks replay: the capture costs about three blocks' launches on the host
-BLOCK_GRAPH_MIN_REPLAYS = 8
-
-
-def replay_pays(tokens: int, width: int, replays: int) -> bool:
-    """Whether replaying a captured block ``replays`` times beats launching each block (see
-    :data:`BLOCK_GRAPH_MAX_WORK`)."""
-    return replays >= BLOCK_GRAPH_MIN_REPLAYS and tokens * width ** 2 <= BLOCK_GRAPH_MAX_WORK
-
-
-def replayed_run(fp8s: list[bool], last: int) -> int:
-    """The block after the run 2, 3, … (before ``last``) that one captured block 2 can stand for: a captured block
-    writes its output over its input, so each block of the run and the block after it must take block 2's input
-    form (``fp8s[i - 1]``: block i's products in FP8). 2 where there is no such run."""
-    stop = 2
-    while stop < last and fp8s[stop - 1] == fp8s[stop] == fp8s[1]:
-        stop += 1
-    return stop
-
-
-class _BlockGraph:
-    """One batch's block of the fused forward, captured once as a CUDA graph and replayed for block after block.
-
-    The graph reads its input (h, x) from the buffers it is made with (block 1's outputs) and writes its output back
-    into them, and reads the block's weights, biases and norms from tensors of its own: :meth:`replay` copies a
-    block's into them in one multi-tensor copy (the block's weight bytes once more, about 1% of a block's time at a
-    16K-token batch) and replays. So the host enqueues a block's nine launches once a batch instead of once a block;
-    on the CPUs that drive an H100 or H200 that is what bounds the smaller ESM-2s' forwards. The capture runs on a
-    side stream without synchronising (``torch.cuda.graph`` would wait for the device and empty the cache); block 1,
-    run eagerly before it, has built and loaded every kernel the capture meets. Every batch's graph allocates from
-    one memory pool (the model's), and the model keeps the last graph until the next is captured: the
-    pool's memory then stays allocated between batches instead of being asked of the driver again at every capture.
-    """
-
-    def __init__(self, model: FastEsm, h: torch.Tensor, x, cos: torch.Tensor, sin: torch.Tensor, attend, fp8: bool):
-        tensors = model.block_tensors(2, h.shape[0])
-        self.buffers = [torch.empty_like(t) for t in tensors.leaves()]
-        own = tensors.with_leaves(self.buffers)
-        into = (h, tuple(x) if fp8 else x)  # the block's output in its input's form: fp8 for both its and the next's
-        self.graph = torch.cuda.CUDAGraph()
-        current = torch.cuda.current_stream(h.device)
-        side = torch.cuda.Stream(h.device)
-        side.wait_stream(current)  # the buffers were allocated on the current stream
-        with torch.cuda.stream(side):
-            if model._block_pool is None:
-                model._block_pool = torch.cuda.graph_pool_handle()
-            self.graph.capture_begin(pool=model._block_pool, capture_error_mode="thread_local")
-            try:
-                model.fused_block(2, h, x, cos, sin, attend, fp8, fp8, tensors=own, into=into)
-            finally:
-                self.graph.capture_end()
-        current.wait_stream(side)
-
-    def replay(self, tensors: BlockTensors) -> None:
-        """One block: its ``tensors`` (:meth:`FastEsm.block_tensors`) copied in, the graph replayed on the current
-        stream."""
-        torch._foreach_copy_(self.buffers, tensors.leaves())
-        self.graph.replay()
 
 
 #: batches below this many tokens replay CUDA graphs in :meth:`FastEsm.embed`
