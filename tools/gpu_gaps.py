@@ -5,7 +5,9 @@ usage: python tools/gpu_gaps.py [--size 650M] [--tokens 16384] [--copies 4] [--o
 
 Per part (one forward on one real-length batch; the embedder over the bench's records, nothing written): wall time,
 GPU busy time (the union of kernel and copy intervals), the host's own time to enqueue a forward with the GPU kept
-busy, the share of GPU idle, and the 12 largest gaps with the kernels either side and the CPU ops inside them.
+busy, the share of GPU idle, and the 12 largest gaps with the kernels either side and the CPU ops inside them. The
+embedder is profiled once more with CUDA activity only (the host then runs at its own speed): where its idle time
+lies (:func:`timeline`).
 """
 from __future__ import annotations
 
@@ -43,6 +45,36 @@ def gaps(prof, wall_ms: float, top: int = 12) -> dict:
         out.append(dict(gap_us=round(width, 1), before=before[:60], after=after[:60], cpu=inside))
     return dict(wall_ms=wall_ms, gpu_busy_ms=breakdown(kernels)["busy_ms"], gaps_ms=sum(h[0] for h in holes) / 1e3,
                 n_gaps=len(holes), gaps_over_20us_ms=sum(h[0] for h in holes if h[0] > 20) / 1e3, largest=out)
+
+
+def timeline(prof, marker: str = "fill") -> dict:
+    """Where a CUDA-only profile's idle time lies (the host not slowed by CPU tracing): between the start marker
+    (the first ``marker`` kernel) and the first kernel after it (``lead``), between the last kernel and the end marker
+    (``tail``), gaps of 20 µs or more next to a host-to-device copy (batch boundaries) or elsewhere, and the short gaps
+    (launch latency between kernels, inside CUDA graphs too): ms and counts, with the 12 longest gaps' place."""
+    from esm_turbo.bench.step import kernel_times
+    kernels = kernel_times(prof.events())
+    marks = [i for i, k in enumerate(kernels) if marker in k[0].lower()]
+    first, last = marks[0], marks[-1]
+    body = kernels[first + 1: last]
+    out = dict(lead_ms=(body[0][1] - kernels[first][2]) / 1e3, tail_ms=(kernels[last][1] - body[-1][2]) / 1e3,
+               kernels=len(body), copies_in=sum("HtoD" in k[0] for k in body))
+    sums = dict(boundary=[0.0, 0], long=[0.0, 0], short=[0.0, 0])
+    holes, end, before = [], body[0][2], body[0][0]
+    for name, start, stop in body[1:]:
+        if start > end:
+            width = start - end
+            kind = ("short" if width < 20 else "boundary" if "HtoD" in name or "HtoD" in before else "long")
+            sums[kind][0] += width / 1e3
+            sums[kind][1] += 1
+            holes.append((width, (end - body[0][1]) / 1e3, before[:40], name[:40]))
+        if stop >= end:
+            end, before = stop, name
+    for kind, (ms, n) in sums.items():
+        out[f"{kind}_gaps_ms"], out[f"{kind}_gaps"] = ms, n
+    out["longest"] = [dict(gap_us=round(w, 1), at_ms=round(t, 2), before=b, after=a)
+                      for w, t, b, a in sorted(holes, reverse=True)[:12]]
+    return out
 
 
 def forward_part(size: str, tokens: int) -> tuple[dict, str]:
@@ -104,6 +136,15 @@ def embedder_part(size: str, copies: int) -> tuple[dict, str]:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
     row = gaps(prof, wall)
+    mark = torch.zeros(1 << 20, device=dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as quiet:
+        mark.fill_(1.0)
+        t0 = time.perf_counter()
+        emb.run(records, _NullWriter(), progress=False)
+        mark.fill_(2.0)
+        torch.cuda.synchronize()
+        row["cuda_only_wall_ms"] = (time.perf_counter() - t0) * 1e3
+    row["cuda_only"] = timeline(quiet)
     tokens = sum(len(r.sequence) + 2 for r in records)
     row.update(part="embedder", tokens=tokens, wall_unprofiled_ms=min(walls),
                tokens_per_s=tokens / min(walls) * 1e3)

@@ -274,13 +274,44 @@ def rope_ab(size: str, tokens: int, tiles: dict, copies: int = 4) -> list[dict]:
             run_s = time.perf_counter() - t0
             old = best.get(variant, (float("inf"), float("inf")))
             best[variant] = (min(old[0], ms), min(old[1], run_s))
+    kernels = {}
+    for variant in ("table", "rope folded"):  # one forward's GPU time by kernel, CUDA activity only
+        if variant == "table":
+            G.TILES.pop(key, None)
+        else:
+            G.TILES[key] = tile
+        kernels[variant] = kernel_totals(lambda: fast(batch, [fast.num_layers]))
     G.TILES.pop(key, None)
     cos = F.cosine_similarity(outs["table"], outs["rope folded"], dim=-1).min().item()
     rows = [dict(size=size, variant=v, forward_ms=ms, forward_tokens_per_s=batch.tokens.numel() / ms * 1e3,
-                 embedder_tokens_per_s=n_tok / run_s, min_token_cos_vs_table=cos) for v, (ms, run_s) in best.items()]
+                 embedder_tokens_per_s=n_tok / run_s, min_token_cos_vs_table=cos, kernels_ms=kernels[v])
+            for v, (ms, run_s) in best.items()]
     for r in rows:
         log(f"rope A/B {r}")
     return rows
+
+
+def kernel_totals(fn, top: int = 14) -> dict:
+    """GPU ms by kernel name (the ``top`` longest; the rest as "other"; "busy" and "span" as well) of one call of
+    ``fn`` under a CUDA-only profile, after one call untimed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from esm_turbo.bench.step import breakdown, kernel_times
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = kernel_times(prof.events())
+    totals: dict[str, float] = {}
+    for name, start, end in kernels:
+        totals[name[:60]] = totals.get(name[:60], 0.0) + (end - start) / 1e3
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    out = dict(ranked[:top])
+    out["other"] = sum(v for _, v in ranked[top:])
+    b = breakdown(kernels)
+    out.update(busy=b["busy_ms"], span=b["span_ms"], launches=len(kernels))
+    return out
 
 
 def profile_forward(size: str, tokens: int, path: Path) -> None:
@@ -338,6 +369,8 @@ def main() -> None:
     ap.add_argument("--gelu-forms", action="store_true", help="only the GELU forms in FFN-up and the forward")
     ap.add_argument("--products", nargs="+", default=None, metavar="NAME:EPILOGUE",
                     help="only these products (e.g. qkv:rope), then the rotary A/B instead of the other parts")
+    ap.add_argument("--tiles", type=Path, default=None,
+                    help="with --products: the tiles of an earlier run's tiles.json instead of tuning them again")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.gelu_forms:
@@ -353,7 +386,9 @@ def main() -> None:
     fp8 = fp8_supported("cuda") and not args.skip_fp8
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     rows, tiles = [], {}
-    for size in ([] if args.skip_products else args.sizes):
+    if args.tiles:
+        tiles = json.loads(args.tiles.read_text())
+    for size in ([] if args.skip_products or args.tiles else args.sizes):
         from esm_turbo.model.sizes import esm2_config
         head_dim = esm2_config(size).hidden_size // esm2_config(size).num_attention_heads
         for name, epi, n, k in shapes(size):
@@ -375,6 +410,7 @@ def main() -> None:
             print(f"{r['size']:5} {r['variant']:12} forward {r['forward_ms']:7.2f} ms "
                   f"({r['forward_tokens_per_s']:,.0f} tokens/s)  Embedder.run {r['embedder_tokens_per_s']:,.0f} "
                   f"tokens/s  worst token cos vs the table's {r['min_token_cos_vs_table']:.6f}")
+            print("    GPU ms by kernel: " + ", ".join(f"{k} {v:.3f}" for k, v in r["kernels_ms"].items()))
         return
     attn, fwd = [], []
     for size in args.sizes:
