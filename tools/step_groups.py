@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from esm_turbo import ops
-from esm_turbo.bench.step import breakdown, kernel_times, read_rate_gbs, step_report
+from esm_turbo.bench.step import profile_step, read_rate_gbs, step_report
 from esm_turbo.bench.synthetic import layer_codec, stand_in_model, synthetic_session
 from esm_turbo.bench.timing import time_eager
 from esm_turbo.model import engine as engine_module
@@ -100,13 +100,7 @@ def rows_for(groups_list: list[int], rate: float) -> list[dict]:
             row = dict(cache="compressed", rows=batch, context=context, groups=groups, step_ms=ms,
                        **step_report(session, ms, rate))
             row["max_logit_diff_vs_one_group"] = (logits[groups] - logits[groups_list[0]]).abs().max().item()
-            step.replay()
-            torch.cuda.synchronize()
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step.replay()
-                torch.cuda.synchronize()
-            parts = breakdown(kernel_times(prof.events()))
+            parts = profile_step(step.replay, dev)
             row.update(launches=parts["launches"], kinds_ms=parts["kinds_ms"], busy_ms=parts["busy_ms"],
                        span_ms=parts["span_ms"])
             rows.append(row)
