@@ -43,6 +43,10 @@ def main() -> None:
                     help="the side list ranks each value's error (absolute), its error over its channel's spread "
                          "(relative), or keeps what passes either, each fitted at half the fraction (both)")
     ap.add_argument("--relative", dest="rank", action="store_const", const="relative", help="--rank relative")
+    ap.add_argument("--slot-domain", choices=["original", "affine"], default="original",
+                    help="--slots: pick and keep them in the values' own domain, or in the codes' affine domain "
+                         "(where the fused decode kernel reads; --rank relative there: each error in its channel's "
+                         "scale)")
     args, model, cal_records, eval_records = parse(ap)
     t0 = time.time()
     cals = {bits: calibrate(model, cal_records, recipe("default", index_bits=bits - 1), progress=False)
@@ -80,10 +84,18 @@ def main() -> None:
     def slots_row(label: str, widths: list[int], slots: int) -> dict:
         """``widths`` with each token's ``slots`` worst-coded values of each kind kept exact."""
         relative = args.rank == "relative"
-        codecs = [ExactCodec(cals[w].codecs[i], scales=errors(w, True)[i][1] if relative else None, slots=slots)
-                  for i, w in enumerate(widths)]
+        if args.slot_domain == "affine":
+            codecs = [ExactCodec(cals[w].codecs[i], slots=slots, domain="affine", relative=relative)
+                      for i, w in enumerate(widths)]
+        else:
+            codecs = [ExactCodec(cals[w].codecs[i], scales=errors(w, True)[i][1] if relative else None, slots=slots)
+                      for i, w in enumerate(widths)]
         row = run(widths, codecs)
-        row["bits"] += slots * (16 + math.ceil(math.log2(heads * dim))) / (heads * dim)  # value and index a slot
+        if args.slot_domain == "affine":  # the library's 32-bit slot words
+            from esm_turbo.quant.slots import slot_bits
+            row["bits"] += slot_bits(slots, heads, dim)
+        else:  # an fp16 value and its index among the token's values, packed
+            row["bits"] += slots * (16 + math.ceil(math.log2(heads * dim))) / (heads * dim)
         return add(f"{label} + {slots} slot{'s' if slots > 1 else ''}", row)
 
     seen_errors: dict = {}
@@ -134,7 +146,8 @@ def main() -> None:
         flags = (f" --at-four {' '.join(map(str, args.at_four))}"
                  + (f" --fractions {' '.join(map(str, args.fractions))}" if args.fractions else " --fractions")
                  + (f" --slots {' '.join(map(str, args.slots))}" if args.slots else "")
-                 + (f" --rank {args.rank}" if args.rank != "absolute" else ""))
+                 + (f" --rank {args.rank}" if args.rank != "absolute" else "")
+                 + (f" --slot-domain {args.slot_domain}" if args.slot_domain != "original" else ""))
     else:
         flags = f" --ks {' '.join(map(str, args.ks))}" + (f" --sparse {args.sparse}" if args.sparse else "")
     lines = [f"# python tools/layer_bits_study.py {args.model}{flags}{data_flags(args)}",
