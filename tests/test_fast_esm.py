@@ -390,6 +390,12 @@ def test_replayed_blocks_give_the_eager_forward_bit_for_bit(kind):
         assert torch.equal(eager[layer], moved[layer]), (kind, layer)
     again = fast(batch, layers)
     assert not fast._packed.stale and torch.equal(again[fast.num_layers], eager[fast.num_layers])
+    # to_dtype (as to_fp8 ends) after replays drops the captured graphs and their pool; the next forward captures anew
+    fast.to_dtype(dtype)
+    fast.block_graphs = False
+    eager = fast(batch, layers)
+    fast.block_graphs = True
+    assert torch.equal(fast(batch, layers)[fast.num_layers], eager[fast.num_layers])
 
 
 def test_blocks_replay_by_default_only_where_it_measured_faster():

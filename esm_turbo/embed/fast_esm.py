@@ -445,7 +445,9 @@ class FastEsm(nn.Module):
             head = self.lm_head
             for name in ("dense_w", "dense_b", "norm_w", "norm_b", "bias", "decoder"):
                 setattr(head, name, getattr(head, name).to(dtype))
-        self._graphs, self._block_graph, self._packed = {}, None, None
+        # the captured graphs go, and with the last one its memory pool: the next capture makes a new pool (a pool
+        # no graph holds any more is freed, and capturing into its handle again fails inside PyTorch's allocator)
+        self._graphs, self._block_graph, self._packed, self._block_pool = {}, None, None, None
         return self
 
     @property
