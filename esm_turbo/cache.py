@@ -93,7 +93,8 @@ class KVCache:
         return len(self.codecs)
 
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict[str, torch.Tensor]:
-        return {name: torch.zeros(batch, self.heads, capacity, *shape, dtype=dtype, device=self.device)
+        return {name: torch.zeros(batch, codec.part_heads(name, self.heads), capacity, *shape, dtype=dtype,
+                                  device=self.device)
                 for name, (shape, dtype) in codec.part_specs().items()}
 
     def set_lengths(self, length: int) -> None:
@@ -271,7 +272,7 @@ class KVCache:
         per_part: dict[str, int] = {}
         for name, buf in self.parts[0].items():
             per_part[name] = buf[0, :, 0].numel() * buf.element_size()
-        per_token = sum(c.bytes_per_token() for c in self.codecs) * self.heads // self.num_layers
+        per_token = sum(c.token_bytes(self.heads) for c in self.codecs) // self.num_layers
         window = self.window.nbytes() if self.window is not None else 0
         allocated = sum(b.numel() * b.element_size() for layer in self.parts for b in layer.values()) + window
         tokens = int(self.lengths.sum())

@@ -8,8 +8,9 @@ Shapes, once (B rows, H heads, d head_dim, S new tokens a step, L layers)::
     valid       : [B, S] bool   which of them are real (a ragged prefill)
     counts      : [B] long      how many of the S are committed per row (or one int for all)
     lengths     : [B] long      committed tokens per row, on the cache's device
-    parts[l]    : {name: [B, H, capacity, *shape]} per layer, one per codec part (``codec.part_specs()``); a paged
-                  cache's are pools [slots, H, block, *shape] read through :meth:`DecodeCache.pages`
+    parts[l]    : {name: [B, H, capacity, *shape]} per layer, one per codec part (``codec.part_specs()``), a token
+                  part (``codec.token_parts()``, e.g. slots) [B, 1, capacity, *shape]; a paged cache's are pools
+                  [slots, H or 1, block, *shape] read through :meth:`DecodeCache.pages`
 
 A step writes every layer (``write``), attends, and ``commit`` makes its tokens visible; a step that is not committed
 (a peek) leaves the cache as it was. Attention reads the cache and never writes it: the engine writes, before

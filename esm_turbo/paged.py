@@ -32,7 +32,7 @@ from . import ops
 from .cache import ROOM_USED_UP, KVCache, MemoryReport
 from .errors import EsmTurboError
 from .io import to_device_queued
-from .ops.blocks import BLOCK_SIZE, BlockLayout
+from .ops.blocks import BLOCK_SIZE, BlockLayout, part_heads
 from .quant.codec import KVCodec
 
 #: bytes of one pinned host chunk of the host tier (whole blocks), and most bytes of a move's device staging buffer
@@ -82,8 +82,9 @@ class BlockPool:
         self.epoch = 0  # bumped whenever a held block's slot or contents may change under a cached block table
 
     def _zeros(self, n: int, device) -> list[dict[str, torch.Tensor]]:
-        return [{name: torch.zeros(n, self.heads, self.block_size, *shape, dtype=dtype, device=device)
-                 for name, (shape, dtype) in spec.items()} for spec in self.specs]
+        return [{name: torch.zeros(n, part_heads(entry, self.heads), self.block_size, *entry[0], dtype=entry[1],
+                                   device=device)
+                 for name, entry in spec.items()} for spec in self.specs]
 
     @property
     def slots(self) -> int:
@@ -279,10 +280,12 @@ class PagedKVCache(KVCache):
             raise ValueError("a paged cache holds no recent-token windows (KIVI); use the contiguous cache")
         self.block_size = block_size
         super().__init__(codecs, batch_size, capacity, device)
-        block_bytes = sum(c.bytes_per_token() for c in codecs) * self.heads * block_size
+        block_bytes = sum(c.token_bytes(self.heads) for c in codecs) * block_size
         limit = None if device_budget_bytes is None else int(device_budget_bytes // block_bytes)
         blocks = -(-max(int(capacity), 1) // block_size) * batch_size
-        self.pool = BlockPool([c.part_specs() for c in codecs], self.heads, block_size, self.device, blocks, limit)
+        specs = [{n: (shape, dt, c.part_heads(n, self.heads)) for n, (shape, dt) in c.part_specs().items()}
+                 for c in codecs]  # token parts stored for one head
+        self.pool = BlockPool(specs, self.heads, block_size, self.device, blocks, limit)
         self.parts = self.pool.dev
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
         self.host_lengths = [0] * batch_size  # ``lengths`` on the host: block bookkeeping never waits for the device
@@ -516,7 +519,7 @@ class PagedKVCache(KVCache):
         4 bytes an entry; ``host_bytes``: the blocks moved to host memory (in ``used_bytes`` too);
         ``shared_saved_bytes``: what the rows would hold more if each had its own blocks."""
         per_part = {name: buf[0, :, 0].numel() * buf.element_size() for name, buf in self.pool.dev[0].items()}
-        per_token = sum(c.bytes_per_token() for c in self.codecs) * self.heads // self.num_layers
+        per_token = sum(c.token_bytes(self.heads) for c in self.codecs) // self.num_layers
         block_bytes = per_token * self.num_layers * self.block_size
         on_device, on_host = self.pool.held()
         referenced = sum(len(t) for t in self.tables)

@@ -166,11 +166,14 @@ def per_row(cache: PagedKVCache, layer: int) -> list[tuple[torch.Tensor, torch.T
     return out
 
 
-def test_host_tier_round_trips_exactly():
+@pytest.mark.parametrize("slots", [0, 1])
+def test_host_tier_round_trips_exactly(slots):
     """Under a device budget of a few blocks, rows stepped one or two at a time push the others' blocks to host
-    memory and fetch them back: every row reads what an unbudgeted cache holds, bit for bit."""
-    cs, block = codecs(), 4
-    block_bytes = sum(c.bytes_per_token() for c in cs) * HEADS * block
+    memory and fetch them back: every row reads what an unbudgeted cache holds, bit for bit (codecs with slots too:
+    their per-token parts ride in the same block rows)."""
+    from esm_turbo.quant.codec import KVCodec
+    cs, block = [KVCodec(c.key, c.value, slots=slots) for c in codecs()], 4
+    block_bytes = sum(c.token_bytes(HEADS) for c in cs) * block
     small = PagedKVCache(cs, 1, capacity=4, block_size=block, device_budget_bytes=12 * block_bytes)
     free = PagedKVCache(cs, 1, capacity=4, block_size=block)
     gen = torch.Generator().manual_seed(0)

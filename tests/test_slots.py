@@ -63,3 +63,90 @@ def test_slots_refuse_tokens_of_more_values_than_the_index_holds_and_count_their
     with pytest.raises(ValueError, match="15 bits"):
         pick_slots(y, y, torch.ones(2, MAX_VALUES), 1)
     assert slot_bits(1, 20, 16) == 32 / 320 and slot_bits(2, 20, 64) == 64 / 1280
+
+
+def _slot_codec(slots: int = 1, heads: int = 4, dim: int = 16):
+    from esm_turbo.quant.codec import KVCodec
+    from esm_turbo.testing import random_turbo_codec
+    base = random_turbo_codec(heads, dim, 2, 2, seed=3)
+    return base, KVCodec(base.key, base.value, slots=slots)
+
+
+def test_a_codec_with_slots_stores_them_once_per_token_and_decodes_each_tokens_worst_values_back():
+    from esm_turbo.quant.slots import apply_slots, pick_slots
+    base, codec = _slot_codec(2)
+    k, v = (torch.randn(3, 4, 7, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    parts = codec.encode(k, v)
+    assert parts["k.slots"].shape == (3, 1, 7, 2) and parts["v.slots"].shape == (3, 1, 7, 2)
+    assert codec.token_parts() == {"k.slots", "v.slots"} and codec.part_heads("k.slots", 4) == 1
+    assert codec.token_bytes(4) == base.token_bytes(4) + 2 * 2 * 4  # two int32 slots a kind, once a token
+    assert codec.bytes_per_token() == base.bytes_per_token()
+    k_hat, v_hat = codec.decode(parts)
+    for q, x, x_hat, plain in ((codec.key, k, k_hat, base.decode(base.encode(k, v))[0]),
+                               (codec.value, v, v_hat, base.decode(base.encode(k, v))[1])):
+        y, y_hat = q.to_affine(x), q.decode_affine({n[2:]: t for n, t in base.encode(k, v).items()
+                                                    if n.startswith("k." if q is codec.key else "v.")})
+        want = q.from_affine(apply_slots(y_hat, pick_slots(y, y_hat, q.scale, 2)))
+        assert torch.allclose(x_hat, want, atol=1e-6)
+        assert float((x_hat - x).pow(2).sum()) < float((plain - x).pow(2).sum())  # the slots mend what they picked
+
+
+def test_slots_refuse_quantizers_without_an_affine_domain():
+    from esm_turbo.quant.codec import DenseQuantizer, KVCodec
+    with pytest.raises(ValueError, match="affine domain"):
+        KVCodec(DenseQuantizer(2, 8), DenseQuantizer(2, 8), slots=1)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_caches_hold_the_slot_parts_per_token_and_count_their_bytes(paged):
+    """A contiguous and a paged cache over a codec with slots: the token parts allocated for one head, the decode of
+    what was written equal to the codec's own, the reference path taken (no fused kernel reads slots yet), and the
+    memory report counting the slots' bytes once a token."""
+    from esm_turbo.cache import KVCache
+    from esm_turbo.paged import PagedKVCache
+    _, codec = _slot_codec(1)
+    cache = (PagedKVCache([codec, codec], 2, capacity=40, device="cpu", block_size=16) if paged
+             else KVCache([codec, codec], 2, capacity=40, device="cpu"))
+    assert not any(cache.fused)
+    k, v = (torch.randn(2, 4, 20, 16, generator=torch.Generator().manual_seed(s)) for s in (5, 6))
+    for layer in (0, 1):
+        cache.write(layer, k, v)
+    cache.commit(20)
+    parts = cache.layer_parts(1, 20)
+    assert parts["k.slots"].shape == (2, 1, 20, 1)
+    got = codec.decode(parts)
+    want = codec.decode(codec.encode(k, v))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    report = cache.memory_report()
+    assert report.bytes_per_token_per_layer == codec.token_bytes(4)
+    assert report.part_bytes_per_token_per_layer["k.slots"] == 4
+    if paged:  # whole blocks of 16 (two a row) and 4 bytes a table entry
+        assert report.used_bytes == 2 * 2 * 16 * 2 * codec.token_bytes(4) + 4 * 4
+        assert cache.pool.layout.row_bytes == 16 * 2 * codec.token_bytes(4)  # a block as the host tier moves it
+    else:
+        assert report.used_bytes == 2 * 20 * 2 * codec.token_bytes(4)
+
+
+@pytest.mark.slow
+def test_a_session_over_codecs_with_slots_decodes_closer_to_fp32(stress_model):
+    """evaluate() over the stress model's default calibration (4.0 bits all-in), with one slot a token and kind: the
+    attention error of the layers falls, the decode through the cache (prefill, then teacher-forced steps) comes
+    closer to the fp32 cache's on average and in the worst sequence, and the memory report counts the slots."""
+    from esm_turbo import TurboEsm, calibrate
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model.evaluate import evaluate
+    from esm_turbo.model.recipe import recipe
+    from esm_turbo.quant.codec import KVCodec
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:16]
+    ev = read_fasta("calibration_data/evaluation.fasta")[0][::8]
+    cal = calibrate(stress_model, recs, recipe("default", index_bits=3), progress=False)
+    engine = TurboEsm(stress_model, cal)
+    plain = evaluate(engine, ev, max_steps=12, progress=False)
+    slotted = evaluate(engine, ev, cache=lambda i, h, d: KVCodec(cal.codecs[i].key, cal.codecs[i].value, slots=1),
+                       max_steps=12, progress=False)
+    a, b = plain["overall"], slotted["overall"]  # (0.99359, 0.98894) -> (0.99398, 0.98964) when written
+    assert b["decode_cos_mean"] > a["decode_cos_mean"] and b["decode_cos_worst_seq"] > a["decode_cos_worst_seq"]
+    assert sum(slotted["layers"]["attn_rel_err"]) < sum(plain["layers"]["attn_rel_err"])
+    heads, dim = cal.codecs[0].key.heads, cal.codecs[0].key.dim
+    assert slotted["memory"]["bytes_per_token_per_layer"] == plain["memory"]["bytes_per_token_per_layer"] + 8
+    assert abs(slotted["memory"]["bits_per_value"] - plain["memory"]["bits_per_value"] - 64 / (2 * heads * dim)) < 1e-9

@@ -188,7 +188,7 @@ def bench_decode(device, size: str = "650M", context: int = 1024, budget_gib: fl
         factory = (lambda layer, h, d, grid=kind.endswith("grid"): default_codec(h, d, layer, grid)) \
             if kind != "fp16" else "fp16"
         codecs = engine.codecs(factory)
-        per_token = sum(c.bytes_per_token() for c in codecs) * engine.heads
+        per_token = sum(c.token_bytes(engine.heads) for c in codecs)
         tokens_per_row = context + steps
         most = min(max_batch, int(budget_gib * 2**30 // (per_token * tokens_per_row)))
         for batch in sorted({b for b in batches if b < most} | {most}):

@@ -106,12 +106,12 @@ def memory_table(conf_dir: Path, heads: int = 20, dim: int = 64) -> str:
         q = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConf),
                                                 {k: v for k, v in OmegaConf.load(path).items() if k != "defaults"}))
         codec = layout_codecs(q, heads, dim)
-        per_head = codec.bytes_per_token()
+        total = codec.token_bytes(heads)  # a token's bytes over all heads
         parts = ", ".join(f"{n} {math.prod(shape) * torch.empty((), dtype=dt).element_size()}"
                           for n, (shape, dt) in codec.part_specs().items())
         ring = (codec.window + STEP_MAX) * 2 * heads * dim * 2 if codec.window else 0
-        rows.append([q.name, per_head * heads, 8 * per_head / (2 * dim), 2 * 2 * dim / per_head,
-                     4 * 2 * dim / per_head, parts, ring])
+        values = 2 * heads * dim
+        rows.append([q.name, total, 8 * total / values, 2 * values / total, 4 * values / total, parts, ring])
     rows.sort(key=lambda r: r[2])
     return _md(["method", "bytes/token/layer", "bits/value (per token)", "× vs FP16", "× vs FP32",
                 "bytes per token-head by part", "fixed bytes/sequence/layer (fp16 window)"], rows)

@@ -20,14 +20,21 @@ def _bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(buf.shape[0], -1).view(torch.uint8)
 
 
+def part_heads(entry: tuple, heads: int) -> int:
+    """The heads a part spec ``(shape, dtype)`` or ``(shape, dtype, heads of the part)`` is stored for (a token part:
+    1, ``KVCodec.part_heads``)."""
+    return entry[2] if len(entry) > 2 else heads
+
+
 class BlockLayout:
-    """Segments of one block: for each layer and part of ``specs`` (``KVCodec.part_specs()`` per layer) a slot of
-    [heads, block_size, *shape] in its dtype, laid side by side in that order; ``row_bytes`` in all. ``word``: the
-    widest of 8, 4, 2, 1 bytes dividing every segment (the unit the kernel moves)."""
+    """Segments of one block: for each layer and part of ``specs`` (``KVCodec.part_specs()`` per layer, each entry
+    ``(shape, dtype)`` or with the part's own head count third, :func:`part_heads`) a slot of [heads, block_size,
+    *shape] in its dtype, laid side by side in that order; ``row_bytes`` in all. ``word``: the widest of 8, 4, 2, 1
+    bytes dividing every segment (the unit the kernel moves)."""
 
     def __init__(self, specs: list[dict], heads: int, block_size: int):
-        sizes = [heads * block_size * math.prod(shape) * dtype.itemsize for spec in specs
-                 for shape, dtype in spec.values()]
+        sizes = [part_heads(entry, heads) * block_size * math.prod(entry[0]) * entry[1].itemsize for spec in specs
+                 for entry in spec.values()]
         self.sizes = sizes
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.row_bytes = sum(sizes)

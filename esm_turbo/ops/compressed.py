@@ -31,8 +31,8 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     """True if both quantizers of ``codec`` keep the :class:`~esm_turbo.quant.codec.FusedQuantizer` contract and say
     they are ready for it (``fused_ready``), with 1–4 index bits (and, with ``need_kernel_shape``, the Triton kernels'
     shape rule: head_dim/8 a power of two, i.e. d ∈ {16, 32, 64, 128, ...}); a codec with a recent-token window
-    (``esm_turbo.window``) is read on the reference path."""
-    if getattr(codec, "window", 0):
+    (``esm_turbo.window``) or slots (``esm_turbo.quant.slots``) is read on the reference path."""
+    if getattr(codec, "window", 0) or getattr(codec, "slots", 0):
         return False
     for q in (codec.key, codec.value):
         if not keeps_fused_contract(q):

@@ -268,31 +268,75 @@ def _specs_nbytes(specs: PartSpecs) -> int:
 
 
 class KVCodec(nn.Module):
-    """Key and value quantizers of one layer (dual LUTs). Parts are named ``k.<part>`` / ``v.<part>``."""
+    """Key and value quantizers of one layer (dual LUTs). Parts are named ``k.<part>`` / ``v.<part>``, each stored per
+    token and head, [..., H, T, *shape], but the token parts (:meth:`token_parts`), stored once per token over all
+    heads, [..., 1, T, *shape]. ``slots`` > 0 (quantizers with an affine domain, :class:`VectorQuantizer`'s): each
+    token keeps its ``slots`` worst-coded values of each kind as corrections (:mod:`esm_turbo.quant.slots`, ranked
+    by their share of the token's squared error, or with ``relative_slots`` in their channel's scale), the token
+    parts ``k.slots`` and ``v.slots``."""
 
-    def __init__(self, key: nn.Module, value: nn.Module, window: int = 0):
+    def __init__(self, key: nn.Module, value: nn.Module, window: int = 0, slots: int = 0,
+                 relative_slots: bool = False):
         super().__init__()
         self.key, self.value = key, value
         self.window = int(window)  # > 0: the most recent ``window`` tokens are also kept in fp16 (KIVI)
+        self.slots, self.relative_slots = int(slots), bool(relative_slots)
+        if self.slots:
+            from .slots import MAX_VALUES
+            for q in (key, value):
+                if not all(hasattr(q, a) for a in ("to_affine", "decode_affine", "from_affine", "scale")):
+                    raise ValueError(f"slots need quantizers with an affine domain; {type(q).__name__} has none")
+                if q.heads * q.dim > MAX_VALUES:
+                    raise ValueError(f"slots index a token's values in 15 bits: {q.heads} heads × {q.dim} is more")
+
+    def token_parts(self) -> frozenset[str]:
+        """The parts stored once per token over all heads ([..., 1, T, *shape]); the others per token and head."""
+        return frozenset(("k.slots", "v.slots")) if self.slots else frozenset()
+
+    def part_heads(self, name: str, heads: int) -> int:
+        """How many heads part ``name`` is stored for in a cache of ``heads``: 1 for a token part."""
+        return 1 if name in self.token_parts() else heads
 
     def part_specs(self) -> PartSpecs:
         specs = {f"k.{n}": s for n, s in self.key.part_specs().items()}
         specs.update({f"v.{n}": s for n, s in self.value.part_specs().items()})
+        if self.slots:
+            from .slots import SLOT_DTYPE
+            specs.update({"k.slots": ((self.slots,), SLOT_DTYPE), "v.slots": ((self.slots,), SLOT_DTYPE)})
         return specs
 
     def bytes_per_token(self) -> int:
-        """Stored bytes per token per head (keys + values, all parts)."""
-        return _specs_nbytes(self.part_specs())
+        """Stored bytes per token and head of the parts stored per head (keys + values; :meth:`token_bytes` counts
+        every part of a token)."""
+        return _specs_nbytes({n: s for n, s in self.part_specs().items() if n not in self.token_parts()})
+
+    def token_bytes(self, heads: int) -> int:
+        """Stored bytes of one token over ``heads`` heads: every part, the token parts once."""
+        token = {n: s for n, s in self.part_specs().items() if n in self.token_parts()}
+        return self.bytes_per_token() * heads + _specs_nbytes(token)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         parts = {f"k.{n}": t for n, t in self.key.encode(k).items()}
         parts.update({f"v.{n}": t for n, t in self.value.encode(v).items()})
+        if self.slots:
+            from .slots import pick_slots
+            for kind, q, x in (("k", self.key, k), ("v", self.value, v)):
+                y_hat = q.decode_affine(self._sub(parts, f"{kind}."))
+                picked = pick_slots(q.to_affine(x), y_hat, q.scale, self.slots, self.relative_slots)
+                parts[f"{kind}.slots"] = picked.unsqueeze(-3)  # [..., 1, T, k]
         return parts
 
+    @staticmethod
+    def _sub(parts: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        return {n[2:]: t for n, t in parts.items() if n.startswith(prefix) and n[2:] != "slots"}
+
     def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        def sub(prefix: str) -> dict[str, torch.Tensor]:
-            return {n[2:]: t for n, t in parts.items() if n.startswith(prefix)}
-        return self.key.decode(sub("k.")), self.value.decode(sub("v."))
+        if not self.slots:
+            return self.key.decode(self._sub(parts, "k.")), self.value.decode(self._sub(parts, "v."))
+        from .slots import apply_slots
+        return tuple(q.from_affine(apply_slots(q.decode_affine(self._sub(parts, f"{kind}.")),
+                                               parts[f"{kind}.slots"].squeeze(-3)))
+                     for kind, q in (("k", self.key), ("v", self.value)))
 
     def constant_nbytes(self) -> int:
         """Bytes of the codec's own tables (rotations, LUTs, scales): fixed, not per token."""
