@@ -150,3 +150,20 @@ def test_a_session_over_codecs_with_slots_decodes_closer_to_fp32(stress_model):
     heads, dim = cal.codecs[0].key.heads, cal.codecs[0].key.dim
     assert slotted["memory"]["bytes_per_token_per_layer"] == plain["memory"]["bytes_per_token_per_layer"] + 8
     assert abs(slotted["memory"]["bits_per_value"] - plain["memory"]["bits_per_value"] - 64 / (2 * heads * dim)) < 1e-9
+
+
+def test_a_calibration_with_slots_keeps_them_through_its_checkpoint(stress_model, tmp_path):
+    """calibrate(recipe(..., slots=1)) makes codecs with one slot a token and kind; the checkpoint stores the recipe,
+    and Calibration.load rebuilds the same codecs (the same parts, the same decode)."""
+    from esm_turbo import Calibration, calibrate
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model.recipe import recipe
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:8]
+    cal = calibrate(stress_model, recs, recipe("default", slots=1, slot_rank="relative"), progress=False)
+    assert all(c.slots == 1 and c.relative_slots for c in cal.codecs)
+    back = Calibration.load(cal.save(tmp_path / "cal.safetensors"))
+    assert back.config.slots == 1 and all(c.slots == 1 and c.relative_slots for c in back.codecs)
+    k, v = (torch.randn(1, 4, 9, 16, generator=torch.Generator().manual_seed(s)) for s in (7, 8))
+    a, b = cal.codecs[2].encode(k, v), back.codecs[2].encode(k, v)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert all(torch.equal(x, y) for x, y in zip(cal.codecs[2].decode(a), back.codecs[2].decode(b)))

@@ -312,7 +312,8 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
                 for li, c in enumerate(choice)]
         else:
             quantizers["v"] = [combine_heads((a, b), c) for a, b, c in zip(quantizers["v"], quantizers["v*"], choice)]
-    codecs = [KVCodec(k, v) for k, v in zip(quantizers["k"], quantizers["v"])]
+    codecs = [KVCodec(k, v, slots=config.slots, relative_slots=config.slot_rank == "relative")
+              for k, v in zip(quantizers["k"], quantizers["v"])]
     elapsed = time.perf_counter() - start
     log.info("calibrated %d layers × %d heads on %d tokens in %.1f s", layers, heads, n_tokens, elapsed)
     meta = dict(layers=layers, heads=heads, head_dim=dim, model_fingerprint=model_fingerprint(model),

@@ -57,6 +57,12 @@ class CalibrationConfig:
     attention_weight: float = _f(0.5, "a: each token counts (1 - a) + a x (the attention it receives) in the fits and "
                                       "the allocation; 0 counts every token once", range=(0.0, 1.0))
     seed: int = _f(0, "seed of seeded rotations and sketches")
+    slots: int = _f(0, "each token's this many worst-coded values of each kind kept as corrections beside the codes "
+                       "(a 32-bit word each, counted in the all-in bits; the PyTorch path reads them, the fused GPU "
+                       "kernels not yet)", range=(0, 8))
+    slot_rank: str = _f("absolute", "slots rank each value's error by its share of the token's squared error "
+                                    "(absolute) or in its channel's scale (relative)",
+                        choices=("absolute", "relative"))
 
     def channel_cap(self, kind: str) -> Optional[int]:
         """The widest channel an allocation may give the keys (``kind`` "k") or the values ("v"); None: index bits
