@@ -97,18 +97,23 @@ def test_slots_refuse_quantizers_without_an_affine_domain():
         KVCodec(DenseQuantizer(2, 8), DenseQuantizer(2, 8), slots=1)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("paged", [False, True])
-def test_caches_hold_the_slot_parts_per_token_and_count_their_bytes(paged):
+def test_caches_hold_the_slot_parts_per_token_and_count_their_bytes(paged, device):
     """A contiguous and a paged cache over a codec with slots: the token parts allocated for one head, the decode of
     what was written equal to the codec's own, the reference path taken (no fused kernel reads slots yet), and the
     memory report counting the slots' bytes once a token."""
     from esm_turbo.cache import KVCache
     from esm_turbo.paged import PagedKVCache
     _, codec = _slot_codec(1)
-    cache = (PagedKVCache([codec, codec], 2, capacity=40, device="cpu", block_size=16) if paged
-             else KVCache([codec, codec], 2, capacity=40, device="cpu"))
+    codec = codec.to(device)
+    cache = (PagedKVCache([codec, codec], 2, capacity=40, device=device, block_size=16) if paged
+             else KVCache([codec, codec], 2, capacity=40, device=device))
     assert not any(cache.fused)
-    k, v = (torch.randn(2, 4, 20, 16, generator=torch.Generator().manual_seed(s)) for s in (5, 6))
+    k, v = (torch.randn(2, 4, 20, 16, generator=torch.Generator().manual_seed(s)).to(device) for s in (5, 6))
     for layer in (0, 1):
         cache.write(layer, k, v)
     cache.commit(20)
@@ -125,6 +130,40 @@ def test_caches_hold_the_slot_parts_per_token_and_count_their_bytes(paged):
         assert cache.pool.layout.row_bytes == 16 * 2 * codec.token_bytes(4)  # a block as the host tier moves it
     else:
         assert report.used_bytes == 2 * 20 * 2 * codec.token_bytes(4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_host_tier_moves_slot_parts_with_their_blocks(device):
+    """A paged cache under a device budget of a few blocks, rows stepped one at a time: every row decodes as an
+    unbudgeted cache's, the slot parts moved out and back with their blocks (the block-move kernel on CUDA)."""
+    from esm_turbo.paged import PagedKVCache
+    _, codec = _slot_codec(1)
+    cs = [codec.to(device)] * 2
+    block = 4
+    small = PagedKVCache(cs, 1, capacity=4, device=device, block_size=block,
+                         device_budget_bytes=6 * block * sum(c.token_bytes(4) for c in cs))
+    free = PagedKVCache(cs, 1, capacity=4, device=device, block_size=block)
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 2, 1, 4, 6, 16, generator=gen).to(device)
+    for cache in (small, free):
+        cache.append(list(kv[0]), list(kv[1]))
+        cache.select([0, 0, 0, 0])
+    for step in range(8):
+        row = step % 4
+        kv = torch.randn(2, 2, 1, 4, 3, 16, generator=gen).to(device)
+        for cache in (small, free):
+            view = cache.view([row])
+            view.append(list(kv[0]), list(kv[1]))
+            view.give_back()
+    assert small.pool.moved["out"] > 0 and small.pool.moved["in"] > 0
+    for row in range(4):
+        for cache in (small, free):
+            view = cache.view([row])
+            got = view.layer_parts(1, int(view.lengths[0]))
+            view.give_back()
+            if cache is small:
+                mine = {n: t.clone() for n, t in got.items()}
+        assert all(torch.equal(mine[n], got[n]) for n in got)
 
 
 @pytest.mark.slow
