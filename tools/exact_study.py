@@ -37,48 +37,33 @@ class ExactCodec(KVCodec):
     error first divided by its channel's spread where ``scales`` [H, 1, d] per kind are given; ``also`` adds a second
     (cuts, scales) rule, and a value passing either is kept. With ``slots`` = k instead, each token keeps its k values
     of each kind (over all heads and channels) whose error, over ``scales`` where given, is largest: a side list of
-    fixed size, k slots a token. ``domain`` "affine" takes the library's slots instead (:mod:`esm_turbo.quant.slots`:
-    picked and kept in the codes' own domain y = (x Πᵀ − offset) / scale, where a fused decode kernel reads the
-    codes, ranked by scale·|y − ŷ| or with ``relative`` |y − ŷ|, kept as an fp16 correction in a 32-bit word)."""
+    fixed size, k slots a token (in the values' own domain; the library's slots, in the codes' affine domain, are
+    ``KVCodec(..., slots=k)``, :mod:`esm_turbo.quant.slots`)."""
 
     def __init__(self, inner: KVCodec, sinks: int = 0, sparse: float = 0.0, cuts: tuple[float, float] | None = None,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None, also: tuple | None = None, slots: int = 0,
-                 domain: str = "original", relative: bool = False):
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None, also: tuple | None = None, slots: int = 0):
         super().__init__(inner.key, inner.value, window=0)
-        self.sinks, self.sparse, self.slots, self.scales = sinks, sparse, slots, scales
-        self.domain, self.relative = domain, relative
+        # not KVCodec.slots: the library's own slots would add parts to the cache
+        self.sinks, self.sparse, self.keep_slots, self.scales = sinks, sparse, slots, scales
         self.rules = [r for r in ((cuts, scales), also) if r is not None and r[0] is not None]
         self.exact: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kept = [0, 0]  # values kept exact, values seen (with ``cuts``)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.domain == "affine":
-            self.exact = self.key.to_affine(k), self.value.to_affine(v)
-        else:
-            self.exact = k.half(), v.half()
+        self.exact = k.half(), v.half()
         return super().encode(k, v)
 
-    def _decode_affine_slots(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The library's slots (esm_turbo.quant.slots) over each kind's decoded affine values."""
-        from esm_turbo.quant.slots import apply_slots, pick_slots
-        out = []
-        for prefix, q, y in (("k.", self.key, self.exact[0]), ("v.", self.value, self.exact[1])):
-            y_hat = q.decode_affine({n[2:]: t for n, t in parts.items() if n.startswith(prefix)})
-            out.append(q.from_affine(apply_slots(y_hat, pick_slots(y, y_hat, q.scale, self.slots, self.relative))))
-        return out[0], out[1]
-
     def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.domain == "affine":
-            return self._decode_affine_slots(parts)
         decoded = super().decode(parts)
         out = []
         for kind, (x_hat, x) in enumerate(zip(decoded, self.exact)):
             x = x.float()
             if self.sinks:
                 x_hat[..., : self.sinks, :] = x[..., : self.sinks, :]
-            if self.slots:
+            if self.keep_slots:
                 x_hat = torch.where(_top_per_token((x - x_hat).abs() / (1.0 if self.scales is None
-                                                                       else self.scales[kind]), self.slots), x, x_hat)
+                                                                       else self.scales[kind]), self.keep_slots),
+                                    x, x_hat)
             if self.sparse:
                 err = (x - x_hat).abs()
                 if self.rules:  # thresholds fitted on the calibration set, as a streaming kernel would

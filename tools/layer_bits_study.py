@@ -26,6 +26,7 @@ from exact_study import ExactCodec, _coding_errors
 from study_common import data_flags, finish, measure, parse
 
 from esm_turbo import TurboEsm, calibrate
+from esm_turbo.quant.codec import KVCodec
 from esm_turbo.model.recipe import recipe
 
 
@@ -84,17 +85,14 @@ def main() -> None:
     def slots_row(label: str, widths: list[int], slots: int) -> dict:
         """``widths`` with each token's ``slots`` worst-coded values of each kind kept exact."""
         relative = args.rank == "relative"
-        if args.slot_domain == "affine":
-            codecs = [ExactCodec(cals[w].codecs[i], slots=slots, domain="affine", relative=relative)
+        if args.slot_domain == "affine":  # the library's slots: the memory report counts their 32-bit words
+            codecs = [KVCodec(cals[w].codecs[i].key, cals[w].codecs[i].value, slots=slots, relative_slots=relative)
                       for i, w in enumerate(widths)]
-        else:
+            row = run(widths, codecs)
+        else:  # an fp16 value and its index among the token's values, packed
             codecs = [ExactCodec(cals[w].codecs[i], scales=errors(w, True)[i][1] if relative else None, slots=slots)
                       for i, w in enumerate(widths)]
-        row = run(widths, codecs)
-        if args.slot_domain == "affine":  # the library's 32-bit slot words
-            from esm_turbo.quant.slots import slot_bits
-            row["bits"] += slot_bits(slots, heads, dim)
-        else:  # an fp16 value and its index among the token's values, packed
+            row = run(widths, codecs)
             row["bits"] += slots * (16 + math.ceil(math.log2(heads * dim))) / (heads * dim)
         return add(f"{label} + {slots} slot{'s' if slots > 1 else ''}", row)
 
