@@ -9,6 +9,7 @@ path) and ``memory_report`` (every byte held). Codecs that keep KIVI's recent to
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -87,6 +88,9 @@ class KVCache:
                                             if RecentWindow.wanted(codecs) else None)
         #: per layer: the fused ops (Triton on CUDA) write and read it, or the PyTorch reference (ops.kernel_path)
         self.fused: list[bool] = [ops.kernel_path(c, self.device) for c in codecs]
+        if any(getattr(c, "slots", 0) for c in codecs) and ops.use_kernels(self.device):
+            warnings.warn("codecs with slots (calibrate --slots) are written and read on the PyTorch path: the fused "
+                          "GPU kernels do not read slots yet", stacklevel=2)
 
     @property
     def num_layers(self) -> int:

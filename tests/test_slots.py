@@ -206,3 +206,17 @@ def test_a_calibration_with_slots_keeps_them_through_its_checkpoint(stress_model
     a, b = cal.codecs[2].encode(k, v), back.codecs[2].encode(k, v)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert all(torch.equal(x, y) for x, y in zip(cal.codecs[2].decode(a), back.codecs[2].decode(b)))
+
+
+def test_a_cache_over_codecs_with_slots_says_it_runs_on_the_pytorch_path_where_kernels_would_run(monkeypatch):
+    from esm_turbo import ops
+    from esm_turbo.cache import KVCache
+    base, codec = _slot_codec(1)
+    monkeypatch.setattr(ops, "use_kernels", lambda device: True)  # as on a GPU with Triton
+    with pytest.warns(UserWarning, match="slots"):
+        cache = KVCache([codec], 1, capacity=4, device="cpu")
+    assert cache.fused == [False]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KVCache([base], 1, capacity=4, device="cpu")  # without slots: nothing said
