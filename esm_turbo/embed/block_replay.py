@@ -62,7 +62,7 @@ def flat_views(flat: torch.Tensor, leaves: list[torch.Tensor], offsets: list[int
 
 
 def packable(leaves: list[torch.Tensor]) -> bool:
-    """Whether a block's leaves can live in one flat buffer: contiguous, on one CUDA device, none twice."""
+    """Whether a block's leaves can live in one flat buffer: contiguous, on one device, none twice."""
     return (bool(leaves) and all(t.is_contiguous() and t.device == leaves[0].device for t in leaves)
             and len({t.data_ptr() for t in leaves}) == len(leaves))
 

@@ -27,7 +27,7 @@ from .. import __version__
 from ..errors import EsmTurboError
 from ..fasta import Record, records_hash
 from ..quant.allocation import ChannelTables, channel_tables, grid_tables, widest_bits
-from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind
+from ..quant.codec import VectorQuantizer, check_lut_kind
 from ..quant.fit import FitOptions, fit_quantizer
 from ..quant.tables import pad_levels
 from ..quant.histogram import HistogramAccumulator
@@ -312,8 +312,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
                 for li, c in enumerate(choice)]
         else:
             quantizers["v"] = [combine_heads((a, b), c) for a, b, c in zip(quantizers["v"], quantizers["v*"], choice)]
-    codecs = [KVCodec(k, v, slots=config.slots, relative_slots=config.slot_rank == "relative")
-              for k, v in zip(quantizers["k"], quantizers["v"])]
+    codecs = [config.codec(k, v) for k, v in zip(quantizers["k"], quantizers["v"])]
     elapsed = time.perf_counter() - start
     log.info("calibrated %d layers × %d heads on %d tokens in %.1f s", layers, heads, n_tokens, elapsed)
     meta = dict(layers=layers, heads=heads, head_dim=dim, model_fingerprint=model_fingerprint(model),

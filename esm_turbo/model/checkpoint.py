@@ -155,7 +155,7 @@ class Calibration:
                         raise CheckpointError(f"{path}: layer {li} {kind}: a lut='grid' calibration whose tables are "
                                               f"not the identity code (corrupt checkpoint)")
                     pair.append(q)
-                codecs.append(KVCodec(*pair, slots=cfg.slots, relative_slots=cfg.slot_rank == "relative").to(device))
+                codecs.append(cfg.codec(*pair).to(device))
             return cls(codecs, cfg, meta)
         except CheckpointError:
             raise

@@ -64,6 +64,12 @@ class CalibrationConfig:
                                     "(absolute) or in its channel's scale (relative)",
                         choices=("absolute", "relative"))
 
+    def codec(self, key, value):
+        """The :class:`~esm_turbo.quant.codec.KVCodec` of a layer's fitted ``key`` and ``value`` quantizers under
+        this recipe (its slots)."""
+        from ..quant.codec import KVCodec
+        return KVCodec(key, value, slots=self.slots, relative_slots=self.slot_rank == "relative")
+
     def channel_cap(self, kind: str) -> Optional[int]:
         """The widest channel an allocation may give the keys (``kind`` "k") or the values ("v"); None: index bits
         + 1."""

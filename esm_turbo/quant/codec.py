@@ -282,12 +282,11 @@ class KVCodec(nn.Module):
         self.window = int(window)  # > 0: the most recent ``window`` tokens are also kept in fp16 (KIVI)
         self.slots, self.relative_slots = int(slots), bool(relative_slots)
         if self.slots:
-            from .slots import MAX_VALUES
+            from .slots import check_slot_values
             for q in (key, value):
                 if not all(hasattr(q, a) for a in ("to_affine", "decode_affine", "from_affine", "scale")):
                     raise ValueError(f"slots need quantizers with an affine domain; {type(q).__name__} has none")
-                if q.heads * q.dim > MAX_VALUES:
-                    raise ValueError(f"slots index a token's values in 15 bits: {q.heads} heads × {q.dim} is more")
+                check_slot_values(q.heads, q.dim)
 
     def token_parts(self) -> frozenset[str]:
         """The parts stored once per token over all heads ([..., 1, T, *shape]); the others per token and head."""

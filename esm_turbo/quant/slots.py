@@ -29,6 +29,12 @@ def slot_bits(k: int, heads: int, dim: int) -> float:
     return 32.0 * k / (heads * dim)
 
 
+def check_slot_values(heads: int, dim: int) -> None:
+    """Refuse tokens of more values (``heads`` × ``dim``) than a slot's 15-bit index holds."""
+    if heads * dim > MAX_VALUES:
+        raise ValueError(f"slots index a token's values in 15 bits: {heads} heads × {dim} > {MAX_VALUES}")
+
+
 def slot_errors(y: torch.Tensor, y_hat: torch.Tensor, scale: torch.Tensor, relative: bool = False) -> torch.Tensor:
     """What slots rank: y, y_hat [..., H, T, d] (float32, the affine domain), scale [H, d]. Returns [..., H, T, d]:
     ``scale · |y − ŷ|``, or with ``relative`` ``|y − ŷ|``."""
@@ -41,8 +47,7 @@ def pick_slots(y: torch.Tensor, y_hat: torch.Tensor, scale: torch.Tensor, k: int
     """Each token's ``k`` largest :func:`slot_errors` over its H·d values, as slot words [..., T, k] int32 (the
     index and the fp16 δ = y − ŷ there). y, y_hat: [..., H, T, d] float32; scale: [H, d]."""
     *lead, heads, tokens, dim = y.shape
-    if heads * dim > MAX_VALUES:
-        raise ValueError(f"slots index a token's values in 15 bits: {heads} heads × {dim} > {MAX_VALUES}")
+    check_slot_values(heads, dim)
     if k <= 0:
         return torch.zeros(*lead, tokens, 0, dtype=SLOT_DTYPE, device=y.device)
     err = slot_errors(y, y_hat, scale, relative).transpose(-3, -2).reshape(*lead, tokens, heads * dim)
@@ -70,4 +75,4 @@ def apply_slots(y_hat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.reshape(*lead, tokens, heads, dim).transpose(-3, -2)
 
 
-__all__ = ["MAX_VALUES", "SLOT_DTYPE", "apply_slots", "pick_slots", "slot_bits", "slot_errors", "unpack_slots"]
+__all__ = ["MAX_VALUES", "SLOT_DTYPE", "apply_slots", "check_slot_values", "pick_slots", "slot_bits", "slot_errors", "unpack_slots"]
