@@ -16,6 +16,7 @@ import torch
 
 from . import ops
 from .quant.codec import KVCodec
+from .quant.slots import KERNEL_SLOTS
 from .window import RecentWindow
 
 
@@ -88,9 +89,9 @@ class KVCache:
                                             if RecentWindow.wanted(codecs) else None)
         #: per layer: the fused ops (Triton on CUDA) write and read it, or the PyTorch reference (ops.kernel_path)
         self.fused: list[bool] = [ops.kernel_path(c, self.device) for c in codecs]
-        if any(getattr(c, "slots", 0) for c in codecs) and ops.use_kernels(self.device):
-            warnings.warn("codecs with slots (calibrate --slots) are written and read on the PyTorch path: the fused "
-                          "GPU kernels do not read slots yet", stacklevel=2)
+        if any(getattr(c, "slots", 0) > KERNEL_SLOTS for c in codecs) and ops.use_kernels(self.device):
+            warnings.warn(f"codecs with more than {KERNEL_SLOTS} slot a token (calibrate --slots) are written and read "
+                          f"on the PyTorch path: the fused GPU kernels read {KERNEL_SLOTS}", stacklevel=2)
 
     @property
     def num_layers(self) -> int:

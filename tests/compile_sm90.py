@@ -29,9 +29,11 @@ def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, ma
 def main() -> None:
     u8, i64, f16 = "*u8", "*i64", "*fp16"
     codes = CODE_PTRS
-    walk_consts = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False, GRID=0)
+    walk_consts = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False, GRID=0, SLOTS=False)
     small_ints = {"sqb", "sqh", "skb", "skh", "svb", "svh", "H", "T_CAP", "CHUNK", "NS"}
-    small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16)
+    small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16,
+                      k_sl_ptr="*i32", v_sl_ptr="*i32")
+    codes = dict(codes, k_sl_ptr="*i32", v_sl_ptr="*i32")
     # fused 3+1-bit codes at d=64, and separate index/sign planes (3+1 keys, 2+1 values) at d=16; tables of
     # allocated widths (NK = d · codes per channel)
     # (field shifts compiled in for d = 64 — equal widths for keys, shared allocated ones for values — and field
@@ -46,14 +48,17 @@ def main() -> None:
         codes = dict(codes, k_tab_ptr=tab, v_tab_ptr=tab)
         small_ptrs = dict(small_ptrs, k_tab_ptr=tab, v_tab_ptr=tab)
         # each contiguous (PAGE = 0) and, for the grid codec, paged: blocks of whole tiles at d = 64 (a table entry
-        # a tile), smaller than a tile at d = 16 (an entry a token)
-        for grid, page in ((0, 0), (5 if d == 64 else 4, 0), (5 if d == 64 else 4, 64 if d == 64 else 16)):
+        # a tile), smaller than a tile at d = 16 (an entry a token); the grid codec's contiguous and the LUT's also
+        # with one slot a token and kind read
+        for grid, page, slots in ((0, 0, False), (5 if d == 64 else 4, 0, False),
+                                  (5 if d == 64 else 4, 64 if d == 64 else 16, False), (0, 0, True),
+                                  (5 if d == 64 else 4, 0, True)):
             paged = dict(page_ptr="*i32" if page else "*i64")
-            compile_sm90(walk._prefix_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True, PAGE=page),
+            consts = dict(bits, GRID=grid, PAGE=page, SLOTS=slots)
+            compile_sm90(walk._prefix_kernel, dict(consts, BLOCK_S=1, PDL=True),
                          {"H", "S", "T_CAP", "CHUNK", "NS"}, dict(codes, **paged))
-            compile_sm90(small._small_kernel, dict(bits, BLOCK_NS=16, GRID=grid, PAGE=page), small_ints,
-                         dict(small_ptrs, **paged))
-            compile_sm90(walk._stream_kernel, dict(bits, BLOCK_S=1, GRID=grid, PDL=True, PAGE=page),
+            compile_sm90(small._small_kernel, dict(consts, BLOCK_NS=16), small_ints, dict(small_ptrs, **paged))
+            compile_sm90(walk._stream_kernel, dict(consts, BLOCK_S=1, PDL=True),
                          {"H", "S", "T_CAP", "R", "NT", "W", "NS"}, dict(codes, **paged), num_warps=1, maxnreg=168)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(merge._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
@@ -66,17 +71,21 @@ def main() -> None:
     # layout row read for values; Π's fp16 halves read for keys, split in the kernel for values; a prefill
     # (programs per sequence, in blocks of 32 and in the 64-token blocks of the place-major path) and a decode step;
     # the last two also with grid codes (rounded, not searched); a decode step also into a paged pool (through a
-    # block table)
-    for per_seq, block_n, grid, paged in ((True, 32, False, False), (True, 64, False, False), (False, 32, False, False),
-                                          (False, 32, False, True), (True, 64, True, False), (False, 32, True, False)):
+    # block table); slots picked in a prefill of 64-token blocks (grid codes) and a paged decode step (LUT codes)
+    for per_seq, block_n, grid, paged, slots in (
+            (True, 32, False, False, False), (True, 64, False, False, False), (False, 32, False, False, False),
+            (False, 32, False, True, False), (True, 64, True, False, False), (False, 32, True, False, False),
+            (True, 64, True, False, True), (False, 32, False, True, True)):
         compile_sm90(quantize._quantize_pack_kernel,
                      dict(D=64, KINDEX_BITS=3, KK=16, KFIELDS=shared, KSIGN=True, KCOMB=True, VINDEX_BITS=3, VK=8,
                           VFIELDS=-1, VSIGN=True, VCOMB=False, BLOCK_N=block_n, PER_SEQ=per_seq, PRECISION="tf32x3",
                           KSPLIT=2,
-                          VSPLIT=1, KPOS=per_seq, VPOS=False, KGRID=grid, VGRID=grid, ASM=True, PAGED=paged),
+                          VSPLIT=1, KPOS=per_seq, VPOS=False, KGRID=grid, VGRID=grid, ASM=True, PAGED=paged,
+                          SLOTS=slots, RELATIVE=False, KNT=32, VNT=16),
                      strides | {"B", "H", "S", "PART_T", "PW"},
                      dict(k_ptr=f16, v_ptr=f16, k_rot=f16, k_idx=u8, k_sign=u8, v_idx=u8, v_sign=u8, pos_ptr=i64,
-                          pages_ptr="*i32" if paged else i64, k_lay="*i32", v_lay="*i32"), num_warps=4,
+                          pages_ptr="*i32" if paged else i64, k_lay="*i32", v_lay="*i32", k_slot="*i32",
+                          v_slot="*i32", scratch_ptr=i64, count_ptr="*i32"), num_warps=4,
                      maxnreg=96 if block_n == 64 else None)
     # 4-bit weights (codes read as int32 words, looked up in registers): groups of 32 (several scales per tile) with
     # a bias and an earlier pass added, and of 128 (one) with the input channels split over programs, fp16

@@ -18,6 +18,7 @@ from esm_turbo.kernels import triton_supported
 from esm_turbo.ops import attend_compressed, decode_attention_reference, fused_supported, gather_blocks
 from esm_turbo.ops.compressed import (cached_codes, compressed_attention_reference, fused_tables,
                                       quantize_pack_reference, split_rotation)
+from esm_turbo.quant.codec import KVCodec
 from esm_turbo.quant.layout import decode_grid
 from esm_turbo.quant.fit import oblivious_codec
 from esm_turbo.testing import random_turbo_codec
@@ -101,22 +102,27 @@ def paged_args(args, block_size, seed=0):
 
     def pooled(part):
         return as_blocks(part, pages, block_size, slots, fill=255) if part.numel() else part
-    kinds = [c._replace(main=pooled(c.main), sign=pooled(c.sign)) for c in args[5:7]]
+    kinds = [c._replace(main=pooled(c.main), sign=pooled(c.sign), slots=pooled(c.slots) if c.has_slots() else None)
+             for c in args[5:7]]
     return (*args[:5], *kinds), pages
 
 
 def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto",
-                         allocate=True, shared=False, grid=False, config=None, block_size=0, max_bits=None):
+                         allocate=True, shared=False, grid=False, config=None, block_size=0, max_bits=None,
+                         slots=False):
     """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
     float64 from the same values. ``allocate``: channels of allocated widths, each head its own (the kernels
     read a field layout per head) or, ``shared``, the same for every head (compiled-in shifts, as for equal
     widths); ``grid``: a grid codec, whose values the kernels compute from the codes. ``block_size`` > 0: the
     kernel reads the cache laid out in blocks of that many tokens through a block table (:func:`paged_args`).
-    ``max_bits``: the widest channel of an allocation (default bits + 1)."""
+    ``max_bits``: the widest channel of an allocation (default bits + 1). ``slots``: the codec keeps one slot a token
+    and kind (``esm_turbo.quant.slots``), which the kernel must read: the reference without them is far off."""
     from esm_turbo.kernels.decode import compressed_attention_triton
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)  # (keys, values): the default's split
     codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=seed, allocate=allocate,
                                shared=shared, grid=grid, max_bits=max_bits).to(DEVICE)
+    if slots:
+        codec = KVCodec(codec.key, codec.value, slots=1)
     if max_bits is not None:  # the allocation did use widths beyond bits + 1
         assert max(int(q.widths.max()) for q in (codec.key, codec.value)) > max(key_bits, value_bits) + 1
     tables = fused_tables(codec)
@@ -142,6 +148,10 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
     err = (out.double() - ref64).abs().max().item()
     err_pt = (ref32.double() - ref64).abs().max().item()
     assert err <= 2 * err_pt + 1e-5, (err, err_pt)
+    if slots:  # the slots move the output far beyond the tolerance: the kernel read them
+        unslotted = [c._replace(slots=None) for c in args[5:7]]
+        bare = compressed_attention_reference(*args[:5], *unslotted, **pages).double()
+        assert (bare - ref64).abs().max().item() > 20 * (err + 1e-6)
 
 
 @needs_triton
@@ -451,17 +461,48 @@ def test_quantize_pack_kernel_wide_widths(bits, residual, shared, grid, max_bits
     check_quantize_matches(bits, residual, 64, torch.float16, shared, 7, block_n=16, grid=grid, max_bits=max_bits)
 
 
-def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=False, max_bits=None):
+@needs_triton
+@pytest.mark.parametrize("bits,residual,d,dtype,shared,grid,s,block_n,rank", [
+    (3, "sign", 16, torch.float32, True, False, 7, 16, "absolute"), (2, "none", 32, torch.float32, False, False, 1, 16,
+                                                                      "relative"),
+    (3, "sign", 64, torch.float16, True, True, 100, 64, "absolute"), ((4, 2), "sign", 32, torch.float16, True, True, 1,
+                                                                      16, "absolute"),
+    (4, "sign", 16, torch.float32, False, False, 7, 16, "relative")])
+def test_quantize_pack_kernel_picks_slots(bits, residual, d, dtype, shared, grid, s, block_n, rank):
+    """One slot a token and kind picked in the kernel (each head offers its worst value, the last to arrive keeps the
+    largest) as the reference picks it: prefills and decode steps, LUT and grid codes, both rankings."""
+    check_quantize_matches(bits, residual, d, dtype, shared, s, block_n=block_n, grid=grid, slots=rank)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", [
+    dict(bits=3, residual="sign", d=16, lengths=[1, 70, 0], s=1, path="one"),
+    dict(bits=3, residual="sign", d=32, lengths=[0, 1, 300, 129], s=2, path="split", grid=True),
+    dict(bits=3, residual="sign", d=32, lengths=[0, 1, 300, 129], s=1, path="split", grid=True, shared=True,
+         config=dict(stream=1), block_size=64),
+    dict(bits=(4, 2), residual="none", d=32, lengths=[1, 70, 0], s=1, path="one", grid=True, shared=True),
+    dict(bits=2, residual="sign", d=16, lengths=[1, 70, 0], s=1, path="one", block_size=16)])
+def test_decode_kernel_reads_slots(case):
+    """A cache whose codec keeps one slot a token and kind: every launch path (one launch, split-K, stream-K), LUT
+    and grid codes (a grid's fields scaled per place: the corrections scaled alike), contiguous and paged, match the
+    reference that applies the slots, and differ from the one that does not."""
+    check_kernel_matches(batch=len(case["lengths"]), slots=True, **case)
+
+
+def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=False, max_bits=None, slots=None):
     """One launch encodes keys and values (different tables, strided inputs) into their parts, as the
     reference does: a prefill of S tokens per sequence (programs per sequence) or a decode step of one
     token per sequence (programs across sequences), blocks of ``block_n`` partly masked. Allocated widths, read from each
     head's layout row or (``shared``: every head has the same widths) compiled in as field shifts (a prefill then
-    splits the channels by their place in a group of 8)."""
+    splits the channels by their place in a group of 8). ``slots`` ("absolute" or "relative"): the codec keeps one
+    slot a token and kind, which both pick as they rank."""
     from esm_turbo.kernels.quantize import quantize_pack_triton
     heads, batch = 2, 3
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
     codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=key_bits, shared=shared,
                                grid=grid, max_bits=max_bits).to(DEVICE)
+    if slots:
+        codec = KVCodec(codec.key, codec.value, slots=1, relative_slots=slots == "relative")
     tables = fused_tables(codec)
     # shared: the kernel compiles the field shifts in; else it reads each head's layout row
     layouts = {"k": tables.k_code, "v": tables.v_code}
@@ -483,15 +524,31 @@ def check_quantize_matches(bits, residual, d, dtype, shared, s, block_n, grid=Fa
     for use_kernel in (False, True):
         cache = KVCache([codec], batch, capacity=s + 9, device=DEVICE)
         parts = {kind: tables.packed(cache.parts[0], kind) for kind in "kv"}
+        slot_parts = {kind: cache.parts[0].get(f"{kind}.slots") for kind in "kv"}
+        tabs, relative = {"k": tables.k_tab, "v": tables.v_tab}, slots == "relative"
         if use_kernel:
             # Π's fp16 halves as the op passes them (read for fp16 inputs on CUDA)
             halves = (split_rotation(codec.key.rot), split_rotation(codec.value.rot))
             quantize_pack_triton(x["k"], x["v"], args("k"), args("v"), parts["k"], parts["v"], pos, layouts["k"],
-                                 layouts["v"], halves, config=dict(block_n=block_n))
+                                 layouts["v"], halves, config=dict(block_n=block_n),
+                                 slots=(slot_parts["k"], slot_parts["v"], tabs["k"], tabs["v"], relative)
+                                 if slots else None)
         else:
             for kind in "kv":
-                quantize_pack_reference(x[kind], *args(kind), *parts[kind], pos, layouts[kind])
-        outs.append(parts)
+                quantize_pack_reference(x[kind], *args(kind), *parts[kind], pos, layouts[kind], None, slot_parts[kind],
+                                        tabs[kind], relative)
+        outs.append((parts, slot_parts))
+    if slots:
+        enc = codec.encode(x["k"], x["v"])
+        for kind in "kv":
+            ref, ker = outs[0][1][kind], outs[1][1][kind]
+            # the same value picked (but where rounding of x Πᵀ flips a near tie) and the same correction to fp16's
+            same = (ref >> 16) == (ker >> 16)
+            assert same.float().mean() > 0.97 and ker[1, 0, 7:7 + s].any() and not ker[1, 0, :7].any()
+            delta = lambda w: (w & 0xFFFF).to(torch.int16).view(torch.float16).float()  # noqa: E731
+            assert ((delta(ref) - delta(ker)).abs() <= 2e-3 * delta(ref).abs() + 1e-3)[same].all()
+            assert torch.equal(ref[0, :, :s], enc[f"{kind}.slots"][0])  # the reference picks as the codec does
+    outs = [o[0] for o in outs]
     for kind in "kv":
         ref, ker = outs[0][kind], outs[1][kind]
         # identical bytes, except where float rounding of x Πᵀ flips a value sitting on a boundary
@@ -598,11 +655,11 @@ def test_kernels_compile_for_sm90():
     this a compile error would surface only on a GPU."""
     out = _compiling("compile_sm90.py")
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
-    # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid, grid paged), prep, merge twice (many
-    # sequences per program, several queries); quantize-and-pack six times: prefills in blocks of 32 and 64, a decode
-    # step (also into a paged pool), the last two also with grid codes; the 4-bit weights' tensor-core matmul three
-    # times (groups of 32 and 128, split and merged in-kernel, codes a tile ahead), CUDA-core matmul, input rotation
-    # (also after a layer norm) and dequantization; a paged pool's block moves both ways; a decode step's rotary
+    # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid, grid paged, LUT and grid reading
+    # slots), prep, merge twice (many sequences per program, several queries); quantize-and-pack eight times: prefills
+    # in blocks of 32 and 64, a decode step (also into a paged pool), the last two also with grid codes, two picking
+    # slots; the 4-bit weights' tensor-core matmul three times (groups of 32 and 128, split and merged in-kernel,
+    # codes a tile ahead), CUDA-core matmul, input rotation (also after a layer norm) and dequantization; a paged pool's block moves both ways; a decode step's rotary
     # embedding and an uncompressed cache's write; FastEsm's residual add and LayerNorm five times (with and without the
     # add, one row and four a program, a scaled branch into e4m3, in place without a bias) and its activation kernel
     # five times (GELU, SwiGLU, none; into e4m3 or not; with the rows' maxima known); its products with folded epilogues
@@ -610,7 +667,7 @@ def test_kernels_compile_for_sm90():
     # and GELU with row maxima) and split along K at a step's rows four times (bias, GELU, scaled residual; one run),
     # its attention three times (key tiles of 64 and 32 at heads of 64, of 32 at heads of 32), its rotary over (token,
     # head) pairs and its mean pooling; the bench's read-only kernel
-    assert len(compiled) == 69, out
+    assert len(compiled) == 83, out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
@@ -706,6 +763,23 @@ def test_decode_kernel_paged_gpu(d, block_size):
         for path in ("one", "split"):
             check_kernel_matches((4, 2), "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True, grid=grid,
                                  block_size=block_size)
+
+
+@gpu
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_decode_kernel_slots_gpu(d):
+    """One slot a token and kind read by every launch path at full sizes: LUT and grid codes, contiguous and paged."""
+    for grid in (False, True):
+        for batch, t in ((1, 1), (64, 300), (2, 16384)):
+            lengths = torch.randint(max(t // 2, 1), t + 1, (batch,)).tolist()
+            lengths[0] = t
+            check_kernel_matches(3, "sign", d, batch, lengths, s=1, heads=4, seed=d, shared=grid, grid=grid,
+                                 slots=True)
+        check_kernel_matches((4, 2), "none", d, 8, [500] * 8, s=4, heads=4, dtype=torch.float16, shared=True,
+                             grid=grid, slots=True)
+        for path in ("one", "split"):
+            check_kernel_matches(3, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True, grid=grid,
+                                 block_size=64, slots=True)
 
 
 @gpu
@@ -805,18 +879,21 @@ def test_eager_calls_skip_the_op_dispatch(monkeypatch):
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the kernels need Triton's interpreter, on "
                     "only without CUDA; on a GPU the ops' CUDA bodies run in the GPU tests")
-def test_the_ops_cuda_bodies_run_the_kernels():
+@pytest.mark.parametrize("slots", [0, 1])
+def test_the_ops_cuda_bodies_run_the_kernels(slots):
     """The custom ops' CUDA implementations are their bodies with the kernel switched on: run here on CPU tensors
-    under Triton's interpreter, they agree with the default (reference) bodies, on a contiguous and a paged cache."""
+    under Triton's interpreter, they agree with the default (reference) bodies, on a contiguous and a paged cache,
+    with and without a slot a token and kind."""
     from esm_turbo.ops.compressed import _compressed_attention_with, _quantize_pack_with
     codec = random_turbo_codec(2, 16, 3, 3, "sign", seed=0)
+    codec = KVCodec(codec.key, codec.value, slots=slots)
     cache = filled_cache(codec, 2, [9, 20], "cpu")
     q, k, v, valid = step_inputs(2, 2, 1, 16, "cpu")
     keys, values = (cached_codes(codec, cache.parts[0], kind) for kind in "kv")
     args = (q, k, v, valid.to(torch.uint8), cache.lengths, keys, values)
     (*head, pk, pv), pages = paged_args(args, 8)
     for (*lead, kk, vv), table, block in ((args, torch.empty(0, dtype=torch.int32), 0), ((*head, pk, pv), pages, 8)):
-        flat = (*lead, *kk[:-1], kk.code.to_op(), *vv[:-1], vv.code.to_op(), table, block)
+        flat = (*lead, *kk[:7], kk.code.to_op(), *vv[:7], vv.code.to_op(), table, block, kk.slots, vv.slots)
         want = _compressed_attention_with(lambda: False)(*flat)
         assert torch.allclose(_compressed_attention_with(lambda: True)(*flat), want, atol=1e-4, rtol=1e-3)
     tables = fused_tables(codec)
@@ -833,7 +910,8 @@ def test_the_ops_cuda_bodies_run_the_kernels():
                 x["k"], x["v"], codec.key.rot, codec.key.offset, codec.key.scale, tables.k_bounds, codec.key.centroids,
                 tables.k_layout, *tables.packed(parts, "k"), codec.value.rot, codec.value.offset, codec.value.scale,
                 tables.v_bounds, codec.value.centroids, tables.v_layout, *tables.packed(parts, "v"),
-                pos, tables.k_code.to_op(), tables.v_code.to_op(), pages=table if paged else None)
+                pos, tables.k_code.to_op(), tables.v_code.to_op(), pages=table if paged else None,
+                k_slots=parts.get("k.slots"), v_slots=parts.get("v.slots"), k_tab=tables.k_tab, v_tab=tables.v_tab)
             written[kernel, paged] = parts
     for name, ref in written[False, False].items():
         for paged in (False, True):  # the same bytes but where rounding flips a value on a boundary

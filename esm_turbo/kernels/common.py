@@ -161,18 +161,19 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 
 
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """At least ``n`` int32 arrival counts, all zero, for a launch whose last program to finish a unit of work merges
-    it and zeroes its count again (``decode.small._small_kernel``, a split ``weights.matmul._dequant_matmul_kernel``):
-    one buffer per device and stream, so a step needs no memset launch (a tenth of the smallest step's time). Launches
-    on one stream run in order and share it safely; a CUDA graph keeps the buffer of the stream it was captured on, so
-    two graphs captured on one stream must not be replayed concurrently on different streams. A new buffer found
-    missing during a capture is zeroed inside it."""
+def split_counters(n: int, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """At least ``n`` arrival counts (int32; or ``dtype``: a launch's zeroed scratch), all zero, for a launch whose last
+    program to finish a unit of work merges it and zeroes its count again (``decode.small._small_kernel``, a split
+    ``weights.matmul._dequant_matmul_kernel``, the quantize kernel's slots): one buffer per device, stream and dtype,
+    so a step needs no memset launch (a tenth of the smallest step's time). Launches on one stream run in order and
+    share it safely; a CUDA graph keeps the buffer of the stream it was captured on, so two graphs captured on one
+    stream must not be replayed concurrently on different streams. A new buffer found missing during a capture is
+    zeroed inside it."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    key = (str(device), stream, dtype)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if buf is not None:  # graphs captured with it still point at it: never freed
             _RETIRED.append(buf)
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), device=device, dtype=dtype)
     return buf

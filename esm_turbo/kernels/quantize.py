@@ -23,16 +23,18 @@ import triton.language as tl
 
 from ..quant.layout import CodeLayout
 from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate,
-                     split16, token_strides)
+                     split16, split_counters, token_strides)
+from .decode.codes import _field_layout
 
 
 @triton.jit
 def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_ptr, cent_ptr, lay_ptr, idx_ptr,
-                  sign_ptr, pos_ptr, pages_ptr, PW, h, b, s_idx, nmask, H, PART_T,
+                  sign_ptr, pos_ptr, pages_ptr, PW, h, b, s_idx, nmask, H, PART_T, slot_ptr, tab_ptr, scratch_ptr,
+                  count_ptr, tok, unit,
                   D: tl.constexpr, INDEX_BITS: tl.constexpr, K: tl.constexpr, FIELDS: tl.constexpr, SIGN: tl.constexpr,
                   COMBINE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT16: tl.constexpr,
                   PER_SEQ: tl.constexpr, BY_POSITION: tl.constexpr, GRID: tl.constexpr, ASM: tl.constexpr,
-                  PAGED: tl.constexpr):
+                  PAGED: tl.constexpr, SLOTS: tl.constexpr, RELATIVE: tl.constexpr, NT: tl.constexpr):
     """Encode BLOCK_N tokens — sequence ``b``, position ``s_idx`` among the new ones (each a scalar or
     [BLOCK_N]; ``nmask``: which exist) — of head ``h`` of one tensor kind into its cache part (K levels per
     channel's LUT, bounds [H, K-1, D] level-major; codes at the field shifts ``FIELDS`` compiled in when every
@@ -45,7 +47,9 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
     that carries the centroid reached for the sign. A decode step has a few programs and is bound by their
     latency: the compares are unrolled and the centroid is gathered once after them (each measured faster
     on an H100, ``docs/kernels.md``). ``GRID`` (a grid codec: level j
-    of every channel is j): no compares and no gather, the codes are rounded (:func:`_grid_code`)."""
+    of every channel is j): no compares and no gather, the codes are rounded (:func:`_grid_code`). ``SLOTS``: each
+    token's worst-coded value over all heads kept as its slot word (:func:`_pick_slot`; ``tok``: the tokens' places
+    in this kind's scratch, ``unit``: this token block's arrival count)."""
     offs_d = tl.arange(0, D)
     zero = tl.zeros((BLOCK_N,), dtype=tl.int64)
     x_rows = zero + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + s_idx.to(tl.int64) * sxs
@@ -60,8 +64,10 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
         t = pos + s_idx
         slot = tl.load(pages_ptr + (zero + b) * PW + t // PART_T, mask=nmask, other=0)
         rows = (slot.to(tl.int64) * H + h) * PART_T + t % PART_T
+        srows = slot.to(tl.int64) * PART_T + t % PART_T  # the token part's rows (one "head")
     else:
         rows = (b * H + h).to(tl.int64) * PART_T + pos + s_idx  # cache rows [BLOCK_N]
+        srows = b.to(tl.int64) * PART_T + pos + s_idx
     if BY_POSITION:
         # WIDE (64-token blocks, one warpgroup's wgmma): Π's rows taken place-major (product column j·D/8 + g is
         # channel 8g + j) leave the place j in the dot's register index, so the places split apart without moving
@@ -125,7 +131,52 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
             word = tl.sum(tl.reshape(idx << shift[None, :], (BLOCK_N, D8, 8)), axis=2)  # the fields do not overlap
     if SIGN and not COMBINE:  # the sign bits of a group of 8 in one byte
         tl.store(sign_ptr + rows[:, None] * D8 + g[None, :], sword.to(tl.uint8), mask=nmask[:, None])
+    else:
+        sword = word  # no sign plane (never read)
     _store_words(idx_ptr, rows, word, nmask, D, INDEX_BITS + COMBINE)
+    if SLOTS:
+        _pick_slot(tl.reshape(y, (BLOCK_N, D8, 8)), word, sword, h, scale_ptr, lay_ptr, tab_ptr, slot_ptr, srows,
+                   scratch_ptr, count_ptr, tok, unit, nmask, H, D, FIELDS, SIGN and not COMBINE, GRID, RELATIVE, NT)
+
+
+@triton.jit
+def _pick_slot(y3, word, sword, h, scale_ptr, lay_ptr, tab_ptr, slot_ptr, srows, scratch_ptr, count_ptr, tok, unit,
+               nmask, H, D: tl.constexpr, FIELDS: tl.constexpr, PLANE: tl.constexpr, GRID: tl.constexpr,
+               RELATIVE: tl.constexpr, NT: tl.constexpr):
+    """The slot (``esm_turbo.quant.slots``, one a token) of the program's tokens over all heads. y3 [N, D/8, 8]: the
+    affine values (channel 8g + r at [n, g, r]); word / sword [N, D/8]: their packed group words and sign bytes
+    (``PLANE``), decoded back to ŷ as the decode kernels read them (the code itself for a grid codec, else its value
+    in the head's table ``tab_ptr`` [H, D, NT]). Each program offers its head's worst value of each token —
+    (error's float bits << 32 | slot word) in int64, so one ``atomic_max`` in the token's scratch keeps the largest
+    error over the heads — and the last of the H programs of its token block to arrive (``count_ptr + unit``) takes
+    the words (resetting scratch and count to zero for the next launch) into the slot part's rows ``srows``."""
+    D8: tl.constexpr = D // 8
+    r = tl.arange(0, 8)[None, None, :]
+    chan = tl.arange(0, D8)[None, :, None] * 8 + r  # [1, D8, 8]
+    shift, mask = _field_layout(lay_ptr + h * D, FIELDS)
+    code = (word[:, :, None] >> shift) & mask
+    if PLANE:
+        code = code * 2 + ((sword[:, :, None] >> r) & 1)
+    if GRID:
+        y_hat = code.to(tl.float32)
+    else:
+        y_hat = tl.load(tab_ptr + (h * D + chan) * NT + code).to(tl.float32)
+    diff = y3 - y_hat
+    err = tl.abs(diff)
+    if not RELATIVE:
+        err = err * tl.load(scale_ptr + h * D + chan)
+    best, c = tl.max(tl.reshape(err, (err.shape[0], D)), axis=1, return_indices=True)
+    offs_d = tl.arange(0, D)
+    delta = tl.sum(tl.where(offs_d[None, :] == c[:, None], tl.reshape(diff, (diff.shape[0], D)), 0.0), axis=1)
+    bits = delta.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    slot = ((h * D + c) << 16) | bits
+    key = (best.to(tl.int32, bitcast=True).to(tl.int64) << 32) | slot.to(tl.int64)
+    tl.atomic_max(scratch_ptr + tok, key, mask=nmask, sem="relaxed")
+    tl.debug_barrier()  # every thread's offer made before the (one-thread, releasing) count
+    if tl.atomic_add(count_ptr + unit, 1, sem="acq_rel") == H - 1:
+        won = tl.atomic_xchg(scratch_ptr + tok, tl.zeros_like(key), mask=nmask, sem="relaxed")
+        tl.store(slot_ptr + srows, won.to(tl.int32), mask=nmask)
+        tl.store(count_ptr + unit, 0)  # every head has offered: zero again for the next launch
 
 
 @triton.jit
@@ -256,35 +307,44 @@ def _store_words(idx_ptr, rows, word, nmask, D: tl.constexpr, WIDTH: tl.constexp
 @triton.jit
 def _quantize_pack_kernel(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
                           v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
-                          pos_ptr, pages_ptr, PW, B, H, S, PART_T,
+                          pos_ptr, pages_ptr, PW, B, H, S, PART_T, k_slot, v_slot, k_tab, v_tab, scratch_ptr,
+                          count_ptr,
                           D: tl.constexpr, KINDEX_BITS: tl.constexpr, KK: tl.constexpr, KFIELDS: tl.constexpr,
                           KSIGN: tl.constexpr, KCOMB: tl.constexpr, VINDEX_BITS: tl.constexpr, VK: tl.constexpr,
                           VFIELDS: tl.constexpr, VSIGN: tl.constexpr, VCOMB: tl.constexpr,
                           BLOCK_N: tl.constexpr, PER_SEQ: tl.constexpr, PRECISION: tl.constexpr,
                           KSPLIT: tl.constexpr, VSPLIT: tl.constexpr, KPOS: tl.constexpr, VPOS: tl.constexpr,
-                          KGRID: tl.constexpr, VGRID: tl.constexpr, ASM: tl.constexpr, PAGED: tl.constexpr):
+                          KGRID: tl.constexpr, VGRID: tl.constexpr, ASM: tl.constexpr, PAGED: tl.constexpr,
+                          SLOTS: tl.constexpr, RELATIVE: tl.constexpr, KNT: tl.constexpr, VNT: tl.constexpr):
     """Programs [0, H) of grid axis 0 encode keys, [H, 2H) values. ``PER_SEQ`` (a prefill, S > 1): grid
     (2·H, cdiv(S, BLOCK_N), B), each program BLOCK_N new tokens of one sequence; else (a decode step, S = 1):
     grid (2·H, cdiv(B, BLOCK_N)), each program the new token of BLOCK_N sequences, so one head's Π serves
-    many sequences. No division per token either way (it cost a quarter of the instructions)."""
+    many sequences. No division per token either way (it cost a quarter of the instructions). ``SLOTS``: the values'
+    scratch and arrival counts follow the keys' (B·S tokens, one count a token block)."""
     pid = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if PER_SEQ:
         b = tl.program_id(2)
         s_idx = offs
         nmask = offs < S
+        unit = b * tl.num_programs(1) + tl.program_id(1)
     else:
         b = offs
         s_idx = tl.zeros((BLOCK_N,), dtype=tl.int32)
         nmask = offs < B
+        unit = tl.program_id(1)
+    tok = b * S + s_idx
+    units = tl.num_programs(1) * tl.num_programs(2)
     if pid < H:
         _quantize_one(k_ptr, skb, skh, sks, k_rot, k_offset, k_scale, k_bounds, k_cent, k_lay, k_idx, k_sign,
-                      pos_ptr, pages_ptr, PW, pid, b, s_idx, nmask, H, PART_T, D, KINDEX_BITS, KK, KFIELDS, KSIGN,
-                      KCOMB, BLOCK_N, PRECISION, KSPLIT, PER_SEQ, KPOS, KGRID, ASM, PAGED)
+                      pos_ptr, pages_ptr, PW, pid, b, s_idx, nmask, H, PART_T, k_slot, k_tab, scratch_ptr, count_ptr,
+                      tok, unit, D, KINDEX_BITS, KK, KFIELDS, KSIGN, KCOMB, BLOCK_N, PRECISION, KSPLIT, PER_SEQ, KPOS,
+                      KGRID, ASM, PAGED, SLOTS, RELATIVE, KNT)
     else:
         _quantize_one(v_ptr, svb, svh, svs, v_rot, v_offset, v_scale, v_bounds, v_cent, v_lay, v_idx, v_sign,
-                      pos_ptr, pages_ptr, PW, pid - H, b, s_idx, nmask, H, PART_T, D, VINDEX_BITS, VK, VFIELDS, VSIGN,
-                      VCOMB, BLOCK_N, PRECISION, VSPLIT, PER_SEQ, VPOS, VGRID, ASM, PAGED)
+                      pos_ptr, pages_ptr, PW, pid - H, b, s_idx, nmask, H, PART_T, v_slot, v_tab,
+                      scratch_ptr + B * S, count_ptr + units, tok, unit, D, VINDEX_BITS, VK, VFIELDS, VSIGN, VCOMB,
+                      BLOCK_N, PRECISION, VSPLIT, PER_SEQ, VPOS, VGRID, ASM, PAGED, SLOTS, RELATIVE, VNT)
 
 
 class _KindConsts(NamedTuple):
@@ -302,7 +362,7 @@ class _KindConsts(NamedTuple):
 def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_tables: tuple,
                          k_out: tuple, v_out: tuple, pos: torch.Tensor, k_code: CodeLayout, v_code: CodeLayout,
                          rot_halves: tuple | None = None, config: dict | None = None,
-                         pages: torch.Tensor | None = None) -> None:
+                         pages: torch.Tensor | None = None, slots: tuple | None = None) -> None:
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
     k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d],
@@ -313,7 +373,10 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     Π in fp16 halves [H, 2, d, d] (``esm_turbo.ops.compressed.split_rotation``; empty: none), read for fp16 inputs
     instead of splitting Π in every program. ``pages`` [B, blocks] int32 (a paged cache; None or empty: contiguous):
     the parts are pools [slots, H, block, ·] written through it. ``config`` overrides block_n / num_warps / precision
-    (``ieee`` fp32, or ``tf32x3``) / by_position / maxnreg (a register cap) for tuning."""
+    (``ieee`` fp32, or ``tf32x3``) / by_position / maxnreg (a register cap) for tuning. ``slots`` = (keys' slot part,
+    values' slot part, keys' code table [H, d, codes], values' table, relative ranking) or None: each token's slot
+    of each kind (one a token, ``esm_turbo.quant.slots``) written at its rows of the parts [B, 1, T_cap, 1] (a
+    paged cache's pools [slots, 1, block, 1]) as ``quantize_pack_reference`` picks it."""
     batch, heads, s, d = k.shape
     # 4 warps (2 spilled registers at 1024-token blocks); the block size is chosen below; tf32x3 (or the fp16 split)
     # keeps fp32 accuracy on tensor cores
@@ -353,11 +416,22 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     paged = pages is not None and pages.numel() > 0
     if not paged:
         pages = pos  # never read
+    slot_args, relative, nts = (pos,) * 6, False, (1, 1)  # never read without slots
+    if slots is not None:
+        k_slot, v_slot, k_tab, v_tab, relative = slots
+        if k_slot.shape[-1] != 1 or v_slot.shape[-1] != 1 or not (k_slot.is_contiguous() and v_slot.is_contiguous()):
+            raise ValueError("the quantize kernel writes one slot a token and kind into contiguous parts")
+        k_tab, v_tab = k_tab.contiguous(), v_tab.contiguous()
+        units = 2 * launch[1] * (launch[2] if per_seq else 1)
+        slot_args = (k_slot, v_slot, k_tab, v_tab, split_counters(2 * batch * s, k.device, torch.int64),
+                     split_counters(units, k.device))
+        nts = (k_tab.shape[-1], v_tab.shape[-1])
     _quantize_pack_kernel[launch](
         k, *k_strides, *k_args, v, *v_strides, *v_args, pos, pages, pages.shape[-1], batch, heads, s,
-        k_out[0].shape[2], D=d,
+        k_out[0].shape[2], *slot_args, D=d,
         KINDEX_BITS=kc.bits, KK=kc.levels, KFIELDS=kc.fields, KSIGN=kc.sign, KCOMB=kc.combine, VINDEX_BITS=vc.bits,
         VK=vc.levels, VFIELDS=vc.fields, VSIGN=vc.sign, VCOMB=vc.combine, BLOCK_N=block_n, PER_SEQ=per_seq,
         PRECISION=cfg["precision"], KSPLIT=kc.split, VSPLIT=vc.split, KPOS=kc.by_position, VPOS=vc.by_position,
-        KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), PAGED=paged, num_warps=cfg["num_warps"],
+        KGRID=kc.grid, VGRID=vc.grid, ASM=not interpreting(), PAGED=paged, SLOTS=slots is not None,
+        RELATIVE=bool(relative), KNT=nts[0], VNT=nts[1], num_warps=cfg["num_warps"],
         maxnreg=maxnreg, enable_fp_fusion=FP_FUSION)

@@ -23,6 +23,7 @@ from ..quant.tables import lookup_codes, lut_bounds, lut_code_parts
 from ..quant.layout import CachedCodes, CodeLayout
 from ..quant.packing import layout_of
 from ..quant.rotations import affine_forward
+from ..quant.slots import KERNEL_SLOTS, apply_slots, pick_slots
 
 FUSED_BITS = (1, 2, 3, 4)
 
@@ -31,8 +32,9 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     """True if both quantizers of ``codec`` keep the :class:`~esm_turbo.quant.codec.FusedQuantizer` contract and say
     they are ready for it (``fused_ready``), with 1–4 index bits (and, with ``need_kernel_shape``, the Triton kernels'
     shape rule: head_dim/8 a power of two, i.e. d ∈ {16, 32, 64, 128, ...}); a codec with a recent-token window
-    (``esm_turbo.window``) or slots (``esm_turbo.quant.slots``) is read on the reference path."""
-    if getattr(codec, "window", 0) or getattr(codec, "slots", 0):
+    (``esm_turbo.window``) or more than :data:`~esm_turbo.quant.slots.KERNEL_SLOTS` slots a token
+    (``esm_turbo.quant.slots``) is read on the reference path."""
+    if getattr(codec, "window", 0) or getattr(codec, "slots", 0) > KERNEL_SLOTS:
         return False
     for q in (codec.key, codec.value):
         if not keeps_fused_contract(q):
@@ -172,18 +174,27 @@ def gather_blocks(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
 def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                             bounds: torch.Tensor, centroids: torch.Tensor, layout: torch.Tensor,
                             main_out: torch.Tensor, sign_out: torch.Tensor, pos: torch.Tensor,
-                            code: CodeLayout, pages: torch.Tensor | None = None) -> None:
+                            code: CodeLayout, pages: torch.Tensor | None = None,
+                            slots_out: torch.Tensor | None = None, table: torch.Tensor | None = None,
+                            relative: bool = False) -> None:
     """Encode x [B,H,S,d] (rot [H,d,d], offset/scale [H,d], centroids [H,d,K], bounds [H,K-1,d] unused here, field
     layout [H,d] of the packed part or empty: equal widths) at rows pos[b] + j of the cache parts stored as ``code``
     says: main_out [B,H,T_cap,d·code_bits/8] (``code``, or ``idx``) and sign_out [B,H,T_cap,d/8] (a sign plane) or
     empty. ``pages`` [B, blocks] int32 (a paged cache, non-empty): the parts are pools [slots, H, block, ·] written
-    through it (:func:`scatter_rows`)."""
+    through it (:func:`scatter_rows`). ``slots_out`` [B, 1, T_cap, k] int32 (non-empty: the kind's slots,
+    :func:`~esm_turbo.quant.slots.pick_slots` over the codes' values in ``table`` [H, d, codes], ``relative``
+    ranking) is written at the same rows."""
     layout = _full_layout(layout, *centroids.shape[:2], code.code_bits, x.device)
-    parts, _ = lut_code_parts(affine_forward(x, rot, offset, scale), centroids, layout, code.code_bits,
-                              sign=code.has_sign, combined=code.sign == "combined")
+    y = affine_forward(x, rot, offset, scale)
+    parts, _ = lut_code_parts(y, centroids, layout, code.code_bits, sign=code.has_sign,
+                              combined=code.sign == "combined")
     scatter_rows(main_out, parts[code.part], pos, pages)
     if code.sign_part:
         scatter_rows(sign_out, parts[code.sign_part], pos, pages)
+    if slots_out is not None and slots_out.numel():
+        y_hat = lookup_codes(table, parts[code.part], parts.get(code.sign_part), layout, code.code_bits).float()
+        picked = pick_slots(y.float(), y_hat, scale, slots_out.shape[-1], relative)  # [B, S, k]
+        scatter_rows(slots_out, picked.unsqueeze(1), pos, pages)
 
 
 def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -202,19 +213,19 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     query with no valid key gets zeros.
 
     A paged cache (``pages`` [B, blocks] int32, non-empty): each kind's parts are pools [slots, H, block_size, ·]
-    and row b's position t lies in slot ``pages[b, t // block_size]`` (:func:`gather_blocks`).
+    and row b's position t lies in slot ``pages[b, t // block_size]`` (:func:`gather_blocks`). A kind's slots
+    (``CachedCodes.slots``) correct its decoded ŷ before either sum (:func:`~esm_turbo.quant.slots.apply_slots`).
     """
     if pages is not None and pages.numel():
         keys, values = (c._replace(main=gather_blocks(c.main, pages),
-                                   sign=gather_blocks(c.sign, pages) if c.sign.numel() else c.sign)
+                                   sign=gather_blocks(c.sign, pages) if c.sign.numel() else c.sign,
+                                   slots=gather_blocks(c.slots, pages) if c.has_slots() else c.slots)
                         for c in (keys, values))
     k_rot, k_offset, k_scale = keys.rot, keys.offset, keys.scale
     v_rot, v_offset, v_scale = values.rot, values.offset, values.scale
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
     qk, c0 = z * k_scale[:, None, :], (z * k_offset[:, None, :]).sum(-1, keepdim=True)
-    k_hat, v_hat = (lookup_codes(c.table, c.main, c.sign, _full_layout(c.layout, *c.table.shape[:2], c.code.code_bits,
-                                                                        q.device), c.code.code_bits)
-                    for c in (keys, values))
+    k_hat, v_hat = (_cached_values(c, q.device) for c in (keys, values))
     t = k_hat.shape[2]
     k_all = torch.cat([k_hat.to(k_rot.dtype), affine_forward(k_new, k_rot, k_offset, k_scale)], dim=2)
     v_all = torch.cat([v_hat.to(v_rot.dtype), affine_forward(v_new, v_rot, v_offset, v_scale)], dim=2)
@@ -226,6 +237,13 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     out = torch.einsum("bhst,bhtd->bhsd", probs, v_all) * v_scale[:, None, :] + v_offset[:, None, :]
     out = torch.einsum("bhse,hed->bhsd", torch.where(any_valid, out, torch.zeros_like(out)), v_rot)
     return out.to(q.dtype)
+
+
+def _cached_values(c: CachedCodes, device: torch.device) -> torch.Tensor:
+    """ŷ [B, H, T_cap, d] of one kind's packed cache (its slots applied), in the table's dtype or float32."""
+    layout = _full_layout(c.layout, *c.table.shape[:2], c.code.code_bits, device)
+    y_hat = lookup_codes(c.table, c.main, c.sign, layout, c.code.code_bits)
+    return apply_slots(y_hat, c.slots[:, 0]) if c.has_slots() else y_hat
 
 
 # ---- custom ops -------------------------------------------------------------------------------------
@@ -249,31 +267,36 @@ def _quantize_pack_with(kernel: Callable[[], bool]) -> Callable:
                       v_scale: torch.Tensor, v_bounds: torch.Tensor, v_centroids: torch.Tensor, v_layout: torch.Tensor,
                       v_main: torch.Tensor, v_sign: torch.Tensor, pos: torch.Tensor, k_code: list[int],
                       v_code: list[int], k_rot16: torch.Tensor | None = None,
-                      v_rot16: torch.Tensor | None = None, pages: torch.Tensor | None = None) -> None:
+                      v_rot16: torch.Tensor | None = None, pages: torch.Tensor | None = None,
+                      k_slots: torch.Tensor | None = None, v_slots: torch.Tensor | None = None,
+                      k_tab: torch.Tensor | None = None, v_tab: torch.Tensor | None = None,
+                      relative: bool = False) -> None:
         """Keys and values of one layer into their cache parts (the reference; one Triton launch on CUDA). Bounds
         [H, K-1, d] level-major (``FusedTables``); ``*_code``: the :class:`CodeLayout` as :meth:`~CodeLayout.to_op`
         gives it; ``*_rot16``: the rotations' fp16 halves (:func:`split_rotation`) for the kernel, or None / empty. A
         grid codec's codes the kernel rounds to (the reference searches the centroids as for any LUT: the same
         codes). ``pages`` [B, blocks] int32 (a paged cache; None or empty: contiguous): the parts are pools written
-        through it (:func:`quantize_pack_reference`)."""
+        through it (:func:`quantize_pack_reference`). ``*_slots`` [B, 1, T_cap, k] int32 (None or empty: no slots):
+        each kind's slots, picked over its codes' values ``*_tab`` [H, d, codes] (``relative``: the ranking)."""
         k_tables = (k_rot, k_offset, k_scale, k_bounds, k_centroids, k_layout)
         v_tables = (v_rot, v_offset, v_scale, v_bounds, v_centroids, v_layout)
         k_code, v_code = CodeLayout.from_op(k_code), CodeLayout.from_op(v_code)
         if kernel():
             from ..kernels.quantize import quantize_pack_triton
             halves = None if k_rot16 is None or v_rot16 is None else (k_rot16, v_rot16)
+            slots = None if k_slots is None or not k_slots.numel() else (k_slots, v_slots, k_tab, v_tab, relative)
             quantize_pack_triton(k, v, k_tables, v_tables, (k_main, k_sign), (v_main, v_sign), pos, k_code, v_code,
-                                 halves, pages=pages)
+                                 halves, pages=pages, slots=slots)
         else:
-            quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_code, pages)
-            quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_code, pages)
+            quantize_pack_reference(k, *k_tables, k_main, k_sign, pos, k_code, pages, k_slots, k_tab, relative)
+            quantize_pack_reference(v, *v_tables, v_main, v_sign, pos, v_code, pages, v_slots, v_tab, relative)
 
     return quantize_pack
 
 
 _QUANTIZE_PACK = (_quantize_pack_with(_never), _quantize_pack_with(_triton))  # (default body, CUDA body)
-quantize_pack = torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=("k_main", "k_sign", "v_main",
-                                                                                  "v_sign"))(_QUANTIZE_PACK[0])
+quantize_pack = torch.library.custom_op("esm_turbo::quantize_pack", mutates_args=(
+    "k_main", "k_sign", "v_main", "v_sign", "k_slots", "v_slots"))(_QUANTIZE_PACK[0])
 quantize_pack.register_kernel("cuda")(_QUANTIZE_PACK[1])
 
 
@@ -291,12 +314,15 @@ def _compressed_attention_with(kernel: Callable[[], bool]) -> Callable:
                              k_scale: torch.Tensor, k_code: list[int], v_main: torch.Tensor, v_sign: torch.Tensor,
                              v_tab: torch.Tensor, v_layout: torch.Tensor, v_rot: torch.Tensor,
                              v_offset: torch.Tensor, v_scale: torch.Tensor, v_code: list[int], pages: torch.Tensor,
-                             block_size: int) -> torch.Tensor:
+                             block_size: int, k_slots: torch.Tensor | None = None,
+                             v_slots: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`compressed_attention_reference` (or the Triton kernel on CUDA) with each kind's
         :class:`~esm_turbo.quant.layout.CachedCodes` flattened, its code layout as :meth:`CodeLayout.to_op` gives
-        it; ``pages`` empty for a contiguous cache."""
-        keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code))
-        values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code))
+        it; ``pages`` empty for a contiguous cache; ``*_slots`` each kind's slot words or None."""
+        keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code),
+                           k_slots)
+        values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code),
+                             v_slots)
         if kernel():
             from ..kernels.decode import compressed_attention_triton
             return compressed_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values, pages=pages,
@@ -339,13 +365,14 @@ def _codec_tables(q: FusedQuantizer) -> tuple[torch.Tensor, torch.Tensor, torch.
 def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                      pos: torch.Tensor, pages: torch.Tensor | None = None) -> None:
     """Quantize-and-pack k, v [B,H,S,d] into one layer's cache parts at rows ``pos[b] + j`` (a paged cache's pools
-    through ``pages`` [B, blocks] int32)."""
+    through ``pages`` [B, blocks] int32), the slots too where the codec keeps them."""
     tables = fused_tables(codec)
     key, value = codec.key, codec.value
     _run(quantize_pack, _QUANTIZE_PACK, k, v, *_codec_tables(key), tables.k_bounds, key.centroids,
          tables.k_layout, *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
          tables.v_layout, *tables.packed(parts, "v"), pos, tables.k_code.to_op(), tables.v_code.to_op(),
-         tables.k_rot16, tables.v_rot16, pages)
+         tables.k_rot16, tables.v_rot16, pages, parts.get("k.slots"), parts.get("v.slots"), tables.k_tab,
+         tables.v_tab, bool(getattr(codec, "relative_slots", False)))
 
 
 def cached_codes(codec: KVCodec, parts: dict[str, torch.Tensor], kind: str) -> CachedCodes:
@@ -354,7 +381,8 @@ def cached_codes(codec: KVCodec, parts: dict[str, torch.Tensor], kind: str) -> C
     q = codec.key if kind == "k" else codec.value
     table, layout, code = ((tables.k_tab, tables.k_layout, tables.k_code) if kind == "k" else
                            (tables.v_tab, tables.v_layout, tables.v_code))
-    return CachedCodes(*tables.packed(parts, kind), table, layout, q.rot, q.offset, q.scale, code)
+    return CachedCodes(*tables.packed(parts, kind), table, layout, q.rot, q.offset, q.scale, code,
+                       parts.get(f"{kind}.slots"))
 
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
@@ -368,5 +396,5 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
     if pages is None:
         pages = lengths.new_empty(0, dtype=torch.int32)
     return _run(compressed_attention, _COMPRESSED_ATTENTION, q, k_new, v_new,
-                new_valid.contiguous().view(torch.uint8), lengths, *keys[:-1], keys.code.to_op(), *values[:-1],
-                values.code.to_op(), pages, int(block_size))
+                new_valid.contiguous().view(torch.uint8), lengths, *keys[:7], keys.code.to_op(), *values[:7],
+                values.code.to_op(), pages, int(block_size), keys.slots, values.slots)

@@ -132,7 +132,8 @@ class CachedCodes(NamedTuple):
     main [B, H, T_cap, d·code_bits/8] uint8 (the ``code`` or ``idx`` part); sign [B, H, T_cap, d/8] uint8 (a sign
     plane) or empty; table [H, d, codes] values of each code (``2·code + sign`` with a sign plane), float16 or
     float32; layout [H, d] int32 field layout of ``main`` or empty (equal widths); rot [H, d, d], offset / scale
-    [H, d]: the affine map ``y = (x Πᵀ − offset) / scale``; code: how the codes are stored."""
+    [H, d]: the affine map ``y = (x Πᵀ − offset) / scale``; code: how the codes are stored; slots [B, 1, T_cap, k]
+    int32: each token's slot words over all heads (:mod:`esm_turbo.quant.slots`), or None: no slots."""
 
     main: torch.Tensor
     sign: torch.Tensor
@@ -142,3 +143,7 @@ class CachedCodes(NamedTuple):
     offset: torch.Tensor
     scale: torch.Tensor
     code: CodeLayout
+    slots: torch.Tensor | None = None
+
+    def has_slots(self) -> bool:
+        return self.slots is not None and self.slots.numel() > 0

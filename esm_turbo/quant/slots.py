@@ -20,6 +20,8 @@ import torch
 
 #: the stored word of one slot
 SLOT_DTYPE = torch.int32
+#: slots a token and kind the fused kernels write and read (more: the PyTorch path)
+KERNEL_SLOTS = 1
 #: a token's values (heads × head_dim) must fit the index's 15 bits (the word stays non-negative)
 MAX_VALUES = 1 << 15
 
@@ -75,4 +77,5 @@ def apply_slots(y_hat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.reshape(*lead, tokens, heads, dim).transpose(-3, -2)
 
 
-__all__ = ["MAX_VALUES", "SLOT_DTYPE", "apply_slots", "check_slot_values", "pick_slots", "slot_bits", "slot_errors", "unpack_slots"]
+__all__ = ["KERNEL_SLOTS", "MAX_VALUES", "SLOT_DTYPE", "apply_slots", "check_slot_values", "pick_slots", "slot_bits",
+           "slot_errors", "unpack_slots"]

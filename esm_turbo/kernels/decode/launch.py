@@ -8,7 +8,7 @@ import triton
 
 from ...quant.layout import CachedCodes, decode_grid
 from ..common import FP_FUSION, dot_precision, interpreting, num_sms, part_or, split16, token_strides
-from .codes import aligned_table
+from .codes import aligned_table, slot_parts
 from .merge import _merge_kernel, _prep_kernel
 from .plan import launch_config, merge_rows, plan_splits, stream_plan
 from .small import attention_one_launch
@@ -63,13 +63,14 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
     codes = (qt, keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
              keys.table, values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table),
-             lengths, pages, m, l_, acc, heads, s, t_cap)
+             lengths, pages, *slot_parts(keys, values, lengths), m, l_, acc, heads, s, t_cap)
     consts = dict(D=d, KCODE_BITS=keys.code.code_bits, VCODE_BITS=values.code.code_bits,
                   KFIELDS=keys.code.kernel_fields(), VFIELDS=values.code.kernel_fields(),
                   KSIGN=keys.code.sign == "plane",
                   VSIGN=values.code.sign == "plane", BLOCK_S=block_s, BLOCK_T=block_t, NK=keys.table[0].numel(),
                   NV=values.table[0].numel(), PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl,
-                  PAGE=page, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], launch_pdl=pdl,
+                  PAGE=page, SLOTS=keys.has_slots(), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+                  launch_pdl=pdl,
                   enable_fp_fusion=FP_FUSION)
     if run:
         _stream_kernel[(launched,)](*codes, programs, nt, run, splits, INTERPRET=run if interpreting() else 0,

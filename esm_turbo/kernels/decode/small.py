@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ...quant.layout import CachedCodes, decode_grid
 from ..common import FP_FUSION, interpreting, num_sms, part_or, split_counters, token_strides
-from .codes import _field_layout, _prefetch_l2
+from .codes import _field_layout, _prefetch_l2, slot_parts
 from .plan import plan_splits
 from .walk import LOG2E, _split_codes, _walk
 
@@ -28,13 +28,13 @@ def _rotate_vec(x_ptr, rot_ptr, chan, D: tl.constexpr):
 @triton.jit
 def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr, len_ptr,
-                  page_ptr, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr, acc_ptr, count_ptr,
-                  out_ptr, H, T_CAP, CHUNK, NS,
+                  page_ptr, k_sl_ptr, v_sl_ptr, k_rot, k_offset, k_scale, v_rot, v_offset, v_scale, m_ptr, l_ptr,
+                  acc_ptr, count_ptr, out_ptr, H, T_CAP, CHUNK, NS,
                   D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                   VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_NS: tl.constexpr, NK: tl.constexpr,
                   NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr,
-                  GRID: tl.constexpr, PAGE: tl.constexpr):
+                  GRID: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr):
     """Grid (B·H, splits), one query per sequence (S = 1), the whole step in one launch: each program
     rotates the query itself and walks its split; the last split of a (b, h) to finish (an atomic count,
     ``count_ptr`` zero at launch) merges all splits, rotates the output back, adds the step's own token as
@@ -51,9 +51,10 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     if split == 0:  # Πᵥ into L2 for the merge, which reads it only after the arrival count
         _prefetch_l2(v_rot + hd * D + tl.arange(0, D * D // 32) * 32)
     # the first tile's codes are requested before the query rotation: their latency overlaps it
-    start, end, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, kw, ks, vw, vs = _split_codes(
-        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, split * CHUNK,
-        split * CHUNK + CHUNK, H, T_CAP, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
+    start, end, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab, pg_base, pg_stride, kw, ks, vw, vs, kl, vl = \
+        _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_sl_ptr, v_sl_ptr, len_ptr, page_ptr, b, pid_bh,
+                     split * CHUNK, split * CHUNK + CHUNK, H, T_CAP, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T,
+                     GRID, PAGE, SLOTS)
     k_off = tl.load(k_offset + hd + chan)
     k_sc = tl.load(k_scale + hd + chan)
     z = _rotate_vec(q_ptr + b.to(tl.int64) * sqb + h * sqh, k_rot + hd * D, chan, D)
@@ -61,9 +62,10 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     c0 = tl.sum(tl.sum(z * k_off, axis=1), axis=0)
     k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
-    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride,
-                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN,
-                          NK, NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID, PAGE)
+    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab,
+                          pg_base, pg_stride, k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, h, D, KCODE_BITS,
+                          VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0,
+                          ROWS, GRID, PAGE, SLOTS)
     part = pid_bh * NS + split
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -119,12 +121,14 @@ def attention_one_launch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     _small_kernel[(batch * heads, splits)](
         q, *q_strides[:2], k_new, *k_strides[:2], v_new, *v_strides[:2], new_valid,
         keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main), keys.table,
-        values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table), lengths, pages, keys.rot,
+        values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table), lengths, pages,
+        *slot_parts(keys, values, lengths), keys.rot,
         keys.offset, keys.scale, values.rot, values.offset, values.scale, m, l_, acc, count, out, heads, t_cap,
         chunk, splits, D=d, KCODE_BITS=keys.code.code_bits, VCODE_BITS=values.code.code_bits,
         KFIELDS=keys.code.kernel_fields(), VFIELDS=values.code.kernel_fields(), KSIGN=keys.code.sign == "plane",
         VSIGN=values.code.sign == "plane", BLOCK_T=block_t, BLOCK_NS=triton.next_power_of_2(splits),
         NK=keys.table[0].numel(), NV=values.table[0].numel(), PREFETCH=cfg["prefetch"],
         INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"], GRID=decode_grid(keys.code, values.code),
-        PAGE=page, num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], enable_fp_fusion=FP_FUSION)
+        PAGE=page, SLOTS=keys.has_slots(), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
+        enable_fp_fusion=FP_FUSION)
     return out

@@ -14,18 +14,42 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, pg_tab, pg_base, pg_stride, D: tl.constexpr,
+def _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0, end, pg_tab, pg_base, pg_stride, D: tl.constexpr,
            KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
-           BLOCK_T: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr):
+           BLOCK_T: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr):
     """The key and value codes of the tile at ``t0`` (rows ≥ ``end`` masked): fetched together, one memory
     round trip per tile. ``PAGE`` > 0 (a paged cache of blocks of PAGE tokens): token t lies in row
-    ``table[t // PAGE] · pg_stride + pg_base + t % PAGE`` of the pool (``_rows``)."""
+    ``table[t // PAGE] · pg_stride + pg_base + t % PAGE`` of the pool (``_rows``). ``SLOTS``: and each token's
+    slot words of either kind [BLOCK_T] (``k_sl`` / ``v_sl``: the row's token parts, one "head"; masked rows read
+    the zero word, no correction), else the key words again (never read)."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     tmask = offs_t < end
     rows = _rows(offs_t, t0, end, pg_tab, pg_base, pg_stride, BLOCK_T, PAGE)
     kw, ks = _load_codes(k_idx, k_sign, rows, tmask, D, KCODE_BITS, KSIGN, BLOCK_T, GRID)
     vw, vs = _load_codes(v_idx, v_sign, rows, tmask, D, VCODE_BITS, VSIGN, BLOCK_T, GRID)
-    return kw, ks, vw, vs
+    kl = kw
+    vl = kw
+    if SLOTS:
+        srows = _rows(offs_t, t0, end, pg_tab, 0, PAGE, BLOCK_T, PAGE)
+        kl = tl.load(k_sl + srows, mask=tmask, other=0)
+        vl = tl.load(v_sl + srows, mask=tmask, other=0)
+    return kw, ks, vw, vs, kl, vl
+
+
+@triton.jit
+def _slot_patch(tile, words, h, inv, D: tl.constexpr, GRID: tl.constexpr):
+    """A decoded tile [BLOCK_T, D/8, 8] (``_decode_codes``) with each token's slot correction δ added at its channel,
+    where its slot word (``words`` [BLOCK_T], ``esm_turbo.quant.slots``) lies in head ``h``. ``GRID``: the tile holds
+    each field's codes scaled by a power of two, so δ is scaled by the same (``inv`` [8]: 1 / ``_grid_factor`` per
+    field place)."""
+    index = words >> 16
+    c = tl.where(index // D == h, index % D, -1)
+    delta = (words & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if GRID:
+        r8 = tl.arange(0, 8)
+        delta = delta * tl.sum(tl.where(r8[None, :] == (c & 7)[:, None], inv[None, :], 0.0), axis=1)
+    chan = tl.arange(0, D // 8)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    return tl.where(chan == c[:, None, None], tile + delta[:, None, None], tile)
 
 
 @triton.jit
@@ -45,14 +69,17 @@ def _rows(offs_t, t0, end, pg_tab, pg_base, pg_stride, BLOCK_T: tl.constexpr, PA
 
 
 @triton.jit
-def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
-                  KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab, v_tab, k_lay, v_lay,
+                  D: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                   BLOCK_T: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr, ROWS: tl.constexpr,
-                  GRID: tl.constexpr):
+                  GRID: tl.constexpr, SLOTS: tl.constexpr):
     """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units; ``l_i`` per token
-    row [BLOCK_T] with ``GRID`` (see ``_walk``), else a scalar."""
+    row [BLOCK_T] with ``GRID`` (see ``_walk``), else a scalar. ``SLOTS``: the decoded keys and values of head ``h``
+    corrected by the tokens' slot words kl, vl first (:func:`_slot_patch`)."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
     k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID)
+    if SLOTS:
+        k = _slot_patch(k, kl, h, k_inv, D, GRID)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1)  # [BLOCK_T]
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
@@ -67,19 +94,23 @@ def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_la
     else:
         l_i = l_i + tl.sum(p, axis=0)
     v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS, GRID)
+    if SLOTS:
+        v = _slot_patch(v, vl, h, v_inv, D, GRID)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     return m_i, l_i, acc
 
 
 @triton.jit
-def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, start, stop, H,
-                 T_CAP, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KSIGN: tl.constexpr,
-                 VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr):
+def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_sl_ptr, v_sl_ptr, len_ptr, page_ptr, b, pid_bh,
+                 start, stop, H, T_CAP, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr,
+                 KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr,
+                 PAGE: tl.constexpr, SLOTS: tl.constexpr):
     """A program's share [start, stop) of cache row ``pid_bh`` (= b·H + h): its rows [start, end) (end: stop or
     the sequence's length), pointers to row 0 of the row in each packed part (``PAGE`` > 0: to the pool, the rows
     found through the block table ``page_ptr`` [B, T_CAP / PAGE] int32, ``_rows``), and its first tile's codes —
-    requested here, as early as the program can. Returns (start, end, (k_idx, k_sign, v_idx, v_sign), (pg_tab,
-    pg_base, pg_stride), codes)."""
+    requested here, as early as the program can (``SLOTS``: with the slot words; ``k_sl_ptr`` / ``v_sl_ptr``: the
+    token parts [B, 1, T_CAP] or pools [slots, 1, PAGE]). Returns (start, end, (k_idx, k_sign, v_idx, v_sign,
+    k_sl, v_sl), (pg_tab, pg_base, pg_stride), codes)."""
     length = tl.load(len_ptr + b).to(tl.int32)
     end = tl.minimum(stop, length)
     if PAGE:
@@ -96,26 +127,38 @@ def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr
     k_sign = k_sign_ptr + row0 * (D // 8)
     v_idx = v_idx_ptr + row0 * (D * VCODE_BITS // 8)
     v_sign = v_sign_ptr + row0 * (D // 8)
-    kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, start, end, pg_tab, pg_base, pg_stride, D, KCODE_BITS,
-                            VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
-    return start, end, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, kw, ks, vw, vs
+    k_sl = k_sl_ptr
+    v_sl = v_sl_ptr
+    if not PAGE:
+        k_sl += b.to(tl.int64) * T_CAP
+        v_sl += b.to(tl.int64) * T_CAP
+    kw, ks, vw, vs, kl, vl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, start, end, pg_tab, pg_base, pg_stride,
+                                    D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE, SLOTS)
+    return start, end, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab, pg_base, pg_stride, kw, ks, vw, vs, kl, vl
 
 
 @triton.jit
-def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, k_tab, v_tab,
-          k_lay, v_lay, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr,
+def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab, pg_base, pg_stride,
+          k_tab, v_tab, k_lay, v_lay, h, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr,
           KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
           PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr,
-          ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr):
-    """Online softmax of one query over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2 units.
-    (kw, ks, vw, vs): the first tile's codes, ``_fetch``-ed by the caller as early as it can.
-    k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
+          ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr):
+    """Online softmax of one query (of head ``h``) over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2
+    units. (kw, ks, vw, vs, kl, vl): the first tile's codes (and slot words), ``_fetch``-ed by the caller as early as
+    it can. k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
     tile's codes are requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0
     (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
     tiles hold j scaled by a power of two per field, so the query and the value sums are scaled back by its
-    inverse (``_grid_factor``, exact)."""
+    inverse (``_grid_factor``, exact). ``SLOTS``: each tile's decoded values corrected by the tokens' slots."""
+    k_inv = tl.full((8,), 1.0, tl.float32)
+    v_inv = k_inv
     if GRID:
-        q3 = q3 * _grid_factor(k_lay, KFIXED and not KSIGN, GRID)
+        k_fac = _grid_factor(k_lay, KFIXED and not KSIGN, GRID)
+        v_fac = _grid_factor(v_lay, VFIXED and not VSIGN, GRID)
+        q3 = q3 * k_fac
+        if SLOTS:
+            k_inv = 1.0 / tl.reshape(k_fac, (8,))
+            v_inv = 1.0 / tl.reshape(v_fac, (8,))
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
     if GRID:  # softmax sums per token row, like acc (a LUT walk's registers spilled with them, SASS sm_90)
         l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -125,24 +168,30 @@ def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, 
     if INTERPRET > 0:
         for it in tl.static_range(INTERPRET):
             t0 = start + it * BLOCK_T
-            nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, pg_tab, pg_base,
-                                        pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
-            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
-            kw, ks, vw, vs = nkw, nks, nvw, nvs
+            nkw, nks, nvw, nvs, nkl, nvl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0 + BLOCK_T, end, pg_tab,
+                                                  pg_base, pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN,
+                                                  BLOCK_T, GRID, PAGE, SLOTS)
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab,
+                                          v_tab, k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS,
+                                          GRID, SLOTS)
+            kw, ks, vw, vs, kl, vl = nkw, nks, nvw, nvs, nkl, nvl
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
-            nkw, nks, nvw, nvs = _fetch(k_idx, k_sign, v_idx, v_sign, t0 + BLOCK_T, end, pg_tab, pg_base,
-                                        pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
-            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
-            kw, ks, vw, vs = nkw, nks, nvw, nvs
+            nkw, nks, nvw, nvs, nkl, nvl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0 + BLOCK_T, end, pg_tab,
+                                                  pg_base, pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN,
+                                                  BLOCK_T, GRID, PAGE, SLOTS)
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab,
+                                          v_tab, k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS,
+                                          GRID, SLOTS)
+            kw, ks, vw, vs, kl, vl = nkw, nks, nvw, nvs, nkl, nvl
     else:
         for t0 in range(start, end, BLOCK_T):
-            kw, ks, vw, vs = _fetch(k_idx, k_sign, v_idx, v_sign, t0, end, pg_tab, pg_base, pg_stride, D, KCODE_BITS,
-                                    VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
-            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, k_tab, v_tab, k_lay,
-                                          v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID)
+            kw, ks, vw, vs, kl, vl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0, end, pg_tab, pg_base,
+                                            pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE,
+                                            SLOTS)
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab,
+                                          v_tab, k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS,
+                                          GRID, SLOTS)
     acc = tl.sum(acc, axis=0)
     if GRID:
         l_i = tl.sum(l_i, axis=0)
@@ -152,14 +201,15 @@ def _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, 
 
 @triton.jit
 def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                   len_ptr, page_ptr,
+                   len_ptr, page_ptr, k_sl_ptr, v_sl_ptr,
                     m_ptr, l_ptr, acc_ptr,
                     H, S, T_CAP, CHUNK, NS,
                     D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                     VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
-                    ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr):
+                    ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr,
+                    SLOTS: tl.constexpr):
     """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes). ``PDL``
     (launched while the prep kernel runs): the first tile's codes are requested, then the program waits for the
     prep grid before it reads its query."""
@@ -168,19 +218,19 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     pid_bh = pid // S
     qi = pid % S
     _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK, split * CHUNK + CHUNK,
-                (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS, KFIELDS, VFIELDS, KSIGN,
-                VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE)
+                len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK,
+                split * CHUNK + CHUNK, (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS,
+                KFIELDS, VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS)
 
 
 @triton.jit
 def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                   len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, R, NT, W, NS,
+                   len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, R, NT, W, NS,
                    D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                    VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_T: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr,
                    INTERPRET: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr,
-                   PAGE: tl.constexpr):
+                   PAGE: tl.constexpr, SLOTS: tl.constexpr):
     """``_prefix_kernel`` with the work cut evenly (stream-K): grid (programs,), the B·H·S queries' rows of NT
     tiles each laid end to end and cut in runs of W tiles, one run per program, so every program walks as many
     tiles and the GPU holds one full wave (a grid of (query, split) programs left SMs part-empty: 1280 one-warp
@@ -196,9 +246,9 @@ def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
         hi = tl.minimum(first + W, r * NT + NT) - r * NT
         k = p - _runs_meeting(r, NT, W)[0]
         _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr,
-                    v_lay_ptr, len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T, hi * BLOCK_T,
-                    (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS, KFIELDS, VFIELDS, KSIGN,
-                    VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE)
+                    v_lay_ptr, len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T,
+                    hi * BLOCK_T, (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS, KFIELDS,
+                    VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS)
 
 
 @triton.jit
@@ -210,18 +260,18 @@ def _runs_meeting(row, NT, W):
 
 @triton.jit
 def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, start, stop, part, H, S, T_CAP,
-                D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
+                len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, start, stop, part, H, S,
+                T_CAP, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                 VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                 NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
-                ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr):
+                ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr):
     """Query ``qi`` of cache row ``pid_bh`` over its cached rows [start, stop): walked, its (m, l, acc) stored at
     partial ``part``."""
     b = pid_bh // H
     h = pid_bh % H
-    start, end, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride, kw, ks, vw, vs = _split_codes(
-        k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, len_ptr, page_ptr, b, pid_bh, start, stop, H, T_CAP, D,
-        KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE)
+    start, end, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab, pg_base, pg_stride, kw, ks, vw, vs, kl, vl = \
+        _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_sl_ptr, v_sl_ptr, len_ptr, page_ptr, b, pid_bh,
+                     start, stop, H, T_CAP, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE, SLOTS)
     g = tl.arange(0, D // 8)
     r = tl.arange(0, 8)
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
@@ -230,11 +280,10 @@ def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
     if PDL:
         tl.extra.cuda.gdc_wait()
     q3 = tl.load(qt_ptr + (pid_bh * S + qi) * D + chan) * LOG2E
-    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, k_idx, k_sign, v_idx, v_sign, pg_tab, pg_base, pg_stride,
-                          k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN,
-                          NK, NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0, ROWS, GRID, PAGE)
+    m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab,
+                          pg_base, pg_stride, k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, h, D, KCODE_BITS,
+                          VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0,
+                          ROWS, GRID, PAGE, SLOTS)
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
     tl.store(acc_ptr + part * D + chan, acc)
-
-
