@@ -22,12 +22,14 @@ from .window import RecentWindow
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Exact memory accounting of a cache. Per-token figures count keys + values of every head."""
+    """Exact memory accounting of a cache. Per-token figures count keys + values of every head; a token's bytes over
+    all layers are ``bytes_per_token`` (layers of different widths: ``bytes_per_token_per_layer`` is their mean, a
+    fraction where they do not divide evenly)."""
 
     layers: int
     heads: int
     head_dim: int
-    bytes_per_token_per_layer: int
+    bytes_per_token_per_layer: int | float
     part_bytes_per_token_per_layer: dict
     tokens: int
     used_bytes: int
@@ -38,10 +40,11 @@ class MemoryReport:
     window_bytes: int = 0  # fp16 recent-token windows (KIVI), a fixed cost per sequence, in allocated_bytes
     shared_saved_bytes: int = 0  # a paged cache: what rows sharing blocks would hold more with blocks of their own
     host_bytes: int = 0  # a paged cache over a device budget: blocks moved to host memory (counted in used_bytes)
+    bytes_per_token: int = 0  # one token over every layer
 
     @property
     def bits_per_value(self) -> float:
-        return 8 * self.bytes_per_token_per_layer / (2 * self.heads * self.head_dim)
+        return 8 * self.bytes_per_token / (2 * self.heads * self.head_dim * self.layers)
 
     @property
     def ratio_vs_fp32(self) -> float:
@@ -56,6 +59,16 @@ class MemoryReport:
         out.update(bits_per_value=self.bits_per_value, ratio_vs_fp32=self.ratio_vs_fp32,
                    ratio_vs_fp16=self.ratio_vs_fp16)
         return out
+
+
+def token_bytes(codecs: list[KVCodec], heads: int) -> int:
+    """Stored bytes of one token over every layer of ``codecs`` (each layer's :meth:`KVCodec.token_bytes`)."""
+    return sum(c.token_bytes(heads) for c in codecs)
+
+
+def per_layer(total: int, layers: int) -> int | float:
+    """A token's mean bytes a layer: an int where the layers divide ``total`` evenly, else the exact fraction."""
+    return total // layers if total % layers == 0 else total / layers
 
 
 #: a replayed captured step past the room reserved before its capture (the graph's buffers cannot grow)
@@ -277,15 +290,15 @@ class KVCache:
         per_part: dict[str, int] = {}
         for name, buf in self.parts[0].items():
             per_part[name] = buf[0, :, 0].numel() * buf.element_size()
-        per_token = sum(c.token_bytes(self.heads) for c in self.codecs) // self.num_layers
+        per_token = token_bytes(self.codecs, self.heads)
         window = self.window.nbytes() if self.window is not None else 0
         allocated = sum(b.numel() * b.element_size() for layer in self.parts for b in layer.values()) + window
         tokens = int(self.lengths.sum())
         values_per_token = 2 * self.heads * self.head_dim
         return MemoryReport(
             layers=self.num_layers, heads=self.heads, head_dim=self.head_dim,
-            bytes_per_token_per_layer=per_token, part_bytes_per_token_per_layer=per_part,
-            tokens=tokens, used_bytes=tokens * per_token * self.num_layers + window, allocated_bytes=allocated,
+            bytes_per_token_per_layer=per_layer(per_token, self.num_layers), part_bytes_per_token_per_layer=per_part,
+            tokens=tokens, used_bytes=tokens * per_token + window, allocated_bytes=allocated,
             constant_bytes=sum(c.constant_nbytes() for c in self.codecs),
             fp32_bytes_per_token_per_layer=4 * values_per_token,
-            fp16_bytes_per_token_per_layer=2 * values_per_token, window_bytes=window)
+            fp16_bytes_per_token_per_layer=2 * values_per_token, window_bytes=window, bytes_per_token=per_token)

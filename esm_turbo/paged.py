@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .cache import ROOM_USED_UP, KVCache, MemoryReport
+from .cache import ROOM_USED_UP, KVCache, MemoryReport, per_layer, token_bytes
 from .errors import EsmTurboError
 from .io import to_device_queued
 from .ops.blocks import BLOCK_SIZE, BlockLayout, part_heads
@@ -519,8 +519,8 @@ class PagedKVCache(KVCache):
         4 bytes an entry; ``host_bytes``: the blocks moved to host memory (in ``used_bytes`` too);
         ``shared_saved_bytes``: what the rows would hold more if each had its own blocks."""
         per_part = {name: buf[0, :, 0].numel() * buf.element_size() for name, buf in self.pool.dev[0].items()}
-        per_token = sum(c.token_bytes(self.heads) for c in self.codecs) // self.num_layers
-        block_bytes = per_token * self.num_layers * self.block_size
+        per_token = token_bytes(self.codecs, self.heads)
+        block_bytes = per_token * self.block_size
         on_device, on_host = self.pool.held()
         referenced = sum(len(t) for t in self.tables)
         table_bytes = 4 * referenced
@@ -528,13 +528,14 @@ class PagedKVCache(KVCache):
         values_per_token = 2 * self.heads * self.head_dim
         return MemoryReport(
             layers=self.num_layers, heads=self.heads, head_dim=self.head_dim,
-            bytes_per_token_per_layer=per_token, part_bytes_per_token_per_layer=per_part,
+            bytes_per_token_per_layer=per_layer(per_token, self.num_layers), part_bytes_per_token_per_layer=per_part,
             tokens=int(self.lengths.sum()), used_bytes=(on_device + on_host) * block_bytes + table_bytes,
             allocated_bytes=(self.pool.slots + host_slots) * block_bytes + table_bytes,
             constant_bytes=sum(c.constant_nbytes() for c in self.codecs),
             fp32_bytes_per_token_per_layer=4 * values_per_token,
             fp16_bytes_per_token_per_layer=2 * values_per_token,
-            shared_saved_bytes=(referenced - on_device - on_host) * block_bytes, host_bytes=on_host * block_bytes)
+            shared_saved_bytes=(referenced - on_device - on_host) * block_bytes, host_bytes=on_host * block_bytes,
+            bytes_per_token=per_token)
 
 
 class PagedRows(PagedKVCache):

@@ -261,3 +261,34 @@ def test_a_gpu_session_over_slots_steps_in_the_fused_kernels_as_on_the_pytorch_p
             ops.force_reference(False)
     fused, reference = (torch.log_softmax(t, -1) for t in logits)
     assert (fused - reference).abs().mean() < 2e-3 and (fused - reference).abs().max() < 0.1
+
+
+def test_a_calibration_narrows_its_least_sensitive_layers_to_pay_for_slots(stress_model, tmp_path):
+    """narrow_layers=1 with one slot: the layer whose decode fidelity drops least one index bit narrower takes the
+    narrower recipe's codec (3.0 bits all-in: keys-first 3 and 1), the others the recipe's; the memory report counts
+    each layer's own bytes exactly; the checkpoint keeps each layer's widths; fewer layers than asked is refused."""
+    from esm_turbo import Calibration, calibrate
+    from esm_turbo.cache import KVCache
+    from esm_turbo.errors import EsmTurboError
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model.recipe import recipe
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:6]
+    cal = calibrate(stress_model, recs, recipe("default", slots=1, narrow_layers=1), progress=False)
+    sens = cal.meta["layer_sensitivity"]
+    chosen = cal.meta["narrowed_layers"]
+    assert len(sens) == 4 and len(chosen) == 1 and sens[chosen[0]] == min(sens)
+    bits = [(c.key.bits, c.value.bits) for c in cal.codecs]
+    assert bits[chosen[0]] == (3, 1) and all(b == (3, 3) for i, b in enumerate(bits) if i != chosen[0])
+    assert cal.meta["layer_index_bits"] == [list(b) for b in bits]
+    report = KVCache(cal.codecs, 1, capacity=2, device="cpu").memory_report()
+    heads, dim = 4, 16
+    token = 3 * (2 * heads * dim * 4 // 8 + 8) + (2 * heads * dim * 3 // 8 + 8)  # bytes: codes + two slot words
+    assert report.bytes_per_token == token and abs(report.bits_per_value - 8 * token / (4 * 2 * heads * dim)) < 1e-12
+    back = Calibration.load(cal.save(tmp_path / "cal.safetensors"))
+    assert [(c.key.bits, c.value.bits) for c in back.codecs] == bits
+    k, v = (torch.randn(1, 4, 9, 16, generator=torch.Generator().manual_seed(s)) for s in (7, 8))
+    i = chosen[0]
+    a, b = cal.codecs[i].encode(k, v), back.codecs[i].encode(k, v)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    with pytest.raises(EsmTurboError, match="fewer than"):
+        calibrate(stress_model, recs, recipe("default", narrow_layers=4), progress=False)

@@ -85,7 +85,7 @@ def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, c
     rate = read_rate_gbs(device) if device.type == "cuda" else None
     for kind, session in sessions.items():
         rep = session.memory_report()
-        per_token = rep.bytes_per_token_per_layer * rep.layers
+        per_token = rep.bytes_per_token
         least = (prefix + candidates * tail) * per_token
         held = kv_bytes_held(rep, session.paged)
         sec = min(times[kind])
@@ -186,7 +186,7 @@ def _bench_offload(engine, device: torch.device, prefix: int, rows: int, steps: 
 
     inside = session(None)
     rep = inside.memory_report()
-    block = rep.bytes_per_token_per_layer * rep.layers * block_size
+    block = rep.bytes_per_token * block_size
     budget = (rep.used_bytes / 4 + 2 * quarter * block) / 2**30
     over = session(budget)
     moved = over.cache.pool.moved

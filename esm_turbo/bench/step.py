@@ -39,8 +39,7 @@ def kernel_kind(name: str) -> str:
 def kv_bytes_held(report: MemoryReport, paged: bool) -> int:
     """Bytes of keys and values a cache holds for its rows' tokens: a paged cache's blocks (a block shared by forks
     once), a contiguous cache's every row (copies of a shared prefix each)."""
-    per_token = report.bytes_per_token_per_layer * report.layers
-    return report.used_bytes if paged else report.tokens * per_token
+    return report.used_bytes if paged else report.tokens * report.bytes_per_token
 
 
 def weight_bytes(model: torch.nn.Module, rows: int) -> int:

@@ -72,7 +72,7 @@ def run_experiment(cfg: ExperimentConf, write: bool = True) -> dict:
     # all-in bits: per-token bytes plus any fixed per-sequence window, amortised over the mean held-out length
     context = sum(len(r.sequence) + 1 for r in ev) / len(ev)
     values = context * mem["layers"] * 2 * mem["heads"] * mem["head_dim"]
-    all_in = 8 * (context * mem["bytes_per_token_per_layer"] * mem["layers"] + mem["window_bytes"]) / values
+    all_in = 8 * (context * mem["bytes_per_token"] + mem["window_bytes"]) / values
     overall = report["overall"]
     row = dict(sweep=cfg.sweep, model=m.name, quant=cfg.quant.name, method=cfg.quant.method, data=cfg.data.name,
                head_dim=mem["head_dim"],

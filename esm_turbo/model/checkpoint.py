@@ -111,10 +111,12 @@ class Calibration:
             cfg = config_from_meta(meta["config"])
             heads, dim = meta["heads"], meta["head_dim"]
             codecs = []
+            # narrowed layers (CalibrationConfig.narrow_layers) keep their own index bits
+            layer_bits = meta.get("layer_index_bits") or [[cfg.key_index_bits, cfg.value_index_bits]] * meta["layers"]
             for li in range(meta["layers"]):
                 pair = []
-                for kind, bits, rot_kind in (("k", cfg.key_index_bits, cfg.key_rotation),
-                                             ("v", cfg.value_index_bits, cfg.value_rotation)):
+                for kind, bits, rot_kind in (("k", layer_bits[li][0], cfg.key_rotation),
+                                             ("v", layer_bits[li][1], cfg.value_rotation)):
                     prefix = f"layers.{li}.{kind}."
                     widths, order = tensors.get(prefix + "widths"), tensors.get(prefix + "order")
                     if (widths is None) != (order is None) or (widths is None) == cfg.bit_allocation:

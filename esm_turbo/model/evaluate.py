@@ -262,7 +262,7 @@ def format_table(report: dict, title: str = "") -> str:
         lines.append(f"{i:>5}  {e:>16.4f}  {k:>8.2e}")
     m = report["memory"]
     lines.append("")
-    lines.append(f"KV cache: {m['bytes_per_token_per_layer']} B/token/layer ({m['bits_per_value']:.3f} bits/value), "
+    lines.append(f"KV cache: {m['bytes_per_token_per_layer']:g} B/token/layer ({m['bits_per_value']:.3f} bits/value), "
                  f"{m['ratio_vs_fp32']:.2f}× vs FP32, {m['ratio_vs_fp16']:.2f}× vs FP16; "
                  f"codec tables {m['constant_bytes'] / 1e6:.2f} MB")
     return "\n".join(lines)

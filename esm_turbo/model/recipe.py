@@ -58,11 +58,15 @@ class CalibrationConfig:
                                       "the allocation; 0 counts every token once", range=(0.0, 1.0))
     seed: int = _f(0, "seed of seeded rotations and sketches")
     slots: int = _f(0, "each token's this many worst-coded values of each kind kept as corrections beside the codes "
-                       "(a 32-bit word each, counted in the all-in bits; the PyTorch path reads them, the fused GPU "
-                       "kernels not yet)", range=(0, 8))
+                       "(a 32-bit word each, counted in the all-in bits; the fused GPU kernels read one, more run on "
+                       "the PyTorch path)", range=(0, 8))
     slot_rank: str = _f("absolute", "slots rank each value's error by its share of the token's squared error "
                                     "(absolute) or in its channel's scale (relative)",
                         choices=("absolute", "relative"))
+    narrow_layers: int = _f(0, "this many layers, those whose decode fidelity on the calibration set drops least, "
+                               "take one index bit less a value (the recipe's split rule at that mean): the bits that "
+                               "pay for slots inside the same budget (each layer measured once more: slower)",
+                            range=(0, None))
 
     def codec(self, key, value):
         """The :class:`~esm_turbo.quant.codec.KVCodec` of a layer's fitted ``key`` and ``value`` quantizers under
