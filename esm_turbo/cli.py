@@ -102,6 +102,8 @@ def cmd_calibrate(args) -> int:
     from .io import remove_stale_temporaries
     remove_stale_temporaries(args.out)  # what a killed run left beside its output
     cfg = _config_from_args(args)
+    if args.bits is not None and args.index_bits is not None:
+        raise EsmTurboError("give --bits (all-in) or --index-bits, not both")
     records = read_fastas(args.fasta, max_residues=args.max_residues)
     from .model.holdout import split_holdout
     if not split_holdout(records, args.holdout, cfg.seed)[0]:
@@ -111,6 +113,8 @@ def cmd_calibrate(args) -> int:
         raise EsmTurboError("--preset auto picks a recipe on a held-out part of the calibration set: give --holdout > 0 "
                             "and at least two sequences")
     model = load_esm(args.model, DTYPES[args.dtype], args.device)
+    if args.bits is not None:
+        cfg = _budget_recipe(cfg, args, model)
     start = time.perf_counter()
     result = calibrate_held_out(model, records, cfg, args.preset, args.holdout, seed=cfg.seed,
                                 progress=not args.quiet, model_name=str(args.model))
@@ -123,9 +127,28 @@ def cmd_calibrate(args) -> int:
         print(f"  {name:<12} on the held-out part: {format_summary(summary)}")
     print(f"calibration ({result.chosen}): {cal.meta['calibration_sequences']} sequences, "
           f"{cal.meta['calibration_tokens']} tokens, {seconds:.1f} s; checkpoint {path} ({size / 1e6:.2f} MB)")
+    if "narrowed_layers" in cal.meta:
+        print(f"layers {cal.meta['narrowed_layers']} one index bit narrower (the least sensitive on the calibration "
+              f"set) for {cal.config.slots} slot(s) a token")
     if result.summary is not None:
         print(f"expect, on {result.summary['sequences']} held-out sequences: {format_summary(result.summary)}")
     return 0
+
+
+def _budget_recipe(cfg, args, model):
+    """``--bits``: the recipe made to store that many bits a value all-in in ``model`` (recipe.for_budget), the recipe
+    flags the user gave kept."""
+    from .model.recipe import CalibrationConfig, for_budget
+    from .schema import overrides_from_args
+    shape = model.config
+    heads = shape.num_attention_heads
+    with _fields_as_flags(CalibrationConfig):
+        cfg = for_budget(cfg, args.bits, shape.num_hidden_layers, heads, shape.hidden_size // heads,
+                         keep=frozenset(overrides_from_args(args, CalibrationConfig)))
+    extra = f", {cfg.slots} slot(s) a token paid by {cfg.narrow_layers} narrowed layer(s)" if cfg.slots else ""
+    print(f"recipe for {args.bits} bits a value all-in: {cfg.key_index_bits} + {cfg.value_index_bits} index bits "
+          f"(keys + values{', and a sign bit' if cfg.residual == 'sign' else ''}){extra}")
+    return cfg
 
 
 def cmd_evaluate(args) -> int:
@@ -369,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--holdout", type=checks.float_in(0.0, 0.9), default=0.2,
                    help="share of the calibration sequences (at most 32) held out to measure the checkpoint on; the "
                         "result is printed and stored in its metadata (0: fit on all, measure nothing)")
+    p.add_argument("--bits", type=checks.int_in(2, 5),
+                   help="all-in bits a value to store (instead of --index-bits): that many less the sign bit's index "
+                        "bits; at 4 also one slot a token, paid for by the fewest least sensitive layers narrowed (the "
+                        "recipe that measured best there, docs/recipe.md)")
     p.add_argument("--index-bits", type=checks.int_in(1, 4),
                    help="mean index bits per value (default 3; + 1 sign bit: 4.0 bits all-in); the preset's key/value "
                         "split is kept within widths 1..4 (keys-first: keys one bit more, values one less; the "

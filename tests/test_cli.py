@@ -78,6 +78,28 @@ def test_calibrate_measures_a_held_out_part_and_auto_keeps_the_best_recipe(stres
     assert "--preset auto picks a recipe on a held-out part" in capsys.readouterr().err
 
 
+def test_calibrate_to_an_all_in_budget(stress_dir, tmp_path, capsys):
+    """--bits B stores B bits a value all-in: B − 1 index bits and a sign; at 4 also a slot a token paid for by the
+    fewest layers narrowed (4 heads of 16: a slot costs 0.5 bits a value, so two of the three layers); a recipe flag
+    given is kept; --bits with --index-bits is refused before any work."""
+    from esm_turbo.cache import KVCache
+    ckpt = tmp_path / "budget.safetensors"
+    common = ["calibrate", "--model", str(stress_dir), "--fasta", CAL, "--out", str(ckpt), "--max-tokens", "1500",
+              "--holdout", "0", "--quiet"]
+    for bits, extra, slots, narrowed in ((4, [], 1, 2), (4, ["--slots", "0"], 0, 0), (3, [], 0, 0)):
+        assert main([*common, "--bits", str(bits), *extra]) == 0
+        out = capsys.readouterr().out
+        assert f"recipe for {bits} bits a value all-in" in out
+        cal = Calibration.load(ckpt)
+        assert cal.config.slots == slots and len(cal.meta.get("narrowed_layers", [])) == narrowed
+        report = KVCache(cal.codecs, 1, capacity=1, device="cpu").memory_report()
+        assert report.bits_per_value <= bits and (bits - report.bits_per_value < 0.5 or not slots)
+        if not slots:
+            assert report.bits_per_value == bits
+    assert main([*common, "--bits", "4", "--index-bits", "3"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
 def test_holdout_split_is_seeded_disjoint_and_bounded():
     from esm_turbo.fasta import read_fasta
     from esm_turbo.model.holdout import MAX_HELD_OUT, split_holdout

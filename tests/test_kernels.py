@@ -749,37 +749,21 @@ def test_decode_kernel_split_widths_gpu(bits, d):
 
 @gpu
 @pytest.mark.parametrize("d", [16, 64, 128])
-@pytest.mark.parametrize("block_size", [16, 64, 256])
-def test_decode_kernel_paged_gpu(d, block_size):
-    """The paged layout over batch, context, codecs and launch paths."""
+@pytest.mark.parametrize("block_size,slots", [(16, False), (64, False), (256, False), (0, True), (64, True)])
+def test_decode_kernel_paged_gpu(d, block_size, slots):
+    """The paged layout (``block_size`` > 0) and a slot a token and kind (``slots``, contiguous and paged) over batch,
+    context, codecs and launch paths."""
     for grid in (False, True):
         for batch, t in ((1, 1), (64, 300), (2, 16384)):
             lengths = torch.randint(max(t // 2, 1), t + 1, (batch,)).tolist()
             lengths[0] = t
             check_kernel_matches(3, "sign", d, batch, lengths, s=1, heads=4, seed=d, shared=grid, grid=grid,
-                                 block_size=block_size)
+                                 block_size=block_size, slots=slots)
         check_kernel_matches(3, "sign", d, 8, [500] * 8, s=4, heads=4, dtype=torch.float16, shared=grid, grid=grid,
-                             block_size=block_size)
+                             block_size=block_size, slots=slots)
         for path in ("one", "split"):
             check_kernel_matches((4, 2), "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True, grid=grid,
-                                 block_size=block_size)
-
-
-@gpu
-@pytest.mark.parametrize("d", [16, 32, 64, 128])
-def test_decode_kernel_slots_gpu(d):
-    """One slot a token and kind read by every launch path at full sizes: LUT and grid codes, contiguous and paged."""
-    for grid in (False, True):
-        for batch, t in ((1, 1), (64, 300), (2, 16384)):
-            lengths = torch.randint(max(t // 2, 1), t + 1, (batch,)).tolist()
-            lengths[0] = t
-            check_kernel_matches(3, "sign", d, batch, lengths, s=1, heads=4, seed=d, shared=grid, grid=grid,
-                                 slots=True)
-        check_kernel_matches((4, 2), "none", d, 8, [500] * 8, s=4, heads=4, dtype=torch.float16, shared=True,
-                             grid=grid, slots=True)
-        for path in ("one", "split"):
-            check_kernel_matches(3, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True, grid=grid,
-                                 block_size=64, slots=True)
+                                 block_size=block_size, slots=slots)
 
 
 @gpu

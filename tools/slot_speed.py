@@ -16,12 +16,12 @@ import sys
 
 import torch
 
-from esm_turbo.bench.synthetic import bytes_read, default_codec, fill_synthetic
+from esm_turbo.bench.synthetic import bytes_read, default_codec, fill_synthetic, step_args
 from esm_turbo.bench.timing import read_floor_us, time_graph
 from esm_turbo.cache import KVCache
 from esm_turbo.kernels.decode import compressed_attention_triton, launch_config
 from esm_turbo.kernels.quantize import quantize_pack_triton
-from esm_turbo.ops.compressed import cached_codes, fused_tables
+from esm_turbo.ops.compressed import fused_tables
 from esm_turbo.quant.codec import KVCodec
 
 #: (name, heads, head_dim, batch, cached tokens a row) of decode steps
@@ -61,13 +61,9 @@ def decode_rows(out) -> None:
     print("## decode attention, one query a row: µs per call; per bit = time ratio / stored-bits ratio", file=out)
     for name, heads, d, batch, t in DECODE:
         cache = slotted_cache(heads, d, batch, t, dev)
-        codec = cache.codecs[0]
-        keys, values = (cached_codes(codec, cache.parts[0], kind) for kind in "kv")
-        q = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
-        y = torch.randn_like(q)
-        valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
-        with_slots = (q, y, y, valid, cache.lengths, keys, values)
-        plain = (q, y, y, valid, cache.lengths, keys._replace(slots=None), values._replace(slots=None))
+        with_slots = step_args(cache)
+        keys, values = with_slots[5:]
+        plain = (*with_slots[:5], keys._replace(slots=None), values._replace(slots=None))
         cfg = launch_config(d, keys.code, values.code, batch, heads, 1, t)
         path = "one launch" if cfg["small"] else ("stream-K" if cfg["stream"] else "split-K")
         nbytes = bytes_read(cache)
@@ -79,7 +75,7 @@ def decode_rows(out) -> None:
         print(f"{name} B={batch} T={t} ({path}): plain {t_p:.1f} µs ({f_p / t_p:.0%} of a read) at {b_p:.3f} bits, "
               f"slots {t_s:.1f} µs ({f_s / t_s:.0%} of a read) at {b_s:.3f} bits: ×{t_s / t_p:.3f} time, "
               f"per bit ×{(t_s / t_p) / (b_s / b_p):.3f}", file=out, flush=True)
-        del cache, codec, keys, values
+        del cache, keys, values
         torch.cuda.empty_cache()
 
 

@@ -18,13 +18,13 @@ import sys
 
 import torch
 
-from esm_turbo.bench.synthetic import TRAINED_SPREAD, bytes_read, default_codec, synthetic_cache
+from esm_turbo.bench.synthetic import TRAINED_SPREAD, bytes_read, default_codec, step_args, synthetic_cache
 from esm_turbo.bench.timing import read_floor_us, time_graph
 from esm_turbo.cache import KVCache
 from esm_turbo.kernels.decode import compressed_attention_triton, launch_config
 from esm_turbo.kernels.quantize import quantize_pack_triton
 from esm_turbo.model.recipe import recipe
-from esm_turbo.ops.compressed import cached_codes, fused_tables
+from esm_turbo.ops.compressed import fused_tables
 
 #: (name, heads, head_dim): ESM-2 650M's and 15B's attention layers
 SHAPES = (("650M", 20, 64), ("15B", 40, 128))
@@ -59,12 +59,8 @@ def tune_decode(out, index_bits: int | None = None, shapes=SHAPES, steps=STEPS) 
     for name, heads, d in shapes:
         for batch, t in steps:
             cache = synthetic_cache(heads, d, batch, t, dev, **widths)
-            codec = cache.codecs[0]
-            keys, values = (cached_codes(codec, cache.parts[0], kind) for kind in "kv")
-            q = torch.randn(batch, heads, 1, d, device=dev, dtype=torch.float16)
-            y = torch.randn_like(q)
-            valid = torch.ones(batch, 1, dtype=torch.uint8, device=dev)
-            args = (q, y, y, valid, cache.lengths, keys, values)
+            args = step_args(cache)
+            keys, values = args[5:]
             cfg = launch_config(d, keys.code, values.code, batch, heads, 1, t)
             ref = compressed_attention_triton(*args)
             base = time_graph(lambda: compressed_attention_triton(*args), dev) * 1e6
@@ -85,7 +81,7 @@ def tune_decode(out, index_bits: int | None = None, shapes=SHAPES, steps=STEPS) 
             print(f"{name} B={batch} T={t}: default ({path}, block_t {cfg['block_t']}, {cfg['num_warps']} warps) "
                   f"{base:.1f} µs, {floor / base:.0%} of a {floor:.1f} µs read | " + ", ".join(cells),
                   file=out, flush=True)
-            del cache, codec, keys, values
+            del cache, keys, values
             torch.cuda.empty_cache()
 
 

@@ -92,6 +92,18 @@ def bytes_read(cache: KVCache) -> int:
     return cache.memory_report().bytes_per_token_per_layer * cache.batch_size * int(cache.lengths.max())
 
 
+def step_args(cache: KVCache, dtype: torch.dtype = torch.float16) -> tuple:
+    """Arguments of ``compressed_attention_triton`` for a decode step of one random query a row over layer 0 of
+    ``cache``: (q, k_new, v_new, new_valid, lengths, keys, values)."""
+    from ..ops.compressed import cached_codes
+    codec = cache.codecs[0]
+    keys, values = (cached_codes(codec, cache.parts[0], kind) for kind in "kv")
+    q = torch.randn(cache.batch_size, cache.heads, 1, cache.head_dim, device=cache.device, dtype=dtype)
+    y = torch.randn_like(q)
+    valid = torch.ones(cache.batch_size, 1, dtype=torch.uint8, device=cache.device)
+    return q, y, y, valid, cache.lengths, keys, values
+
+
 def stand_in_model(size: str, device, dtype, layers: int | None = None):
     from ..model.sizes import esm2_config
     from transformers import EsmForMaskedLM

@@ -65,7 +65,7 @@ def calibrate_held_out(model, records: list[Record], config: CalibrationConfig |
                        model_name: str = "") -> HeldOutCalibration:
     """Calibrate on ``records`` less a held-out share ``holdout``, measure the checkpoint on that share and store
     the summary in its metadata. ``preset="auto"``: every recipe of :data:`AUTO_CANDIDATES` at ``config``'s index
-    bits and residual is calibrated and measured, and the best on the held-out part (:func:`_rank`) is kept."""
+    bits, residual, slots and narrowed layers is calibrated and measured, and the best on the held-out part (:func:`_rank`) is kept."""
     fit, held = split_holdout(records, holdout, seed)
     if preset != "auto":
         cfg = config if config is not None else PRESETS[preset]
@@ -82,7 +82,8 @@ def calibrate_held_out(model, records: list[Record], config: CalibrationConfig |
     candidates: dict[str, dict] = {}
     for name in AUTO_CANDIDATES:
         cfg = replace(with_mean_bits(PRESETS[name], mean_bits), residual=base.residual, seed=base.seed,
-                      max_tokens=base.max_tokens)
+                      max_tokens=base.max_tokens, slots=base.slots, slot_rank=base.slot_rank,
+                      narrow_layers=base.narrow_layers)
         cal = calibrate(model, fit, cfg, progress=progress, model_name=model_name)
         candidates[name] = holdout_summary(model, cal, held)
         if best is None or _rank(candidates[name]) > _rank(best[2]):

@@ -4,6 +4,7 @@ the named recipes (:data:`PRESETS`). Why the default is what it is: ``docs/recip
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -138,6 +139,36 @@ def with_mean_bits(cfg: CalibrationConfig, mean: int) -> CalibrationConfig:
     """``cfg`` at ``mean`` index bits per value, keeping its key/value split (clamped by :func:`kv_bits`)."""
     key_bits, value_bits = kv_bits(mean, (cfg.key_index_bits - cfg.value_index_bits) // 2)
     return replace(cfg, key_index_bits=key_bits, value_index_bits=value_bits)
+
+
+#: the all-in budgets ``calibrate --bits`` takes, and the one where a slot a token paid by narrowed layers measured
+#: better than the uniform recipe at both head sizes of the trained testbeds (docs/recipe.md)
+BUDGETS = (2, 3, 4, 5)
+SLOTTED_BUDGET = 4
+
+
+def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: int,
+               keep: frozenset[str] = frozenset()) -> CalibrationConfig:
+    """``cfg`` made to store ``bits`` bits a value all-in in a model of ``layers`` layers of ``heads`` heads of
+    ``dim``: ``bits`` − 1 mean index bits with a sign residual (``bits`` without one), its key/value split rule kept;
+    at :data:`SLOTTED_BUDGET` also one slot a token and kind, paid for by the fewest layers narrowed by an index bit
+    that keep the all-in within ``bits`` (``narrow_layers``). Fields named in ``keep`` (set by the user) are not
+    changed."""
+    if bits not in BUDGETS:
+        raise ValueError(f"bits {bits}: give one of {', '.join(map(str, BUDGETS))} all-in bits a value")
+    if cfg.residual == "qjl":
+        raise ValueError("bits: a budget is met with a sign residual or none (not qjl)")
+    index = bits - (cfg.residual == "sign")
+    if not 1 <= index <= 4:
+        raise ValueError(f"bits {bits} with residual {cfg.residual} leaves {index} index bits a value (1..4)")
+    out = with_mean_bits(cfg, index)
+    if bits == SLOTTED_BUDGET and not keep & {"slots", "narrow_layers"}:
+        from ..quant.slots import SLOT_DTYPE, KERNEL_SLOTS
+        slot_bits = 8 * SLOT_DTYPE.itemsize * KERNEL_SLOTS / (heads * dim)  # both kinds' words over 2·H·d values
+        narrow = math.ceil(layers * slot_bits - 1e-9)
+        if narrow < layers:
+            out = replace(out, slots=KERNEL_SLOTS, narrow_layers=narrow)
+    return out
 
 
 def recipe(preset: str = "default", index_bits: int | None = None, **overrides: Any) -> CalibrationConfig:

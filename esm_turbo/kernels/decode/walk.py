@@ -101,6 +101,23 @@ def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, 
 
 
 @triton.jit
+def _prefetched_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl,
+                      pg_tab, pg_base, pg_stride, h, k_inv, v_inv, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
+                      KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
+                      NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr, KFIXED: tl.constexpr,
+                      VFIXED: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr,
+                      SLOTS: tl.constexpr):
+    """One tile of ``_walk``'s double buffer: the next tile's codes (and slot words) requested, then this tile's
+    (kw … vl) computed (``_prefix_block``). Returns (m, l, acc, the next tile's codes)."""
+    nkw, nks, nvw, nvs, nkl, nvl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0 + BLOCK_T, end, pg_tab, pg_base,
+                                          pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE,
+                                          SLOTS)
+    m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab, v_tab,
+                                  k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, SLOTS)
+    return m_i, l_i, acc, nkw, nks, nvw, nvs, nkl, nvl
+
+
+@triton.jit
 def _split_codes(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_sl_ptr, v_sl_ptr, len_ptr, page_ptr, b, pid_bh,
                  start, stop, H, T_CAP, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr,
                  KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr, GRID: tl.constexpr,
@@ -167,23 +184,16 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
     acc = tl.zeros((BLOCK_T, D // 8, 8), dtype=tl.float32)
     if INTERPRET > 0:
         for it in tl.static_range(INTERPRET):
-            t0 = start + it * BLOCK_T
-            nkw, nks, nvw, nvs, nkl, nvl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0 + BLOCK_T, end, pg_tab,
-                                                  pg_base, pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN,
-                                                  BLOCK_T, GRID, PAGE, SLOTS)
-            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab,
-                                          v_tab, k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS,
-                                          GRID, SLOTS)
-            kw, ks, vw, vs, kl, vl = nkw, nks, nvw, nvs, nkl, nvl
+            m_i, l_i, acc, kw, ks, vw, vs, kl, vl = _prefetched_block(
+                q3, m_i, l_i, acc, start + it * BLOCK_T, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign,
+                k_sl, v_sl, pg_tab, pg_base, pg_stride, h, k_inv, v_inv, k_tab, v_tab, k_lay, v_lay, D, KCODE_BITS,
+                VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, PAGE, SLOTS)
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
-            nkw, nks, nvw, nvs, nkl, nvl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0 + BLOCK_T, end, pg_tab,
-                                                  pg_base, pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN,
-                                                  BLOCK_T, GRID, PAGE, SLOTS)
-            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab,
-                                          v_tab, k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS,
-                                          GRID, SLOTS)
-            kw, ks, vw, vs, kl, vl = nkw, nks, nvw, nvs, nkl, nvl
+            m_i, l_i, acc, kw, ks, vw, vs, kl, vl = _prefetched_block(
+                q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab,
+                pg_base, pg_stride, h, k_inv, v_inv, k_tab, v_tab, k_lay, v_lay, D, KCODE_BITS, VCODE_BITS, KSIGN,
+                VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, PAGE, SLOTS)
     else:
         for t0 in range(start, end, BLOCK_T):
             kw, ks, vw, vs, kl, vl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0, end, pg_tab, pg_base,
