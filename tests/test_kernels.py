@@ -682,8 +682,13 @@ def test_default_walk_loads_its_codes_128_bits_at_a_time():
     assert all(n == wide == "4" for _, n, wide in loads), out
 
 
-def test_custom_ops_compile_without_graph_breaks():
+@pytest.mark.parametrize("slots", [0, 1])
+def test_custom_ops_compile_without_graph_breaks(slots):
+    """Both ops traced whole by torch.compile (a slot a token and kind among their arguments too): the same output and
+    the same cache bytes as eager."""
+    from esm_turbo.ops.compressed import write_compressed
     codec = random_turbo_codec(2, 16, 3, 3, "sign")
+    codec = KVCodec(codec.key, codec.value, slots=slots)
     cache = filled_cache(codec, 2, [6, 11], "cpu")
     q, k, v, valid = step_inputs(2, 2, 1, 16, "cpu")
 
@@ -693,6 +698,13 @@ def test_custom_ops_compile_without_graph_breaks():
     eager = step(q, k, v, valid, cache.lengths)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, valid, cache.lengths)
     assert torch.allclose(eager, compiled, atol=1e-5)
+    written = []
+    for fn in (write_compressed, torch.compile(write_compressed, fullgraph=True, backend="aot_eager")):
+        parts = {n: t.clone() for n, t in cache.parts[0].items()}
+        fn(codec, parts, k, v, cache.lengths)
+        written.append(parts)
+    assert all(torch.equal(written[0][n], written[1][n]) for n in written[0])
+    assert not slots or not torch.equal(written[0]["k.slots"], cache.parts[0]["k.slots"])
 
 
 # ---- GPU only: the full grid, dispatch and CUDA-graph capture -------------------------------------------
