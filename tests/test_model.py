@@ -212,6 +212,9 @@ def test_checkpoint_roundtrip_determinism_and_refusals(stress_model, tmp_path, c
     save_file(tensors, str(old), metadata={"esm_turbo": json.dumps(meta)})
     with pytest.raises(Exception, match="checkpoint format 3.*recalibrate"):
         Calibration.load(old)
+    meta["format_version"] = 4  # before index bits per layer: every layer at the recipe's, read as such
+    save_file(tensors, str(old), metadata={"esm_turbo": json.dumps(meta)})
+    assert [c.value.bits for c in Calibration.load(old).codecs] == [c.value.bits for c in calibration.codecs]
 
 
 def test_attention_weighted_calibration(stress_model, tmp_path):

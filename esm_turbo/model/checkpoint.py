@@ -29,8 +29,10 @@ from ..quant.tables import identity_code, pad_levels
 from ..quant.rotations import FITTED_KINDS, build_rotation, from_reflectors, identity_reflectors
 from .recipe import PRESETS, CalibrationConfig, config_from_meta, kv_bits, with_mean_bits  # noqa: F401 - re-exported
 
-FORMAT_VERSION = 4  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16; 3: bit allocations;
-# 4: rotations as fp16 Householder vectors
+FORMAT_VERSION = 5  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16; 3: bit allocations;
+# 4: rotations as fp16 Householder vectors; 5: index bits per layer (narrowed layers), which a reader of 4 would misread
+#: the formats this version reads (4 is 5 with every layer at the recipe's widths)
+READS_FORMATS = (4, 5)
 _TABLES = ("centroids", "eps", "offset", "scale")
 _LUTS = ("centroids", "eps")
 #: rotations fitted from data (stored in the checkpoint); "auto" picks, per head, unrotated or svd-scaled
@@ -104,9 +106,10 @@ class Calibration:
             raise CheckpointError(f"{path}: safetensors file without esm_turbo metadata (not a calibration)")
         try:
             meta = json.loads(header["esm_turbo"])
-            if meta.get("format_version") != FORMAT_VERSION:
+            if meta.get("format_version") not in READS_FORMATS:
                 raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')}, this esm_turbo reads "
-                                      f"format {FORMAT_VERSION}: recalibrate with `esm-turbo calibrate`")
+                                      f"formats {' and '.join(map(str, READS_FORMATS))}: recalibrate with "
+                                      f"`esm-turbo calibrate`")
             # a saved config is resolved: its widths are as calibrated
             cfg = config_from_meta(meta["config"])
             heads, dim = meta["heads"], meta["head_dim"]

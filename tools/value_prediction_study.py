@@ -1,0 +1,81 @@
+"""Study: how much of a layer's cached values (and keys) a linear map of other cached tensors explains — the room
+AQUA-KV's idea (code only what a predictor misses) would have. CPU, no codec involved.
+
+Post-RoPE K and V as the cache stores them, recorded over calibration sequences; each predictor an affine least-squares
+fit per head on the first half of the tokens, scored on the second half as the share of the target's variance it
+explains (R², 1 = all). Predictors: the same token's key of the same head (what the decode walk already reads), the
+same head's key and value one layer below (a second read of that layer's codes), and every head's key in the same
+layer (a read of the whole layer's keys per head). The bits a value saved at equal error would be about
+½·log2(1 / (1 − R²)).
+
+    python tools/value_prediction_study.py ../shared/testbed/esm2_8M_trained --out R.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from esm_turbo import load_esm, read_fasta
+from esm_turbo.model.calibrate import _run, token_batches
+from esm_turbo.model.engine import TurboEsm
+
+
+def explained(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per head, R² on the second half of the tokens of y [H, N, d] ≈ x [H, N, e] W + b fitted on the first half."""
+    half = x.shape[1] // 2
+    xa = torch.cat([x, torch.ones_like(x[..., :1])], -1)
+    w = torch.linalg.lstsq(xa[:, :half], y[:, :half]).solution
+    res = y[:, half:] - xa[:, half:] @ w
+    centred = y[:, half:] - y[:, half:].mean(1, keepdim=True)
+    return 1 - res.pow(2).sum((1, 2)) / centred.pow(2).sum((1, 2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
+    ap.add_argument("--sequences", type=int, default=40)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    model = load_esm(args.model)
+    records = read_fasta(args.calibration)[0][:args.sequences]
+    store: dict[int, list] = {}
+
+    def record(layer, q, k, v, valid):
+        store.setdefault(layer, []).append((k.permute(1, 0, 2, 3)[:, valid].float(),
+                                            v.permute(1, 0, 2, 3)[:, valid].float()))
+
+    _run(TurboEsm(model), token_batches(records, 4096), record, "record", False)
+    tokens = sum(k.shape[1] for k, _ in store[0])
+    lines = [f"# python tools/value_prediction_study.py {args.model} (first {len(records)} sequences of "
+             f"{args.calibration}: {tokens} tokens, fitted on the first half, scored on the second)",
+             "# R² per head (mean, min over heads); bits: ½·log2(1 / (1 − mean R²)) a value at equal error",
+             "layer  V from own K      V from K,V below  K from K,V below  V from every head's K"]
+    prev = None
+
+    def cell(r2: torch.Tensor) -> str:
+        mean = float(r2.mean())
+        bits = 0.5 * math.log2(1 / (1 - mean)) if 0 < mean < 1 else 0.0
+        return f"{mean:.3f} ({float(r2.min()):.3f}) {bits:.2f}b"
+
+    for layer in sorted(store):
+        k = torch.cat([a for a, _ in store[layer]], 1)
+        v = torch.cat([b for _, b in store[layer]], 1)
+        heads = k.shape[0]
+        every_key = k.permute(1, 0, 2).reshape(1, k.shape[1], -1).expand(heads, -1, -1)
+        below = ("-", "-") if prev is None else tuple(cell(explained(torch.cat(prev, -1), y)) for y in (v, k))
+        lines.append(f"{layer:>5}  {cell(explained(k, v)):<16}  {below[0]:<16}  {below[1]:<16}  "
+                     f"{cell(explained(every_key, v))}")
+        prev = (k, v)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
