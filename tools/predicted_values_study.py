@@ -1,13 +1,16 @@
-"""Study: values coded as what their own key does not predict (AQUA-KV's idea, the cheap predictor), at the same
-bits all-in, PyTorch path, CPU.
+"""Study: values coded as what their keys do not predict (AQUA-KV's idea), at the same bits all-in, PyTorch path,
+CPU.
 
 Per layer and head an affine map fitted by least squares on the calibration set predicts a token's value from its
-decoded key, v ≈ k̂ W + b (k̂: the recipe's key codec, so encode and decode see the same key); the value codec is then
+decoded key, v ≈ k̂ W + b (k̂: the recipe's key codec, so encode and decode see the same key; ``--predictor all``:
+from the token's decoded keys of every head, the strong predictor whose reads the fused walk does not make); the
+value codec is then
 calibrated on the residuals v − (k̂ W + b) (the calibration's own passes, their values replaced), and decode adds the
 prediction back. W and b are constants of the layer, not bytes a token: the all-in bits are the recipe's. Measured
 as the other studies measure, beside the recipe itself at each ``--index-bits``.
 
     python tools/predicted_values_study.py ../shared/testbed/esm2_d64_trained --index-bits 1 2 --out R.txt
+    python tools/predicted_values_study.py ../shared/testbed/esm2_8M_trained --index-bits 2 --predictor all --out R.txt
 """
 
 from __future__ import annotations
@@ -24,17 +27,43 @@ from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec
 
 
-class PredictedValues(KVCodec):
-    """A codec whose value parts hold v − (k̂ W + b): ``base``'s quantizers, W [H, d, d] and b [H, d] of the layer."""
+def unrope(k: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys [..., T, d] of tokens at positions 0..T−1 (ESM-2's rotary: base 10000, halves rotated) turned
+    back to the projection's output."""
+    d, t = k.shape[-1], k.shape[-2]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=k.device).float() / d))
+    freqs = torch.outer(torch.arange(t, device=k.device).float(), inv)
+    emb = torch.cat([freqs, freqs], -1)
+    x1, x2 = k.chunk(2, -1)
+    return k * emb.cos() - torch.cat([-x2, x1], -1) * emb.sin()
 
-    def __init__(self, base: KVCodec, w: torch.Tensor, b: torch.Tensor):
+
+def features(k_hat: torch.Tensor, every_head: bool, pre_rope: bool = False) -> torch.Tensor:
+    """What predicts a head's values: its decoded keys k̂ [..., H, T, d], or (``every_head``) every head's keys of the
+    token, [..., H, T, H·d] (the same for each head); ``pre_rope``: the keys turned back before the rotary embedding
+    (tokens at positions 0..T−1)."""
+    k_hat = unrope(k_hat.float()) if pre_rope else k_hat
+    if not every_head:
+        return k_hat.float()
+    heads = k_hat.shape[-3]
+    flat = k_hat.float().transpose(-3, -2).flatten(-2)  # [..., T, H·d]
+    return flat.unsqueeze(-3).expand(*flat.shape[:-2], heads, *flat.shape[-2:])
+
+
+class PredictedValues(KVCodec):
+    """A codec whose value parts hold v − (f(k̂) W + b): ``base``'s quantizers, W [H, e, d] and b [H, d] of the layer
+    (e = d, or H·d from every head's keys)."""
+
+    def __init__(self, base: KVCodec, w: torch.Tensor, b: torch.Tensor, pre_rope: bool = False):
         super().__init__(base.key, base.value)
         self.register_buffer("w", w)
         self.register_buffer("b", b)
+        self.pre_rope = pre_rope
 
     def predict(self, k_hat: torch.Tensor) -> torch.Tensor:
-        """k̂ [..., H, T, d] → the predicted values [..., H, T, d]."""
-        return torch.einsum("...htd,hde->...hte", k_hat.float(), self.w) + self.b[:, None, :]
+        """k̂ [..., H, T, d] (tokens at positions 0..T−1) → the predicted values [..., H, T, d]."""
+        x = features(k_hat, self.w.shape[1] != self.w.shape[2], self.pre_rope)
+        return torch.einsum("...hte,hed->...htd", x, self.w) + self.b[:, None, :]
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         parts = {f"k.{n}": t for n, t in self.key.encode(k).items()}
@@ -47,16 +76,16 @@ class PredictedValues(KVCodec):
         return k_hat, self.predict(k_hat) + self.value.decode(self._sub(parts, "v."))
 
 
-def fit_predictors(model, records, cal) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (W [H, d, d], b [H, d]): least squares of each head's values on its decoded keys (``cal``'s key
-    codec) over ``records``."""
+def fit_predictors(model, records, cal, every_head: bool, pre_rope: bool = False
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (W [H, e, d], b [H, d]): least squares of each head's values on its :func:`features` of the decoded
+    keys (``cal``'s key codec) over ``records``."""
     stats: dict[int, list] = {}
 
     def record(layer, q, k, v, valid):
         key = cal.codecs[layer].key
-        k_hat = key.decode(key.encode(k))
-        stats.setdefault(layer, []).append((k_hat.permute(1, 0, 2, 3)[:, valid].float(),
-                                            v.permute(1, 0, 2, 3)[:, valid].float()))
+        x = features(key.decode(key.encode(k)), every_head, pre_rope)
+        stats.setdefault(layer, []).append((x.permute(1, 0, 2, 3)[:, valid], v.permute(1, 0, 2, 3)[:, valid].float()))
 
     calibration._run(TurboEsm(model), calibration.token_batches(records, 4096), record, "fit", False)
     out = []
@@ -69,7 +98,7 @@ def fit_predictors(model, records, cal) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
-def calibrate_residuals(model, records, cfg, cal, predictors):
+def calibrate_residuals(model, records, cfg, cal, predictors, pre_rope: bool = False):
     """``calibrate`` with every recorded value replaced by its residual v − (k̂ W + b)."""
     plain_run = calibration._run
 
@@ -77,8 +106,8 @@ def calibrate_residuals(model, records, cfg, cal, predictors):
         def residual(layer, q, k, v, valid):
             key = cal.codecs[layer].key
             w, b = predictors[layer]
-            k_hat = key.decode(key.encode(k))
-            pred = torch.einsum("bhsd,hde->bhse", k_hat.float(), w) + b[None, :, None, :]
+            x = features(key.decode(key.encode(k)), w.shape[1] != w.shape[2], pre_rope)
+            pred = torch.einsum("bhse,hed->bhsd", x, w) + b[None, :, None, :]
             return recorder(layer, q, k, (v.float() - pred).to(v.dtype), valid)
         return plain_run(engine, batches, residual, desc, progress)
 
@@ -92,6 +121,9 @@ def calibrate_residuals(model, records, cfg, cal, predictors):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--index-bits", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--predictor", choices=["own", "all", "all-pre-rope"], default="own",
+                    help="values predicted from their own head's key, from every head's key of the token, or from "
+                         "every head's key turned back before the rotary embedding")
     args, model, cal_records, eval_records = parse(ap)
     t0 = time.time()
     rows = []
@@ -100,21 +132,24 @@ def main() -> None:
         cal = calibrate(model, cal_records, cfg, progress=False)
         engine = TurboEsm(model, cal)
         rows.append((f"recipe, {bits} index bits", measure(engine, eval_records, cal.codecs)))
-        predictors = fit_predictors(model, cal_records, cal)
-        res = calibrate_residuals(model, cal_records, cfg, cal, predictors)
-        codecs = [PredictedValues(c, w, b) for c, (w, b) in zip(res.codecs, predictors)]
-        rows.append((f"values from k̂, {bits} index bits", measure(engine, eval_records, codecs)))
+        every, pre = args.predictor != "own", args.predictor == "all-pre-rope"
+        predictors = fit_predictors(model, cal_records, cal, every, pre)
+        res = calibrate_residuals(model, cal_records, cfg, cal, predictors, pre)
+        codecs = [PredictedValues(c, w, b, pre) for c, (w, b) in zip(res.codecs, predictors)]
+        source = {"own": "k̂", "all": "every head's k̂", "all-pre-rope": "every head's k̂ before RoPE"}[args.predictor]
+        rows.append((f"values from {source}, {bits} index bits", measure(engine, eval_records, codecs)))
         for label, r in rows[-2:]:
-            print(f"{label:30} {r['bits']:.3f} {r['mean']:.4f} {r['worst']:.4f} {r['token']:.3f} {r['tail']:.2%} "
+            print(f"{label:40} {r['bits']:.3f} {r['mean']:.4f} {r['worst']:.4f} {r['token']:.3f} {r['tail']:.2%} "
                   f"({time.time() - t0:.0f} s)", flush=True)
     lines = [f"# python tools/predicted_values_study.py {args.model} --index-bits "
-             f"{' '.join(map(str, args.index_bits))}{data_flags(args)}",
+             f"{' '.join(map(str, args.index_bits))}"
+             + (f" --predictor {args.predictor}" if args.predictor != "own" else "") + data_flags(args),
              f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU. "
              "values from k̂: each value coded as its residual after v ≈ k̂ W + b (per layer and head, least squares "
              "on the calibration set), the value codec calibrated on those residuals",
-             f"{'codec':30} all-in  mean cos  worst seq  worst tok  <0.95"]
+             f"{'codec':40} all-in  mean cos  worst seq  worst tok  <0.95"]
     for label, r in rows:
-        lines.append(f"{label:30} {r['bits']:.3f}   {r['mean']:.4f}    {r['worst']:.4f}     {r['token']:.3f}  "
+        lines.append(f"{label:40} {r['bits']:.3f}   {r['mean']:.4f}    {r['worst']:.4f}     {r['token']:.3f}  "
                      f"{r['tail']:.2%}")
     finish(lines, args.out)
 
