@@ -5,8 +5,9 @@ Post-RoPE K and V as the cache stores them, recorded over calibration sequences;
 fit per head on the first half of the tokens, scored on the second half as the share of the target's variance it
 explains (R², 1 = all). Predictors: the same token's key of the same head (what the decode walk already reads), the
 same head's key and value one layer below (a second read of that layer's codes), and every head's key in the same
-layer (a read of the whole layer's keys per head). The bits a value saved at equal error would be about
-½·log2(1 / (1 − R²)).
+layer (a read of the whole layer's keys per head), also turned back before the rotary embedding (ESM-2's keys of
+every head are one square projection of the layer input, so its values are an affine map of them). The bits a value
+saved at equal error would be about ½·log2(1 / (1 − R²)).
 
     python tools/value_prediction_study.py ../shared/testbed/esm2_8M_trained --out R.txt
 """
@@ -22,6 +23,7 @@ import torch
 from esm_turbo import load_esm, read_fasta
 from esm_turbo.model.calibrate import _run, token_batches
 from esm_turbo.model.engine import TurboEsm
+from predicted_values_study import unrope
 
 
 def explained(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -45,16 +47,16 @@ def main() -> None:
     records = read_fasta(args.calibration)[0][:args.sequences]
     store: dict[int, list] = {}
 
-    def record(layer, q, k, v, valid):
-        store.setdefault(layer, []).append((k.permute(1, 0, 2, 3)[:, valid].float(),
-                                            v.permute(1, 0, 2, 3)[:, valid].float()))
+    def record(layer, q, k, v, valid):  # batches padded at the end: token s of every row sits at position s
+        flat = [t.permute(1, 0, 2, 3)[:, valid].float() for t in (k, v, unrope(k.float()))]
+        store.setdefault(layer, []).append(flat)
 
     _run(TurboEsm(model), token_batches(records, 4096), record, "record", False)
-    tokens = sum(k.shape[1] for k, _ in store[0])
+    tokens = sum(t[0].shape[1] for t in store[0])
     lines = [f"# python tools/value_prediction_study.py {args.model} (first {len(records)} sequences of "
              f"{args.calibration}: {tokens} tokens, fitted on the first half, scored on the second)",
              "# R² per head (mean, min over heads); bits: ½·log2(1 / (1 − mean R²)) a value at equal error",
-             "layer  V from own K      V from K,V below  K from K,V below  V from every head's K"]
+             "layer  V from own K      V from K,V below  K from K,V below  V from every head's K  (before RoPE)"]
     prev = None
 
     def cell(r2: torch.Tensor) -> str:
@@ -63,13 +65,13 @@ def main() -> None:
         return f"{mean:.3f} ({float(r2.min()):.3f}) {bits:.2f}b"
 
     for layer in sorted(store):
-        k = torch.cat([a for a, _ in store[layer]], 1)
-        v = torch.cat([b for _, b in store[layer]], 1)
+        k, v, unrotated = (torch.cat([t[i] for t in store[layer]], 1) for i in range(3))
         heads = k.shape[0]
         every_key = k.permute(1, 0, 2).reshape(1, k.shape[1], -1).expand(heads, -1, -1)
+        every_unrotated = unrotated.permute(1, 0, 2).reshape(1, k.shape[1], -1).expand(heads, -1, -1)
         below = ("-", "-") if prev is None else tuple(cell(explained(torch.cat(prev, -1), y)) for y in (v, k))
         lines.append(f"{layer:>5}  {cell(explained(k, v)):<16}  {below[0]:<16}  {below[1]:<16}  "
-                     f"{cell(explained(every_key, v))}")
+                     f"{cell(explained(every_key, v)):<22} {cell(explained(every_unrotated, v))}")
         prev = (k, v)
     text = "\n".join(lines) + "\n"
     print(text)
