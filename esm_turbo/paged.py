@@ -280,7 +280,7 @@ class PagedKVCache(KVCache):
             raise ValueError("a paged cache holds no recent-token windows (KIVI); use the contiguous cache")
         self.block_size = block_size
         super().__init__(codecs, batch_size, capacity, device)
-        block_bytes = sum(c.token_bytes(self.heads) for c in codecs) * block_size
+        block_bytes = token_bytes(codecs, self.heads) * block_size
         limit = None if device_budget_bytes is None else int(device_budget_bytes // block_bytes)
         blocks = -(-max(int(capacity), 1) // block_size) * batch_size
         specs = [{n: (shape, dt, c.part_heads(n, self.heads)) for n, (shape, dt) in c.part_specs().items()}

@@ -76,6 +76,12 @@ class PredictedValues(KVCodec):
         return k_hat, self.predict(k_hat) + self.value.decode(self._sub(parts, "v."))
 
 
+def affine_fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least squares per head of y [H, N, d] ≈ x [H, N, e] W + b: (W [H, e, d], b [H, d])."""
+    sol = torch.linalg.lstsq(torch.cat([x, torch.ones_like(x[..., :1])], -1), y).solution  # [H, e + 1, d]
+    return sol[:, :-1].contiguous(), sol[:, -1].contiguous()
+
+
 def fit_predictors(model, records, cal, every_head: bool, pre_rope: bool = False
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (W [H, e, d], b [H, d]): least squares of each head's values on its :func:`features` of the decoded
@@ -92,9 +98,7 @@ def fit_predictors(model, records, cal, every_head: bool, pre_rope: bool = False
     for layer in sorted(stats):
         x = torch.cat([a for a, _ in stats[layer]], 1)
         y = torch.cat([b for _, b in stats[layer]], 1)
-        xa = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-        sol = torch.linalg.lstsq(xa, y).solution  # [H, d + 1, d]
-        out.append((sol[:, :-1].contiguous(), sol[:, -1].contiguous()))
+        out.append(affine_fit(x, y))
     return out
 
 

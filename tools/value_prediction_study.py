@@ -23,15 +23,14 @@ import torch
 from esm_turbo import load_esm, read_fasta
 from esm_turbo.model.calibrate import _run, token_batches
 from esm_turbo.model.engine import TurboEsm
-from predicted_values_study import unrope
+from predicted_values_study import affine_fit, unrope
 
 
 def explained(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per head, R² on the second half of the tokens of y [H, N, d] ≈ x [H, N, e] W + b fitted on the first half."""
     half = x.shape[1] // 2
-    xa = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-    w = torch.linalg.lstsq(xa[:, :half], y[:, :half]).solution
-    res = y[:, half:] - xa[:, half:] @ w
+    w, b = affine_fit(x[:, :half], y[:, :half])
+    res = y[:, half:] - (x[:, half:] @ w + b[:, None, :])
     centred = y[:, half:] - y[:, half:].mean(1, keepdim=True)
     return 1 - res.pow(2).sum((1, 2)) / centred.pow(2).sum((1, 2))
 

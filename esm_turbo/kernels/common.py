@@ -152,6 +152,17 @@ def part_or(part: torch.Tensor, stand_in: torch.Tensor) -> torch.Tensor:
     return part if part.numel() > 0 else stand_in
 
 
+def kernel_slots(k_slots: torch.Tensor | None, v_slots: torch.Tensor | None) -> bool:
+    """Whether the fused kernels read or write slots (``esm_turbo.quant.slots``): both kinds' slot parts given (one
+    slot a token, contiguous: [B, 1, T_cap, 1] or a paged pool's [slots, 1, block, 1]), or neither (None or empty)."""
+    given = [t is not None and t.numel() > 0 for t in (k_slots, v_slots)]
+    if not any(given):
+        return False
+    if not all(given) or any(t.shape[-1] != 1 or not t.is_contiguous() for t in (k_slots, v_slots)):
+        raise ValueError("the fused kernels take one slot a token and kind, of keys and values both, contiguous")
+    return True
+
+
 def split16(x: torch.Tensor, precision: str) -> bool:
     return x.dtype == torch.float16 and precision != "ieee"
 

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from ..quant.layout import CodeLayout
-from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, load_rows, part_or, rotate,
-                     split16, split_counters, token_strides)
+from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, kernel_slots, load_rows,
+                     part_or, rotate, split16, split_counters, token_strides)
 from .decode.codes import _field_layout
 
 
@@ -419,8 +419,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     slot_args, relative, nts = (pos,) * 6, False, (1, 1)  # never read without slots
     if slots is not None:
         k_slot, v_slot, k_tab, v_tab, relative = slots
-        if k_slot.shape[-1] != 1 or v_slot.shape[-1] != 1 or not (k_slot.is_contiguous() and v_slot.is_contiguous()):
-            raise ValueError("the quantize kernel writes one slot a token and kind into contiguous parts")
+        kernel_slots(k_slot, v_slot)
         k_tab, v_tab = k_tab.contiguous(), v_tab.contiguous()
         units = 2 * launch[1] * (launch[2] if per_seq else 1)
         slot_args = (k_slot, v_slot, k_tab, v_tab, split_counters(2 * batch * s, k.device, torch.int64),

@@ -65,7 +65,8 @@ def calibrate_held_out(model, records: list[Record], config: CalibrationConfig |
                        model_name: str = "") -> HeldOutCalibration:
     """Calibrate on ``records`` less a held-out share ``holdout``, measure the checkpoint on that share and store
     the summary in its metadata. ``preset="auto"``: every recipe of :data:`AUTO_CANDIDATES` at ``config``'s index
-    bits, residual, slots and narrowed layers is calibrated and measured, and the best on the held-out part (:func:`_rank`) is kept."""
+    bits, residual, slots and narrowed layers is calibrated and measured, and the best on the held-out part
+    (:func:`_rank`) is kept."""
     fit, held = split_holdout(records, holdout, seed)
     if preset != "auto":
         cfg = config if config is not None else PRESETS[preset]

@@ -1,6 +1,6 @@
 """Widths per layer from a measured sensitivity (``CalibrationConfig.narrow_layers``): the layers whose decode
 fidelity drops least with one index bit less take it, and the bits they free pay for what the recipe adds elsewhere
-(its slots: one layer of a heads-of-16 ESM-2 at 3.0 bits and one slot a token come to 3.925 bits all-in,
+(its slots: one layer of a heads-of-16 ESM-2 at 3.0 bits and one slot a token come to 3.933 bits all-in,
 ``docs/recipe.md``).
 
 Each layer's sensitivity is the mean decode cos lost (as :func:`~esm_turbo.model.evaluate.evaluate` decodes: half of

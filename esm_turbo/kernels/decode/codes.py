@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...quant.layout import CachedCodes
-from ..common import field_shift, field_width, interpreting
+from ..common import field_shift, field_width, interpreting, kernel_slots
 
 ASM = tl.constexpr(not interpreting())  # inline PTX where the kernels are compiled
 
@@ -172,11 +172,8 @@ def slot_parts(keys: CachedCodes, values: CachedCodes, stand_in: torch.Tensor) -
     """The decode kernels' slot pointers: both kinds' slot words ([B, 1, T_cap, 1] or a paged pool's [slots, 1,
     block, 1], contiguous: one slot a token and kind), or ``stand_in`` twice where the codes have no slots (the kernels
     are then compiled not to read them)."""
-    if not keys.has_slots():
+    if not kernel_slots(keys.slots, values.slots):
         return stand_in, stand_in
-    for c in (keys, values):
-        if not c.has_slots() or c.slots.shape[-1] != 1 or not c.slots.is_contiguous():
-            raise ValueError("the decode kernels read one slot a token and kind, of keys and values both, contiguous")
     return keys.slots, values.slots
 
 

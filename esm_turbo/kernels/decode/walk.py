@@ -205,7 +205,7 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
     acc = tl.sum(acc, axis=0)
     if GRID:
         l_i = tl.sum(l_i, axis=0)
-        acc = acc * _grid_factor(v_lay, VFIXED and not VSIGN, GRID)
+        acc = acc * v_fac
     return m_i, l_i, acc
 
 
