@@ -394,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "result is printed and stored in its metadata (0: fit on all, measure nothing)")
     p.add_argument("--bits", type=checks.int_in(2, 5),
                    help="all-in bits a value to store (instead of --index-bits): that many less the sign bit's index "
-                        "bits; at 4 also one slot a token, paid for by the fewest least sensitive layers narrowed (the "
-                        "recipe that measured best there, docs/recipe.md)")
+                        "bits; at 4 and heads of 16 also one slot a token, paid for by the fewest least sensitive "
+                        "layers narrowed (the recipe that measured best there, docs/recipe.md)")
     p.add_argument("--index-bits", type=checks.int_in(1, 4),
                    help="mean index bits per value (default 3; + 1 sign bit: 4.0 bits all-in); the preset's key/value "
                         "split is kept within widths 1..4 (keys-first: keys one bit more, values one less; the "

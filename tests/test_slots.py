@@ -249,8 +249,8 @@ def test_a_gpu_session_over_slots_steps_in_the_fused_kernels_as_on_the_pytorch_p
         ops.force_reference(forced)
         try:
             session = engine.session("turbo", capacity=128)
-            assert all(session.cache.fused) != forced
             session.start(["MKTAYIAKQRQISFVKSHFSRQ" * 2, "MKVLAAGIVGL"])
+            assert all(session.cache.fused) != forced
             steps = [session.step(torch.full((2, 1), mask, device="cuda")).logits.float() for _ in range(3)]
             logits.append(torch.stack(steps))
             if not forced:
@@ -292,3 +292,16 @@ def test_a_calibration_narrows_its_least_sensitive_layers_to_pay_for_slots(stres
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     with pytest.raises(EsmTurboError, match="fewer than"):
         calibrate(stress_model, recs, recipe("default", narrow_layers=4), progress=False)
+
+
+def test_a_four_bit_budget_adds_a_slot_only_at_heads_of_16():
+    """--bits 4 gives a slot a token (paid for by narrowed layers) at head_dim 16, where it mends the worst tokens,
+    and the uniform recipe at wider heads, where it mends little and costs the fused decode more time a bit."""
+    from esm_turbo.model.recipe import SLOT_MAX_HEAD_DIM, for_budget, recipe
+    base = recipe("default")
+    small = for_budget(base, 4, layers=6, heads=20, dim=SLOT_MAX_HEAD_DIM)
+    assert (small.slots, small.narrow_layers) == (1, 1)
+    for dim in (32, 64, 128):
+        wide = for_budget(base, 4, layers=33, heads=20, dim=dim)
+        assert (wide.slots, wide.narrow_layers) == (0, 0)
+        assert (wide.key_index_bits, wide.value_index_bits) == (small.key_index_bits, small.value_index_bits)

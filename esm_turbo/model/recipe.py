@@ -142,18 +142,22 @@ def with_mean_bits(cfg: CalibrationConfig, mean: int) -> CalibrationConfig:
 
 
 #: the all-in budgets ``calibrate --bits`` takes, and the one where a slot a token paid by narrowed layers measured
-#: better than the uniform recipe at both head sizes of the trained testbeds (docs/recipe.md)
+#: better than the uniform recipe on the trained testbeds (docs/recipe.md)
 BUDGETS = (2, 3, 4, 5)
 SLOTTED_BUDGET = 4
+#: the widest head that ``--bits`` gives a slot: at head_dim 16 the slot lifts the worst decode token from under 0.95
+#: to 0.956 for 1.14x the fused decode attention's time per bit stored; at 64 the uniform recipe already keeps every
+#: token above 0.99 and the slot would cost 1.51x (H200, results/studies/slot_kernels_h200.txt, docs/recipe.md)
+SLOT_MAX_HEAD_DIM = 16
 
 
 def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: int,
                keep: frozenset[str] = frozenset()) -> CalibrationConfig:
     """``cfg`` made to store ``bits`` bits a value all-in in a model of ``layers`` layers of ``heads`` heads of
     ``dim``: ``bits`` − 1 mean index bits with a sign residual (``bits`` without one), its key/value split rule kept;
-    at :data:`SLOTTED_BUDGET` also one slot a token and kind, paid for by the fewest layers narrowed by an index bit
-    that keep the all-in within ``bits`` (``narrow_layers``). Fields named in ``keep`` (set by the user) are not
-    changed."""
+    at :data:`SLOTTED_BUDGET` and heads of at most :data:`SLOT_MAX_HEAD_DIM` also one slot a token and kind, paid
+    for by the fewest layers narrowed by an index bit that keep the all-in within ``bits`` (``narrow_layers``).
+    Fields named in ``keep`` (set by the user) are not changed."""
     if bits not in BUDGETS:
         raise ValueError(f"bits {bits}: give one of {', '.join(map(str, BUDGETS))} all-in bits a value")
     if cfg.residual == "qjl":
@@ -162,7 +166,7 @@ def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: 
     if not 1 <= index <= 4:
         raise ValueError(f"bits {bits} with residual {cfg.residual} leaves {index} index bits a value (1..4)")
     out = with_mean_bits(cfg, index)
-    if bits == SLOTTED_BUDGET and not keep & {"slots", "narrow_layers"}:
+    if bits == SLOTTED_BUDGET and dim <= SLOT_MAX_HEAD_DIM and not keep & {"slots", "narrow_layers"}:
         from ..quant.slots import SLOT_DTYPE, KERNEL_SLOTS
         slot_bits = 8 * SLOT_DTYPE.itemsize * KERNEL_SLOTS / (heads * dim)  # both kinds' words over 2·H·d values
         narrow = math.ceil(layers * slot_bits - 1e-9)

@@ -37,19 +37,13 @@ def _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0, end, pg_tab, pg_base, p
 
 
 @triton.jit
-def _slot_patch(tile, words, h, inv, D: tl.constexpr, GRID: tl.constexpr):
-    """A decoded tile [BLOCK_T, D/8, 8] (``_decode_codes``) with each token's slot correction δ added at its channel,
-    where its slot word (``words`` [BLOCK_T], ``esm_turbo.quant.slots``) lies in head ``h``. ``GRID``: the tile holds
-    each field's codes scaled by a power of two, so δ is scaled by the same (``inv`` [8]: 1 / ``_grid_factor`` per
-    field place)."""
+def _slot_deltas(words, h, D: tl.constexpr):
+    """Each token's slot correction δ [BLOCK_T] (``esm_turbo.quant.slots``: fp16 in a word's low half), zero where its
+    word's value lies outside head ``h`` (a zero word, as masked rows read, corrects nothing), and its channel in
+    the head [BLOCK_T]."""
     index = words >> 16
-    c = tl.where(index // D == h, index % D, -1)
     delta = (words & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    if GRID:
-        r8 = tl.arange(0, 8)
-        delta = delta * tl.sum(tl.where(r8[None, :] == (c & 7)[:, None], inv[None, :], 0.0), axis=1)
-    chan = tl.arange(0, D // 8)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    return tl.where(chan == c[:, None, None], tile + delta[:, None, None], tile)
+    return tl.where(index // D == h, delta, 0.0), index % D
 
 
 @triton.jit
@@ -69,18 +63,22 @@ def _rows(offs_t, t0, end, pg_tab, pg_base, pg_stride, BLOCK_T: tl.constexpr, PA
 
 
 @triton.jit
-def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab, v_tab, k_lay, v_lay,
+def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, qk, v_inv, k_tab, v_tab, k_lay, v_lay,
                   D: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                   BLOCK_T: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr, ROWS: tl.constexpr,
                   GRID: tl.constexpr, SLOTS: tl.constexpr):
     """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units; ``l_i`` per token
-    row [BLOCK_T] with ``GRID`` (see ``_walk``), else a scalar. ``SLOTS``: the decoded keys and values of head ``h``
-    corrected by the tokens' slot words kl, vl first (:func:`_slot_patch`)."""
+    row [BLOCK_T] with ``GRID`` (see ``_walk``), else a scalar. ``SLOTS``: the tokens' slot words kl, vl of head
+    ``h`` corrected for without touching the decoded tiles: a key's δ adds ``qk[c]·δ`` to its score (``qk`` [D]: the
+    query unscaled by the grid, gathered at the slot's channel c), a value's δ adds ``p·δ`` at channel c to the
+    value sums (as a product of a one-hot over the channel's group of 8 and one over its place, ``v_inv`` [8] undoing
+    the grid's scale of that place), one FMA a value and no tile-sized compare (which spilled registers)."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
     k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID)
-    if SLOTS:
-        k = _slot_patch(k, kl, h, k_inv, D, GRID)
     s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1)  # [BLOCK_T]
+    if SLOTS:
+        dk, ck = _slot_deltas(kl, h, D)
+        s = s + tl.gather(qk, ck, 0) * dk
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
     if m_tile > m_i + 8.0:  # rescale only when the running max grows by > 2^8 (exp2 stays < 256 otherwise)
@@ -94,15 +92,18 @@ def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, 
     else:
         l_i = l_i + tl.sum(p, axis=0)
     v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS, GRID)
-    if SLOTS:
-        v = _slot_patch(v, vl, h, v_inv, D, GRID)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
+    if SLOTS:
+        dv, cv = _slot_deltas(vl, h, D)
+        group = tl.where(tl.arange(0, D // 8)[None, :, None] == (cv >> 3)[:, None, None], (p * dv)[:, None, None], 0.0)
+        place = tl.where(tl.arange(0, 8)[None, None, :] == (cv & 7)[:, None, None], v_inv[None, None, :], 0.0)
+        acc = acc + group * place
     return m_i, l_i, acc
 
 
 @triton.jit
 def _prefetched_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl,
-                      pg_tab, pg_base, pg_stride, h, k_inv, v_inv, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
+                      pg_tab, pg_base, pg_stride, h, qk, v_inv, k_tab, v_tab, k_lay, v_lay, D: tl.constexpr,
                       KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
                       NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr, KFIXED: tl.constexpr,
                       VFIXED: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr,
@@ -112,7 +113,7 @@ def _prefetched_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, k_idx,
     nkw, nks, nvw, nvs, nkl, nvl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0 + BLOCK_T, end, pg_tab, pg_base,
                                           pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE,
                                           SLOTS)
-    m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab, v_tab,
+    m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, qk, v_inv, k_tab, v_tab,
                                   k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, SLOTS)
     return m_i, l_i, acc, nkw, nks, nvw, nvs, nkl, nvl
 
@@ -167,14 +168,13 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
     (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
     tiles hold j scaled by a power of two per field, so the query and the value sums are scaled back by its
     inverse (``_grid_factor``, exact). ``SLOTS``: each tile's decoded values corrected by the tokens' slots."""
-    k_inv = tl.full((8,), 1.0, tl.float32)
-    v_inv = k_inv
+    v_inv = tl.full((8,), 1.0, tl.float32)
+    qk = tl.reshape(q3, (D,))  # the slots' key corrections gather the query before the grid's scale
     if GRID:
         k_fac = _grid_factor(k_lay, KFIXED and not KSIGN, GRID)
         v_fac = _grid_factor(v_lay, VFIXED and not VSIGN, GRID)
         q3 = q3 * k_fac
         if SLOTS:
-            k_inv = 1.0 / tl.reshape(k_fac, (8,))
             v_inv = 1.0 / tl.reshape(v_fac, (8,))
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
     if GRID:  # softmax sums per token row, like acc (a LUT walk's registers spilled with them, SASS sm_90)
@@ -186,20 +186,20 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
         for it in tl.static_range(INTERPRET):
             m_i, l_i, acc, kw, ks, vw, vs, kl, vl = _prefetched_block(
                 q3, m_i, l_i, acc, start + it * BLOCK_T, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign,
-                k_sl, v_sl, pg_tab, pg_base, pg_stride, h, k_inv, v_inv, k_tab, v_tab, k_lay, v_lay, D, KCODE_BITS,
+                k_sl, v_sl, pg_tab, pg_base, pg_stride, h, qk, v_inv, k_tab, v_tab, k_lay, v_lay, D, KCODE_BITS,
                 VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, PAGE, SLOTS)
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
             m_i, l_i, acc, kw, ks, vw, vs, kl, vl = _prefetched_block(
                 q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab,
-                pg_base, pg_stride, h, k_inv, v_inv, k_tab, v_tab, k_lay, v_lay, D, KCODE_BITS, VCODE_BITS, KSIGN,
+                pg_base, pg_stride, h, qk, v_inv, k_tab, v_tab, k_lay, v_lay, D, KCODE_BITS, VCODE_BITS, KSIGN,
                 VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, PAGE, SLOTS)
     else:
         for t0 in range(start, end, BLOCK_T):
             kw, ks, vw, vs, kl, vl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0, end, pg_tab, pg_base,
                                             pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE,
                                             SLOTS)
-            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, k_inv, v_inv, k_tab,
+            m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, qk, v_inv, k_tab,
                                           v_tab, k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS,
                                           GRID, SLOTS)
     acc = tl.sum(acc, axis=0)
