@@ -3,7 +3,7 @@ bench's default cache compiles it: the default codec's widths, fields and grid, 
 specialization Triton gives a launch (S = 1 a constant; pointers and the lengths T_CAP, R and NT divisible by 16).
 A listing compiled without that specialization loads its codes 32 bits at a time and counts other instructions.
 
-    python tools/sass_mix.py            # head_dim 64 (650M-shaped) and 128 (15B-shaped)
+    python tools/sass_mix.py            # head_dim 64 (650M-shaped) and 128 (15B-shaped); the 3.0-bit default at 64
     python tools/sass_mix.py --dump DIR # also writes each kernel's PTX and SASS there
 
 Needs Triton's NVIDIA backend (its bundled ptxas and nvdisasm); TRITON_INTERPRET must be unset."""
@@ -25,16 +25,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from esm_turbo.bench.synthetic import default_codec  # noqa: E402
 from esm_turbo.kernels.decode import launch_config, walk  # noqa: E402
+from esm_turbo.model.recipe import recipe  # noqa: E402
 from esm_turbo.ops.compressed import fused_tables  # noqa: E402
 from esm_turbo.quant.layout import decode_grid  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_sm90  # noqa: E402
 
 
-def compile_stream(d: int):
-    """The stream kernel for a 20- (d = 64) or 40-head (d = 128) default codec, compiled for sm_90 with a launch's
-    specialization (S = 1; pointers and the lengths T_CAP, R and NT multiples of 16): (kernel, its block_t)."""
+def compile_stream(d: int, index_bits: int = 3):
+    """The stream kernel for a 20- (d = 64) or 40-head (d = 128) default codec at ``index_bits`` mean index bits a
+    value (3: 4.0 bits all-in; 2: 3.0, code words of 4 and 2 bits), compiled for sm_90 with a launch's specialization
+    (S = 1; pointers and the lengths T_CAP, R and NT multiples of 16): (kernel, its block_t)."""
     heads = 20 if d == 64 else 40
-    tables = fused_tables(default_codec(heads, d))
+    tables = fused_tables(default_codec(heads, d, recipe=recipe("default", index_bits).resolved()))
     key, value = tables.k_code, tables.v_code
     cfg = launch_config(d, key, value, 64, heads, 1, 16384)  # a step the stream-K walk takes
     consts = dict(D=d, KCODE_BITS=key.code_bits, VCODE_BITS=value.code_bits, KFIELDS=key.kernel_fields(),
@@ -82,18 +84,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dump", help="write each kernel's PTX and SASS to this directory")
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90", flush=True)
-    for d in (64, 128):
-        kernel, block_t = compile_stream(d)
+    for d, index_bits in ((64, 3), (128, 3), (64, 2)):
+        kernel, block_t = compile_stream(d, index_bits)
         sass = disassemble(kernel.asm["cubin"])
         body = tile_loop(sass)
         mix = opcode_mix(body)
         wide = sum(1 for x in body if "LDG.E.128" in x)
-        print(f"d={d} block_t={block_t}: {len(body)} instructions a tile, {mix['LDG']} loads "
+        label = f"d={d}" if index_bits == 3 else f"{index_bits + 1}.0 bits d={d}"
+        print(f"{label} block_t={block_t}: {len(body)} instructions a tile, {mix['LDG']} loads "
               f"({wide} of them 128-bit): " + ", ".join(f"{k} {v}" for k, v in mix.most_common(12)), flush=True)
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             for ext, text in (("ptx", kernel.asm["ptx"]), ("sass", sass)):
-                with open(os.path.join(args.dump, f"stream_d{d}.{ext}"), "w") as f:
+                with open(os.path.join(args.dump, f"stream_d{d}_{index_bits}.{ext}"), "w") as f:
                     f.write(text)
 
 
