@@ -167,7 +167,8 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
     tile's codes are requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0
     (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
     tiles hold j scaled by a power of two per field, so the query and the value sums are scaled back by its
-    inverse (``_grid_factor``, exact). ``SLOTS``: each tile's decoded values corrected by the tokens' slots."""
+    inverse (``_grid_factor``, exact). ``SLOTS``: each tile's scores and value sums corrected for the tokens' slots
+    (``_prefix_block``)."""
     v_inv = tl.full((8,), 1.0, tl.float32)
     qk = tl.reshape(q3, (D,))  # the slots' key corrections gather the query before the grid's scale
     if GRID:
