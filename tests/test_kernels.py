@@ -670,25 +670,31 @@ def test_kernels_compile_for_sm90():
     assert len(compiled) == 83, out
 
 
+@pytest.fixture(scope="module")
+def walk_listing() -> str:
+    """tools/sass_mix.py's output, compiled once for the tests that read it."""
+    return _compiling(os.path.join(os.pardir, "tools", "sass_mix.py"))
+
+
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
-def test_default_walk_loads_its_codes_128_bits_at_a_time():
+def test_default_walk_loads_its_codes_128_bits_at_a_time(walk_listing):
     """tools/sass_mix.py compiles the stream-K walk as a launch on the default cache compiles it: each thread's share
     of a tile's key and value words (64 bytes) arrives in four 128-bit loads at both head_dims. Pointer arithmetic
     that loses the alignment Triton infers would split them into 32-bit or byte loads (and more instructions)."""
     import re
-    out = _compiling(os.path.join(os.pardir, "tools", "sass_mix.py"))
+    out = walk_listing
     loads = re.findall(r"^d=(\d+) .*?(\d+) loads \((\d+) of them 128-bit\)", out, re.M)
     assert sorted(int(d) for d, _, _ in loads) == [64, 128], out
     assert all(n == wide == "4" for _, n, wide in loads), out
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="triton without its NVIDIA backend (ptxas, nvdisasm)")
-def test_the_three_bit_walk_keeps_the_four_bit_tiles_layout():
+def test_the_three_bit_walk_keeps_the_four_bit_tiles_layout(walk_listing):
     """The 3.0-bit default's walk (4-bit key words, 2-bit value words) issues about the 4.0-bit walk's instructions a
     tile: its value words load 8 bytes a thread (two 64-bit loads beside the keys' two 128-bit ones), so a token's
     groups lie in two threads as in the 4-bit tile. Loaded a token a thread, the walk was 1.24x slower on an H200."""
     import re
-    out = _compiling(os.path.join(os.pardir, "tools", "sass_mix.py"))
+    out = walk_listing
     tiles = dict(re.findall(r"^(d=64|3.0 bits d=64) .*?: (\d+) instructions a tile", out, re.M))
     assert int(tiles["3.0 bits d=64"]) <= 1.05 * int(tiles["d=64"]), out
     assert re.search(r"^3.0 bits d=64 .*?4 loads \(2 of them 128-bit\)", out, re.M), out
