@@ -66,6 +66,14 @@ def token_bytes(codecs: list[KVCodec], heads: int) -> int:
     return sum(c.token_bytes(heads) for c in codecs)
 
 
+def new_positions(codec: KVCodec, lengths: torch.Tensor, s: int) -> dict[str, torch.Tensor]:
+    """``positions=`` [B, S] of S new tokens written at ``lengths[b] + j``, for a codec that reads them
+    (:attr:`KVCodec.needs_positions`); nothing for the others."""
+    if not getattr(codec, "needs_positions", False):
+        return {}
+    return {"positions": lengths[:, None] + torch.arange(s, device=lengths.device)}
+
+
 def per_layer(total: int, layers: int) -> int | float:
     """A token's mean bytes a layer: an int where the layers divide ``total`` evenly, else the exact fraction."""
     return total // layers if total % layers == 0 else total / layers
@@ -105,6 +113,9 @@ class KVCache:
         if any(getattr(c, "slots", 0) > KERNEL_SLOTS for c in codecs) and ops.use_kernels(self.device):
             warnings.warn(f"codecs with more than {KERNEL_SLOTS} slot a token (calibrate --slots) are written and read "
                           f"on the PyTorch path: the fused GPU kernels read {KERNEL_SLOTS}", stacklevel=2)
+        if any(getattr(c, "needs_positions", False) for c in codecs) and ops.use_kernels(self.device):
+            warnings.warn("values predicted from the keys (calibrate --predict-values) are written and read on the "
+                          "PyTorch path: no fused GPU kernel reads them yet", stacklevel=2)
 
     @property
     def num_layers(self) -> int:
@@ -186,7 +197,7 @@ class KVCache:
         if self.fused[layer]:
             ops.write_compressed(codec, self.parts[layer], k, v, self.lengths)
             return
-        vals = codec.encode(k, v)
+        vals = codec.encode(k, v, **new_positions(codec, self.lengths, s))
         if vals.keys() == {"k.x", "v.x"}:  # uncompressed: both in one launch on the kernel path
             ops.write_dense(self.parts[layer], vals["k.x"], vals["v.x"], self.lengths)
             return

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .cache import ROOM_USED_UP, KVCache, MemoryReport, per_layer, token_bytes
+from .cache import ROOM_USED_UP, KVCache, MemoryReport, new_positions, per_layer, token_bytes
 from .errors import EsmTurboError
 from .io import to_device_queued
 from .ops.blocks import BLOCK_SIZE, BlockLayout, part_heads
@@ -453,7 +453,7 @@ class PagedKVCache(KVCache):
         if self.fused[layer]:
             ops.write_compressed(codec, self.pool.dev[layer], k, v, self.lengths, table)
             return
-        for name, val in codec.encode(k, v).items():  # val [B, H, S, *shape]
+        for name, val in codec.encode(k, v, **new_positions(codec, self.lengths, s)).items():  # [B, H, S, *shape]
             buf = self.pool.dev[layer][name]
             ops.scatter_rows(buf, val.to(buf.dtype), self.lengths, table)
 

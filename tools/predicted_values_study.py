@@ -3,14 +3,15 @@ CPU.
 
 Per layer and head an affine map fitted by least squares on the calibration set predicts a token's value from its
 decoded key, v ≈ k̂ W + b (k̂: the recipe's key codec, so encode and decode see the same key; ``--predictor all``:
-from the token's decoded keys of every head, the strong predictor whose reads the fused walk does not make); the
-value codec is then
-calibrated on the residuals v − (k̂ W + b) (the calibration's own passes, their values replaced), and decode adds the
-prediction back. W and b are constants of the layer, not bytes a token: the all-in bits are the recipe's. Measured
-as the other studies measure, beside the recipe itself at each ``--index-bits``.
+from the token's decoded keys of every head); the value codec is then calibrated on the residuals v − (k̂ W + b)
+(the calibration's own passes, their values replaced), and decode adds the prediction back. W and b are constants of
+the layer, not bytes a token: the all-in bits are the recipe's. ``--predictor all-pre-rope`` (every head's keys
+turned back before the rotary embedding) is the library's own ``calibrate --predict-values``
+(``esm_turbo.quant.predict``), measured as a user calibrates it. Measured as the other studies measure, beside the
+recipe itself at each ``--index-bits``.
 
     python tools/predicted_values_study.py ../shared/testbed/esm2_d64_trained --index-bits 1 2 --out R.txt
-    python tools/predicted_values_study.py ../shared/testbed/esm2_8M_trained --index-bits 2 --predictor all --out R.txt
+    python tools/predicted_values_study.py ../shared/testbed/esm2_8M_trained --index-bits 2 --predictor all-pre-rope
 """
 
 from __future__ import annotations
@@ -27,22 +28,9 @@ from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec
 
 
-def unrope(k: torch.Tensor) -> torch.Tensor:
-    """Post-RoPE keys [..., T, d] of tokens at positions 0..T−1 (ESM-2's rotary: base 10000, halves rotated) turned
-    back to the projection's output."""
-    d, t = k.shape[-1], k.shape[-2]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=k.device).float() / d))
-    freqs = torch.outer(torch.arange(t, device=k.device).float(), inv)
-    emb = torch.cat([freqs, freqs], -1)
-    x1, x2 = k.chunk(2, -1)
-    return k * emb.cos() - torch.cat([-x2, x1], -1) * emb.sin()
-
-
-def features(k_hat: torch.Tensor, every_head: bool, pre_rope: bool = False) -> torch.Tensor:
+def features(k_hat: torch.Tensor, every_head: bool) -> torch.Tensor:
     """What predicts a head's values: its decoded keys k̂ [..., H, T, d], or (``every_head``) every head's keys of the
-    token, [..., H, T, H·d] (the same for each head); ``pre_rope``: the keys turned back before the rotary embedding
-    (tokens at positions 0..T−1)."""
-    k_hat = unrope(k_hat.float()) if pre_rope else k_hat
+    token, [..., H, T, H·d] (the same for each head)."""
     if not every_head:
         return k_hat.float()
     heads = k_hat.shape[-3]
@@ -54,15 +42,14 @@ class PredictedValues(KVCodec):
     """A codec whose value parts hold v − (f(k̂) W + b): ``base``'s quantizers, W [H, e, d] and b [H, d] of the layer
     (e = d, or H·d from every head's keys)."""
 
-    def __init__(self, base: KVCodec, w: torch.Tensor, b: torch.Tensor, pre_rope: bool = False):
+    def __init__(self, base: KVCodec, w: torch.Tensor, b: torch.Tensor):
         super().__init__(base.key, base.value)
         self.register_buffer("w", w)
         self.register_buffer("b", b)
-        self.pre_rope = pre_rope
 
     def predict(self, k_hat: torch.Tensor) -> torch.Tensor:
-        """k̂ [..., H, T, d] (tokens at positions 0..T−1) → the predicted values [..., H, T, d]."""
-        x = features(k_hat, self.w.shape[1] != self.w.shape[2], self.pre_rope)
+        """k̂ [..., H, T, d] → the predicted values [..., H, T, d]."""
+        x = features(k_hat, self.w.shape[1] != self.w.shape[2])
         return torch.einsum("...hte,hed->...htd", x, self.w) + self.b[:, None, :]
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -82,15 +69,14 @@ def affine_fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return sol[:, :-1].contiguous(), sol[:, -1].contiguous()
 
 
-def fit_predictors(model, records, cal, every_head: bool, pre_rope: bool = False
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fit_predictors(model, records, cal, every_head: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (W [H, e, d], b [H, d]): least squares of each head's values on its :func:`features` of the decoded
     keys (``cal``'s key codec) over ``records``."""
     stats: dict[int, list] = {}
 
     def record(layer, q, k, v, valid):
         key = cal.codecs[layer].key
-        x = features(key.decode(key.encode(k)), every_head, pre_rope)
+        x = features(key.decode(key.encode(k)), every_head)
         stats.setdefault(layer, []).append((x.permute(1, 0, 2, 3)[:, valid], v.permute(1, 0, 2, 3)[:, valid].float()))
 
     calibration._run(TurboEsm(model), calibration.token_batches(records, 4096), record, "fit", False)
@@ -102,7 +88,7 @@ def fit_predictors(model, records, cal, every_head: bool, pre_rope: bool = False
     return out
 
 
-def calibrate_residuals(model, records, cfg, cal, predictors, pre_rope: bool = False):
+def calibrate_residuals(model, records, cfg, cal, predictors):
     """``calibrate`` with every recorded value replaced by its residual v − (k̂ W + b)."""
     plain_run = calibration._run
 
@@ -110,7 +96,7 @@ def calibrate_residuals(model, records, cfg, cal, predictors, pre_rope: bool = F
         def residual(layer, q, k, v, valid):
             key = cal.codecs[layer].key
             w, b = predictors[layer]
-            x = features(key.decode(key.encode(k)), w.shape[1] != w.shape[2], pre_rope)
+            x = features(key.decode(key.encode(k)), w.shape[1] != w.shape[2])
             pred = torch.einsum("bhse,hed->bhsd", x, w) + b[None, :, None, :]
             return recorder(layer, q, k, (v.float() - pred).to(v.dtype), valid)
         return plain_run(engine, batches, residual, desc, progress)
@@ -136,11 +122,15 @@ def main() -> None:
         cal = calibrate(model, cal_records, cfg, progress=False)
         engine = TurboEsm(model, cal)
         rows.append((f"recipe, {bits} index bits", measure(engine, eval_records, cal.codecs)))
-        every, pre = args.predictor != "own", args.predictor == "all-pre-rope"
-        predictors = fit_predictors(model, cal_records, cal, every, pre)
-        res = calibrate_residuals(model, cal_records, cfg, cal, predictors, pre)
-        codecs = [PredictedValues(c, w, b, pre) for c, (w, b) in zip(res.codecs, predictors)]
         source = {"own": "k̂", "all": "every head's k̂", "all-pre-rope": "every head's k̂ before RoPE"}[args.predictor]
+        if args.predictor == "all-pre-rope":  # the library's calibrate --predict-values
+            predicted = calibrate(model, cal_records, recipe("default", index_bits=bits, predict_values=True),
+                                  progress=False)
+            codecs = predicted.codecs
+        else:
+            predictors = fit_predictors(model, cal_records, cal, args.predictor == "all")
+            res = calibrate_residuals(model, cal_records, cfg, cal, predictors)
+            codecs = [PredictedValues(c, w, b) for c, (w, b) in zip(res.codecs, predictors)]
         rows.append((f"values from {source}, {bits} index bits", measure(engine, eval_records, codecs)))
         for label, r in rows[-2:]:
             print(f"{label:40} {r['bits']:.3f} {r['mean']:.4f} {r['worst']:.4f} {r['token']:.3f} {r['tail']:.2%} "

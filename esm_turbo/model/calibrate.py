@@ -27,10 +27,11 @@ from .. import __version__
 from ..errors import EsmTurboError
 from ..fasta import Record, records_hash
 from ..quant.allocation import ChannelTables, channel_tables, grid_tables, widest_bits
-from ..quant.codec import VectorQuantizer, check_lut_kind
+from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind
 from ..quant.fit import FitOptions, fit_quantizer
 from ..quant.tables import pad_levels
 from ..quant.histogram import HistogramAccumulator
+from ..quant.predict import PredictorFit, ValuePredictor, rotary_angles
 from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotations, identity_reflectors
 from .alphabet import encode
 from .attention import RunContext
@@ -62,7 +63,16 @@ def token_batches(records: list[Record], batch_tokens: int, max_tokens: int | No
     return batches
 
 
-def _run(engine: TurboEsm, batches: list[list[Record]], recorder, desc: str, progress: bool) -> int:
+def _run(engine: TurboEsm, batches: list[list[Record]], recorder, desc: str, progress: bool,
+         values=None) -> int:
+    """Prefill ``batches`` once, ``recorder(layer, q, k, v, valid)`` called in every layer (q, k, v [B, H, S, d]
+    post-RoPE, valid [B, S]); ``values(layer, k, v)``, if given, replaces v first (the residuals a value predictor
+    leaves). Returns the real tokens seen."""
+    if values is not None:
+        plain = recorder
+
+        def recorder(layer, q, k, v, valid):
+            return plain(layer, q, k, values(layer, k, v).to(v.dtype), valid)
     tokens_seen = 0
     for batch in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
         tokens, mask = encode([r.sequence for r in batch], [r.id for r in batch])
@@ -198,7 +208,7 @@ def _output_weights(engine: TurboEsm, layer: int) -> torch.Tensor:
 
 
 def _choose_value_codecs(engine: TurboEsm, batches, plain: list[VectorQuantizer], rotated: list[VectorQuantizer],
-                         progress: bool) -> list[torch.Tensor]:
+                         progress: bool, values=None) -> list[torch.Tensor]:
     """Per layer, per head: 1 where the rotated codec's value error reaches the output less."""
     grams = [_output_weights(engine, li) for li in range(engine.num_layers)]
     err = torch.zeros(engine.num_layers, 2, engine.heads, dtype=torch.float64)
@@ -208,7 +218,7 @@ def _choose_value_codecs(engine: TurboEsm, batches, plain: list[VectorQuantizer]
             e = (v.float() - q.decode(q.encode(v))) * valid[:, None, :, None]  # [B, H, S, d]
             err[layer, i] += torch.einsum("bhsd,hde,bhse->h", e, grams[layer], e).double().cpu()
 
-    _run(engine, batches, record, "calibrate: value rotation choice", progress)
+    _run(engine, batches, record, "calibrate: value rotation choice", progress, values)
     return [(e[1] < e[0]).long() for e in err]
 
 
@@ -244,9 +254,80 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     layers, heads, dim = engine.num_layers, engine.heads, engine.head_dim
     if config.narrow_layers >= layers:
         raise EsmTurboError(f"narrow_layers {config.narrow_layers}: give fewer than the model's {layers} layers")
+    if config.predict_values:
+        if config.shared_lut:
+            raise EsmTurboError("predict_values fits the values' tables on what the keys do not predict: it needs "
+                                "separate K and V LUTs (not shared_lut)")
+        check_rotary(engine)
     batches = token_batches(records, config.batch_tokens, config.max_tokens)
     used = [r for b in batches for r in b]
     start = time.perf_counter()
+    if config.predict_values:  # keys first; the values' tables are then fitted on what the keys do not predict
+        coded = _fit_codecs(engine, batches, replace(config, predict_values=False), progress)[0]
+        keys = [c.key for c in coded]
+        predictors = fit_value_predictors(engine, batches, coded, progress)
+
+        def residual(layer, k, v):
+            return v.float() - predictors[layer](coded[layer].coded_keys(k))
+
+        fitted, choice, n_tokens = _fit_codecs(engine, batches, config, progress, residual)
+        codecs = [config.codec(k, c.value, p) for k, c, p in zip(keys, fitted, predictors)]
+    else:
+        codecs, choice, n_tokens = _fit_codecs(engine, batches, config, progress)
+    elapsed = time.perf_counter() - start
+    log.info("calibrated %d layers × %d heads on %d tokens in %.1f s", layers, heads, n_tokens, elapsed)
+    meta = dict(layers=layers, heads=heads, head_dim=dim, model_fingerprint=model_fingerprint(model),
+                model_name=str(model_name), calibration_set_sha256=records_hash(used),
+                calibration_sequences=len(used), calibration_tokens=n_tokens, esm_turbo_version=__version__)
+    if choice is not None:  # per layer, per head: 0 = values unrotated, 1 = svd-scaled
+        meta["value_rotation_choice"] = [c.tolist() for c in choice]
+    cal = Calibration(codecs, replace(config), meta)
+    cal.seconds = elapsed
+    if config.narrow_layers:
+        narrow = calibrate(model, records, narrower(asked), progress, model_name)
+        sensitivity = layer_sensitivity(model, cal, narrow, sensitivity_sample(used, config.seed), progress)
+        cal = narrow_least_sensitive(cal, narrow, sensitivity, config.narrow_layers)
+        log.info("narrowed layers %s (mean decode cos lost one bit narrower: %s)", cal.meta["narrowed_layers"],
+                 ", ".join(f"{s:.4f}" for s in sensitivity))
+    return cal
+
+
+def check_rotary(engine: TurboEsm) -> None:
+    """Refuse a value predictor for a model whose rotary embedding is not the one it un-rotates
+    (:func:`~esm_turbo.quant.predict.rotary_angles` of the module's ``inv_freq``)."""
+    inv_freq = getattr(engine.rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.numel() != engine.head_dim // 2:
+        raise EsmTurboError("predict_values: the model's rotary embedding has no inv_freq of head_dim/2 frequencies")
+    positions = torch.arange(64, device=engine.device)[None]
+    probe = torch.zeros(1, 64, engine.heads * engine.head_dim, device=engine.device)
+    cos, sin = engine.rotary(probe, positions)
+    want_cos, want_sin = rotary_angles(positions, inv_freq)
+    if not (torch.allclose(cos.float(), want_cos, atol=1e-3) and torch.allclose(sin.float(), want_sin, atol=1e-3)):
+        raise EsmTurboError("predict_values: the model's rotary embedding is not the standard one (frequencies "
+                            "repeated over the two halves, unscaled) that the value predictor un-rotates")
+
+
+def fit_value_predictors(engine: TurboEsm, batches, coded: list[KVCodec], progress: bool) -> list[ValuePredictor]:
+    """Per layer, the least-squares :class:`~esm_turbo.quant.predict.ValuePredictor` of the values from every head's
+    keys as ``coded[layer]`` decodes them, before the rotary embedding."""
+    fits = [PredictorFit(engine.heads, engine.head_dim, engine.rotary.inv_freq, engine.device)
+            for _ in range(engine.num_layers)]
+
+    def record(layer, q, k, v, valid):
+        fits[layer].add(coded[layer].coded_keys(k), v, valid)
+
+    _run(engine, batches, record, "calibrate: value predictors", progress)
+    return [f.solve().to(engine.device) for f in fits]
+
+
+def _fit_codecs(engine: TurboEsm, batches, config: CalibrationConfig, progress: bool, values=None
+                ) -> tuple[list[KVCodec], list[torch.Tensor] | None, int]:
+    """The passes of :func:`calibrate` (its ``config`` resolved): (a codec a layer, the per-head value rotation
+    choice or None, tokens seen); ``values`` as :func:`_run`'s."""
+    layers, heads, dim = engine.num_layers, engine.heads, engine.head_dim
+
+    def run(recorder, desc):
+        return _run(engine, batches, recorder, desc, progress, values)
 
     need_queries = config.bit_allocation or config.key_rotation == "svd-query"
     cov = {kind: [CovarianceAccumulator(heads, dim) for _ in range(layers)]
@@ -257,7 +338,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
             if kind in cov:
                 cov[kind][layer].add(x, valid)
 
-    n_tokens = _run(engine, batches, record_cov, "calibrate: rotations", progress)
+    n_tokens = run(record_cov, "calibrate: rotations")
 
     # candidate transforms per tensor kind: "k", "v", and for an automatic V choice a second one "v*"
     rotation = {"k": config.key_rotation, "v": config.value_rotation}
@@ -282,7 +363,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
             x = k if source[kind] == "k" else v
             hist[kind][layer].add(_valid_values(affine[kind][layer].forward(x), valid, per_channel), weights)
 
-    _run(engine, batches, record_hist, "calibrate: LUTs", progress)
+    run(record_hist, "calibrate: LUTs")
 
     bits = {"k": config.key_index_bits, "v": config.value_index_bits}
     tables = {kind: _tables_by_layer(hist[kind], bits[source[kind]], config, source[kind]) for kind in rotation}
@@ -307,7 +388,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
 
     choice = None
     if "v*" in rotation:
-        choice = _choose_value_codecs(engine, batches, quantizers["v"], quantizers["v*"], progress)
+        choice = _choose_value_codecs(engine, batches, quantizers["v"], quantizers["v*"], progress, values)
         if config.bit_allocation and config.shared_widths:  # one allocation over the heads as chosen
             quantizers["v"] = [fit_quantizer(
                 combine_affine((affine["v"][li], affine["v*"][li]), c), hist["v"][li].padded(),
@@ -318,20 +399,4 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
                 for li, c in enumerate(choice)]
         else:
             quantizers["v"] = [combine_heads((a, b), c) for a, b, c in zip(quantizers["v"], quantizers["v*"], choice)]
-    codecs = [config.codec(k, v) for k, v in zip(quantizers["k"], quantizers["v"])]
-    elapsed = time.perf_counter() - start
-    log.info("calibrated %d layers × %d heads on %d tokens in %.1f s", layers, heads, n_tokens, elapsed)
-    meta = dict(layers=layers, heads=heads, head_dim=dim, model_fingerprint=model_fingerprint(model),
-                model_name=str(model_name), calibration_set_sha256=records_hash(used),
-                calibration_sequences=len(used), calibration_tokens=n_tokens, esm_turbo_version=__version__)
-    if choice is not None:  # per layer, per head: 0 = values unrotated, 1 = svd-scaled
-        meta["value_rotation_choice"] = [c.tolist() for c in choice]
-    cal = Calibration(codecs, replace(config), meta)
-    cal.seconds = elapsed
-    if config.narrow_layers:
-        narrow = calibrate(model, records, narrower(asked), progress, model_name)
-        sensitivity = layer_sensitivity(model, cal, narrow, sensitivity_sample(used, config.seed), progress)
-        cal = narrow_least_sensitive(cal, narrow, sensitivity, config.narrow_layers)
-        log.info("narrowed layers %s (mean decode cos lost one bit narrower: %s)", cal.meta["narrowed_layers"],
-                 ", ".join(f"{s:.4f}" for s in sensitivity))
-    return cal
+    return [config.codec(k, v) for k, v in zip(quantizers["k"], quantizers["v"])], choice, n_tokens

@@ -7,7 +7,9 @@ LUTs hold only each channel's 2^width levels, flattened: [n] and [n, 2]), ``.off
 ``.rot`` [H, d(d+1)/2] (fp16 Householder vectors and R's signs, ``esm_turbo.quant.rotations.to_reflectors``:
 about half the bytes of the matrix, rebuilt exactly orthonormal) only for fitted (svd, svd-scaled, svd-query, auto)
 rotations — with ``auto`` only for the value heads that chose one ([n, d(d+1)/2]); seeded ones (haar,
-hadamard, identity) are rebuilt from the seed.
+hadamard, identity) are rebuilt from the seed. With ``predict_values``, per layer ``layers.l.predict.weight`` [D, D]
+and ``.bias`` [D] (fp16, D = H·d) and ``.inv_freq`` [d/2] (fp32): the value predictor
+(``esm_turbo.quant.predict``).
 Metadata (strings): ``esm_turbo`` (JSON with model fingerprint, config, calibration-set hash, token
 count, package version). Writes are atomic (temporary file + rename); loading checks completeness.
 """
@@ -25,14 +27,18 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError
 from ..io import atomic_write
 from ..quant.codec import KVCodec, VectorQuantizer
+from ..quant.predict import ValuePredictor
 from ..quant.tables import identity_code, pad_levels
 from ..quant.rotations import FITTED_KINDS, build_rotation, from_reflectors, identity_reflectors
 from .recipe import PRESETS, CalibrationConfig, config_from_meta, kv_bits, with_mean_bits  # noqa: F401 - re-exported
 
 FORMAT_VERSION = 5  # 2: per-(head, channel) LUT tables [H, d, K] stored as fp16; 3: bit allocations;
 # 4: rotations as fp16 Householder vectors; 5: index bits per layer (narrowed layers), which a reader of 4 would misread
-#: the formats this version reads (4 is 5 with every layer at the recipe's widths)
-READS_FORMATS = (4, 5)
+#: a calibration with value predictors is written as 6: a reader of 5 would ignore them and decode wrong values
+PREDICTOR_FORMAT = 6
+#: the formats this version reads (4 is 5 with every layer at the recipe's widths; 6 is 5 with value predictors)
+READS_FORMATS = (4, 5, 6)
+_PREDICTOR = ("weight", "bias", "inv_freq")
 _TABLES = ("centroids", "eps", "offset", "scale")
 _LUTS = ("centroids", "eps")
 #: rotations fitted from data (stored in the checkpoint); "auto" picks, per head, unrotated or svd-scaled
@@ -86,7 +92,12 @@ class Calibration:
                         rot = rot[torch.tensor(self.meta["value_rotation_choice"][li], dtype=torch.bool)]
                     if rot.shape[0]:
                         tensors[f"layers.{li}.{kind}.rot"] = rot.contiguous()
-        meta = dict(self.meta, format_version=FORMAT_VERSION, config=asdict(cfg))
+            if codec.predictor is not None:  # weight and bias hold fp16 values: stored exactly as fp16
+                for name in _PREDICTOR:
+                    t = getattr(codec.predictor, name).detach().cpu()
+                    tensors[f"layers.{li}.predict.{name}"] = (t if name == "inv_freq" else t.half()).contiguous()
+        version = PREDICTOR_FORMAT if any(c.predictor is not None for c in self.codecs) else FORMAT_VERSION
+        meta = dict(self.meta, format_version=version, config=asdict(cfg))
         header = {"esm_turbo": json.dumps(meta, sort_keys=True)}
         atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=header))
         return path
@@ -160,13 +171,29 @@ class Calibration:
                         raise CheckpointError(f"{path}: layer {li} {kind}: a lut='grid' calibration whose tables are "
                                               f"not the identity code (corrupt checkpoint)")
                     pair.append(q)
-                codecs.append(cfg.codec(*pair).to(device))
+                codecs.append(cfg.codec(*pair, _stored_predictor(tensors, li, cfg, heads, dim, path)).to(device))
             return cls(codecs, cfg, meta)
         except CheckpointError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:  # edited or damaged metadata
             raise CheckpointError(f"{path}: its esm_turbo metadata is malformed or does not fit its tables "
                                   f"({type(err).__name__}: {str(err)[:150]}); recalibrate") from None
+
+
+def _stored_predictor(tensors: dict[str, torch.Tensor], layer: int, cfg: CalibrationConfig, heads: int, dim: int,
+                      path: Path) -> ValuePredictor | None:
+    """Layer ``layer``'s value predictor (``predict_values``), refused when missing or present against the config."""
+    names = [f"layers.{layer}.predict.{n}" for n in _PREDICTOR]
+    have = [n in tensors for n in names]
+    if any(have) != cfg.predict_values or not all(have) and any(have):
+        raise CheckpointError(f"{path}: layer {layer}: value predictor tables missing or unexpected (incomplete "
+                              f"checkpoint)")
+    if not cfg.predict_values:
+        return None
+    try:
+        return ValuePredictor(*(tensors[n].float() for n in names), heads, dim)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: layer {layer}: {err}") from None
 
 
 def _stored_reflectors(stored: torch.Tensor | None, choice: torch.Tensor | None, heads: int,

@@ -84,7 +84,7 @@ def calibrate_held_out(model, records: list[Record], config: CalibrationConfig |
     for name in AUTO_CANDIDATES:
         cfg = replace(with_mean_bits(PRESETS[name], mean_bits), residual=base.residual, seed=base.seed,
                       max_tokens=base.max_tokens, slots=base.slots, slot_rank=base.slot_rank,
-                      narrow_layers=base.narrow_layers)
+                      narrow_layers=base.narrow_layers, predict_values=base.predict_values)
         cal = calibrate(model, fit, cfg, progress=progress, model_name=model_name)
         candidates[name] = holdout_summary(model, cal, held)
         if best is None or _rank(candidates[name]) > _rank(best[2]):

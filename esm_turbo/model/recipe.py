@@ -68,12 +68,16 @@ class CalibrationConfig:
                                "take one index bit less a value (the recipe's split rule at that mean): the bits that "
                                "pay for slots inside the same budget (each layer measured once more: slower)",
                             range=(0, None))
+    predict_values: bool = _f(False, "values coded as what every head's decoded keys, turned back before the rotary "
+                                     "embedding, do not predict (an affine map a layer fitted on the calibration set: "
+                                     "constants of H*d x H*d, no bytes a token); written and read on the PyTorch "
+                                     "path (no fused GPU kernel reads it yet)")
 
-    def codec(self, key, value):
+    def codec(self, key, value, predictor=None):
         """The :class:`~esm_turbo.quant.codec.KVCodec` of a layer's fitted ``key`` and ``value`` quantizers under
-        this recipe (its slots)."""
+        this recipe (its slots; ``predictor``: the layer's value predictor, with ``predict_values``)."""
         from ..quant.codec import KVCodec
-        return KVCodec(key, value, slots=self.slots, relative_slots=self.slot_rank == "relative")
+        return KVCodec(key, value, slots=self.slots, relative_slots=self.slot_rank == "relative", predictor=predictor)
 
     def channel_cap(self, kind: str) -> Optional[int]:
         """The widest channel an allocation may give the keys (``kind`` "k") or the values ("v"); None: index bits

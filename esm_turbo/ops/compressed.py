@@ -33,8 +33,9 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     they are ready for it (``fused_ready``), with 1–4 index bits (and, with ``need_kernel_shape``, the Triton kernels'
     shape rule: head_dim/8 a power of two, i.e. d ∈ {16, 32, 64, 128, ...}); a codec with a recent-token window
     (``esm_turbo.window``) or more than :data:`~esm_turbo.quant.slots.KERNEL_SLOTS` slots a token
-    (``esm_turbo.quant.slots``) is read on the reference path."""
-    if getattr(codec, "window", 0) or getattr(codec, "slots", 0) > KERNEL_SLOTS:
+    (``esm_turbo.quant.slots``) is read on the reference path, and so is one whose values are predicted from its keys
+    (``esm_turbo.quant.predict``: no fused kernel reads every head's keys for a head's values yet)."""
+    if getattr(codec, "window", 0) or getattr(codec, "slots", 0) > KERNEL_SLOTS or getattr(codec, "predictor", None):
         return False
     for q in (codec.key, codec.value):
         if not keeps_fused_contract(q):

@@ -273,12 +273,16 @@ class KVCodec(nn.Module):
     heads, [..., 1, T, *shape]. ``slots`` > 0 (quantizers with an affine domain, :class:`VectorQuantizer`'s): each
     token keeps its ``slots`` worst-coded values of each kind as corrections (:mod:`esm_turbo.quant.slots`, ranked
     by their share of the token's squared error, or with ``relative_slots`` in their channel's scale), the token
-    parts ``k.slots`` and ``v.slots``."""
+    parts ``k.slots`` and ``v.slots``. With a ``predictor`` (:class:`~esm_turbo.quant.predict.ValuePredictor`) the
+    value parts code v − predictor(k̂), k̂ the decoded keys: encoding and decoding then need each token's position
+    (``positions`` [..., T] long; None: 0..T−1, a row from its start), which :attr:`needs_positions` says."""
 
     def __init__(self, key: nn.Module, value: nn.Module, window: int = 0, slots: int = 0,
-                 relative_slots: bool = False):
+                 relative_slots: bool = False, predictor: nn.Module | None = None):
         super().__init__()
         self.key, self.value = key, value
+        #: values coded as their residual after this prediction from the decoded keys (esm_turbo.quant.predict)
+        self.predictor = predictor
         self.window = int(window)  # > 0: the most recent ``window`` tokens are also kept in fp16 (KIVI)
         self.slots, self.relative_slots = int(slots), bool(relative_slots)
         if self.slots:
@@ -314,28 +318,54 @@ class KVCodec(nn.Module):
         token = {n: s for n, s in self.part_specs().items() if n in self.token_parts()}
         return self.bytes_per_token() * heads + _specs_nbytes(token)
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        parts = {f"k.{n}": t for n, t in self.key.encode(k).items()}
-        parts.update({f"v.{n}": t for n, t in self.value.encode(v).items()})
+    @property
+    def needs_positions(self) -> bool:
+        """Whether :meth:`encode` and :meth:`decode` read the tokens' positions (a value predictor un-rotates keys)."""
+        return self.predictor is not None
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """k, v [..., H, T, d] → parts (see the class); ``positions`` only for a predictor."""
+        parts: dict[str, torch.Tensor] = {}
+        self._encode_kind("k", self.key, k, parts)
+        if self.predictor is not None:
+            v = v.float() - self.predictor(self._decode_kind("k", self.key, parts), positions)
+        self._encode_kind("v", self.value, v, parts)
+        return parts
+
+    def coded_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """k [..., H, T, d] → k̂ as this codec stores and decodes them (slots applied), float32: what a predictor
+        reads."""
+        parts: dict[str, torch.Tensor] = {}
+        self._encode_kind("k", self.key, k, parts)
+        return self._decode_kind("k", self.key, parts)
+
+    def _encode_kind(self, kind: str, q: nn.Module, x: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        parts.update({f"{kind}.{n}": t for n, t in q.encode(x).items()})
         if self.slots:
             from .slots import pick_slots
-            for kind, q, x in (("k", self.key, k), ("v", self.value, v)):
-                y_hat = q.decode_affine(self._sub(parts, f"{kind}."))
-                picked = pick_slots(q.to_affine(x), y_hat, q.scale, self.slots, self.relative_slots)
-                parts[f"{kind}.slots"] = picked.unsqueeze(-3)  # [..., 1, T, k]
-        return parts
+            y_hat = q.decode_affine(self._sub(parts, f"{kind}."))
+            picked = pick_slots(q.to_affine(x), y_hat, q.scale, self.slots, self.relative_slots)
+            parts[f"{kind}.slots"] = picked.unsqueeze(-3)  # [..., 1, T, k]
+
+    def _decode_kind(self, kind: str, q: nn.Module, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not self.slots:
+            return q.decode(self._sub(parts, f"{kind}."))
+        from .slots import apply_slots
+        return q.from_affine(apply_slots(q.decode_affine(self._sub(parts, f"{kind}.")),
+                                         parts[f"{kind}.slots"].squeeze(-3)))
 
     @staticmethod
     def _sub(parts: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
         return {n[2:]: t for n, t in parts.items() if n.startswith(prefix) and n[2:] != "slots"}
 
-    def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.slots:
-            return self.key.decode(self._sub(parts, "k.")), self.value.decode(self._sub(parts, "v."))
-        from .slots import apply_slots
-        return tuple(q.from_affine(apply_slots(q.decode_affine(self._sub(parts, f"{kind}.")),
-                                               parts[f"{kind}.slots"].squeeze(-3)))
-                     for kind, q in (("k", self.key), ("v", self.value)))
+    def decode(self, parts: dict[str, torch.Tensor],
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """parts → (k̂, v̂) [..., H, T, d] float32; ``positions`` only for a predictor."""
+        k_hat, v_hat = self._decode_kind("k", self.key, parts), self._decode_kind("v", self.value, parts)
+        if self.predictor is not None:
+            v_hat = v_hat + self.predictor(k_hat, positions)
+        return k_hat, v_hat
 
     def constant_nbytes(self) -> int:
         """Bytes of the codec's own tables (rotations, LUTs, scales): fixed, not per token."""

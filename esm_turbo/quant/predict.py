@@ -1,0 +1,102 @@
+"""Values predicted from the keys (AQUA-KV's idea, taken further): a layer's values are coded as what an affine map of
+the token's decoded keys of *every* head, turned back to before the rotary embedding, does not predict.
+
+Why it works: in ESM-2 a token's keys of all heads are one square projection of the layer's input (H·d = the hidden
+size) and its values another, so before the rotary embedding the values are an affine function of the keys; a map
+fitted on decoded keys explains 0.998–1.000 of the values' variance on the trained testbeds, and the value codec
+spends its bits on the rest (``docs/recipe.md``). The map is a constant of the layer (D×D, D = H·d), not bytes a
+token; encoding and decoding both apply it to the *decoded* keys, so they agree exactly whatever its precision.
+
+Shapes: keys k̂ [..., H, T, d] of tokens at ``positions`` (long, broadcast against [..., T]; default 0..T−1, a
+row read from its start), features [..., T, D] (head-major: channel h·d + c), values [..., H, T, d].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotary_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [..., T, d] of the rotary embedding at ``positions`` [..., T] (transformers' ESM-2 and ESM C
+    convention: the frequencies repeated over the two halves of a head)."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos(), emb.sin()
+
+
+def unrope(k: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys k [..., H, T, d] at ``positions`` ([..., T] or [T]; None: 0..T−1) turned back by the inverse
+    rotation: k·cos − rotate_half(k)·sin, float32."""
+    t = k.shape[-2]
+    if positions is None:
+        positions = torch.arange(t, device=k.device)
+    cos, sin = rotary_angles(positions.to(k.device), inv_freq)  # [..., T, d]
+    if cos.dim() > 2:  # [B, T, d] → [B, 1, T, d]: one angle a token, every head
+        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+    k = k.float()
+    x1, x2 = k.chunk(2, -1)
+    return k * cos - torch.cat([-x2, x1], -1) * sin
+
+
+class ValuePredictor(nn.Module):
+    """v ≈ f(k̂) W + b per token, f(k̂) [.., D] = every head's decoded key before the rotary embedding; ``weight``
+    [D, D] and ``bias`` [D] (stored and applied in float16-rounded values, float32 buffers), ``inv_freq`` [d/2]: the
+    model's rotary frequencies."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, inv_freq: torch.Tensor, heads: int, dim: int):
+        super().__init__()
+        width = heads * dim
+        if tuple(weight.shape) != (width, width) or tuple(bias.shape) != (width,) or inv_freq.numel() != dim // 2:
+            raise ValueError(f"value predictor: expected weight [{width}, {width}], bias [{width}], inv_freq "
+                             f"[{dim // 2}]; got {list(weight.shape)}, {list(bias.shape)}, {list(inv_freq.shape)}")
+        self.heads, self.dim = heads, dim
+        self.register_buffer("weight", weight.to(torch.float16).float().contiguous())
+        self.register_buffer("bias", bias.to(torch.float16).float())
+        self.register_buffer("inv_freq", inv_freq.float().clone())
+
+    def features(self, k_hat: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """k̂ [..., H, T, d] → [..., T, D]: every head's key of the token before the rotary embedding."""
+        pre = unrope(k_hat, positions, self.inv_freq)
+        return pre.transpose(-3, -2).flatten(-2)
+
+    def forward(self, k_hat: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """k̂ [..., H, T, d] → predicted values [..., H, T, d] float32."""
+        pred = self.features(k_hat, positions) @ self.weight + self.bias  # [..., T, D]
+        return pred.unflatten(-1, (self.heads, self.dim)).transpose(-3, -2)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, dim={self.dim}"
+
+
+class PredictorFit:
+    """Least squares of a layer's values on :meth:`ValuePredictor.features` of its decoded keys, accumulated over
+    batches in float64 (the normal equations, [D + 1]², never the tokens)."""
+
+    def __init__(self, heads: int, dim: int, inv_freq: torch.Tensor, device: torch.device | str = "cpu"):
+        self.heads, self.dim, self.inv_freq = heads, dim, inv_freq.float().to(device)
+        width = heads * dim + 1
+        self.gram = torch.zeros(width, width, dtype=torch.float64, device=device)
+        self.cross = torch.zeros(width, heads * dim, dtype=torch.float64, device=device)
+        self.count = 0
+
+    def add(self, k_hat: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+        """k̂, v [B, H, S, d] of tokens at positions 0..S−1 of each row; valid [B, S] bool: the tokens counted."""
+        x = unrope(k_hat, None, self.inv_freq).transpose(1, 2).flatten(2)[valid]  # [N, D]
+        y = v.float().transpose(1, 2).flatten(2)[valid]
+        x = torch.cat([x, torch.ones_like(x[:, :1])], 1).double()
+        self.gram += x.T @ x
+        self.cross += x.T @ y.double()
+        self.count += x.shape[0]
+
+    def solve(self, ridge: float = 1e-6) -> ValuePredictor:
+        """The fitted :class:`ValuePredictor` (a ridge of ``ridge`` × the features' mean energy keeps a rank-deficient
+        layer solvable)."""
+        if self.count == 0:
+            raise ValueError("value predictor: no tokens to fit on")
+        width = self.gram.shape[0]
+        reg = ridge * float(self.gram.diagonal()[:-1].mean().clamp_min(1e-30))
+        gram = self.gram + reg * torch.eye(width, dtype=self.gram.dtype, device=self.gram.device)
+        gram[-1, -1] = self.gram[-1, -1]  # the bias is not shrunk
+        sol = torch.linalg.solve(gram, self.cross)  # [D + 1, D]
+        return ValuePredictor(sol[:-1].float(), sol[-1].float(), self.inv_freq, self.heads, self.dim)

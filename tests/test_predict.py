@@ -1,0 +1,252 @@
+"""Values predicted from every head's decoded keys before the rotary embedding (esm_turbo.quant.predict): the
+un-rotation, the fit, the codec that codes the residual, the caches' positions, calibration and its checkpoint."""
+
+import warnings
+
+import pytest
+import torch
+
+from esm_turbo.quant.predict import PredictorFit, ValuePredictor, rotary_angles, unrope
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _rope(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys k [B, H, T, d] at positions [B, T] rotated as ESM-2 rotates them (transformers' apply_rotary_pos_emb,
+    through esm_turbo's reference of a layer's rotary step)."""
+    from esm_turbo.ops.reference import rope_reference
+    cos, sin = rotary_angles(positions, inv_freq)
+    flat = k.transpose(1, 2).flatten(2)
+    return rope_reference(flat, flat, cos, sin, k.shape[-1])[1]
+
+
+def _affine_keys_and_values(seed: int, tokens: int, heads: int = 4, dim: int = 16):
+    """Post-RoPE keys [2, H, T, d] at positions 0..T−1 whose values are exactly an affine map of every head's keys
+    before the rotary embedding (as in ESM-2, where both are projections of the same input), and that map."""
+    g = torch.Generator().manual_seed(seed)
+    width = heads * dim
+    pre = torch.randn(2, tokens, width, generator=g)
+    w, b = torch.randn(width, width, generator=g) / width ** 0.5, torch.randn(width, generator=g)
+    v = (pre @ w + b).unflatten(-1, (heads, dim)).transpose(1, 2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    positions = torch.arange(tokens)[None].expand(2, -1)
+    k = _rope(pre.unflatten(-1, (heads, dim)).transpose(1, 2), positions, inv_freq)
+    return k, v, w, b, inv_freq
+
+
+def test_unrope_turns_transformers_rotary_embedding_back_at_any_position():
+    g = torch.Generator().manual_seed(0)
+    pre = torch.randn(2, 3, 5, 16, generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    positions = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    post = _rope(pre, positions, inv_freq)
+    assert (post - pre).abs().max() > 0.1  # it did rotate
+    assert torch.allclose(unrope(post, positions, inv_freq), pre, atol=1e-5)
+    # positions of one row for every row, and none (0..T−1)
+    assert torch.allclose(unrope(post[:1], positions[0], inv_freq), pre[:1], atol=1e-5)
+    assert torch.allclose(unrope(post[:1], None, inv_freq), pre[:1], atol=1e-5)
+
+
+def test_the_fit_recovers_values_that_are_an_affine_map_of_the_keys_before_rope():
+    k, v, w, b, inv_freq = _affine_keys_and_values(1, 200)
+    fit = PredictorFit(4, 16, inv_freq)
+    valid = torch.ones(2, 200, dtype=torch.bool)
+    valid[1, 150:] = False  # padding is not counted
+    fit.add(k, v, valid)
+    assert fit.count == 350
+    pred = fit.solve()
+    assert isinstance(pred, ValuePredictor) and pred.weight.shape == (64, 64)
+    # fp16-rounded weights: the residual is small against the values, not zero
+    res = (pred(k) - v)[:, :, :150]
+    assert res.pow(2).mean() < 1e-4 * v.pow(2).mean()
+    # from post-RoPE keys as they are (no un-rotation), the same fit explains far less
+    naive = torch.linalg.lstsq(torch.cat([k.transpose(1, 2).flatten(2)[0], torch.ones(200, 1)], 1),
+                               v.transpose(1, 2).flatten(2)[0]).solution
+    res_naive = torch.cat([k.transpose(1, 2).flatten(2)[0], torch.ones(200, 1)], 1) @ naive \
+        - v.transpose(1, 2).flatten(2)[0]
+    assert res_naive.pow(2).mean() > 100 * res.pow(2).mean()
+
+
+def test_a_predictor_refuses_tables_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"expected weight \[64, 64\]"):
+        ValuePredictor(torch.zeros(64, 32), torch.zeros(64), torch.zeros(8), 4, 16)
+
+
+def _predicted_codec(seed: int = 0, heads: int = 4, dim: int = 16, slots: int = 0):
+    """A random codec (esm_turbo.testing) whose values are coded as what a random predictor leaves."""
+    from esm_turbo.quant.codec import KVCodec
+    from esm_turbo.testing import random_turbo_codec
+    base = random_turbo_codec(heads, dim, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    width = heads * dim
+    pred = ValuePredictor(torch.randn(width, width, generator=g) / width, 0.1 * torch.randn(width, generator=g),
+                          1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), heads, dim)
+    return KVCodec(base.key, base.value, slots=slots, predictor=pred)
+
+
+@pytest.mark.parametrize("slots", [0, 1])
+def test_the_codec_codes_the_residual_and_adds_the_prediction_back(slots):
+    """decode(encode(k, v)) of a predicted codec: its keys are the plain codec's; its values are the prediction
+    from those decoded keys plus the value quantizer's decode of the residual, at the positions given."""
+    from esm_turbo.quant.codec import KVCodec
+    codec = _predicted_codec(slots=slots)
+    plain = KVCodec(codec.key, codec.value, slots=slots)
+    assert codec.needs_positions and not plain.needs_positions
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 4, 6, 16, generator=g), torch.randn(2, 4, 6, 16, generator=g)
+    positions = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5]])
+    parts = codec.encode(k, v, positions)
+    k_hat, v_hat = codec.decode(parts, positions)
+    k_plain, _ = plain.decode(plain.encode(k, v))
+    assert torch.equal(k_hat, k_plain) and torch.equal(codec.coded_keys(k), k_hat)
+    pred = codec.predictor(k_hat, positions)
+    residual = plain.decode(plain.encode(k, v - pred))[1]
+    assert torch.allclose(v_hat, pred + residual, atol=1e-6)
+    # read at other positions, the values come back wrong: the positions are part of the code
+    assert (codec.decode(parts)[1] - v_hat)[0].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_caches_write_a_predicted_codec_at_each_rows_positions(paged, device):
+    """A row written in steps (a prefill, then single tokens, ragged lengths after a select) decodes as the codec
+    decodes the whole row from position 0; such a layer runs on the PyTorch path, also on CUDA."""
+    from esm_turbo.cache import KVCache
+    from esm_turbo.ops.compressed import fused_supported
+    from esm_turbo.paged import PagedKVCache
+    codec = _predicted_codec().to(device)
+    assert not fused_supported(codec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = (PagedKVCache([codec], 2, capacity=8, device=device, block_size=4) if paged
+                 else KVCache([codec], 2, capacity=8, device=device))
+    assert any("PyTorch path" in str(w.message) for w in caught) == (device == "cuda")
+    assert cache.fused == [False]
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(2, 4, 11, 16, generator=g).to(device), torch.randn(2, 4, 11, 16, generator=g).to(device)
+    cache.append([k[:, :, :5]], [v[:, :, :5]])
+    for t in range(5, 9):
+        cache.append([k[:, :, t:t + 1]], [v[:, :, t:t + 1]])
+    k_hat, v_hat, valid = cache.dequantize(0)
+    want = codec.decode(codec.encode(k[:, :, :9], v[:, :, :9]))
+    assert bool(valid.all())
+    assert torch.allclose(k_hat, want[0], atol=1e-6) and torch.allclose(v_hat, want[1], atol=1e-5)
+    cache.truncate(torch.tensor([2, 0], device=device))  # rows now 7 and 9 tokens long: the next token's position
+    cache.append([k[:, :, 9:10]], [v[:, :, 9:10]])
+    k_hat, v_hat, valid = cache.dequantize(0)
+    row0 = torch.cat([k[:1, :, :7], k[:1, :, 9:10]], 2), torch.cat([v[:1, :, :7], v[:1, :, 9:10]], 2)
+    want0 = codec.decode(codec.encode(*row0))
+    assert torch.allclose(v_hat[:1, :, :8], want0[1], atol=1e-5)
+    want1 = codec.decode(codec.encode(k[1:, :, :10], v[1:, :, :10]))
+    assert torch.allclose(v_hat[1:], want1[1], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_calibration_with_predicted_values_codes_them_closer_and_keeps_them_through_its_checkpoint(
+        stress_model, tmp_path):
+    """calibrate(predict_values=True) at 3.0 bits all-in: every layer gets a predictor, the values of held-out
+    sequences come back closer than the plain recipe's (the keys unchanged), the decode through the cache comes
+    closer to the fp32 cache's, and the checkpoint (format 6) rebuilds the same codecs; a checkpoint missing a
+    predictor table is refused."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from esm_turbo import Calibration, TurboEsm, calibrate
+    from esm_turbo.errors import CheckpointError
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model.calibrate import _run, token_batches
+    from esm_turbo.model.evaluate import evaluate
+    from esm_turbo.model.recipe import recipe
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:16]
+    ev = read_fasta("calibration_data/evaluation.fasta")[0][::8]
+    plain = calibrate(stress_model, recs, recipe("default", index_bits=2), progress=False)
+    pred = calibrate(stress_model, recs, recipe("default", index_bits=2, predict_values=True), progress=False)
+    assert all(c.predictor is not None for c in pred.codecs) and all(c.predictor is None for c in plain.codecs)
+    assert pred.codecs[0].bytes_per_token() == plain.codecs[0].bytes_per_token()  # the same bits a token
+    err = torch.zeros(2, 2, dtype=torch.float64)
+
+    def record(layer, q, k, v, valid):
+        for i, cal in enumerate((plain, pred)):
+            k_hat, v_hat = cal.codecs[layer].decode(cal.codecs[layer].encode(k, v))
+            m = valid[:, None, :, None]
+            err[i, 0] += ((k_hat - k) * m).pow(2).sum()
+            err[i, 1] += ((v_hat - v) * m).pow(2).sum()
+
+    _run(TurboEsm(stress_model), token_batches(ev, 4096), record, "", False)
+    assert torch.allclose(err[0, 0], err[1, 0])  # the keys are the plain recipe's
+    assert err[1, 1] < 0.5 * err[0, 1]  # values at least twice closer
+    a, b = (evaluate(TurboEsm(stress_model, cal), ev, max_steps=12, progress=False)["overall"]
+            for cal in (plain, pred))
+    assert b["decode_cos_mean"] > a["decode_cos_mean"] and b["decode_cos_worst_seq"] > a["decode_cos_worst_seq"]
+    path = pred.save(tmp_path / "cal.safetensors")
+    with safe_open(str(path), framework="pt") as fh:
+        import json
+        assert json.loads(fh.metadata()["esm_turbo"])["format_version"] == 6
+        tensors = {n: fh.get_tensor(n) for n in fh.keys()}
+    back = Calibration.load(path)
+    assert back.config.predict_values
+    k, v = (torch.randn(1, 4, 9, 16, generator=torch.Generator().manual_seed(s)) for s in (7, 8))
+    positions = torch.arange(3, 12)
+    x, y = pred.codecs[1].encode(k, v, positions), back.codecs[1].encode(k, v, positions)
+    assert x.keys() == y.keys() and all(torch.equal(x[n], y[n]) for n in x)
+    assert all(torch.equal(p, q) for p, q in zip(pred.codecs[1].decode(x, positions),
+                                                   back.codecs[1].decode(y, positions)))
+    del tensors["layers.1.predict.weight"]
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata()
+    save_file(tensors, str(tmp_path / "cut.safetensors"), metadata=meta)
+    with pytest.raises(CheckpointError, match="layer 1: value predictor tables missing"):
+        Calibration.load(tmp_path / "cut.safetensors")
+
+
+def test_predicted_values_refuse_a_shared_lut_and_a_rotary_they_would_not_undo(stress_model):
+    from types import SimpleNamespace
+
+    from esm_turbo import TurboEsm, calibrate
+    from esm_turbo.errors import EsmTurboError
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model.calibrate import check_rotary
+    from esm_turbo.model.recipe import recipe
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:2]
+    with pytest.raises(EsmTurboError, match="separate K and V LUTs"):
+        calibrate(stress_model, recs, recipe("shared-lut", predict_values=True), progress=False)
+    engine = TurboEsm(stress_model)
+    check_rotary(engine)  # ESM-2's own passes
+    rotary = engine.rotary
+
+    class Scaled(torch.nn.Module):  # a scaled rotary (as some long-context variants): not what unrope undoes
+        inv_freq = rotary.inv_freq
+
+        def forward(self, x, positions):
+            return tuple(0.5 * t for t in rotary(x, positions))
+
+    fake = SimpleNamespace(rotary=Scaled(), heads=engine.heads, head_dim=engine.head_dim, device=engine.device)
+    with pytest.raises(EsmTurboError, match="not the standard one"):
+        check_rotary(fake)
+    fake.rotary = torch.nn.Module()
+    with pytest.raises(EsmTurboError, match="no inv_freq"):
+        check_rotary(fake)
+
+
+def test_an_esmc_calibration_predicts_its_values_too():
+    """ESM C's keys pass a LayerNorm before the rotary embedding, so the prediction is not exact there; the fit and
+    the codec still run (the rotary convention checked) and code the values no worse than the plain recipe."""
+    from esm_turbo import TurboEsm, calibrate
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model.calibrate import _run, token_batches
+    from esm_turbo.model.recipe import recipe
+    from esm_turbo.testing import stress_esmc
+    model = stress_esmc(layers=2)
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:6]
+    cals = [calibrate(model, recs, recipe("default", index_bits=2, predict_values=p), progress=False)
+            for p in (False, True)]
+    err = [0.0, 0.0]
+
+    def record(layer, q, k, v, valid):
+        for i, cal in enumerate(cals):
+            err[i] += float(((cal.codecs[layer].decode(cal.codecs[layer].encode(k, v))[1] - v)
+                             * valid[:, None, :, None]).pow(2).sum())
+
+    _run(TurboEsm(model), token_batches(read_fasta("calibration_data/evaluation.fasta")[0][:4], 4096), record, "",
+         False)
+    assert err[1] <= 1.05 * err[0]
