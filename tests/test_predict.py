@@ -92,6 +92,9 @@ def test_the_codec_codes_the_residual_and_adds_the_prediction_back(slots):
     codec = _predicted_codec(slots=slots)
     plain = KVCodec(codec.key, codec.value, slots=slots)
     assert codec.needs_positions and not plain.needs_positions
+    # no bytes a token; the map is a constant of the layer, fp16 (and the rotary frequencies in fp32)
+    assert codec.token_bytes(4) == plain.token_bytes(4)
+    assert codec.constant_nbytes() - plain.constant_nbytes() == 64 * 64 * 2 + 64 * 2 + 8 * 4
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(2, 4, 6, 16, generator=g), torch.randn(2, 4, 6, 16, generator=g)
     positions = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5]])

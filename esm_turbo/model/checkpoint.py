@@ -92,10 +92,9 @@ class Calibration:
                         rot = rot[torch.tensor(self.meta["value_rotation_choice"][li], dtype=torch.bool)]
                     if rot.shape[0]:
                         tensors[f"layers.{li}.{kind}.rot"] = rot.contiguous()
-            if codec.predictor is not None:  # weight and bias hold fp16 values: stored exactly as fp16
+            if codec.predictor is not None:
                 for name in _PREDICTOR:
-                    t = getattr(codec.predictor, name).detach().cpu()
-                    tensors[f"layers.{li}.predict.{name}"] = (t if name == "inv_freq" else t.half()).contiguous()
+                    tensors[f"layers.{li}.predict.{name}"] = getattr(codec.predictor, name).detach().cpu().contiguous()
         version = PREDICTOR_FORMAT if any(c.predictor is not None for c in self.codecs) else FORMAT_VERSION
         meta = dict(self.meta, format_version=version, config=asdict(cfg))
         header = {"esm_turbo": json.dumps(meta, sort_keys=True)}
@@ -191,7 +190,7 @@ def _stored_predictor(tensors: dict[str, torch.Tensor], layer: int, cfg: Calibra
     if not cfg.predict_values:
         return None
     try:
-        return ValuePredictor(*(tensors[n].float() for n in names), heads, dim)
+        return ValuePredictor(*(tensors[n] for n in names), heads, dim)
     except ValueError as err:
         raise CheckpointError(f"{path}: layer {layer}: {err}") from None
 

@@ -41,8 +41,8 @@ def unrope(k: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tens
 
 class ValuePredictor(nn.Module):
     """v ≈ f(k̂) W + b per token, f(k̂) [.., D] = every head's decoded key before the rotary embedding; ``weight``
-    [D, D] and ``bias`` [D] (stored and applied in float16-rounded values, float32 buffers), ``inv_freq`` [d/2]: the
-    model's rotary frequencies."""
+    [D, D] and ``bias`` [D] (float16 buffers, applied in float32), ``inv_freq`` [d/2] (float32): the model's rotary
+    frequencies."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, inv_freq: torch.Tensor, heads: int, dim: int):
         super().__init__()
@@ -51,8 +51,8 @@ class ValuePredictor(nn.Module):
             raise ValueError(f"value predictor: expected weight [{width}, {width}], bias [{width}], inv_freq "
                              f"[{dim // 2}]; got {list(weight.shape)}, {list(bias.shape)}, {list(inv_freq.shape)}")
         self.heads, self.dim = heads, dim
-        self.register_buffer("weight", weight.to(torch.float16).float().contiguous())
-        self.register_buffer("bias", bias.to(torch.float16).float())
+        self.register_buffer("weight", weight.to(torch.float16).contiguous())
+        self.register_buffer("bias", bias.to(torch.float16).contiguous())
         self.register_buffer("inv_freq", inv_freq.float().clone())
 
     def features(self, k_hat: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,7 +62,7 @@ class ValuePredictor(nn.Module):
 
     def forward(self, k_hat: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """k̂ [..., H, T, d] → predicted values [..., H, T, d] float32."""
-        pred = self.features(k_hat, positions) @ self.weight + self.bias  # [..., T, D]
+        pred = self.features(k_hat, positions) @ self.weight.float() + self.bias.float()  # [..., T, D]
         return pred.unflatten(-1, (self.heads, self.dim)).transpose(-3, -2)
 
     def extra_repr(self) -> str:
