@@ -286,15 +286,22 @@ class KVCache:
             upto = self.capacity if ops.capturing(self.lengths) else int(self.lengths.max())
         return {n: b[:, :, :upto] for n, b in self.parts[layer].items()}
 
-    def dequantize(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Reference path: (K̂ [B,H,T,d], V̂ [B,H,T,d], valid [B,T] bool), T = max length."""
+    def dequantize(self, layer: int, split_values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Reference path: (K̂ [B,H,T,d], V̂ [B,H,T,d], valid [B,T] bool), T = max length. ``split_values``: V̂ less
+        the layer's value prediction from K̂ (:meth:`KVCodec.decode_split`; V̂ itself for a codec without one)."""
         parts = self.layer_parts(layer)
-        k, v = self.codecs[layer].decode(parts)
+        codec = self.codecs[layer]
+        predicted = codec.needs_positions
+        k, v = codec.decode_split(parts) if split_values or not predicted else codec.decode(parts)
         t = k.shape[2]
         pos = torch.arange(t, device=self.device)[None, :]
         valid = pos < self.lengths[:, None]
         if self.window is not None:  # the most recent `window` committed tokens come back in fp16
+            if split_values and predicted:
+                v = v + codec.predictor(k)
             k, v = self.window.overlay(layer, k, v, valid, self.lengths)
+            if split_values and predicted:
+                v = v - codec.predictor(k)
         return k, v, valid
 
     def memory_report(self) -> MemoryReport:

@@ -253,3 +253,27 @@ def test_an_esmc_calibration_predicts_its_values_too():
     _run(TurboEsm(model), token_batches(read_fasta("calibration_data/evaluation.fasta")[0][:4], 4096), record, "",
          False)
     assert err[1] <= 1.05 * err[0]
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_reference_attention_adds_the_prediction_once_a_row_as_predicting_every_value_would(window):
+    """decode_attention_reference over a predicted codec (Σ p·f mapped once) equals attention over the fully decoded
+    values, with a KIVI window laid over the recent tokens too; the split values are V̂ less the prediction."""
+    from esm_turbo.cache import KVCache
+    from esm_turbo.ops.reference import attend, decode_attention_reference
+    from esm_turbo.quant.codec import KVCodec
+    base = _predicted_codec()
+    codec = KVCodec(base.key, base.value, window=window, predictor=base.predictor)
+    cache = KVCache([codec], 3, capacity=4, device="cpu")
+    g = torch.Generator().manual_seed(6)
+    k, v = torch.randn(3, 4, 12, 16, generator=g), torch.randn(3, 4, 12, 16, generator=g)
+    cache.append([k], [v], counts=torch.tensor([12, 7, 10]))
+    q, k_new, v_new = (torch.randn(3, 4, 2, 16, generator=g) for _ in range(3))
+    new_valid = torch.tensor([[True, True], [True, False], [True, True]])
+    got = decode_attention_reference(q, cache, 0, k_new, v_new, new_valid)
+    k_hat, v_hat, valid = cache.dequantize(0)
+    want = attend(q, k_hat, v_hat, valid, k_new, v_new, new_valid)
+    assert torch.allclose(got, want, atol=1e-5)
+    k_split, r_hat, valid_split = cache.dequantize(0, split_values=True)
+    assert torch.equal(k_split, k_hat) and torch.equal(valid_split, valid)
+    assert torch.allclose(r_hat + codec.predictor(k_hat), v_hat, atol=1e-5)

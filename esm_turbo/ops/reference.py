@@ -19,14 +19,21 @@ def attend(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, pref
     k_prefix, v_prefix: [B, H, T, d]; prefix_valid: [B, T] bool; new_valid: [B, S] bool.
     Returns out [B, H, S, d] (q's dtype) and, if asked, probs [B, H, S, T + S] (float32).
     """
-    keys = torch.cat([k_prefix.float(), k_new.float()], dim=2)
+    probs = attention_probs(q, k_prefix, prefix_valid, k_new, new_valid)
     values = torch.cat([v_prefix.float(), v_new.float()], dim=2)
+    out = torch.einsum("bhst,bhtd->bhsd", probs, values).to(q.dtype)
+    return (out, probs) if return_probs else out
+
+
+def attention_probs(q: torch.Tensor, k_prefix: torch.Tensor, prefix_valid: torch.Tensor, k_new: torch.Tensor,
+                    new_valid: torch.Tensor) -> torch.Tensor:
+    """The attention probabilities [B, H, S, T + S] (float32) of :func:`attend`: over the prefix, then the new
+    tokens."""
+    keys = torch.cat([k_prefix.float(), k_new.float()], dim=2)
     valid = torch.cat([prefix_valid, new_valid], dim=1)  # [B, T+S]
     scores = torch.einsum("bhsd,bhtd->bhst", q.float(), keys)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhst,bhtd->bhsd", probs, values).to(q.dtype)
-    return (out, probs) if return_probs else out
+    return torch.softmax(scores, dim=-1)
 
 
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -39,9 +46,32 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return apply_rotary_pos_emb(q, k.view(shape).transpose(1, 2), cos, sin, unsqueeze_dim=1)
 
 
+def attend_predicted(q: torch.Tensor, k_prefix: torch.Tensor, r_prefix: torch.Tensor, prefix_valid: torch.Tensor,
+                     k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor, predictor) -> torch.Tensor:
+    """:func:`attend` over a prefix whose values are r̂ + predictor(k̂) (``esm_turbo.quant.predict``), without
+    predicting any cached token's values: Σ_t p_t·(f_t W + b) = (Σ_t p_t f_t) W + (Σ_t p_t) b, f_t [D] every head's
+    key of token t before the rotary embedding. Per step H·D multiply-adds a cached token against D² for its
+    prediction. Shapes as :func:`attend`'s, r_prefix as v_prefix; the prefix at positions 0..T−1."""
+    heads, dim, t = q.shape[1], q.shape[-1], k_prefix.shape[2]
+    probs = attention_probs(q, k_prefix, prefix_valid, k_new, new_valid)
+    p_prefix = probs[..., :t]  # [B, H, S, T]
+    values = torch.cat([r_prefix.float(), v_new.float()], dim=2)
+    out = torch.einsum("bhst,bhtd->bhsd", probs, values)
+    pooled = torch.einsum("bhst,btf->bhsf", p_prefix, predictor.features(k_prefix))  # [B, H, S, D]
+    w = predictor.weight.float().view(heads * dim, heads, dim)  # output column h·d + c of the map
+    out = out + torch.einsum("bhsf,fhd->bhsd", pooled, w)
+    out = out + p_prefix.sum(-1, keepdim=True) * predictor.bias.float().view(heads, dim)[None, :, None, :]
+    return out.to(q.dtype)
+
+
 def decode_attention_reference(q: torch.Tensor, cache: "DecodeCache", layer: int, k_new: torch.Tensor,
                                v_new: torch.Tensor, new_valid: torch.Tensor) -> torch.Tensor:
-    """Two-step path: dequantize the whole cached prefix of ``layer``, then attend."""
+    """Two-step path: dequantize the whole cached prefix of ``layer``, then attend (a prefix whose values a
+    predictor predicts: :func:`attend_predicted`)."""
+    codec = cache.codecs[layer]
+    if getattr(codec, "needs_positions", False):
+        k_hat, r_hat, valid = cache.dequantize(layer, split_values=True)
+        return attend_predicted(q, k_hat, r_hat, valid, k_new, v_new, new_valid, codec.predictor)
     k_hat, v_hat, valid = cache.dequantize(layer)
     return attend(q, k_hat, v_hat, valid, k_new, v_new, new_valid)
 

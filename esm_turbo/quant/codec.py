@@ -362,10 +362,16 @@ class KVCodec(nn.Module):
     def decode(self, parts: dict[str, torch.Tensor],
                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """parts → (k̂, v̂) [..., H, T, d] float32; ``positions`` only for a predictor."""
-        k_hat, v_hat = self._decode_kind("k", self.key, parts), self._decode_kind("v", self.value, parts)
+        k_hat, v_hat = self.decode_split(parts)
         if self.predictor is not None:
             v_hat = v_hat + self.predictor(k_hat, positions)
         return k_hat, v_hat
+
+    def decode_split(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """parts → (k̂, r̂) [..., H, T, d] float32: r̂ the values as coded, before a predictor's prediction from k̂ is
+        added (the values themselves without a predictor). Attention can add Σ p·prediction once a row
+        (:func:`esm_turbo.ops.reference.attend_predicted`) instead of predicting every cached token's values."""
+        return self._decode_kind("k", self.key, parts), self._decode_kind("v", self.value, parts)
 
     def constant_nbytes(self) -> int:
         """Bytes of the codec's own tables (rotations, LUTs, scales): fixed, not per token."""
