@@ -147,7 +147,8 @@ def _budget_recipe(cfg, args, model):
                          keep=frozenset(overrides_from_args(args, CalibrationConfig)))
     extra = f", {cfg.slots} slot(s) a token paid by {cfg.narrow_layers} narrowed layer(s)" if cfg.slots else ""
     extra += ", values coded as what the keys do not predict" if cfg.predict_values else ""
-    print(f"recipe for {args.bits} bits a value all-in: {cfg.key_index_bits} + {cfg.value_index_bits} index bits "
+    widths = cfg.resolved()  # the split rule applied: the widths it calibrates
+    print(f"recipe for {args.bits} bits a value all-in: {widths.key_index_bits} + {widths.value_index_bits} index bits "
           f"(keys + values{', and a sign bit' if cfg.residual == 'sign' else ''}){extra}")
     return cfg
 

@@ -145,6 +145,11 @@ def test_default_split_under_four_bits_all_in():
     assert widths(with_mean_bits(PRESETS["paper"], 2))[:2] == (2, 2)  # the paper's recipe stays literal
     assert widths(PRESETS["no-residual"])[:2] == (3, 3)  # an ablation of the sign bit alone
     assert widths(replace(default, residual="none", split="as-given"))[:2] == (3, 3)
+    # values predicted from the keys: keys-first at 4.0 bits all-in too, as far as the widths go
+    predicted = replace(default, predict_values=True)
+    assert widths(predicted)[:2] == (4, 2) and widths(with_mean_bits(predicted, 2))[:2] == (3, 1)
+    assert widths(with_mean_bits(predicted, 4))[:2] == (4, 4)
+    assert widths(replace(predicted, split="as-given"))[:2] == (3, 3)
     with pytest.raises(ValueError, match="split must be"):
         replace(default, split="keys").resolved()
 

@@ -301,6 +301,9 @@ def test_a_four_bit_budget_adds_a_slot_only_at_heads_of_16():
     base = recipe("default")
     small = for_budget(base, 4, layers=6, heads=20, dim=SLOT_MAX_HEAD_DIM)
     assert (small.slots, small.narrow_layers) == (1, 1)
+    predicted = for_budget(recipe("default", predict_values=True), 4, layers=6, heads=20, dim=SLOT_MAX_HEAD_DIM)
+    assert (predicted.slots, predicted.narrow_layers) == (0, 0)  # keys-first widths instead (split "auto")
+    assert (predicted.resolved().key_index_bits, predicted.resolved().value_index_bits) == (4, 2)
     for dim in (32, 64, 128):
         wide = for_budget(base, 4, layers=33, heads=20, dim=dim)
         assert (wide.slots, wide.narrow_layers) == (0, 0)

@@ -26,7 +26,8 @@ class CalibrationConfig:
                              range=(1, 4))
     value_index_bits: int = _f(3, "index bits per value", range=(1, 4))
     split: str = _f("auto", "auto: equal widths under 4 bits per value all-in become keys-first ones (3 -> 4 and 2, "
-                            "2 + sign -> 3 and 1); as-given: kept", choices=("auto", "as-given"))
+                            "2 + sign -> 3 and 1), and with predict_values at 4 too (3 + sign -> 4 and 2: the keys "
+                            "then code the values as well); as-given: kept", choices=("auto", "as-given"))
     key_rotation: str = _f("identity", "key rotation; identity: keys per channel; svd-query: the keys' PCA turned to "
                                        "lower the score error (preset query-keys)", choices=_ROTATIONS,
                            flags=("--rotation",))
@@ -97,7 +98,8 @@ class CalibrationConfig:
         if self.split not in ("auto", "as-given"):
             raise ValueError(f"split must be 'auto' or 'as-given', not {self.split!r}")
         key_bits, value_bits = self.key_index_bits, self.value_index_bits
-        if self.split == "auto" and key_bits == value_bits and key_bits + (self.residual != "none") < 4:
+        if self.split == "auto" and key_bits == value_bits and (key_bits + (self.residual != "none") < 4
+                                                                 or self.predict_values):
             key_bits, value_bits = kv_bits(key_bits, 1)
         lut = self.lut
         if lut == "auto":
@@ -160,8 +162,9 @@ def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: 
     """``cfg`` made to store ``bits`` bits a value all-in in a model of ``layers`` layers of ``heads`` heads of
     ``dim``: ``bits`` − 1 mean index bits with a sign residual (``bits`` without one), its key/value split rule kept;
     at :data:`SLOTTED_BUDGET` and heads of at most :data:`SLOT_MAX_HEAD_DIM` also one slot a token and kind, paid
-    for by the fewest layers narrowed by an index bit that keep the all-in within ``bits`` (``narrow_layers``).
-    Fields named in ``keep`` (set by the user) are not changed."""
+    for by the fewest layers narrowed by an index bit that keep the all-in within ``bits`` (``narrow_layers``), unless
+    the values are predicted from the keys (``predict_values``: keys-first widths hold the worst tokens there without
+    a slot, docs/recipe.md). Fields named in ``keep`` (set by the user) are not changed."""
     if bits not in BUDGETS:
         raise ValueError(f"bits {bits}: give one of {', '.join(map(str, BUDGETS))} all-in bits a value")
     if cfg.residual == "qjl":
@@ -170,7 +173,8 @@ def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: 
     if not 1 <= index <= 4:
         raise ValueError(f"bits {bits} with residual {cfg.residual} leaves {index} index bits a value (1..4)")
     out = with_mean_bits(cfg, index)
-    if bits == SLOTTED_BUDGET and dim <= SLOT_MAX_HEAD_DIM and not keep & {"slots", "narrow_layers"}:
+    if (bits == SLOTTED_BUDGET and dim <= SLOT_MAX_HEAD_DIM and not cfg.predict_values
+            and not keep & {"slots", "narrow_layers"}):
         from ..quant.slots import SLOT_DTYPE, KERNEL_SLOTS
         slot_bits = 8 * SLOT_DTYPE.itemsize * KERNEL_SLOTS / (heads * dim)  # both kinds' words over 2·H·d values
         narrow = math.ceil(layers * slot_bits - 1e-9)
