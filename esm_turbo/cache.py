@@ -291,16 +291,17 @@ class KVCache:
         the layer's value prediction from K̂ (:meth:`KVCodec.decode_split`; V̂ itself for a codec without one)."""
         parts = self.layer_parts(layer)
         codec = self.codecs[layer]
-        predicted = codec.needs_positions
-        k, v = codec.decode_split(parts) if split_values or not predicted else codec.decode(parts)
+        predicted = getattr(codec, "needs_positions", False)
+        split = split_values and predicted
+        k, v = codec.decode_split(parts) if split else codec.decode(parts)
         t = k.shape[2]
         pos = torch.arange(t, device=self.device)[None, :]
         valid = pos < self.lengths[:, None]
         if self.window is not None:  # the most recent `window` committed tokens come back in fp16
-            if split_values and predicted:
+            if split:
                 v = v + codec.predictor(k)
             k, v = self.window.overlay(layer, k, v, valid, self.lengths)
-            if split_values and predicted:
+            if split:
                 v = v - codec.predictor(k)
         return k, v, valid
 
