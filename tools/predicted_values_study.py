@@ -92,14 +92,14 @@ def calibrate_residuals(model, records, cfg, cal, predictors):
     """``calibrate`` with every recorded value replaced by its residual v − (k̂ W + b)."""
     plain_run = calibration._run
 
-    def run(engine, batches, recorder, desc, progress):
+    def run(engine, batches, recorder, desc, progress, values=None):
         def residual(layer, q, k, v, valid):
             key = cal.codecs[layer].key
             w, b = predictors[layer]
             x = features(key.decode(key.encode(k)), w.shape[1] != w.shape[2])
             pred = torch.einsum("bhse,hed->bhsd", x, w) + b[None, :, None, :]
             return recorder(layer, q, k, (v.float() - pred).to(v.dtype), valid)
-        return plain_run(engine, batches, residual, desc, progress)
+        return plain_run(engine, batches, residual, desc, progress, values)
 
     calibration._run = run
     try:
