@@ -233,7 +233,8 @@ def test_predicted_values_refuse_a_shared_lut_and_a_rotary_they_would_not_undo(s
 
 def test_an_esmc_calibration_predicts_its_values_too():
     """ESM C's keys pass a LayerNorm before the rotary embedding, so the prediction is not exact there; the fit and
-    the codec still run (the rotary convention checked) and code the values no worse than the plain recipe."""
+    the codec still run (the rotary convention checked) and code the values of the stand-in at least twice closer
+    than the plain recipe (14x when written)."""
     from esm_turbo import TurboEsm, calibrate
     from esm_turbo.fasta import read_fasta
     from esm_turbo.model.calibrate import _run, token_batches
@@ -252,7 +253,7 @@ def test_an_esmc_calibration_predicts_its_values_too():
 
     _run(TurboEsm(model), token_batches(read_fasta("calibration_data/evaluation.fasta")[0][:4], 4096), record, "",
          False)
-    assert err[1] <= 1.05 * err[0]
+    assert err[1] < 0.5 * err[0]
 
 
 @pytest.mark.parametrize("window", [0, 4])
