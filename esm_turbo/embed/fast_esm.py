@@ -34,6 +34,7 @@ from torch import nn
 
 from ..model.alphabet import check_sequence, encode_packed
 from ..model.family import ESM2, FAMILIES, Family, family_of_net
+from ..quant.predict import rotary_angles
 from .block_replay import BlockGraph, PackedBlocks, replay_pays, replayed_run
 from .fp8 import FP8_COMPUTE_DTYPE, Fp8Weight, linear
 from .varlen import flash_available, padded_layout, varlen_attention
@@ -477,9 +478,7 @@ class FastEsm(nn.Module):
 
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, d] float32 of positions [N] (transformers' rotary table)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        return rotary_angles(positions, self.inv_freq)
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, layers: list[int] | None = None) -> dict[int, torch.Tensor]:
