@@ -52,16 +52,12 @@ def attend_predicted(q: torch.Tensor, k_prefix: torch.Tensor, r_prefix: torch.Te
     predicting any cached token's values: Σ_t p_t·(f_t W + b) = (Σ_t p_t f_t) W + (Σ_t p_t) b, f_t [D] every head's
     key of token t before the rotary embedding. Per step H·D multiply-adds a cached token against D² for its
     prediction. Shapes as :func:`attend`'s, r_prefix as v_prefix; the prefix at positions 0..T−1."""
-    heads, dim, t = q.shape[1], q.shape[-1], k_prefix.shape[2]
     probs = attention_probs(q, k_prefix, prefix_valid, k_new, new_valid)
-    p_prefix = probs[..., :t]  # [B, H, S, T]
+    p_prefix = probs[..., :k_prefix.shape[2]]  # [B, H, S, T]
     values = torch.cat([r_prefix.float(), v_new.float()], dim=2)
     out = torch.einsum("bhst,bhtd->bhsd", probs, values)
     pooled = torch.einsum("bhst,btf->bhsf", p_prefix, predictor.features(k_prefix))  # [B, H, S, D]
-    w = predictor.weight.float().view(heads * dim, heads, dim)  # output column h·d + c of the map
-    out = out + torch.einsum("bhsf,fhd->bhsd", pooled, w)
-    out = out + p_prefix.sum(-1, keepdim=True) * predictor.bias.float().view(heads, dim)[None, :, None, :]
-    return out.to(q.dtype)
+    return (out + predictor.map_pooled(pooled, p_prefix.sum(-1, keepdim=True))).to(q.dtype)
 
 
 def decode_attention_reference(q: torch.Tensor, cache: "DecodeCache", layer: int, k_new: torch.Tensor,

@@ -65,6 +65,12 @@ class ValuePredictor(nn.Module):
         pred = self.features(k_hat, positions) @ self.weight.float() + self.bias.float()  # [..., T, D]
         return pred.unflatten(-1, (self.heads, self.dim)).transpose(-3, -2)
 
+    def map_pooled(self, pooled: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """Σ_t p_t·prediction_t per head from the pooled features: ``pooled`` [..., H, S, D] = Σ_t p_{h,t} f_t and
+        ``mass`` [..., H, S, 1] = Σ_t p_{h,t} → [..., H, S, d]: head h's output columns of the map only."""
+        w = self.weight.float().view(self.heads * self.dim, self.heads, self.dim)  # column h·d + c of the map
+        return torch.einsum("...hsf,fhd->...hsd", pooled, w) + mass * self.bias.float().view(self.heads, 1, self.dim)
+
     def extra_repr(self) -> str:
         return f"heads={self.heads}, dim={self.dim}"
 
