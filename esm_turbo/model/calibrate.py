@@ -263,7 +263,9 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     used = [r for b in batches for r in b]
     start = time.perf_counter()
     if config.predict_values:  # keys first; the values' tables are then fitted on what the keys do not predict
-        coded = _fit_codecs(engine, batches, replace(config, predict_values=False), progress)[0]
+        # the keys' codecs (their values are discarded: no per-head value rotation choice, a pass over the set less)
+        keys_only = replace(config, predict_values=False, value_rotation="identity")
+        coded = _fit_codecs(engine, batches, keys_only, progress)[0]
         keys = [c.key for c in coded]
         predictors = fit_value_predictors(engine, batches, coded, progress)
 
