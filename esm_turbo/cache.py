@@ -113,9 +113,11 @@ class KVCache:
         if any(getattr(c, "slots", 0) > KERNEL_SLOTS for c in codecs) and ops.use_kernels(self.device):
             warnings.warn(f"codecs with more than {KERNEL_SLOTS} slot a token (calibrate --slots) are written and read "
                           f"on the PyTorch path: the fused GPU kernels read {KERNEL_SLOTS}", stacklevel=2)
-        if any(getattr(c, "needs_positions", False) for c in codecs) and ops.use_kernels(self.device):
-            warnings.warn("values predicted from the keys (calibrate --predict-values) are written and read on the "
-                          "PyTorch path: no fused GPU kernel reads them yet", stacklevel=2)
+        if any(getattr(c, "needs_positions", False) and not on for c, on in zip(codecs, self.fused)) \
+                and ops.use_kernels(self.device):
+            warnings.warn("values predicted from the keys (calibrate --predict-values) with slots, or in layers wider "
+                          "than the fused walk holds (esm_turbo.kernels.decode.predicted.fits), are written and read "
+                          "on the PyTorch path", stacklevel=2)
 
     @property
     def num_layers(self) -> int:

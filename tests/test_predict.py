@@ -111,20 +111,29 @@ def test_the_codec_codes_the_residual_and_adds_the_prediction_back(slots):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("paged", [False, True])
-def test_caches_write_a_predicted_codec_at_each_rows_positions(paged, device):
+@pytest.mark.parametrize("fused", [False, True])
+def test_caches_write_a_predicted_codec_at_each_rows_positions(fused, paged, device):
     """A row written in steps (a prefill, then single tokens, ragged lengths after a select) decodes as the codec
-    decodes the whole row from position 0; such a layer runs on the PyTorch path, also on CUDA."""
+    decodes the whole row from position 0, on the PyTorch path and through the fused write (``write_predicted``:
+    the quantize kernel on CUDA, its reference elsewhere), which a CUDA cache takes; with slots it does not."""
     from esm_turbo.cache import KVCache
     from esm_turbo.ops.compressed import fused_supported
     from esm_turbo.paged import PagedKVCache
     codec = _predicted_codec().to(device)
-    assert not fused_supported(codec)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cache = (PagedKVCache([codec], 2, capacity=8, device=device, block_size=4) if paged
-                 else KVCache([codec], 2, capacity=8, device=device))
-    assert any("PyTorch path" in str(w.message) for w in caught) == (device == "cuda")
-    assert cache.fused == [False]
+    assert fused_supported(codec, need_kernel_shape=True)
+    assert not fused_supported(_predicted_codec(slots=1))
+
+    def make(c):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            made = (PagedKVCache([c], 2, capacity=8, device=device, block_size=4) if paged
+                    else KVCache([c], 2, capacity=8, device=device))
+        return made, any("PyTorch path" in str(w.message) for w in caught)
+
+    cache, warned = make(codec)
+    assert not warned and cache.fused == [device == "cuda"]
+    assert make(_predicted_codec(slots=1).to(device))[1] == (device == "cuda")
+    cache.fused = [fused]
     g = torch.Generator().manual_seed(4)
     k, v = torch.randn(2, 4, 11, 16, generator=g).to(device), torch.randn(2, 4, 11, 16, generator=g).to(device)
     cache.append([k[:, :, :5]], [v[:, :, :5]])
@@ -278,3 +287,109 @@ def test_reference_attention_adds_the_prediction_once_a_row_as_predicting_every_
     k_split, r_hat, valid_split = cache.dequantize(0, split_values=True)
     assert torch.equal(k_split, k_hat) and torch.equal(valid_split, valid)
     assert torch.allclose(r_hat + codec.predictor(k_hat), v_hat, atol=1e-5)
+
+
+def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int = 0, seed: int = 0,
+                     device: str = "cpu", **codec_args):
+    """A one-layer cache on ``device`` (paged with ``block_size``) of a random predicted codec (``esm_turbo.testing``'s
+    ``random_turbo_codec`` with ``codec_args``) holding ragged random keys and values written at their positions (on
+    CUDA by the fused write)."""
+    from esm_turbo.cache import KVCache
+    from esm_turbo.paged import PagedKVCache
+    from esm_turbo.quant.codec import KVCodec
+    from esm_turbo.testing import random_turbo_codec
+    base = random_turbo_codec(heads, dim, seed=seed, **codec_args)
+    g = torch.Generator().manual_seed(seed + 100)
+    width = heads * dim
+    pred = ValuePredictor(torch.randn(width, width, generator=g) / width, 0.1 * torch.randn(width, generator=g),
+                          1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), heads, dim)
+    codec = KVCodec(base.key, base.value, predictor=pred).to(device)
+    t = max(lengths)
+    cache = (PagedKVCache([codec], len(lengths), capacity=t + 4, device=device, block_size=block_size) if block_size
+             else KVCache([codec], len(lengths), capacity=t + 4, device=device))
+    k = (torch.randn(len(lengths), heads, t, dim, generator=g) * 2).to(device)
+    v = torch.randn(len(lengths), heads, t, dim, generator=g).to(device)
+    cache.append([k], [v], counts=torch.tensor(lengths, device=device))
+    return codec, cache
+
+
+@pytest.mark.parametrize("heads,dim,lengths,s,block_size,splits,codec_args", [
+    (4, 16, [37, 5], 1, 0, 2, {}),
+    (4, 16, [37, 0], 2, 8, 3, {}),  # a row with nothing cached, two new tokens, paged
+    (6, 32, [20, 33], 1, 16, None, {"grid": True}),  # the default's grid codes
+    (2, 64, [40, 17], 1, 0, None, {"residual": "none", "shared": False}),  # a layout row a head
+    (20, 64, [23, 9, 1], 1, 0, 2, {}),  # 650M's heads: three chunks of feature heads
+])
+def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, lengths, s, block_size, splits,
+                                                                     codec_args):
+    """predicted_attention_triton (Triton's interpreter on CPU, the kernel on CUDA) against
+    predicted_attention_reference: keys of every head decoded once a tile, the pooled features, the splits merged
+    with the step's own tokens."""
+    from esm_turbo.kernels.decode.predicted import feature_chunk, fits
+    from esm_turbo.ops.compressed import cached_codes
+    from esm_turbo.ops.predicted import predicted_attention_reference, predicted_attention_triton
+    assert fits(heads, dim)
+    if (heads, dim) == (20, 64):
+        assert feature_chunk(heads, dim) == (8, 3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    codec, cache = _predicted_cache(heads, dim, lengths, block_size, device=device, **codec_args)
+    g = torch.Generator().manual_seed(9)
+    b = len(lengths)
+    q = (torch.randn(b, heads, s, dim, generator=g) * dim ** -0.5 * 3).to(device)
+    k_new, v_new = (torch.randn(b, heads, s, dim, generator=g).to(device) for _ in range(2))
+    new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
+    if s > 1:
+        new_valid[0, -1] = False
+    parts = cache.pool.dev[0] if block_size else cache.parts[0]
+    pages = cache.pages() if block_size else (None, 0)
+    keys, values = cached_codes(codec, parts, "k"), cached_codes(codec, parts, "v")
+    args = (q, k_new, v_new, new_valid, cache.lengths, keys, values, codec.predictor, *pages)
+    want = predicted_attention_reference(*args)
+    got = predicted_attention_triton(*args, splits=splits)
+    assert torch.allclose(got, want, atol=2e-5 * want.abs().max().item(), rtol=0)
+
+
+def test_the_fused_walk_refuses_heads_it_cannot_hold():
+    """Layers past what a program holds (3B's 40 heads of 64, 15B's of 128) and widths that are no power of two are
+    read on the PyTorch path, with slots too."""
+    from esm_turbo.kernels.decode.predicted import fits
+    from esm_turbo.ops.compressed import fused_supported
+    assert fits(20, 16) and fits(20, 64) and fits(2, 128) and fits(8, 32)
+    assert not fits(40, 64) and not fits(40, 128) and not fits(20, 24) and not fits(16, 8)
+    assert fused_supported(_predicted_codec(heads=20, dim=16), need_kernel_shape=True)
+    assert not fused_supported(_predicted_codec(heads=40, dim=64), need_kernel_shape=True)
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_gpu_session_over_predicted_values_steps_in_the_fused_kernels_as_on_the_pytorch_path(paged):
+    """A session calibrated with predict_values, on CUDA: the fused write and walk (prefill, then steps; a paged
+    session too) give the PyTorch path's logits, and a captured step replays the eager one."""
+    from esm_turbo import TurboEsm, calibrate, ops
+    from esm_turbo.fasta import Record
+    from esm_turbo.model.alphabet import alphabet
+    from esm_turbo.model.recipe import recipe
+    from esm_turbo.testing import stress_esm2
+    model = stress_esm2(layers=2, hidden=128, heads=8, seed=0).cuda()
+    recs = [Record(f"s{i}", "MKTAYIAKQRQISFVKSHFSRQ" * 3, "x", "") for i in range(4)]
+    cal = calibrate(model, recs, recipe("default", index_bits=2, predict_values=True), progress=False)
+    engine = TurboEsm(model, cal)
+    mask = alphabet().mask_idx
+    logits = []
+    for forced in (False, True):
+        ops.force_reference(forced)
+        try:
+            session = engine.session("turbo", capacity=128, **({"paged": True} if paged else {}))
+            session.start(["MKTAYIAKQRQISFVKSHFSRQ" * 2, "MKVLAAGIVGL"])
+            assert all(session.cache.fused) != forced
+            steps = [session.step(torch.full((2, 1), mask, device="cuda")).logits.float() for _ in range(3)]
+            logits.append(torch.stack(steps))
+            if not forced and not paged:
+                tokens = torch.full((2, 1), mask, device="cuda")
+                eager = session.step(tokens, commit=False).logits
+                assert torch.allclose(session.capture_step(tokens).replay().logits, eager, atol=1e-4)
+        finally:
+            ops.force_reference(False)
+    fused, reference = (torch.log_softmax(t, -1) for t in logits)
+    assert (fused - reference).abs().mean() < 2e-3 and (fused - reference).abs().max() < 0.1

@@ -33,10 +33,15 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     they are ready for it (``fused_ready``), with 1–4 index bits (and, with ``need_kernel_shape``, the Triton kernels'
     shape rule: head_dim/8 a power of two, i.e. d ∈ {16, 32, 64, 128, ...}); a codec with a recent-token window
     (``esm_turbo.window``) or more than :data:`~esm_turbo.quant.slots.KERNEL_SLOTS` slots a token
-    (``esm_turbo.quant.slots``) is read on the reference path, and so is one whose values are predicted from its keys
-    (``esm_turbo.quant.predict``: no fused kernel reads every head's keys for a head's values yet)."""
-    if getattr(codec, "window", 0) or getattr(codec, "slots", 0) > KERNEL_SLOTS or getattr(codec, "predictor", None):
+    (``esm_turbo.quant.slots``) is read on the reference path. A codec whose values are predicted from its keys
+    (``esm_turbo.quant.predict``) takes its own walk over every head's keys (``esm_turbo.ops.predicted``): without
+    slots, and with ``need_kernel_shape`` for the head counts and widths it holds (``kernels.decode.predicted.fits``)."""
+    if getattr(codec, "window", 0) or getattr(codec, "slots", 0) > KERNEL_SLOTS:
         return False
+    if getattr(codec, "predictor", None) is not None:
+        from ..kernels.decode.predicted import fits
+        if codec.slots or (need_kernel_shape and not fits(codec.key.heads, codec.key.dim)):
+            return False
     for q in (codec.key, codec.value):
         if not keeps_fused_contract(q):
             return False
@@ -217,11 +222,7 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     and row b's position t lies in slot ``pages[b, t // block_size]`` (:func:`gather_blocks`). A kind's slots
     (``CachedCodes.slots``) correct its decoded ŷ before either sum (:func:`~esm_turbo.quant.slots.apply_slots`).
     """
-    if pages is not None and pages.numel():
-        keys, values = (c._replace(main=gather_blocks(c.main, pages),
-                                   sign=gather_blocks(c.sign, pages) if c.sign.numel() else c.sign,
-                                   slots=gather_blocks(c.slots, pages) if c.has_slots() else c.slots)
-                        for c in (keys, values))
+    keys, values = gathered(keys, values, pages)
     k_rot, k_offset, k_scale = keys.rot, keys.offset, keys.scale
     v_rot, v_offset, v_scale = values.rot, values.offset, values.scale
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
@@ -238,6 +239,17 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     out = torch.einsum("bhst,bhtd->bhsd", probs, v_all) * v_scale[:, None, :] + v_offset[:, None, :]
     out = torch.einsum("bhse,hed->bhsd", torch.where(any_valid, out, torch.zeros_like(out)), v_rot)
     return out.to(q.dtype)
+
+
+def gathered(keys: CachedCodes, values: CachedCodes, pages: torch.Tensor | None) -> tuple[CachedCodes, CachedCodes]:
+    """Both kinds' packed parts (and slots) as contiguous rows [B, H, T, ·]: a paged cache's pools read through
+    ``pages`` [B, blocks] (:func:`gather_blocks`); a contiguous cache's (``pages`` None or empty) as they are."""
+    if pages is None or not pages.numel():
+        return keys, values
+    return tuple(c._replace(main=gather_blocks(c.main, pages),
+                            sign=gather_blocks(c.sign, pages) if c.sign.numel() else c.sign,
+                            slots=gather_blocks(c.slots, pages) if c.has_slots() else c.slots)
+                 for c in (keys, values))
 
 
 def _cached_values(c: CachedCodes, device: torch.device) -> torch.Tensor:
@@ -366,7 +378,12 @@ def _codec_tables(q: FusedQuantizer) -> tuple[torch.Tensor, torch.Tensor, torch.
 def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                      pos: torch.Tensor, pages: torch.Tensor | None = None) -> None:
     """Quantize-and-pack k, v [B,H,S,d] into one layer's cache parts at rows ``pos[b] + j`` (a paged cache's pools
-    through ``pages`` [B, blocks] int32), the slots too where the codec keeps them."""
+    through ``pages`` [B, blocks] int32), the slots too where the codec keeps them; values predicted from the keys:
+    :func:`esm_turbo.ops.predicted.write_predicted`."""
+    if getattr(codec, "predictor", None) is not None:
+        from .predicted import write_predicted
+        write_predicted(codec, parts, k, v, pos, pages)
+        return
     tables = fused_tables(codec)
     key, value = codec.key, codec.value
     _run(quantize_pack, _QUANTIZE_PACK, k, v, *_codec_tables(key), tables.k_bounds, key.centroids,
@@ -392,7 +409,11 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
                       block_size: int = 0) -> torch.Tensor:
     """Decode attention of q [B,H,S,d] over one layer's packed prefix (``lengths`` [B] rows) plus the
     step's own k_new/v_new [B,H,S,d] (new_valid [B,S]). Returns [B,H,S,d] in q's dtype. A paged cache's parts
-    are pools read through ``pages`` [B, blocks] int32 (:func:`compressed_attention_reference`)."""
+    are pools read through ``pages`` [B, blocks] int32 (:func:`compressed_attention_reference`). Values predicted from
+    the keys: :func:`esm_turbo.ops.predicted.attend_predicted_compressed`."""
+    if getattr(codec, "predictor", None) is not None:
+        from .predicted import attend_predicted_compressed
+        return attend_predicted_compressed(codec, parts, lengths, q, k_new, v_new, new_valid, pages, block_size)
     keys, values = cached_codes(codec, parts, "k"), cached_codes(codec, parts, "v")
     if pages is None:
         pages = lengths.new_empty(0, dtype=torch.int32)

@@ -25,6 +25,12 @@ def rotary_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torc
     return emb.cos(), emb.sin()
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] → [−x₂, x₁] of the two halves of the last dim (transformers' rotary convention)."""
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([-x2, x1], -1)
+
+
 def unrope(k: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tensor) -> torch.Tensor:
     """Post-RoPE keys k [..., H, T, d] at ``positions`` ([..., T] or [T]; None: 0..T−1) turned back by the inverse
     rotation: k·cos − rotate_half(k)·sin, float32."""
@@ -35,8 +41,7 @@ def unrope(k: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tens
     if cos.dim() > 2:  # [B, T, d] → [B, 1, T, d]: one angle a token, every head
         cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
     k = k.float()
-    x1, x2 = k.chunk(2, -1)
-    return k * cos - torch.cat([-x2, x1], -1) * sin
+    return k * cos - rotate_half(k) * sin
 
 
 class ValuePredictor(nn.Module):

@@ -1,0 +1,219 @@
+"""Fused decode attention over a cache whose values are predicted from the keys (``esm_turbo.quant.predict``): the
+walk that ``esm_turbo.ops.predicted.predicted_attention_reference`` specifies, its partials merged by
+``esm_turbo.ops.predicted.merge_predicted``.
+
+A cached token's value is r̂ + (f W + b), f [H·d] every head's decoded key turned back before the rotary embedding.
+No cached token's prediction is computed: a query of head h needs Σ_t p_{h,t} f_t (then one map by W's columns of
+head h), so one program walks one query token of a row for *all* heads at once — every head's keys are read once
+a tile and serve every head's scores and features:
+
+* scores [HQ, BT] in each head's key affine domain (``⟨q̃, ŷ⟩``, c0 dropped as in ``walk.py``), an online softmax per
+  head (log2 units);
+* Σ p ŷᵥ [HQ, d]: the coded residual values, in the value affine domain (mapped back once by the merge);
+* Σ p f [HQ, FC·d] (a dot on tensor cores) over a chunk of FC feature heads, f = x̂·cos_t − rotate_half(x̂)·sin_t with
+  x̂ = ŷ M + c (M = diag(σ)·Π and diag(σ)·rotate_half(Π): two batched dots, ``feature_maps``).
+
+Grid (B·S, splits, feature chunks): the programs of one (query, split) share its scores; the first chunk's also
+writes the residual sums. HQ = max(16, the heads rounded up to a power of two) (a dot's rows); FC·d ≤
+:data:`POOLED_VALUES` / HQ, so the pooled sums fit a program's registers. Shapes beyond :func:`fits` take the
+PyTorch path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...quant.layout import CachedCodes
+from ..common import FP_FUSION, dot_precision, interpreting, num_sms, part_or
+
+LOG2E = tl.constexpr(1.4426950408889634)
+#: the widest key tile a program holds ([HQ, BT, d] floats over HQ·d)
+MAX_HEAD_WIDTH = 2048
+#: the most pooled feature sums a program keeps ([HQ, FC·d])
+POOLED_VALUES = 16384
+BLOCK_T = 16
+
+
+def query_heads(heads: int) -> int:
+    """HQ: the heads a program holds, a power of two of at least 16 (the pooled dot's rows)."""
+    return max(16, triton.next_power_of_2(heads))
+
+
+def fits(heads: int, dim: int) -> bool:
+    """Whether the fused walk takes a layer of ``heads`` heads of ``dim`` (a power of two of at least 16, and
+    HQ·d ≤ :data:`MAX_HEAD_WIDTH`: ESM-2 8M, 35M-by-shape and 150M-by-shape up to 650M's 20 heads of 64)."""
+    return dim >= 16 and dim & (dim - 1) == 0 and query_heads(heads) * dim <= MAX_HEAD_WIDTH
+
+
+def feature_chunk(heads: int, dim: int) -> tuple[int, int]:
+    """(FC, chunks): feature heads a program pools (a power of two) and the programs that cover every head."""
+    hq = query_heads(heads)
+    fc = min(triton.next_power_of_2(heads), max(1, POOLED_VALUES // (hq * dim)))
+    return fc, math.ceil(heads / fc)
+
+
+@triton.jit
+def _rows_of(b, hh, offs_t, tmask, page_ptr, H, T_CAP, PAGE: tl.constexpr):
+    """Row indices [HH, BT] (int64) of heads ``hh`` [HH] at positions ``offs_t`` [BT] of sequence b: ``(b·H + h)·T_CAP
+    + t`` in a contiguous cache [B, H, T_CAP, ·], or through the block table (``PAGE`` > 0) ``(slot·H + h)·PAGE +
+    t % PAGE`` in a pool [slots, H, PAGE, ·]."""
+    if PAGE == 0:
+        base = (b * H + hh).to(tl.int64) * T_CAP
+        rows = base[:, None] + offs_t[None, :]
+    else:
+        slot = tl.load(page_ptr + b.to(tl.int64) * (T_CAP // PAGE) + offs_t // PAGE, mask=tmask, other=0)
+        rows = (slot.to(tl.int64)[None, :] * H + hh[:, None]) * PAGE + (offs_t % PAGE)[None, :]
+    return rows
+
+
+@triton.jit
+def _decode_heads(main_ptr, sign_ptr, tab_ptr, lay, hh, rows, mask, D: tl.constexpr, CB: tl.constexpr,
+                  NC: tl.constexpr, SIGN: tl.constexpr):
+    """Codes of heads ``hh`` [HH] at ``rows`` [HH, BT] (``mask`` [HH, BT]) → values ŷ [HH, BT, D] float32 (the affine
+    domain): each group of 8 channels one little-endian word of CB bytes, channel c's field at ``lay`` [HH, 1, D]
+    (``shift | mask << 8``); with a sign plane (``SIGN``) the code ``2·field + bit``; looked up in the head's table
+    [D, NC] of ``tab_ptr`` [H, D, NC]."""
+    c = tl.arange(0, D)[None, None, :]
+    r3 = rows[:, :, None]
+    m3 = mask[:, :, None]
+    word = tl.zeros(r3.shape, tl.int32) + tl.zeros(c.shape, tl.int32)
+    for i in tl.static_range(CB):
+        byte = tl.load(main_ptr + r3 * (D * CB // 8) + (c // 8) * CB + i, mask=m3, other=0)
+        word = word | (byte.to(tl.int32) << (8 * i))
+    code = (word >> (lay & 255)) & ((lay >> 8) & 255)
+    if SIGN:
+        sb = tl.load(sign_ptr + r3 * (D // 8) + c // 8, mask=m3, other=0).to(tl.int32)
+        code = code * 2 + ((sb >> (c % 8)) & 1)
+    at = (hh[:, None, None] * D + c) * NC + code
+    return tl.load(tab_ptr + at, mask=m3, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr, v_lay_ptr, fmap_ptr,
+                      fbias_ptr, freq_ptr, len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pool_ptr,
+                      H, S, T_CAP, CHUNK, TILES, NS, NF,
+                      D: tl.constexpr, HQ: tl.constexpr, FC: tl.constexpr, BT: tl.constexpr,
+                      KCB: tl.constexpr, VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr,
+                      KSIGN: tl.constexpr, VSIGN: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid (B·S, NS, NF): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length), feature
+    heads [chunk·FC, +FC). Writes partial (b·S + qi)·NS + split: m, l [HQ], and (chunk 0) Σ p ŷᵥ [HQ, D], and its
+    pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D]."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    chunk = tl.program_id(2)
+    b = pid // S
+    qi = pid % S
+    length = tl.load(len_ptr + b).to(tl.int32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, length)
+    hh = tl.arange(0, HQ)
+    hmask = hh < H
+    cc = tl.arange(0, D)
+    q = tl.load(qt_ptr + ((b * H + hh[:, None]) * S + qi) * D + cc[None, :], mask=hmask[:, None], other=0.0)
+    q = q * LOG2E  # [HQ, D]
+    lay_at = hh[:, None, None] * D + cc[None, None, :]
+    k_lay = tl.load(k_lay_ptr + lay_at, mask=hmask[:, None, None], other=0)
+    v_lay = tl.load(v_lay_ptr + lay_at, mask=hmask[:, None, None], other=0)
+    # the feature heads of this chunk, their maps [FC, D, D] (x̂ and rotate_half(x̂)) and offsets [FC, 1, D]
+    fh = chunk * FC + tl.arange(0, FC)
+    fmask = fh < H
+    e = tl.arange(0, D)
+    m_at = ((fh[:, None, None] * 2) * D + e[None, :, None]) * D + cc[None, None, :]
+    mx = tl.load(fmap_ptr + m_at, mask=fmask[:, None, None], other=0.0)
+    mr = tl.load(fmap_ptr + m_at + D * D, mask=fmask[:, None, None], other=0.0)
+    b_at = (fh[:, None, None] * 2) * D + cc[None, None, :]
+    bx = tl.load(fbias_ptr + b_at, mask=fmask[:, None, None], other=0.0)
+    br = tl.load(fbias_ptr + b_at + D, mask=fmask[:, None, None], other=0.0)
+    fk_lay = tl.load(k_lay_ptr + fh[:, None, None] * D + cc[None, None, :], mask=fmask[:, None, None], other=0)
+    freq = tl.load(freq_ptr + cc % (D // 2))  # [D]: the frequencies over both halves of a head
+    m_i = tl.full((HQ,), float("-inf"), tl.float32)
+    l_i = tl.zeros((HQ,), tl.float32)
+    acc = tl.zeros((HQ, D), tl.float32)
+    pooled = tl.zeros((HQ, FC * D), tl.float32)
+    for it in range(0, TILES):
+        t0 = start + it * BT
+        if t0 < end:
+            offs_t = t0 + tl.arange(0, BT)
+            tmask = offs_t < end
+            rows = _rows_of(b, hh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
+            valid = hmask[:, None] & tmask[None, :]
+            yk = _decode_heads(k_main, k_sign, k_tab, k_lay, hh, rows, valid, D, KCB, KNC, KSIGN)
+            s = tl.sum(yk * q[:, None, :], axis=2)  # [HQ, BT]
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+            if chunk == 0:
+                yv = _decode_heads(v_main, v_sign, v_tab, v_lay, hh, rows, valid, D, VCB, VNC, VSIGN)
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * yv, axis=1)
+            frows = _rows_of(b, fh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
+            yf = _decode_heads(k_main, k_sign, k_tab, fk_lay, fh, frows, fmask[:, None] & tmask[None, :], D, KCB,
+                               KNC, KSIGN)  # [FC, BT, D]
+            x = tl.dot(yf, mx, input_precision=PRECISION) + bx
+            xr = tl.dot(yf, mr, input_precision=PRECISION) + br
+            angle = offs_t.to(tl.float32)[:, None] * freq[None, :]  # [BT, D]
+            f = x * tl.cos(angle)[None, :, :] - xr * tl.sin(angle)[None, :, :]
+            f = tl.where(tmask[None, :, None], f, 0.0)
+            f2 = tl.reshape(tl.permute(f, (1, 0, 2)), (BT, FC * D))
+            pooled = tl.dot(p, f2, pooled * alpha[:, None], input_precision=PRECISION)
+    part = pid * NS + split
+    width = NF * FC * D
+    tl.store(pool_ptr + (part * HQ + hh[:, None]) * width + chunk * FC * D + tl.arange(0, FC * D)[None, :], pooled)
+    if chunk == 0:
+        tl.store(m_ptr + part * HQ + hh, m_i)
+        tl.store(l_ptr + part * HQ + hh, l_i)
+        tl.store(acc_ptr + (part * HQ + hh[:, None]) * D + cc[None, :], acc)
+
+
+def full_layout(c: CachedCodes) -> torch.Tensor:
+    """One kind's field layout [H, d] int32 (``shift | mask << 8`` a channel), made explicit for equal widths."""
+    from ...quant.packing import layout_of
+    if c.layout.numel():
+        return c.layout
+    heads, dim = c.table.shape[:2]
+    return layout_of(torch.full((heads, dim), c.code.code_bits, device=c.table.device))
+
+
+def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes,
+                              fmap: torch.Tensor, fbias: torch.Tensor, inv_freq: torch.Tensor,
+                              pages: torch.Tensor | None = None, block_size: int = 0, splits: int | None = None
+                              ) -> tuple[torch.Tensor, ...]:
+    """The walk's partials for queries ``qt`` [B, H, S, d] float32 (in the keys' affine domain, c0 dropped: ``q̃``
+    of ``esm_turbo.ops.compressed.compressed_attention_reference``) over each row's ``lengths`` cached tokens.
+    ``fmap`` [H, 2, d, d], ``fbias`` [H, 2, d]: x̂ and rotate_half(x̂) from ŷ (``esm_turbo.ops.predicted.
+    feature_maps``); ``inv_freq`` [d/2] float32; a paged cache: ``pages`` [B, blocks] int32 and its ``block_size``.
+    Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], Σ p f [B, S, NS, HQ, NF·FC·d]); a split past a row's
+    length leaves m = −inf and zero sums."""
+    batch, heads, s, d = qt.shape
+    page = int(block_size) if pages is not None and pages.numel() else 0
+    t_cap = pages.shape[1] * page if page else keys.main.shape[2]
+    if not page:
+        pages = lengths  # never read
+    hq = query_heads(heads)
+    fc, nf = feature_chunk(heads, d)
+    blocks = max(1, math.ceil(t_cap / BLOCK_T))
+    if splits is None:
+        splits = max(1, min(blocks, 64, math.ceil(2 * num_sms(qt.device) / max(1, batch * s * nf))))
+    chunk = math.ceil(blocks / splits) * BLOCK_T
+    splits = max(1, math.ceil(t_cap / chunk))
+    dev = qt.device
+    m = torch.full((batch, s, splits, hq), float("-inf"), device=dev)
+    l_ = torch.zeros(batch, s, splits, hq, device=dev)
+    acc = torch.zeros(batch, s, splits, hq, d, device=dev)
+    pooled = torch.zeros(batch, s, splits, hq, nf * fc * d, device=dev)
+    k_lay, v_lay = full_layout(keys), full_layout(values)
+    _predicted_kernel[(batch * s, splits, nf)](
+        qt.contiguous(), keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
+        keys.table, values.table, k_lay, v_lay, fmap, fbias, inv_freq.float().contiguous(), lengths, pages, m, l_,
+        acc, pooled, heads, s, t_cap, chunk, chunk // BLOCK_T, splits, nf,
+        D=d, HQ=hq, FC=fc, BT=BLOCK_T, KCB=keys.code.code_bits, VCB=values.code.code_bits,
+        KNC=keys.table.shape[-1], VNC=values.table.shape[-1], KSIGN=keys.code.sign == "plane",
+        VSIGN=values.code.sign == "plane", PAGE=page, PRECISION=dot_precision(qt),
+        num_warps=1 if interpreting() else 8, enable_fp_fusion=FP_FUSION)
+    return m, l_, acc, pooled

@@ -1,0 +1,155 @@
+"""The fused ops of a cache layer whose values are predicted from its keys (``esm_turbo.quant.predict``): the write
+(keys and the values' residual into the packed parts, by the quantize kernel on CUDA) and the decode attention (one
+walk over every head's packed keys, ``esm_turbo.kernels.decode.predicted``), each beside its PyTorch reference.
+
+A cached value is r̂ + f W + b, f [H·d] every head's decoded key before the rotary embedding. Attention never predicts
+a cached token: Σ_t p_t (r̂_t + f_t W + b) = Σ_t p_t r̂_t + (Σ_t p_t f_t) W + (Σ_t p_t) b
+(:func:`esm_turbo.ops.reference.attend_predicted`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..quant.codec import KVCodec
+from ..quant.layout import CachedCodes
+from ..quant.predict import rotate_half
+from ..quant.rotations import affine_inverse
+from .compressed import (_QUANTIZE_PACK, _cached_values, _codec_tables, _run, cached_codes, fused_tables,
+                         gathered, quantize_pack)
+from .reference import attend_predicted
+
+LOG2E = 1.4426950408889634
+
+
+#: each codec's feature maps (:func:`feature_maps` of its keys), made once and kept while it lives
+_MAPS: "weakref.WeakKeyDictionary[KVCodec, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def feature_maps(rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M [H, 2, d, d], c [H, 2, d]) float32 of a key quantizer's affine map (rot Π [H, d, d], offset o and scale σ
+    [H, d]): a decoded key in the affine domain ŷ gives x̂ = ŷ M₀ + c₀ = (ŷ ⊙ σ + o) Π and rotate_half(x̂) = ŷ M₁ + c₁,
+    so the walk turns keys back before the rotary embedding from ŷ: f = x̂·cos − rotate_half(x̂)·sin."""
+    rot = rot.float()
+    both = torch.stack([rot, rotate_half(rot)], 1)  # [H, 2, d, d]
+    return ((scale.float()[:, None, :, None] * both).contiguous(),
+            torch.einsum("hd,hjde->hje", offset.float(), both).contiguous())
+
+
+def codec_feature_maps(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`feature_maps` of ``codec``'s keys, made once a codec (rebuilt if it moved device)."""
+    cached = _MAPS.get(codec)
+    if cached is None or cached[0].device != codec.key.rot.device:
+        cached = _MAPS[codec] = feature_maps(codec.key.rot, codec.key.offset, codec.key.scale)
+    return cached
+
+
+def gather_rows(buf: torch.Tensor, pos: torch.Tensor, s: int, pages: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of :func:`~esm_turbo.ops.compressed.scatter_rows`: rows ``pos[b] + j`` (j < s) of buf [B, H, T_cap, *]
+    (a paged pool [slots, H, block, *] through ``pages`` [B, blocks]) → [B, H, s, *]."""
+    rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+    at = pos[:, None] + torch.arange(s, device=pos.device)  # [B, S]
+    if pages is not None and pages.numel():
+        rows = pages.long().gather(1, at // buf.shape[2])
+        at = at % buf.shape[2]
+    return buf[rows, :, at].transpose(1, 2)
+
+
+def write_predicted(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                    pos: torch.Tensor, pages: torch.Tensor | None = None) -> None:
+    """k, v [B, H, S, d] of tokens at positions ``pos[b] + j`` into one layer's packed parts (a paged cache's pools
+    through ``pages``), the values as their residual after the prediction from the keys *as stored*: the keys are
+    packed first (with the values as given, then overwritten), read back and decoded, the prediction subtracted, and
+    both packed again (``esm_turbo::quantize_pack``: one Triton launch each on CUDA) — what
+    :meth:`KVCodec.encode` stores, whatever the kernel's rounding of a key."""
+    tables = fused_tables(codec)
+    key, value = codec.key, codec.value
+
+    def pack(values: torch.Tensor) -> None:
+        _run(quantize_pack, _QUANTIZE_PACK, k, values, *_codec_tables(key), tables.k_bounds, key.centroids,
+             tables.k_layout, *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
+             tables.v_layout, *tables.packed(parts, "v"), pos, tables.k_code.to_op(), tables.v_code.to_op(),
+             tables.k_rot16, tables.v_rot16, pages)
+
+    pack(v)
+    s = k.shape[2]
+    stored = {name[2:]: gather_rows(t, pos, s, pages) for name, t in parts.items() if name.startswith("k.")}
+    k_hat = key.decode(stored)
+    positions = pos[:, None] + torch.arange(s, device=pos.device)
+    pack(v.float() - codec.predictor(k_hat, positions))
+
+
+def predicted_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
+                                  lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes, predictor,
+                                  pages: torch.Tensor | None = None, block_size: int = 0) -> torch.Tensor:
+    """Attention of S new tokens over a packed prefix whose values are r̂ + predictor(k̂), plus themselves: q, k_new,
+    v_new [B, H, S, d] (q scaled and post-RoPE), new_valid [B, S], lengths [B]; keys / values as
+    :func:`~esm_turbo.ops.compressed.compressed_attention_reference` takes them (no slots), the cached token at row
+    t at position t. Returns [B, H, S, d] in q's dtype; a query with no valid key gets zeros."""
+    keys, values = gathered(keys, values, pages)
+    k_hat = affine_inverse(_cached_values(keys, q.device).float(), keys.rot, keys.offset, keys.scale)
+    r_hat = affine_inverse(_cached_values(values, q.device).float(), values.rot, values.offset, values.scale)
+    valid = torch.arange(k_hat.shape[2], device=lengths.device)[None, :] < lengths[:, None]
+    out = attend_predicted(q, k_hat, r_hat, valid, k_new, v_new, new_valid.bool(), predictor)
+    any_valid = (valid.any(1) | new_valid.bool().any(1))[:, None, None, None]
+    return torch.where(any_valid, out, torch.zeros_like(out))
+
+
+def merge_predicted(partials: tuple[torch.Tensor, ...], q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                    new_valid: torch.Tensor, c0: torch.Tensor, values: CachedCodes, predictor) -> torch.Tensor:
+    """The output [B, H, S, d] (q's dtype) from the walk's partials (``predicted_partials_triton``: m, l [B, S, NS,
+    HQ], Σ p ŷᵥ [B, S, NS, HQ, d], Σ p f [B, S, NS, HQ, F], log2 units without ``c0`` [B, H, S]) and the step's own
+    tokens: the splits combined, the residual sums mapped back from the value domain, the pooled features through
+    the predictor's map, the new tokens' exact values added."""
+    m, l_, acc, pooled = partials
+    batch, heads, s, d = q.shape
+    m = m[..., :heads] + (c0 * LOG2E).transpose(1, 2)[:, :, None, :]
+    scores = torch.einsum("bhsd,bhjd->bhsj", q.float(), k_new.float()) * LOG2E
+    scores = scores.masked_fill(~new_valid.bool()[:, None, None, :], float("-inf"))
+    top = torch.maximum(m.amax(2).transpose(1, 2), scores.amax(-1))  # [B, H, S]
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp2(m - top.transpose(1, 2)[:, :, None, :])  # [B, S, NS, H]
+    mass = (w * l_[..., :heads]).sum(2).transpose(1, 2)[..., None]  # [B, H, S, 1]
+    res = torch.einsum("bsnh,bsnhd->bhsd", w, acc[..., :heads, :])
+    pool = torch.einsum("bsnh,bsnhf->bhsf", w, pooled[..., :heads, :heads * d])
+    p_new = torch.exp2(scores - top[..., None])
+    total = mass + p_new.sum(-1, keepdim=True)
+    res = torch.einsum("bhse,hed->bhsd", res * values.scale[:, None, :] + mass * values.offset[:, None, :],
+                       values.rot.float())
+    out = res + predictor.map_pooled(pool, mass) + p_new @ v_new.float()
+    out = torch.where(total > 0, out / total.clamp_min(1e-30), torch.zeros_like(out))
+    return out.to(q.dtype)
+
+
+def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
+                               lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes, predictor,
+                               pages: torch.Tensor | None = None, block_size: int = 0,
+                               maps: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               splits: int | None = None) -> torch.Tensor:
+    """:func:`predicted_attention_reference`'s contract on the fused walk (CUDA, or CPU under Triton's interpreter):
+    queries into the keys' affine domain, the walk, :func:`merge_predicted`. ``maps``: the keys' :func:`feature_maps`
+    (made here if None); ``splits``: walks a row (None: enough for two waves of the GPU)."""
+    from ..kernels.decode.predicted import predicted_partials_triton
+    z = torch.einsum("bhsd,hed->bhse", q.float(), keys.rot.float())
+    qt, c0 = z * keys.scale[:, None, :], (z * keys.offset[:, None, :]).sum(-1)
+    fmap, fbias = maps if maps is not None else feature_maps(keys.rot, keys.offset, keys.scale)
+    partials = predicted_partials_triton(qt, lengths, keys, values, fmap, fbias, predictor.inv_freq, pages,
+                                         block_size, splits)
+    return merge_predicted(partials, q, k_new, v_new, new_valid, c0, values, predictor)
+
+
+def attend_predicted_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
+                                q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
+                                pages: torch.Tensor | None = None, block_size: int = 0) -> torch.Tensor:
+    """Decode attention of q [B, H, S, d] over one predicted layer's packed prefix plus the step's own k_new, v_new
+    (new_valid [B, S]): the fused walk on CUDA for the shapes it takes (``kernels.decode.predicted.fits``), the
+    reference elsewhere. Returns [B, H, S, d] in q's dtype."""
+    from ..kernels.decode.predicted import fits
+    keys, values = cached_codes(codec, parts, "k"), cached_codes(codec, parts, "v")
+    if q.is_cuda and fits(q.shape[1], q.shape[3]):
+        return predicted_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values, codec.predictor, pages,
+                                          block_size, codec_feature_maps(codec))
+    return predicted_attention_reference(q, k_new, v_new, new_valid, lengths, keys, values, codec.predictor, pages,
+                                         block_size)

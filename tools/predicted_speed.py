@@ -1,0 +1,99 @@
+"""What values predicted from the keys (``calibrate --predict-values``) cost the fused ops (GPU): decode attention and
+the cache write timed for a predicted codec and for the plain codec of the same widths (3.0 bits all-in, keys-first
+4 + 2 as ``--bits 3`` stores both), beside a pure read of the bytes and the PyTorch path a predicted layer took
+before its walk existed.
+
+The bytes a token stores are the same with or without the predictor, so the issue's bar (within 10% per bit
+stored) is the time ratio itself. Timing as ``esm-turbo bench`` times: a CUDA graph replayed after an L2 flush,
+median µs.
+
+    python tools/predicted_speed.py --out results/studies/predicted_kernels_h100.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from esm_turbo.bench.synthetic import bytes_read, default_codec, fill_synthetic, step_args
+from esm_turbo.bench.timing import read_floor_us, time_graph
+from esm_turbo.cache import KVCache
+from esm_turbo.kernels.decode import compressed_attention_triton
+from esm_turbo.model.recipe import recipe
+from esm_turbo.ops.compressed import write_compressed
+from esm_turbo.ops.predicted import codec_feature_maps, predicted_attention_reference, predicted_attention_triton
+from esm_turbo.quant.codec import KVCodec
+from esm_turbo.quant.predict import ValuePredictor
+
+#: (name, heads, head_dim, batch, cached tokens a row) of decode steps
+DECODE = (("8M", 20, 16, 64, 4096), ("8M", 20, 16, 195, 1024), ("8M", 20, 16, 8, 512), ("150M", 20, 32, 64, 4096),
+          ("650M", 20, 64, 64, 4096), ("650M", 20, 64, 195, 1024))
+#: (name, heads, head_dim, batch, new tokens a row) of cache writes: a 1024-token prefill, a decode step
+WRITES = (("8M", 20, 16, 1, 1024), ("8M", 20, 16, 195, 1), ("650M", 20, 64, 195, 1))
+RECIPE = recipe("default", index_bits=2, predict_values=True).resolved()
+
+
+def codecs(heads: int, dim: int, dev: torch.device) -> tuple[KVCodec, KVCodec]:
+    """(plain, predicted): one random codec of the 3.0-bit predicted recipe's widths, without and with a random
+    predictor."""
+    base = default_codec(heads, dim, recipe=RECIPE)
+    g = torch.Generator().manual_seed(1)
+    width = heads * dim
+    pred = ValuePredictor(torch.randn(width, width, generator=g) / width, 0.1 * torch.randn(width, generator=g),
+                          1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), heads, dim)
+    return (KVCodec(base.key, base.value).to(dev), KVCodec(base.key, base.value, predictor=pred).to(dev))
+
+
+def decode_rows(out) -> None:
+    dev = torch.device("cuda")
+    print("## decode attention, one query a row: µs per call (the walk with its query prep and merge)", file=out)
+    for name, heads, d, batch, t in DECODE:
+        plain, pred = codecs(heads, d, dev)
+        cache = KVCache([plain], batch, capacity=t, device=dev)
+        fill_synthetic(cache, t, torch.Generator(device=dev).manual_seed(0))
+        q, k_new, v_new, valid, lengths, keys, values = step_args(cache)
+        maps = codec_feature_maps(pred)
+        args = (q, k_new, v_new, valid, lengths, keys, values)
+        t_p = time_graph(lambda: compressed_attention_triton(*args), dev) * 1e6
+        t_w = time_graph(lambda: predicted_attention_triton(*args, pred.predictor, maps=maps), dev) * 1e6
+        floor = read_floor_us(bytes_read(cache), dev)
+        line = (f"{name} B={batch} T={t}: plain {t_p:.1f} µs ({floor / t_p:.0%} of a read), predicted {t_w:.1f} µs "
+                f"({floor / t_w:.0%} of a read): ×{t_w / t_p:.2f}")
+        if batch * t <= 64 * 4096:
+            t_r = time_graph(lambda: predicted_attention_reference(*args, pred.predictor), dev) * 1e6
+            line += f"; PyTorch path {t_r:.0f} µs (×{t_r / t_w:.1f} the walk)"
+        print(line, file=out, flush=True)
+        del cache, keys, values
+        torch.cuda.empty_cache()
+
+
+def write_rows(out) -> None:
+    dev = torch.device("cuda")
+    print("\n## cache write of one layer's keys and values (fp16 inputs): µs per call", file=out)
+    for name, heads, d, batch, s in WRITES:
+        plain, pred = codecs(heads, d, dev)
+        x = torch.randn(batch, s, heads, d, device=dev, dtype=torch.float16).transpose(1, 2)
+        pos = torch.zeros(batch, dtype=torch.long, device=dev)
+        times = []
+        for codec in (plain, pred):
+            parts = KVCache([codec], batch, capacity=s, device=dev).parts[0]
+            times.append(time_graph(lambda: write_compressed(codec, parts, x, x, pos), dev) * 1e6)
+        print(f"{name} B={batch} S={s}: plain {times[0]:.1f} µs, predicted {times[1]:.1f} µs: "
+              f"×{times[1] / times[0]:.2f}", file=out, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write the table here (default: stdout)")
+    args = parser.parse_args(argv)
+    out = open(args.out, "w") if args.out else sys.stdout
+    print(f"# {torch.cuda.get_device_name()}: values predicted from the keys vs not, the 3.0-bit recipe's widths "
+          f"(keys {RECIPE.key_index_bits} + sign, values {RECIPE.value_index_bits} + sign)", file=out)
+    decode_rows(out)
+    write_rows(out)
+
+
+if __name__ == "__main__":
+    main()
