@@ -319,18 +319,18 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
     (6, 32, [20, 33], 1, 16, None, {"grid": True}),  # the default's grid codes
     (2, 64, [40, 17], 1, 0, None, {"residual": "none", "shared": False}),  # a layout row a head
     (20, 64, [23, 9, 1], 1, 0, 2, {}),  # 650M's heads: three chunks of feature heads
+    (2, 128, [9, 4], 1, 0, None, {}),  # 15B's width: one chunk of two feature heads beside 16 query heads
 ])
 def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, lengths, s, block_size, splits,
                                                                      codec_args):
     """predicted_attention_triton (Triton's interpreter on CPU, the kernel on CUDA) against
     predicted_attention_reference: keys of every head decoded once a tile, the pooled features, the splits merged
     with the step's own tokens."""
-    from esm_turbo.kernels.decode.predicted import feature_chunk, fits
+    from esm_turbo.kernels.decode.predicted import feature_chunk, fits, query_heads
     from esm_turbo.ops.compressed import cached_codes
     from esm_turbo.ops.predicted import predicted_attention_reference, predicted_attention_triton
     assert fits(heads, dim)
-    if (heads, dim) == (20, 64):
-        assert feature_chunk(heads, dim) == (8, 3)
+    assert feature_chunk(heads, dim) == {(20, 64): (8, 3), (2, 128): (2, 1)}.get((heads, dim), (query_heads(heads), 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     codec, cache = _predicted_cache(heads, dim, lengths, block_size, device=device, **codec_args)
     g = torch.Generator().manual_seed(9)

@@ -50,8 +50,11 @@ def fits(heads: int, dim: int) -> bool:
 
 
 def feature_chunk(heads: int, dim: int) -> tuple[int, int]:
-    """(FC, chunks): feature heads a program pools (a power of two) and the programs that cover every head."""
+    """(FC, chunks): feature heads a program pools (a power of two) and the programs that cover every head. All HQ
+    heads where their sums fit (the key tile then serves the features as it is: no second decode), else chunks."""
     hq = query_heads(heads)
+    if hq * hq * dim <= POOLED_VALUES:
+        return hq, 1
     fc = min(triton.next_power_of_2(heads), max(1, POOLED_VALUES // (hq * dim)))
     return fc, math.ceil(heads / fc)
 
@@ -100,7 +103,7 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
                       KCB: tl.constexpr, VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr,
                       KSIGN: tl.constexpr, VSIGN: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (B·S, NS, NF): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length), feature
-    heads [chunk·FC, +FC). Writes partial (b·S + qi)·NS + split: m, l [HQ], and (chunk 0) Σ p ŷᵥ [HQ, D], and its
+    heads [chunk·FC, +FC) (all HQ in one chunk where they fit). Writes partial (b·S + qi)·NS + split: m, l [HQ], and (chunk 0) Σ p ŷᵥ [HQ, D], and its
     pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D]."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -152,9 +155,12 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
             if chunk == 0:
                 yv = _decode_heads(v_main, v_sign, v_tab, v_lay, hh, rows, valid, D, VCB, VNC, VSIGN)
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * yv, axis=1)
-            frows = _rows_of(b, fh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
-            yf = _decode_heads(k_main, k_sign, k_tab, fk_lay, fh, frows, fmask[:, None] & tmask[None, :], D, KCB,
-                               KNC, KSIGN)  # [FC, BT, D]
+            if FC == HQ:  # every head's features: the key tile as it is
+                yf = yk
+            else:
+                frows = _rows_of(b, fh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
+                yf = _decode_heads(k_main, k_sign, k_tab, fk_lay, fh, frows, fmask[:, None] & tmask[None, :], D,
+                                   KCB, KNC, KSIGN)  # [FC, BT, D]
             x = tl.dot(yf, mx, input_precision=PRECISION) + bx
             xr = tl.dot(yf, mr, input_precision=PRECISION) + br
             angle = offs_t.to(tl.float32)[:, None] * freq[None, :]  # [BT, D]
@@ -162,7 +168,7 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
             f = tl.where(tmask[None, :, None], f, 0.0)
             f2 = tl.reshape(tl.permute(f, (1, 0, 2)), (BT, FC * D))
             pooled = tl.dot(p, f2, pooled * alpha[:, None], input_precision=PRECISION)
-    part = pid * NS + split
+    part = (pid * NS + split).to(tl.int64)
     width = NF * FC * D
     tl.store(pool_ptr + (part * HQ + hh[:, None]) * width + chunk * FC * D + tl.arange(0, FC * D)[None, :], pooled)
     if chunk == 0:
@@ -203,10 +209,10 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
     chunk = math.ceil(blocks / splits) * BLOCK_T
     splits = max(1, math.ceil(t_cap / chunk))
     dev = qt.device
-    m = torch.full((batch, s, splits, hq), float("-inf"), device=dev)
-    l_ = torch.zeros(batch, s, splits, hq, device=dev)
-    acc = torch.zeros(batch, s, splits, hq, d, device=dev)
-    pooled = torch.zeros(batch, s, splits, hq, nf * fc * d, device=dev)
+    m = torch.empty(batch, s, splits, hq, device=dev)  # every entry written (a split past a row's end too)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(batch, s, splits, hq, d, device=dev)
+    pooled = torch.empty(batch, s, splits, hq, nf * fc * d, device=dev)
     k_lay, v_lay = full_layout(keys), full_layout(values)
     _predicted_kernel[(batch * s, splits, nf)](
         qt.contiguous(), keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
