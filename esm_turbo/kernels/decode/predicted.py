@@ -75,24 +75,45 @@ def _rows_of(b, hh, offs_t, tmask, page_ptr, H, T_CAP, PAGE: tl.constexpr):
 
 @triton.jit
 def _decode_heads(main_ptr, sign_ptr, tab_ptr, lay, hh, rows, mask, D: tl.constexpr, CB: tl.constexpr,
-                  NC: tl.constexpr, SIGN: tl.constexpr):
+                  NC: tl.constexpr, SIGN: tl.constexpr, GRID: tl.constexpr):
     """Codes of heads ``hh`` [HH] at ``rows`` [HH, BT] (``mask`` [HH, BT]) → values ŷ [HH, BT, D] float32 (the affine
-    domain): each group of 8 channels one little-endian word of CB bytes, channel c's field at ``lay`` [HH, 1, D]
-    (``shift | mask << 8``); with a sign plane (``SIGN``) the code ``2·field + bit``; looked up in the head's table
-    [D, NC] of ``tab_ptr`` [H, D, NC]."""
-    c = tl.arange(0, D)[None, None, :]
+    domain). Each group of 8 channels is one little-endian word of CB bytes (one aligned load at 2 and 4 bytes);
+    channel 8g + r's field lies at ``lay`` = (shift, mask) [HH, 1, D/8, 8]; with a sign plane (``SIGN``) the code is
+    ``2·field + bit``. A grid codec's code is its value (``GRID``); else it is looked up in the head's table [D, NC]
+    of ``tab_ptr`` [H, D, NC]."""
+    D8: tl.constexpr = D // 8
+    g = tl.arange(0, D8)[None, None, :]
     r3 = rows[:, :, None]
     m3 = mask[:, :, None]
-    word = tl.zeros(r3.shape, tl.int32) + tl.zeros(c.shape, tl.int32)
-    for i in tl.static_range(CB):
-        byte = tl.load(main_ptr + r3 * (D * CB // 8) + (c // 8) * CB + i, mask=m3, other=0)
-        word = word | (byte.to(tl.int32) << (8 * i))
-    code = (word >> (lay & 255)) & ((lay >> 8) & 255)
+    if CB == 4:
+        word = tl.load(main_ptr.to(tl.pointer_type(tl.int32)) + r3 * D8 + g, mask=m3, other=0)
+    elif CB == 2:
+        word = tl.load(main_ptr.to(tl.pointer_type(tl.int16)) + r3 * D8 + g, mask=m3, other=0).to(tl.int32) & 0xFFFF
+    else:
+        word = tl.zeros(r3.shape, tl.int32) + tl.zeros(g.shape, tl.int32)
+        for i in tl.static_range(CB):
+            byte = tl.load(main_ptr + r3 * (D * CB // 8) + g * CB + i, mask=m3, other=0)
+            word = word | (byte.to(tl.int32) << (8 * i))
+    code = (word[:, :, :, None] >> lay[0]) & lay[1]  # [HH, BT, D/8, 8]
     if SIGN:
-        sb = tl.load(sign_ptr + r3 * (D // 8) + c // 8, mask=m3, other=0).to(tl.int32)
-        code = code * 2 + ((sb >> (c % 8)) & 1)
-    at = (hh[:, None, None] * D + c) * NC + code
-    return tl.load(tab_ptr + at, mask=m3, other=0.0).to(tl.float32)
+        sb = tl.load(sign_ptr + r3 * D8 + g, mask=m3, other=0).to(tl.int32)
+        code = code * 2 + ((sb[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1)
+    code = tl.reshape(code, (rows.shape[0], rows.shape[1], D))
+    if GRID:
+        val = code.to(tl.float32)
+    else:
+        c = tl.arange(0, D)[None, None, :]
+        val = tl.load(tab_ptr + (hh[:, None, None] * D + c) * NC + code, mask=m3, other=0.0).to(tl.float32)
+    return val
+
+
+@triton.jit
+def _layout_rows(lay_ptr, hh, hmask, D: tl.constexpr):
+    """(shift, mask) [HH, 1, D/8, 8] int32 of heads ``hh``'s channels (``lay_ptr`` [H, D]: ``shift | mask << 8``)."""
+    at = (hh[:, None, None, None] * D + tl.arange(0, D // 8)[None, None, :, None] * 8
+          + tl.arange(0, 8)[None, None, None, :])
+    lay = tl.load(lay_ptr + at, mask=hmask[:, None, None, None], other=0)
+    return lay & 255, (lay >> 8) & 255
 
 
 @triton.jit
@@ -101,7 +122,8 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
                       H, S, T_CAP, CHUNK, TILES, NS, NF,
                       D: tl.constexpr, HQ: tl.constexpr, FC: tl.constexpr, BT: tl.constexpr,
                       KCB: tl.constexpr, VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr,
-                      KSIGN: tl.constexpr, VSIGN: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
+                      KSIGN: tl.constexpr, VSIGN: tl.constexpr, KGRID: tl.constexpr, VGRID: tl.constexpr,
+                      PAGE: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (B·S, NS, NF): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length), feature
     heads [chunk·FC, +FC) (all HQ in one chunk where they fit). Writes partial (b·S + qi)·NS + split: m, l [HQ], and (chunk 0) Σ p ŷᵥ [HQ, D], and its
     pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D]."""
@@ -118,9 +140,8 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
     cc = tl.arange(0, D)
     q = tl.load(qt_ptr + ((b * H + hh[:, None]) * S + qi) * D + cc[None, :], mask=hmask[:, None], other=0.0)
     q = q * LOG2E  # [HQ, D]
-    lay_at = hh[:, None, None] * D + cc[None, None, :]
-    k_lay = tl.load(k_lay_ptr + lay_at, mask=hmask[:, None, None], other=0)
-    v_lay = tl.load(v_lay_ptr + lay_at, mask=hmask[:, None, None], other=0)
+    k_lay = _layout_rows(k_lay_ptr, hh, hmask, D)
+    v_lay = _layout_rows(v_lay_ptr, hh, hmask, D)
     # the feature heads of this chunk, their maps [FC, D, D] (x̂ and rotate_half(x̂)) and offsets [FC, 1, D]
     fh = chunk * FC + tl.arange(0, FC)
     fmask = fh < H
@@ -131,7 +152,7 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
     b_at = (fh[:, None, None] * 2) * D + cc[None, None, :]
     bx = tl.load(fbias_ptr + b_at, mask=fmask[:, None, None], other=0.0)
     br = tl.load(fbias_ptr + b_at + D, mask=fmask[:, None, None], other=0.0)
-    fk_lay = tl.load(k_lay_ptr + fh[:, None, None] * D + cc[None, None, :], mask=fmask[:, None, None], other=0)
+    fk_lay = _layout_rows(k_lay_ptr, fh, fmask, D)
     freq = tl.load(freq_ptr + cc % (D // 2))  # [D]: the frequencies over both halves of a head
     m_i = tl.full((HQ,), float("-inf"), tl.float32)
     l_i = tl.zeros((HQ,), tl.float32)
@@ -144,7 +165,7 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
             tmask = offs_t < end
             rows = _rows_of(b, hh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
             valid = hmask[:, None] & tmask[None, :]
-            yk = _decode_heads(k_main, k_sign, k_tab, k_lay, hh, rows, valid, D, KCB, KNC, KSIGN)
+            yk = _decode_heads(k_main, k_sign, k_tab, k_lay, hh, rows, valid, D, KCB, KNC, KSIGN, KGRID)
             s = tl.sum(yk * q[:, None, :], axis=2)  # [HQ, BT]
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -153,14 +174,14 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
             if chunk == 0:
-                yv = _decode_heads(v_main, v_sign, v_tab, v_lay, hh, rows, valid, D, VCB, VNC, VSIGN)
+                yv = _decode_heads(v_main, v_sign, v_tab, v_lay, hh, rows, valid, D, VCB, VNC, VSIGN, VGRID)
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * yv, axis=1)
             if FC == HQ:  # every head's features: the key tile as it is
                 yf = yk
             else:
                 frows = _rows_of(b, fh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
                 yf = _decode_heads(k_main, k_sign, k_tab, fk_lay, fh, frows, fmask[:, None] & tmask[None, :], D,
-                                   KCB, KNC, KSIGN)  # [FC, BT, D]
+                                   KCB, KNC, KSIGN, KGRID)  # [FC, BT, D]
             x = tl.dot(yf, mx, input_precision=PRECISION) + bx
             xr = tl.dot(yf, mr, input_precision=PRECISION) + br
             angle = offs_t.to(tl.float32)[:, None] * freq[None, :]  # [BT, D]
@@ -220,6 +241,6 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
         acc, pooled, heads, s, t_cap, chunk, chunk // BLOCK_T, splits, nf,
         D=d, HQ=hq, FC=fc, BT=BLOCK_T, KCB=keys.code.code_bits, VCB=values.code.code_bits,
         KNC=keys.table.shape[-1], VNC=values.table.shape[-1], KSIGN=keys.code.sign == "plane",
-        VSIGN=values.code.sign == "plane", PAGE=page, PRECISION=dot_precision(qt),
+        VSIGN=values.code.sign == "plane", KGRID=keys.code.grid, VGRID=values.code.grid, PAGE=page, PRECISION=dot_precision(qt),
         num_warps=1 if interpreting() else 8, enable_fp_fusion=FP_FUSION)
     return m, l_, acc, pooled
