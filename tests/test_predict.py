@@ -315,7 +315,7 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
 
 @pytest.mark.parametrize("heads,dim,lengths,s,block_size,splits,codec_args", [
     (4, 16, [37, 5], 1, 0, 2, {}),
-    (4, 16, [37, 0], 2, 8, 3, {}),  # a row with nothing cached, two new tokens, paged
+    (4, 16, [37, 0], 2, 8, 3, {}),  # a row with nothing cached nor new to attend to, paged
     (6, 32, [20, 33], 1, 16, None, {"grid": True}),  # the default's grid codes
     (2, 64, [40, 17], 1, 0, None, {"residual": "none", "shared": False}),  # a layout row a head
     (20, 64, [23, 9, 1], 1, 0, 2, {}),  # 650M's heads: three chunks of feature heads
@@ -340,12 +340,15 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
     new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
     if s > 1:
         new_valid[0, -1] = False
+        new_valid[-1] = lengths[-1] > 0  # a row with nothing to attend to: zeros
     parts = cache.pool.dev[0] if block_size else cache.parts[0]
     pages = cache.pages() if block_size else (None, 0)
     keys, values = cached_codes(codec, parts, "k"), cached_codes(codec, parts, "v")
     args = (q, k_new, v_new, new_valid, cache.lengths, keys, values, codec.predictor, *pages)
     want = predicted_attention_reference(*args)
     got = predicted_attention_triton(*args, splits=splits)
+    if not new_valid[-1].any():
+        assert not want[-1].any() and not got[-1].any()
     assert torch.allclose(got, want, atol=2e-5 * want.abs().max().item(), rtol=0)
 
 

@@ -21,9 +21,6 @@ from .compressed import (_QUANTIZE_PACK, _cached_values, _codec_tables, _run, ca
                          gathered, quantize_pack)
 from .reference import attend_predicted
 
-LOG2E = 1.4426950408889634
-
-
 #: each codec's feature maps (:func:`feature_maps` of its keys), made once and kept while it lives
 _MAPS: "weakref.WeakKeyDictionary[KVCodec, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
@@ -97,47 +94,22 @@ def predicted_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: t
     return torch.where(any_valid, out, torch.zeros_like(out))
 
 
-def merge_predicted(partials: tuple[torch.Tensor, ...], q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    new_valid: torch.Tensor, c0: torch.Tensor, values: CachedCodes, predictor) -> torch.Tensor:
-    """The output [B, H, S, d] (q's dtype) from the walk's partials (``predicted_partials_triton``: m, l [B, S, NS,
-    HQ], Σ p ŷᵥ [B, S, NS, HQ, d], Σ p f [B, S, NS, HQ, F], log2 units without ``c0`` [B, H, S]) and the step's own
-    tokens: the splits combined, the residual sums mapped back from the value domain, the pooled features through
-    the predictor's map, the new tokens' exact values added."""
-    m, l_, acc, pooled = partials
-    batch, heads, s, d = q.shape
-    m = m[..., :heads] + (c0 * LOG2E).transpose(1, 2)[:, :, None, :]
-    scores = torch.einsum("bhsd,bhjd->bhsj", q.float(), k_new.float()) * LOG2E
-    scores = scores.masked_fill(~new_valid.bool()[:, None, None, :], float("-inf"))
-    top = torch.maximum(m.amax(2).transpose(1, 2), scores.amax(-1))  # [B, H, S]
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp2(m - top.transpose(1, 2)[:, :, None, :])  # [B, S, NS, H]
-    mass = (w * l_[..., :heads]).sum(2).transpose(1, 2)[..., None]  # [B, H, S, 1]
-    res = torch.einsum("bsnh,bsnhd->bhsd", w, acc[..., :heads, :])
-    pool = torch.einsum("bsnh,bsnhf->bhsf", w, pooled[..., :heads, :heads * d])
-    p_new = torch.exp2(scores - top[..., None])
-    total = mass + p_new.sum(-1, keepdim=True)
-    res = torch.einsum("bhse,hed->bhsd", res * values.scale[:, None, :] + mass * values.offset[:, None, :],
-                       values.rot.float())
-    out = res + predictor.map_pooled(pool, mass) + p_new @ v_new.float()
-    out = torch.where(total > 0, out / total.clamp_min(1e-30), torch.zeros_like(out))
-    return out.to(q.dtype)
-
-
 def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
                                lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes, predictor,
                                pages: torch.Tensor | None = None, block_size: int = 0,
                                maps: tuple[torch.Tensor, torch.Tensor] | None = None,
                                splits: int | None = None) -> torch.Tensor:
     """:func:`predicted_attention_reference`'s contract on the fused walk (CUDA, or CPU under Triton's interpreter):
-    queries into the keys' affine domain, the walk, :func:`merge_predicted`. ``maps``: the keys' :func:`feature_maps`
+    queries into the keys' affine domain, the walk, its merge (``kernels.decode.predicted``). ``maps``: the keys' :func:`feature_maps`
     (made here if None); ``splits``: walks a row (None: enough for two waves of the GPU)."""
-    from ..kernels.decode.predicted import predicted_partials_triton
+    from ..kernels.decode.predicted import predicted_merge_triton, predicted_partials_triton
     z = torch.einsum("bhsd,hed->bhse", q.float(), keys.rot.float())
     qt, c0 = z * keys.scale[:, None, :], (z * keys.offset[:, None, :]).sum(-1)
     fmap, fbias = maps if maps is not None else feature_maps(keys.rot, keys.offset, keys.scale)
     partials = predicted_partials_triton(qt, lengths, keys, values, fmap, fbias, predictor.inv_freq, pages,
                                          block_size, splits)
-    return merge_predicted(partials, q, k_new, v_new, new_valid, c0, values, predictor)
+    return predicted_merge_triton(partials, q, k_new, v_new, new_valid, c0, values, predictor.weight,
+                                  predictor.bias)
 
 
 def attend_predicted_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,

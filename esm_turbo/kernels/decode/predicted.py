@@ -1,6 +1,5 @@
-"""Fused decode attention over a cache whose values are predicted from the keys (``esm_turbo.quant.predict``): the
-walk that ``esm_turbo.ops.predicted.predicted_attention_reference`` specifies, its partials merged by
-``esm_turbo.ops.predicted.merge_predicted``.
+"""Fused decode attention over a cache whose values are predicted from the keys (``esm_turbo.quant.predict``): a walk
+and its merge, whose PyTorch reference is ``esm_turbo.ops.predicted.predicted_attention_reference``.
 
 A cached token's value is r̂ + (f W + b), f [H·d] every head's decoded key turned back before the rotary embedding.
 No cached token's prediction is computed: a query of head h needs Σ_t p_{h,t} f_t (then one map by W's columns of
@@ -28,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ...quant.layout import CachedCodes
-from ..common import FP_FUSION, dot_precision, interpreting, num_sms, part_or
+from ..common import FP_FUSION, dot_precision, interpreting, num_sms, part_or, token_strides
 
 LOG2E = tl.constexpr(1.4426950408889634)
 #: the widest key tile a program holds ([HQ, BT, d] floats over HQ·d)
@@ -198,6 +197,61 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
         tl.store(acc_ptr + (part * HQ + hh[:, None]) * D + cc[None, :], acc)
 
 
+@triton.jit
+def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr, svb, svh, svs, valid_ptr, c0_ptr,
+                            m_ptr, l_ptr, acc_ptr, pool_ptr, v_scale, v_offset, v_rot, w_ptr, bias_ptr, out_ptr,
+                            H, S, NS, WIDTH, D: tl.constexpr, HQ: tl.constexpr, BLOCK_NS: tl.constexpr,
+                            BLOCK_J: tl.constexpr, FB: tl.constexpr, NFB: tl.constexpr):
+    """Grid (B·S·H,): query ``qi`` of sequence b, head h. The walks' partials combined (log2 units, c0 [B, H, S] added
+    back), the residual sums mapped back from the value domain ((Σ p ŷ ⊙ σ + (Σ p) o) Π), the pooled features through
+    head h's columns of the predictor's map (``w_ptr`` [H·D, H·D] fp16, FB rows a step) plus (Σ p)·b, the step's own
+    tokens (q, k, v strided; ``valid_ptr`` [B, S] uint8) added exactly; ``out_ptr`` [B, H, S, D] contiguous. A
+    query with no valid key gets zeros."""
+    pid = tl.program_id(0)
+    h = pid % H
+    bs = pid // H
+    b = bs // S
+    qi = bs % S
+    d = tl.arange(0, D)
+    j = tl.arange(0, BLOCK_J)
+    jm = (j < S) & (tl.load(valid_ptr + b * S + j, mask=j < S, other=0) != 0)
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + h * sqh + qi * sqs + d).to(tl.float32)
+    kn = tl.load(kn_ptr + b.to(tl.int64) * skb + h * skh + j[:, None] * sks + d[None, :], mask=jm[:, None],
+                 other=0.0).to(tl.float32)
+    sn = tl.where(jm, tl.sum(kn * q[None, :], axis=1) * LOG2E, float("-inf"))  # [BLOCK_J]
+    n = tl.arange(0, BLOCK_NS)
+    nm = n < NS
+    part = bs.to(tl.int64) * NS + n
+    c0 = tl.load(c0_ptr + (b * H + h) * S + qi)
+    m = tl.load(m_ptr + part * HQ + h, mask=nm, other=float("-inf")) + c0 * LOG2E
+    l_ = tl.load(l_ptr + part * HQ + h, mask=nm, other=0.0)
+    top = tl.maximum(tl.max(m, axis=0), tl.max(sn, axis=0))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(m - top)  # [BLOCK_NS]: a split that walked nothing has m = −inf, weight 0
+    mass = tl.sum(w * l_, axis=0)
+    acc = tl.load(acc_ptr + (part[:, None] * HQ + h) * D + d[None, :], mask=nm[:, None], other=0.0)
+    y = tl.sum(w[:, None] * acc, axis=0) * tl.load(v_scale + h * D + d) + mass * tl.load(v_offset + h * D + d)
+    rot = tl.load(v_rot + (h * D + d[:, None]) * D + d[None, :])  # Π [D, D]
+    out = tl.sum(y[:, None] * rot, axis=0)
+    fd = H * D
+    for fb in range(0, NFB):
+        f = fb * FB + tl.arange(0, FB)
+        fm = f < fd
+        pooled = tl.load(pool_ptr + (part[:, None] * HQ + h) * WIDTH + f[None, :], mask=nm[:, None] & fm[None, :],
+                         other=0.0)
+        pv = tl.sum(w[:, None] * pooled, axis=0)  # [FB]
+        wt = tl.load(w_ptr + f[:, None] * fd + h * D + d[None, :], mask=fm[:, None], other=0.0).to(tl.float32)
+        out += tl.sum(pv[:, None] * wt, axis=0)
+    out += mass * tl.load(bias_ptr + h * D + d).to(tl.float32)
+    pn = tl.exp2(sn - top)
+    vn = tl.load(vn_ptr + b.to(tl.int64) * svb + h * svh + j[:, None] * svs + d[None, :], mask=jm[:, None],
+                 other=0.0).to(tl.float32)
+    out += tl.sum(pn[:, None] * vn, axis=0)
+    total = mass + tl.sum(pn, axis=0)
+    out = tl.where(total > 0, out / tl.maximum(total, 1e-30), 0.0)
+    tl.store(out_ptr + (bs.to(tl.int64) * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
+
+
 def full_layout(c: CachedCodes) -> torch.Tensor:
     """One kind's field layout [H, d] int32 (``shift | mask << 8`` a channel), made explicit for equal widths."""
     from ...quant.packing import layout_of
@@ -244,3 +298,23 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
         VSIGN=values.code.sign == "plane", KGRID=keys.code.grid, VGRID=values.code.grid, PAGE=page, PRECISION=dot_precision(qt),
         num_warps=1 if interpreting() else 8, enable_fp_fusion=FP_FUSION)
     return m, l_, acc, pooled
+
+
+def predicted_merge_triton(partials: tuple[torch.Tensor, ...], q: torch.Tensor, k_new: torch.Tensor,
+                           v_new: torch.Tensor, new_valid: torch.Tensor, c0: torch.Tensor, values: CachedCodes,
+                           weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The output [B, H, S, d] (q's dtype) of the walk's ``partials`` (``predicted_partials_triton``) and the step's
+    own tokens q, k_new, v_new [B, H, S, d] (strided views read in place; ``new_valid`` [B, S]), ``c0`` [B, H, S]
+    the queries' constant the walk dropped; ``values``: the residual's constants; ``weight`` [H·d, H·d] and ``bias``
+    [H·d]: the predictor's map. One launch."""
+    m, l_, acc, pooled = partials
+    batch, heads, s, d = q.shape
+    (q, q_st), (k_new, k_st), (v_new, v_st) = map(token_strides, (q, k_new, v_new))
+    out = torch.empty(batch, s, heads, d, device=q.device, dtype=q.dtype)
+    fb = min(128, triton.next_power_of_2(heads * d))
+    _predicted_merge_kernel[(batch * s * heads,)](
+        q, *q_st, k_new, *k_st, v_new, *v_st, new_valid.contiguous().view(torch.uint8), c0.contiguous(), m, l_, acc,
+        pooled, values.scale, values.offset, values.rot, weight, bias, out, heads, s, m.shape[2], pooled.shape[-1],
+        D=d, HQ=m.shape[3], BLOCK_NS=triton.next_power_of_2(m.shape[2]), BLOCK_J=triton.next_power_of_2(s), FB=fb,
+        NFB=triton.cdiv(heads * d, fb), num_warps=4, enable_fp_fusion=FP_FUSION)
+    return out.transpose(1, 2)
