@@ -290,10 +290,11 @@ def test_reference_attention_adds_the_prediction_once_a_row_as_predicting_every_
 
 
 def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int = 0, seed: int = 0,
-                     device: str = "cpu", **codec_args):
+                     device: str = "cpu", unstored: bool = False, **codec_args):
     """A one-layer cache on ``device`` (paged with ``block_size``) of a random predicted codec (``esm_turbo.testing``'s
-    ``random_turbo_codec`` with ``codec_args``) holding ragged random keys and values written at their positions (on
-    CUDA by the fused write)."""
+    ``random_turbo_codec`` with ``codec_args``; ``unstored``: values not stored) holding ragged random keys and
+    values written at their positions (on CUDA by the fused write)."""
+    from esm_turbo.quant.predict import Unstored
     from esm_turbo.cache import KVCache
     from esm_turbo.paged import PagedKVCache
     from esm_turbo.quant.codec import KVCodec
@@ -303,7 +304,7 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
     width = heads * dim
     pred = ValuePredictor(torch.randn(width, width, generator=g) / width, 0.1 * torch.randn(width, generator=g),
                           1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), heads, dim)
-    codec = KVCodec(base.key, base.value, predictor=pred).to(device)
+    codec = KVCodec(base.key, Unstored(heads, dim) if unstored else base.value, predictor=pred).to(device)
     t = max(lengths)
     cache = (PagedKVCache([codec], len(lengths), capacity=t + 4, device=device, block_size=block_size) if block_size
              else KVCache([codec], len(lengths), capacity=t + 4, device=device))
@@ -320,6 +321,8 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
     (2, 64, [40, 17], 1, 0, None, {"residual": "none", "shared": False}),  # a layout row a head
     (20, 64, [23, 9, 1], 1, 0, 2, {}),  # 650M's heads: three chunks of feature heads
     (2, 128, [9, 4], 1, 0, None, {}),  # 15B's width: one chunk of two feature heads beside 16 query heads
+    (20, 16, [30, 7], 1, 0, None, {"unstored": True}),  # values not stored: the keys alone
+    (20, 64, [12, 5], 2, 16, 2, {"unstored": True}),
 ])
 def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, lengths, s, block_size, splits,
                                                                      codec_args):
@@ -343,7 +346,8 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
         new_valid[-1] = lengths[-1] > 0  # a row with nothing to attend to: zeros
     parts = cache.pool.dev[0] if block_size else cache.parts[0]
     pages = cache.pages() if block_size else (None, 0)
-    keys, values = cached_codes(codec, parts, "k"), cached_codes(codec, parts, "v")
+    keys = cached_codes(codec, parts, "k")
+    values = None if codec_args.get("unstored") else cached_codes(codec, parts, "v")
     args = (q, k_new, v_new, new_valid, cache.lengths, keys, values, codec.predictor, *pages)
     want = predicted_attention_reference(*args)
     got = predicted_attention_triton(*args, splits=splits)
@@ -396,3 +400,29 @@ def test_a_gpu_session_over_predicted_values_steps_in_the_fused_kernels_as_on_th
             ops.force_reference(False)
     fused, reference = (torch.log_softmax(t, -1) for t in logits)
     assert (fused - reference).abs().mean() < 2e-3 and (fused - reference).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_values_not_stored_come_back_as_the_prediction_from_the_keys(fused, paged):
+    """A codec whose values are not stored (``Unstored``: no value bytes a token) writes the keys alone (the PyTorch
+    path, or the fused write's keys-only pack) and decodes each value as the prediction from the decoded keys at its
+    position; attention over it adds no residual."""
+    from esm_turbo.ops.reference import attend, decode_attention_reference
+    from esm_turbo.quant.predict import Unstored
+    codec, cache = _predicted_cache(4, 16, [9, 6], block_size=4 if paged else 0, unstored=True)
+    assert isinstance(codec.value, Unstored) and codec.bytes_per_token() == codec.key.code_layout().all_in_bits * 2
+    assert cache.memory_report().bits_per_value == codec.key.code_layout().all_in_bits / 2
+    g = torch.Generator().manual_seed(12)
+    k, v = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 4, 5, 16, generator=g)
+    cache.fused = [fused]
+    cache.append([k], [v])
+    k_hat, v_hat, valid = cache.dequantize(0)
+    positions = torch.stack([torch.arange(9, 14), torch.arange(6, 11)])
+    want_k = codec.coded_keys(k)
+    assert torch.allclose(k_hat[0, :, 9:14], want_k[0], atol=1e-6)
+    assert torch.allclose(v_hat[1, :, 6:11], codec.predictor(want_k, positions)[1], atol=1e-5)
+    q, k_new, v_new = (torch.randn(2, 4, 1, 16, generator=g) for _ in range(3))
+    ones = torch.ones(2, 1, dtype=torch.bool)
+    got = decode_attention_reference(q, cache, 0, k_new, v_new, ones)
+    assert torch.allclose(got, attend(q, k_hat, v_hat, valid, k_new, v_new, ones), atol=1e-5)

@@ -31,7 +31,7 @@ from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind
 from ..quant.fit import FitOptions, fit_quantizer
 from ..quant.tables import pad_levels
 from ..quant.histogram import HistogramAccumulator
-from ..quant.predict import PredictorFit, ValuePredictor, rotary_angles
+from ..quant.predict import PredictorFit, Unstored, ValuePredictor, rotary_angles
 from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotations, identity_reflectors
 from .alphabet import encode
 from .attention import RunContext
@@ -264,16 +264,20 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     start = time.perf_counter()
     if config.predict_values:  # keys first; the values' tables are then fitted on what the keys do not predict
         # the keys' codecs (their values are discarded: no per-head value rotation choice, a pass over the set less)
-        keys_only = replace(config, predict_values=False, value_rotation="identity")
-        coded = _fit_codecs(engine, batches, keys_only, progress)[0]
+        keys_only = replace(config, predict_values=False, value_rotation="identity",
+                            value_index_bits=max(config.value_index_bits, 1))
+        coded, _, n_tokens = _fit_codecs(engine, batches, keys_only, progress)
         keys = [c.key for c in coded]
         predictors = fit_value_predictors(engine, batches, coded, progress)
+        if config.value_index_bits == 0:  # nothing stored of the values: the prediction is the value
+            codecs = [config.codec(k, Unstored(heads, dim), p) for k, p in zip(keys, predictors)]
+            choice = None
+        else:
+            def residual(layer, k, v):
+                return v.float() - predictors[layer](coded[layer].coded_keys(k))
 
-        def residual(layer, k, v):
-            return v.float() - predictors[layer](coded[layer].coded_keys(k))
-
-        fitted, choice, n_tokens = _fit_codecs(engine, batches, config, progress, residual)
-        codecs = [config.codec(k, c.value, p) for k, c, p in zip(keys, fitted, predictors)]
+            fitted, choice, n_tokens = _fit_codecs(engine, batches, config, progress, residual)
+            codecs = [config.codec(k, c.value, p) for k, c, p in zip(keys, fitted, predictors)]
     else:
         codecs, choice, n_tokens = _fit_codecs(engine, batches, config, progress)
     elapsed = time.perf_counter() - start

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError
 from ..io import atomic_write
 from ..quant.codec import KVCodec, VectorQuantizer
-from ..quant.predict import ValuePredictor
+from ..quant.predict import Unstored, ValuePredictor
 from ..quant.tables import identity_code, pad_levels
 from ..quant.rotations import FITTED_KINDS, build_rotation, from_reflectors, identity_reflectors
 from .recipe import PRESETS, CalibrationConfig, config_from_meta, kv_bits, with_mean_bits  # noqa: F401 - re-exported
@@ -77,6 +77,8 @@ class Calibration:
         cfg = self.config
         for li, codec in enumerate(self.codecs):
             for kind, q, rot_kind in (("k", codec.key, cfg.key_rotation), ("v", codec.value, cfg.value_rotation)):
+                if isinstance(q, Unstored):  # values not stored: no tables
+                    continue
                 allocated = q.rot_order is not None
                 for name in _TABLES:
                     tensors[f"layers.{li}.{kind}.{name}"] = _stored_table(name, getattr(q, name),
@@ -131,6 +133,9 @@ class Calibration:
                 for kind, bits, rot_kind in (("k", layer_bits[li][0], cfg.key_rotation),
                                              ("v", layer_bits[li][1], cfg.value_rotation)):
                     prefix = f"layers.{li}.{kind}."
+                    if kind == "v" and bits == 0 and cfg.predict_values:  # values not stored: the keys carry them
+                        pair.append(Unstored(heads, dim))
+                        continue
                     widths, order = tensors.get(prefix + "widths"), tensors.get(prefix + "order")
                     if (widths is None) != (order is None) or (widths is None) == cfg.bit_allocation:
                         raise CheckpointError(f"{path}: layer {li} {kind}: bit allocation tables missing or unexpected "

@@ -24,7 +24,8 @@ class CalibrationConfig:
 
     key_index_bits: int = _f(3, "index bits per key value (a mean over channels under bit allocation)",
                              range=(1, 4))
-    value_index_bits: int = _f(3, "index bits per value", range=(1, 4))
+    value_index_bits: int = _f(3, "index bits per value; 0 (with predict_values): values not stored, the prediction "
+                                  "from the keys is the value", range=(0, 4))
     split: str = _f("auto", "auto: equal widths under 4 bits per value all-in become keys-first ones (3 -> 4 and 2, "
                             "2 + sign -> 3 and 1), and with predict_values at 4 too (3 + sign -> 4 and 2: the keys "
                             "then code the values as well); as-given: kept", choices=("auto", "as-given"))
@@ -98,6 +99,9 @@ class CalibrationConfig:
         if self.split not in ("auto", "as-given"):
             raise ValueError(f"split must be 'auto' or 'as-given', not {self.split!r}")
         key_bits, value_bits = self.key_index_bits, self.value_index_bits
+        if value_bits == 0 and not self.predict_values:
+            raise ValueError("value_index_bits 0 stores no values: it needs predict_values (the values then come "
+                             "from the keys)")
         if self.split == "auto" and key_bits == value_bits and (key_bits + (self.residual != "none") < 4
                                                                  or self.predict_values):
             key_bits, value_bits = kv_bits(key_bits, 1)
@@ -157,6 +161,11 @@ SLOTTED_BUDGET = 4
 SLOT_MAX_HEAD_DIM = 16
 
 
+#: the budgets at which ``--bits`` with ``predict_values`` stores the keys only (every bit to them, at most 4 index
+#: bits + the sign) and the values not at all: they measured better there than any split of the bits (docs/recipe.md)
+KEYS_ONLY_BUDGETS = (2,)
+
+
 def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: int,
                keep: frozenset[str] = frozenset()) -> CalibrationConfig:
     """``cfg`` made to store ``bits`` bits a value all-in in a model of ``layers`` layers of ``heads`` heads of
@@ -173,6 +182,10 @@ def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: 
     if not 1 <= index <= 4:
         raise ValueError(f"bits {bits} with residual {cfg.residual} leaves {index} index bits a value (1..4)")
     out = with_mean_bits(cfg, index)
+    if cfg.predict_values and bits in KEYS_ONLY_BUDGETS and not keep & {"key_index_bits", "value_index_bits"}:
+        # every bit to the keys, the values not stored: the keys' codes carry them (docs/recipe.md)
+        return replace(out, key_index_bits=min(2 * bits - (cfg.residual == "sign"), 4), value_index_bits=0,
+                       split="as-given")
     if (bits == SLOTTED_BUDGET and dim <= SLOT_MAX_HEAD_DIM and not cfg.predict_values
             and not keep & {"slots", "narrow_layers"}):
         from ..quant.slots import SLOT_DTYPE, KERNEL_SLOTS

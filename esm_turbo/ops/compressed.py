@@ -22,6 +22,7 @@ from ..quant.codec import FusedQuantizer, KVCodec, keeps_fused_contract
 from ..quant.tables import lookup_codes, lut_bounds, lut_code_parts
 from ..quant.layout import CachedCodes, CodeLayout
 from ..quant.packing import layout_of
+from ..quant.predict import stores_values
 from ..quant.rotations import affine_forward
 from ..quant.slots import KERNEL_SLOTS, apply_slots, pick_slots
 
@@ -42,7 +43,7 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
         from ..kernels.decode.predicted import fits
         if codec.slots or (need_kernel_shape and not fits(codec.key.heads, codec.key.dim)):
             return False
-    for q in (codec.key, codec.value):
+    for q in (codec.key, codec.value) if stores_values(codec) else (codec.key,):
         if not keeps_fused_contract(q):
             return False
         if q.code_layout().index_bits not in FUSED_BITS:
@@ -74,6 +75,9 @@ class FusedTables:
     v_layout: torch.Tensor
     k_rot16: torch.Tensor | None = None
     v_rot16: torch.Tensor | None = None
+    #: False for values not stored (``esm_turbo.quant.predict.Unstored``): the v_* fields are then the keys' (never
+    #: read)
+    values_stored: bool = True
 
     def packed(self, parts: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, sign bits or an empty tensor) of ``kind`` ('k' or 'v') in a layer's cache parts."""
@@ -93,10 +97,14 @@ def fused_tables(codec: KVCodec) -> FusedTables:
     key, value = codec.key, codec.value
     if cached is not None and cached.k_tab.device == key.rot.device:
         return cached
+    stored = stores_values(codec)
+    if not stored:
+        value = key  # stand-ins: nothing reads them
     tables = FusedTables(k_code=key.code_layout(), v_code=value.code_layout(), k_tab=_op_table(key),
                          v_tab=_op_table(value), k_bounds=_level_major(lut_bounds(key.centroids)),
                          v_bounds=_level_major(lut_bounds(value.centroids)), k_layout=_kernel_layout(key),
-                         v_layout=_kernel_layout(value), k_rot16=_kernel_halves(key), v_rot16=_kernel_halves(value))
+                         v_layout=_kernel_layout(value), k_rot16=_kernel_halves(key), v_rot16=_kernel_halves(value),
+                         values_stored=stored)
     _TABLES[codec] = tables
     return tables
 
@@ -174,7 +182,8 @@ def gather_blocks(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """A paged cache's rows: pool [slots, H, block, *] read through pages [B, blocks] (slot ids) → [B, H,
     blocks·block, *]."""
     rows = pool[pages.long()]  # [B, blocks, H, block, *]
-    return rows.transpose(1, 2).reshape(pages.shape[0], pool.shape[1], -1, *pool.shape[3:])
+    return rows.transpose(1, 2).reshape(pages.shape[0], pool.shape[1], pages.shape[1] * pool.shape[2],
+                                        *pool.shape[3:])
 
 
 def quantize_pack_reference(x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,

@@ -17,8 +17,9 @@ from ..quant.codec import KVCodec
 from ..quant.layout import CachedCodes
 from ..quant.predict import rotate_half
 from ..quant.rotations import affine_inverse
+from . import use_kernels
 from .compressed import (_QUANTIZE_PACK, _cached_values, _codec_tables, _run, cached_codes, fused_tables,
-                         gathered, quantize_pack)
+                         gathered, quantize_pack, quantize_pack_reference)
 from .reference import attend_predicted
 
 #: each codec's feature maps (:func:`feature_maps` of its keys), made once and kept while it lives
@@ -63,6 +64,9 @@ def write_predicted(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Ten
     :meth:`KVCodec.encode` stores, whatever the kernel's rounding of a key."""
     tables = fused_tables(codec)
     key, value = codec.key, codec.value
+    if not tables.values_stored:  # the keys alone: nothing of the values is stored
+        write_keys(codec, parts, k, pos, pages)
+        return
 
     def pack(values: torch.Tensor) -> None:
         _run(quantize_pack, _QUANTIZE_PACK, k, values, *_codec_tables(key), tables.k_bounds, key.centroids,
@@ -78,16 +82,36 @@ def write_predicted(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Ten
     pack(v.float() - codec.predictor(k_hat, positions))
 
 
+def write_keys(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, pos: torch.Tensor,
+               pages: torch.Tensor | None = None) -> None:
+    """k [B, H, S, d] into one layer's key parts at rows ``pos[b] + j``: the quantize kernel's key programs alone on
+    CUDA (``quantize_pack_triton(keys_only=True)``), its reference elsewhere."""
+    tables = fused_tables(codec)
+    key = codec.key
+    k_tables = (*_codec_tables(key), tables.k_bounds, key.centroids, tables.k_layout)
+    k_out = tables.packed(parts, "k")
+    if use_kernels(k):
+        from ..kernels.quantize import quantize_pack_triton
+        halves = (tables.k_rot16, tables.k_rot16)
+        quantize_pack_triton(k, k, k_tables, k_tables, k_out, k_out, pos, tables.k_code, tables.k_code, halves,
+                             pages=pages, keys_only=True)
+    else:
+        quantize_pack_reference(k, *k_tables, *k_out, pos, tables.k_code, pages)
+
+
 def predicted_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
-                                  lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes, predictor,
+                                  lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None, predictor,
                                   pages: torch.Tensor | None = None, block_size: int = 0) -> torch.Tensor:
     """Attention of S new tokens over a packed prefix whose values are r̂ + predictor(k̂), plus themselves: q, k_new,
     v_new [B, H, S, d] (q scaled and post-RoPE), new_valid [B, S], lengths [B]; keys / values as
-    :func:`~esm_turbo.ops.compressed.compressed_attention_reference` takes them (no slots), the cached token at row
-    t at position t. Returns [B, H, S, d] in q's dtype; a query with no valid key gets zeros."""
-    keys, values = gathered(keys, values, pages)
+    :func:`~esm_turbo.ops.compressed.compressed_attention_reference` takes them (no slots; ``values`` None: not
+    stored, the residual zero), the cached token at row t at position t. Returns [B, H, S, d] in q's dtype; a query
+    with no valid key gets zeros."""
+    stored = values is not None
+    keys, values = gathered(keys, values if stored else keys, pages)
     k_hat = affine_inverse(_cached_values(keys, q.device).float(), keys.rot, keys.offset, keys.scale)
-    r_hat = affine_inverse(_cached_values(values, q.device).float(), values.rot, values.offset, values.scale)
+    r_hat = (affine_inverse(_cached_values(values, q.device).float(), values.rot, values.offset, values.scale)
+             if stored else torch.zeros_like(k_hat))
     valid = torch.arange(k_hat.shape[2], device=lengths.device)[None, :] < lengths[:, None]
     out = attend_predicted(q, k_hat, r_hat, valid, k_new, v_new, new_valid.bool(), predictor)
     any_valid = (valid.any(1) | new_valid.bool().any(1))[:, None, None, None]
@@ -95,7 +119,7 @@ def predicted_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: t
 
 
 def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
-                               lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes, predictor,
+                               lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None, predictor,
                                pages: torch.Tensor | None = None, block_size: int = 0,
                                maps: tuple[torch.Tensor, torch.Tensor] | None = None,
                                splits: int | None = None) -> torch.Tensor:
@@ -119,7 +143,8 @@ def attend_predicted_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], 
     (new_valid [B, S]): the fused walk on CUDA for the shapes it takes (``kernels.decode.predicted.fits``), the
     reference elsewhere. Returns [B, H, S, d] in q's dtype."""
     from ..kernels.decode.predicted import fits
-    keys, values = cached_codes(codec, parts, "k"), cached_codes(codec, parts, "v")
+    keys = cached_codes(codec, parts, "k")
+    values = cached_codes(codec, parts, "v") if fused_tables(codec).values_stored else None
     if q.is_cuda and fits(q.shape[1], q.shape[3]):
         return predicted_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values, codec.predictor, pages,
                                           block_size, codec_feature_maps(codec))

@@ -80,6 +80,41 @@ class ValuePredictor(nn.Module):
         return f"heads={self.heads}, dim={self.dim}"
 
 
+class Unstored(nn.Module):
+    """The value quantizer of a layer whose values are not stored at all: its predictor's prediction from the keys is
+    the value (``calibrate --bits 2 --predict-values``; in ESM-2 the values are an affine function of the keys before
+    the rotary embedding, so the keys' codes carry them). It keeps one zero-width part a token (``none``, [..., H, T,
+    0] uint8: no bytes) so that the caches and the codec contract see a value part of the right shape; it decodes to
+    zeros (the residual)."""
+
+    bits = 0
+
+    def __init__(self, heads: int, dim: int):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.register_buffer("_device_anchor", torch.zeros(0))
+
+    def part_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"none": ((0,), torch.uint8)}
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x [..., H, T, d] → {"none": [..., H, T, 0]}."""
+        return {"none": torch.zeros(*x.shape[:-1], 0, dtype=torch.uint8, device=x.device)}
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """→ zeros [..., H, T, d] float32 (nothing was coded)."""
+        none = parts["none"]
+        return torch.zeros(*none.shape[:-1], self.dim, device=none.device)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, dim={self.dim}"
+
+
+def stores_values(codec) -> bool:
+    """Whether ``codec`` stores its values (every codec but one whose values are :class:`Unstored`)."""
+    return not isinstance(codec.value, Unstored)
+
+
 class PredictorFit:
     """Least squares of a layer's values on :meth:`ValuePredictor.features` of its decoded keys, accumulated over
     batches in float64 (the normal equations, [D + 1]², never the tokens)."""

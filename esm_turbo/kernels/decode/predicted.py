@@ -122,10 +122,11 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
                       D: tl.constexpr, HQ: tl.constexpr, FC: tl.constexpr, BT: tl.constexpr,
                       KCB: tl.constexpr, VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr,
                       KSIGN: tl.constexpr, VSIGN: tl.constexpr, KGRID: tl.constexpr, VGRID: tl.constexpr,
-                      PAGE: tl.constexpr, PRECISION: tl.constexpr):
+                      VSTORED: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (B·S, NS, NF): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length), feature
     heads [chunk·FC, +FC) (all HQ in one chunk where they fit). Writes partial (b·S + qi)·NS + split: m, l [HQ], and (chunk 0) Σ p ŷᵥ [HQ, D], and its
-    pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D]."""
+    pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D]. ``VSTORED`` False (values not stored):
+    no value codes are read and the residual sums stay zero."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -172,9 +173,10 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            if chunk == 0:
-                yv = _decode_heads(v_main, v_sign, v_tab, v_lay, hh, rows, valid, D, VCB, VNC, VSIGN, VGRID)
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * yv, axis=1)
+            if VSTORED:
+                if chunk == 0:
+                    yv = _decode_heads(v_main, v_sign, v_tab, v_lay, hh, rows, valid, D, VCB, VNC, VSIGN, VGRID)
+                    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * yv, axis=1)
             if FC == HQ:  # every head's features: the key tile as it is
                 yf = yk
             else:
@@ -201,12 +203,12 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
 def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr, svb, svh, svs, valid_ptr, c0_ptr,
                             m_ptr, l_ptr, acc_ptr, pool_ptr, v_scale, v_offset, v_rot, w_ptr, bias_ptr, out_ptr,
                             H, S, NS, WIDTH, D: tl.constexpr, HQ: tl.constexpr, BLOCK_NS: tl.constexpr,
-                            BLOCK_J: tl.constexpr, FB: tl.constexpr, NFB: tl.constexpr):
+                            BLOCK_J: tl.constexpr, FB: tl.constexpr, NFB: tl.constexpr, VSTORED: tl.constexpr):
     """Grid (B·S·H,): query ``qi`` of sequence b, head h. The walks' partials combined (log2 units, c0 [B, H, S] added
     back), the residual sums mapped back from the value domain ((Σ p ŷ ⊙ σ + (Σ p) o) Π), the pooled features through
     head h's columns of the predictor's map (``w_ptr`` [H·D, H·D] fp16, FB rows a step) plus (Σ p)·b, the step's own
     tokens (q, k, v strided; ``valid_ptr`` [B, S] uint8) added exactly; ``out_ptr`` [B, H, S, D] contiguous. A
-    query with no valid key gets zeros."""
+    query with no valid key gets zeros. ``VSTORED`` False: no residual (values not stored)."""
     pid = tl.program_id(0)
     h = pid % H
     bs = pid // H
@@ -229,10 +231,13 @@ def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr,
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(m - top)  # [BLOCK_NS]: a split that walked nothing has m = −inf, weight 0
     mass = tl.sum(w * l_, axis=0)
-    acc = tl.load(acc_ptr + (part[:, None] * HQ + h) * D + d[None, :], mask=nm[:, None], other=0.0)
-    y = tl.sum(w[:, None] * acc, axis=0) * tl.load(v_scale + h * D + d) + mass * tl.load(v_offset + h * D + d)
-    rot = tl.load(v_rot + (h * D + d[:, None]) * D + d[None, :])  # Π [D, D]
-    out = tl.sum(y[:, None] * rot, axis=0)
+    if VSTORED:
+        acc = tl.load(acc_ptr + (part[:, None] * HQ + h) * D + d[None, :], mask=nm[:, None], other=0.0)
+        y = tl.sum(w[:, None] * acc, axis=0) * tl.load(v_scale + h * D + d) + mass * tl.load(v_offset + h * D + d)
+        rot = tl.load(v_rot + (h * D + d[:, None]) * D + d[None, :])  # Π [D, D]
+        out = tl.sum(y[:, None] * rot, axis=0)
+    else:  # values not stored: the prediction is the value
+        out = tl.zeros((D,), tl.float32)
     fd = H * D
     for fb in range(0, NFB):
         f = fb * FB + tl.arange(0, FB)
@@ -261,13 +266,13 @@ def full_layout(c: CachedCodes) -> torch.Tensor:
     return layout_of(torch.full((heads, dim), c.code.code_bits, device=c.table.device))
 
 
-def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes,
+def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None,
                               fmap: torch.Tensor, fbias: torch.Tensor, inv_freq: torch.Tensor,
                               pages: torch.Tensor | None = None, block_size: int = 0, splits: int | None = None
                               ) -> tuple[torch.Tensor, ...]:
     """The walk's partials for queries ``qt`` [B, H, S, d] float32 (in the keys' affine domain, c0 dropped: ``q̃``
     of ``esm_turbo.ops.compressed.compressed_attention_reference``) over each row's ``lengths`` cached tokens.
-    ``fmap`` [H, 2, d, d], ``fbias`` [H, 2, d]: x̂ and rotate_half(x̂) from ŷ (``esm_turbo.ops.predicted.
+    ``values`` None: not stored (the residual sums zero). ``fmap`` [H, 2, d, d], ``fbias`` [H, 2, d]: x̂ and rotate_half(x̂) from ŷ (``esm_turbo.ops.predicted.
     feature_maps``); ``inv_freq`` [d/2] float32; a paged cache: ``pages`` [B, blocks] int32 and its ``block_size``.
     Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], Σ p f [B, S, NS, HQ, NF·FC·d]); a split past a row's
     length leaves m = −inf and zero sums."""
@@ -288,6 +293,8 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
     l_ = torch.empty_like(m)
     acc = torch.empty(batch, s, splits, hq, d, device=dev)
     pooled = torch.empty(batch, s, splits, hq, nf * fc * d, device=dev)
+    stored = values is not None
+    values = values if stored else keys  # stand-ins, never read
     k_lay, v_lay = full_layout(keys), full_layout(values)
     _predicted_kernel[(batch * s, splits, nf)](
         qt.contiguous(), keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
@@ -295,26 +302,29 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
         acc, pooled, heads, s, t_cap, chunk, chunk // BLOCK_T, splits, nf,
         D=d, HQ=hq, FC=fc, BT=BLOCK_T, KCB=keys.code.code_bits, VCB=values.code.code_bits,
         KNC=keys.table.shape[-1], VNC=values.table.shape[-1], KSIGN=keys.code.sign == "plane",
-        VSIGN=values.code.sign == "plane", KGRID=keys.code.grid, VGRID=values.code.grid, PAGE=page, PRECISION=dot_precision(qt),
+        VSIGN=values.code.sign == "plane", KGRID=keys.code.grid, VGRID=values.code.grid, VSTORED=stored, PAGE=page,
+        PRECISION=dot_precision(qt),
         num_warps=1 if interpreting() else 8, enable_fp_fusion=FP_FUSION)
     return m, l_, acc, pooled
 
 
 def predicted_merge_triton(partials: tuple[torch.Tensor, ...], q: torch.Tensor, k_new: torch.Tensor,
-                           v_new: torch.Tensor, new_valid: torch.Tensor, c0: torch.Tensor, values: CachedCodes,
+                           v_new: torch.Tensor, new_valid: torch.Tensor, c0: torch.Tensor, values: CachedCodes | None,
                            weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The output [B, H, S, d] (q's dtype) of the walk's ``partials`` (``predicted_partials_triton``) and the step's
     own tokens q, k_new, v_new [B, H, S, d] (strided views read in place; ``new_valid`` [B, S]), ``c0`` [B, H, S]
-    the queries' constant the walk dropped; ``values``: the residual's constants; ``weight`` [H·d, H·d] and ``bias``
+    the queries' constant the walk dropped; ``values``: the residual's constants (None: not stored); ``weight`` [H·d, H·d] and ``bias``
     [H·d]: the predictor's map. One launch."""
     m, l_, acc, pooled = partials
     batch, heads, s, d = q.shape
     (q, q_st), (k_new, k_st), (v_new, v_st) = map(token_strides, (q, k_new, v_new))
     out = torch.empty(batch, s, heads, d, device=q.device, dtype=q.dtype)
     fb = min(128, triton.next_power_of_2(heads * d))
+    stored = values is not None
+    v_scale, v_offset, v_rot = (values.scale, values.offset, values.rot) if stored else (c0, c0, c0)  # never read
     _predicted_merge_kernel[(batch * s * heads,)](
         q, *q_st, k_new, *k_st, v_new, *v_st, new_valid.contiguous().view(torch.uint8), c0.contiguous(), m, l_, acc,
-        pooled, values.scale, values.offset, values.rot, weight, bias, out, heads, s, m.shape[2], pooled.shape[-1],
+        pooled, v_scale, v_offset, v_rot, weight, bias, out, heads, s, m.shape[2], pooled.shape[-1],
         D=d, HQ=m.shape[3], BLOCK_NS=triton.next_power_of_2(m.shape[2]), BLOCK_J=triton.next_power_of_2(s), FB=fb,
-        NFB=triton.cdiv(heads * d, fb), num_warps=4, enable_fp_fusion=FP_FUSION)
+        NFB=triton.cdiv(heads * d, fb), VSTORED=stored, num_warps=4, enable_fp_fusion=FP_FUSION)
     return out.transpose(1, 2)
