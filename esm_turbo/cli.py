@@ -146,7 +146,9 @@ def _budget_recipe(cfg, args, model):
         cfg = for_budget(cfg, args.bits, shape.num_hidden_layers, heads, shape.hidden_size // heads,
                          keep=frozenset(overrides_from_args(args, CalibrationConfig)))
     extra = f", {cfg.slots} slot(s) a token paid by {cfg.narrow_layers} narrowed layer(s)" if cfg.slots else ""
-    extra += ", values coded as what the keys do not predict" if cfg.predict_values else ""
+    if cfg.predict_values:
+        extra += (", values not stored: predicted from the keys" if cfg.value_index_bits == 0 else
+                  ", values coded as what the keys do not predict")
     widths = cfg.resolved()  # the split rule applied: the widths it calibrates
     print(f"recipe for {args.bits} bits a value all-in: {widths.key_index_bits} + {widths.value_index_bits} index bits "
           f"(keys + values{', and a sign bit' if cfg.residual == 'sign' else ''}){extra}")

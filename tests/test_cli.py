@@ -81,18 +81,20 @@ def test_calibrate_measures_a_held_out_part_and_auto_keeps_the_best_recipe(stres
 def test_calibrate_to_an_all_in_budget(stress_dir, tmp_path, capsys):
     """--bits B stores B bits a value all-in: B − 1 index bits and a sign; at 4 also a slot a token paid for by the
     fewest layers narrowed (4 heads of 16: a slot costs 0.5 bits a value, so two of the three layers); a recipe flag
-    given is kept (--predict-values: a predictor a layer, no bytes a token, and evaluate reads it); --bits with
+    given is kept (--predict-values: a predictor a layer, no bytes a token, and evaluate reads it; at 2 the keys alone,
+    3 + sign, the values not stored); --bits with
     --index-bits is refused before any work."""
     from esm_turbo.cache import KVCache
     ckpt = tmp_path / "budget.safetensors"
     common = ["calibrate", "--model", str(stress_dir), "--fasta", CAL, "--out", str(ckpt), "--max-tokens", "1500",
               "--holdout", "0", "--quiet"]
     for bits, extra, slots, narrowed in ((4, [], 1, 2), (4, ["--slots", "0"], 0, 0), (3, [], 0, 0),
-                                         (3, ["--predict-values"], 0, 0)):
+                                         (3, ["--predict-values"], 0, 0), (2, ["--predict-values"], 0, 0)):
         assert main([*common, "--bits", str(bits), *extra]) == 0
         out = capsys.readouterr().out
         assert f"recipe for {bits} bits a value all-in" in out
-        assert ("values coded as what the keys do not predict" in out) == bool(extra == ["--predict-values"])
+        assert ("values coded as what the keys do not predict" in out) == (extra == ["--predict-values"] and bits == 3)
+        assert ("3 + 0 index bits" in out and "values not stored" in out) == (bits == 2)
         cal = Calibration.load(ckpt)
         assert cal.config.slots == slots and len(cal.meta.get("narrowed_layers", [])) == narrowed
         assert all((c.predictor is not None) == cal.config.predict_values for c in cal.codecs)
@@ -101,7 +103,7 @@ def test_calibrate_to_an_all_in_budget(stress_dir, tmp_path, capsys):
         if not slots:
             assert report.bits_per_value == bits
     assert main(["evaluate", "--model", str(stress_dir), "--calibration", str(ckpt), "--fasta", EV, "--limit", "1",
-                 "--max-steps", "3", "--quiet"]) == 0  # the last, predicted calibration
+                 "--max-steps", "3", "--quiet"]) == 0  # the last: keys alone, values predicted
     assert main([*common, "--bits", "4", "--index-bits", "3"]) == 2
     assert "not both" in capsys.readouterr().err
 
