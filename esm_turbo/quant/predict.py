@@ -47,7 +47,9 @@ def unrope(k: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tens
 class ValuePredictor(nn.Module):
     """v ≈ f(k̂) W + b per token, f(k̂) [.., D] = every head's decoded key before the rotary embedding; ``weight``
     [D, D] and ``bias`` [D] (float16 buffers, applied in float32), ``inv_freq`` [d/2] (float32): the model's rotary
-    frequencies."""
+    frequencies. ``explained``: the share of the calibration values' variance the fit predicted (None when loaded)."""
+
+    explained: float | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, inv_freq: torch.Tensor, heads: int, dim: int):
         super().__init__()
@@ -124,6 +126,7 @@ class PredictorFit:
         width = heads * dim + 1
         self.gram = torch.zeros(width, width, dtype=torch.float64, device=device)
         self.cross = torch.zeros(width, heads * dim, dtype=torch.float64, device=device)
+        self.energy = torch.zeros(heads * dim, dtype=torch.float64, device=device)  # Σ v² a channel
         self.count = 0
 
     def add(self, k_hat: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
@@ -133,6 +136,7 @@ class PredictorFit:
         x = torch.cat([x, torch.ones_like(x[:, :1])], 1).double()
         self.gram += x.T @ x
         self.cross += x.T @ y.double()
+        self.energy += y.double().pow(2).sum(0)
         self.count += x.shape[0]
 
     def solve(self, ridge: float = 1e-6) -> ValuePredictor:
@@ -145,4 +149,13 @@ class PredictorFit:
         gram = self.gram + reg * torch.eye(width, dtype=self.gram.dtype, device=self.gram.device)
         gram[-1, -1] = self.gram[-1, -1]  # the bias is not shrunk
         sol = torch.linalg.solve(gram, self.cross)  # [D + 1, D]
-        return ValuePredictor(sol[:-1].float(), sol[-1].float(), self.inv_freq, self.heads, self.dim)
+        pred = ValuePredictor(sol[:-1].float(), sol[-1].float(), self.inv_freq, self.heads, self.dim)
+        pred.explained = self.explained(sol)
+        return pred
+
+    def explained(self, sol: torch.Tensor) -> float:
+        """The share of the values' variance (about their means, over the fitted tokens) that ``sol`` [D + 1, D]
+        predicts: 1 − Σ residual² / Σ (v − v̄)²."""
+        residual = (self.energy.sum() - 2 * (sol * self.cross).sum() + (sol * (self.gram @ sol)).sum()).clamp_min(0)
+        total = self.energy.sum() - self.cross[-1].pow(2).sum() / self.count
+        return float(1 - residual / total.clamp_min(1e-30))
