@@ -426,3 +426,32 @@ def test_values_not_stored_come_back_as_the_prediction_from_the_keys(fused, page
     ones = torch.ones(2, 1, dtype=torch.bool)
     got = decode_attention_reference(q, cache, 0, k_new, v_new, ones)
     assert torch.allclose(got, attend(q, k_hat, v_hat, valid, k_new, v_new, ones), atol=1e-5)
+
+
+def test_a_keys_alone_budget_calibrates_and_auto_keeps_the_keys_widths(stress_model):
+    """--bits 2 with predict_values stores the keys alone (3 + sign, values not stored: 2.0 bits all-in); --preset
+    auto over it calibrates every candidate at those widths (keys-first would repeat the default) and keeps one;
+    slots or narrowed layers over values not stored are refused in one line."""
+    from esm_turbo import calibrate
+    from esm_turbo.cache import KVCache
+    from esm_turbo.errors import EsmTurboError
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model.holdout import calibrate_held_out
+    from esm_turbo.model.recipe import for_budget, recipe
+    from esm_turbo.quant.predict import Unstored
+    cfg = for_budget(recipe("default", predict_values=True), 2, layers=4, heads=4, dim=16)
+    assert (cfg.key_index_bits, cfg.value_index_bits) == (3, 0)
+    at3, at4 = (for_budget(recipe("default", predict_values=True), b, 4, 4, 16).resolved() for b in (3, 4))
+    assert (at3.key_index_bits, at3.value_index_bits) == (4, 0)  # 2.5 bits: keys take at most 4 index bits
+    assert (at4.key_index_bits, at4.value_index_bits) == (4, 2)  # a split again
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:10]
+    held = calibrate_held_out(stress_model, recs, cfg, preset="auto", holdout=0.3, progress=False)
+    assert set(held.candidates) == {"default", "query-keys", "no-rotation"}
+    cal = held.calibration
+    assert all(isinstance(c.value, Unstored) for c in cal.codecs)
+    assert KVCache(cal.codecs, 1, capacity=1, device="cpu").memory_report().bits_per_value == 2.0
+    with pytest.raises(EsmTurboError, match="values not stored"):
+        calibrate(stress_model, recs, recipe("default", predict_values=True, key_index_bits=3, value_index_bits=0,
+                                             slots=1), progress=False)
+    with pytest.raises(ValueError, match="needs predict_values"):
+        recipe("default", key_index_bits=3, value_index_bits=0).resolved()

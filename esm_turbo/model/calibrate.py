@@ -255,6 +255,9 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     layers, heads, dim = engine.num_layers, engine.heads, engine.head_dim
     if config.narrow_layers >= layers:
         raise EsmTurboError(f"narrow_layers {config.narrow_layers}: give fewer than the model's {layers} layers")
+    if config.value_index_bits == 0 and (config.slots or config.narrow_layers):
+        raise EsmTurboError("values not stored (value_index_bits 0) leave no value codes for slots or narrowed "
+                            "layers to adjust: give slots 0 and narrow_layers 0, or value_index_bits ≥ 1")
     if config.predict_values:
         if config.shared_lut:
             raise EsmTurboError("predict_values fits the values' tables on what the keys do not predict: it needs "

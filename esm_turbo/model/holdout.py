@@ -81,10 +81,15 @@ def calibrate_held_out(model, records: list[Record], config: CalibrationConfig |
     mean_bits = (base.key_index_bits + base.value_index_bits) // 2
     best: tuple | None = None
     candidates: dict[str, dict] = {}
+    keys_alone = base.value_index_bits == 0  # values not stored: every candidate keeps the keys' widths
     for name in AUTO_CANDIDATES:
+        if keys_alone and name == "keys-first":  # the same widths as the default's then
+            continue
+        widths = (dict(key_index_bits=base.key_index_bits, value_index_bits=0, split="as-given") if keys_alone
+                  else {})
         cfg = replace(with_mean_bits(PRESETS[name], mean_bits), residual=base.residual, seed=base.seed,
                       max_tokens=base.max_tokens, slots=base.slots, slot_rank=base.slot_rank,
-                      narrow_layers=base.narrow_layers, predict_values=base.predict_values)
+                      narrow_layers=base.narrow_layers, predict_values=base.predict_values, **widths)
         cal = calibrate(model, fit, cfg, progress=progress, model_name=model_name)
         candidates[name] = holdout_summary(model, cal, held)
         if best is None or _rank(candidates[name]) > _rank(best[2]):

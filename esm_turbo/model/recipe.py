@@ -164,7 +164,7 @@ SLOT_MAX_HEAD_DIM = 16
 
 #: the budgets at which ``--bits`` with ``predict_values`` stores the keys only (every bit to them, at most 4 index
 #: bits + the sign) and the values not at all: they measured better there than any split of the bits (docs/recipe.md)
-KEYS_ONLY_BUDGETS = (2,)
+KEYS_ONLY_BUDGETS = (2, 3)
 
 
 def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: int,
