@@ -86,8 +86,9 @@ def write_rows(out) -> None:
         for codec in (plain, pred, keys_only):
             parts = KVCache([codec], batch, capacity=s, device=dev).parts[0]
             times.append(time_graph(lambda: write_compressed(codec, parts, x, x, pos), dev) * 1e6)
-        print(f"{name} B={batch} S={s}: plain {times[0]:.1f} µs, predicted {times[1]:.1f} µs (×{times[1] / times[0]:.2f}),"
-              f" keys alone {times[2]:.1f} µs (×{times[2] / times[0]:.2f})", file=out, flush=True)
+        print(f"{name} B={batch} S={s}: plain {times[0]:.1f} µs, predicted {times[1]:.1f} µs "
+              f"(×{times[1] / times[0]:.2f}), keys alone {times[2]:.1f} µs (×{times[2] / times[0]:.2f})", file=out,
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -416,7 +416,8 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     # prefill's 640 programs run in one wave, not 1.2 (caps at 32 tokens gained nothing)
     maxnreg = cfg["maxnreg"] or (96 if block_n >= 64 else None)
     kinds = 1 if keys_only else 2  # grid axis 0: keys' programs, then values'
-    launch = (kinds * heads, triton.cdiv(s, block_n), batch) if per_seq else (kinds * heads, triton.cdiv(batch, block_n))
+    launch = ((kinds * heads, triton.cdiv(s, block_n), batch) if per_seq
+              else (kinds * heads, triton.cdiv(batch, block_n)))
     paged = pages is not None and pages.numel() > 0
     if not paged:
         pages = pos  # never read

@@ -36,7 +36,8 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     (``esm_turbo.window``) or more than :data:`~esm_turbo.quant.slots.KERNEL_SLOTS` slots a token
     (``esm_turbo.quant.slots``) is read on the reference path. A codec whose values are predicted from its keys
     (``esm_turbo.quant.predict``) takes its own walk over every head's keys (``esm_turbo.ops.predicted``): without
-    slots, and with ``need_kernel_shape`` for the head counts and widths it holds (``kernels.decode.predicted.fits``)."""
+    slots, and with ``need_kernel_shape`` for the head counts and widths it holds
+    (``kernels.decode.predicted.fits``)."""
     if getattr(codec, "window", 0) or getattr(codec, "slots", 0) > KERNEL_SLOTS:
         return False
     if getattr(codec, "predictor", None) is not None:
@@ -157,12 +158,26 @@ def scatter_rows(buf: torch.Tensor, val: torch.Tensor, pos: torch.Tensor, pages:
     """buf [B, H, T_cap, *] ← val [B, H, S, *] at rows ``pos[b] + j`` of each sequence. A paged cache (``pages``
     [B, blocks] slot ids, non-empty): buf is a pool [slots, H, block, *] and row b's position t lies in slot
     ``pages[b, t // block]`` at ``t % block``."""
-    rows = torch.arange(val.shape[0], device=val.device)[:, None]
-    at = pos[:, None] + torch.arange(val.shape[2], device=val.device)  # [B, S]
-    if pages is not None and pages.numel():
-        rows = pages.long().gather(1, at // buf.shape[2])
-        at = at % buf.shape[2]
+    rows, at = row_index(pos, val.shape[2], buf.shape[2], pages)
     buf[rows, :, at] = val.transpose(1, 2)  # advanced indices split by a slice put [B, S] first
+
+
+def gather_rows(buf: torch.Tensor, pos: torch.Tensor, s: int, pages: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of :func:`scatter_rows`: rows ``pos[b] + j`` (j < s) of buf [B, H, T_cap, *] (a paged pool [slots,
+    H, block, *] through ``pages``) → [B, H, s, *]."""
+    rows, at = row_index(pos, s, buf.shape[2], pages)
+    return buf[rows, :, at].transpose(1, 2)
+
+
+def row_index(pos: torch.Tensor, s: int, block: int, pages: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, at) [B, S] indices of positions ``pos[b] + j`` (j < s): each sequence's row and the position itself in a
+    contiguous buffer, or through ``pages`` [B, blocks] (non-empty) the slot and the place in a block of ``block``."""
+    rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+    at = pos[:, None] + torch.arange(s, device=pos.device)  # [B, S]
+    if pages is not None and pages.numel():
+        rows = pages.long().gather(1, at // block)
+        at = at % block
+    return rows, at
 
 
 def write_dense(parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
@@ -236,7 +251,7 @@ def compressed_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: 
     v_rot, v_offset, v_scale = values.rot, values.offset, values.scale
     z = torch.einsum("bhsd,hed->bhse", q.to(k_rot.dtype), k_rot)
     qk, c0 = z * k_scale[:, None, :], (z * k_offset[:, None, :]).sum(-1, keepdim=True)
-    k_hat, v_hat = (_cached_values(c, q.device) for c in (keys, values))
+    k_hat, v_hat = (cached_values(c, q.device) for c in (keys, values))
     t = k_hat.shape[2]
     k_all = torch.cat([k_hat.to(k_rot.dtype), affine_forward(k_new, k_rot, k_offset, k_scale)], dim=2)
     v_all = torch.cat([v_hat.to(v_rot.dtype), affine_forward(v_new, v_rot, v_offset, v_scale)], dim=2)
@@ -261,7 +276,7 @@ def gathered(keys: CachedCodes, values: CachedCodes, pages: torch.Tensor | None)
                  for c in (keys, values))
 
 
-def _cached_values(c: CachedCodes, device: torch.device) -> torch.Tensor:
+def cached_values(c: CachedCodes, device: torch.device) -> torch.Tensor:
     """ŷ [B, H, T_cap, d] of one kind's packed cache (its slots applied), in the table's dtype or float32."""
     layout = _full_layout(c.layout, *c.table.shape[:2], c.code.code_bits, device)
     y_hat = lookup_codes(c.table, c.main, c.sign, layout, c.code.code_bits)
@@ -393,6 +408,13 @@ def write_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Te
         from .predicted import write_predicted
         write_predicted(codec, parts, k, v, pos, pages)
         return
+    pack_layer(codec, parts, k, v, pos, pages)
+
+
+def pack_layer(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+               pages: torch.Tensor | None = None) -> None:
+    """k and v as given (no prediction) into the layer's packed parts: ``esm_turbo::quantize_pack``, one Triton launch
+    on CUDA (:func:`write_compressed`'s contract)."""
     tables = fused_tables(codec)
     key, value = codec.key, codec.value
     _run(quantize_pack, _QUANTIZE_PACK, k, v, *_codec_tables(key), tables.k_bounds, key.centroids,

@@ -18,8 +18,8 @@ from ..quant.layout import CachedCodes
 from ..quant.predict import rotate_half
 from ..quant.rotations import affine_inverse
 from . import use_kernels
-from .compressed import (_QUANTIZE_PACK, _cached_values, _codec_tables, _run, cached_codes, fused_tables,
-                         gathered, quantize_pack, quantize_pack_reference)
+from .compressed import (cached_codes, cached_values, fused_tables, gather_rows, gathered, pack_layer,
+                         quantize_pack_reference)
 from .reference import attend_predicted
 
 #: each codec's feature maps (:func:`feature_maps` of its keys), made once and kept while it lives
@@ -44,17 +44,6 @@ def codec_feature_maps(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor]:
     return cached
 
 
-def gather_rows(buf: torch.Tensor, pos: torch.Tensor, s: int, pages: torch.Tensor | None = None) -> torch.Tensor:
-    """The inverse of :func:`~esm_turbo.ops.compressed.scatter_rows`: rows ``pos[b] + j`` (j < s) of buf [B, H, T_cap, *]
-    (a paged pool [slots, H, block, *] through ``pages`` [B, blocks]) → [B, H, s, *]."""
-    rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
-    at = pos[:, None] + torch.arange(s, device=pos.device)  # [B, S]
-    if pages is not None and pages.numel():
-        rows = pages.long().gather(1, at // buf.shape[2])
-        at = at % buf.shape[2]
-    return buf[rows, :, at].transpose(1, 2)
-
-
 def write_predicted(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                     pos: torch.Tensor, pages: torch.Tensor | None = None) -> None:
     """k, v [B, H, S, d] of tokens at positions ``pos[b] + j`` into one layer's packed parts (a paged cache's pools
@@ -62,24 +51,15 @@ def write_predicted(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Ten
     packed first (with the values as given, then overwritten), read back and decoded, the prediction subtracted, and
     both packed again (``esm_turbo::quantize_pack``: one Triton launch each on CUDA) — what
     :meth:`KVCodec.encode` stores, whatever the kernel's rounding of a key."""
-    tables = fused_tables(codec)
-    key, value = codec.key, codec.value
-    if not tables.values_stored:  # the keys alone: nothing of the values is stored
+    if not fused_tables(codec).values_stored:  # the keys alone: nothing of the values is stored
         write_keys(codec, parts, k, pos, pages)
         return
-
-    def pack(values: torch.Tensor) -> None:
-        _run(quantize_pack, _QUANTIZE_PACK, k, values, *_codec_tables(key), tables.k_bounds, key.centroids,
-             tables.k_layout, *tables.packed(parts, "k"), *_codec_tables(value), tables.v_bounds, value.centroids,
-             tables.v_layout, *tables.packed(parts, "v"), pos, tables.k_code.to_op(), tables.v_code.to_op(),
-             tables.k_rot16, tables.v_rot16, pages)
-
-    pack(v)
+    pack_layer(codec, parts, k, v, pos, pages)
     s = k.shape[2]
     stored = {name[2:]: gather_rows(t, pos, s, pages) for name, t in parts.items() if name.startswith("k.")}
-    k_hat = key.decode(stored)
+    k_hat = codec.key.decode(stored)
     positions = pos[:, None] + torch.arange(s, device=pos.device)
-    pack(v.float() - codec.predictor(k_hat, positions))
+    pack_layer(codec, parts, k, v.float() - codec.predictor(k_hat, positions), pos, pages)
 
 
 def write_keys(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, pos: torch.Tensor,
@@ -88,7 +68,7 @@ def write_keys(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, 
     CUDA (``quantize_pack_triton(keys_only=True)``), its reference elsewhere."""
     tables = fused_tables(codec)
     key = codec.key
-    k_tables = (*_codec_tables(key), tables.k_bounds, key.centroids, tables.k_layout)
+    k_tables = (key.rot, key.offset, key.scale, tables.k_bounds, key.centroids, tables.k_layout)
     k_out = tables.packed(parts, "k")
     if use_kernels(k):
         from ..kernels.quantize import quantize_pack_triton
@@ -109,8 +89,8 @@ def predicted_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: t
     with no valid key gets zeros."""
     stored = values is not None
     keys, values = gathered(keys, values if stored else keys, pages)
-    k_hat = affine_inverse(_cached_values(keys, q.device).float(), keys.rot, keys.offset, keys.scale)
-    r_hat = (affine_inverse(_cached_values(values, q.device).float(), values.rot, values.offset, values.scale)
+    k_hat = affine_inverse(cached_values(keys, q.device).float(), keys.rot, keys.offset, keys.scale)
+    r_hat = (affine_inverse(cached_values(values, q.device).float(), values.rot, values.offset, values.scale)
              if stored else torch.zeros_like(k_hat))
     valid = torch.arange(k_hat.shape[2], device=lengths.device)[None, :] < lengths[:, None]
     out = attend_predicted(q, k_hat, r_hat, valid, k_new, v_new, new_valid.bool(), predictor)
@@ -124,8 +104,8 @@ def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
                                maps: tuple[torch.Tensor, torch.Tensor] | None = None,
                                splits: int | None = None) -> torch.Tensor:
     """:func:`predicted_attention_reference`'s contract on the fused walk (CUDA, or CPU under Triton's interpreter):
-    queries into the keys' affine domain, the walk, its merge (``kernels.decode.predicted``). ``maps``: the keys' :func:`feature_maps`
-    (made here if None); ``splits``: walks a row (None: enough for two waves of the GPU)."""
+    queries into the keys' affine domain, the walk, its merge (``kernels.decode.predicted``). ``maps``: the keys'
+    :func:`feature_maps` (made here if None); ``splits``: walks a row (None: enough for two waves of the GPU)."""
     from ..kernels.decode.predicted import predicted_merge_triton, predicted_partials_triton
     z = torch.einsum("bhsd,hed->bhse", q.float(), keys.rot.float())
     qt, c0 = z * keys.scale[:, None, :], (z * keys.offset[:, None, :]).sum(-1)

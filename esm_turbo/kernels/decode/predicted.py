@@ -124,8 +124,8 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
                       KSIGN: tl.constexpr, VSIGN: tl.constexpr, KGRID: tl.constexpr, VGRID: tl.constexpr,
                       VSTORED: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (B·S, NS, NF): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length), feature
-    heads [chunk·FC, +FC) (all HQ in one chunk where they fit). Writes partial (b·S + qi)·NS + split: m, l [HQ], and (chunk 0) Σ p ŷᵥ [HQ, D], and its
-    pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D]. ``VSTORED`` False (values not stored):
+    heads [chunk·FC, +FC) (all HQ in one chunk where they fit). Writes partial (b·S + qi)·NS + split: m, l [HQ],
+    (chunk 0) Σ p ŷᵥ [HQ, D], and its pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D]. ``VSTORED`` False (values not stored):
     no value codes are read and the residual sums stay zero."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -272,9 +272,9 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
                               ) -> tuple[torch.Tensor, ...]:
     """The walk's partials for queries ``qt`` [B, H, S, d] float32 (in the keys' affine domain, c0 dropped: ``q̃``
     of ``esm_turbo.ops.compressed.compressed_attention_reference``) over each row's ``lengths`` cached tokens.
-    ``values`` None: not stored (the residual sums zero). ``fmap`` [H, 2, d, d], ``fbias`` [H, 2, d]: x̂ and rotate_half(x̂) from ŷ (``esm_turbo.ops.predicted.
-    feature_maps``); ``inv_freq`` [d/2] float32; a paged cache: ``pages`` [B, blocks] int32 and its ``block_size``.
-    Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], Σ p f [B, S, NS, HQ, NF·FC·d]); a split past a row's
+    ``values`` None: not stored (the residual sums zero). ``fmap`` [H, 2, d, d], ``fbias`` [H, 2, d]: x̂ and
+    rotate_half(x̂) from ŷ (``esm_turbo.ops.predicted.feature_maps``); ``inv_freq`` [d/2] float32; a paged cache:
+    ``pages`` [B, blocks] int32 and its ``block_size``. Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], Σ p f [B, S, NS, HQ, NF·FC·d]); a split past a row's
     length leaves m = −inf and zero sums."""
     batch, heads, s, d = qt.shape
     page = int(block_size) if pages is not None and pages.numel() else 0
@@ -313,8 +313,8 @@ def predicted_merge_triton(partials: tuple[torch.Tensor, ...], q: torch.Tensor, 
                            weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The output [B, H, S, d] (q's dtype) of the walk's ``partials`` (``predicted_partials_triton``) and the step's
     own tokens q, k_new, v_new [B, H, S, d] (strided views read in place; ``new_valid`` [B, S]), ``c0`` [B, H, S]
-    the queries' constant the walk dropped; ``values``: the residual's constants (None: not stored); ``weight`` [H·d, H·d] and ``bias``
-    [H·d]: the predictor's map. One launch."""
+    the queries' constant the walk dropped; ``values``: the residual's constants (None: not stored); ``weight``
+    [H·d, H·d] and ``bias`` [H·d]: the predictor's map. One launch."""
     m, l_, acc, pooled = partials
     batch, heads, s, d = q.shape
     (q, q_st), (k_new, k_st), (v_new, v_st) = map(token_strides, (q, k_new, v_new))
