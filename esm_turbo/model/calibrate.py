@@ -312,7 +312,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
 
 #: below this share of a layer's values' variance predicted by its decoded keys, values not stored are warned of (in
 #: ESM-2 the values are an affine map of the keys; what misses is the keys' coding error: the trained testbeds' layers
-#: predict 0.979–0.9997 from keys of 3 + sign bits, 0.989–0.9999 from 4 + sign, and decode at a mean cos ≥ 0.996)
+#: predict 0.976–1.000 from keys of 3 + sign bits, 0.986–1.000 from 4 + sign, and decode at a mean cos ≥ 0.995)
 UNSTORED_MIN_EXPLAINED = 0.95
 
 
