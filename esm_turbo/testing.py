@@ -265,6 +265,38 @@ def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int 
     return KVCodec(one(key_bits, 1, max_bits), one(value_bits, 2, value_max_bits))
 
 
+def fused_and_reference_steps(engine, paged: bool = False, capture: bool = True, steps: int = 3,
+                               atol: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CUDA session of ``engine`` (two rows prefilled, then ``steps`` masked tokens) run on the fused ops and again
+    with the PyTorch reference forced: (fused, reference) log-softmaxed logits [steps, B, 1, vocab]. Every layer is
+    checked to take the path asked for; with ``capture`` (contiguous sessions), a captured step must replay the eager
+    one within ``atol``."""
+    from . import ops
+    from .model.alphabet import alphabet
+    mask = alphabet().mask_idx
+    out = []
+    for forced in (False, True):
+        ops.force_reference(forced)
+        try:
+            session = engine.session("turbo", capacity=128, paged=paged)
+            session.start(["MKTAYIAKQRQISFVKSHFSRQ" * 2, "MKVLAAGIVGL"])
+            if all(session.cache.fused) == forced:
+                raise AssertionError(f"layers took {'the fused ops' if forced else 'the reference'}: "
+                                     f"{session.cache.fused}")
+            tokens = torch.full((2, 1), mask, device="cuda")
+            out.append(torch.stack([session.step(tokens).logits.float() for _ in range(steps)]))
+            if capture and not forced and not paged:
+                eager = session.step(tokens, commit=False).logits
+                replayed = session.capture_step(tokens).replay().logits
+                if not torch.allclose(replayed, eager, atol=atol):
+                    raise AssertionError(f"a captured step differs from the eager one by "
+                                         f"{(replayed - eager).abs().max():.2e}")
+        finally:
+            ops.force_reference(False)
+    fused, reference = (torch.log_softmax(t, -1) for t in out)
+    return fused, reference
+
+
 def flash_rule(out: torch.Tensor, ref: torch.Tensor, same_dtype: torch.Tensor, eps: float | None = None,
                times: float = 2.0) -> tuple[float, float, float]:
     """The flash-attention rule for a kernel's output ``out``: its largest error against ``ref`` (fp64 or fp32) may

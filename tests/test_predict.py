@@ -370,35 +370,20 @@ def test_the_fused_walk_refuses_heads_it_cannot_hold():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 @pytest.mark.parametrize("paged", [False, True])
-def test_a_gpu_session_over_predicted_values_steps_in_the_fused_kernels_as_on_the_pytorch_path(paged):
-    """A session calibrated with predict_values, on CUDA: the fused write and walk (prefill, then steps; a paged
-    session too) give the PyTorch path's logits, and a captured step replays the eager one."""
-    from esm_turbo import TurboEsm, calibrate, ops
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_gpu_session_over_predicted_values_steps_in_the_fused_kernels_as_on_the_pytorch_path(stored, paged):
+    """A session calibrated with predict_values (the residual coded at 3.0 bits, or the keys alone at 2.0), on CUDA:
+    the fused write and walk (prefill, then steps; a paged session too) give the PyTorch path's logits, and a captured
+    step replays the eager one."""
+    from esm_turbo import TurboEsm, calibrate
     from esm_turbo.fasta import Record
-    from esm_turbo.model.alphabet import alphabet
     from esm_turbo.model.recipe import recipe
-    from esm_turbo.testing import stress_esm2
+    from esm_turbo.testing import fused_and_reference_steps, stress_esm2
     model = stress_esm2(layers=2, hidden=128, heads=8, seed=0).cuda()
     recs = [Record(f"s{i}", "MKTAYIAKQRQISFVKSHFSRQ" * 3, "x", "") for i in range(4)]
-    cal = calibrate(model, recs, recipe("default", index_bits=2, predict_values=True), progress=False)
-    engine = TurboEsm(model, cal)
-    mask = alphabet().mask_idx
-    logits = []
-    for forced in (False, True):
-        ops.force_reference(forced)
-        try:
-            session = engine.session("turbo", capacity=128, **({"paged": True} if paged else {}))
-            session.start(["MKTAYIAKQRQISFVKSHFSRQ" * 2, "MKVLAAGIVGL"])
-            assert all(session.cache.fused) != forced
-            steps = [session.step(torch.full((2, 1), mask, device="cuda")).logits.float() for _ in range(3)]
-            logits.append(torch.stack(steps))
-            if not forced and not paged:
-                tokens = torch.full((2, 1), mask, device="cuda")
-                eager = session.step(tokens, commit=False).logits
-                assert torch.allclose(session.capture_step(tokens).replay().logits, eager, atol=1e-4)
-        finally:
-            ops.force_reference(False)
-    fused, reference = (torch.log_softmax(t, -1) for t in logits)
+    widths = dict(index_bits=2) if stored else dict(key_index_bits=3, value_index_bits=0)
+    cal = calibrate(model, recs, recipe("default", predict_values=True, **widths), progress=False)
+    fused, reference = fused_and_reference_steps(TurboEsm(model, cal), paged=paged)
     assert (fused - reference).abs().mean() < 2e-3 and (fused - reference).abs().max() < 0.1
 
 

@@ -234,32 +234,14 @@ def test_caches_run_one_slot_in_the_fused_kernels_and_say_where_more_run_on_the_
 def test_a_gpu_session_over_slots_steps_in_the_fused_kernels_as_on_the_pytorch_path():
     """A session over codecs with one slot a token, on CUDA: the fused quantize and decode kernels write and read the
     slots (prefill, then steps) and give the PyTorch path's logits; a captured step replays the eager one."""
-    from esm_turbo import TurboEsm, calibrate, ops
+    from esm_turbo import TurboEsm, calibrate
     from esm_turbo.fasta import Record
     from esm_turbo.model.recipe import recipe
-    from esm_turbo.testing import stress_esm2
+    from esm_turbo.testing import fused_and_reference_steps, stress_esm2
     model = stress_esm2(layers=2, hidden=128, heads=4, seed=0).cuda()
     recs = [Record(f"s{i}", "MKTAYIAKQRQISFVKSHFSRQ" * 3, "x", "") for i in range(4)]
     cal = calibrate(model, recs, recipe("default", slots=1), progress=False)
-    engine = TurboEsm(model, cal)
-    from esm_turbo.model.alphabet import alphabet
-    mask = alphabet().mask_idx
-    logits = []
-    for forced in (False, True):
-        ops.force_reference(forced)
-        try:
-            session = engine.session("turbo", capacity=128)
-            session.start(["MKTAYIAKQRQISFVKSHFSRQ" * 2, "MKVLAAGIVGL"])
-            assert all(session.cache.fused) != forced
-            steps = [session.step(torch.full((2, 1), mask, device="cuda")).logits.float() for _ in range(3)]
-            logits.append(torch.stack(steps))
-            if not forced:
-                tokens = torch.full((2, 1), mask, device="cuda")
-                eager = session.step(tokens, commit=False).logits
-                assert torch.allclose(session.capture_step(tokens).replay().logits, eager, atol=1e-4)
-        finally:
-            ops.force_reference(False)
-    fused, reference = (torch.log_softmax(t, -1) for t in logits)
+    fused, reference = fused_and_reference_steps(TurboEsm(model, cal))
     assert (fused - reference).abs().mean() < 2e-3 and (fused - reference).abs().max() < 0.1
 
 
