@@ -115,9 +115,9 @@ class KVCache:
                           f"on the PyTorch path: the fused GPU kernels read {KERNEL_SLOTS}", stacklevel=2)
         if any(getattr(c, "needs_positions", False) and not on for c, on in zip(codecs, self.fused)) \
                 and ops.use_kernels(self.device):
-            warnings.warn("values predicted from the keys (calibrate --predict-values) with slots, or in layers wider "
-                          "than the fused walk holds (esm_turbo.kernels.decode.predicted.fits), are written and read "
-                          "on the PyTorch path", stacklevel=2)
+            warnings.warn("values predicted from the keys (calibrate --predict-values) are written and read on the "
+                          "PyTorch path: the fused walk is opt-in (ESM_TURBO_PREDICTED_WALK=1) and takes no slots nor "
+                          "layers wider than it holds (esm_turbo.kernels.decode.predicted.fits)", stacklevel=2)
 
     @property
     def num_layers(self) -> int:

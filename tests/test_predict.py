@@ -112,16 +112,21 @@ def test_the_codec_codes_the_residual_and_adds_the_prediction_back(slots):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_caches_write_a_predicted_codec_at_each_rows_positions(fused, paged, device):
+def test_caches_write_a_predicted_codec_at_each_rows_positions(fused, paged, device, monkeypatch):
     """A row written in steps (a prefill, then single tokens, ragged lengths after a select) decodes as the codec
     decodes the whole row from position 0, on the PyTorch path and through the fused write (``write_predicted``:
-    the quantize kernel on CUDA, its reference elsewhere), which a CUDA cache takes; with slots it does not."""
+    the quantize kernel on CUDA, its reference elsewhere), which a CUDA cache takes when the walk is opted into
+    (``ESM_TURBO_PREDICTED_WALK``); with slots it does not."""
+    from esm_turbo import ops
     from esm_turbo.cache import KVCache
     from esm_turbo.ops.compressed import fused_supported
     from esm_turbo.paged import PagedKVCache
     codec = _predicted_codec().to(device)
     assert fused_supported(codec, need_kernel_shape=True)
     assert not fused_supported(_predicted_codec(slots=1))
+    monkeypatch.delenv("ESM_TURBO_PREDICTED_WALK", raising=False)
+    assert not ops.kernel_path(codec, torch.device(device))  # opt-in
+    monkeypatch.setenv("ESM_TURBO_PREDICTED_WALK", "1")
 
     def make(c):
         with warnings.catch_warnings(record=True) as caught:
@@ -371,7 +376,8 @@ def test_the_fused_walk_refuses_heads_it_cannot_hold():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("stored", [True, False])
-def test_a_gpu_session_over_predicted_values_steps_in_the_fused_kernels_as_on_the_pytorch_path(stored, paged):
+def test_a_gpu_session_over_predicted_values_steps_in_the_fused_kernels_as_on_the_pytorch_path(stored, paged,
+                                                                                                 monkeypatch):
     """A session calibrated with predict_values (the residual coded at 3.0 bits, or the keys alone at 2.0), on CUDA:
     the fused write and walk (prefill, then steps; a paged session too) give the PyTorch path's logits, and a captured
     step replays the eager one."""
@@ -379,6 +385,7 @@ def test_a_gpu_session_over_predicted_values_steps_in_the_fused_kernels_as_on_th
     from esm_turbo.fasta import Record
     from esm_turbo.model.recipe import recipe
     from esm_turbo.testing import fused_and_reference_steps, stress_esm2
+    monkeypatch.setenv("ESM_TURBO_PREDICTED_WALK", "1")
     model = stress_esm2(layers=2, hidden=128, heads=8, seed=0).cuda()
     recs = [Record(f"s{i}", "MKTAYIAKQRQISFVKSHFSRQ" * 3, "x", "") for i in range(4)]
     widths = dict(index_bits=2) if stored else dict(key_index_bits=3, value_index_bits=0)

@@ -53,10 +53,19 @@ def capturing(where: torch.Tensor) -> bool:
     return where.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def predicted_walk() -> bool:
+    """Whether caches of values predicted from the keys take the fused walk (``esm_turbo.ops.predicted``) on CUDA:
+    opt-in with ``ESM_TURBO_PREDICTED_WALK=1`` until its kernels have run on a GPU against their reference (they are
+    tied to it under Triton's interpreter); the PyTorch path otherwise."""
+    return os.environ.get("ESM_TURBO_PREDICTED_WALK", "0") not in ("", "0")
+
+
 def kernel_path(codec, device: torch.device) -> bool:
     """Whether a cache layer of ``codec`` on ``device`` runs the fused ops (writes and decode attention): the one
     place this is decided, when a cache is built (``KVCache.fused``)."""
     from .compressed import fused_supported
+    if getattr(codec, "predictor", None) is not None and not predicted_walk():
+        return False
     return use_kernels(device) and fused_supported(codec, need_kernel_shape=True)
 
 
@@ -100,5 +109,6 @@ def attend_dense(q: torch.Tensor, cache: "DecodeCache", layer: int, new_valid: t
 
 
 __all__ = ["attend", "attend_compressed", "attend_dense", "capturing", "decode_attention", "decode_attention_reference",
-           "force_reference", "fused_supported", "gather_blocks", "kernel_path", "scatter_rows", "use_kernels",
+           "force_reference", "fused_supported", "gather_blocks", "kernel_path", "predicted_walk", "scatter_rows",
+           "use_kernels",
            "write_compressed", "write_dense"]
