@@ -81,26 +81,33 @@ def test_calibrate_measures_a_held_out_part_and_auto_keeps_the_best_recipe(stres
 def test_calibrate_to_an_all_in_budget(stress_dir, tmp_path, capsys):
     """--bits B stores B bits a value all-in: B − 1 index bits and a sign; at 4 also a slot a token paid for by the
     fewest layers narrowed (4 heads of 16: a slot costs 0.5 bits a value, so two of the three layers); a recipe flag
-    given is kept (--predict-values: a predictor a layer, no bytes a token, and evaluate reads it; at 2 the keys alone,
-    3 + sign, the values not stored); --bits with
+    given is kept (--predict-values: a predictor a layer, no bytes a token, and evaluate reads it; at 2 and 3 the keys
+    alone, 3 + sign and 4 + sign, the values not stored); --bits with
     --index-bits is refused before any work."""
     from esm_turbo.cache import KVCache
     ckpt = tmp_path / "budget.safetensors"
     common = ["calibrate", "--model", str(stress_dir), "--fasta", CAL, "--out", str(ckpt), "--max-tokens", "1500",
               "--holdout", "0", "--quiet"]
     for bits, extra, slots, narrowed in ((4, [], 1, 2), (4, ["--slots", "0"], 0, 0), (3, [], 0, 0),
-                                         (3, ["--predict-values"], 0, 0), (2, ["--predict-values"], 0, 0)):
+                                         (4, ["--predict-values"], 0, 0), (3, ["--predict-values"], 0, 0),
+                                         (2, ["--predict-values"], 0, 0)):
         assert main([*common, "--bits", str(bits), *extra]) == 0
         out = capsys.readouterr().out
         assert f"recipe for {bits} bits a value all-in" in out
-        assert ("values coded as what the keys do not predict" in out) == (extra == ["--predict-values"] and bits == 3)
-        assert ("3 + 0 index bits" in out and "values not stored" in out) == (bits == 2)
+        predicted = extra == ["--predict-values"]
+        keys_alone = predicted and bits < 4  # keys 3 + 1 at 2 bits, 4 + 1 at 3 (2.5 bits all-in)
+        assert ("values coded as what the keys do not predict" in out) == (predicted and not keys_alone)
+        assert ("values not stored" in out) == keys_alone
+        if keys_alone:
+            assert f"{bits + 1} + 0 index bits" in out
         cal = Calibration.load(ckpt)
         assert cal.config.slots == slots and len(cal.meta.get("narrowed_layers", [])) == narrowed
         assert all((c.predictor is not None) == cal.config.predict_values for c in cal.codecs)
         report = KVCache(cal.codecs, 1, capacity=1, device="cpu").memory_report()
         assert report.bits_per_value <= bits and (bits - report.bits_per_value < 0.5 or not slots)
-        if not slots:
+        if keys_alone:
+            assert report.bits_per_value == bits - (bits == 3) / 2  # 2.0 and 2.5
+        elif not slots:
             assert report.bits_per_value == bits
     assert main(["evaluate", "--model", str(stress_dir), "--calibration", str(ckpt), "--fasta", EV, "--limit", "1",
                  "--max-steps", "3", "--quiet"]) == 0  # the last: keys alone, values predicted
