@@ -44,7 +44,8 @@ def query_heads(heads: int) -> int:
 
 def fits(heads: int, dim: int) -> bool:
     """Whether the fused walk takes a layer of ``heads`` heads of ``dim`` (a power of two of at least 16, and
-    HQ·d ≤ :data:`MAX_HEAD_WIDTH`: ESM-2 8M, 35M-by-shape and 150M-by-shape up to 650M's 20 heads of 64)."""
+    HQ·d ≤ :data:`MAX_HEAD_WIDTH`: ESM-2 8M's 20 heads of 16, 150M's of 32, 650M's of 64; not 35M's heads of 24 nor
+    3B's 40 heads)."""
     return dim >= 16 and dim & (dim - 1) == 0 and query_heads(heads) * dim <= MAX_HEAD_WIDTH
 
 
@@ -125,8 +126,8 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
                       VSTORED: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (B·S, NS, NF): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length), feature
     heads [chunk·FC, +FC) (all HQ in one chunk where they fit). Writes partial (b·S + qi)·NS + split: m, l [HQ],
-    (chunk 0) Σ p ŷᵥ [HQ, D], and its pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D]. ``VSTORED`` False (values not stored):
-    no value codes are read and the residual sums stay zero."""
+    (chunk 0) Σ p ŷᵥ [HQ, D], and its pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D].
+    ``VSTORED`` False (values not stored): no value codes are read and the residual sums stay zero."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     chunk = tl.program_id(2)
