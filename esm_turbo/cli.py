@@ -138,13 +138,15 @@ def cmd_calibrate(args) -> int:
 def _budget_recipe(cfg, args, model):
     """``--bits``: the recipe made to store that many bits a value all-in in ``model`` (recipe.for_budget), the recipe
     flags the user gave kept."""
+    from .model.family import family_of
     from .model.recipe import CalibrationConfig, for_budget
     from .schema import overrides_from_args
     shape = model.config
     heads = shape.num_attention_heads
     with _fields_as_flags(CalibrationConfig):
         cfg = for_budget(cfg, args.bits, shape.num_hidden_layers, heads, shape.hidden_size // heads,
-                         keep=frozenset(overrides_from_args(args, CalibrationConfig)))
+                         keep=frozenset(overrides_from_args(args, CalibrationConfig)),
+                         family=family_of(shape).name)
     extra = f", {cfg.slots} slot(s) a token paid by {cfg.narrow_layers} narrowed layer(s)" if cfg.slots else ""
     if cfg.predict_values:
         extra += (", values not stored: predicted from the keys" if cfg.value_index_bits == 0 else

@@ -436,6 +436,8 @@ def test_a_keys_alone_budget_calibrates_and_auto_keeps_the_keys_widths(stress_mo
     at3, at4 = (for_budget(recipe("default", predict_values=True), b, 4, 4, 16).resolved() for b in (3, 4))
     assert (at3.key_index_bits, at3.value_index_bits) == (4, 0)  # 2.5 bits: keys take at most 4 index bits
     assert (at4.key_index_bits, at4.value_index_bits) == (4, 2)  # a split again
+    esmc3 = for_budget(recipe("default", predict_values=True), 3, 4, 4, 16, family="esmc").resolved()
+    assert esmc3.value_index_bits > 0  # ESM C: the residual coded at 3 bits (it measured better there)
     recs = read_fasta("calibration_data/calibration.fasta")[0][:10]
     held = calibrate_held_out(stress_model, recs, cfg, preset="auto", holdout=0.3, progress=False)
     assert set(held.candidates) == {"default", "query-keys", "no-rotation"}

@@ -163,19 +163,22 @@ SLOTTED_BUDGET = 4
 SLOT_MAX_HEAD_DIM = 16
 
 
-#: the budgets at which ``--bits`` with ``predict_values`` stores the keys only (every bit to them, at most 4 index
-#: bits + the sign) and the values not at all: they measured better there than any split of the bits (docs/recipe.md)
-KEYS_ONLY_BUDGETS = (2, 3)
+#: per model family, the budgets at which ``--bits`` with ``predict_values`` stores the keys alone (every bit to them,
+#: at most 4 index bits + the sign) and the values not at all, where they measured better than any split of the bits
+#: (docs/recipe.md): ESM-2 at 2 and 3 (2.5 bits then); ESM C, whose keys pass a LayerNorm first, at 2 only (at 3 the
+#: residual coded beside its keys measured better)
+KEYS_ALONE_BUDGETS = {"esm2": (2, 3), "esmc": (2,)}
 
 
 def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: int,
-               keep: frozenset[str] = frozenset()) -> CalibrationConfig:
+               keep: frozenset[str] = frozenset(), family: str = "esm2") -> CalibrationConfig:
     """``cfg`` made to store ``bits`` bits a value all-in in a model of ``layers`` layers of ``heads`` heads of
     ``dim``: ``bits`` − 1 mean index bits with a sign residual (``bits`` without one), its key/value split rule kept;
     at :data:`SLOTTED_BUDGET` and heads of at most :data:`SLOT_MAX_HEAD_DIM` also one slot a token and kind, paid
     for by the fewest layers narrowed by an index bit that keep the all-in within ``bits`` (``narrow_layers``), unless
     the values are predicted from the keys (``predict_values``: keys-first widths hold the worst tokens there without
-    a slot, docs/recipe.md). Fields named in ``keep`` (set by the user) are not changed."""
+    a slot, docs/recipe.md); with ``predict_values`` at the ``family``'s :data:`KEYS_ALONE_BUDGETS` the keys alone.
+    Fields named in ``keep`` (set by the user) are not changed."""
     if bits not in BUDGETS:
         raise ValueError(f"bits {bits}: give one of {', '.join(map(str, BUDGETS))} all-in bits a value")
     if cfg.residual == "qjl":
@@ -184,7 +187,8 @@ def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: 
     if not 1 <= index <= 4:
         raise ValueError(f"bits {bits} with residual {cfg.residual} leaves {index} index bits a value (1..4)")
     out = with_mean_bits(cfg, index)
-    if cfg.predict_values and bits in KEYS_ONLY_BUDGETS and not keep & {"key_index_bits", "value_index_bits"}:
+    if (cfg.predict_values and bits in KEYS_ALONE_BUDGETS[family]
+            and not keep & {"key_index_bits", "value_index_bits"}):
         # every bit to the keys, the values not stored: the keys' codes carry them (docs/recipe.md)
         return replace(out, key_index_bits=min(2 * bits - (cfg.residual == "sign"), 4), value_index_bits=0,
                        split="as-given")
