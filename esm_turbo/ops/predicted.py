@@ -91,7 +91,7 @@ def predicted_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: t
     keys, values = gathered(keys, values if stored else keys, pages)
     k_hat = affine_inverse(cached_values(keys, q.device).float(), keys.rot, keys.offset, keys.scale)
     r_hat = (affine_inverse(cached_values(values, q.device).float(), values.rot, values.offset, values.scale)
-             if stored else torch.zeros_like(k_hat))
+             if stored else None)
     valid = torch.arange(k_hat.shape[2], device=lengths.device)[None, :] < lengths[:, None]
     out = attend_predicted(q, k_hat, r_hat, valid, k_new, v_new, new_valid.bool(), predictor)
     any_valid = (valid.any(1) | new_valid.bool().any(1))[:, None, None, None]

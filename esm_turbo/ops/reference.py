@@ -51,11 +51,14 @@ def attend_predicted(q: torch.Tensor, k_prefix: torch.Tensor, r_prefix: torch.Te
     """:func:`attend` over a prefix whose values are r̂ + predictor(k̂) (``esm_turbo.quant.predict``), without
     predicting any cached token's values: Σ_t p_t·(f_t W + b) = (Σ_t p_t f_t) W + (Σ_t p_t) b, f_t [D] every head's
     key of token t before the rotary embedding. Per step H·D multiply-adds a cached token against D² for its
-    prediction. Shapes as :func:`attend`'s, r_prefix as v_prefix; the prefix at positions 0..T−1."""
+    prediction. Shapes as :func:`attend`'s, r_prefix as v_prefix (None: values not stored, no residual); the prefix at
+    positions 0..T−1."""
     probs = attention_probs(q, k_prefix, prefix_valid, k_new, new_valid)
-    p_prefix = probs[..., :k_prefix.shape[2]]  # [B, H, S, T]
-    values = torch.cat([r_prefix.float(), v_new.float()], dim=2)
-    out = torch.einsum("bhst,bhtd->bhsd", probs, values)
+    t = k_prefix.shape[2]
+    p_prefix = probs[..., :t]  # [B, H, S, T]
+    out = torch.einsum("bhsj,bhjd->bhsd", probs[..., t:], v_new.float())
+    if r_prefix is not None:  # None: values not stored, nothing coded beside the prediction
+        out = out + torch.einsum("bhst,bhtd->bhsd", p_prefix, r_prefix.float())
     pooled = torch.einsum("bhst,btf->bhsf", p_prefix, predictor.features(k_prefix))  # [B, H, S, D]
     return (out + predictor.map_pooled(pooled, p_prefix.sum(-1, keepdim=True))).to(q.dtype)
 
@@ -67,7 +70,9 @@ def decode_attention_reference(q: torch.Tensor, cache: "DecodeCache", layer: int
     codec = cache.codecs[layer]
     if getattr(codec, "needs_positions", False):
         k_hat, r_hat, valid = cache.dequantize(layer, split_values=True)
-        return attend_predicted(q, k_hat, r_hat, valid, k_new, v_new, new_valid, codec.predictor)
+        from ..quant.predict import stores_values
+        return attend_predicted(q, k_hat, r_hat if stores_values(codec) else None, valid, k_new, v_new, new_valid,
+                                codec.predictor)
     k_hat, v_hat, valid = cache.dequantize(layer)
     return attend(q, k_hat, v_hat, valid, k_new, v_new, new_valid)
 
