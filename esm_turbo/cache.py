@@ -288,9 +288,11 @@ class KVCache:
             upto = self.capacity if ops.capturing(self.lengths) else int(self.lengths.max())
         return {n: b[:, :, :upto] for n, b in self.parts[layer].items()}
 
-    def dequantize(self, layer: int, split_values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dequantize(self, layer: int,
+                   split_values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Reference path: (K̂ [B,H,T,d], V̂ [B,H,T,d], valid [B,T] bool), T = max length. ``split_values``: V̂ less
-        the layer's value prediction from K̂ (:meth:`KVCodec.decode_split`; V̂ itself for a codec without one)."""
+        the layer's value prediction from K̂ (:meth:`KVCodec.decode_split`; V̂ itself for a codec without one; None
+        for values not stored, unless a recent-token window lays exact values over them)."""
         parts = self.layer_parts(layer)
         codec = self.codecs[layer]
         predicted = getattr(codec, "needs_positions", False)
@@ -301,7 +303,7 @@ class KVCache:
         valid = pos < self.lengths[:, None]
         if self.window is not None:  # the most recent `window` committed tokens come back in fp16
             if split:
-                v = v + codec.predictor(k)
+                v = codec.predictor(k) if v is None else v + codec.predictor(k)
             k, v = self.window.overlay(layer, k, v, valid, self.lengths)
             if split:
                 v = v - codec.predictor(k)

@@ -65,9 +65,11 @@ class DecodeCache(Protocol):
         """(block table [B, blocks] int32, block size) that attention reads the parts through; (None, 0) when
         contiguous."""
 
-    def dequantize(self, layer: int, split_values: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dequantize(self, layer: int,
+                   split_values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The reference path: (K̂ [B, H, T, d], V̂ [B, H, T, d], valid [B, T] bool), T = the longest row;
-        ``split_values``: V̂ less the codec's value prediction from K̂ (``KVCodec.decode_split``)."""
+        ``split_values``: V̂ less the codec's value prediction from K̂ (``KVCodec.decode_split``; None where the
+        values are not stored and nothing exact lies over them)."""
 
     # ---- rows -----------------------------------------------------------------------------------------------
     def truncate(self, n: torch.Tensor | int) -> None:

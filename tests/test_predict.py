@@ -271,14 +271,18 @@ def test_an_esmc_calibration_predicts_its_values_too():
 
 
 @pytest.mark.parametrize("window", [0, 4])
-def test_reference_attention_adds_the_prediction_once_a_row_as_predicting_every_value_would(window):
+@pytest.mark.parametrize("unstored", [False, True])
+def test_reference_attention_adds_the_prediction_once_a_row_as_predicting_every_value_would(window, unstored):
     """decode_attention_reference over a predicted codec (Σ p·f mapped once) equals attention over the fully decoded
-    values, with a KIVI window laid over the recent tokens too; the split values are V̂ less the prediction."""
+    values, with a KIVI window laid over the recent tokens too; the split values are V̂ less the prediction (None
+    where the values are not stored and no window lies over them: no zero residual built)."""
     from esm_turbo.cache import KVCache
     from esm_turbo.ops.reference import attend, decode_attention_reference
     from esm_turbo.quant.codec import KVCodec
+    from esm_turbo.quant.predict import Unstored
     base = _predicted_codec()
-    codec = KVCodec(base.key, base.value, window=window, predictor=base.predictor)
+    value = Unstored(base.value.heads, base.value.dim) if unstored else base.value
+    codec = KVCodec(base.key, value, window=window, predictor=base.predictor)
     cache = KVCache([codec], 3, capacity=4, device="cpu")
     g = torch.Generator().manual_seed(6)
     k, v = torch.randn(3, 4, 12, 16, generator=g), torch.randn(3, 4, 12, 16, generator=g)
@@ -291,7 +295,10 @@ def test_reference_attention_adds_the_prediction_once_a_row_as_predicting_every_
     assert torch.allclose(got, want, atol=1e-5)
     k_split, r_hat, valid_split = cache.dequantize(0, split_values=True)
     assert torch.equal(k_split, k_hat) and torch.equal(valid_split, valid)
-    assert torch.allclose(r_hat + codec.predictor(k_hat), v_hat, atol=1e-5)
+    if unstored and not window:
+        assert r_hat is None and torch.allclose(codec.predictor(k_hat), v_hat, atol=1e-5)
+    else:
+        assert torch.allclose(r_hat + codec.predictor(k_hat), v_hat, atol=1e-5)
 
 
 def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int = 0, seed: int = 0,
@@ -449,3 +456,28 @@ def test_a_keys_alone_budget_calibrates_and_auto_keeps_the_keys_widths(stress_mo
                                              slots=1), progress=False)
     with pytest.raises(ValueError, match="needs predict_values"):
         recipe("default", key_index_bits=3, value_index_bits=0).resolved()
+
+
+def test_the_keys_alone_fit_the_keys_tables_of_a_plain_calibration_and_no_value_tables(stress_model, monkeypatch):
+    """Values not stored: calibrate fits the keys' tables alone (one quantizer a layer, no value tables), and they
+    are the tables a plain calibration at those key widths fits (the keys do not depend on the values' fit)."""
+    from esm_turbo import calibrate
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model import calibrate as calibrate_module
+    from esm_turbo.model.recipe import recipe
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:6]
+    fitted = []
+    real_fit = calibrate_module.fit_quantizer
+
+    def counting_fit(*args, **kwargs):
+        fitted.append(args[2].bits)
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "fit_quantizer", counting_fit)
+    alone = calibrate(stress_model, recs, recipe("default", predict_values=True, key_index_bits=3, value_index_bits=0),
+                      progress=False)
+    assert fitted == [3] * len(alone.codecs)
+    plain = calibrate(stress_model, recs, recipe("default", key_index_bits=3, value_index_bits=3), progress=False)
+    for a, b in zip(alone.codecs, plain.codecs):
+        sa, sb = a.key.state_dict(), b.key.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[n], sb[n]) for n in sa)

@@ -267,10 +267,10 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     used = [r for b in batches for r in b]
     start = time.perf_counter()
     if config.predict_values:  # keys first; the values' tables are then fitted on what the keys do not predict
-        # the keys' codecs (their values are discarded: no per-head value rotation choice, a pass over the set less)
+        # the keys' codecs alone (no value tables fitted: their values are :class:`Unstored` placeholders)
         keys_only = replace(config, predict_values=False, value_rotation="identity",
                             value_index_bits=max(config.value_index_bits, 1))
-        coded, _, n_tokens = _fit_codecs(engine, batches, keys_only, progress)
+        coded, _, n_tokens = _fit_codecs(engine, batches, keys_only, progress, keys_only=True)
         keys = [c.key for c in coded]
         predictors = fit_value_predictors(engine, batches, coded, progress)
         explained = [p.explained for p in predictors]
@@ -344,10 +344,11 @@ def fit_value_predictors(engine: TurboEsm, batches, coded: list[KVCodec], progre
     return [f.solve().to(engine.device) for f in fits]
 
 
-def _fit_codecs(engine: TurboEsm, batches, config: CalibrationConfig, progress: bool, values=None
-                ) -> tuple[list[KVCodec], list[torch.Tensor] | None, int]:
+def _fit_codecs(engine: TurboEsm, batches, config: CalibrationConfig, progress: bool, values=None,
+                keys_only: bool = False) -> tuple[list[KVCodec], list[torch.Tensor] | None, int]:
     """The passes of :func:`calibrate` (its ``config`` resolved): (a codec a layer, the per-head value rotation
-    choice or None, tokens seen); ``values`` as :func:`_run`'s."""
+    choice or None, tokens seen); ``values`` as :func:`_run`'s; ``keys_only``: the keys' tables alone, the values
+    :class:`Unstored` (what a value predictor is fitted on)."""
     layers, heads, dim = engine.num_layers, engine.heads, engine.head_dim
 
     def run(recorder, desc):
@@ -355,7 +356,7 @@ def _fit_codecs(engine: TurboEsm, batches, config: CalibrationConfig, progress: 
 
     need_queries = config.bit_allocation or config.key_rotation == "svd-query"
     cov = {kind: [CovarianceAccumulator(heads, dim) for _ in range(layers)]
-           for kind in ("qkv" if need_queries else "kv")}
+           for kind in ("q" if need_queries else "") + ("k" if keys_only else "kv")}
 
     def record_cov(layer, q, k, v, valid):
         for kind, x in zip("qkv", (q, k, v)):
@@ -365,8 +366,8 @@ def _fit_codecs(engine: TurboEsm, batches, config: CalibrationConfig, progress: 
     n_tokens = run(record_cov, "calibrate: rotations")
 
     # candidate transforms per tensor kind: "k", "v", and for an automatic V choice a second one "v*"
-    rotation = {"k": config.key_rotation, "v": config.value_rotation}
-    if config.value_rotation == "auto":
+    rotation = {"k": config.key_rotation} if keys_only else {"k": config.key_rotation, "v": config.value_rotation}
+    if config.value_rotation == "auto" and not keys_only:
         rotation.update(v="identity", **{"v*": "svd-scaled"})
     source = {"k": "k", "v": "v", "v*": "v"}
     affine: dict[str, list[AffineStats]] = {
@@ -423,4 +424,6 @@ def _fit_codecs(engine: TurboEsm, batches, config: CalibrationConfig, progress: 
                 for li, c in enumerate(choice)]
         else:
             quantizers["v"] = [combine_heads((a, b), c) for a, b, c in zip(quantizers["v"], quantizers["v*"], choice)]
+    if keys_only:
+        return [config.codec(k, Unstored(heads, dim)) for k in quantizers["k"]], None, n_tokens
     return [config.codec(k, v) for k, v in zip(quantizers["k"], quantizers["v"])], choice, n_tokens

@@ -46,7 +46,7 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return apply_rotary_pos_emb(q, k.view(shape).transpose(1, 2), cos, sin, unsqueeze_dim=1)
 
 
-def attend_predicted(q: torch.Tensor, k_prefix: torch.Tensor, r_prefix: torch.Tensor, prefix_valid: torch.Tensor,
+def attend_predicted(q: torch.Tensor, k_prefix: torch.Tensor, r_prefix: torch.Tensor | None, prefix_valid: torch.Tensor,
                      k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor, predictor) -> torch.Tensor:
     """:func:`attend` over a prefix whose values are r̂ + predictor(k̂) (``esm_turbo.quant.predict``), without
     predicting any cached token's values: Σ_t p_t·(f_t W + b) = (Σ_t p_t f_t) W + (Σ_t p_t) b, f_t [D] every head's
@@ -70,9 +70,7 @@ def decode_attention_reference(q: torch.Tensor, cache: "DecodeCache", layer: int
     codec = cache.codecs[layer]
     if getattr(codec, "needs_positions", False):
         k_hat, r_hat, valid = cache.dequantize(layer, split_values=True)
-        from ..quant.predict import stores_values
-        return attend_predicted(q, k_hat, r_hat if stores_values(codec) else None, valid, k_new, v_new, new_valid,
-                                codec.predictor)
+        return attend_predicted(q, k_hat, r_hat, valid, k_new, v_new, new_valid, codec.predictor)
     k_hat, v_hat, valid = cache.dequantize(layer)
     return attend(q, k_hat, v_hat, valid, k_new, v_new, new_valid)
 

@@ -29,6 +29,7 @@ from torch import nn
 from .layout import CodeLayout
 from .lloyd_max import check_bits
 from .packing import field_layout, pack_1bit_u8, unpack_1bit_u8
+from .predict import stores_values
 from .residual import check_residual_kind, qjl_projection, qjl_scale
 from .rotations import AffineStats, affine_forward, affine_inverse
 from .tables import code_table, lookup_codes, lut_code_parts, table_lookup
@@ -362,16 +363,19 @@ class KVCodec(nn.Module):
     def decode(self, parts: dict[str, torch.Tensor],
                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """parts → (k̂, v̂) [..., H, T, d] float32; ``positions`` only for a predictor."""
-        k_hat, v_hat = self.decode_split(parts)
-        if self.predictor is not None:
-            v_hat = v_hat + self.predictor(k_hat, positions)
-        return k_hat, v_hat
+        k_hat, r_hat = self.decode_split(parts)
+        if self.predictor is None:
+            return k_hat, r_hat
+        v_hat = self.predictor(k_hat, positions)
+        return k_hat, v_hat if r_hat is None else v_hat + r_hat
 
-    def decode_split(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_split(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """parts → (k̂, r̂) [..., H, T, d] float32: r̂ the values as coded, before a predictor's prediction from k̂ is
-        added (the values themselves without a predictor). Attention can add Σ p·prediction once a row
+        added (the values themselves without a predictor; None when the values are not stored at all,
+        :class:`~esm_turbo.quant.predict.Unstored`). Attention can add Σ p·prediction once a row
         (:func:`esm_turbo.ops.reference.attend_predicted`) instead of predicting every cached token's values."""
-        return self._decode_kind("k", self.key, parts), self._decode_kind("v", self.value, parts)
+        r_hat = self._decode_kind("v", self.value, parts) if stores_values(self) else None
+        return self._decode_kind("k", self.key, parts), r_hat
 
     def constant_nbytes(self) -> int:
         """Bytes of the codec's own tables (rotations, LUTs, scales): fixed, not per token."""
