@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from esm_turbo.bench.synthetic import bytes_read, default_codec, fill_synthetic, step_args
+from esm_turbo.bench.synthetic import bytes_read, default_codec, fill_synthetic, step_args, write_inputs
 from esm_turbo.bench.timing import read_floor_us, time_graph
 from esm_turbo.cache import KVCache
 from esm_turbo.kernels.decode import compressed_attention_triton
@@ -78,10 +78,8 @@ def decode_rows(out) -> None:
 def write_rows(out) -> None:
     dev = torch.device("cuda")
     print("\n## cache write of one layer's keys and values (fp16 inputs): µs per call", file=out)
-    for name, heads, d, batch, s in WRITES:
+    for name, heads, d, batch, s, x, pos in write_inputs(WRITES, dev):
         plain, pred, keys_only = codecs(heads, d, dev)
-        x = torch.randn(batch, s, heads, d, device=dev, dtype=torch.float16).transpose(1, 2)
-        pos = torch.zeros(batch, dtype=torch.long, device=dev)
         times = []
         for codec in (plain, pred, keys_only):
             parts = KVCache([codec], batch, capacity=s, device=dev).parts[0]

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from esm_turbo.bench.synthetic import bytes_read, default_codec, fill_synthetic, step_args
+from esm_turbo.bench.synthetic import bytes_read, default_codec, fill_synthetic, step_args, write_inputs
 from esm_turbo.bench.timing import read_floor_us, time_graph
 from esm_turbo.cache import KVCache
 from esm_turbo.kernels.decode import compressed_attention_triton, launch_config
@@ -82,14 +82,12 @@ def decode_rows(out) -> None:
 def write_rows(out) -> None:
     dev = torch.device("cuda")
     print("\n## quantize-and-pack of one layer's keys and values (fp16 strided inputs): µs per launch", file=out)
-    for name, heads, d, batch, s in WRITES:
+    for name, heads, d, batch, s, x, pos in write_inputs(WRITES, dev):
         base = default_codec(heads, d)
         codec = KVCodec(base.key, base.value, slots=1).to(dev)
         tab = fused_tables(codec)
         key, value = codec.key, codec.value
         cache = KVCache([codec], batch, capacity=s, device=dev)
-        x = torch.randn(batch, s, heads, d, device=dev, dtype=torch.float16).transpose(1, 2)
-        pos = torch.zeros(batch, dtype=torch.long, device=dev)
         parts = cache.parts[0]
         args = (x, x, (key.rot, key.offset, key.scale, tab.k_bounds, key.centroids, tab.k_layout),
                 (value.rot, value.offset, value.scale, tab.v_bounds, value.centroids, tab.v_layout),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -90,6 +91,14 @@ def as_blocks(part: torch.Tensor, pages: torch.Tensor, block_size: int, slots: i
 def bytes_read(cache: KVCache) -> int:
     """Bytes of the cache's layer 0 that a decode call over every row (all ``cache.lengths.max()`` long) reads."""
     return cache.memory_report().bytes_per_token_per_layer * cache.batch_size * int(cache.lengths.max())
+
+
+def write_inputs(shapes, device) -> Iterator[tuple[str, int, int, int, int, torch.Tensor, torch.Tensor]]:
+    """For each (name, heads, d, batch, s) of ``shapes``: it with the inputs of a cache write of ``s`` tokens a row,
+    x [batch, heads, s, d] fp16 (strided, as a model's projections give them) and the write positions [batch] (0)."""
+    for name, heads, d, batch, s in shapes:
+        x = torch.randn(batch, s, heads, d, device=device, dtype=torch.float16).transpose(1, 2)
+        yield name, heads, d, batch, s, x, torch.zeros(batch, dtype=torch.long, device=device)
 
 
 def step_args(cache: KVCache, dtype: torch.dtype = torch.float16) -> tuple:
