@@ -73,6 +73,38 @@ def test_recipe_flags_and_hydra_nodes_come_from_one_schema():
     assert node.calibration_config() == cfg  # the same recipe from the CLI and from a sweep
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_a_sweeps_bits_is_calibrate_bits(bits):
+    """quant.bits in a sweep is ``calibrate --bits``: the recipe recipe.for_budget makes for the model (the fields set
+    kept)."""
+    from esm_turbo.experiments.config import CalibrationOverrides, QuantConf
+    from esm_turbo.model.recipe import for_budget
+    from transformers import EsmConfig
+    shape = EsmConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4)
+    heads = shape.num_attention_heads
+    node = QuantConf(bits=bits, calibration=CalibrationOverrides(predict_values=True))
+    want = for_budget(recipe("default", predict_values=True), bits, 4, heads, shape.hidden_size // heads,
+                      keep=frozenset({"predict_values"}))
+    assert node.calibration_config(shape) == want
+    with pytest.raises(ValueError, match="model's shape"):
+        node.calibration_config()
+    with pytest.raises(ValueError, match="not both"):
+        QuantConf(bits=bits, index_bits=2).calibration_config(shape)
+
+
+
+def test_the_memory_table_lays_out_values_not_stored(tmp_path):
+    """The report's memory table over a quant config whose values are not stored: the keys' bytes alone."""
+    import shutil
+    from pathlib import Path
+    from esm_turbo.experiments.report import memory_table
+    (tmp_path / "quant").mkdir()
+    for name in ("turboesm", "turboesm_keys_alone"):
+        shutil.copy(Path("conf/quant") / f"{name}.yaml", tmp_path / "quant")
+    table = memory_table(tmp_path)
+    assert "| turboesm_keys_alone | 640 | 2.0000 | 8.0000 | 16.0000 | k.code 32, v.none 0 |" in table
+
+
 def test_recipe_names_and_legacy_checkpoints():
     assert recipe("keys-first", 2).key_index_bits == 3 and recipe().key_rotation == "identity"
     assert recipe(key_rotation="none").key_rotation == "identity"

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..model.recipe import CalibrationConfig, recipe
+from ..model.family import family_of
+from ..model.recipe import CalibrationConfig, for_budget, recipe
 from ..schema import overrides_schema, set_fields
 
 
@@ -50,7 +51,8 @@ class QuantConf:
 
     turboesm: ``recipe`` (a PRESETS name) at ``index_bits`` mean index bits per value (None: the recipe's), with the
     fields set under ``calibration`` (:class:`~esm_turbo.model.recipe.CalibrationConfig`'s) overriding it — exactly
-    what ``esm-turbo calibrate --preset R --index-bits B --FIELD V`` calibrates. dense: ``dtype``; int: ``bits`` (keys
+    what ``esm-turbo calibrate --preset R --index-bits B --FIELD V`` calibrates; or ``bits`` all-in bits a value
+    (``calibrate --bits B``: the recipe made for that budget in the model, the fields set kept). dense: ``dtype``; int: ``bits`` (keys
     per channel, values per token), ``window``; turboquant: ``bits``, ``residual`` (none/qjl); outlier: ``bits``
     (regular), ``outlier_bits``, ``outlier_frac``; rvq: ``depth``, ``group``.
     """
@@ -69,8 +71,19 @@ class QuantConf:
     group: int = 8
     window: int = 0  # int: the most recent tokens kept in fp16 (KIVI's residual window)
 
-    def calibration_config(self) -> CalibrationConfig:
-        return recipe(self.recipe, self.index_bits, **set_fields(self.calibration))
+    def calibration_config(self, shape=None) -> CalibrationConfig:
+        """turboesm's recipe; with ``bits`` the one for that all-in budget in a model of ``shape`` (its config)."""
+        fields = set_fields(self.calibration)
+        cfg = recipe(self.recipe, self.index_bits, **fields)
+        if self.bits is None:
+            return cfg
+        if self.index_bits is not None:
+            raise ValueError("quant: give bits (all-in bits a value) or index_bits, not both")
+        if shape is None:
+            raise ValueError("quant.bits: the recipe for a budget needs the model's shape")
+        heads = shape.num_attention_heads
+        return for_budget(cfg, self.bits, shape.num_hidden_layers, heads, shape.hidden_size // heads,
+                          keep=frozenset(fields), family=family_of(shape).name)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from ..fasta import Record
 from ..model.calibrate import _run, token_batches
 from ..model.engine import TurboEsm
 from ..quant.codec import KVCodec, VectorQuantizer
+from ..quant.predict import Unstored
 from ..quant.registry import MethodRequest, build_codecs as registry_build
 from .config import QuantConf
 
@@ -42,10 +43,10 @@ def layout_codecs(q: QuantConf, heads: int, dim: int) -> KVCodec:
     """One layer's codec with the right byte layout but unfitted tables (memory accounting only)."""
     fake = torch.randn(heads, 512, dim)
     model_cfg = type("C", (), {"num_hidden_layers": 1, "num_attention_heads": heads,
-                               "hidden_size": heads * dim})
+                               "hidden_size": heads * dim, "model_type": "esm"})
     if q.method == "turboesm":
-        cc = q.calibration_config().resolved()
+        cc = q.calibration_config(model_cfg).resolved()
         mk = functools.partial(VectorQuantizer, heads, dim, residual=cc.residual)
-        return KVCodec(mk(cc.key_index_bits), mk(cc.value_index_bits))
+        return KVCodec(mk(cc.key_index_bits), mk(cc.value_index_bits) if cc.value_index_bits else Unstored(heads, dim))
     codecs, _ = build_codecs(q, type("M", (), {"config": model_cfg})(), [], lambda: [(fake, fake)])
     return codecs[0]

@@ -117,13 +117,27 @@ def memory_table(conf_dir: Path, heads: int = 20, dim: int = 64) -> str:
                 "bytes per token-head by part", "fixed bytes/sequence/layer (fp16 window)"], rows)
 
 
-#: the recipes of the fidelity sweep, by name in its rows at 3 + sign, 2 + sign and 1 + sign index bits
+#: the recipes of the fidelity sweep, by name in its rows at 4.0, 3.0 and 2.0 bits a value all-in (3 + sign, 2 + sign
+#: and 1 + sign index bits; ``--bits B``: what ``calibrate --bits B`` picks, with ``--predict-values`` the keys alone
+#: at 3.0 and 2.0 — 2.5 and 2.0 bits stored — None where a budget's pick is another row's recipe)
 FIDELITY_RECIPES = {"default": ("turboesm", "turboesm_default_3bit", "turboesm_default_2bit"),
+                    "--bits B": ("turboesm_budget_4bit", None, None),
+                    "--bits B --predict-values": ("turboesm_predicted_4bit", "turboesm_predicted_3bit",
+                                                  "turboesm_predicted_2bit"),
                     "query-keys": ("turboesm_query_keys", "turboesm_query-keys_3bit", "turboesm_query-keys_2bit"),
                     "no-rotation": ("turboesm_no_rotation", "turboesm_no-rotation_3bit", "turboesm_no-rotation_2bit")}
-#: per all-in bits per value: the bars of the worst sequence (and at 4.0 of the mean and the worst token)
-FIDELITY_BARS = {4.0: dict(mean=0.995, worst_seq=0.99, worst_token=0.95), 3.0: dict(worst_seq=0.98),
-                 2.0: dict(worst_seq=0.95)}
+#: per all-in bit budget a value: the bars (mean, worst sequence's mean, worst token, most tokens under TAIL_COS)
+FIDELITY_BARS = {4.0: dict(mean=0.995, worst_seq=0.99, worst_token=0.95), 3.0: dict(mean=0.995, worst_seq=0.99,
+                                                                                   tail=0.001),
+                 2.0: dict(worst_seq=0.98)}
+_BAR_KEYS = {"mean": "decode_cos_mean", "worst_seq": "decode_cos_worst_seq", "worst_token": "decode_cos_min"}
+
+
+def _misses(rows: list[dict], bars: dict[str, float]) -> list[str]:
+    """The bars that the worst of ``rows`` (a recipe's calibration sets) misses."""
+    return [name for name, bar in bars.items()
+            if (max(r["decode_tail_share"] for r in rows) > bar if name == "tail"
+                else min(r[_BAR_KEYS[name]] for r in rows) < bar)]
 
 
 def _spread(rows: list[dict], key: str) -> str:
@@ -138,8 +152,9 @@ def fidelity_section(by_model: dict[str, list[dict]], out: Path) -> str:
     lines = ["## Fidelity across models and calibration sets", "",
              "Each recipe calibrated on three disjoint sets of 115 real sequences (calibration_data/: the default "
              "set, alt1, alt2) and evaluated on the same 29 held-out ones; each cell is the lowest of the three "
-             "(± half their range). Bars: at 4.0 bits all-in mean ≥ 0.995, worst sequence ≥ 0.99, worst token ≥ 0.95; "
-             "at 3.0 worst sequence ≥ 0.98; at 2.0 worst sequence ≥ 0.95.", "",
+             "(± half their range); bits: all-in bits a value stored (within the budget). Bars: at 4.0 bits all-in "
+             f"mean ≥ 0.995, worst sequence ≥ 0.99, worst token ≥ 0.95; at 3.0 mean ≥ 0.995, worst sequence ≥ 0.99, "
+             f"at most 0.1% of tokens under {TAIL_COS}; at 2.0 worst sequence ≥ 0.98.", "",
              "![worst tokens](plots/fidelity_worst_token.png)", ""]
     for i, bits in enumerate((4.0, 3.0, 2.0)):
         table = []
@@ -148,19 +163,17 @@ def fidelity_section(by_model: dict[str, list[dict]], out: Path) -> str:
             for r in by_model[model]:
                 named[r["quant"]].append(r)
             for recipe, names in FIDELITY_RECIPES.items():
-                rows = named.get(names[i])
+                rows = named.get(names[i]) if names[i] else None
                 if not rows:
                     continue
-                met = [rows_key for rows_key, bar in FIDELITY_BARS[bits].items()
-                       if min(r[{"mean": "decode_cos_mean", "worst_seq": "decode_cos_worst_seq",
-                                 "worst_token": "decode_cos_min"}[rows_key]] for r in rows) < bar]
-                table.append([model, recipe, len(rows), _spread(rows, "decode_cos_mean"),
-                              _spread(rows, "decode_cos_worst_seq"), _spread(rows, "decode_cos_min"),
-                              f"{max(r['decode_tail_share'] for r in rows):.2%}",
-                              "yes" if not met else "misses " + ", ".join(m.replace("_", " ") for m in met)])
+                missed = _misses(rows, FIDELITY_BARS[bits])
+                table.append([model, recipe, f"{max(r['bits_per_value'] for r in rows):.3g}", len(rows),
+                              _spread(rows, "decode_cos_mean"), _spread(rows, "decode_cos_worst_seq"),
+                              _spread(rows, "decode_cos_min"), f"{max(r['decode_tail_share'] for r in rows):.2%}",
+                              "yes" if not missed else "misses " + ", ".join(m.replace("_", " ") for m in missed)])
         lines += [f"### {bits:.1f} bits per value all-in", "",
-                  _md(["model", "recipe", "sets", "mean", "worst seq", "worst token", f"< {TAIL_COS} (most)", "bars"],
-                      table), ""]
+                  _md(["model", "recipe", "bits", "sets", "mean", "worst seq", "worst token", f"< {TAIL_COS} (most)",
+                       "bars"], table), ""]
     _fidelity_plot(by_model, out / "plots" / "fidelity_worst_token.png")
     return "\n".join(lines)
 
@@ -171,13 +184,17 @@ def _fidelity_plot(by_model: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
     models = sorted(by_model, key=lambda m: (int(m.split("-d")[1].split("-")[0]), m))
     fig, axes = plt.subplots(1, 3, figsize=(17, 5), sharey=False)
-    colors = {"default": "tab:red", "query-keys": "tab:blue", "no-rotation": "tab:gray"}
+    colors = {"default": "tab:red", "--bits B": "tab:orange", "--bits B --predict-values": "tab:green",
+              "query-keys": "tab:blue", "no-rotation": "tab:gray"}
+    step = 0.8 / len(FIDELITY_RECIPES)
+    labelled = set()
     for i, (ax, bits) in enumerate(zip(axes, (4.0, 3.0, 2.0))):
         for j, (recipe, names) in enumerate(FIDELITY_RECIPES.items()):
             for x, model in enumerate(models):
-                ys = [r["decode_cos_min"] for r in by_model[model] if r["quant"] == names[i]]
-                ax.scatter([x + 0.2 * (j - 1)] * len(ys), ys, color=colors[recipe], s=22,
-                           label=recipe if x == 0 else None)
+                ys = [r["decode_cos_min"] for r in by_model[model] if names[i] and r["quant"] == names[i]]
+                ax.scatter([x + step * (j - (len(FIDELITY_RECIPES) - 1) / 2)] * len(ys), ys, color=colors[recipe],
+                           s=22, label=None if recipe in labelled or not ys else recipe)
+                labelled |= {recipe} if ys else set()
         bar = 0.95 if bits == 4.0 else None
         if bar:
             ax.axhline(bar, color="black", lw=0.8, ls="--")
@@ -185,8 +202,8 @@ def _fidelity_plot(by_model: dict[str, list[dict]], path: Path) -> None:
         ax.set_title(f"{bits:.1f} bits/value all-in: worst decode token", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("lowest decode-token cos vs FP32 cache (one dot per calibration set)")
-    axes[0].legend()
-    fig.tight_layout()
+    fig.legend(loc="upper center", ncol=len(FIDELITY_RECIPES), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
 

@@ -123,11 +123,11 @@ def _turboquant(req: MethodRequest):
     return [oblivious_codec(req.heads, req.dim, bits, "hadamard", residual, seed=i) for i in range(req.layers)], {}
 
 
-@register("turboesm", "calibrated TurboESM: esm-turbo calibrate's recipe (options recipe, index_bits, calibration)",
-          needs="calibration")
+@register("turboesm", "calibrated TurboESM: esm-turbo calibrate's recipe (options recipe, index_bits or bits all-in, "
+                      "calibration)", needs="calibration")
 def _turboesm(req: MethodRequest):
     from ..model.calibrate import calibrate
-    cal = calibrate(req.model, req.calibration, req.options.calibration_config(), progress=False)
+    cal = calibrate(req.model, req.calibration, req.options.calibration_config(req.model.config), progress=False)
     return list(cal.codecs), {"calibration_seconds": cal.seconds}
 
 
