@@ -52,9 +52,9 @@ class QuantConf:
     turboesm: ``recipe`` (a PRESETS name) at ``index_bits`` mean index bits per value (None: the recipe's), with the
     fields set under ``calibration`` (:class:`~esm_turbo.model.recipe.CalibrationConfig`'s) overriding it — exactly
     what ``esm-turbo calibrate --preset R --index-bits B --FIELD V`` calibrates; or ``bits`` all-in bits a value
-    (``calibrate --bits B``: the recipe made for that budget in the model, the fields set kept). dense: ``dtype``; int: ``bits`` (keys
-    per channel, values per token), ``window``; turboquant: ``bits``, ``residual`` (none/qjl); outlier: ``bits``
-    (regular), ``outlier_bits``, ``outlier_frac``; rvq: ``depth``, ``group``.
+    (``calibrate --bits B``: the recipe made for that budget in the model, the fields set kept). dense: ``dtype``;
+    int: ``bits`` (keys per channel, values per token), ``window``; turboquant: ``bits``, ``residual`` (none/qjl);
+    outlier: ``bits`` (regular), ``outlier_bits``, ``outlier_frac``; rvq: ``depth``, ``group``.
     """
 
     name: str = "turboesm"
