@@ -153,7 +153,7 @@ def fidelity_section(by_model: dict[str, list[dict]], out: Path) -> str:
              "Each recipe calibrated on three disjoint sets of 115 real sequences (calibration_data/: the default "
              "set, alt1, alt2) and evaluated on the same 29 held-out ones; each cell is the lowest of the three "
              "(± half their range); bits: all-in bits a value stored (within the budget). Bars: at 4.0 bits all-in "
-             f"mean ≥ 0.995, worst sequence ≥ 0.99, worst token ≥ 0.95; at 3.0 mean ≥ 0.995, worst sequence ≥ 0.99, "
+             "mean ≥ 0.995, worst sequence ≥ 0.99, worst token ≥ 0.95; at 3.0 mean ≥ 0.995, worst sequence ≥ 0.99, "
              f"at most 0.1% of tokens under {TAIL_COS}; at 2.0 worst sequence ≥ 0.98.", "",
              "![worst tokens](plots/fidelity_worst_token.png)", ""]
     for i, bits in enumerate((4.0, 3.0, 2.0)):
