@@ -24,7 +24,7 @@ from ..fasta import CALIBRATION_DATA
 from ..ops import force_reference
 from .decode import SHAPES, bench_attention, bench_cpu_steps, bench_decode, bench_quantize, bench_widths
 from .report import BenchResult, format_result, to_json
-from .timing import graph_floor_us, peak_copy_gbs
+from .timing import device_name, graph_floor_us, peak_copy_gbs
 
 #: rows of the decode suite besides the most each cache fits in its budget
 DECODE_BATCHES = (16, 64)
@@ -37,8 +37,7 @@ def run(quick: bool = False, device: str | None = None, reference: bool = False,
     """``suite``: decode (attention, quantize, decode tokens/s, widths), widths (CUDA), embed, or all."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     force_reference(reference)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    res = BenchResult(device=name)
+    res = BenchResult(device=device_name(dev))
     if suite in ("embed", "all"):
         fasta = fasta or EMBED_FASTA
         from ..embed.benchmark import bench_embed

@@ -20,7 +20,7 @@ from ..ops.blocks import BLOCK_SIZE
 from ..ops.compressed import fused_tables
 from .synthetic import as_blocks, layer_codec, random_protein, shuffled_pages, stand_in_model, synthetic_cache
 from .step import format_breakdown, kv_bytes_held, profile_step, read_rate_gbs, step_report
-from .timing import link_h2d_gbs, time_eager, time_graph
+from .timing import device_name, link_h2d_gbs, time_eager, time_graph
 
 
 @dataclass
@@ -74,8 +74,7 @@ def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, c
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     engine = TurboEsm(stand_in_model(size, device, dtype, layers))
     scaffold = random_protein(prefix - 1, 0)  # <cls> + residues = prefix tokens
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    res = DesignBench(name, f"{size}-shaped" + (f" ({layers} layers)" if layers else ""), prefix, candidates, tail,
+    res = DesignBench(device_name(device), f"{size}-shaped" + (f" ({layers} layers)" if layers else ""), prefix, candidates, tail,
                       block_size)
     step = torch.full((candidates, 1), alphabet().get_idx("A"), device=device)
     room = prefix + tail + REPLAYS + 1  # the eager steps, then a captured step's replays

@@ -7,6 +7,12 @@ import time
 
 import torch
 
+def device_name(device: torch.device | str) -> str:
+    """The GPU's name ("NVIDIA H100 80GB HBM3"), or "cpu": what results name the machine by."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def time_eager(fn, device: torch.device, reps: int = 5) -> float:
     """Median wall-clock seconds of ``fn`` over ``reps`` calls after one warm-up, each call synchronised on CUDA:
     for work a CUDA graph cannot hold."""

@@ -129,6 +129,7 @@ def bench_end_to_end(corpus: str, size: str, device: torch.device, workdir: str 
                      budget: int = 16384, runs: tuple[str, ...] | None = None) -> dict:
     """Every row of the module docstring on ``corpus`` with a ``size``-shaped model (fp32 without CUDA: a smoke run
     of the same steps, no speed claim). ``runs``: only these rows of :data:`RUNS`."""
+    from ..bench.timing import device_name  # the bench package: seconds of imports the embed command never needs
     records, _ = read_fasta(corpus)
     tokens = sum(len(r.sequence) + 2 for r in records)
     root = Path(tempfile.mkdtemp(prefix="esm_turbo_e2e_", dir=workdir))
@@ -147,7 +148,7 @@ def bench_end_to_end(corpus: str, size: str, device: torch.device, workdir: str 
             ("user eager", "user", user, None)]
     plan = [step for step in plan if runs is None or step[0] in runs]
     rows: dict = dict(size=size, corpus=corpus, records=len(records), tokens=tokens, toks_per_batch=budget,
-                      dtype=dtype, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      dtype=dtype, device=device_name(device),
                       runs={})
     for name, who, cmd, fmt in plan:
         _progress(f"end to end: {name}")

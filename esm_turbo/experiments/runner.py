@@ -54,6 +54,7 @@ def _samples(model_key: tuple, files: tuple, tokens: int):
 
 
 def run_experiment(cfg: ExperimentConf, write: bool = True) -> dict:
+    from ..bench.timing import device_name
     torch.set_num_threads(cfg.hardware.threads)
     m = cfg.model
     model = load_model(m).to(cfg.hardware.device)
@@ -84,7 +85,7 @@ def run_experiment(cfg: ExperimentConf, write: bool = True) -> dict:
                attn_rel_err_mean=sum(report["layers"]["attn_rel_err"]) / len(report["layers"]["attn_rel_err"]),
                score_kl_mean=sum(report["layers"]["score_kl"]) / len(report["layers"]["score_kl"]),
                layers=report["layers"], groups=report["groups"], memory=report["memory"],
-               fit_seconds=fit_seconds, **info)
+               fit_seconds=fit_seconds, device=device_name(cfg.hardware.device), **info)
     if write:
         path = row_path(cfg.out, cfg.sweep, m.name, cfg.quant.name, cfg.data.name)
         atomic_write_text(path, json.dumps(row, indent=1, sort_keys=True, default=float))
