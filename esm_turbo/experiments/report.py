@@ -154,7 +154,9 @@ def fidelity_section(by_model: dict[str, list[dict]], out: Path) -> str:
              "set, alt1, alt2) and evaluated on the same 29 held-out ones; each cell is the lowest of the three "
              "(± half their range); bits: all-in bits a value stored (within the budget). Bars: at 4.0 bits all-in "
              "mean ≥ 0.995, worst sequence ≥ 0.99, worst token ≥ 0.95; at 3.0 mean ≥ 0.995, worst sequence ≥ 0.99, "
-             f"at most 0.1% of tokens under {TAIL_COS}; at 2.0 worst sequence ≥ 0.98.", "",
+             f"at most 0.1% of tokens under {TAIL_COS}; at 2.0 worst sequence ≥ 0.98. Run on: the machine a row "
+             "names (the same arithmetic on either); — : an H100, with the recipe before value channels up to 6 bits "
+             "wide and grid ranges half way out (results/fidelity/README.md).", "",
              "![worst tokens](plots/fidelity_worst_token.png)", ""]
     for i, bits in enumerate((4.0, 3.0, 2.0)):
         table = []
@@ -167,13 +169,15 @@ def fidelity_section(by_model: dict[str, list[dict]], out: Path) -> str:
                 if not rows:
                     continue
                 missed = _misses(rows, FIDELITY_BARS[bits])
+                machines = sorted({r.get("device", "—") for r in rows})
                 table.append([model, recipe, f"{max(r['bits_per_value'] for r in rows):.3g}", len(rows),
                               _spread(rows, "decode_cos_mean"), _spread(rows, "decode_cos_worst_seq"),
                               _spread(rows, "decode_cos_min"), f"{max(r['decode_tail_share'] for r in rows):.2%}",
-                              "yes" if not missed else "misses " + ", ".join(m.replace("_", " ") for m in missed)])
+                              "yes" if not missed else "misses " + ", ".join(m.replace("_", " ") for m in missed),
+                              ", ".join(machines)])
         lines += [f"### {bits:.1f} bits per value all-in", "",
                   _md(["model", "recipe", "bits", "sets", "mean", "worst seq", "worst token", f"< {TAIL_COS} (most)",
-                       "bars"], table), ""]
+                       "bars", "run on"], table), ""]
     _fidelity_plot(by_model, out / "plots" / "fidelity_worst_token.png")
     return "\n".join(lines)
 
