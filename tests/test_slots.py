@@ -282,7 +282,9 @@ def test_a_four_bit_budget_adds_a_slot_only_at_heads_of_16():
     from esm_turbo.model.recipe import SLOT_MAX_HEAD_DIM, for_budget, recipe
     base = recipe("default")
     small = for_budget(base, 4, layers=6, heads=20, dim=SLOT_MAX_HEAD_DIM)
-    assert (small.slots, small.narrow_layers) == (1, 1)
+    assert (small.slots, small.narrow_layers, small.slot_rank) == (1, 1, "relative")  # holds with outliers planted
+    kept = for_budget(base, 4, layers=6, heads=20, dim=SLOT_MAX_HEAD_DIM, keep=frozenset({"slot_rank"}))
+    assert kept.slot_rank == "absolute"  # --slot-rank given: the user's
     predicted = for_budget(recipe("default", predict_values=True), 4, layers=6, heads=20, dim=SLOT_MAX_HEAD_DIM)
     assert (predicted.slots, predicted.narrow_layers) == (0, 0)  # keys-first widths instead (split "auto")
     assert (predicted.resolved().key_index_bits, predicted.resolved().value_index_bits) == (4, 2)

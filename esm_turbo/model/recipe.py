@@ -157,8 +157,8 @@ def with_mean_bits(cfg: CalibrationConfig, mean: int) -> CalibrationConfig:
 #: better than the uniform recipe on the trained testbeds (docs/recipe.md)
 BUDGETS = (2, 3, 4, 5)
 SLOTTED_BUDGET = 4
-#: the widest head that ``--bits`` gives a slot: at head_dim 16 the slot lifts the worst decode token from under 0.95
-#: to 0.956 for 1.14x the fused decode attention's time per bit stored; at 64 the uniform recipe already keeps every
+#: the widest head that ``--bits`` gives a slot (ranked relative to its channel's scale): at head_dim 16 the slot lifts
+#: the worst decode token from under 0.95 to 0.956 for 1.14x the fused decode attention's time per bit stored; at 64 the uniform recipe already keeps every
 #: token above 0.99 and the slot would cost 1.51x (H200, results/studies/slot_kernels_h200.txt, docs/recipe.md)
 SLOT_MAX_HEAD_DIM = 16
 
@@ -174,8 +174,9 @@ def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: 
                keep: frozenset[str] = frozenset(), family: str = "esm2") -> CalibrationConfig:
     """``cfg`` made to store ``bits`` bits a value all-in in a model of ``layers`` layers of ``heads`` heads of
     ``dim``: ``bits`` − 1 mean index bits with a sign residual (``bits`` without one), its key/value split rule kept;
-    at :data:`SLOTTED_BUDGET` and heads of at most :data:`SLOT_MAX_HEAD_DIM` also one slot a token and kind, paid
-    for by the fewest layers narrowed by an index bit that keep the all-in within ``bits`` (``narrow_layers``), unless
+    at :data:`SLOTTED_BUDGET` and heads of at most :data:`SLOT_MAX_HEAD_DIM` also one slot a token and kind (ranked
+    relative to each channel's scale), paid for by the fewest layers narrowed by an index bit that keep the all-in
+    within ``bits`` (``narrow_layers``), unless
     the values are predicted from the keys (``predict_values``: keys-first widths hold the worst tokens there without
     a slot, docs/recipe.md); with ``predict_values`` at the ``family``'s :data:`KEYS_ALONE_BUDGETS` the keys alone.
     Fields named in ``keep`` (set by the user) are not changed."""
@@ -197,8 +198,9 @@ def for_budget(cfg: CalibrationConfig, bits: int, layers: int, heads: int, dim: 
         from ..quant.slots import SLOT_DTYPE, KERNEL_SLOTS
         slot_bits = 8 * SLOT_DTYPE.itemsize * KERNEL_SLOTS / (heads * dim)  # both kinds' words over 2·H·d values
         narrow = math.ceil(layers * slot_bits - 1e-9)
-        if narrow < layers:
-            out = replace(out, slots=KERNEL_SLOTS, narrow_layers=narrow)
+        if narrow < layers:  # ranked in each channel's scale: holds with outliers planted, as trained too
+            rank = {} if "slot_rank" in keep else {"slot_rank": "relative"}
+            out = replace(out, slots=KERNEL_SLOTS, narrow_layers=narrow, **rank)
     return out
 
 
