@@ -34,6 +34,12 @@ LOG2E = tl.constexpr(1.4426950408889634)
 MAX_HEAD_WIDTH = 2048
 #: the most pooled feature sums a program keeps ([HQ, FC·d])
 POOLED_VALUES = 16384
+#: the most bytes of feature maps a program holds ([FC, 2, d, d] float32, staged through shared memory for the tensor
+#: cores): the compiled walk takes 135 KB of shared memory at 20 heads of 16 (64 KiB of maps), 201 KB at 20 of 32
+#: (128 KiB) and 332 KB at 20 of 64 (256 KiB: over the 227 KB a Hopper program may have; tests/compile_sm90.py)
+MAX_MAP_BYTES = 128 * 1024
+#: a Hopper program's most shared memory (bytes)
+SM90_SHARED = 232448
 BLOCK_T = 16
 
 
@@ -43,10 +49,12 @@ def query_heads(heads: int) -> int:
 
 
 def fits(heads: int, dim: int) -> bool:
-    """Whether the fused walk takes a layer of ``heads`` heads of ``dim`` (a power of two of at least 16, and
-    HQ·d ≤ :data:`MAX_HEAD_WIDTH`: ESM-2 8M's 20 heads of 16, 150M's of 32, 650M's of 64; not 35M's heads of 24 nor
-    3B's 40 heads)."""
-    return dim >= 16 and dim & (dim - 1) == 0 and query_heads(heads) * dim <= MAX_HEAD_WIDTH
+    """Whether the fused walk takes a layer of ``heads`` heads of ``dim`` (a power of two of at least 16, HQ·d ≤
+    :data:`MAX_HEAD_WIDTH` and a chunk's feature maps within :data:`MAX_MAP_BYTES`: ESM-2 8M's 20 heads of 16 and
+    150M's of 32; not 650M's of 64, 35M's heads of 24 nor 3B's 40 heads)."""
+    if not (dim >= 16 and dim & (dim - 1) == 0 and query_heads(heads) * dim <= MAX_HEAD_WIDTH):
+        return False
+    return feature_chunk(heads, dim)[0] * 2 * dim * dim * 4 <= MAX_MAP_BYTES
 
 
 def feature_chunk(heads: int, dim: int) -> tuple[int, int]:
