@@ -237,22 +237,26 @@ def save_stress_model(out_dir: str | Path, fair_esm_pt: bool = True, **kwargs) -
 
 def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int = 3, residual: str = "sign",
                        seed: int = 0, allocate: bool = True, max_bits: int | None = None, shared: bool = True,
-                       grid: bool = False, value_max_bits: int | None = None, importance_spread: float = 1.5):
+                       grid: bool = False, value_max_bits: int | None = None, importance_spread: float = 1.5,
+                       permuted_keys: bool = False):
     """A calibrated-style :class:`~esm_turbo.quant.codec.KVCodec` without a model: Haar rotations,
     random per-channel centring and scaling, per-channel LUTs and ε fitted on Gaussian samples of
     per-channel spread (every channel's table differs) and, with ``allocate``, channel widths allocated by a
     random importance (log-normal, σ = ``importance_spread`` in its log: widths from 0 to ``max_bits``, default
     bits + 1, the values' to ``value_max_bits``, default ``max_bits``; ``shared``: the same widths for every head, as
-    calibration does by default; ``grid``: uniform levels, ``lut="grid"``). For kernel tests and speed benchmarks
-    (values are what a calibration produces)."""
+    calibration does by default; ``grid``: uniform levels, ``lut="grid"``; ``permuted_keys``: the keys' rotation a
+    random permutation of each head's channels, as the default recipe's "identity" rotation is). For kernel tests and
+    speed benchmarks (values are what a calibration produces)."""
     from .quant.codec import KVCodec, VectorQuantizer
     from .quant.fit import FitOptions, fit_quantizer
     from .quant.rotations import AffineStats, haar_orthogonal
 
     gen = torch.Generator().manual_seed(seed)
 
-    def one(bits: int, salt: int, max_bits: int | None) -> VectorQuantizer:
-        affine = AffineStats(rot=haar_orthogonal(dim, seed + salt, heads),
+    def one(bits: int, salt: int, max_bits: int | None, permuted: bool = False) -> VectorQuantizer:
+        rot = (torch.eye(dim)[torch.stack([torch.randperm(dim, generator=gen) for _ in range(heads)])] if permuted
+               else haar_orthogonal(dim, seed + salt, heads))
+        affine = AffineStats(rot=rot,
                              offset=torch.randn(heads, dim, generator=gen),
                              scale=torch.exp(0.5 * torch.randn(heads, dim, generator=gen)))
         spread = 0.6 + 0.8 * torch.rand(heads * dim, 1, generator=gen, dtype=torch.float64)
@@ -262,7 +266,7 @@ def random_turbo_codec(heads: int, dim: int, key_bits: int = 3, value_bits: int 
         return fit_quantizer(affine, (values, torch.ones_like(values)), fit, importance=importance)
 
     value_max_bits = max_bits if value_max_bits is None else value_max_bits
-    return KVCodec(one(key_bits, 1, max_bits), one(value_bits, 2, value_max_bits))
+    return KVCodec(one(key_bits, 1, max_bits, permuted_keys), one(value_bits, 2, value_max_bits))
 
 
 def fused_and_reference_steps(engine, paged: bool = False, capture: bool = True, steps: int = 3,

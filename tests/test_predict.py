@@ -72,11 +72,12 @@ def test_a_predictor_refuses_tables_of_the_wrong_shape():
         ValuePredictor(torch.zeros(64, 32), torch.zeros(64), torch.zeros(8), 4, 16)
 
 
-def _predicted_codec(seed: int = 0, heads: int = 4, dim: int = 16, slots: int = 0):
-    """A random codec (esm_turbo.testing) whose values are coded as what a random predictor leaves."""
+def _predicted_codec(seed: int = 0, heads: int = 4, dim: int = 16, slots: int = 0, permuted_keys: bool = True):
+    """A random codec (esm_turbo.testing) whose values are coded as what a random predictor leaves; its keys' rotation
+    a permutation, as the default recipe calibrates (or a Haar rotation)."""
     from esm_turbo.quant.codec import KVCodec
     from esm_turbo.testing import random_turbo_codec
-    base = random_turbo_codec(heads, dim, seed=seed)
+    base = random_turbo_codec(heads, dim, seed=seed, permuted_keys=permuted_keys)
     g = torch.Generator().manual_seed(seed + 100)
     width = heads * dim
     pred = ValuePredictor(torch.randn(width, width, generator=g) / width, 0.1 * torch.randn(width, generator=g),
@@ -305,13 +306,14 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
                      device: str = "cpu", unstored: bool = False, **codec_args):
     """A one-layer cache on ``device`` (paged with ``block_size``) of a random predicted codec (``esm_turbo.testing``'s
     ``random_turbo_codec`` with ``codec_args``; ``unstored``: values not stored) holding ragged random keys and
-    values written at their positions (on CUDA by the fused write)."""
+    values written at their positions (on CUDA by the fused write); the keys' rotation a permutation, as calibrated
+    by the default recipe (the fused walk's condition)."""
     from esm_turbo.quant.predict import Unstored
     from esm_turbo.cache import KVCache
     from esm_turbo.paged import PagedKVCache
     from esm_turbo.quant.codec import KVCodec
     from esm_turbo.testing import random_turbo_codec
-    base = random_turbo_codec(heads, dim, seed=seed, **codec_args)
+    base = random_turbo_codec(heads, dim, seed=seed, **{"permuted_keys": True, **codec_args})
     g = torch.Generator().manual_seed(seed + 100)
     width = heads * dim
     pred = ValuePredictor(torch.randn(width, width, generator=g) / width, 0.1 * torch.randn(width, generator=g),
@@ -331,9 +333,9 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
     (4, 16, [37, 0], 2, 8, 3, {}),  # a row with nothing cached nor new to attend to, paged
     (6, 32, [20, 33], 1, 16, None, {"grid": True}),  # the default's grid codes
     (2, 64, [40, 17], 1, 0, None, {"residual": "none", "shared": False}),  # a layout row a head
-    (20, 32, [19, 6], 1, 0, None, {"grid": True}),  # 150M's heads: two chunks of feature heads
-    (20, 64, [23, 9, 1], 1, 0, 2, {}),  # 650M's heads: three chunks (the interpreter only: see below)
-    (2, 128, [9, 4], 1, 0, None, {}),  # one chunk of two feature heads beside 16 query heads (the interpreter only)
+    (20, 32, [19, 6], 1, 0, None, {"grid": True}),  # 150M's heads: three chunks of feature heads
+    (20, 64, [23, 9, 1], 1, 0, 2, {}),  # 650M's heads: five chunks
+    (2, 128, [9, 4], 1, 0, None, {}),  # 15B's width: one chunk of two feature heads beside 16 query heads
     (20, 16, [30, 7], 1, 0, None, {"unstored": True}),  # values not stored: the keys alone
     (20, 64, [12, 5], 2, 16, 2, {"unstored": True}),
 ])
@@ -341,16 +343,14 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
                                                                      codec_args):
     """predicted_attention_triton (Triton's interpreter on CPU, the kernel on CUDA) against
     predicted_attention_reference: keys of every head decoded once a tile, the pooled features, the splits merged
-    with the step's own tokens. Shapes whose maps pass a Hopper program's shared memory (not ``fits``: caches read
-    them on the PyTorch path) are checked under the interpreter only."""
+    with the step's own tokens (the pooled products' inputs in fp16, as flash attention's P·V)."""
     from esm_turbo.kernels.decode.predicted import feature_chunk, fits, query_heads
     from esm_turbo.ops.compressed import cached_codes
     from esm_turbo.ops.predicted import predicted_attention_reference, predicted_attention_triton
-    assert feature_chunk(heads, dim) == {(20, 32): (16, 2), (20, 64): (8, 3), (2, 128): (2, 1)}.get(
-        (heads, dim), (query_heads(heads), 1))
+    assert fits(heads, dim)
+    assert feature_chunk(heads, dim) == {(20, 16): (16, 2), (20, 32): (8, 3), (20, 64): (4, 5), (2, 128): (2, 1),
+                                         (2, 64): (2, 1)}.get((heads, dim), (query_heads(heads), 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not fits(heads, dim):
-        pytest.skip("past a Hopper program's shared memory: the PyTorch path's shape on a GPU")
     codec, cache = _predicted_cache(heads, dim, lengths, block_size, device=device, **codec_args)
     g = torch.Generator().manual_seed(9)
     b = len(lengths)
@@ -369,20 +369,19 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
     got = predicted_attention_triton(*args, splits=splits)
     if not new_valid[-1].any():
         assert not want[-1].any() and not got[-1].any()
-    assert torch.allclose(got, want, atol=2e-5 * want.abs().max().item(), rtol=0)
+    assert torch.allclose(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
 
 
 def test_the_fused_walk_refuses_heads_it_cannot_hold():
-    """Layers past what a program holds (3B's 40 heads of 64, 15B's of 128; 650M's 20 heads of 64, whose maps pass a
-    Hopper program's shared memory: tests/compile_sm90.py) and widths that are no power of two are read on the
-    PyTorch path, with slots too."""
+    """Layers past what a program holds (3B's 40 heads of 64, 15B's of 128), widths that are no power of two and
+    keys whose rotation is not a permutation of their channels are read on the PyTorch path, with slots too."""
     from esm_turbo.kernels.decode.predicted import fits
     from esm_turbo.ops.compressed import fused_supported
-    assert fits(20, 16) and fits(20, 32) and fits(8, 32)
-    assert not fits(20, 64) and not fits(2, 128) and not fits(40, 64) and not fits(40, 128) and not fits(20, 24)
-    assert not fits(16, 8)
+    assert fits(20, 16) and fits(20, 32) and fits(20, 64) and fits(2, 128) and fits(8, 32)
+    assert not fits(40, 64) and not fits(40, 128) and not fits(20, 24) and not fits(16, 8)
     assert fused_supported(_predicted_codec(heads=20, dim=16), need_kernel_shape=True)
-    assert not fused_supported(_predicted_codec(heads=20, dim=64), need_kernel_shape=True)
+    assert not fused_supported(_predicted_codec(heads=20, dim=16, permuted_keys=False), need_kernel_shape=True)
+    assert not fused_supported(_predicted_codec(heads=40, dim=64), need_kernel_shape=True)
 
 
 

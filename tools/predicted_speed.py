@@ -24,13 +24,13 @@ from esm_turbo.kernels.decode import compressed_attention_triton
 from esm_turbo.kernels.decode.predicted import fits
 from esm_turbo.model.recipe import recipe
 from esm_turbo.ops.compressed import write_compressed
-from esm_turbo.ops.predicted import codec_feature_maps, predicted_attention_reference, predicted_attention_triton
+from esm_turbo.ops.predicted import codec_walk_tables, predicted_attention_reference, predicted_attention_triton
 from esm_turbo.quant.codec import KVCodec
 from esm_turbo.quant.predict import Unstored, ValuePredictor
 
 #: (name, heads, head_dim, batch, cached tokens a row) of decode steps
 DECODE = (("8M", 20, 16, 64, 4096), ("8M", 20, 16, 195, 1024), ("8M", 20, 16, 8, 512), ("150M", 20, 32, 64, 4096),
-          ("150M", 20, 32, 195, 1024), ("650M", 20, 64, 64, 4096))
+          ("150M", 20, 32, 195, 1024), ("650M", 20, 64, 64, 4096), ("650M", 20, 64, 195, 1024))
 #: (name, heads, head_dim, batch, new tokens a row) of cache writes: a 1024-token prefill, a decode step
 WRITES = (("8M", 20, 16, 1, 1024), ("8M", 20, 16, 195, 1), ("650M", 20, 64, 195, 1))
 RECIPE = recipe("default", index_bits=2, predict_values=True).resolved()
@@ -39,7 +39,7 @@ RECIPE = recipe("default", index_bits=2, predict_values=True).resolved()
 def codecs(heads: int, dim: int, dev: torch.device) -> tuple[KVCodec, KVCodec, KVCodec]:
     """(plain, predicted, keys alone): one random codec of the 3.0-bit predicted recipe's widths, without and with a
     random predictor, and its keys with the values not stored."""
-    base = default_codec(heads, dim, recipe=RECIPE)
+    base = default_codec(heads, dim, recipe=RECIPE, permuted_keys=True)
     g = torch.Generator().manual_seed(1)
     width = heads * dim
     pred = ValuePredictor(torch.randn(width, width, generator=g) / width, 0.1 * torch.randn(width, generator=g),
@@ -59,13 +59,13 @@ def decode_rows(out) -> None:
         cache = KVCache([plain], batch, capacity=t, device=dev)
         fill_synthetic(cache, t, torch.Generator(device=dev).manual_seed(0))
         q, k_new, v_new, valid, lengths, keys, values = step_args(cache)
-        maps = codec_feature_maps(pred)
+        tables = codec_walk_tables(pred)
         args = (q, k_new, v_new, valid, lengths, keys, values)
         nbytes = bytes_read(cache)
         key_bytes = nbytes * keys.code.all_in_bits // (keys.code.all_in_bits + values.code.all_in_bits)
         t_p = time_graph(lambda: compressed_attention_triton(*args), dev) * 1e6
-        t_w = time_graph(lambda: predicted_attention_triton(*args, pred.predictor, maps=maps), dev) * 1e6
-        t_k = time_graph(lambda: predicted_attention_triton(*args[:6], None, pred.predictor, maps=maps), dev) * 1e6
+        t_w = time_graph(lambda: predicted_attention_triton(*args, pred.predictor, tables=tables), dev) * 1e6
+        t_k = time_graph(lambda: predicted_attention_triton(*args[:6], None, pred.predictor, tables=tables), dev) * 1e6
         floor, key_floor = read_floor_us(nbytes, dev), read_floor_us(key_bytes, dev)
         per_bit = (t_k / t_p) / (key_bytes / nbytes)
         line = (f"{name} B={batch} T={t}: plain {t_p:.1f} µs ({floor / t_p:.0%} of a read); predicted {t_w:.1f} µs "

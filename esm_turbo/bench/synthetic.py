@@ -24,15 +24,16 @@ TRAINED_SPREAD = 4.5
 
 
 def default_codec(heads: int, dim: int, seed: int = 0, grid: bool | None = None,
-                  recipe: CalibrationConfig = DEFAULT_RECIPE, spread: float = 1.5):
+                  recipe: CalibrationConfig = DEFAULT_RECIPE, spread: float = 1.5, permuted_keys: bool = False):
     """A random codec of a calibration's widths, widest channels and residual (``recipe``, resolved; default
     :data:`DEFAULT_RECIPE`) and tables (its grid, unless ``grid`` says: uniform levels or per-channel LUTs), the
-    widths allocated by a random importance of log-σ ``spread``."""
+    widths allocated by a random importance of log-σ ``spread``; ``permuted_keys``: the keys' rotation a
+    permutation (as calibrated by the default recipe) instead of a Haar rotation."""
     r = recipe
     grid = r.lut == "grid" if grid is None else grid
     return random_turbo_codec(heads, dim, r.key_index_bits, r.value_index_bits, r.residual, seed, r.bit_allocation,
                               r.channel_cap("k"), grid=grid, value_max_bits=r.channel_cap("v"),
-                              importance_spread=spread)
+                              importance_spread=spread, permuted_keys=permuted_keys)
 
 
 def layer_codec(layer: int, heads: int, dim: int):

@@ -36,13 +36,16 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     (``esm_turbo.window``) or more than :data:`~esm_turbo.quant.slots.KERNEL_SLOTS` slots a token
     (``esm_turbo.quant.slots``) is read on the reference path. A codec whose values are predicted from its keys
     (``esm_turbo.quant.predict``) takes its own walk over every head's keys (``esm_turbo.ops.predicted``): without
-    slots, and with ``need_kernel_shape`` for the head counts and widths it holds
-    (``kernels.decode.predicted.fits``)."""
+    slots, keys whose rotation permutes each head's channels (the default recipe's; ``ops.predicted.key_permutation``)
+    and with ``need_kernel_shape`` for the head counts and widths it holds (``kernels.decode.predicted.fits``)."""
     if getattr(codec, "window", 0) or getattr(codec, "slots", 0) > KERNEL_SLOTS:
         return False
     if getattr(codec, "predictor", None) is not None:
         from ..kernels.decode.predicted import fits
+        from .predicted import key_permutation
         if codec.slots or (need_kernel_shape and not fits(codec.key.heads, codec.key.dim)):
+            return False
+        if key_permutation(codec.key.rot) is None:
             return False
     for q in (codec.key, codec.value) if stores_values(codec) else (codec.key,):
         if not keeps_fused_contract(q):

@@ -15,32 +15,52 @@ import torch
 
 from ..quant.codec import KVCodec
 from ..quant.layout import CachedCodes
-from ..quant.predict import rotate_half
 from ..quant.rotations import affine_inverse
 from . import use_kernels
 from .compressed import (cached_codes, cached_values, fused_tables, gather_rows, gathered, pack_layer,
                          quantize_pack_reference)
 from .reference import attend_predicted
 
-#: each codec's feature maps (:func:`feature_maps` of its keys), made once and kept while it lives
-_MAPS: "weakref.WeakKeyDictionary[KVCodec, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
+#: each codec's walk tables (:func:`walk_tables` of its keys and predictor), made once and kept while it lives
+_TABLES: "weakref.WeakKeyDictionary[KVCodec, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
-def feature_maps(rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M [H, 2, d, d], c [H, 2, d]) float32 of a key quantizer's affine map (rot Π [H, d, d], offset o and scale σ
-    [H, d]): a decoded key in the affine domain ŷ gives x̂ = ŷ M₀ + c₀ = (ŷ ⊙ σ + o) Π and rotate_half(x̂) = ŷ M₁ + c₁,
-    so the walk turns keys back before the rotary embedding from ŷ: f = x̂·cos − rotate_half(x̂)·sin."""
-    rot = rot.float()
-    both = torch.stack([rot, rotate_half(rot)], 1)  # [H, 2, d, d]
-    return ((scale.float()[:, None, :, None] * both).contiguous(),
-            torch.einsum("hd,hjde->hje", offset.float(), both).contiguous())
+def key_permutation(rot: torch.Tensor) -> torch.Tensor | None:
+    """π [H, d] (int64): the model channel each code channel is when the keys' rotation ``rot`` [H, d, d] permutes
+    each head's channels (the default recipe's "identity" rotation: channels reordered by their widths); None for any
+    other rotation."""
+    r = rot.float()
+    pi = r.argmax(-1)
+    return pi if torch.equal(r, torch.nn.functional.one_hot(pi, r.shape[-1]).to(r.dtype)) else None
 
 
-def codec_feature_maps(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`feature_maps` of ``codec``'s keys, made once a codec (rebuilt if it moved device)."""
-    cached = _MAPS.get(codec)
+def walk_tables(rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, inv_freq: torch.Tensor,
+                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ftab [H, 3, d] float32, w2 [2, H·d, H·d] in weight's dtype) of a key quantizer whose rotation is a permutation
+    π (:func:`key_permutation`), its offset o and scale σ [H, d], the rotary ``inv_freq`` [d/2] and the predictor's
+    map ``weight`` [H·d, H·d]. A decoded key ŷ gives x̂ = (ŷ ⊙ σ + o) Π: u = ŷ ⊙ σ + o in code order, x̂_π(j) = u_j.
+    f = x̂·cos − rotate_half(x̂)·sin, so Σ_t p_t f_t W = (Σ p u⊙cos(tω')) W₀ + (Σ p u⊙sin(tω')) W₁ with ω'_j the
+    frequency of channel π(j), W₀'s row j = W's row π(j) and W₁'s row j = ±W's row π(j)'s rotate_half partner (+ for
+    π(j) in the second half): ftab holds σ, o, ω' a code channel, w2 W₀ and W₁."""
+    pi = key_permutation(rot)
+    if pi is None:
+        raise ValueError("walk_tables: the keys' rotation is not a permutation of each head's channels")
+    heads, d = pi.shape
+    base = torch.arange(heads, device=pi.device)[:, None] * d
+    freq = inv_freq.float().to(pi.device)[pi % (d // 2)]
+    ftab = torch.stack([scale.float(), offset.float(), freq], 1).contiguous()
+    rows, partner = (base + pi).reshape(-1), (base + (pi + d // 2) % d).reshape(-1)
+    sign = torch.where(pi >= d // 2, 1.0, -1.0).reshape(-1, 1).to(pi.device)
+    w = weight.float()
+    return ftab, torch.stack([w[rows], sign * w[partner]]).to(weight.dtype).contiguous()
+
+
+def codec_walk_tables(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`walk_tables` of ``codec``'s keys and predictor, made once a codec (rebuilt if it moved device)."""
+    cached = _TABLES.get(codec)
     if cached is None or cached[0].device != codec.key.rot.device:
-        cached = _MAPS[codec] = feature_maps(codec.key.rot, codec.key.offset, codec.key.scale)
+        key, pred = codec.key, codec.predictor
+        cached = _TABLES[codec] = walk_tables(key.rot, key.offset, key.scale, pred.inv_freq, pred.weight)
     return cached
 
 
@@ -101,19 +121,19 @@ def predicted_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: t
 def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
                                lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None, predictor,
                                pages: torch.Tensor | None = None, block_size: int = 0,
-                               maps: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               tables: tuple[torch.Tensor, torch.Tensor] | None = None,
                                splits: int | None = None) -> torch.Tensor:
-    """:func:`predicted_attention_reference`'s contract on the fused walk (CUDA, or CPU under Triton's interpreter):
-    queries into the keys' affine domain, the walk, its merge (``kernels.decode.predicted``). ``maps``: the keys'
-    :func:`feature_maps` (made here if None); ``splits``: walks a row (None: enough for two waves of the GPU)."""
+    """:func:`predicted_attention_reference`'s contract on the fused walk (CUDA, or CPU under Triton's interpreter),
+    for keys whose rotation is a permutation (:func:`key_permutation`): queries into the keys' affine domain, the
+    walk, its merge (``kernels.decode.predicted``). ``tables``: :func:`walk_tables` (made here if None); ``splits``:
+    walks a row (None: enough for two waves of the GPU)."""
     from ..kernels.decode.predicted import predicted_merge_triton, predicted_partials_triton
     z = torch.einsum("bhsd,hed->bhse", q.float(), keys.rot.float())
     qt, c0 = z * keys.scale[:, None, :], (z * keys.offset[:, None, :]).sum(-1)
-    fmap, fbias = maps if maps is not None else feature_maps(keys.rot, keys.offset, keys.scale)
-    partials = predicted_partials_triton(qt, lengths, keys, values, fmap, fbias, predictor.inv_freq, pages,
-                                         block_size, splits)
-    return predicted_merge_triton(partials, q, k_new, v_new, new_valid, c0, values, predictor.weight,
-                                  predictor.bias)
+    ftab, w2 = tables if tables is not None else walk_tables(keys.rot, keys.offset, keys.scale, predictor.inv_freq,
+                                                             predictor.weight)
+    partials = predicted_partials_triton(qt, lengths, keys, values, ftab, pages, block_size, splits)
+    return predicted_merge_triton(partials, q, k_new, v_new, new_valid, c0, values, w2, predictor.bias)
 
 
 def attend_predicted_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
@@ -125,8 +145,8 @@ def attend_predicted_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], 
     from ..kernels.decode.predicted import fits
     keys = cached_codes(codec, parts, "k")
     values = cached_codes(codec, parts, "v") if fused_tables(codec).values_stored else None
-    if q.is_cuda and fits(q.shape[1], q.shape[3]):
+    if q.is_cuda and fits(q.shape[1], q.shape[3]):  # a permutation of the keys' channels: fused_supported
         return predicted_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values, codec.predictor, pages,
-                                          block_size, codec_feature_maps(codec))
+                                          block_size, codec_walk_tables(codec))
     return predicted_attention_reference(q, k_new, v_new, new_valid, lengths, keys, values, codec.predictor, pages,
                                          block_size)

@@ -9,11 +9,14 @@ a tile and serve every head's scores and features:
 * scores [HQ, BT] in each head's key affine domain (``⟨q̃, ŷ⟩``, c0 dropped as in ``walk.py``), an online softmax per
   head (log2 units);
 * Σ p ŷᵥ [HQ, d]: the coded residual values, in the value affine domain (mapped back once by the merge);
-* Σ p f [HQ, FC·d] (a dot on tensor cores) over a chunk of FC feature heads, f = x̂·cos_t − rotate_half(x̂)·sin_t with
-  x̂ = ŷ M + c (M = diag(σ)·Π and diag(σ)·rotate_half(Π): two batched dots, ``feature_maps``).
+* the pooled features, in the keys' code order: the keys' rotation is a permutation π of each head's channels, so
+  x̂ = (ŷ ⊙ σ + o) Π is u = ŷ ⊙ σ + o read in another order, and f = x̂·cos − rotate_half(x̂)·sin pools as
+  Σ p u⊙cos(tω') and Σ p u⊙sin(tω') (ω' each code channel's frequency) — two tensor-core products
+  [HQ, BT] × [BT, FC·d] in fp16 (P in fp16, as flash attention's P·V), fp32 sums — with π and rotate_half folded into
+  the rows of W that the merge applies (``esm_turbo.ops.predicted.walk_tables``). No per-token product but these.
 
 Grid (B·S, splits, feature chunks): the programs of one (query, split) share its scores; the first chunk's also
-writes the residual sums. HQ = max(16, the heads rounded up to a power of two) (a dot's rows); FC·d ≤
+writes the residual sums. HQ = max(16, the heads rounded up to a power of two) (a dot's rows); 2·FC·d ≤
 :data:`POOLED_VALUES` / HQ, so the pooled sums fit a program's registers. Shapes beyond :func:`fits` take the
 PyTorch path.
 """
@@ -27,17 +30,13 @@ import triton
 import triton.language as tl
 
 from ...quant.layout import CachedCodes
-from ..common import FP_FUSION, dot_precision, interpreting, num_sms, part_or, token_strides
+from ..common import FP_FUSION, interpreting, num_sms, part_or, token_strides
 
 LOG2E = tl.constexpr(1.4426950408889634)
 #: the widest key tile a program holds ([HQ, BT, d] floats over HQ·d)
 MAX_HEAD_WIDTH = 2048
-#: the most pooled feature sums a program keeps ([HQ, FC·d])
+#: the most pooled feature sums a program keeps (two [HQ, FC·d])
 POOLED_VALUES = 16384
-#: the most bytes of feature maps a program holds ([FC, 2, d, d] float32, staged through shared memory for the tensor
-#: cores): the compiled walk takes 135 KB of shared memory at 20 heads of 16 (64 KiB of maps), 201 KB at 20 of 32
-#: (128 KiB) and 332 KB at 20 of 64 (256 KiB: over the 227 KB a Hopper program may have; tests/compile_sm90.py)
-MAX_MAP_BYTES = 128 * 1024
 #: a Hopper program's most shared memory (bytes)
 SM90_SHARED = 232448
 BLOCK_T = 16
@@ -49,21 +48,20 @@ def query_heads(heads: int) -> int:
 
 
 def fits(heads: int, dim: int) -> bool:
-    """Whether the fused walk takes a layer of ``heads`` heads of ``dim`` (a power of two of at least 16, HQ·d ≤
-    :data:`MAX_HEAD_WIDTH` and a chunk's feature maps within :data:`MAX_MAP_BYTES`: ESM-2 8M's 20 heads of 16 and
-    150M's of 32; not 650M's of 64, 35M's heads of 24 nor 3B's 40 heads)."""
-    if not (dim >= 16 and dim & (dim - 1) == 0 and query_heads(heads) * dim <= MAX_HEAD_WIDTH):
-        return False
-    return feature_chunk(heads, dim)[0] * 2 * dim * dim * 4 <= MAX_MAP_BYTES
+    """Whether the fused walk takes a layer of ``heads`` heads of ``dim`` (a power of two of at least 16, and HQ·d ≤
+    :data:`MAX_HEAD_WIDTH`: ESM-2 8M's 20 heads of 16, 150M's of 32, 650M's of 64; not 35M's heads of 24 nor 3B's 40
+    heads)."""
+    return dim >= 16 and dim & (dim - 1) == 0 and query_heads(heads) * dim <= MAX_HEAD_WIDTH
 
 
 def feature_chunk(heads: int, dim: int) -> tuple[int, int]:
     """(FC, chunks): feature heads a program pools (a power of two) and the programs that cover every head. All HQ
-    heads where their sums fit (the key tile then serves the features as it is: no second decode), else chunks."""
+    heads where their two sums fit (the key tile then serves the features as it is: no second decode), else
+    chunks."""
     hq = query_heads(heads)
-    if hq * hq * dim <= POOLED_VALUES:
+    if 2 * hq * hq * dim <= POOLED_VALUES:
         return hq, 1
-    fc = min(triton.next_power_of_2(heads), max(1, POOLED_VALUES // (hq * dim)))
+    fc = min(triton.next_power_of_2(heads), max(1, POOLED_VALUES // (2 * hq * dim)))
     return fc, math.ceil(heads / fc)
 
 
@@ -125,16 +123,17 @@ def _layout_rows(lay_ptr, hh, hmask, D: tl.constexpr):
 
 
 @triton.jit
-def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr, v_lay_ptr, fmap_ptr,
-                      fbias_ptr, freq_ptr, len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pool_ptr,
+def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr, v_lay_ptr, ftab_ptr,
+                      len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pool_ptr,
                       H, S, T_CAP, CHUNK, TILES, NS, NF,
                       D: tl.constexpr, HQ: tl.constexpr, FC: tl.constexpr, BT: tl.constexpr,
                       KCB: tl.constexpr, VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr,
                       KSIGN: tl.constexpr, VSIGN: tl.constexpr, KGRID: tl.constexpr, VGRID: tl.constexpr,
-                      VSTORED: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr):
+                      VSTORED: tl.constexpr, PAGE: tl.constexpr):
     """Grid (B·S, NS, NF): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length), feature
-    heads [chunk·FC, +FC) (all HQ in one chunk where they fit). Writes partial (b·S + qi)·NS + split: m, l [HQ],
-    (chunk 0) Σ p ŷᵥ [HQ, D], and its pooled feature sums [HQ, FC·D] at columns chunk·FC·D of [HQ, NF·FC·D].
+    heads [chunk·FC, +FC) (all HQ in one chunk where they fit); ``ftab_ptr`` [H, 3, D]: each code channel's σ, o
+    and rotary frequency. Writes partial (b·S + qi)·NS + split: m, l [HQ], (chunk 0) Σ p ŷᵥ [HQ, D], and its pooled
+    sums Σ p u⊙cos, Σ p u⊙sin [HQ, FC·D] at columns chunk·FC·D of the two halves of [HQ, 2·NF·FC·D].
     ``VSTORED`` False (values not stored): no value codes are read and the residual sums stay zero."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -151,22 +150,19 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
     q = q * LOG2E  # [HQ, D]
     k_lay = _layout_rows(k_lay_ptr, hh, hmask, D)
     v_lay = _layout_rows(v_lay_ptr, hh, hmask, D)
-    # the feature heads of this chunk, their maps [FC, D, D] (x̂ and rotate_half(x̂)) and offsets [FC, 1, D]
+    # the feature heads of this chunk: each code channel's σ, o and frequency [FC, D]
     fh = chunk * FC + tl.arange(0, FC)
     fmask = fh < H
-    e = tl.arange(0, D)
-    m_at = ((fh[:, None, None] * 2) * D + e[None, :, None]) * D + cc[None, None, :]
-    mx = tl.load(fmap_ptr + m_at, mask=fmask[:, None, None], other=0.0)
-    mr = tl.load(fmap_ptr + m_at + D * D, mask=fmask[:, None, None], other=0.0)
-    b_at = (fh[:, None, None] * 2) * D + cc[None, None, :]
-    bx = tl.load(fbias_ptr + b_at, mask=fmask[:, None, None], other=0.0)
-    br = tl.load(fbias_ptr + b_at + D, mask=fmask[:, None, None], other=0.0)
+    f_at = fh[:, None] * (3 * D) + cc[None, :]
+    sg = tl.load(ftab_ptr + f_at, mask=fmask[:, None], other=0.0)
+    of = tl.load(ftab_ptr + f_at + D, mask=fmask[:, None], other=0.0)
+    fq = tl.load(ftab_ptr + f_at + 2 * D, mask=fmask[:, None], other=0.0)
     fk_lay = _layout_rows(k_lay_ptr, fh, fmask, D)
-    freq = tl.load(freq_ptr + cc % (D // 2))  # [D]: the frequencies over both halves of a head
     m_i = tl.full((HQ,), float("-inf"), tl.float32)
     l_i = tl.zeros((HQ,), tl.float32)
     acc = tl.zeros((HQ, D), tl.float32)
-    pooled = tl.zeros((HQ, FC * D), tl.float32)
+    pooled_c = tl.zeros((HQ, FC * D), tl.float32)
+    pooled_s = tl.zeros((HQ, FC * D), tl.float32)
     for it in range(0, TILES):
         t0 = start + it * BT
         if t0 < end:
@@ -192,16 +188,21 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
                 frows = _rows_of(b, fh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
                 yf = _decode_heads(k_main, k_sign, k_tab, fk_lay, fh, frows, fmask[:, None] & tmask[None, :], D,
                                    KCB, KNC, KSIGN, KGRID)  # [FC, BT, D]
-            x = tl.dot(yf, mx, input_precision=PRECISION) + bx
-            xr = tl.dot(yf, mr, input_precision=PRECISION) + br
-            angle = offs_t.to(tl.float32)[:, None] * freq[None, :]  # [BT, D]
-            f = x * tl.cos(angle)[None, :, :] - xr * tl.sin(angle)[None, :, :]
-            f = tl.where(tmask[None, :, None], f, 0.0)
-            f2 = tl.reshape(tl.permute(f, (1, 0, 2)), (BT, FC * D))
-            pooled = tl.dot(p, f2, pooled * alpha[:, None], input_precision=PRECISION)
+            u = yf * sg[:, None, :] + of[:, None, :]  # [FC, BT, D]: the keys before Π, in code order
+            angle = offs_t.to(tl.float32)[None, :, None] * fq[:, None, :]
+            keep = fmask[:, None, None] & tmask[None, :, None]
+            fc_ = tl.where(keep, u * tl.cos(angle), 0.0)
+            fs_ = tl.where(keep, u * tl.sin(angle), 0.0)
+            p16 = p.to(tl.float16)
+            pooled_c = tl.dot(p16, tl.reshape(tl.permute(fc_, (1, 0, 2)), (BT, FC * D)).to(tl.float16),
+                              pooled_c * alpha[:, None])
+            pooled_s = tl.dot(p16, tl.reshape(tl.permute(fs_, (1, 0, 2)), (BT, FC * D)).to(tl.float16),
+                              pooled_s * alpha[:, None])
     part = (pid * NS + split).to(tl.int64)
-    width = NF * FC * D
-    tl.store(pool_ptr + (part * HQ + hh[:, None]) * width + chunk * FC * D + tl.arange(0, FC * D)[None, :], pooled)
+    half = NF * FC * D
+    at = pool_ptr + (part * HQ + hh[:, None]) * (2 * half) + chunk * FC * D + tl.arange(0, FC * D)[None, :]
+    tl.store(at, pooled_c)
+    tl.store(at + half, pooled_s)
     if chunk == 0:
         tl.store(m_ptr + part * HQ + hh, m_i)
         tl.store(l_ptr + part * HQ + hh, l_i)
@@ -211,13 +212,14 @@ def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_la
 @triton.jit
 def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr, svb, svh, svs, valid_ptr, c0_ptr,
                             m_ptr, l_ptr, acc_ptr, pool_ptr, v_scale, v_offset, v_rot, w_ptr, bias_ptr, out_ptr,
-                            H, S, NS, WIDTH, D: tl.constexpr, HQ: tl.constexpr, BLOCK_NS: tl.constexpr,
+                            H, S, NS, HALF, D: tl.constexpr, HQ: tl.constexpr, BLOCK_NS: tl.constexpr,
                             BLOCK_J: tl.constexpr, FB: tl.constexpr, NFB: tl.constexpr, VSTORED: tl.constexpr):
     """Grid (B·S·H,): query ``qi`` of sequence b, head h. The walks' partials combined (log2 units, c0 [B, H, S] added
-    back), the residual sums mapped back from the value domain ((Σ p ŷ ⊙ σ + (Σ p) o) Π), the pooled features through
-    head h's columns of the predictor's map (``w_ptr`` [H·D, H·D] fp16, FB rows a step) plus (Σ p)·b, the step's own
-    tokens (q, k, v strided; ``valid_ptr`` [B, S] uint8) added exactly; ``out_ptr`` [B, H, S, D] contiguous. A
-    query with no valid key gets zeros. ``VSTORED`` False: no residual (values not stored)."""
+    back), the residual sums mapped back from the value domain ((Σ p ŷ ⊙ σ + (Σ p) o) Π), the two halves of the pooled
+    sums (each HALF wide) through head h's columns of their rows of the map (``w_ptr`` [2, H·D, H·D] fp16,
+    ``esm_turbo.ops.predicted.walk_tables``; FB rows a step) plus (Σ p)·b, the step's own tokens (q, k, v strided;
+    ``valid_ptr`` [B, S] uint8) added exactly; ``out_ptr`` [B, H, S, D] contiguous. A query with no valid key gets
+    zeros. ``VSTORED`` False: no residual (values not stored)."""
     pid = tl.program_id(0)
     h = pid % H
     bs = pid // H
@@ -248,14 +250,16 @@ def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr,
     else:  # values not stored: the prediction is the value
         out = tl.zeros((D,), tl.float32)
     fd = H * D
-    for fb in range(0, NFB):
-        f = fb * FB + tl.arange(0, FB)
-        fm = f < fd
-        pooled = tl.load(pool_ptr + (part[:, None] * HQ + h) * WIDTH + f[None, :], mask=nm[:, None] & fm[None, :],
-                         other=0.0)
-        pv = tl.sum(w[:, None] * pooled, axis=0)  # [FB]
-        wt = tl.load(w_ptr + f[:, None] * fd + h * D + d[None, :], mask=fm[:, None], other=0.0).to(tl.float32)
-        out += tl.sum(pv[:, None] * wt, axis=0)
+    for half in tl.static_range(2):
+        for fb in range(0, NFB):
+            f = fb * FB + tl.arange(0, FB)
+            fm = f < fd
+            pooled = tl.load(pool_ptr + (part[:, None] * HQ + h) * (2 * HALF) + half * HALF + f[None, :],
+                             mask=nm[:, None] & fm[None, :], other=0.0)
+            pv = tl.sum(w[:, None] * pooled, axis=0)  # [FB]
+            wt = tl.load(w_ptr + (half * fd + f[:, None]) * fd + h * D + d[None, :], mask=fm[:, None],
+                         other=0.0).to(tl.float32)
+            out += tl.sum(pv[:, None] * wt, axis=0)
     out += mass * tl.load(bias_ptr + h * D + d).to(tl.float32)
     pn = tl.exp2(sn - top)
     vn = tl.load(vn_ptr + b.to(tl.int64) * svb + h * svh + j[:, None] * svs + d[None, :], mask=jm[:, None],
@@ -276,15 +280,14 @@ def full_layout(c: CachedCodes) -> torch.Tensor:
 
 
 def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None,
-                              fmap: torch.Tensor, fbias: torch.Tensor, inv_freq: torch.Tensor,
-                              pages: torch.Tensor | None = None, block_size: int = 0, splits: int | None = None
-                              ) -> tuple[torch.Tensor, ...]:
+                              ftab: torch.Tensor, pages: torch.Tensor | None = None, block_size: int = 0,
+                              splits: int | None = None) -> tuple[torch.Tensor, ...]:
     """The walk's partials for queries ``qt`` [B, H, S, d] float32 (in the keys' affine domain, c0 dropped: ``q̃``
     of ``esm_turbo.ops.compressed.compressed_attention_reference``) over each row's ``lengths`` cached tokens.
-    ``values`` None: not stored (the residual sums zero). ``fmap`` [H, 2, d, d], ``fbias`` [H, 2, d]: x̂ and
-    rotate_half(x̂) from ŷ (``esm_turbo.ops.predicted.feature_maps``); ``inv_freq`` [d/2] float32; a paged cache:
-    ``pages`` [B, blocks] int32 and its ``block_size``. Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], Σ p f [B, S, NS, HQ, NF·FC·d]); a split past a row's
-    length leaves m = −inf and zero sums."""
+    ``values`` None: not stored (the residual sums zero). ``ftab`` [H, 3, d] float32: each code channel's σ, o and
+    rotary frequency (``esm_turbo.ops.predicted.walk_tables``); a paged cache: ``pages`` [B, blocks] int32 and its
+    ``block_size``. Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], the pooled sums [B, S, NS, HQ,
+    2·NF·FC·d]); a split past a row's length leaves m = −inf and zero sums."""
     batch, heads, s, d = qt.shape
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]
@@ -301,18 +304,17 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
     m = torch.empty(batch, s, splits, hq, device=dev)  # every entry written (a split past a row's end too)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch, s, splits, hq, d, device=dev)
-    pooled = torch.empty(batch, s, splits, hq, nf * fc * d, device=dev)
+    pooled = torch.empty(batch, s, splits, hq, 2 * nf * fc * d, device=dev)
     stored = values is not None
     values = values if stored else keys  # stand-ins, never read
     k_lay, v_lay = full_layout(keys), full_layout(values)
     _predicted_kernel[(batch * s, splits, nf)](
         qt.contiguous(), keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
-        keys.table, values.table, k_lay, v_lay, fmap, fbias, inv_freq.float().contiguous(), lengths, pages, m, l_,
+        keys.table, values.table, k_lay, v_lay, ftab, lengths, pages, m, l_,
         acc, pooled, heads, s, t_cap, chunk, chunk // BLOCK_T, splits, nf,
         D=d, HQ=hq, FC=fc, BT=BLOCK_T, KCB=keys.code.code_bits, VCB=values.code.code_bits,
         KNC=keys.table.shape[-1], VNC=values.table.shape[-1], KSIGN=keys.code.sign == "plane",
         VSIGN=values.code.sign == "plane", KGRID=keys.code.grid, VGRID=values.code.grid, VSTORED=stored, PAGE=page,
-        PRECISION=dot_precision(qt),
         num_warps=1 if interpreting() else 8, enable_fp_fusion=FP_FUSION)
     return m, l_, acc, pooled
 
@@ -323,7 +325,8 @@ def predicted_merge_triton(partials: tuple[torch.Tensor, ...], q: torch.Tensor, 
     """The output [B, H, S, d] (q's dtype) of the walk's ``partials`` (``predicted_partials_triton``) and the step's
     own tokens q, k_new, v_new [B, H, S, d] (strided views read in place; ``new_valid`` [B, S]), ``c0`` [B, H, S]
     the queries' constant the walk dropped; ``values``: the residual's constants (None: not stored); ``weight``
-    [H·d, H·d] and ``bias`` [H·d]: the predictor's map. One launch."""
+    [2, H·d, H·d]: the rows of the predictor's map for the two halves of the pooled sums (``walk_tables``), ``bias``
+    [H·d]: its bias. One launch."""
     m, l_, acc, pooled = partials
     batch, heads, s, d = q.shape
     (q, q_st), (k_new, k_st), (v_new, v_st) = map(token_strides, (q, k_new, v_new))
@@ -333,7 +336,7 @@ def predicted_merge_triton(partials: tuple[torch.Tensor, ...], q: torch.Tensor, 
     v_scale, v_offset, v_rot = (values.scale, values.offset, values.rot) if stored else (c0, c0, c0)  # never read
     _predicted_merge_kernel[(batch * s * heads,)](
         q, *q_st, k_new, *k_st, v_new, *v_st, new_valid.contiguous().view(torch.uint8), c0.contiguous(), m, l_, acc,
-        pooled, v_scale, v_offset, v_rot, weight, bias, out, heads, s, m.shape[2], pooled.shape[-1],
+        pooled, v_scale, v_offset, v_rot, weight, bias, out, heads, s, m.shape[2], pooled.shape[-1] // 2,
         D=d, HQ=m.shape[3], BLOCK_NS=triton.next_power_of_2(m.shape[2]), BLOCK_J=triton.next_power_of_2(s), FB=fb,
         NFB=triton.cdiv(heads * d, fb), VSTORED=stored, num_warps=4, enable_fp_fusion=FP_FUSION)
     return out.transpose(1, 2)
