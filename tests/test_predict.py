@@ -117,7 +117,7 @@ def test_caches_write_a_predicted_codec_at_each_rows_positions(fused, paged, dev
     """A row written in steps (a prefill, then single tokens, ragged lengths after a select) decodes as the codec
     decodes the whole row from position 0, on the PyTorch path and through the fused write (``write_predicted``:
     the quantize kernel on CUDA, its reference elsewhere), which a CUDA cache takes when the walk is opted into
-    (``ESM_TURBO_PREDICTED_WALK``); with slots it does not."""
+    (unless ``ESM_TURBO_PREDICTED_WALK=0``); with slots it does not."""
     from esm_turbo import ops
     from esm_turbo.cache import KVCache
     from esm_turbo.ops.compressed import fused_supported
@@ -125,9 +125,9 @@ def test_caches_write_a_predicted_codec_at_each_rows_positions(fused, paged, dev
     codec = _predicted_codec().to(device)
     assert fused_supported(codec, need_kernel_shape=True)
     assert not fused_supported(_predicted_codec(slots=1))
-    monkeypatch.delenv("ESM_TURBO_PREDICTED_WALK", raising=False)
-    assert not ops.kernel_path(codec, torch.device(device))  # opt-in
-    monkeypatch.setenv("ESM_TURBO_PREDICTED_WALK", "1")
+    monkeypatch.setenv("ESM_TURBO_PREDICTED_WALK", "0")
+    assert not ops.kernel_path(codec, torch.device(device))  # turned off
+    monkeypatch.delenv("ESM_TURBO_PREDICTED_WALK", raising=False)  # on by default
 
     def make(c):
         with warnings.catch_warnings(record=True) as caught:
