@@ -268,9 +268,8 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     start = time.perf_counter()
     if config.predict_values:  # keys first; the values' tables are then fitted on what the keys do not predict
         # the keys' codecs alone (no value tables fitted: their values are :class:`Unstored` placeholders)
-        keys_only = replace(config, predict_values=False, value_rotation="identity",
-                            value_index_bits=max(config.value_index_bits, 1))
-        coded, _, n_tokens = _fit_codecs(engine, batches, keys_only, progress, keys_only=True)
+        coded, _, n_tokens = _fit_codecs(engine, batches, replace(config, predict_values=False), progress,
+                                         keys_only=True)
         keys = [c.key for c in coded]
         predictors = fit_value_predictors(engine, batches, coded, progress)
         explained = [p.explained for p in predictors]
