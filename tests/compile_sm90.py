@@ -29,7 +29,7 @@ def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, ma
 def main() -> None:
     u8, i64, f16 = "*u8", "*i64", "*fp16"
     codes = CODE_PTRS
-    walk_consts = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False, GRID=0, SLOTS=False)
+    walk_consts = dict(BLOCK_T=32, PREFETCH=True, INTERPRET=0, ROWS=False, GRID=0, SLOTS=False, SUBN=False)
     small_ints = {"sqb", "sqh", "skb", "skh", "svb", "svh", "H", "T_CAP", "CHUNK", "NS"}
     small_ptrs = dict(codes, q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, count_ptr="*i32", out_ptr=f16,
                       k_sl_ptr="*i32", v_sl_ptr="*i32")
@@ -49,12 +49,14 @@ def main() -> None:
         small_ptrs = dict(small_ptrs, k_tab_ptr=tab, v_tab_ptr=tab)
         # each contiguous (PAGE = 0) and, for the grid codec, paged: blocks of whole tiles at d = 64 (a table entry
         # a tile), smaller than a tile at d = 16 (an entry a token); the grid codec's contiguous and the LUT's also
-        # with one slot a token and kind read
-        for grid, page, slots in ((0, 0, False), (5 if d == 64 else 4, 0, False),
-                                  (5 if d == 64 else 4, 64 if d == 64 else 16, False), (0, 0, True),
-                                  (5 if d == 64 else 4, 0, True)):
+        # with one slot a token and kind read; grid codes decoded as subnormals, and contiguous also through 1.0's
+        # exponent
+        g = 5 if d == 64 else 4
+        for grid, page, slots, subn in ((0, 0, False, False), (g, 0, False, False), (g, 0, False, True),
+                                        (g, 64 if d == 64 else 16, False, True), (0, 0, True, False),
+                                        (g, 0, True, True)):
             paged = dict(page_ptr="*i32" if page else "*i64")
-            consts = dict(bits, GRID=grid, PAGE=page, SLOTS=slots)
+            consts = dict(bits, GRID=grid, PAGE=page, SLOTS=slots, SUBN=subn)
             compile_sm90(walk._prefix_kernel, dict(consts, BLOCK_S=1, PDL=True),
                          {"H", "S", "T_CAP", "CHUNK", "NS"}, dict(codes, **paged))
             compile_sm90(small._small_kernel, dict(consts, BLOCK_NS=16), small_ints, dict(small_ptrs, **paged))

@@ -152,6 +152,7 @@ def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, 
         unslotted = [c._replace(slots=None) for c in args[5:7]]
         bare = compressed_attention_reference(*args[:5], *unslotted, **pages).double()
         assert (bare - ref64).abs().max().item() > 20 * (err + 1e-6)
+    return out
 
 
 @needs_triton
@@ -198,6 +199,23 @@ def test_decode_kernel_grid_codec(bits, residual, d, allocate, shared, path):
     both launch paths, fused and separate sign bits, compiled-in and per-head field layouts."""
     check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1 if path == "one" else 2, path=path,
                          allocate=allocate, shared=shared, grid=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,residual,d,shared,path,extra", [
+    (3, "sign", 64, True, "split", {}), ((4, 2), "none", 64, True, "split", {}), (3, "sign", 16, False, "one", {}),
+    (2, "sign", 32, False, "split", dict(stream=0)), (3, "sign", 32, True, "split", dict(block_size=64)),
+    ((4, 2), "sign", 64, True, "split", dict(slots=True)), (3, "none", 16, False, "one", dict(slots=True))])
+def test_decode_kernel_subnormal_codes(bits, residual, d, shared, path, extra):
+    """Grid codes decoded as float32 subnormals (``launch_config``'s ``subnormal``: no exponent OR-ed in, no 1
+    subtracted; scores kept at 2^−96 and softmax weights at 2^96): within the tolerance rule, and bit for bit the
+    output of the codes decoded through 1.0's exponent (every scale a power of two, every product normal) — with
+    fields compiled in or read per head, a sign plane, stream-K and split-K, paged, with slots."""
+    extra = dict(extra)
+    stream = {"stream": extra.pop("stream")} if "stream" in extra else {}
+    outs = [check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1, path=path, shared=shared,
+                                 grid=True, config=dict(subnormal=sub, **stream), **extra) for sub in (True, False)]
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_triton
@@ -655,8 +673,8 @@ def test_kernels_compile_for_sm90():
     this a compile error would surface only on a GPU."""
     out = _compiling("compile_sm90.py")
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
-    # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid, grid paged, LUT and grid reading
-    # slots), prep, merge twice (many sequences per program, several queries); quantize-and-pack eight times: prefills
+    # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid through 1.0's exponent and as
+    # subnormals, grid paged, LUT and grid reading slots), prep, merge twice (many sequences per program, several queries); quantize-and-pack eight times: prefills
     # in blocks of 32 and 64, a decode step (also into a paged pool), the last two also with grid codes, two picking
     # slots; the 4-bit weights' tensor-core matmul three times (groups of 32 and 128, split and merged in-kernel,
     # codes a tile ahead), CUDA-core matmul, input rotation (also after a layer norm) and dequantization; a paged pool's block moves both ways; a decode step's rotary
@@ -668,7 +686,7 @@ def test_kernels_compile_for_sm90():
     # its attention three times (key tiles of 64 and 32 at heads of 64, of 32 at heads of 32), its rotary over (token,
     # head) pairs and its mean pooling; the walk over predicted values at 20 heads of 16, 32 and 64 (a coded residual,
     # the keys alone) within a Hopper program's shared memory, and its merge; the bench's read-only kernel
-    assert len(compiled) == 90, out
+    assert len(compiled) == 96, out
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -31,10 +32,11 @@ from esm_turbo.quant.layout import decode_grid  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_sm90  # noqa: E402
 
 
-def compile_stream(d: int, index_bits: int = 3):
+def compile_stream(d: int, index_bits: int = 3, subnormal: bool | None = None):
     """The stream kernel for a 20- (d = 64) or 40-head (d = 128) default codec at ``index_bits`` mean index bits a
     value (3: 4.0 bits all-in; 2: 3.0, code words of 4 and 2 bits), compiled for sm_90 with a launch's specialization
-    (S = 1; pointers and the lengths T_CAP, R and NT multiples of 16): (kernel, its block_t)."""
+    (S = 1; pointers and the lengths T_CAP, R and NT multiples of 16), its codes decoded as subnormals or not
+    (``subnormal``; None: as the launch's default): (kernel, its block_t)."""
     heads = 20 if d == 64 else 40
     tables = fused_tables(default_codec(heads, d, recipe=recipe("default", index_bits).resolved()))
     key, value = tables.k_code, tables.v_code
@@ -43,7 +45,7 @@ def compile_stream(d: int, index_bits: int = 3):
                   VFIELDS=value.kernel_fields(), KSIGN=key.sign == "plane", VSIGN=value.sign == "plane", BLOCK_S=1,
                   BLOCK_T=cfg["block_t"], NK=tables.k_tab[0].numel(), NV=tables.v_tab[0].numel(),
                   PREFETCH=cfg["prefetch"], INTERPRET=0, ROWS=cfg["rows"], GRID=decode_grid(key, value), PDL=True, S=1,
-                  PAGE=0, SLOTS=False)
+                  PAGE=0, SLOTS=False, SUBN=cfg["subnormal"] if subnormal is None else subnormal)
     assert cfg["stream"], "the default cache's walk at this shape is the stream-K kernel"
     kernel = compile_sm90(walk._stream_kernel, consts, ("H", "T_CAP", "R", "NT", "W", "NS"), CODE_PTRS,
                           num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], aligned=("T_CAP", "R", "NT"))
@@ -84,19 +86,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dump", help="write each kernel's PTX and SASS to this directory")
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90", flush=True)
-    for d, index_bits in ((64, 3), (128, 3), (64, 2)):
-        kernel, block_t = compile_stream(d, index_bits)
+    for (d, index_bits), subnormal in itertools.product(((64, 3), (128, 3), (64, 2)), (False, True)):
+        kernel, block_t = compile_stream(d, index_bits, subnormal)
         sass = disassemble(kernel.asm["cubin"])
         body = tile_loop(sass)
         mix = opcode_mix(body)
         wide = sum(1 for x in body if "LDG.E.128" in x)
-        label = f"d={d}" if index_bits == 3 else f"{index_bits + 1}.0 bits d={d}"
+        label = (f"d={d}" if index_bits == 3 else f"{index_bits + 1}.0 bits d={d}") + (", subnormal" if subnormal else "")
         print(f"{label} block_t={block_t}: {len(body)} instructions a tile, {mix['LDG']} loads "
               f"({wide} of them 128-bit): " + ", ".join(f"{k} {v}" for k, v in mix.most_common(12)), flush=True)
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             for ext, text in (("ptx", kernel.asm["ptx"]), ("sass", sass)):
-                with open(os.path.join(args.dump, f"stream_d{d}_{index_bits}.{ext}"), "w") as f:
+                with open(os.path.join(args.dump, f"stream_d{d}_{index_bits}{'_sub' if subnormal else ''}.{ext}"),
+                          "w") as f:
                     f.write(text)
 
 

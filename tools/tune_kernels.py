@@ -38,7 +38,8 @@ def alternatives(cfg: dict, d: int) -> list[tuple[str, dict]]:
     alts += [(f"block_t={b}", dict(block_t=b)) for b in (cfg["block_t"] // 2, cfg["block_t"] * 2) if b >= 16]
     alts += [(f"num_warps={w}", dict(num_warps=w)) for w in (1, 2, 4) if w != cfg["num_warps"]]
     alts += [("prefetch=False", dict(prefetch=False)),
-             ("maxnreg=" + str(None if cfg["maxnreg"] else 168), dict(maxnreg=None if cfg["maxnreg"] else 168))]
+             ("maxnreg=" + str(None if cfg["maxnreg"] else 168), dict(maxnreg=None if cfg["maxnreg"] else 168)),
+             ("subnormal=" + str(not cfg["subnormal"]), dict(subnormal=not cfg["subnormal"]))]
     if not cfg["small"]:
         alts += [("pdl=" + str(not cfg["pdl"]), dict(pdl=not cfg["pdl"]))]
         alts += [(f"stream={n}", dict(stream=n)) for n in (0, 8, 16) if n != cfg["stream"]]

@@ -55,7 +55,7 @@ def _load_codes(idx_ptr, sign_ptr, offs_t, tmask, D: tl.constexpr, CODE_BITS: tl
 
 @triton.jit
 def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.constexpr, NTAB: tl.constexpr,
-                  FIXED: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr):
+                  FIXED: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, SUBN: tl.constexpr):
     """Codes from ``_load_codes`` → [BLOCK_T, D/8, 8] float32; element (t, g, r) is channel 8g + r, its field
     of the group word at ``shift`` with ``mask`` ([1, 1, 8], ``_field_layout``: constants when every head
     shares one layout, ``FIXED``), looked up in that channel's row of the head's table [D, codes] (float16 or
@@ -73,9 +73,23 @@ def _decode_codes(word, sb, tab_ptr, shift, mask, D: tl.constexpr, SIGN: tl.cons
     access — the code OR-ed into the mantissa of 1.0 (a shift and one LOP3), then 1 subtracted (exact: j < 2^GRID
     fits the mantissa; folding the 1 into the query and the sums instead cancelled past the tolerance rule at
     4 + 1 bits). Fixed fields without a sign plane skip the shift: j·2^(pos − 23), ``_grid_position``.
-    ``_walk`` scales back by :func:`_grid_factor`."""
+    ``_walk`` scales back by :func:`_grid_factor`.
+
+    ``SUBN`` (with ``GRID``): the code's bits masked in a word of exponent zero *are* the float32 subnormal
+    j·2^(pos − 149), exact — no exponent OR-ed in and no 1 subtracted: a shift and an AND a value, or one AND
+    for fixed fields read in place. Their products with a query or softmax weight scaled up (``_walk``) are
+    normal; the FMA units take subnormal operands at full rate (no ``.ftz``)."""
     r = tl.arange(0, 8)[None, None, :]
-    if GRID:  # grid codecs: code j is the value j, computed (scaled by a power of two) — no look-up
+    if GRID and SUBN:  # j·2^(pos − 149): a subnormal's mantissa holds the field, at bit 0 or where it lies
+        if SIGN:
+            cb = ((word >> shift) & mask) * 2 + ((sb >> r) & 1)
+        elif FIXED:
+            pos = _grid_position(shift, mask)
+            cb = (word >> (shift - pos)) & (mask << pos)
+        else:
+            cb = (word >> shift) & mask
+        val = cb.to(tl.float32, bitcast=True)
+    elif GRID:  # grid codecs: code j is the value j, computed (scaled by a power of two) — no look-up
         P: tl.constexpr = 23 - GRID  # the code's lowest bit in the mantissa
         if SIGN:
             cb = ((((word >> shift) & mask) * 2 + ((sb >> r) & 1)) << P) | 0x3F800000
@@ -122,11 +136,26 @@ def _grid_position(shift, mask):
     return tl.where(high, shift - 9, shift)
 
 
+#: log2 of the scale a subnormal walk (``SUBN``) keeps its scores at (2^−SUB) and its softmax weights at (2^SUB),
+#: so that their products with subnormal codes are normal: the query is scaled by 2^(149 − pos − SUB), |q̃| < 2^75
+#: stays finite; a weight is at most 2^(8 + SUB), a run's sums at most 2^(104 + 16) over 2^16 tiles; a product
+#: rounds to a subnormal only under 2^−30 of a score's unit, and then errs by at most 2^−54 of one
+SUB = tl.constexpr(96)
+SUB_UP = tl.constexpr(2.0 ** 96)
+
+
 @triton.jit
-def _grid_factor(lay, SHIFTLESS: tl.constexpr, GRID: tl.constexpr):
+def _grid_factor(lay, SHIFTLESS: tl.constexpr, GRID: tl.constexpr, SUBN: tl.constexpr):
     """[1, 8] powers of two that undo ``_decode_codes``'s scale of a grid code per field: 2^(23 − pos) for fields
-    read in place (``SHIFTLESS``: fixed fields, no sign plane), else 2^GRID. Exact."""
-    if SHIFTLESS:
+    read in place (``SHIFTLESS``: fixed fields, no sign plane), else 2^GRID. Exact. ``SUBN``: 2^(149 − pos − SUB)
+    for the subnormal codes j·2^(pos − 149) (pos 0 unless read in place)."""
+    if SUBN:
+        if SHIFTLESS:
+            pos = _grid_position(lay[0], lay[1])
+        else:
+            pos = tl.zeros([1, 1, 8], tl.int32)
+        e = (149 - SUB) - pos
+    elif SHIFTLESS:
         e = 23 - _grid_position(lay[0], lay[1])
     else:
         e = tl.full([1, 1, 8], GRID, tl.int32)

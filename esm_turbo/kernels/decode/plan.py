@@ -44,6 +44,8 @@ SMALL_MAX_SLOTS = 1 << 18
 #: them each program's own query rotation and merge cost more than the prep and merge launches they save
 GRID_MAX_SLOTS = 3 << 19
 GRID_MAX_ROWS = 640
+#: grid codes decoded as float32 subnormals by default (``launch_config``'s ``subnormal``)
+SUBNORMAL_CODES = True
 
 
 def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool = False) -> bool:
@@ -91,7 +93,10 @@ def launch_config(d: int, key: CodeLayout, value: CodeLayout, batch: int, heads:
     # prefetch: the next tile's codes requested before this one is computed (a register double buffer);
     # pdl: on sm_90+, a grid codec's walk launches while the prep kernel runs (programmatic dependent launch);
     # stream: the default cache's walk cut stream-K, this many one-warp programs per SM (one full wave)
-    cfg.update(path="auto", small=small, prefetch=True, pdl=decode_grid(key, value) > 0, stream=12 if lean_grid else 0)
+    # subnormal: a grid codec's codes decoded as float32 subnormals (``codes._decode_codes``), two integer
+    # instructions a value where 1.0's exponent OR-ed in and 1 subtracted took three or four
+    cfg.update(path="auto", small=small, prefetch=True, pdl=decode_grid(key, value) > 0, stream=12 if lean_grid else 0,
+               subnormal=SUBNORMAL_CODES)
     # prep / merge: tokens per prep program, output channels per rotation dot (a whole Π spills at d = 128)
     cfg.update(prep_block=16, prep_cols=64, merge_cols=64)
     cfg.update(overrides or {})

@@ -34,7 +34,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
                   VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_NS: tl.constexpr, NK: tl.constexpr,
                   NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr,
-                  GRID: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr):
+                  GRID: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr, SUBN: tl.constexpr):
     """Grid (B·H, splits), one query per sequence (S = 1), the whole step in one launch: each program
     rotates the query itself and walks its split; the last split of a (b, h) to finish (an atomic count,
     ``count_ptr`` zero at launch) merges all splits, rotates the output back, adds the step's own token as
@@ -65,7 +65,7 @@ def _small_kernel(q_ptr, sqb, sqh, k_ptr, skb, skh, v_ptr, svb, svh, valid_ptr,
     m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab,
                           pg_base, pg_stride, k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, h, D, KCODE_BITS,
                           VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0,
-                          ROWS, GRID, PAGE, SLOTS)
+                          ROWS, GRID, PAGE, SLOTS, SUBN)
     part = pid_bh * NS + split
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
@@ -129,6 +129,6 @@ def attention_one_launch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
         VSIGN=values.code.sign == "plane", BLOCK_T=block_t, BLOCK_NS=triton.next_power_of_2(splits),
         NK=keys.table[0].numel(), NV=values.table[0].numel(), PREFETCH=cfg["prefetch"],
         INTERPRET=chunk // block_t if interpreting() else 0, ROWS=cfg["rows"], GRID=decode_grid(keys.code, values.code),
-        PAGE=page, SLOTS=keys.has_slots(), num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
-        enable_fp_fusion=FP_FUSION)
+        PAGE=page, SLOTS=keys.has_slots(), SUBN=cfg["subnormal"] and decode_grid(keys.code, values.code) > 0,
+        num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], enable_fp_fusion=FP_FUSION)
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codes import _decode_codes, _field_layout, _grid_factor, _load_codes
+from .codes import SUB_UP, _decode_codes, _field_layout, _grid_factor, _load_codes
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -66,7 +66,7 @@ def _rows(offs_t, t0, end, pg_tab, pg_base, pg_stride, BLOCK_T: tl.constexpr, PA
 def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, qk, v_inv, k_tab, v_tab, k_lay, v_lay,
                   D: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                   BLOCK_T: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr, ROWS: tl.constexpr,
-                  GRID: tl.constexpr, SLOTS: tl.constexpr):
+                  GRID: tl.constexpr, SLOTS: tl.constexpr, SUBN: tl.constexpr):
     """One BLOCK_T tile (codes from ``_fetch``) of the online softmax for one query, log2 units; ``l_i`` per token
     row [BLOCK_T] with ``GRID`` (see ``_walk``), else a scalar. ``SLOTS``: the tokens' slot words kl, vl of head
     ``h`` corrected for without touching the decoded tiles: a key's δ adds ``qk[c]·δ`` to its score (``qk`` [D]: the
@@ -74,24 +74,32 @@ def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, qk, v_i
     value sums (as a product of a one-hot over the channel's group of 8 and one over its place, ``v_inv`` [8] undoing
     the grid's scale of that place), one FMA a value and no tile-sized compare (which spilled registers)."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
-    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID)
-    s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1)  # [BLOCK_T]
+    k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID, SUBN)
+    s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1)  # [BLOCK_T]; 2^−SUB of the scores with SUBN
     if SLOTS:
         dk, ck = _slot_deltas(kl, h, D)
+        if SUBN:
+            dk = dk * (1.0 / SUB_UP)
         s = s + tl.gather(qk, ck, 0) * dk
     s = tl.where(tmask, s, float("-inf"))
     m_tile = tl.max(s, axis=0)
+    if SUBN:
+        m_tile = m_tile * SUB_UP
     if m_tile > m_i + 8.0:  # rescale only when the running max grows by > 2^8 (exp2 stays < 256 otherwise)
         alpha = tl.exp2(m_i - m_tile)
         acc = acc * alpha
         l_i = l_i * alpha
         m_i = m_tile
-    p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i))  # an all-masked tile (interpreter only)
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)  # an all-masked tile (interpreter only)
+    if SUBN:  # the weights at 2^SUB (so p·v̂ is normal), by a multiply: SUB added to ex2's argument lost its bits
+        p = tl.exp2(s * SUB_UP - m_use) * SUB_UP
+    else:
+        p = tl.exp2(s - m_use)
     if GRID:  # [BLOCK_T]: summed over tokens once, at the end, like acc (one reduction a tile less)
         l_i = l_i + p
     else:
         l_i = l_i + tl.sum(p, axis=0)
-    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS, GRID)
+    v = _decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIXED, ROWS, GRID, SUBN)
     acc = acc + p[:, None, None] * v  # [BLOCK_T, D/8, 8]: summed over tokens once, at the end
     if SLOTS:
         dv, cv = _slot_deltas(vl, h, D)
@@ -107,14 +115,15 @@ def _prefetched_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, k_idx,
                       KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
                       NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr, KFIXED: tl.constexpr,
                       VFIXED: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr,
-                      SLOTS: tl.constexpr):
+                      SLOTS: tl.constexpr, SUBN: tl.constexpr):
     """One tile of ``_walk``'s double buffer: the next tile's codes (and slot words) requested, then this tile's
     (kw … vl) computed (``_prefix_block``). Returns (m, l, acc, the next tile's codes)."""
     nkw, nks, nvw, nvs, nkl, nvl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0 + BLOCK_T, end, pg_tab, pg_base,
                                           pg_stride, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T, GRID, PAGE,
                                           SLOTS)
     m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, qk, v_inv, k_tab, v_tab,
-                                  k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, SLOTS)
+                                  k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, SLOTS,
+                                  SUBN)
     return m_i, l_i, acc, nkw, nks, nvw, nvs, nkl, nvl
 
 
@@ -160,23 +169,26 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
           k_tab, v_tab, k_lay, v_lay, h, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr,
           KSIGN: tl.constexpr, VSIGN: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, BLOCK_T: tl.constexpr,
           PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, KFIXED: tl.constexpr, VFIXED: tl.constexpr,
-          ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr):
+          ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr, SUBN: tl.constexpr):
     """Online softmax of one query (of head ``h``) over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2
     units. (kw, ks, vw, vs, kl, vl): the first tile's codes (and slot words), ``_fetch``-ed by the caller as early as
     it can. k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
     tile's codes are requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0
     (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
     tiles hold j scaled by a power of two per field, so the query and the value sums are scaled back by its
-    inverse (``_grid_factor``, exact). ``SLOTS``: each tile's scores and value sums corrected for the tokens' slots
+    inverse (``_grid_factor``, exact); ``SUBN``: as float32 subnormals, the scores then at 2^−SUB and the softmax
+    weights at 2^SUB (``SUB_UP``), so every product with a code is normal. ``SLOTS``: each tile's scores and value sums corrected for the tokens' slots
     (``_prefix_block``)."""
     v_inv = tl.full((8,), 1.0, tl.float32)
     qk = tl.reshape(q3, (D,))  # the slots' key corrections gather the query before the grid's scale
     if GRID:
-        k_fac = _grid_factor(k_lay, KFIXED and not KSIGN, GRID)
-        v_fac = _grid_factor(v_lay, VFIXED and not VSIGN, GRID)
+        k_fac = _grid_factor(k_lay, KFIXED and not KSIGN, GRID, SUBN)
+        v_fac = _grid_factor(v_lay, VFIXED and not VSIGN, GRID, SUBN)
         q3 = q3 * k_fac
-        if SLOTS:
+        if SLOTS:  # a value's δ is added at the weights' own scale, undone with the grid's
             v_inv = 1.0 / tl.reshape(v_fac, (8,))
+            if SUBN:  # (2^SUB with SUBN)
+                v_inv = v_inv * (1.0 / SUB_UP)
     m_i = tl.max(tl.full((2,), float("-inf"), dtype=tl.float32), axis=0)
     if GRID:  # softmax sums per token row, like acc (a LUT walk's registers spilled with them, SASS sm_90)
         l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -188,13 +200,13 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
             m_i, l_i, acc, kw, ks, vw, vs, kl, vl = _prefetched_block(
                 q3, m_i, l_i, acc, start + it * BLOCK_T, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign,
                 k_sl, v_sl, pg_tab, pg_base, pg_stride, h, qk, v_inv, k_tab, v_tab, k_lay, v_lay, D, KCODE_BITS,
-                VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, PAGE, SLOTS)
+                VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, PAGE, SLOTS, SUBN)
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
             m_i, l_i, acc, kw, ks, vw, vs, kl, vl = _prefetched_block(
                 q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab,
                 pg_base, pg_stride, h, qk, v_inv, k_tab, v_tab, k_lay, v_lay, D, KCODE_BITS, VCODE_BITS, KSIGN,
-                VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, PAGE, SLOTS)
+                VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, PAGE, SLOTS, SUBN)
     else:
         for t0 in range(start, end, BLOCK_T):
             kw, ks, vw, vs, kl, vl = _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0, end, pg_tab, pg_base,
@@ -202,10 +214,12 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
                                             SLOTS)
             m_i, l_i, acc = _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, qk, v_inv, k_tab,
                                           v_tab, k_lay, v_lay, D, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS,
-                                          GRID, SLOTS)
+                                          GRID, SLOTS, SUBN)
     acc = tl.sum(acc, axis=0)
     if GRID:
         l_i = tl.sum(l_i, axis=0)
+        if SUBN:
+            l_i = l_i * (1.0 / SUB_UP)
         acc = acc * v_fac
     return m_i, l_i, acc
 
@@ -220,7 +234,7 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                     BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
                     ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr,
-                    SLOTS: tl.constexpr):
+                    SLOTS: tl.constexpr, SUBN: tl.constexpr):
     """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes). ``PDL``
     (launched while the prep kernel runs): the first tile's codes are requested, then the program waits for the
     prep grid before it reads its query."""
@@ -231,7 +245,8 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
     _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
                 len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK,
                 split * CHUNK + CHUNK, (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS,
-                KFIELDS, VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS)
+                KFIELDS, VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS,
+                SUBN)
 
 
 @triton.jit
@@ -241,7 +256,7 @@ def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                    VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_T: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr,
                    INTERPRET: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr,
-                   PAGE: tl.constexpr, SLOTS: tl.constexpr):
+                   PAGE: tl.constexpr, SLOTS: tl.constexpr, SUBN: tl.constexpr):
     """``_prefix_kernel`` with the work cut evenly (stream-K): grid (programs,), the B·H·S queries' rows of NT
     tiles each laid end to end and cut in runs of W tiles, one run per program, so every program walks as many
     tiles and the GPU holds one full wave (a grid of (query, split) programs left SMs part-empty: 1280 one-warp
@@ -259,7 +274,8 @@ def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
         _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr,
                     v_lay_ptr, len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T,
                     hi * BLOCK_T, (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS, KFIELDS,
-                    VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS)
+                    VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS,
+                    SUBN)
 
 
 @triton.jit
@@ -275,7 +291,8 @@ def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
                 T_CAP, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                 VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                 NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
-                ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr):
+                ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr,
+                SUBN: tl.constexpr):
     """Query ``qi`` of cache row ``pid_bh`` over its cached rows [start, stop): walked, its (m, l, acc) stored at
     partial ``part``."""
     b = pid_bh // H
@@ -294,7 +311,7 @@ def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
     m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab,
                           pg_base, pg_stride, k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, h, D, KCODE_BITS,
                           VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0,
-                          ROWS, GRID, PAGE, SLOTS)
+                          ROWS, GRID, PAGE, SLOTS, SUBN)
     tl.store(m_ptr + part, m_i)
     tl.store(l_ptr + part, l_i)
     tl.store(acc_ptr + part * D + chan, acc)
