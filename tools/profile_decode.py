@@ -1,28 +1,73 @@
-"""Profile one eager decode step of a 650M-shaped model (random weights, synthetic 1K context) with the
-compressed cache: which kernels take the step's time (GPU). Prints torch.profiler's table."""
+"""Where a captured 650M-shaped decode step's GPU time goes, kernel by kernel (random weights, synthetic 1,024-token
+contexts, FastEsm's fused blocks as the engine takes them on a GPU): for each step, its time against its floor (one
+read of what the step must read at a pure read's rate, ``esm_turbo.bench.step``), the GPU's busy time and span in
+one profiled replay, and the kernels that take it, by name (total, launches, µs a launch).
+
+    python tools/profile_decode.py --out results/gpu/step_kernels_h100.txt
+"""
+from __future__ import annotations
+
+import argparse
+import collections
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from esm_turbo.bench.synthetic import default_codec, stand_in_model as _model, synthetic_session
+from esm_turbo.bench.step import read_rate_gbs, step_report
+from esm_turbo.bench.synthetic import layer_codec, stand_in_model, synthetic_session
+from esm_turbo.bench.timing import time_eager
 from esm_turbo.model.alphabet import alphabet
 from esm_turbo.model.engine import TurboEsm
 
+#: (cache, rows, cached tokens a row): bench decode's steps at its 8 GiB budget, and a smaller compressed one
+STEPS = (("compressed", 195, 1024), ("fp16", 48, 1024), ("compressed", 64, 1024))
+
 
 @torch.no_grad()
-def main(batch: int = 195, context: int = 1024):
+def profile_steps(steps=STEPS, top: int = 12):
     dev = torch.device("cuda")
-    engine = TurboEsm(_model("650M", dev, torch.float16))
-    session = synthetic_session(engine, lambda i, h, d: default_codec(h, d, seed=i),
-                                batch, context, 8)
-    tokens = torch.full((batch, 1), alphabet().get_idx("A"), device=dev)
-    for _ in range(2):
-        session.step(tokens, commit=False)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        session.step(tokens, commit=True)
+    rate = read_rate_gbs(dev)
+    yield f"{torch.cuda.get_device_name()}: a pure read at {rate:.0f} GB/s"
+    engine = TurboEsm(stand_in_model("650M", dev, torch.float16))
+    engine.fused_step = True
+    token = alphabet().get_idx("A")
+    for cache, batch, context in steps:
+        session = synthetic_session(engine, layer_codec if cache == "compressed" else "fp16", batch, context, 8)
+        step = session.capture_step(torch.full((batch, 1), token, device=dev))
+        ms = time_eager(step.replay, dev, reps=30) * 1e3
+        rep = step_report(session, ms, rate)
+        step.replay()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step.replay()
+            torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        total, count = collections.defaultdict(float), collections.Counter()
+        for e in events:
+            total[e.name] += e.device_time_total
+            count[e.name] += 1
+        spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+        busy = sum(b - a for a, b in spans)
+        yield (f"\n{cache} cache, {batch} rows x {context}: {ms:.3f} ms a step, floor {rep['floor_ms']:.3f} ms "
+               f"({rep['of_floor']:.0%}); one replay profiled: {len(events)} kernels, busy {busy / 1e3:.3f} ms, "
+               f"span {(spans[-1][1] - spans[0][0]) / 1e3:.3f} ms")
+        for name, t in sorted(total.items(), key=lambda x: -x[1])[:top]:
+            yield f"  {t / 1e3:8.3f} ms  x{count[name]:4}  {t / count[name]:7.1f} us  {name[:90]}"
+        del session, step
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lines = []
+    for line in profile_steps():
+        print(line, flush=True)
+        lines.append(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
