@@ -883,6 +883,12 @@ def test_dense_cache_sdpa_path_matches_reference():
     memo = {}  # a step's layers share the mask of what each row sees: made by the first, the same outputs
     assert torch.equal(attend_dense(q, cache, 0, valid, memo), out) and len(memo) == 1
     assert torch.equal(attend_dense(q, cache, 0, valid, memo), out) and len(memo) == 1
+    (mask,) = memo.values()  # additive, as SDPA would turn a boolean mask into on every call: the same output
+    seen = mask == 0
+    assert mask.dtype == cache.parts[0]["k.x"].dtype and bool(torch.isneginf(mask[~seen]).all())
+    keys, values = cache.parts[0]["k.x"], cache.parts[0]["v.x"]
+    boolean = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=seen, scale=1.0)
+    assert torch.equal(boolean, out)
 
 
 def test_eager_calls_skip_the_op_dispatch(monkeypatch):

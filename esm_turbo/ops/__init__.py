@@ -93,17 +93,20 @@ def attend_dense(q: torch.Tensor, cache: "DecodeCache", layer: int, new_valid: t
     """An uncompressed (fp16/bf16/fp32) cache on GPU, its S new tokens already written after each row's prefix
     (uncommitted): SDPA over the stored buffer in place — the baseline the compressed cache is measured against,
     with no copy of the cache. The mask [B, 1, 1, T_cap] of what each row sees is the same in every layer of a step:
-    made once where a ``memo`` is shared by them."""
+    made once where a ``memo`` is shared by them, additive (0 where seen, −inf elsewhere) in the cache's dtype, as
+    SDPA turns a boolean mask into on every call (two fills and a select a layer, on the GPU)."""
     parts = cache.parts[layer]
     keys, values = parts["k.x"], parts["v.x"]
-    mask = None if memo is None else memo.get(("dense_visible", keys.shape[2]))
+    key = ("dense_visible", keys.shape[2], keys.dtype)
+    mask = None if memo is None else memo.get(key)
     if mask is None:
         pos = torch.arange(keys.shape[2], device=q.device)[None, :]
         rel = pos - cache.lengths[:, None]  # [B, T_cap]: position relative to the new tokens
         new_ok = torch.gather(new_valid, 1, rel.clamp(0, new_valid.shape[1] - 1))
-        mask = ((rel < 0) | ((rel < new_valid.shape[1]) & new_ok))[:, None, None, :]
+        seen = ((rel < 0) | ((rel < new_valid.shape[1]) & new_ok))[:, None, None, :]
+        mask = torch.zeros(seen.shape, dtype=keys.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
         if memo is not None:
-            memo[("dense_visible", keys.shape[2])] = mask
+            memo[key] = mask
     out = torch.nn.functional.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=1.0)
     return out.to(q.dtype)
 
