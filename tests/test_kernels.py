@@ -674,10 +674,11 @@ def test_kernels_compile_for_sm90():
     out = _compiling("compile_sm90.py")
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid through 1.0's exponent and as
-    # subnormals, grid paged, LUT and grid reading slots), prep, merge twice (many sequences per program, several queries); quantize-and-pack eight times: prefills
-    # in blocks of 32 and 64, a decode step (also into a paged pool), the last two also with grid codes, two picking
-    # slots; the 4-bit weights' tensor-core matmul three times (groups of 32 and 128, split and merged in-kernel,
-    # codes a tile ahead), CUDA-core matmul, input rotation (also after a layer norm) and dequantization; a paged pool's block moves both ways; a decode step's rotary
+    # subnormals, grid paged, LUT and grid reading slots), prep, merge twice (many sequences per program, several
+    # queries); quantize-and-pack eight times: prefills in blocks of 32 and 64, a decode step (also into a paged pool),
+    # the last two also with grid codes, two picking slots; the 4-bit weights' tensor-core matmul three times (groups
+    # of 32 and 128, split and merged in-kernel, codes a tile ahead), CUDA-core matmul, input rotation (also after a
+    # layer norm) and dequantization; a paged pool's block moves both ways; a decode step's rotary
     # embedding and an uncompressed cache's write; FastEsm's residual add and LayerNorm five times (with and without the
     # add, one row and four a program, a scaled branch into e4m3, in place without a bias) and its activation kernel
     # five times (GELU, SwiGLU, none; into e4m3 or not; with the rows' maxima known); its products with folded epilogues

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         body = tile_loop(sass)
         mix = opcode_mix(body)
         wide = sum(1 for x in body if "LDG.E.128" in x)
-        label = (f"d={d}" if index_bits == 3 else f"{index_bits + 1}.0 bits d={d}") + (", subnormal" if subnormal else "")
+        label = f"d={d}" if index_bits == 3 else f"{index_bits + 1}.0 bits d={d}"
+        label += ", subnormal" if subnormal else ""
         print(f"{label} block_t={block_t}: {len(body)} instructions a tile, {mix['LDG']} loads "
               f"({wide} of them 128-bit): " + ", ".join(f"{k} {v}" for k, v in mix.most_common(12)), flush=True)
         if args.dump:

@@ -23,7 +23,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     ``pages`` [B, blocks] int32 and ``block_size``); CUDA tensors (or CPU under Triton's interpreter). ``config``
     overrides the launch choice (:func:`~.plan.launch_config`) for tuning: ``path`` (auto | one | split), block_t /
     num_warps / waves (or ``splits``: split-K programs per query), ``prefetch``, ``rows``, ``maxnreg``, ``pdl``,
-    ``stream``, ``subnormal`` and for the prep and merge kernels ``prep_block``, ``prep_cols`` / ``merge_cols`` and ``merge_rows``."""
+    ``stream``, ``subnormal`` and for the prep and merge kernels ``prep_block``, ``prep_cols`` / ``merge_cols`` and
+    ``merge_rows``."""
     batch, heads, s, d = q.shape
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]

@@ -177,8 +177,8 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
     (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
     tiles hold j scaled by a power of two per field, so the query and the value sums are scaled back by its
     inverse (``_grid_factor``, exact); ``SUBN``: as float32 subnormals, the scores then at 2^−SUB and the softmax
-    weights at 2^SUB (``SUB_UP``), so every product with a code is normal. ``SLOTS``: each tile's scores and value sums corrected for the tokens' slots
-    (``_prefix_block``)."""
+    weights at 2^SUB (``SUB_UP``), so every product with a code is normal. ``SLOTS``: each tile's scores and value
+    sums corrected for the tokens' slots (``_prefix_block``)."""
     v_inv = tl.full((8,), 1.0, tl.float32)
     qk = tl.reshape(q3, (D,))  # the slots' key corrections gather the query before the grid's scale
     if GRID:
