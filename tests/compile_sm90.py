@@ -50,25 +50,30 @@ def main() -> None:
         # each contiguous (PAGE = 0) and, for the grid codec, paged: blocks of whole tiles at d = 64 (a table entry
         # a tile), smaller than a tile at d = 16 (an entry a token); the grid codec's contiguous and the LUT's also
         # with one slot a token and kind read; grid codes decoded as subnormals, and contiguous also through 1.0's
-        # exponent
+        # exponent, and with the query gathered from q (keys' channels permuted: no prep launch)
         g = 5 if d == 64 else 4
-        for grid, page, slots, subn in ((0, 0, False, False), (g, 0, False, False), (g, 0, False, True),
-                                        (g, 64 if d == 64 else 16, False, True), (0, 0, True, False),
-                                        (g, 0, True, True)):
+        for grid, page, slots, subn, gather in ((0, 0, False, False, False), (g, 0, False, False, False),
+                                                (g, 0, False, True, False), (g, 0, False, True, True),
+                                                (g, 64 if d == 64 else 16, False, True, False),
+                                                (0, 0, True, False, False), (g, 0, True, True, False)):
             paged = dict(page_ptr="*i32" if page else "*i64")
             consts = dict(bits, GRID=grid, PAGE=page, SLOTS=slots, SUBN=subn)
-            compile_sm90(walk._prefix_kernel, dict(consts, BLOCK_S=1, PDL=True),
-                         {"H", "S", "T_CAP", "CHUNK", "NS"}, dict(codes, **paged))
+            walks = dict(codes, **paged, qt_ptr=f16 if gather else "*fp32", perm_ptr="*i32" if gather else "*i64")
+            compile_sm90(walk._prefix_kernel, dict(consts, BLOCK_S=1, PDL=True, GATHER=gather),
+                         {"H", "S", "T_CAP", "CHUNK", "NS", "sqb", "sqh", "sqs"}, walks)
             compile_sm90(small._small_kernel, dict(consts, BLOCK_NS=16), small_ints, dict(small_ptrs, **paged))
-            compile_sm90(walk._stream_kernel, dict(consts, BLOCK_S=1, PDL=True),
-                         {"H", "S", "T_CAP", "R", "NT", "W", "NS"}, dict(codes, **paged), num_warps=1, maxnreg=168)
+            compile_sm90(walk._stream_kernel, dict(consts, BLOCK_S=1, PDL=True, GATHER=gather),
+                         {"H", "S", "T_CAP", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"}, walks, num_warps=1,
+                         maxnreg=168)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(merge._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
                  {"sqb", "sqh", "sqs", "B", "H", "S"}, dict(q_ptr=f16), num_warps=4)
-    for block_b, block_s, block_ns in ((16, 1, 8), (1, 2, 32)):
+    for block_b, block_s, block_ns, gather in ((16, 1, 8, False), (1, 2, 32, False), (16, 1, 8, True)):
         compile_sm90(merge._merge_kernel, dict(D=64, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=32,
-                                                PRECISION="tf32x3"), strides | {"B", "H", "S", "NS", "NT", "W"},
-                     dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, out_ptr=f16), num_warps=4)
+                                                PRECISION="tf32x3", GATHER=gather),
+                     strides | {"B", "H", "S", "NS", "NT", "W"},
+                     dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, out_ptr=f16,
+                          perm_ptr="*i32" if gather else "*i64"), num_warps=4)
     # quantize-and-pack: shared allocated fields compiled in for keys (split by position in a prefill), each head's
     # layout row read for values; Π's fp16 halves read for keys, split in the kernel for values; a prefill
     # (programs per sequence, in blocks of 32 and in the 64-token blocks of the place-major path) and a decode step;

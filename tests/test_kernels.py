@@ -109,18 +109,19 @@ def paged_args(args, block_size, seed=0):
 
 def check_kernel_matches(bits, residual, d, batch, lengths, s, heads=2, seed=0, dtype=torch.float32, path="auto",
                          allocate=True, shared=False, grid=False, config=None, block_size=0, max_bits=None,
-                         slots=False):
+                         slots=False, permuted_keys=False):
     """Inputs arrive as strided views in ``dtype`` (the output too); the references compute in float32 /
     float64 from the same values. ``allocate``: channels of allocated widths, each head its own (the kernels
     read a field layout per head) or, ``shared``, the same for every head (compiled-in shifts, as for equal
     widths); ``grid``: a grid codec, whose values the kernels compute from the codes. ``block_size`` > 0: the
     kernel reads the cache laid out in blocks of that many tokens through a block table (:func:`paged_args`).
     ``max_bits``: the widest channel of an allocation (default bits + 1). ``slots``: the codec keeps one slot a token
-    and kind (``esm_turbo.quant.slots``), which the kernel must read: the reference without them is far off."""
+    and kind (``esm_turbo.quant.slots``), which the kernel must read: the reference without them is far off.
+    ``permuted_keys``: the keys' rotation permutes each head's channels (the default recipe's)."""
     from esm_turbo.kernels.decode import compressed_attention_triton
     key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)  # (keys, values): the default's split
     codec = random_turbo_codec(heads, d, key_bits, value_bits, residual, seed=seed, allocate=allocate,
-                               shared=shared, grid=grid, max_bits=max_bits).to(DEVICE)
+                               shared=shared, grid=grid, max_bits=max_bits, permuted_keys=permuted_keys).to(DEVICE)
     if slots:
         codec = KVCodec(codec.key, codec.value, slots=1)
     if max_bits is not None:  # the allocation did use widths beyond bits + 1
@@ -216,6 +217,41 @@ def test_decode_kernel_subnormal_codes(bits, residual, d, shared, path, extra):
     outs = [check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=1, path=path, shared=shared,
                                  grid=True, config=dict(subnormal=sub, **stream), **extra) for sub in (True, False)]
     assert torch.equal(outs[0], outs[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,residual,d,grid,s,extra", [
+    (3, "sign", 64, True, 1, {}), ((4, 2), "none", 32, True, 2, dict(stream=0)), (3, "sign", 16, False, 1, {}),
+    (3, "sign", 32, True, 1, dict(block_size=64)), ((4, 2), "sign", 64, True, 1, dict(slots=True))])
+def test_decode_kernel_gathered_query(bits, residual, d, grid, s, extra):
+    """Keys whose rotation permutes each head's channels (the default recipe's): with ``gather_query`` the walk
+    gathers and scales each query itself and the merge makes c0 from q, with no prep launch — within the tolerance
+    rule (and close to the prep's output: Π·q on tensor cores is q gathered to within fp32's rounding); stream-K and
+    split-K, several queries a row, grid and LUT codes, paged, with slots. Without a permutation it is not taken."""
+    extra = dict(extra)
+    stream = {"stream": extra.pop("stream")} if "stream" in extra else {}
+    outs = [check_kernel_matches(bits, residual, d, batch=3, lengths=[1, 70, 0], s=s, path="split", shared=True,
+                                 grid=grid, permuted_keys=True, config=dict(gather_query=g, **stream), **extra)
+            for g in (True, False)]
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-5 * (1 + outs[1].abs().max().item())
+
+
+@needs_triton
+def test_gathered_query_needs_a_permutation(monkeypatch):
+    """``gather_query`` is taken only where the keys carry a permutation (``CachedCodes.perm``): a dense rotation still
+    runs the prep kernel (checked by the launches made) and matches the reference."""
+    import esm_turbo.kernels.decode.launch as launch
+    launched = []
+    real = launch._prep_kernel
+    monkeypatch.setattr(launch, "_prep_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
+    check_kernel_matches(3, "sign", 32, batch=2, lengths=[5, 40], s=1, path="split", shared=True, grid=True,
+                         config=dict(gather_query=True))
+    assert launched, "a dense rotation must run the prep kernel"
+    launched.clear()
+    check_kernel_matches(3, "sign", 32, batch=2, lengths=[5, 40], s=1, path="split", shared=True, grid=True,
+                         permuted_keys=True, config=dict(gather_query=True))
+    assert not launched, "a permutation needs no prep launch"
 
 
 @needs_triton
@@ -674,9 +710,10 @@ def test_kernels_compile_for_sm90():
     out = _compiling("compile_sm90.py")
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid through 1.0's exponent and as
-    # subnormals, grid paged, LUT and grid reading slots), prep, merge twice (many sequences per program, several
-    # queries); quantize-and-pack eight times: prefills in blocks of 32 and 64, a decode step (also into a paged pool),
-    # the last two also with grid codes, two picking slots; the 4-bit weights' tensor-core matmul three times (groups
+    # subnormals, grid gathering its queries, grid paged, LUT and grid reading slots), prep, merge three times (many
+    # sequences per program, several queries, c0 from gathered queries); quantize-and-pack eight times: prefills in
+    # blocks of 32 and 64, a decode step (also into a paged pool), the last two also with grid codes, two picking
+    # slots; the 4-bit weights' tensor-core matmul three times (groups
     # of 32 and 128, split and merged in-kernel, codes a tile ahead), CUDA-core matmul, input rotation (also after a
     # layer norm) and dequantization; a paged pool's block moves both ways; a decode step's rotary
     # embedding and an uncompressed cache's write; FastEsm's residual add and LayerNorm five times (with and without the
@@ -687,7 +724,7 @@ def test_kernels_compile_for_sm90():
     # its attention three times (key tiles of 64 and 32 at heads of 64, of 32 at heads of 32), its rotary over (token,
     # head) pairs and its mean pooling; the walk over predicted values at 20 heads of 16, 32 and 64 (a coded residual,
     # the keys alone) within a Hopper program's shared memory, and its merge; the bench's read-only kernel
-    assert len(compiled) == 96, out
+    assert len(compiled) == 103, out
 
 
 @pytest.fixture(scope="module")

@@ -45,10 +45,12 @@ def compile_stream(d: int, index_bits: int = 3, subnormal: bool | None = None):
                   VFIELDS=value.kernel_fields(), KSIGN=key.sign == "plane", VSIGN=value.sign == "plane", BLOCK_S=1,
                   BLOCK_T=cfg["block_t"], NK=tables.k_tab[0].numel(), NV=tables.v_tab[0].numel(),
                   PREFETCH=cfg["prefetch"], INTERPRET=0, ROWS=cfg["rows"], GRID=decode_grid(key, value), PDL=True, S=1,
-                  PAGE=0, SLOTS=False, SUBN=cfg["subnormal"] if subnormal is None else subnormal)
+                  PAGE=0, SLOTS=False, SUBN=cfg["subnormal"] if subnormal is None else subnormal,
+                  GATHER=False)
     assert cfg["stream"], "the default cache's walk at this shape is the stream-K kernel"
-    kernel = compile_sm90(walk._stream_kernel, consts, ("H", "T_CAP", "R", "NT", "W", "NS"), CODE_PTRS,
-                          num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], aligned=("T_CAP", "R", "NT"))
+    ints = ("H", "T_CAP", "R", "NT", "W", "NS", "sqb", "sqh", "sqs")
+    kernel = compile_sm90(walk._stream_kernel, consts, ints, CODE_PTRS, num_warps=cfg["num_warps"],
+                          maxnreg=cfg["maxnreg"], aligned=("T_CAP", "R", "NT"))
     return kernel, cfg["block_t"]
 
 

@@ -24,13 +24,15 @@ TRAINED_SPREAD = 4.5
 
 
 def default_codec(heads: int, dim: int, seed: int = 0, grid: bool | None = None,
-                  recipe: CalibrationConfig = DEFAULT_RECIPE, spread: float = 1.5, permuted_keys: bool = False):
+                  recipe: CalibrationConfig = DEFAULT_RECIPE, spread: float = 1.5, permuted_keys: bool | None = None):
     """A random codec of a calibration's widths, widest channels and residual (``recipe``, resolved; default
     :data:`DEFAULT_RECIPE`) and tables (its grid, unless ``grid`` says: uniform levels or per-channel LUTs), the
     widths allocated by a random importance of log-σ ``spread``; ``permuted_keys``: the keys' rotation a
-    permutation (as calibrated by the default recipe) instead of a Haar rotation."""
+    permutation, as the recipe's "identity" key rotation calibrates it (None: as the recipe says), else a Haar
+    rotation."""
     r = recipe
     grid = r.lut == "grid" if grid is None else grid
+    permuted_keys = r.key_rotation == "identity" if permuted_keys is None else permuted_keys
     return random_turbo_codec(heads, dim, r.key_index_bits, r.value_index_bits, r.residual, seed, r.bit_allocation,
                               r.channel_cap("k"), grid=grid, value_max_bits=r.channel_cap("v"),
                               importance_spread=spread, permuted_keys=permuted_keys)

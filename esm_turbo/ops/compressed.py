@@ -23,7 +23,7 @@ from ..quant.tables import lookup_codes, lut_bounds, lut_code_parts
 from ..quant.layout import CachedCodes, CodeLayout
 from ..quant.packing import layout_of
 from ..quant.predict import stores_values
-from ..quant.rotations import affine_forward
+from ..quant.rotations import affine_forward, key_permutation
 from ..quant.slots import KERNEL_SLOTS, apply_slots, pick_slots
 
 FUSED_BITS = (1, 2, 3, 4)
@@ -36,13 +36,12 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     (``esm_turbo.window``) or more than :data:`~esm_turbo.quant.slots.KERNEL_SLOTS` slots a token
     (``esm_turbo.quant.slots``) is read on the reference path. A codec whose values are predicted from its keys
     (``esm_turbo.quant.predict``) takes its own walk over every head's keys (``esm_turbo.ops.predicted``): without
-    slots, keys whose rotation permutes each head's channels (the default recipe's; ``ops.predicted.key_permutation``)
+    slots, keys whose rotation permutes each head's channels (the default recipe's; ``quant.rotations.key_permutation``)
     and with ``need_kernel_shape`` for the head counts and widths it holds (``kernels.decode.predicted.fits``)."""
     if getattr(codec, "window", 0) or getattr(codec, "slots", 0) > KERNEL_SLOTS:
         return False
     if getattr(codec, "predictor", None) is not None:
         from ..kernels.decode.predicted import fits
-        from .predicted import key_permutation
         if codec.slots or (need_kernel_shape and not fits(codec.key.heads, codec.key.dim)):
             return False
         if key_permutation(codec.key.rot) is None:
@@ -79,6 +78,8 @@ class FusedTables:
     v_layout: torch.Tensor
     k_rot16: torch.Tensor | None = None
     v_rot16: torch.Tensor | None = None
+    #: [H, d] int32 where the keys' rotation permutes each head's channels (:func:`key_permutation`), else None
+    k_perm: torch.Tensor | None = None
     #: False for values not stored (``esm_turbo.quant.predict.Unstored``): the v_* fields are then the keys' (never
     #: read)
     values_stored: bool = True
@@ -108,7 +109,7 @@ def fused_tables(codec: KVCodec) -> FusedTables:
                          v_tab=_op_table(value), k_bounds=_level_major(lut_bounds(key.centroids)),
                          v_bounds=_level_major(lut_bounds(value.centroids)), k_layout=_kernel_layout(key),
                          v_layout=_kernel_layout(value), k_rot16=_kernel_halves(key), v_rot16=_kernel_halves(value),
-                         values_stored=stored)
+                         k_perm=_kernel_perm(key), values_stored=stored)
     _TABLES[codec] = tables
     return tables
 
@@ -124,6 +125,12 @@ def split_rotation(rot: torch.Tensor) -> torch.Tensor:
 def _kernel_halves(q: FusedQuantizer) -> torch.Tensor:
     """:func:`split_rotation` of q's Π where the kernels run (CUDA), else empty (nothing reads it)."""
     return split_rotation(q.rot) if q.rot.is_cuda else q.rot.new_empty(0, dtype=torch.float16)
+
+
+def _kernel_perm(q: FusedQuantizer) -> torch.Tensor | None:
+    """[H, d] int32: the model channel of each code channel where q's rotation permutes them, else None."""
+    perm = key_permutation(q.rot)
+    return None if perm is None else perm.to(torch.int32).contiguous()
 
 
 def _level_major(bounds: torch.Tensor) -> torch.Tensor:
@@ -355,12 +362,13 @@ def _compressed_attention_with(kernel: Callable[[], bool]) -> Callable:
                              v_tab: torch.Tensor, v_layout: torch.Tensor, v_rot: torch.Tensor,
                              v_offset: torch.Tensor, v_scale: torch.Tensor, v_code: list[int], pages: torch.Tensor,
                              block_size: int, k_slots: torch.Tensor | None = None,
-                             v_slots: torch.Tensor | None = None) -> torch.Tensor:
+                             v_slots: torch.Tensor | None = None, k_perm: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`compressed_attention_reference` (or the Triton kernel on CUDA) with each kind's
         :class:`~esm_turbo.quant.layout.CachedCodes` flattened, its code layout as :meth:`CodeLayout.to_op` gives
-        it; ``pages`` empty for a contiguous cache; ``*_slots`` each kind's slot words or None."""
+        it; ``pages`` empty for a contiguous cache; ``*_slots`` each kind's slot words or None; ``k_perm`` the keys'
+        channel permutation or None."""
         keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code),
-                           k_slots)
+                           k_slots, k_perm)
         values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code),
                              v_slots)
         if kernel():
@@ -434,7 +442,7 @@ def cached_codes(codec: KVCodec, parts: dict[str, torch.Tensor], kind: str) -> C
     table, layout, code = ((tables.k_tab, tables.k_layout, tables.k_code) if kind == "k" else
                            (tables.v_tab, tables.v_layout, tables.v_code))
     return CachedCodes(*tables.packed(parts, kind), table, layout, q.rot, q.offset, q.scale, code,
-                       parts.get(f"{kind}.slots"))
+                       parts.get(f"{kind}.slots"), tables.k_perm if kind == "k" else None)
 
 
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
@@ -453,4 +461,4 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
         pages = lengths.new_empty(0, dtype=torch.int32)
     return _run(compressed_attention, _COMPRESSED_ATTENTION, q, k_new, v_new,
                 new_valid.contiguous().view(torch.uint8), lengths, *keys[:7], keys.code.to_op(), *values[:7],
-                values.code.to_op(), pages, int(block_size), keys.slots, values.slots)
+                values.code.to_op(), pages, int(block_size), keys.slots, values.slots, keys.perm)

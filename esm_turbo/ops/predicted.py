@@ -15,7 +15,7 @@ import torch
 
 from ..quant.codec import KVCodec
 from ..quant.layout import CachedCodes
-from ..quant.rotations import affine_inverse
+from ..quant.rotations import affine_inverse, key_permutation
 from . import use_kernels
 from .compressed import (cached_codes, cached_values, fused_tables, gather_rows, gathered, pack_layer,
                          quantize_pack_reference)
@@ -23,15 +23,6 @@ from .reference import attend_predicted
 
 #: each codec's walk tables (:func:`walk_tables` of its keys and predictor), made once and kept while it lives
 _TABLES: "weakref.WeakKeyDictionary[KVCodec, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
-
-
-def key_permutation(rot: torch.Tensor) -> torch.Tensor | None:
-    """π [H, d] (int64): the model channel each code channel is when the keys' rotation ``rot`` [H, d, d] permutes
-    each head's channels (the default recipe's "identity" rotation: channels reordered by their widths); None for any
-    other rotation."""
-    r = rot.float()
-    pi = r.argmax(-1)
-    return pi if torch.equal(r, torch.nn.functional.one_hot(pi, r.shape[-1]).to(r.dtype)) else None
 
 
 def walk_tables(rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, inv_freq: torch.Tensor,

@@ -133,7 +133,9 @@ class CachedCodes(NamedTuple):
     plane) or empty; table [H, d, codes] values of each code (``2·code + sign`` with a sign plane), float16 or
     float32; layout [H, d] int32 field layout of ``main`` or empty (equal widths); rot [H, d, d], offset / scale
     [H, d]: the affine map ``y = (x Πᵀ − offset) / scale``; code: how the codes are stored; slots [B, 1, T_cap, k]
-    int32: each token's slot words over all heads (:mod:`esm_turbo.quant.slots`), or None: no slots."""
+    int32: each token's slot words over all heads (:mod:`esm_turbo.quant.slots`), or None: no slots; perm [H, d]
+    int32: where Π permutes each head's channels (the default recipe's keys), the model channel each code channel is
+    (``Π[e, perm[e]] = 1``), else None — the kernels may then gather a query instead of rotating it."""
 
     main: torch.Tensor
     sign: torch.Tensor
@@ -144,6 +146,7 @@ class CachedCodes(NamedTuple):
     scale: torch.Tensor
     code: CodeLayout
     slots: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
 
     def has_slots(self) -> bool:
         return self.slots is not None and self.slots.numel() > 0

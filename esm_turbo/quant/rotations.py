@@ -36,6 +36,15 @@ ROTATION_KINDS = ("identity", "haar", "hadamard", "svd", "svd-scaled", "svd-quer
 FITTED_KINDS = ("svd", "svd-scaled", "svd-query")
 
 
+def key_permutation(rot: torch.Tensor) -> torch.Tensor | None:
+    """π [H, d] (int64): the model channel each code channel is when the rotation ``rot`` [H, d, d] permutes each
+    head's channels (the default recipe's keys: "identity", channels reordered by their widths); None for any other
+    rotation."""
+    r = rot.float()
+    pi = r.argmax(-1)
+    return pi if torch.equal(r, torch.nn.functional.one_hot(pi, r.shape[-1]).to(r.dtype)) else None
+
+
 def check_rotation_kind(kind: str) -> str:
     if kind not in ROTATION_KINDS:
         raise ValueError(f"unknown rotation {kind!r}: choose one of {ROTATION_KINDS}")

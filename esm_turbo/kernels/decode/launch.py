@@ -23,8 +23,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     ``pages`` [B, blocks] int32 and ``block_size``); CUDA tensors (or CPU under Triton's interpreter). ``config``
     overrides the launch choice (:func:`~.plan.launch_config`) for tuning: ``path`` (auto | one | split), block_t /
     num_warps / waves (or ``splits``: split-K programs per query), ``prefetch``, ``rows``, ``maxnreg``, ``pdl``,
-    ``stream``, ``subnormal`` and for the prep and merge kernels ``prep_block``, ``prep_cols`` / ``merge_cols`` and
-    ``merge_rows``."""
+    ``stream``, ``subnormal``, ``gather_query`` and for the prep and merge kernels ``prep_block``, ``prep_cols`` /
+    ``merge_cols`` and ``merge_rows``."""
     batch, heads, s, d = q.shape
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]
@@ -51,26 +51,32 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         nt = run = 0
     block_ns = triton.next_power_of_2(splits)
     dev = q.device
-    qt = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
-    c0 = torch.empty(batch, heads, s, device=dev, dtype=torch.float32)
+    gather = bool(cfg["gather_query"]) and keys.perm is not None
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
-    _prep_kernel[(heads, triton.cdiv(batch * s, cfg["prep_block"]))](
-        q, *q_strides, keys.rot, keys.offset, keys.scale, qt, c0, batch, heads, s, D=d, BLOCK_N=cfg["prep_block"],
-        COLS=min(d, cfg["prep_cols"]), PRECISION=precision, SPLIT16=split16(q, precision), PDL=pdl, num_warps=4,
-        enable_fp_fusion=FP_FUSION)
+    if gather:  # the keys' rotation permutes their channels: the walk gathers q, the merge makes c0, no prep launch
+        qt, c0, perm = q, q, keys.perm
+    else:
+        qt = torch.empty(batch, heads, s, d, device=dev, dtype=torch.float32)
+        c0 = torch.empty(batch, heads, s, device=dev, dtype=torch.float32)
+        perm = lengths  # never read
+        _prep_kernel[(heads, triton.cdiv(batch * s, cfg["prep_block"]))](
+            q, *q_strides, keys.rot, keys.offset, keys.scale, qt, c0, batch, heads, s, D=d,
+            BLOCK_N=cfg["prep_block"], COLS=min(d, cfg["prep_cols"]), PRECISION=precision,
+            SPLIT16=split16(q, precision), PDL=pdl, num_warps=4, enable_fp_fusion=FP_FUSION)
     m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
     out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
-    codes = (qt, keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
-             keys.table, values.table, part_or(keys.layout, keys.table), part_or(values.layout, values.table),
+    codes = (qt, *q_strides, perm, keys.scale, keys.main, part_or(keys.sign, keys.main), values.main,
+             part_or(values.sign, values.main), keys.table, values.table, part_or(keys.layout, keys.table),
+             part_or(values.layout, values.table),
              lengths, pages, *slot_parts(keys, values, lengths), m, l_, acc, heads, s, t_cap)
     consts = dict(D=d, KCODE_BITS=keys.code.code_bits, VCODE_BITS=values.code.code_bits,
                   KFIELDS=keys.code.kernel_fields(), VFIELDS=values.code.kernel_fields(),
                   KSIGN=keys.code.sign == "plane",
                   VSIGN=values.code.sign == "plane", BLOCK_S=block_s, BLOCK_T=block_t, NK=keys.table[0].numel(),
                   NV=values.table[0].numel(), PREFETCH=cfg["prefetch"], ROWS=cfg["rows"], GRID=grid, PDL=pdl,
-                  PAGE=page, SLOTS=keys.has_slots(), SUBN=bool(cfg["subnormal"]) and grid > 0,
+                  PAGE=page, SLOTS=keys.has_slots(), SUBN=bool(cfg["subnormal"]) and grid > 0, GATHER=gather,
                   num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
                   launch_pdl=pdl,
                   enable_fp_fusion=FP_FUSION)
@@ -83,7 +89,7 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, sms)
     _merge_kernel[(heads, triton.cdiv(batch, block_b))](
         c0, q, *q_strides, k_new, *k_strides, v_new, *v_strides, m, l_, acc, new_valid, values.scale, values.offset,
-        values.rot, out, batch, heads, s, splits, nt, run,
+        values.rot, perm, keys.offset, out, batch, heads, s, splits, nt, run,
         D=d, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=min(d, cfg["merge_cols"]), PRECISION=precision,
-        num_warps=4, enable_fp_fusion=FP_FUSION)
+        GATHER=gather, num_warps=4, enable_fp_fusion=FP_FUSION)
     return out

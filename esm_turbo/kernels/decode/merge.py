@@ -40,16 +40,18 @@ def _prep_kernel(q_ptr, sqb, sqh, sqs, k_rot, k_offset, k_scale, qt_ptr, c0_ptr,
 
 @triton.jit
 def _merge_kernel(c0_ptr, q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb, svh, svs, m_ptr, l_ptr, acc_ptr,
-                  valid_ptr, v_scale_ptr, v_offset_ptr, v_rot_ptr, out_ptr, B, H, S, NS, NT, W,
+                  valid_ptr, v_scale_ptr, v_offset_ptr, v_rot_ptr, perm_ptr, k_offset_ptr, out_ptr, B, H, S, NS, NT, W,
                   D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr,
-                  COLS: tl.constexpr, PRECISION: tl.constexpr):
+                  COLS: tl.constexpr, PRECISION: tl.constexpr, GATHER: tl.constexpr):
     """Grid (H, cdiv(B, BLOCK_B)): the S queries of BLOCK_B sequences of head h per program, so the head's Πᵥ is
     read once for all of them (one read per (b, h) cost more than the merge itself at head_dim 128). Tensors [BLOCK_B, BLOCK_S, …]: partials over the splits'
     axis first.
 
     The step's own tokens (q, k, v strided, any float dtype) stay in the value domain, unrotated: a key's score
     is ``⟨q, k⟩ − c0`` (``= ⟨q̃, y⟩``, the affine domain's score less the c0 its cached keys drop; Π orthogonal)
-    and a value is added after the partials' sum ``Σ p ŷ ⊙ scale + (Σ p) offset`` is rotated back by Πᵥ."""
+    and a value is added after the partials' sum ``Σ p ŷ ⊙ scale + (Σ p) offset`` is rotated back by Πᵥ.
+    ``GATHER`` (keys whose rotation permutes each head's channels; no prep launch): c0 = ⟨q[perm], offsetₖ⟩ from q
+    gathered at ``perm_ptr`` [H, D] int32 (``k_offset_ptr`` [H, D]), not read from ``c0_ptr``."""
     h = tl.program_id(0)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     offs_s = tl.arange(0, BLOCK_S)
@@ -63,7 +65,12 @@ def _merge_kernel(c0_ptr, q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb
     m3 = rmask[:, :, None]
     q = tl.load(q_ptr + b3 * sqb + h * sqh + s3 * sqs + d3, mask=m3, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + b3 * skb + h * skh + s3 * sks + d3, mask=m3, other=0.0).to(tl.float32)
-    c0 = tl.load(c0_ptr + row, mask=rmask, other=0.0)
+    if GATHER:
+        at = tl.load(perm_ptr + h * D + offs_d)[None, None, :]
+        qg = tl.load(q_ptr + b3 * sqb + h * sqh + s3 * sqs + at, mask=m3, other=0.0).to(tl.float32)
+        c0 = tl.sum(qg * tl.load(k_offset_ptr + h * D + offs_d).to(tl.float32)[None, None, :], axis=2)
+    else:
+        c0 = tl.load(c0_ptr + row, mask=rmask, other=0.0)
     s_new = (tl.sum(q[:, :, None, :] * k[:, None, :, :], axis=3) - c0[:, :, None]) * LOG2E  # [B_, queries, keys]
     kmask = rmask & (tl.load(valid_ptr + offs_b[:, None] * S + offs_s[None, :], mask=rmask, other=0) != 0)
     s_new = tl.where(kmask[:, None, :], s_new, float("-inf"))

@@ -46,6 +46,9 @@ GRID_MAX_SLOTS = 3 << 19
 GRID_MAX_ROWS = 640
 #: grid codes decoded as float32 subnormals by default (``launch_config``'s ``subnormal``)
 SUBNORMAL_CODES = True
+#: keys whose rotation permutes their channels: the walk gathers each query and the merge makes c0, with no prep
+#: launch (``launch_config``'s ``gather_query``); off until timed on a GPU
+GATHER_QUERY = False
 
 
 def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool = False) -> bool:
@@ -96,7 +99,7 @@ def launch_config(d: int, key: CodeLayout, value: CodeLayout, batch: int, heads:
     # subnormal: a grid codec's codes decoded as float32 subnormals (``codes._decode_codes``), two integer
     # instructions a value where 1.0's exponent OR-ed in and 1 subtracted took three or four
     cfg.update(path="auto", small=small, prefetch=True, pdl=decode_grid(key, value) > 0, stream=12 if lean_grid else 0,
-               subnormal=SUBNORMAL_CODES)
+               subnormal=SUBNORMAL_CODES, gather_query=GATHER_QUERY)
     # prep / merge: tokens per prep program, output channels per rotation dot (a whole Π spills at d = 128)
     cfg.update(prep_block=16, prep_cols=64, merge_cols=64)
     cfg.update(overrides or {})

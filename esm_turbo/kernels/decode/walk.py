@@ -225,7 +225,8 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
 
 
 @triton.jit
-def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+def _prefix_kernel(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
+                   v_tab_ptr, k_lay_ptr, v_lay_ptr,
                    len_ptr, page_ptr, k_sl_ptr, v_sl_ptr,
                     m_ptr, l_ptr, acc_ptr,
                     H, S, T_CAP, CHUNK, NS,
@@ -234,29 +235,31 @@ def _prefix_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
                     BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
                     ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr,
-                    SLOTS: tl.constexpr, SUBN: tl.constexpr):
+                    SLOTS: tl.constexpr, SUBN: tl.constexpr, GATHER: tl.constexpr):
     """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes). ``PDL``
-    (launched while the prep kernel runs): the first tile's codes are requested, then the program waits for the
-    prep grid before it reads its query."""
+    (launched while the kernel before it runs: the prep kernel, or with ``GATHER`` whatever wrote q): the first
+    tile's codes are requested, then the program waits for that grid before it reads its query (``_walk_store``)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     pid_bh = pid // S
     qi = pid % S
-    _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+    _walk_store(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
+                v_tab_ptr, k_lay_ptr, v_lay_ptr,
                 len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK,
                 split * CHUNK + CHUNK, (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS,
                 KFIELDS, VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS,
-                SUBN)
+                SUBN, GATHER)
 
 
 @triton.jit
-def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+def _stream_kernel(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
+                   v_tab_ptr, k_lay_ptr, v_lay_ptr,
                    len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, R, NT, W, NS,
                    D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                    VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_T: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr,
                    INTERPRET: tl.constexpr, ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr,
-                   PAGE: tl.constexpr, SLOTS: tl.constexpr, SUBN: tl.constexpr):
+                   PAGE: tl.constexpr, SLOTS: tl.constexpr, SUBN: tl.constexpr, GATHER: tl.constexpr):
     """``_prefix_kernel`` with the work cut evenly (stream-K): grid (programs,), the B·H·S queries' rows of NT
     tiles each laid end to end and cut in runs of W tiles, one run per program, so every program walks as many
     tiles and the GPU holds one full wave (a grid of (query, split) programs left SMs part-empty: 1280 one-warp
@@ -271,11 +274,12 @@ def _stream_kernel(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_p
         lo = tl.maximum(first, r * NT) - r * NT
         hi = tl.minimum(first + W, r * NT + NT) - r * NT
         k = p - _runs_meeting(r, NT, W)[0]
-        _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr,
+        _walk_store(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
+                    v_tab_ptr, k_lay_ptr,
                     v_lay_ptr, len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T,
                     hi * BLOCK_T, (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS, KFIELDS,
                     VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS,
-                    SUBN)
+                    SUBN, GATHER)
 
 
 @triton.jit
@@ -286,15 +290,18 @@ def _runs_meeting(row, NT, W):
 
 
 @triton.jit
-def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr, v_tab_ptr, k_lay_ptr, v_lay_ptr,
+def _walk_store(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
+                v_tab_ptr, k_lay_ptr, v_lay_ptr,
                 len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, start, stop, part, H, S,
                 T_CAP, D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                 VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_T: tl.constexpr,
                 NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
                 ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr, SLOTS: tl.constexpr,
-                SUBN: tl.constexpr):
+                SUBN: tl.constexpr, GATHER: tl.constexpr):
     """Query ``qi`` of cache row ``pid_bh`` over its cached rows [start, stop): walked, its (m, l, acc) stored at
-    partial ``part``."""
+    partial ``part``. The query: the prep kernel's ``qt`` [B·H·S, D] float32, or (``GATHER``: keys whose rotation
+    permutes each head's channels, no prep launch) gathered from q itself (``qt_ptr`` → q [B, H, S, D] of strides
+    sqb, sqh, sqs) at ``perm_ptr`` [H, D] int32 and scaled by the keys' scale ``ksc_ptr`` [H, D]."""
     b = pid_bh // H
     h = pid_bh % H
     start, end, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab, pg_base, pg_stride, kw, ks, vw, vs, kl, vl = \
@@ -305,9 +312,15 @@ def _walk_store(qt_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
     chan = g[:, None] * 8 + r[None, :]  # [D8, 8] channel index
     k_lay = _field_layout(k_lay_ptr + h * D, KFIELDS)
     v_lay = _field_layout(v_lay_ptr + h * D, VFIELDS)
+    if GATHER:  # constants: read before the wait
+        at = tl.load(perm_ptr + h * D + chan)
+        ksc = tl.load(ksc_ptr + h * D + chan).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    q3 = tl.load(qt_ptr + (pid_bh * S + qi) * D + chan) * LOG2E
+    if GATHER:
+        q3 = tl.load(qt_ptr + b.to(tl.int64) * sqb + h * sqh + qi * sqs + at).to(tl.float32) * ksc * LOG2E
+    else:
+        q3 = tl.load(qt_ptr + (pid_bh * S + qi) * D + chan) * LOG2E
     m_i, l_i, acc = _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab,
                           pg_base, pg_stride, k_tab_ptr + h * NK, v_tab_ptr + h * NV, k_lay, v_lay, h, D, KCODE_BITS,
                           VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, PREFETCH, INTERPRET, KFIELDS >= 0, VFIELDS >= 0,
