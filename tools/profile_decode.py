@@ -60,7 +60,12 @@ def profile_steps(steps=STEPS, top: int = 12):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gather-query", action="store_true",
+                    help="the decode walks gather their queries (no prep launch; launch_config's gather_query)")
     args = ap.parse_args()
+    if args.gather_query:
+        import esm_turbo.kernels.decode.plan as plan
+        plan.GATHER_QUERY = True
     lines = []
     for line in profile_steps():
         print(line, flush=True)
