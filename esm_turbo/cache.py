@@ -116,8 +116,9 @@ class KVCache:
         if any(getattr(c, "needs_positions", False) and not on for c, on in zip(codecs, self.fused)) \
                 and ops.use_kernels(self.device):
             warnings.warn("values predicted from the keys (calibrate --predict-values) are written and read on the "
-                          "PyTorch path: the fused walk is off (ESM_TURBO_PREDICTED_WALK=0) or takes no slots, keys under a "
-                          "dense rotation nor layers wider than it holds (esm_turbo.kernels.decode.predicted.fits)", stacklevel=2)
+                          "PyTorch path: the fused walk is off (ESM_TURBO_PREDICTED_WALK=0) or takes no slots, keys "
+                          "under a dense rotation nor layers wider than it holds "
+                          "(esm_turbo.kernels.decode.predicted.fits)", stacklevel=2)
 
     @property
     def num_layers(self) -> int:

@@ -212,7 +212,8 @@ def main() -> None:
             fc, _ = predicted.feature_chunk(heads, dim)
             consts = dict(D=dim, HQ=predicted.query_heads(heads), FC=fc, BT=predicted.BLOCK_T, KCB=4, VCB=2, KNC=16,
                           VNC=4, KSIGN=not grid, VSIGN=False, KGRID=grid, VGRID=grid, VSTORED=stored, PAGE=0)
-            kernel = compile_kernel(predicted._predicted_kernel, consts, {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF"},
+            kernel = compile_kernel(predicted._predicted_kernel, consts,
+                                    {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF"},
                                     dict(codes, k_main=u8, k_sign=u8, v_main=u8, v_sign=u8, k_tab=f16, v_tab=f16),
                                     num_warps=8)
             assert kernel.metadata.shared <= predicted.SM90_SHARED, (heads, dim, kernel.metadata.shared)

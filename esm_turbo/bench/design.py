@@ -74,8 +74,8 @@ def bench_design(device: torch.device, size: str = "650M", prefix: int = 1024, c
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     engine = TurboEsm(stand_in_model(size, device, dtype, layers))
     scaffold = random_protein(prefix - 1, 0)  # <cls> + residues = prefix tokens
-    res = DesignBench(device_name(device), f"{size}-shaped" + (f" ({layers} layers)" if layers else ""), prefix, candidates, tail,
-                      block_size)
+    res = DesignBench(device_name(device), f"{size}-shaped" + (f" ({layers} layers)" if layers else ""), prefix,
+                      candidates, tail, block_size)
     step = torch.full((candidates, 1), alphabet().get_idx("A"), device=device)
     room = prefix + tail + REPLAYS + 1  # the eager steps, then a captured step's replays
     sessions = {kind: _forked(engine, kind, scaffold, candidates, room, block_size) for kind in CACHES}

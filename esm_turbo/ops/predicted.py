@@ -119,7 +119,8 @@ def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
     walk, its merge (``kernels.decode.predicted``). ``tables``: :func:`walk_tables` (made here if None); ``splits``:
     walks a row (None: enough for two waves of the GPU)."""
     from ..kernels.decode.predicted import predicted_merge_triton, predicted_partials_triton
-    z = torch.einsum("bhsd,hed->bhse", q.float(), keys.rot.float())
+    # Π permutes each head's channels (``keys.perm``, what the walk requires): q Πᵀ is q gathered
+    z = q.float().gather(-1, keys.perm.long()[None, :, None, :].expand(q.shape))
     qt, c0 = z * keys.scale[:, None, :], (z * keys.offset[:, None, :]).sum(-1)
     ftab, w2 = tables if tables is not None else walk_tables(keys.rot, keys.offset, keys.scale, predictor.inv_freq,
                                                              predictor.weight)
