@@ -60,12 +60,13 @@ def profile_steps(steps=STEPS, top: int = 12):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--gather-query", action="store_true",
-                    help="the decode walks gather their queries (no prep launch; launch_config's gather_query)")
+    ap.add_argument("--prep", action="store_true",
+                    help="the queries rotated by a prep launch, as before the walks gathered them "
+                         "(launch_config's gather_query off)")
     args = ap.parse_args()
-    if args.gather_query:
+    if args.prep:
         import esm_turbo.kernels.decode.plan as plan
-        plan.GATHER_QUERY = True
+        plan.GATHER_QUERY = False
     lines = []
     for line in profile_steps():
         print(line, flush=True)

@@ -47,8 +47,8 @@ GRID_MAX_ROWS = 640
 #: grid codes decoded as float32 subnormals by default (``launch_config``'s ``subnormal``)
 SUBNORMAL_CODES = True
 #: keys whose rotation permutes their channels: the walk gathers each query and the merge makes c0, with no prep
-#: launch (``launch_config``'s ``gather_query``); off until timed on a GPU
-GATHER_QUERY = False
+#: launch (``launch_config``'s ``gather_query``)
+GATHER_QUERY = True
 
 
 def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool = False) -> bool:
