@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-import triton.testing
+
+from esm_turbo.bench.timing import time_graph
+
 
 @triton.jit
 def _stream(x_ptr, out_ptr, n, per_prog, BLOCK: tl.constexpr, POLICY: tl.constexpr):
@@ -70,16 +72,7 @@ def main() -> None:
         return F.linear(u, W[i]["down"], B[i]["down"])
 
     def timed(fn):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return triton.testing.do_bench(g.replay, warmup=10, rep=200, return_mode="median") * 1e3 / L
+        return time_graph(fn, dev) * 1e6 / L
 
     print(torch.cuda.get_device_name(), "µs a layer (8 layers in one graph, distinct weights and codes)")
     walk_only = timed(lambda: [stream(codes[i], sink, 0, sms * 4) for i in range(L)])
