@@ -30,15 +30,18 @@ def _stream(x_ptr, out_ptr, n, per_prog, BLOCK: tl.constexpr, POLICY: tl.constex
         acc ^= v
     tl.store(out_ptr + pid, tl.reduce(acc, 0, _xor))
 
+
 @triton.jit
 def _xor(a, b):
     return a ^ b
+
 
 def stream(buf, out, policy, programs):
     """Every int32 of ``buf`` read by ``programs`` programs (policy 0 plain, 1 evict-first, 2 evict-last)."""
     n = buf.numel()
     per = triton.cdiv(triton.cdiv(n, programs), 4096) * 4096
     _stream[(programs,)](buf, out, n, per, BLOCK=4096, POLICY=policy, num_warps=8)
+
 
 def main() -> None:
     dev = torch.device("cuda")
