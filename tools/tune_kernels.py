@@ -40,9 +40,8 @@ def alternatives(cfg: dict, d: int) -> list[tuple[str, dict]]:
     alts += [("prefetch=False", dict(prefetch=False)),
              ("maxnreg=" + str(None if cfg["maxnreg"] else 168), dict(maxnreg=None if cfg["maxnreg"] else 168)),
              ("subnormal=" + str(not cfg["subnormal"]), dict(subnormal=not cfg["subnormal"]))]
-    if not cfg["small"]:  # (taken where the keys' rotation permutes their channels, as the bench's default codec's)
+    if not cfg["small"]:  # gather_query: taken where the keys' rotation permutes their channels (the default codec's)
         alts += [("gather_query=" + str(not cfg["gather_query"]), dict(gather_query=not cfg["gather_query"]))]
-    if not cfg["small"]:
         alts += [("pdl=" + str(not cfg["pdl"]), dict(pdl=not cfg["pdl"]))]
         alts += [(f"stream={n}", dict(stream=n)) for n in (0, 8, 16) if n != cfg["stream"]]
         alts += [(f"merge_rows={r}", dict(merge_rows=r)) for r in (1, 4, 16)]

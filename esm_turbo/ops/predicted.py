@@ -15,7 +15,7 @@ import torch
 
 from ..quant.codec import KVCodec
 from ..quant.layout import CachedCodes
-from ..quant.rotations import affine_inverse, key_permutation
+from ..quant.rotations import affine_inverse
 from . import use_kernels
 from .compressed import (cached_codes, cached_values, fused_tables, gather_rows, gathered, pack_layer,
                          quantize_pack_reference)
@@ -25,17 +25,19 @@ from .reference import attend_predicted
 _TABLES: "weakref.WeakKeyDictionary[KVCodec, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
-def walk_tables(rot: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, inv_freq: torch.Tensor,
+def walk_tables(perm: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor, inv_freq: torch.Tensor,
                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ftab [H, 3, d] float32, w2 [2, H·d, H·d] in weight's dtype) of a key quantizer whose rotation is a permutation
-    π (:func:`key_permutation`), its offset o and scale σ [H, d], the rotary ``inv_freq`` [d/2] and the predictor's
-    map ``weight`` [H·d, H·d]. A decoded key ŷ gives x̂ = (ŷ ⊙ σ + o) Π: u = ŷ ⊙ σ + o in code order, x̂_π(j) = u_j.
-    f = x̂·cos − rotate_half(x̂)·sin, so Σ_t p_t f_t W = (Σ p u⊙cos(tω')) W₀ + (Σ p u⊙sin(tω')) W₁ with ω'_j the
-    frequency of channel π(j), W₀'s row j = W's row π(j) and W₁'s row j = ±W's row π(j)'s rotate_half partner (+ for
-    π(j) in the second half): ftab holds σ, o, ω' a code channel, w2 W₀ and W₁."""
-    pi = key_permutation(rot)
-    if pi is None:
+    π (``perm`` [H, d], integer, as ``quant.rotations.key_permutation`` gives it and ``FusedTables.k_perm`` and
+    ``CachedCodes.perm`` hold it; None for any other rotation), its offset o and scale σ [H, d], the rotary
+    ``inv_freq`` [d/2] and the predictor's map ``weight`` [H·d, H·d]. A decoded key ŷ gives x̂ = (ŷ ⊙ σ + o) Π:
+    u = ŷ ⊙ σ + o in code order, x̂_π(j) = u_j. f = x̂·cos − rotate_half(x̂)·sin, so Σ_t p_t f_t W =
+    (Σ p u⊙cos(tω')) W₀ + (Σ p u⊙sin(tω')) W₁ with ω'_j the frequency of channel π(j), W₀'s row j = W's row π(j) and
+    W₁'s row j = ±W's row π(j)'s rotate_half partner (+ for π(j) in the second half): ftab holds σ, o, ω' a code
+    channel, w2 W₀ and W₁."""
+    if perm is None:
         raise ValueError("walk_tables: the keys' rotation is not a permutation of each head's channels")
+    pi = perm.long()
     heads, d = pi.shape
     base = torch.arange(heads, device=pi.device)[:, None] * d
     freq = inv_freq.float().to(pi.device)[pi % (d // 2)]
@@ -51,7 +53,8 @@ def codec_walk_tables(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor]:
     cached = _TABLES.get(codec)
     if cached is None or cached[0].device != codec.key.rot.device:
         key, pred = codec.key, codec.predictor
-        cached = _TABLES[codec] = walk_tables(key.rot, key.offset, key.scale, pred.inv_freq, pred.weight)
+        perm = fused_tables(codec).k_perm  # made once with the codec's tables
+        cached = _TABLES[codec] = walk_tables(perm, key.offset, key.scale, pred.inv_freq, pred.weight)
     return cached
 
 
@@ -115,14 +118,14 @@ def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
                                tables: tuple[torch.Tensor, torch.Tensor] | None = None,
                                splits: int | None = None) -> torch.Tensor:
     """:func:`predicted_attention_reference`'s contract on the fused walk (CUDA, or CPU under Triton's interpreter),
-    for keys whose rotation is a permutation (:func:`key_permutation`): queries into the keys' affine domain, the
+    for keys whose rotation is a permutation (``keys.perm``): queries into the keys' affine domain, the
     walk, its merge (``kernels.decode.predicted``). ``tables``: :func:`walk_tables` (made here if None); ``splits``:
     walks a row (None: enough for two waves of the GPU)."""
     from ..kernels.decode.predicted import predicted_merge_triton, predicted_partials_triton
     # Π permutes each head's channels (``keys.perm``, what the walk requires): q Πᵀ is q gathered
     z = q.float().gather(-1, keys.perm.long()[None, :, None, :].expand(q.shape))
     qt, c0 = z * keys.scale[:, None, :], (z * keys.offset[:, None, :]).sum(-1)
-    ftab, w2 = tables if tables is not None else walk_tables(keys.rot, keys.offset, keys.scale, predictor.inv_freq,
+    ftab, w2 = tables if tables is not None else walk_tables(keys.perm, keys.offset, keys.scale, predictor.inv_freq,
                                                              predictor.weight)
     partials = predicted_partials_triton(qt, lengths, keys, values, ftab, pages, block_size, splits)
     return predicted_merge_triton(partials, q, k_new, v_new, new_valid, c0, values, w2, predictor.bias)
