@@ -203,21 +203,24 @@ def main() -> None:
     for to_pool in (True, False):
         compile_sm90(blocks._blocks_kernel, dict(TO_POOL=to_pool, BLOCK=2048), {"row_words"},
                      dict(stage_ptr=i64, base_ptr=i64, offset_ptr=i64, words_ptr=i64, slot_ptr=i64), num_warps=4)
-    # the walk over values predicted from the keys at each ESM-2 head shape it takes (fits), within a Hopper
+    # the two walks over values predicted from the keys at each ESM-2 head shape they take (fits), within a Hopper
     # program's shared memory: LUT codes with a sign plane and a coded residual, and grid codes of the keys alone
     for heads, dim in ((20, 16), (20, 32), (20, 64), (40, 64)):
         if not predicted.fits(heads, dim):
             continue
         for grid, stored in ((False, True), (True, False)):
             fc, _ = predicted.feature_chunk(heads, dim)
-            consts = dict(D=dim, HQ=predicted.query_heads(heads), FC=fc, BT=predicted.BLOCK_T, KCB=4, VCB=2, KNC=16,
-                          VNC=4, KSIGN=not grid, VSIGN=False, KGRID=grid, VGRID=grid, VSTORED=stored, PAGE=0)
-            kernel = compile_kernel(predicted._predicted_kernel, consts,
-                                    {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF"},
-                                    dict(codes, k_main=u8, k_sign=u8, v_main=u8, v_sign=u8, k_tab=f16, v_tab=f16),
-                                    num_warps=8)
-            assert kernel.metadata.shared <= predicted.SM90_SHARED, (heads, dim, kernel.metadata.shared)
-            print("compiled", predicted._predicted_kernel.fn.__name__, len(kernel.asm["cubin"]), flush=True)
+            consts = dict(D=dim, HQ=predicted.query_heads(heads), KCB=4, KNC=16, KSIGN=not grid, KGRID=grid, PAGE=0)
+            ptrs = dict(codes, k_main=u8, k_sign=u8, v_main=u8, v_sign=u8, k_tab=f16, v_tab=f16, p_ptr=f16)
+            for fn, extra, ints, warps in (
+                    (predicted._scores_kernel, dict(HG=predicted.score_heads(heads, dim), BT=predicted.SCORE_T, VCB=2,
+                                                    VNC=4, VSIGN=False, VGRID=grid, VSTORED=stored),
+                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT"}, 4),
+                    (predicted._pool_kernel, dict(FC=fc, BT=predicted.BLOCK_T, BTS=predicted.SCORE_T),
+                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"}, 8)):
+                kernel = compile_kernel(fn, dict(consts, **extra), ints, ptrs, num_warps=warps)
+                assert kernel.metadata.shared <= predicted.SM90_SHARED, (heads, dim, kernel.metadata.shared)
+                print("compiled", fn.fn.__name__, len(kernel.asm["cubin"]), flush=True)
     compile_sm90(predicted._predicted_merge_kernel, dict(D=64, HQ=32, BLOCK_NS=16, BLOCK_J=1, FB=128, NFB=10,
                                                          VSTORED=True),
                  {"sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svs", "H", "S", "NS", "HALF"},

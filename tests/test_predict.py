@@ -338,6 +338,8 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
     (2, 128, [9, 4], 1, 0, None, {}),  # 15B's width: one chunk of two feature heads beside 16 query heads
     (20, 16, [30, 7], 1, 0, None, {"unstored": True}),  # values not stored: the keys alone
     (20, 64, [12, 5], 2, 16, 2, {"unstored": True}),
+    (4, 16, [300, 70], 1, 0, 3, {}),  # splits of two score tiles, the tiles' maxima growing along a row
+    (20, 32, [150, 9], 1, 16, 2, {"unstored": True, "grid": True}),  # paged, a split of three score tiles
 ])
 def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, lengths, s, block_size, splits,
                                                                      codec_args):

@@ -5,6 +5,7 @@ A listing compiled without that specialization loads its codes 32 bits at a time
 
     python tools/sass_mix.py            # head_dim 64 (650M-shaped) and 128 (15B-shaped); the 3.0-bit default at 64
     python tools/sass_mix.py --dump DIR # also writes each kernel's PTX and SASS there
+    python tools/sass_mix.py --predicted # the two walks over values predicted from the keys, per cached token
 
 Needs Triton's NVIDIA backend (its bundled ptxas and nvdisasm); TRITON_INTERPRET must be unset."""
 
@@ -83,11 +84,50 @@ def opcode_mix(body: list[str]) -> collections.Counter:
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
 
 
+def predicted_mix() -> None:
+    """Warp instructions a cached token and query of the predicted-values walks (``kernels.decode.predicted``: the
+    scores walk over every head, the pooling walk over every feature chunk), compiled as their launches compile them
+    (pointers 16-byte aligned) for the bench's default codec (grid codes, sign combined into the code word: 4-bit
+    words of keys, 2-bit of the coded residual), beside the plain 3.0-bit walk's (the stream-K kernel, one warp a
+    head) at 20 heads."""
+    from esm_turbo.kernels.decode import predicted
+    u8, f16 = "*u8", "*fp16"
+    ptrs = dict(CODE_PTRS, k_main=u8, k_sign=u8, v_main=u8, v_sign=u8, k_tab=f16, v_tab=f16, p_ptr=f16)
+    heads = 20
+    for dim in (16, 32, 64):
+        fc, nf = predicted.feature_chunk(heads, dim)
+        hg = predicted.score_heads(heads, dim)
+        groups = -(-heads // hg)
+        consts = dict(D=dim, HQ=predicted.query_heads(heads), KCB=4, KNC=16, KSIGN=False, KGRID=True, PAGE=0)
+        rows = []
+        for stored in (False, True):
+            scores = compile_sm90(predicted._scores_kernel, dict(consts, HG=hg, BT=predicted.SCORE_T, VCB=2, VNC=4,
+                                                                VSIGN=False, VGRID=True, VSTORED=stored),
+                                  ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT"), ptrs, num_warps=4, aligned=())
+            rows.append(len(tile_loop(disassemble(scores.asm["cubin"]))) * 4 * groups / predicted.SCORE_T)
+        pool = compile_sm90(predicted._pool_kernel, dict(consts, FC=fc, BT=predicted.BLOCK_T, BTS=predicted.SCORE_T),
+                            ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"), ptrs, num_warps=8, aligned=())
+        pooled = len(tile_loop(disassemble(pool.asm["cubin"]))) * 8 * nf / predicted.BLOCK_T
+        line = (f"{heads} heads of {dim}: scores walk {rows[0]:.0f} (the residual's sums too: {rows[1]:.0f}) "
+                f"+ pooling walk {pooled:.0f} = {rows[0] + pooled:.0f} ({rows[1] + pooled:.0f})")
+        if dim == 64:
+            kernel, block_t = compile_stream(dim, 2)
+            plain = len(tile_loop(disassemble(kernel.asm["cubin"]))) * heads / block_t
+            line += f"; the plain 3.0-bit walk {plain:.0f}"
+        print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dump", help="write each kernel's PTX and SASS to this directory")
+    parser.add_argument("--predicted", action="store_true",
+                        help="the predicted-values walks' warp instructions a cached token instead")
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90", flush=True)
+    if args.predicted:
+        print("warp instructions a cached token and query (the tile loops' SASS; heads and chunks summed):")
+        predicted_mix()
+        return
     for (d, index_bits), subnormal in itertools.product(((64, 3), (128, 3), (64, 2)), (False, True)):
         kernel, block_t = compile_stream(d, index_bits, subnormal)
         sass = disassemble(kernel.asm["cubin"])

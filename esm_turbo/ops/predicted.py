@@ -15,6 +15,7 @@ import torch
 
 from ..quant.codec import KVCodec
 from ..quant.layout import CachedCodes
+from ..quant.predict import rotary_angles
 from ..quant.rotations import affine_inverse
 from . import use_kernels
 from .compressed import (cached_codes, cached_values, fused_tables, gather_rows, gathered, pack_layer,
@@ -23,6 +24,8 @@ from .reference import attend_predicted
 
 #: each codec's walk tables (:func:`walk_tables` of its keys and predictor), made once and kept while it lives
 _TABLES: "weakref.WeakKeyDictionary[KVCodec, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
+#: each predictor's rotary table (:func:`rotary_table`), keyed by its inv_freq buffer
+_ROTARY: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 def walk_tables(perm: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor, inv_freq: torch.Tensor,
@@ -33,19 +36,34 @@ def walk_tables(perm: torch.Tensor | None, offset: torch.Tensor, scale: torch.Te
     ``inv_freq`` [d/2] and the predictor's map ``weight`` [H·d, H·d]. A decoded key ŷ gives x̂ = (ŷ ⊙ σ + o) Π:
     u = ŷ ⊙ σ + o in code order, x̂_π(j) = u_j. f = x̂·cos − rotate_half(x̂)·sin, so Σ_t p_t f_t W =
     (Σ p u⊙cos(tω')) W₀ + (Σ p u⊙sin(tω')) W₁ with ω'_j the frequency of channel π(j), W₀'s row j = W's row π(j) and
-    W₁'s row j = ±W's row π(j)'s rotate_half partner (+ for π(j) in the second half): ftab holds σ, o, ω' a code
-    channel, w2 W₀ and W₁."""
+    W₁'s row j = ±W's row π(j)'s rotate_half partner (+ for π(j) in the second half): ftab holds σ, o and the index
+    of ω' among the d/2 frequencies (π(j) mod d/2, exact in float32) a code channel, w2 W₀ and W₁."""
     if perm is None:
         raise ValueError("walk_tables: the keys' rotation is not a permutation of each head's channels")
     pi = perm.long()
     heads, d = pi.shape
     base = torch.arange(heads, device=pi.device)[:, None] * d
-    freq = inv_freq.float().to(pi.device)[pi % (d // 2)]
+    freq = (pi % (d // 2)).float()
     ftab = torch.stack([scale.float(), offset.float(), freq], 1).contiguous()
     rows, partner = (base + pi).reshape(-1), (base + (pi + d // 2) % d).reshape(-1)
     sign = torch.where(pi >= d // 2, 1.0, -1.0).reshape(-1, 1).to(pi.device)
     w = weight.float()
     return ftab, torch.stack([w[rows], sign * w[partner]]).to(weight.dtype).contiguous()
+
+
+def rotary_table(inv_freq: torch.Tensor, length: int) -> torch.Tensor:
+    """[L, d/2, 2] float32 (L ≥ ``length``, on inv_freq's device): the rotary embedding's cos and sin at positions
+    0..L−1 and each of its d/2 frequencies, computed as ``quant.predict.rotary_angles`` computes them (so the fused
+    walk's factors are the reference's), for the pooling walk to read instead of evaluating them. Kept a predictor
+    (rebuilt when a longer one or another device is asked for), at least 1,024 rows and a power of two."""
+    cached = _ROTARY.get(inv_freq)
+    if cached is not None and cached.shape[0] >= length and cached.device == inv_freq.device:
+        return cached
+    rows = max(1024, 1 << max(0, int(length) - 1).bit_length())
+    cos, sin = rotary_angles(torch.arange(rows, device=inv_freq.device), inv_freq)
+    half = inv_freq.numel()
+    table = _ROTARY[inv_freq] = torch.stack([cos[:, :half], sin[:, :half]], -1).contiguous()
+    return table
 
 
 def codec_walk_tables(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +145,10 @@ def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
     qt, c0 = z * keys.scale[:, None, :], (z * keys.offset[:, None, :]).sum(-1)
     ftab, w2 = tables if tables is not None else walk_tables(keys.perm, keys.offset, keys.scale, predictor.inv_freq,
                                                              predictor.weight)
-    partials = predicted_partials_triton(qt, lengths, keys, values, ftab, pages, block_size, splits)
+    page = int(block_size) if pages is not None and pages.numel() else 0
+    t_cap = pages.shape[1] * page if page else keys.main.shape[2]
+    trig = rotary_table(predictor.inv_freq, t_cap)
+    partials = predicted_partials_triton(qt, lengths, keys, values, ftab, trig, pages, block_size, splits)
     return predicted_merge_triton(partials, q, k_new, v_new, new_valid, c0, values, w2, predictor.bias)
 
 

@@ -1,24 +1,27 @@
-"""Fused decode attention over a cache whose values are predicted from the keys (``esm_turbo.quant.predict``): a walk
-and its merge, whose PyTorch reference is ``esm_turbo.ops.predicted.predicted_attention_reference``.
+"""Fused decode attention over a cache whose values are predicted from the keys (``esm_turbo.quant.predict``): two
+walks and their merge, whose PyTorch reference is ``esm_turbo.ops.predicted.predicted_attention_reference``.
 
 A cached token's value is r̂ + (f W + b), f [H·d] every head's decoded key turned back before the rotary embedding.
 No cached token's prediction is computed: a query of head h needs Σ_t p_{h,t} f_t (then one map by W's columns of
-head h), so one program walks one query token of a row for *all* heads at once — every head's keys are read once
-a tile and serve every head's scores and features:
+head h). Every query head pools every head's features, so a program that pooled all of them would hold H × 2·H·d
+sums (200 K floats at 650M): the features are cut in chunks of FC heads, and the scores, which every chunk needs,
+are computed once by a walk of their own and handed over as fp16 weights:
 
-* scores [HQ, BT] in each head's key affine domain (``⟨q̃, ŷ⟩``, c0 dropped as in ``walk.py``), an online softmax per
-  head (log2 units);
-* Σ p ŷᵥ [HQ, d]: the coded residual values, in the value affine domain (mapped back once by the merge);
-* the pooled features, in the keys' code order: the keys' rotation is a permutation π of each head's channels, so
-  x̂ = (ŷ ⊙ σ + o) Π is u = ŷ ⊙ σ + o read in another order, and f = x̂·cos − rotate_half(x̂)·sin pools as
-  Σ p u⊙cos(tω') and Σ p u⊙sin(tω') (ω' each code channel's frequency) — two tensor-core products
-  [HQ, BT] × [BT, FC·d] in fp16 (P in fp16, as flash attention's P·V), fp32 sums — with π and rotate_half folded into
-  the rows of W that the merge applies (``esm_turbo.ops.predicted.walk_tables``). No per-token product but these.
+* ``_scores_kernel`` (grid: query, split, group of HG heads): each head's scores from its own keys in its key affine
+  domain (``⟨q̃, ŷ⟩``, c0 dropped as in ``walk.py``), an online softmax (log2 units), the coded residual's sums
+  Σ p ŷᵥ (mapped back once by the merge); each tile's weights p = 2^(s − m_tile) in fp16 and m_tile are written out
+  (2 bytes a cached token and head beside the keys' d·bits/8);
+* ``_pool_kernel`` (grid: query, split, chunk of FC feature heads): the weights read back at the split's scale, the
+  chunk's keys decoded once, and the pooled features in the keys' code order: the keys' rotation is a permutation π
+  of each head's channels, so x̂ = (ŷ ⊙ σ + o) Π is u = ŷ ⊙ σ + o read in another order, and
+  f = x̂·cos − rotate_half(x̂)·sin pools as Σ p u⊙cos(tω') and Σ p u⊙sin(tω') (ω' each code channel's frequency;
+  the factors read from the rotary embedding's own table, no transcendental in the loop) — two tensor-core products
+  [HQ, BT] × [BT, FC·d] in fp16 (P in fp16, as flash attention's P·V), fp32 sums — with π and rotate_half folded
+  into the rows of W that the merge applies (``esm_turbo.ops.predicted.walk_tables``);
+* ``_predicted_merge_kernel``: the splits combined, the map applied, the step's own tokens added exactly.
 
-Grid (B·S, splits, feature chunks): the programs of one (query, split) share its scores; the first chunk's also
-writes the residual sums. HQ = max(16, the heads rounded up to a power of two) (a dot's rows); 2·FC·d ≤
-:data:`POOLED_VALUES` / HQ, so the pooled sums fit a program's registers. Shapes beyond :func:`fits` take the
-PyTorch path.
+HQ = max(16, the heads rounded up to a power of two) (a dot's rows); 2·FC·d ≤ :data:`POOLED_VALUES` / HQ, so the
+pooled sums fit a program's registers. Shapes beyond :func:`fits` take the PyTorch path.
 """
 
 from __future__ import annotations
@@ -33,13 +36,17 @@ from ...quant.layout import CachedCodes
 from ..common import FP_FUSION, interpreting, num_sms, part_or, token_strides
 
 LOG2E = tl.constexpr(1.4426950408889634)
-#: the widest key tile a program holds ([HQ, BT, d] floats over HQ·d)
+#: the most query heads × d a layer may have (the merge's and the pooled sums' widths)
 MAX_HEAD_WIDTH = 2048
 #: the most pooled feature sums a program keeps (two [HQ, FC·d])
 POOLED_VALUES = 16384
 #: a Hopper program's most shared memory (bytes)
 SM90_SHARED = 232448
 BLOCK_T = 16
+#: the channels (heads × d) of a token the scores walk's program decodes
+SCORE_CHANNELS = 128
+#: the tokens of the scores walk's tile (its four warps take 16 each); a multiple of BLOCK_T
+SCORE_T = 64
 
 
 def query_heads(heads: int) -> int:
@@ -63,6 +70,12 @@ def feature_chunk(heads: int, dim: int) -> tuple[int, int]:
         return hq, 1
     fc = min(triton.next_power_of_2(heads), max(1, POOLED_VALUES // (2 * hq * dim)))
     return fc, math.ceil(heads / fc)
+
+
+def score_heads(heads: int, dim: int) -> int:
+    """HG: the heads a program of the scores walk takes, :data:`SCORE_CHANNELS` / d of them (at most 8, at least 1):
+    the keys of a tile are its product's [HG·d, BT] operand."""
+    return max(1, min(8, SCORE_CHANNELS // dim))
 
 
 @triton.jit
@@ -123,90 +136,152 @@ def _layout_rows(lay_ptr, hh, hmask, D: tl.constexpr):
 
 
 @triton.jit
-def _predicted_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr, v_lay_ptr, ftab_ptr,
-                      len_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, pool_ptr,
-                      H, S, T_CAP, CHUNK, TILES, NS, NF,
-                      D: tl.constexpr, HQ: tl.constexpr, FC: tl.constexpr, BT: tl.constexpr,
-                      KCB: tl.constexpr, VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr,
-                      KSIGN: tl.constexpr, VSIGN: tl.constexpr, KGRID: tl.constexpr, VGRID: tl.constexpr,
-                      VSTORED: tl.constexpr, PAGE: tl.constexpr):
-    """Grid (B·S, NS, NF): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length), feature
-    heads [chunk·FC, +FC) (all HQ in one chunk where they fit); ``ftab_ptr`` [H, 3, D]: each code channel's σ, o
-    and rotary frequency. Writes partial (b·S + qi)·NS + split: m, l [HQ], (chunk 0) Σ p ŷᵥ [HQ, D], and its pooled
-    sums Σ p u⊙cos, Σ p u⊙sin [HQ, FC·D] at columns chunk·FC·D of the two halves of [HQ, 2·NF·FC·D].
-    ``VSTORED`` False (values not stored): no value codes are read and the residual sums stay zero."""
+def _scores_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr, v_lay_ptr, len_ptr, page_ptr,
+                   m_ptr, l_ptr, acc_ptr, p_ptr, mt_ptr, H, S, T_CAP, CHUNK, TILES, NS, NT,
+                   D: tl.constexpr, HQ: tl.constexpr, HG: tl.constexpr, BT: tl.constexpr, KCB: tl.constexpr,
+                   VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
+                   KGRID: tl.constexpr, VGRID: tl.constexpr, VSTORED: tl.constexpr, PAGE: tl.constexpr):
+    """Grid (B·S, NS, ⌈H/HG⌉): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length) in tiles
+    of BT, heads [group·HG, +HG) (HG ≤ 8): each head's scores from its own keys (``⟨q̃, ŷ⟩``, c0 dropped, log2 units)
+    and an online softmax. A tile's scores are one tensor-core product [16, HG·D] × [HG·D, BT]: the queries laid
+    block-diagonally, each split in two fp16 halves (row g its hi half, row 8 + g its lo half: q within 2^−22, fp32
+    sums), against the decoded keys (exact in fp16: grid codes are small integers, tables fp16), so no sum over a
+    head's channels crosses threads and the warps share the tokens. Rows are laid out for 8 heads, those ≥ HG unused.
+    The coded residual's sums are one more product, the weights (fp16, as flash attention's P·V) against the tile's
+    values of the HG heads, of which each head keeps its own columns.
+    Writes partial (b·S + qi)·NS + split: m, l [HQ] and (``VSTORED``) Σ p ŷᵥ [HQ, D]; and for the pooling walk each
+    tile's weights p = 2^(s − m_tile) in fp16 at ``p_ptr`` [B·S, H, T_CAP] and its running max m_tile at ``mt_ptr``
+    [B·S, H, NT] (tile t0 / BT)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    chunk = tl.program_id(2)
+    group = tl.program_id(2)
     b = pid // S
     qi = pid % S
     length = tl.load(len_ptr + b).to(tl.int32)
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, length)
-    hh = tl.arange(0, HQ)
+    hh = group * HG + tl.arange(0, HG)
     hmask = hh < H
-    cc = tl.arange(0, D)
-    q = tl.load(qt_ptr + ((b * H + hh[:, None]) * S + qi) * D + cc[None, :], mask=hmask[:, None], other=0.0)
-    q = q * LOG2E  # [HQ, D]
+    h8 = group * HG + tl.arange(0, 8)  # the rows of a tile's scores
+    h8mask = (tl.arange(0, 8) < HG) & (h8 < H)
+    cols = tl.arange(0, HG * D)
+    hc = cols // D  # each column's head in the group
+    qv = tl.load(qt_ptr + ((b * H + group * HG + hc) * S + qi) * D + cols % D, mask=group * HG + hc < H, other=0.0)
+    qv = qv * LOG2E
+    q_hi = qv.to(tl.float16)
+    q_lo = (qv - q_hi.to(tl.float32)).to(tl.float16)
+    jj = tl.arange(0, 16)[:, None]
+    qbd = tl.where(jj == hc[None, :], q_hi[None, :], tl.where(jj == hc[None, :] + 8, q_lo[None, :], 0.0))
+    qbd = qbd.to(tl.float16)  # [16, HG·D]
     k_lay = _layout_rows(k_lay_ptr, hh, hmask, D)
     v_lay = _layout_rows(v_lay_ptr, hh, hmask, D)
-    # the feature heads of this chunk: each code channel's σ, o and frequency [FC, D]
-    fh = chunk * FC + tl.arange(0, FC)
-    fmask = fh < H
-    f_at = fh[:, None] * (3 * D) + cc[None, :]
-    sg = tl.load(ftab_ptr + f_at, mask=fmask[:, None], other=0.0)
-    of = tl.load(ftab_ptr + f_at + D, mask=fmask[:, None], other=0.0)
-    fq = tl.load(ftab_ptr + f_at + 2 * D, mask=fmask[:, None], other=0.0)
-    fk_lay = _layout_rows(k_lay_ptr, fh, fmask, D)
-    m_i = tl.full((HQ,), float("-inf"), tl.float32)
-    l_i = tl.zeros((HQ,), tl.float32)
-    acc = tl.zeros((HQ, D), tl.float32)
-    pooled_c = tl.zeros((HQ, FC * D), tl.float32)
-    pooled_s = tl.zeros((HQ, FC * D), tl.float32)
+    prow = (pid * H + h8).to(tl.int64)  # [8]: the rows of p and m_tile
+    m_i = tl.full((8,), float("-inf"), tl.float32)
+    l_i = tl.zeros((8,), tl.float32)
+    acc = tl.zeros((16, HG * D), tl.float32)  # row g's columns of head g: its Σ p ŷᵥ (the others unused)
     for it in range(0, TILES):
         t0 = start + it * BT
         if t0 < end:
             offs_t = t0 + tl.arange(0, BT)
             tmask = offs_t < end
             rows = _rows_of(b, hh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
-            valid = hmask[:, None] & tmask[None, :]
-            yk = _decode_heads(k_main, k_sign, k_tab, k_lay, hh, rows, valid, D, KCB, KNC, KSIGN, KGRID)
-            s = tl.sum(yk * q[:, None, :], axis=2)  # [HQ, BT]
+            yk = _decode_heads(k_main, k_sign, k_tab, k_lay, hh, rows, hmask[:, None] & tmask[None, :], D, KCB, KNC,
+                               KSIGN, KGRID)
+            yk = tl.reshape(tl.permute(yk, (0, 2, 1)), (HG * D, BT)).to(tl.float16)
+            s = tl.sum(tl.reshape(tl.dot(qbd, yk), (2, 8, BT)), axis=0)  # [8, BT]: hi + lo
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            if VSTORED:
-                if chunk == 0:
-                    yv = _decode_heads(v_main, v_sign, v_tab, v_lay, hh, rows, valid, D, VCB, VNC, VSIGN, VGRID)
-                    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * yv, axis=1)
-            if FC == HQ:  # every head's features: the key tile as it is
-                yf = yk
-            else:
-                frows = _rows_of(b, fh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
-                yf = _decode_heads(k_main, k_sign, k_tab, fk_lay, fh, frows, fmask[:, None] & tmask[None, :], D,
-                                   KCB, KNC, KSIGN, KGRID)  # [FC, BT, D]
-            u = yf * sg[:, None, :] + of[:, None, :]  # [FC, BT, D]: the keys before Π, in code order
-            angle = offs_t.to(tl.float32)[None, :, None] * fq[:, None, :]
-            keep = fmask[:, None, None] & tmask[None, :, None]
-            fc_ = tl.where(keep, u * tl.cos(angle), 0.0)
-            fs_ = tl.where(keep, u * tl.sin(angle), 0.0)
-            p16 = p.to(tl.float16)
-            pooled_c = tl.dot(p16, tl.reshape(tl.permute(fc_, (1, 0, 2)), (BT, FC * D)).to(tl.float16),
-                              pooled_c * alpha[:, None])
-            pooled_s = tl.dot(p16, tl.reshape(tl.permute(fs_, (1, 0, 2)), (BT, FC * D)).to(tl.float16),
-                              pooled_s * alpha[:, None])
+            keep = h8mask[:, None] & tmask[None, :]
+            if VSTORED:  # one more product: [16, BT] (the weights, 8 rows of zeros below) × [BT, HG·D]
+                yv = _decode_heads(v_main, v_sign, v_tab, v_lay, hh, rows, hmask[:, None] & tmask[None, :], D, VCB,
+                                   VNC, VSIGN, VGRID)
+                yv = tl.reshape(tl.permute(yv, (1, 0, 2)), (BT, HG * D)).to(tl.float16)
+                p16 = tl.reshape(tl.permute(tl.join(p, tl.zeros_like(p)), (2, 0, 1)), (16, BT)).to(tl.float16)
+                a16 = tl.reshape(tl.permute(tl.join(alpha, tl.full((8,), 1.0, tl.float32)), (1, 0)), (16,))
+                acc = tl.dot(p16, yv, acc * a16[:, None])
+            tl.store(p_ptr + prow[:, None] * T_CAP + offs_t[None, :], p.to(tl.float16), mask=keep)
+            tl.store(mt_ptr + prow * NT + t0 // BT, m_new, mask=h8mask)
     part = (pid * NS + split).to(tl.int64)
+    tl.store(m_ptr + part * HQ + h8, m_i, mask=h8mask)
+    tl.store(l_ptr + part * HQ + h8, l_i, mask=h8mask)
+    if VSTORED:
+        own = tl.sum(tl.where(tl.arange(0, 16)[:, None] == hc[None, :], acc, 0.0), axis=0)  # [HG·D]
+        tl.store(acc_ptr + (part * HQ + group * HG + hc) * D + cols % D, own, mask=group * HG + hc < H)
+
+
+@triton.jit
+def _pool_kernel(p_ptr, mt_ptr, m_ptr, k_main, k_sign, k_tab, k_lay_ptr, ftab_ptr, trig_ptr, len_ptr, page_ptr,
+                 pool_ptr, H, S, T_CAP, CHUNK, TILES, NS, NF, NT,
+                 D: tl.constexpr, HQ: tl.constexpr, FC: tl.constexpr, BT: tl.constexpr, BTS: tl.constexpr,
+                 KCB: tl.constexpr,
+                 KNC: tl.constexpr, KSIGN: tl.constexpr, KGRID: tl.constexpr, PAGE: tl.constexpr):
+    """Grid (B·S, NS, NF): the pooled features of query ``qi`` of sequence b over the same rows as
+    ``_scores_kernel``'s split, feature heads [chunk·FC, +FC), in tiles of BT tokens. Each tile's weights come back
+    from the scores walk as p·2^(m_tile − m) (m_tile that of its tile of BTS tokens, m the split's max): the partial
+    is at the split's own scale, as the merge takes it, with no rescaling in the loop. The feature heads' keys are
+    decoded, u = ŷ ⊙ σ + o, and its factors cos(tω'), sin(tω') made from the rotary table ``trig_ptr``
+    [≥ T_CAP, D/2, 2] (the rotary embedding's own cos and sin a position and frequency; each code channel's frequency
+    index: row 2 of ``ftab_ptr`` [H, 3, D]) by the angle sum t = t0 + i: the tile's first row [FC, D] read a tile,
+    the offsets' rows [FC, BT, D] once a program, four multiply-adds a value and no load (the angle t0·ω' + i·ω' lies
+    within 2^−24·tω' of the reference's rounded tω'). Then two tensor-core products [FC·D, BT] × [BT, HQ] (fp16
+    inputs, fp32 sums; the features are the rows, so the warps share them and none decodes another's). Writes the
+    pooled sums Σ p u⊙cos, Σ p u⊙sin [HQ, FC·D] at columns chunk·FC·D of the two halves of partial
+    (b·S + qi)·NS + split [HQ, 2·NF·FC·D]."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    chunk = tl.program_id(2)
+    b = pid // S
+    length = tl.load(len_ptr + b).to(tl.int32)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, length)
+    part = (pid * NS + split).to(tl.int64)
+    hh = tl.arange(0, HQ)
+    hmask = hh < H
+    prow = (pid * H + hh).to(tl.int64)
+    m_s = tl.load(m_ptr + part * HQ + hh, mask=hmask, other=0.0)  # the split's max a head
+    cc = tl.arange(0, D)
+    fh = chunk * FC + tl.arange(0, FC)
+    fmask = fh < H
+    f_at = fh[:, None] * (3 * D) + cc[None, :]
+    sg = tl.load(ftab_ptr + f_at, mask=fmask[:, None], other=0.0)
+    of = tl.load(ftab_ptr + f_at + D, mask=fmask[:, None], other=0.0)
+    fidx = tl.load(ftab_ptr + f_at + 2 * D, mask=fmask[:, None], other=0.0).to(tl.int32)  # [FC, D]
+    fk_lay = _layout_rows(k_lay_ptr, fh, fmask, D)
+    # cos and sin of i·ω' for a tile's offsets i [FC, BT, D], read once: a tile at t0 takes cos((t0 + i)ω') =
+    # cos(t0ω')cos(iω') − sin(t0ω')sin(iω') from its first row's [FC, D]
+    at_i = (tl.arange(0, BT)[None, :, None] * (D // 2) + fidx[:, None, :]) * 2
+    ci = tl.load(trig_ptr + at_i)
+    si = tl.load(trig_ptr + at_i + 1)
+    pooled_c = tl.zeros((FC * D, HQ), tl.float32)  # transposed: the warps share the features, not the heads
+    pooled_s = tl.zeros((FC * D, HQ), tl.float32)
+    for it in range(0, TILES):
+        t0 = start + it * BT
+        if t0 < end:
+            offs_t = t0 + tl.arange(0, BT)
+            tmask = offs_t < end
+            valid = hmask[:, None] & tmask[None, :]
+            p = tl.load(p_ptr + prow[:, None] * T_CAP + offs_t[None, :], mask=valid, other=0.0).to(tl.float32)
+            mt = tl.load(mt_ptr + prow * NT + t0 // BTS, mask=hmask, other=0.0)
+            w = tl.trans((p * tl.exp2(mt - m_s)[:, None]).to(tl.float16))  # [BT, HQ]
+            frows = _rows_of(b, fh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
+            keep = fmask[:, None] & tmask[None, :]
+            yf = _decode_heads(k_main, k_sign, k_tab, fk_lay, fh, frows, keep, D, KCB, KNC, KSIGN, KGRID)
+            u = yf * sg[:, None, :] + of[:, None, :]  # [FC, BT, D]: the keys before Π, in code order
+            at0 = (t0 * (D // 2) + fidx) * 2  # [FC, D]
+            c0 = tl.load(trig_ptr + at0)[:, None, :]
+            s0 = tl.load(trig_ptr + at0 + 1)[:, None, :]
+            fc_ = u * (c0 * ci - s0 * si)
+            fs_ = u * (s0 * ci + c0 * si)
+            pooled_c = tl.dot(tl.reshape(tl.permute(fc_, (0, 2, 1)), (FC * D, BT)).to(tl.float16), w, pooled_c)
+            pooled_s = tl.dot(tl.reshape(tl.permute(fs_, (0, 2, 1)), (FC * D, BT)).to(tl.float16), w, pooled_s)
     half = NF * FC * D
-    at = pool_ptr + (part * HQ + hh[:, None]) * (2 * half) + chunk * FC * D + tl.arange(0, FC * D)[None, :]
+    at = pool_ptr + (part * HQ + hh[None, :]) * (2 * half) + chunk * FC * D + tl.arange(0, FC * D)[:, None]
     tl.store(at, pooled_c)
     tl.store(at + half, pooled_s)
-    if chunk == 0:
-        tl.store(m_ptr + part * HQ + hh, m_i)
-        tl.store(l_ptr + part * HQ + hh, l_i)
-        tl.store(acc_ptr + (part * HQ + hh[:, None]) * D + cc[None, :], acc)
 
 
 @triton.jit
@@ -280,42 +355,54 @@ def full_layout(c: CachedCodes) -> torch.Tensor:
 
 
 def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None,
-                              ftab: torch.Tensor, pages: torch.Tensor | None = None, block_size: int = 0,
-                              splits: int | None = None) -> tuple[torch.Tensor, ...]:
+                              ftab: torch.Tensor, trig: torch.Tensor, pages: torch.Tensor | None = None,
+                              block_size: int = 0, splits: int | None = None) -> tuple[torch.Tensor, ...]:
     """The walk's partials for queries ``qt`` [B, H, S, d] float32 (in the keys' affine domain, c0 dropped: ``q̃``
-    of ``esm_turbo.ops.compressed.compressed_attention_reference``) over each row's ``lengths`` cached tokens.
-    ``values`` None: not stored (the residual sums zero). ``ftab`` [H, 3, d] float32: each code channel's σ, o and
-    rotary frequency (``esm_turbo.ops.predicted.walk_tables``); a paged cache: ``pages`` [B, blocks] int32 and its
+    of ``esm_turbo.ops.compressed.compressed_attention_reference``) over each row's ``lengths`` cached tokens: the
+    scores walk, then the pooling walk over its weights (two launches). ``values`` None: not stored (the residual
+    sums zero). ``ftab`` [H, 3, d] float32: each code channel's σ, o and rotary frequency index;
+    ``trig`` [≥ T_cap, d/2, 2] float32: the rotary embedding's cos and sin a position and frequency
+    (``esm_turbo.ops.predicted.walk_tables``, ``rotary_table``); a paged cache: ``pages`` [B, blocks] int32 and its
     ``block_size``. Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], the pooled sums [B, S, NS, HQ,
-    2·NF·FC·d]); a split past a row's length leaves m = −inf and zero sums."""
+    2·NF·FC·d]); a split past a row's length leaves m = −inf and zero sums. Entries of heads ≥ H are not written."""
     batch, heads, s, d = qt.shape
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]
+    if trig.shape[0] < t_cap or tuple(trig.shape[1:]) != (d // 2, 2):
+        raise ValueError(f"predicted walk: a rotary table [>= {t_cap}, {d // 2}, 2] is needed, got {list(trig.shape)}")
     if not page:
         pages = lengths  # never read
     hq = query_heads(heads)
+    hg = score_heads(heads, d)
     fc, nf = feature_chunk(heads, d)
-    blocks = max(1, math.ceil(t_cap / BLOCK_T))
+    blocks = max(1, math.ceil(t_cap / SCORE_T))  # the scores walk's tiles, each BLOCK_T-tiles of the pooling's
     if splits is None:
         splits = max(1, min(blocks, 64, math.ceil(2 * num_sms(qt.device) / max(1, batch * s * nf))))
-    chunk = math.ceil(blocks / splits) * BLOCK_T
+    chunk = math.ceil(blocks / splits) * SCORE_T
     splits = max(1, math.ceil(t_cap / chunk))
     dev = qt.device
-    m = torch.empty(batch, s, splits, hq, device=dev)  # every entry written (a split past a row's end too)
+    m = torch.empty(batch, s, splits, hq, device=dev)  # every head's entry written (a split past a row's end too)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch, s, splits, hq, d, device=dev)
     pooled = torch.empty(batch, s, splits, hq, 2 * nf * fc * d, device=dev)
+    weights = torch.empty(batch * s, heads, t_cap, device=dev, dtype=torch.float16)
+    tile_max = torch.empty(batch * s, heads, blocks, device=dev)
     stored = values is not None
     values = values if stored else keys  # stand-ins, never read
     k_lay, v_lay = full_layout(keys), full_layout(values)
-    _predicted_kernel[(batch * s, splits, nf)](
-        qt.contiguous(), keys.main, part_or(keys.sign, keys.main), values.main, part_or(values.sign, values.main),
-        keys.table, values.table, k_lay, v_lay, ftab, lengths, pages, m, l_,
-        acc, pooled, heads, s, t_cap, chunk, chunk // BLOCK_T, splits, nf,
-        D=d, HQ=hq, FC=fc, BT=BLOCK_T, KCB=keys.code.code_bits, VCB=values.code.code_bits,
-        KNC=keys.table.shape[-1], VNC=values.table.shape[-1], KSIGN=keys.code.sign == "plane",
-        VSIGN=values.code.sign == "plane", KGRID=keys.code.grid, VGRID=values.code.grid, VSTORED=stored, PAGE=page,
-        num_warps=1 if interpreting() else 8, enable_fp_fusion=FP_FUSION)
+    k_sign = part_or(keys.sign, keys.main)
+    codes = dict(D=d, HQ=hq, KCB=keys.code.code_bits, KNC=keys.table.shape[-1], KSIGN=keys.code.sign == "plane",
+                 KGRID=keys.code.grid, PAGE=page)
+    _scores_kernel[(batch * s, splits, math.ceil(heads / hg))](
+        qt.contiguous(), keys.main, k_sign, values.main, part_or(values.sign, values.main), keys.table, values.table,
+        k_lay, v_lay, lengths, pages, m, l_, acc, weights, tile_max, heads, s, t_cap, chunk, chunk // SCORE_T, splits,
+        blocks, HG=hg, BT=SCORE_T, VCB=values.code.code_bits, VNC=values.table.shape[-1],
+        VSIGN=values.code.sign == "plane", VGRID=values.code.grid, VSTORED=stored,
+        num_warps=1 if interpreting() else 4, enable_fp_fusion=FP_FUSION, **codes)
+    _pool_kernel[(batch * s, splits, nf)](
+        weights, tile_max, m, keys.main, k_sign, keys.table, k_lay, ftab, trig, lengths, pages, pooled, heads, s,
+        t_cap, chunk, chunk // BLOCK_T, splits, nf, blocks, FC=fc, BT=BLOCK_T, BTS=SCORE_T,
+        num_warps=1 if interpreting() else 8, enable_fp_fusion=FP_FUSION, **codes)
     return m, l_, acc, pooled
 
 
