@@ -28,12 +28,12 @@ _TABLES: "weakref.WeakKeyDictionary[KVCodec, tuple[torch.Tensor, torch.Tensor]]"
 _ROTARY: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
-def walk_tables(perm: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor, inv_freq: torch.Tensor,
+def walk_tables(perm: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(ftab [H, 3, d] float32, w2 [2, H·d, H·d] in weight's dtype) of a key quantizer whose rotation is a permutation
     π (``perm`` [H, d], integer, as ``quant.rotations.key_permutation`` gives it and ``FusedTables.k_perm`` and
-    ``CachedCodes.perm`` hold it; None for any other rotation), its offset o and scale σ [H, d], the rotary
-    ``inv_freq`` [d/2] and the predictor's map ``weight`` [H·d, H·d]. A decoded key ŷ gives x̂ = (ŷ ⊙ σ + o) Π:
+    ``CachedCodes.perm`` hold it; None for any other rotation), its offset o and scale σ [H, d] and the predictor's
+    map ``weight`` [H·d, H·d]. A decoded key ŷ gives x̂ = (ŷ ⊙ σ + o) Π:
     u = ŷ ⊙ σ + o in code order, x̂_π(j) = u_j. f = x̂·cos − rotate_half(x̂)·sin, so Σ_t p_t f_t W =
     (Σ p u⊙cos(tω')) W₀ + (Σ p u⊙sin(tω')) W₁ with ω'_j the frequency of channel π(j), W₀'s row j = W's row π(j) and
     W₁'s row j = ±W's row π(j)'s rotate_half partner (+ for π(j) in the second half): ftab holds σ, o and the index
@@ -72,7 +72,7 @@ def codec_walk_tables(codec: KVCodec) -> tuple[torch.Tensor, torch.Tensor]:
     if cached is None or cached[0].device != codec.key.rot.device:
         key, pred = codec.key, codec.predictor
         perm = fused_tables(codec).k_perm  # made once with the codec's tables
-        cached = _TABLES[codec] = walk_tables(perm, key.offset, key.scale, pred.inv_freq, pred.weight)
+        cached = _TABLES[codec] = walk_tables(perm, key.offset, key.scale, pred.weight)
     return cached
 
 
@@ -143,8 +143,7 @@ def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
     # Π permutes each head's channels (``keys.perm``, what the walk requires): q Πᵀ is q gathered
     z = q.float().gather(-1, keys.perm.long()[None, :, None, :].expand(q.shape))
     qt, c0 = z * keys.scale[:, None, :], (z * keys.offset[:, None, :]).sum(-1)
-    ftab, w2 = tables if tables is not None else walk_tables(keys.perm, keys.offset, keys.scale, predictor.inv_freq,
-                                                             predictor.weight)
+    ftab, w2 = tables if tables is not None else walk_tables(keys.perm, keys.offset, keys.scale, predictor.weight)
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]
     trig = rotary_table(predictor.inv_freq, t_cap)
