@@ -338,6 +338,8 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
     (2, 128, [9, 4], 1, 0, None, {}),  # 15B's width: one chunk of two feature heads beside 16 query heads
     (20, 16, [30, 7], 1, 0, None, {"unstored": True}),  # values not stored: the keys alone
     (20, 64, [12, 5], 2, 16, 2, {"unstored": True}),
+    (40, 64, [21, 6], 1, 0, None, {"grid": True}),  # 3B's heads: 64 query heads, twenty chunks of two
+    (40, 128, [5], 1, 0, None, {"unstored": True}),  # 15B's: a head a chunk
     (4, 16, [300, 70], 1, 0, 3, {}),  # splits of two score tiles, the tiles' maxima growing along a row
     (20, 32, [150, 9], 1, 16, 2, {"unstored": True, "grid": True}),  # paged, a split of three score tiles
 ])
@@ -346,12 +348,13 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
     """predicted_attention_triton (Triton's interpreter on CPU, the kernel on CUDA) against
     predicted_attention_reference: keys of every head decoded once a tile, the pooled features, the splits merged
     with the step's own tokens (the pooled products' inputs in fp16, as flash attention's P·V)."""
-    from esm_turbo.kernels.decode.predicted import feature_chunk, fits, query_heads
+    import triton
+    from esm_turbo.kernels.decode.predicted import feature_chunk, fits
     from esm_turbo.ops.compressed import cached_codes
     from esm_turbo.ops.predicted import predicted_attention_reference, predicted_attention_triton
     assert fits(heads, dim)
-    assert feature_chunk(heads, dim) == {(20, 16): (16, 2), (20, 32): (8, 3), (20, 64): (4, 5), (2, 128): (2, 1),
-                                         (2, 64): (2, 1)}.get((heads, dim), (query_heads(heads), 1))
+    assert feature_chunk(heads, dim) == {(20, 16): (16, 2), (20, 32): (8, 3), (20, 64): (4, 5), (40, 64): (2, 20),
+                                         (40, 128): (1, 40)}.get((heads, dim), (triton.next_power_of_2(heads), 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     codec, cache = _predicted_cache(heads, dim, lengths, block_size, device=device, **codec_args)
     g = torch.Generator().manual_seed(9)
@@ -375,15 +378,17 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
 
 
 def test_the_fused_walk_refuses_heads_it_cannot_hold():
-    """Layers past what a program holds (3B's 40 heads of 64, 15B's of 128), widths that are no power of two and
-    keys whose rotation is not a permutation of their channels are read on the PyTorch path, with slots too."""
+    """Layers past what a program holds (pooled sums of more than 64 query heads of 128), widths that are no power of
+    two (35M's heads of 24) and keys whose rotation is not a permutation of their channels are read on the PyTorch
+    path, with slots too; every other ESM-2 head shape takes the walks (3B's and 15B's 40 heads too)."""
     from esm_turbo.kernels.decode.predicted import fits
     from esm_turbo.ops.compressed import fused_supported
-    assert fits(20, 16) and fits(20, 32) and fits(20, 64) and fits(2, 128) and fits(8, 32)
-    assert not fits(40, 64) and not fits(40, 128) and not fits(20, 24) and not fits(16, 8)
+    assert fits(20, 16) and fits(20, 32) and fits(20, 64) and fits(40, 64) and fits(40, 128) and fits(8, 32)
+    assert not fits(80, 128) and not fits(20, 24) and not fits(16, 8)
     assert fused_supported(_predicted_codec(heads=20, dim=16), need_kernel_shape=True)
+    assert fused_supported(_predicted_codec(heads=40, dim=64), need_kernel_shape=True)
     assert not fused_supported(_predicted_codec(heads=20, dim=16, permuted_keys=False), need_kernel_shape=True)
-    assert not fused_supported(_predicted_codec(heads=40, dim=64), need_kernel_shape=True)
+    assert not fused_supported(_predicted_codec(heads=20, dim=24), need_kernel_shape=True)
 
 
 

@@ -30,7 +30,8 @@ from esm_turbo.quant.predict import Unstored, ValuePredictor
 
 #: (name, heads, head_dim, batch, cached tokens a row) of decode steps
 DECODE = (("8M", 20, 16, 64, 4096), ("8M", 20, 16, 195, 1024), ("8M", 20, 16, 8, 512), ("150M", 20, 32, 64, 4096),
-          ("150M", 20, 32, 195, 1024), ("650M", 20, 64, 64, 4096), ("650M", 20, 64, 195, 1024))
+          ("150M", 20, 32, 195, 1024), ("650M", 20, 64, 64, 4096), ("650M", 20, 64, 195, 1024),
+          ("3B", 40, 64, 64, 4096), ("3B", 40, 64, 16, 1024))
 #: (name, heads, head_dim, batch, new tokens a row) of cache writes: a 1024-token prefill, a decode step
 WRITES = (("8M", 20, 16, 1, 1024), ("8M", 20, 16, 195, 1), ("650M", 20, 64, 195, 1))
 RECIPE = recipe("default", index_bits=2, predict_values=True).resolved()

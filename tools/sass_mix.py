@@ -89,12 +89,11 @@ def predicted_mix() -> None:
     scores walk over every head, the pooling walk over every feature chunk), compiled as their launches compile them
     (pointers 16-byte aligned) for the bench's default codec (grid codes, sign combined into the code word: 4-bit
     words of keys, 2-bit of the coded residual), beside the plain 3.0-bit walk's (the stream-K kernel, one warp a
-    head) at 20 heads."""
+    head) at 20 heads of 64."""
     from esm_turbo.kernels.decode import predicted
     u8, f16 = "*u8", "*fp16"
     ptrs = dict(CODE_PTRS, k_main=u8, k_sign=u8, v_main=u8, v_sign=u8, k_tab=f16, v_tab=f16, p_ptr=f16)
-    heads = 20
-    for dim in (16, 32, 64):
+    for heads, dim in ((20, 16), (20, 32), (20, 64), (40, 64)):
         fc, nf = predicted.feature_chunk(heads, dim)
         hg = predicted.score_heads(heads, dim)
         groups = -(-heads // hg)
@@ -110,7 +109,7 @@ def predicted_mix() -> None:
         pooled = len(tile_loop(disassemble(pool.asm["cubin"]))) * 8 * nf / predicted.BLOCK_T
         line = (f"{heads} heads of {dim}: scores walk {rows[0]:.0f} (the residual's sums too: {rows[1]:.0f}) "
                 f"+ pooling walk {pooled:.0f} = {rows[0] + pooled:.0f} ({rows[1] + pooled:.0f})")
-        if dim == 64:
+        if (heads, dim) == (20, 64):
             kernel, block_t = compile_stream(dim, 2)
             plain = len(tile_loop(disassemble(kernel.asm["cubin"]))) * heads / block_t
             line += f"; the plain 3.0-bit walk {plain:.0f}"

@@ -21,7 +21,7 @@ are computed once by a walk of their own and handed over as fp16 weights:
 * ``_predicted_merge_kernel``: the splits combined, the map applied, the step's own tokens added exactly.
 
 HQ = max(16, the heads rounded up to a power of two) (a dot's rows); 2·FC·d ≤ :data:`POOLED_VALUES` / HQ, so the
-pooled sums fit a program's registers. Shapes beyond :func:`fits` take the PyTorch path.
+pooled sums fit a program's registers. Shapes beyond :func:`fits` (35M's heads of 24) take the PyTorch path.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ from ...quant.layout import CachedCodes
 from ..common import FP_FUSION, interpreting, num_sms, part_or, token_strides
 
 LOG2E = tl.constexpr(1.4426950408889634)
-#: the most query heads × d a layer may have (the merge's and the pooled sums' widths)
-MAX_HEAD_WIDTH = 2048
 #: the most pooled feature sums a program keeps (two [HQ, FC·d])
 POOLED_VALUES = 16384
 #: a Hopper program's most shared memory (bytes)
@@ -55,19 +53,17 @@ def query_heads(heads: int) -> int:
 
 
 def fits(heads: int, dim: int) -> bool:
-    """Whether the fused walk takes a layer of ``heads`` heads of ``dim`` (a power of two of at least 16, and HQ·d ≤
-    :data:`MAX_HEAD_WIDTH`: ESM-2 8M's 20 heads of 16, 150M's of 32, 650M's of 64; not 35M's heads of 24 nor 3B's 40
-    heads)."""
-    return dim >= 16 and dim & (dim - 1) == 0 and query_heads(heads) * dim <= MAX_HEAD_WIDTH
+    """Whether the fused walks take a layer of ``heads`` heads of ``dim``: a power of two of at least 16, and one
+    feature head's two pooled sums for every query head within a program's :data:`POOLED_VALUES` (2·HQ·d ≤ 16K:
+    every ESM-2 and ESM C head shape but 35M's heads of 24)."""
+    return dim >= 16 and dim & (dim - 1) == 0 and 2 * query_heads(heads) * dim <= POOLED_VALUES
 
 
 def feature_chunk(heads: int, dim: int) -> tuple[int, int]:
-    """(FC, chunks): feature heads a program pools (a power of two) and the programs that cover every head. All HQ
-    heads where their two sums fit (the key tile then serves the features as it is: no second decode), else
-    chunks."""
+    """(FC, chunks): the feature heads a program of the pooling walk pools (a power of two, as many as their two
+    pooled sums for every query head fit :data:`POOLED_VALUES`, at most the heads rounded up) and the programs that
+    cover every head."""
     hq = query_heads(heads)
-    if 2 * hq * hq * dim <= POOLED_VALUES:
-        return hq, 1
     fc = min(triton.next_power_of_2(heads), max(1, POOLED_VALUES // (2 * hq * dim)))
     return fc, math.ceil(heads / fc)
 
