@@ -210,19 +210,21 @@ def main() -> None:
             continue
         for grid, stored in ((False, True), (True, False)):
             fc, _ = predicted.feature_chunk(heads, dim)
-            consts = dict(D=dim, HQ=predicted.query_heads(heads), KCB=4, KNC=16, KSIGN=not grid, KGRID=grid, PAGE=0)
-            ptrs = dict(codes, k_main=u8, k_sign=u8, v_main=u8, v_sign=u8, k_tab=f16, v_tab=f16, p_ptr=f16)
+            consts = dict(D=dim, HQ=predicted.query_heads(heads), KCB=4, KNC=16, KSIGN=not grid, KGRID=grid, PAGE=0,
+                          FT=4)
+            ptrs = dict(codes, k_main=u8, k_sign=u8, v_main=u8, v_sign=u8, k_tab=f16, v_tab=f16, p_ptr=f16, q_ptr=f16,
+                        perm_ptr="*i32")
             for fn, extra, ints, warps in (
                     (predicted._scores_kernel, dict(HG=predicted.score_heads(heads, dim), BT=predicted.SCORE_T, VCB=2,
                                                     VNC=4, VSIGN=False, VGRID=grid, VSTORED=stored),
-                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT"}, 4),
+                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"}, 4),
                     (predicted._pool_kernel, dict(FC=fc, BT=predicted.BLOCK_T, BTS=predicted.SCORE_T),
                      {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"}, 8)):
                 kernel = compile_kernel(fn, dict(consts, **extra), ints, ptrs, num_warps=warps)
                 assert kernel.metadata.shared <= predicted.SM90_SHARED, (heads, dim, kernel.metadata.shared)
                 print("compiled", fn.fn.__name__, len(kernel.asm["cubin"]), flush=True)
     compile_sm90(predicted._predicted_merge_kernel, dict(D=64, HQ=32, BLOCK_NS=16, BLOCK_J=1, FB=128, NFB=10,
-                                                         VSTORED=True),
+                                                         VSTORED=True, FT=4),
                  {"sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svs", "H", "S", "NS", "HALF"},
                  dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, kn_ptr=f16, vn_ptr=f16, valid_ptr=u8, w_ptr=f16, bias_ptr=f16,
                       out_ptr=f16), num_warps=4)

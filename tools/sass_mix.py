@@ -92,17 +92,19 @@ def predicted_mix() -> None:
     head) at 20 heads of 64."""
     from esm_turbo.kernels.decode import predicted
     u8, f16 = "*u8", "*fp16"
-    ptrs = dict(CODE_PTRS, k_main=u8, k_sign=u8, v_main=u8, v_sign=u8, k_tab=f16, v_tab=f16, p_ptr=f16)
+    ptrs = dict(CODE_PTRS, k_main=u8, k_sign=u8, v_main=u8, v_sign=u8, k_tab=f16, v_tab=f16, p_ptr=f16, q_ptr=f16,
+                perm_ptr="*i32")
     for heads, dim in ((20, 16), (20, 32), (20, 64), (40, 64)):
         fc, nf = predicted.feature_chunk(heads, dim)
         hg = predicted.score_heads(heads, dim)
         groups = -(-heads // hg)
-        consts = dict(D=dim, HQ=predicted.query_heads(heads), KCB=4, KNC=16, KSIGN=False, KGRID=True, PAGE=0)
+        consts = dict(D=dim, HQ=predicted.query_heads(heads), KCB=4, KNC=16, KSIGN=False, KGRID=True, PAGE=0, FT=4)
         rows = []
         for stored in (False, True):
             scores = compile_sm90(predicted._scores_kernel, dict(consts, HG=hg, BT=predicted.SCORE_T, VCB=2, VNC=4,
                                                                 VSIGN=False, VGRID=True, VSTORED=stored),
-                                  ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT"), ptrs, num_warps=4, aligned=())
+                                  ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"), ptrs,
+                                  num_warps=4, aligned=())
             rows.append(len(tile_loop(disassemble(scores.asm["cubin"]))) * 4 * groups / predicted.SCORE_T)
         pool = compile_sm90(predicted._pool_kernel, dict(consts, FC=fc, BT=predicted.BLOCK_T, BTS=predicted.SCORE_T),
                             ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"), ptrs, num_warps=8, aligned=())

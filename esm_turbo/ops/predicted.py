@@ -30,21 +30,23 @@ _ROTARY: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakK
 
 def walk_tables(perm: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ftab [H, 3, d] float32, w2 [2, H·d, H·d] in weight's dtype) of a key quantizer whose rotation is a permutation
+    """(ftab [H, 4, d] float32, w2 [2, H·d, H·d] in weight's dtype) of a key quantizer whose rotation is a permutation
     π (``perm`` [H, d], integer, as ``quant.rotations.key_permutation`` gives it and ``FusedTables.k_perm`` and
     ``CachedCodes.perm`` hold it; None for any other rotation), its offset o and scale σ [H, d] and the predictor's
     map ``weight`` [H·d, H·d]. A decoded key ŷ gives x̂ = (ŷ ⊙ σ + o) Π:
     u = ŷ ⊙ σ + o in code order, x̂_π(j) = u_j. f = x̂·cos − rotate_half(x̂)·sin, so Σ_t p_t f_t W =
     (Σ p u⊙cos(tω')) W₀ + (Σ p u⊙sin(tω')) W₁ with ω'_j the frequency of channel π(j), W₀'s row j = W's row π(j) and
     W₁'s row j = ±W's row π(j)'s rotate_half partner (+ for π(j) in the second half): ftab holds σ, o and the index
-    of ω' among the d/2 frequencies (π(j) mod d/2, exact in float32) a code channel, w2 W₀ and W₁."""
+    of ω' among the d/2 frequencies (π(j) mod d/2, exact in float32) a code channel, and o Π (the offsets in the
+    model's channel order: a query's constant q · o Π); w2 W₀ and W₁."""
     if perm is None:
         raise ValueError("walk_tables: the keys' rotation is not a permutation of each head's channels")
     pi = perm.long()
     heads, d = pi.shape
     base = torch.arange(heads, device=pi.device)[:, None] * d
     freq = (pi % (d // 2)).float()
-    ftab = torch.stack([scale.float(), offset.float(), freq], 1).contiguous()
+    natural = torch.empty_like(offset, dtype=torch.float32).scatter_(1, pi, offset.float())  # o Π: o_c at π(c)
+    ftab = torch.stack([scale.float(), offset.float(), freq, natural], 1).contiguous()
     rows, partner = (base + pi).reshape(-1), (base + (pi + d // 2) % d).reshape(-1)
     sign = torch.where(pi >= d // 2, 1.0, -1.0).reshape(-1, 1).to(pi.device)
     w = weight.float()
@@ -136,19 +138,16 @@ def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
                                tables: tuple[torch.Tensor, torch.Tensor] | None = None,
                                splits: int | None = None) -> torch.Tensor:
     """:func:`predicted_attention_reference`'s contract on the fused walk (CUDA, or CPU under Triton's interpreter),
-    for keys whose rotation is a permutation (``keys.perm``): queries into the keys' affine domain, the
-    walk, its merge (``kernels.decode.predicted``). ``tables``: :func:`walk_tables` (made here if None); ``splits``:
-    walks a row (None: enough for two waves of the GPU)."""
+    for keys whose rotation is a permutation (``keys.perm``): the two walks (the first gathers and scales the queries
+    into the keys' affine domain itself) and their merge (``kernels.decode.predicted``), three launches. ``tables``:
+    :func:`walk_tables` (made here if None); ``splits``: walks a row (None: enough for two waves of the GPU)."""
     from ..kernels.decode.predicted import predicted_merge_triton, predicted_partials_triton
-    # Π permutes each head's channels (``keys.perm``, what the walk requires): q Πᵀ is q gathered
-    z = q.float().gather(-1, keys.perm.long()[None, :, None, :].expand(q.shape))
-    qt, c0 = z * keys.scale[:, None, :], (z * keys.offset[:, None, :]).sum(-1)
     ftab, w2 = tables if tables is not None else walk_tables(keys.perm, keys.offset, keys.scale, predictor.weight)
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]
     trig = rotary_table(predictor.inv_freq, t_cap)
-    partials = predicted_partials_triton(qt, lengths, keys, values, ftab, trig, pages, block_size, splits)
-    return predicted_merge_triton(partials, q, k_new, v_new, new_valid, c0, values, w2, predictor.bias)
+    partials = predicted_partials_triton(q, lengths, keys, values, ftab, trig, pages, block_size, splits)
+    return predicted_merge_triton(partials, q, k_new, v_new, new_valid, ftab, values, w2, predictor.bias)
 
 
 def attend_predicted_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,

@@ -132,14 +132,16 @@ def _layout_rows(lay_ptr, hh, hmask, D: tl.constexpr):
 
 
 @triton.jit
-def _scores_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr, v_lay_ptr, len_ptr, page_ptr,
+def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr, v_lay_ptr, len_ptr, page_ptr,
                    m_ptr, l_ptr, acc_ptr, p_ptr, mt_ptr, H, S, T_CAP, CHUNK, TILES, NS, NT,
                    D: tl.constexpr, HQ: tl.constexpr, HG: tl.constexpr, BT: tl.constexpr, KCB: tl.constexpr,
                    VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
-                   KGRID: tl.constexpr, VGRID: tl.constexpr, VSTORED: tl.constexpr, PAGE: tl.constexpr):
+                   KGRID: tl.constexpr, VGRID: tl.constexpr, VSTORED: tl.constexpr, PAGE: tl.constexpr,
+                   FT: tl.constexpr):
     """Grid (B·S, NS, ⌈H/HG⌉): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length) in tiles
-    of BT, heads [group·HG, +HG) (HG ≤ 8): each head's scores from its own keys (``⟨q̃, ŷ⟩``, c0 dropped, log2 units)
-    and an online softmax. A tile's scores are one tensor-core product [16, HG·D] × [HG·D, BT]: the queries laid
+    of BT, heads [group·HG, +HG) (HG ≤ 8): each head's scores from its own keys (``⟨q̃, ŷ⟩``, c0 dropped, log2 units;
+    q̃ = (q Πᵀ) ⊙ σ gathered from ``q_ptr`` [B, H, S, D] (strides sqb, sqh, sqs) at the permutation ``perm_ptr``
+    [H, D] and scaled by row 0 of ``ftab_ptr`` [H, FT, D]) and an online softmax. A tile's scores are one tensor-core product [16, HG·D] × [HG·D, BT]: the queries laid
     block-diagonally, each split in two fp16 halves (row g its hi half, row 8 + g its lo half: q within 2^−22, fp32
     sums), against the decoded keys (exact in fp16: grid codes are small integers, tables fp16), so no sum over a
     head's channels crosses threads and the warps share the tokens. Rows are laid out for 8 heads, those ≥ HG unused.
@@ -162,8 +164,12 @@ def _scores_kernel(qt_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_p
     h8mask = (tl.arange(0, 8) < HG) & (h8 < H)
     cols = tl.arange(0, HG * D)
     hc = cols // D  # each column's head in the group
-    qv = tl.load(qt_ptr + ((b * H + group * HG + hc) * S + qi) * D + cols % D, mask=group * HG + hc < H, other=0.0)
-    qv = qv * LOG2E
+    # the query in the keys' affine domain, c0 dropped: q gathered at the keys' permutation and scaled by their σ
+    head = group * HG + hc
+    hcm = head < H
+    at = tl.load(perm_ptr + head * D + cols % D, mask=hcm, other=0)
+    qv = tl.load(q_ptr + b.to(tl.int64) * sqb + head * sqh + qi * sqs + at, mask=hcm, other=0.0).to(tl.float32)
+    qv = qv * tl.load(ftab_ptr + head * (FT * D) + cols % D, mask=hcm, other=0.0) * LOG2E
     q_hi = qv.to(tl.float16)
     q_lo = (qv - q_hi.to(tl.float32)).to(tl.float16)
     jj = tl.arange(0, 16)[:, None]
@@ -214,14 +220,14 @@ def _pool_kernel(p_ptr, mt_ptr, m_ptr, k_main, k_sign, k_tab, k_lay_ptr, ftab_pt
                  pool_ptr, H, S, T_CAP, CHUNK, TILES, NS, NF, NT,
                  D: tl.constexpr, HQ: tl.constexpr, FC: tl.constexpr, BT: tl.constexpr, BTS: tl.constexpr,
                  KCB: tl.constexpr,
-                 KNC: tl.constexpr, KSIGN: tl.constexpr, KGRID: tl.constexpr, PAGE: tl.constexpr):
+                 KNC: tl.constexpr, KSIGN: tl.constexpr, KGRID: tl.constexpr, PAGE: tl.constexpr, FT: tl.constexpr):
     """Grid (B·S, NS, NF): the pooled features of query ``qi`` of sequence b over the same rows as
     ``_scores_kernel``'s split, feature heads [chunk·FC, +FC), in tiles of BT tokens. Each tile's weights come back
     from the scores walk as p·2^(m_tile − m) (m_tile that of its tile of BTS tokens, m the split's max): the partial
     is at the split's own scale, as the merge takes it, with no rescaling in the loop. The feature heads' keys are
     decoded, u = ŷ ⊙ σ + o, and its factors cos(tω'), sin(tω') made from the rotary table ``trig_ptr``
     [≥ T_CAP, D/2, 2] (the rotary embedding's own cos and sin a position and frequency; each code channel's frequency
-    index: row 2 of ``ftab_ptr`` [H, 3, D]) by the angle sum t = t0 + i: the tile's first row [FC, D] read a tile,
+    index: row 2 of ``ftab_ptr`` [H, FT, D]) by the angle sum t = t0 + i: the tile's first row [FC, D] read a tile,
     the offsets' rows [FC, BT, D] once a program, four multiply-adds a value and no load (the angle t0·ω' + i·ω' lies
     within 2^−24·tω' of the reference's rounded tω'). Then two tensor-core products [FC·D, BT] × [BT, HQ] (fp16
     inputs, fp32 sums; the features are the rows, so the warps share them and none decodes another's). Writes the
@@ -242,7 +248,7 @@ def _pool_kernel(p_ptr, mt_ptr, m_ptr, k_main, k_sign, k_tab, k_lay_ptr, ftab_pt
     cc = tl.arange(0, D)
     fh = chunk * FC + tl.arange(0, FC)
     fmask = fh < H
-    f_at = fh[:, None] * (3 * D) + cc[None, :]
+    f_at = fh[:, None] * (FT * D) + cc[None, :]
     sg = tl.load(ftab_ptr + f_at, mask=fmask[:, None], other=0.0)
     of = tl.load(ftab_ptr + f_at + D, mask=fmask[:, None], other=0.0)
     fidx = tl.load(ftab_ptr + f_at + 2 * D, mask=fmask[:, None], other=0.0).to(tl.int32)  # [FC, D]
@@ -281,12 +287,13 @@ def _pool_kernel(p_ptr, mt_ptr, m_ptr, k_main, k_sign, k_tab, k_lay_ptr, ftab_pt
 
 
 @triton.jit
-def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr, svb, svh, svs, valid_ptr, c0_ptr,
+def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr, svb, svh, svs, valid_ptr, ftab_ptr,
                             m_ptr, l_ptr, acc_ptr, pool_ptr, v_scale, v_offset, v_rot, w_ptr, bias_ptr, out_ptr,
                             H, S, NS, HALF, D: tl.constexpr, HQ: tl.constexpr, BLOCK_NS: tl.constexpr,
-                            BLOCK_J: tl.constexpr, FB: tl.constexpr, NFB: tl.constexpr, VSTORED: tl.constexpr):
-    """Grid (B·S·H,): query ``qi`` of sequence b, head h. The walks' partials combined (log2 units, c0 [B, H, S] added
-    back), the residual sums mapped back from the value domain ((Σ p ŷ ⊙ σ + (Σ p) o) Π), the two halves of the pooled
+                            BLOCK_J: tl.constexpr, FB: tl.constexpr, NFB: tl.constexpr, VSTORED: tl.constexpr,
+                            FT: tl.constexpr):
+    """Grid (B·S·H,): query ``qi`` of sequence b, head h. The walks' partials combined (log2 units, the query's c0 —
+    q · (o Π), the keys' offsets in the model's channel order: row 3 of ``ftab_ptr`` [H, FT, D] — added back), the residual sums mapped back from the value domain ((Σ p ŷ ⊙ σ + (Σ p) o) Π), the two halves of the pooled
     sums (each HALF wide) through head h's columns of their rows of the map (``w_ptr`` [2, H·D, H·D] fp16,
     ``esm_turbo.ops.predicted.walk_tables``; FB rows a step) plus (Σ p)·b, the step's own tokens (q, k, v strided;
     ``valid_ptr`` [B, S] uint8) added exactly; ``out_ptr`` [B, H, S, D] contiguous. A query with no valid key gets
@@ -306,7 +313,7 @@ def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr,
     n = tl.arange(0, BLOCK_NS)
     nm = n < NS
     part = bs.to(tl.int64) * NS + n
-    c0 = tl.load(c0_ptr + (b * H + h) * S + qi)
+    c0 = tl.sum(q * tl.load(ftab_ptr + (h * FT + 3) * D + d), axis=0)  # the constant the walk dropped: q · o Π
     m = tl.load(m_ptr + part * HQ + h, mask=nm, other=float("-inf")) + c0 * LOG2E
     l_ = tl.load(l_ptr + part * HQ + h, mask=nm, other=0.0)
     top = tl.maximum(tl.max(m, axis=0), tl.max(sn, axis=0))
@@ -350,18 +357,19 @@ def full_layout(c: CachedCodes) -> torch.Tensor:
     return layout_of(torch.full((heads, dim), c.code.code_bits, device=c.table.device))
 
 
-def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None,
+def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None,
                               ftab: torch.Tensor, trig: torch.Tensor, pages: torch.Tensor | None = None,
                               block_size: int = 0, splits: int | None = None) -> tuple[torch.Tensor, ...]:
-    """The walk's partials for queries ``qt`` [B, H, S, d] float32 (in the keys' affine domain, c0 dropped: ``q̃``
-    of ``esm_turbo.ops.compressed.compressed_attention_reference``) over each row's ``lengths`` cached tokens: the
-    scores walk, then the pooling walk over its weights (two launches). ``values`` None: not stored (the residual
-    sums zero). ``ftab`` [H, 3, d] float32: each code channel's σ, o and rotary frequency index;
-    ``trig`` [≥ T_cap, d/2, 2] float32: the rotary embedding's cos and sin a position and frequency
-    (``esm_turbo.ops.predicted.walk_tables``, ``rotary_table``); a paged cache: ``pages`` [B, blocks] int32 and its
-    ``block_size``. Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], the pooled sums [B, S, NS, HQ,
+    """The walks' partials for queries ``q`` [B, H, S, d] (scaled and post-RoPE, any float dtype, a strided view read
+    in place) over each row's ``lengths`` cached tokens of ``keys``, whose rotation permutes each head's channels
+    (``keys.perm``): the scores walk (the query gathered at the permutation and scaled into the keys' affine domain,
+    c0 dropped), then the pooling walk over its weights (two launches). ``values`` None: not stored (the residual
+    sums zero). ``ftab`` [H, 4, d] float32: each code channel's σ, o and rotary frequency index, and the offsets in
+    the model's channel order; ``trig`` [≥ T_cap, d/2, 2] float32: the rotary embedding's cos and sin a position and
+    frequency (``esm_turbo.ops.predicted.walk_tables``, ``rotary_table``); a paged cache: ``pages`` [B, blocks] int32
+    and its ``block_size``. Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], the pooled sums [B, S, NS, HQ,
     2·NF·FC·d]); a split past a row's length leaves m = −inf and zero sums. Entries of heads ≥ H are not written."""
-    batch, heads, s, d = qt.shape
+    batch, heads, s, d = q.shape
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]
     if trig.shape[0] < t_cap or tuple(trig.shape[1:]) != (d // 2, 2):
@@ -373,10 +381,10 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
     fc, nf = feature_chunk(heads, d)
     blocks = max(1, math.ceil(t_cap / SCORE_T))  # the scores walk's tiles, each BLOCK_T-tiles of the pooling's
     if splits is None:
-        splits = max(1, min(blocks, 64, math.ceil(2 * num_sms(qt.device) / max(1, batch * s * nf))))
+        splits = max(1, min(blocks, 64, math.ceil(2 * num_sms(q.device) / max(1, batch * s * nf))))
     chunk = math.ceil(blocks / splits) * SCORE_T
     splits = max(1, math.ceil(t_cap / chunk))
-    dev = qt.device
+    dev = q.device
     m = torch.empty(batch, s, splits, hq, device=dev)  # every head's entry written (a split past a row's end too)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch, s, splits, hq, d, device=dev)
@@ -388,9 +396,10 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
     k_lay, v_lay = full_layout(keys), full_layout(values)
     k_sign = part_or(keys.sign, keys.main)
     codes = dict(D=d, HQ=hq, KCB=keys.code.code_bits, KNC=keys.table.shape[-1], KSIGN=keys.code.sign == "plane",
-                 KGRID=keys.code.grid, PAGE=page)
+                 KGRID=keys.code.grid, PAGE=page, FT=ftab.shape[1])
+    q, q_st = token_strides(q)
     _scores_kernel[(batch * s, splits, math.ceil(heads / hg))](
-        qt.contiguous(), keys.main, k_sign, values.main, part_or(values.sign, values.main), keys.table, values.table,
+        q, *q_st, keys.perm, ftab, keys.main, k_sign, values.main, part_or(values.sign, values.main), keys.table, values.table,
         k_lay, v_lay, lengths, pages, m, l_, acc, weights, tile_max, heads, s, t_cap, chunk, chunk // SCORE_T, splits,
         blocks, HG=hg, BT=SCORE_T, VCB=values.code.code_bits, VNC=values.table.shape[-1],
         VSIGN=values.code.sign == "plane", VGRID=values.code.grid, VSTORED=stored,
@@ -403,12 +412,12 @@ def predicted_partials_triton(qt: torch.Tensor, lengths: torch.Tensor, keys: Cac
 
 
 def predicted_merge_triton(partials: tuple[torch.Tensor, ...], q: torch.Tensor, k_new: torch.Tensor,
-                           v_new: torch.Tensor, new_valid: torch.Tensor, c0: torch.Tensor, values: CachedCodes | None,
+                           v_new: torch.Tensor, new_valid: torch.Tensor, ftab: torch.Tensor, values: CachedCodes | None,
                            weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The output [B, H, S, d] (q's dtype) of the walk's ``partials`` (``predicted_partials_triton``) and the step's
-    own tokens q, k_new, v_new [B, H, S, d] (strided views read in place; ``new_valid`` [B, S]), ``c0`` [B, H, S]
-    the queries' constant the walk dropped; ``values``: the residual's constants (None: not stored); ``weight``
-    [2, H·d, H·d]: the rows of the predictor's map for the two halves of the pooled sums (``walk_tables``), ``bias``
+    own tokens q, k_new, v_new [B, H, S, d] (strided views read in place; ``new_valid`` [B, S]); ``ftab`` the walks'
+    table (its row 3: the keys' offsets in the model's channel order, for the constant the walk dropped); ``values``:
+    the residual's constants (None: not stored); ``weight`` [2, H·d, H·d]: the rows of the predictor's map for the two halves of the pooled sums (``walk_tables``), ``bias``
     [H·d]: its bias. One launch."""
     m, l_, acc, pooled = partials
     batch, heads, s, d = q.shape
@@ -416,10 +425,10 @@ def predicted_merge_triton(partials: tuple[torch.Tensor, ...], q: torch.Tensor, 
     out = torch.empty(batch, s, heads, d, device=q.device, dtype=q.dtype)
     fb = min(128, triton.next_power_of_2(heads * d))
     stored = values is not None
-    v_scale, v_offset, v_rot = (values.scale, values.offset, values.rot) if stored else (c0, c0, c0)  # never read
+    v_scale, v_offset, v_rot = (values.scale, values.offset, values.rot) if stored else (ftab,) * 3  # never read
     _predicted_merge_kernel[(batch * s * heads,)](
-        q, *q_st, k_new, *k_st, v_new, *v_st, new_valid.contiguous().view(torch.uint8), c0.contiguous(), m, l_, acc,
+        q, *q_st, k_new, *k_st, v_new, *v_st, new_valid.contiguous().view(torch.uint8), ftab, m, l_, acc,
         pooled, v_scale, v_offset, v_rot, weight, bias, out, heads, s, m.shape[2], pooled.shape[-1] // 2,
         D=d, HQ=m.shape[3], BLOCK_NS=triton.next_power_of_2(m.shape[2]), BLOCK_J=triton.next_power_of_2(s), FB=fb,
-        NFB=triton.cdiv(heads * d, fb), VSTORED=stored, num_warps=4, enable_fp_fusion=FP_FUSION)
+        NFB=triton.cdiv(heads * d, fb), VSTORED=stored, FT=ftab.shape[1], num_warps=4, enable_fp_fusion=FP_FUSION)
     return out.transpose(1, 2)
