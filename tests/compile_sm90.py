@@ -218,7 +218,8 @@ def main() -> None:
                     (predicted._scores_kernel, dict(HG=predicted.score_heads(heads, dim), BT=predicted.SCORE_T, VCB=2,
                                                     VNC=4, VSIGN=False, VGRID=grid, VSTORED=stored),
                      {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"}, 4),
-                    (predicted._pool_kernel, dict(FC=fc, BT=predicted.BLOCK_T, BTS=predicted.SCORE_T),
+                    (predicted._pool_kernel, dict(FC=fc, BT=predicted.pool_tile(heads, dim),
+                                                  BTS=predicted.SCORE_T),
                      {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"}, 8)):
                 kernel = compile_kernel(fn, dict(consts, **extra), ints, ptrs, num_warps=warps)
                 assert kernel.metadata.shared <= predicted.SM90_SHARED, (heads, dim, kernel.metadata.shared)

@@ -106,9 +106,10 @@ def predicted_mix() -> None:
                                   ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"), ptrs,
                                   num_warps=4, aligned=())
             rows.append(len(tile_loop(disassemble(scores.asm["cubin"]))) * 4 * groups / predicted.SCORE_T)
-        pool = compile_sm90(predicted._pool_kernel, dict(consts, FC=fc, BT=predicted.BLOCK_T, BTS=predicted.SCORE_T),
+        bt = predicted.pool_tile(heads, dim)
+        pool = compile_sm90(predicted._pool_kernel, dict(consts, FC=fc, BT=bt, BTS=predicted.SCORE_T),
                             ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"), ptrs, num_warps=8, aligned=())
-        pooled = len(tile_loop(disassemble(pool.asm["cubin"]))) * 8 * nf / predicted.BLOCK_T
+        pooled = len(tile_loop(disassemble(pool.asm["cubin"]))) * 8 * nf / bt
         line = (f"{heads} heads of {dim}: scores walk {rows[0]:.0f} (the residual's sums too: {rows[1]:.0f}) "
                 f"+ pooling walk {pooled:.0f} = {rows[0] + pooled:.0f} ({rows[1] + pooled:.0f})")
         if (heads, dim) == (20, 64):

@@ -40,10 +40,11 @@ LOG2E = tl.constexpr(1.4426950408889634)
 POOLED_VALUES = 16384
 #: a Hopper program's most shared memory (bytes)
 SM90_SHARED = 232448
+#: the tokens of the pooling walk's tile: 16, or 32 where a program pools few features (``pool_tile``)
 BLOCK_T = 16
 #: the channels (heads × d) of a token the scores walk's program decodes
 SCORE_CHANNELS = 128
-#: the tokens of the scores walk's tile (its four warps take 16 each); a multiple of BLOCK_T
+#: the tokens of the scores walk's tile (its four warps take 16 each); a multiple of the pooling walk's
 SCORE_T = 64
 
 
@@ -66,6 +67,14 @@ def feature_chunk(heads: int, dim: int) -> tuple[int, int]:
     hq = query_heads(heads)
     fc = min(triton.next_power_of_2(heads), max(1, POOLED_VALUES // (2 * hq * dim)))
     return fc, math.ceil(heads / fc)
+
+
+def pool_tile(heads: int, dim: int) -> int:
+    """The pooling walk's tile: 32 tokens where its program pools at most 128 features (3B's and 15B's 64 query
+    heads), whose 16-token tiles left a tile's fixed work (the weights of every query head, the rotary rows) to few
+    values a thread (sm_90 listing: 1,980 → 1,785 warp instructions a cached token at 40 heads of 64); else 16."""
+    fc, _ = feature_chunk(heads, dim)
+    return 2 * BLOCK_T if fc * dim <= 128 else BLOCK_T
 
 
 def score_heads(heads: int, dim: int) -> int:
@@ -132,7 +141,8 @@ def _layout_rows(lay_ptr, hh, hmask, D: tl.constexpr):
 
 
 @triton.jit
-def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr, v_lay_ptr, len_ptr, page_ptr,
+def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr,
+                   v_lay_ptr, len_ptr, page_ptr,
                    m_ptr, l_ptr, acc_ptr, p_ptr, mt_ptr, H, S, T_CAP, CHUNK, TILES, NS, NT,
                    D: tl.constexpr, HQ: tl.constexpr, HG: tl.constexpr, BT: tl.constexpr, KCB: tl.constexpr,
                    VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
@@ -141,10 +151,11 @@ def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_m
     """Grid (B·S, NS, ⌈H/HG⌉): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length) in tiles
     of BT, heads [group·HG, +HG) (HG ≤ 8): each head's scores from its own keys (``⟨q̃, ŷ⟩``, c0 dropped, log2 units;
     q̃ = (q Πᵀ) ⊙ σ gathered from ``q_ptr`` [B, H, S, D] (strides sqb, sqh, sqs) at the permutation ``perm_ptr``
-    [H, D] and scaled by row 0 of ``ftab_ptr`` [H, FT, D]) and an online softmax. A tile's scores are one tensor-core product [16, HG·D] × [HG·D, BT]: the queries laid
-    block-diagonally, each split in two fp16 halves (row g its hi half, row 8 + g its lo half: q within 2^−22, fp32
-    sums), against the decoded keys (exact in fp16: grid codes are small integers, tables fp16), so no sum over a
-    head's channels crosses threads and the warps share the tokens. Rows are laid out for 8 heads, those ≥ HG unused.
+    [H, D] and scaled by row 0 of ``ftab_ptr`` [H, FT, D]) and an online softmax. A tile's scores are one
+    tensor-core product [16, HG·D] × [HG·D, BT]: the queries laid block-diagonally, each split in two fp16 halves
+    (row g its hi half, row 8 + g its lo half: q within 2^−22, fp32 sums), against the decoded keys (exact in fp16:
+    grid codes are small integers, tables fp16), so no sum over a head's channels crosses threads and the warps share
+    the tokens. Rows are laid out for 8 heads, those ≥ HG unused.
     The coded residual's sums are one more product, the weights (fp16, as flash attention's P·V) against the tile's
     values of the HG heads, of which each head keeps its own columns.
     Writes partial (b·S + qi)·NS + split: m, l [HQ] and (``VSTORED``) Σ p ŷᵥ [HQ, D]; and for the pooling walk each
@@ -293,8 +304,9 @@ def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr,
                             BLOCK_J: tl.constexpr, FB: tl.constexpr, NFB: tl.constexpr, VSTORED: tl.constexpr,
                             FT: tl.constexpr):
     """Grid (B·S·H,): query ``qi`` of sequence b, head h. The walks' partials combined (log2 units, the query's c0 —
-    q · (o Π), the keys' offsets in the model's channel order: row 3 of ``ftab_ptr`` [H, FT, D] — added back), the residual sums mapped back from the value domain ((Σ p ŷ ⊙ σ + (Σ p) o) Π), the two halves of the pooled
-    sums (each HALF wide) through head h's columns of their rows of the map (``w_ptr`` [2, H·D, H·D] fp16,
+    q · (o Π), the keys' offsets in the model's channel order: row 3 of ``ftab_ptr`` [H, FT, D] — added back), the
+    residual sums mapped back from the value domain ((Σ p ŷ ⊙ σ + (Σ p) o) Π), the two halves of the pooled sums
+    (each HALF wide) through head h's columns of their rows of the map (``w_ptr`` [2, H·D, H·D] fp16,
     ``esm_turbo.ops.predicted.walk_tables``; FB rows a step) plus (Σ p)·b, the step's own tokens (q, k, v strided;
     ``valid_ptr`` [B, S] uint8) added exactly; ``out_ptr`` [B, H, S, D] contiguous. A query with no valid key gets
     zeros. ``VSTORED`` False: no residual (values not stored)."""
@@ -379,7 +391,8 @@ def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: Cach
     hq = query_heads(heads)
     hg = score_heads(heads, d)
     fc, nf = feature_chunk(heads, d)
-    blocks = max(1, math.ceil(t_cap / SCORE_T))  # the scores walk's tiles, each BLOCK_T-tiles of the pooling's
+    blocks = max(1, math.ceil(t_cap / SCORE_T))  # the scores walk's tiles, each whole tiles of the pooling's
+    bt = pool_tile(heads, d)
     if splits is None:
         splits = max(1, min(blocks, 64, math.ceil(2 * num_sms(q.device) / max(1, batch * s * nf))))
     chunk = math.ceil(blocks / splits) * SCORE_T
@@ -399,14 +412,14 @@ def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: Cach
                  KGRID=keys.code.grid, PAGE=page, FT=ftab.shape[1])
     q, q_st = token_strides(q)
     _scores_kernel[(batch * s, splits, math.ceil(heads / hg))](
-        q, *q_st, keys.perm, ftab, keys.main, k_sign, values.main, part_or(values.sign, values.main), keys.table, values.table,
-        k_lay, v_lay, lengths, pages, m, l_, acc, weights, tile_max, heads, s, t_cap, chunk, chunk // SCORE_T, splits,
-        blocks, HG=hg, BT=SCORE_T, VCB=values.code.code_bits, VNC=values.table.shape[-1],
+        q, *q_st, keys.perm, ftab, keys.main, k_sign, values.main, part_or(values.sign, values.main), keys.table,
+        values.table, k_lay, v_lay, lengths, pages, m, l_, acc, weights, tile_max, heads, s, t_cap, chunk,
+        chunk // SCORE_T, splits, blocks, HG=hg, BT=SCORE_T, VCB=values.code.code_bits, VNC=values.table.shape[-1],
         VSIGN=values.code.sign == "plane", VGRID=values.code.grid, VSTORED=stored,
         num_warps=1 if interpreting() else 4, enable_fp_fusion=FP_FUSION, **codes)
     _pool_kernel[(batch * s, splits, nf)](
         weights, tile_max, m, keys.main, k_sign, keys.table, k_lay, ftab, trig, lengths, pages, pooled, heads, s,
-        t_cap, chunk, chunk // BLOCK_T, splits, nf, blocks, FC=fc, BT=BLOCK_T, BTS=SCORE_T,
+        t_cap, chunk, chunk // bt, splits, nf, blocks, FC=fc, BT=bt, BTS=SCORE_T,
         num_warps=1 if interpreting() else 8, enable_fp_fusion=FP_FUSION, **codes)
     return m, l_, acc, pooled
 
@@ -417,8 +430,8 @@ def predicted_merge_triton(partials: tuple[torch.Tensor, ...], q: torch.Tensor, 
     """The output [B, H, S, d] (q's dtype) of the walk's ``partials`` (``predicted_partials_triton``) and the step's
     own tokens q, k_new, v_new [B, H, S, d] (strided views read in place; ``new_valid`` [B, S]); ``ftab`` the walks'
     table (its row 3: the keys' offsets in the model's channel order, for the constant the walk dropped); ``values``:
-    the residual's constants (None: not stored); ``weight`` [2, H·d, H·d]: the rows of the predictor's map for the two halves of the pooled sums (``walk_tables``), ``bias``
-    [H·d]: its bias. One launch."""
+    the residual's constants (None: not stored); ``weight`` [2, H·d, H·d]: the rows of the predictor's map for the two
+    halves of the pooled sums (``walk_tables``), ``bias`` [H·d]: its bias. One launch."""
     m, l_, acc, pooled = partials
     batch, heads, s, d = q.shape
     (q, q_st), (k_new, k_st), (v_new, v_st) = map(token_strides, (q, k_new, v_new))
