@@ -224,6 +224,12 @@ def main() -> None:
                 kernel = compile_kernel(fn, dict(consts, **extra), ints, ptrs, num_warps=warps)
                 assert kernel.metadata.shared <= predicted.SM90_SHARED, (heads, dim, kernel.metadata.shared)
                 print("compiled", fn.fn.__name__, len(kernel.asm["cubin"]), flush=True)
+    # the write's read-back of a token's keys as features (grid codes; LUT codes with a sign plane), at 20 heads of 64
+    for grid in (True, False):
+        compile_sm90(predicted._features_kernel, dict(D=64, HQ=32, KCB=4, KNC=16, KSIGN=not grid, KGRID=grid, PAGE=0,
+                                                      FT=4),
+                     {"H", "S", "T_CAP"}, dict(codes, k_main=u8, k_sign=u8, k_tab=f16, perm_ptr="*i32",
+                                               pos_ptr="*i64"), num_warps=4)
     compile_sm90(predicted._predicted_merge_kernel, dict(D=64, HQ=32, BLOCK_NS=16, BLOCK_J=1, FB=128, NFB=10,
                                                          VSTORED=True, FT=4),
                  {"sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svs", "H", "S", "NS", "HALF"},

@@ -377,6 +377,36 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
     assert torch.allclose(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("heads,dim,block_size,codec_args", [
+    (4, 16, 0, {}),
+    (6, 32, 4, {"grid": True}),  # paged, grid codes
+    (20, 64, 0, {"residual": "none", "shared": False}),  # a layout row a head
+])
+def test_the_write_reads_back_its_keys_features_in_one_launch_as_the_codec_decodes_them(heads, dim, block_size,
+                                                                                        codec_args):
+    """predicted_features_triton (Triton's interpreter on CPU, the kernel on CUDA): the new tokens' keys as the cache
+    holds them, decoded, turned back from their rotation and the rotary embedding — the features the write predicts
+    the values from — equal ValuePredictor.features of the codec's own decode at each row's positions (bit for bit
+    on CPU: the same operations, no contraction)."""
+    from esm_turbo.kernels.decode.predicted import predicted_features_triton
+    from esm_turbo.ops.compressed import cached_codes, gather_rows
+    from esm_turbo.ops.predicted import codec_walk_tables, rotary_table
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    codec, cache = _predicted_cache(heads, dim, [13, 7], block_size, device=device, **codec_args)
+    parts = cache.pool.dev[0] if block_size else cache.parts[0]
+    pages = cache.pages()[0] if block_size else None
+    pos, s = torch.tensor([10, 4], device=device), 3  # the last three tokens of each row
+    stored = {name[2:]: gather_rows(t, pos, s, pages) for name, t in parts.items() if name.startswith("k.")}
+    want = codec.predictor.features(codec.key.decode(stored), pos[:, None] + torch.arange(s, device=device))
+    keys = cached_codes(codec, parts, "k")
+    got = predicted_features_triton(keys, pos, s, codec_walk_tables(codec)[0],
+                                    rotary_table(codec.predictor.inv_freq, 64), pages)
+    assert got.shape == want.shape == (2, s, heads * dim)
+    assert torch.allclose(got, want, atol=1e-6 * want.abs().max().item(), rtol=0)
+    if device == "cpu":
+        assert torch.equal(got, want)
+
+
 def test_the_fused_walk_refuses_heads_it_cannot_hold():
     """Layers past what a program holds (pooled sums of more than 64 query heads of 128), widths that are no power of
     two (35M's heads of 24) and keys whose rotation is not a permutation of their channels are read on the PyTorch

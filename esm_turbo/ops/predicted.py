@@ -82,18 +82,38 @@ def write_predicted(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Ten
                     pos: torch.Tensor, pages: torch.Tensor | None = None) -> None:
     """k, v [B, H, S, d] of tokens at positions ``pos[b] + j`` into one layer's packed parts (a paged cache's pools
     through ``pages``), the values as their residual after the prediction from the keys *as stored*: the keys are
-    packed first (with the values as given, then overwritten), read back and decoded, the prediction subtracted, and
-    both packed again (``esm_turbo::quantize_pack``: one Triton launch each on CUDA) — what
-    :meth:`KVCodec.encode` stores, whatever the kernel's rounding of a key."""
+    packed first, read back (:func:`stored_features`), the prediction subtracted, and keys and residual packed
+    (``esm_turbo::quantize_pack``: one Triton launch each on CUDA) — what :meth:`KVCodec.encode` stores, whatever
+    the kernel's rounding of a key."""
     if not fused_tables(codec).values_stored:  # the keys alone: nothing of the values is stored
         write_keys(codec, parts, k, pos, pages)
         return
-    pack_layer(codec, parts, k, v, pos, pages)
+    write_keys(codec, parts, k, pos, pages)
     s = k.shape[2]
+    pred = codec.predictor
+    feats = stored_features(codec, parts, pos, s, pages)  # [B, S, D]
+    predicted = (feats @ pred.weight.float() + pred.bias.float()).unflatten(-1, (pred.heads, pred.dim)).transpose(1, 2)
+    pack_layer(codec, parts, k, v.float() - predicted, pos, pages)
+
+
+def stored_features(codec: KVCodec, parts: dict[str, torch.Tensor], pos: torch.Tensor, s: int,
+                    pages: torch.Tensor | None = None) -> torch.Tensor:
+    """f [B, S, H·d] float32 (``ValuePredictor.features``) of the keys one layer's packed parts hold at positions
+    ``pos[b] + j`` (j < s; a paged cache's pools through ``pages``): one launch of
+    ``kernels.decode.predicted.predicted_features_triton`` on CUDA where the keys' rotation permutes their channels,
+    else read back and decoded by the codec (the same values and roundings)."""
+    from . import use_kernels
+    tables = fused_tables(codec)
+    if use_kernels(pos) and tables.k_perm is not None:
+        from ..kernels.decode.predicted import predicted_features_triton
+        keys = cached_codes(codec, parts, "k")
+        page = keys.main.shape[2] if pages is not None and pages.numel() else 0
+        t_cap = pages.shape[1] * page if page else keys.main.shape[2]
+        ftab, _ = codec_walk_tables(codec)
+        return predicted_features_triton(keys, pos, s, ftab, rotary_table(codec.predictor.inv_freq, t_cap), pages)
     stored = {name[2:]: gather_rows(t, pos, s, pages) for name, t in parts.items() if name.startswith("k.")}
-    k_hat = codec.key.decode(stored)
     positions = pos[:, None] + torch.arange(s, device=pos.device)
-    pack_layer(codec, parts, k, v.float() - codec.predictor(k_hat, positions), pos, pages)
+    return codec.predictor.features(codec.key.decode(stored), positions)
 
 
 def write_keys(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, pos: torch.Tensor,

@@ -360,6 +360,70 @@ def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr,
     tl.store(out_ptr + (bs.to(tl.int64) * H + h) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _features_kernel(k_main, k_sign, k_tab, k_lay_ptr, perm_ptr, ftab_ptr, trig_ptr, pos_ptr, page_ptr, out_ptr, H, S,
+                     T_CAP, D: tl.constexpr, HQ: tl.constexpr, KCB: tl.constexpr, KNC: tl.constexpr,
+                     KSIGN: tl.constexpr, KGRID: tl.constexpr, PAGE: tl.constexpr, FT: tl.constexpr):
+    """Grid (B·S,): token j of sequence b, at position pos[b] + j, as the cache holds its keys: every head's key decoded
+    (``_decode_heads``), turned back from the keys' affine domain (x̂ = (ŷ ⊙ σ + o) Π: u scattered to the model's
+    channels at the permutation ``perm_ptr`` [H, D]) and from the rotary embedding (f = x̂·cos − rotate_half(x̂)·sin at
+    the token's position, cos and sin read from the rotary table ``trig_ptr``), written as f [H·D] float32 at row
+    b·S + j of ``out_ptr``: what ``ValuePredictor.features`` gives for the decoded keys, with the same roundings
+    (compiled without contraction). x̂ is written first and read back in the model's order (a barrier between)."""
+    pid = tl.program_id(0)
+    b = pid // S
+    t = tl.load(pos_ptr + b).to(tl.int32) + pid % S
+    hh = tl.arange(0, HQ)
+    hmask = hh < H
+    cc = tl.arange(0, D)
+    if PAGE == 0:
+        rows = (b * H + hh).to(tl.int64) * T_CAP + t
+    else:
+        slot = tl.load(page_ptr + b.to(tl.int64) * (T_CAP // PAGE) + t // PAGE)
+        rows = (slot.to(tl.int64) * H + hh) * PAGE + t % PAGE
+    lay = _layout_rows(k_lay_ptr, hh, hmask, D)
+    y = _decode_heads(k_main, k_sign, k_tab, lay, hh, rows[:, None], hmask[:, None], D, KCB, KNC, KSIGN, KGRID)
+    y = tl.reshape(y, (HQ, D))
+    f_at = hh[:, None] * (FT * D) + cc[None, :]
+    m2 = hmask[:, None]
+    u = y * tl.load(ftab_ptr + f_at, mask=m2, other=0.0) + tl.load(ftab_ptr + f_at + D, mask=m2, other=0.0)
+    row = out_ptr + pid.to(tl.int64) * H * D + hh[:, None] * D
+    tl.store(row + tl.load(perm_ptr + hh[:, None] * D + cc[None, :], mask=m2, other=0), u, mask=m2)
+    tl.debug_barrier()
+    x = tl.load(row + cc[None, :], mask=m2, other=0.0)  # x̂ in the model's channel order
+    half = cc >= D // 2
+    other = tl.load(row + ((cc + D // 2) % D)[None, :], mask=m2, other=0.0)
+    rot = tl.where(half[None, :], other, -other)  # rotate_half(x̂) = [−x₂, x₁]
+    at = (t * (D // 2) + cc % (D // 2)) * 2
+    cos = tl.load(trig_ptr + at)[None, :]
+    sin = tl.load(trig_ptr + at + 1)[None, :]
+    f = x * cos - rot * sin
+    tl.debug_barrier()
+    tl.store(row + cc[None, :], f, mask=m2)
+
+
+def predicted_features_triton(keys: CachedCodes, pos: torch.Tensor, s: int, ftab: torch.Tensor, trig: torch.Tensor,
+                              pages: torch.Tensor | None = None) -> torch.Tensor:
+    """f [B, S, H·d] float32: every head's cached key of the tokens at positions ``pos[b] + j`` (j < s) decoded and
+    turned back before the rotary embedding (``ValuePredictor.features`` of the decoded keys, the same roundings),
+    one launch: what the cache write predicts the values from. ``keys``: a layer's packed keys (a paged cache's pool,
+    with its block table ``pages`` [B, blocks]) whose rotation permutes each head's channels (``keys.perm``);
+    ``ftab``, ``trig``: as :func:`predicted_partials_triton` takes them, ``trig`` covering the positions."""
+    heads, d = keys.perm.shape
+    batch = pos.shape[0]
+    page = keys.main.shape[2] if pages is not None and pages.numel() else 0
+    t_cap = pages.shape[1] * page if page else keys.main.shape[2]
+    if trig.shape[0] < t_cap:
+        raise ValueError(f"predicted features: a rotary table of >= {t_cap} positions is needed, got {trig.shape[0]}")
+    out = torch.empty(batch, s, heads * d, device=pos.device)
+    _features_kernel[(batch * s,)](
+        keys.main, part_or(keys.sign, keys.main), keys.table, full_layout(keys), keys.perm, ftab, trig, pos,
+        pages if page else pos, out, heads, s, t_cap, D=d, HQ=triton.next_power_of_2(heads),
+        KCB=keys.code.code_bits, KNC=keys.table.shape[-1], KSIGN=keys.code.sign == "plane", KGRID=keys.code.grid,
+        PAGE=page, FT=ftab.shape[1], num_warps=1 if interpreting() else 4, enable_fp_fusion=False)
+    return out
+
+
 def full_layout(c: CachedCodes) -> torch.Tensor:
     """One kind's field layout [H, d] int32 (``shift | mask << 8`` a channel), made explicit for equal widths."""
     from ...quant.packing import layout_of
