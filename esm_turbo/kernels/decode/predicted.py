@@ -230,8 +230,8 @@ def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_m
 def _pool_kernel(p_ptr, mt_ptr, m_ptr, k_main, k_sign, k_tab, k_lay_ptr, ftab_ptr, trig_ptr, len_ptr, page_ptr,
                  pool_ptr, H, S, T_CAP, CHUNK, TILES, NS, NF, NT,
                  D: tl.constexpr, HQ: tl.constexpr, FC: tl.constexpr, BT: tl.constexpr, BTS: tl.constexpr,
-                 KCB: tl.constexpr,
-                 KNC: tl.constexpr, KSIGN: tl.constexpr, KGRID: tl.constexpr, PAGE: tl.constexpr, FT: tl.constexpr):
+                 KCB: tl.constexpr, KNC: tl.constexpr, KSIGN: tl.constexpr, KGRID: tl.constexpr, PAGE: tl.constexpr,
+                 FT: tl.constexpr):
     """Grid (B·S, NS, NF): the pooled features of query ``qi`` of sequence b over the same rows as
     ``_scores_kernel``'s split, feature heads [chunk·FC, +FC), in tiles of BT tokens. Each tile's weights come back
     from the scores walk as p·2^(m_tile − m) (m_tile that of its tile of BTS tokens, m the split's max): the partial
