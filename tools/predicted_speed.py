@@ -51,7 +51,8 @@ def codecs(heads: int, dim: int, dev: torch.device) -> tuple[KVCodec, KVCodec, K
 
 def decode_rows(out) -> None:
     dev = torch.device("cuda")
-    print("## decode attention, one query a row: µs per call (the walk with its query prep and merge)", file=out)
+    print("## decode attention, one query a row: µs per call (the walks and their merge; the plain walk with its "
+          "merge)", file=out)
     for name, heads, d, batch, t in DECODE:
         if not fits(heads, d):
             print(f"{name} B={batch} T={t}: the walk does not fit a program here (the PyTorch path's shape)", file=out)
