@@ -90,9 +90,7 @@ def write_predicted(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Ten
         return
     write_keys(codec, parts, k, pos, pages)
     s = k.shape[2]
-    pred = codec.predictor
-    feats = stored_features(codec, parts, pos, s, pages)  # [B, S, D]
-    predicted = (feats @ pred.weight.float() + pred.bias.float()).unflatten(-1, (pred.heads, pred.dim)).transpose(1, 2)
+    predicted = codec.predictor.from_features(stored_features(codec, parts, pos, s, pages))
     pack_layer(codec, parts, k, v.float() - predicted, pos, pages)
 
 
@@ -106,11 +104,10 @@ def stored_features(codec: KVCodec, parts: dict[str, torch.Tensor], pos: torch.T
     tables = fused_tables(codec)
     if use_kernels(pos) and tables.k_perm is not None:
         from ..kernels.decode.predicted import predicted_features_triton
+        from ..kernels.decode.predicted import positions_held
         keys = cached_codes(codec, parts, "k")
-        page = keys.main.shape[2] if pages is not None and pages.numel() else 0
-        t_cap = pages.shape[1] * page if page else keys.main.shape[2]
-        ftab, _ = codec_walk_tables(codec)
-        return predicted_features_triton(keys, pos, s, ftab, rotary_table(codec.predictor.inv_freq, t_cap), pages)
+        trig = rotary_table(codec.predictor.inv_freq, positions_held(keys, pages)[1])
+        return predicted_features_triton(keys, pos, s, codec_walk_tables(codec)[0], trig, pages)
     stored = {name[2:]: gather_rows(t, pos, s, pages) for name, t in parts.items() if name.startswith("k.")}
     positions = pos[:, None] + torch.arange(s, device=pos.device)
     return codec.predictor.features(codec.key.decode(stored), positions)
@@ -161,11 +158,9 @@ def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
     for keys whose rotation is a permutation (``keys.perm``): the two walks (the first gathers and scales the queries
     into the keys' affine domain itself) and their merge (``kernels.decode.predicted``), three launches. ``tables``:
     :func:`walk_tables` (made here if None); ``splits``: walks a row (None: enough for two waves of the GPU)."""
-    from ..kernels.decode.predicted import predicted_merge_triton, predicted_partials_triton
+    from ..kernels.decode.predicted import positions_held, predicted_merge_triton, predicted_partials_triton
     ftab, w2 = tables if tables is not None else walk_tables(keys.perm, keys.offset, keys.scale, predictor.weight)
-    page = int(block_size) if pages is not None and pages.numel() else 0
-    t_cap = pages.shape[1] * page if page else keys.main.shape[2]
-    trig = rotary_table(predictor.inv_freq, t_cap)
+    trig = rotary_table(predictor.inv_freq, positions_held(keys, pages, block_size)[1])
     partials = predicted_partials_triton(q, lengths, keys, values, ftab, trig, pages, block_size, splits)
     return predicted_merge_triton(partials, q, k_new, v_new, new_valid, ftab, values, w2, predictor.bias)
 

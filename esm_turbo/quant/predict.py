@@ -69,7 +69,11 @@ class ValuePredictor(nn.Module):
 
     def forward(self, k_hat: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """k̂ [..., H, T, d] → predicted values [..., H, T, d] float32."""
-        pred = self.features(k_hat, positions) @ self.weight.float() + self.bias.float()  # [..., T, D]
+        return self.from_features(self.features(k_hat, positions))
+
+    def from_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """:meth:`features` [..., T, D] → predicted values [..., H, T, d] float32 (the map and the bias)."""
+        pred = feats @ self.weight.float() + self.bias.float()  # [..., T, D]
         return pred.unflatten(-1, (self.heads, self.dim)).transpose(-3, -2)
 
     def map_pooled(self, pooled: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:

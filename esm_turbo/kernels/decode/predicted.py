@@ -402,6 +402,19 @@ def _features_kernel(k_main, k_sign, k_tab, k_lay_ptr, perm_ptr, ftab_ptr, trig_
     tl.store(row + cc[None, :], f, mask=m2)
 
 
+def positions_held(keys: CachedCodes, pages: torch.Tensor | None, block_size: int = 0) -> tuple[int, int]:
+    """(PAGE, T_CAP) of a layer's packed keys: a paged cache's block (``block_size``, else the pool's own) and the
+    positions a row can hold through its block table ``pages`` [B, blocks]; (0, capacity) for a contiguous cache."""
+    page = (int(block_size) or keys.main.shape[2]) if pages is not None and pages.numel() else 0
+    return page, pages.shape[1] * page if page else keys.main.shape[2]
+
+
+def _check_rotary(trig: torch.Tensor, t_cap: int, d: int) -> None:
+    """A rotary table [≥ t_cap, d/2, 2] (``esm_turbo.ops.predicted.rotary_table``), or a one-line error."""
+    if trig.shape[0] < t_cap or tuple(trig.shape[1:]) != (d // 2, 2):
+        raise ValueError(f"predicted walk: a rotary table [>= {t_cap}, {d // 2}, 2] is needed, got {list(trig.shape)}")
+
+
 def predicted_features_triton(keys: CachedCodes, pos: torch.Tensor, s: int, ftab: torch.Tensor, trig: torch.Tensor,
                               pages: torch.Tensor | None = None) -> torch.Tensor:
     """f [B, S, H·d] float32: every head's cached key of the tokens at positions ``pos[b] + j`` (j < s) decoded and
@@ -411,10 +424,8 @@ def predicted_features_triton(keys: CachedCodes, pos: torch.Tensor, s: int, ftab
     ``ftab``, ``trig``: as :func:`predicted_partials_triton` takes them, ``trig`` covering the positions."""
     heads, d = keys.perm.shape
     batch = pos.shape[0]
-    page = keys.main.shape[2] if pages is not None and pages.numel() else 0
-    t_cap = pages.shape[1] * page if page else keys.main.shape[2]
-    if trig.shape[0] < t_cap:
-        raise ValueError(f"predicted features: a rotary table of >= {t_cap} positions is needed, got {trig.shape[0]}")
+    page, t_cap = positions_held(keys, pages)
+    _check_rotary(trig, t_cap, d)
     out = torch.empty(batch, s, heads * d, device=pos.device)
     _features_kernel[(batch * s,)](
         keys.main, part_or(keys.sign, keys.main), keys.table, full_layout(keys), keys.perm, ftab, trig, pos,
@@ -446,10 +457,8 @@ def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: Cach
     and its ``block_size``. Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], the pooled sums [B, S, NS, HQ,
     2·NF·FC·d]); a split past a row's length leaves m = −inf and zero sums. Entries of heads ≥ H are not written."""
     batch, heads, s, d = q.shape
-    page = int(block_size) if pages is not None and pages.numel() else 0
-    t_cap = pages.shape[1] * page if page else keys.main.shape[2]
-    if trig.shape[0] < t_cap or tuple(trig.shape[1:]) != (d // 2, 2):
-        raise ValueError(f"predicted walk: a rotary table [>= {t_cap}, {d // 2}, 2] is needed, got {list(trig.shape)}")
+    page, t_cap = positions_held(keys, pages, block_size)
+    _check_rotary(trig, t_cap, d)
     if not page:
         pages = lengths  # never read
     hq = query_heads(heads)
