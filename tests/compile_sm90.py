@@ -217,10 +217,10 @@ def main() -> None:
             for fn, extra, ints, warps in (
                     (predicted._scores_kernel, dict(HG=predicted.score_heads(heads, dim), BT=predicted.SCORE_T, VCB=2,
                                                     VNC=4, VSIGN=False, VGRID=grid, VSTORED=stored),
-                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"}, 4),
+                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"}, predicted.SCORE_WARPS),
                     (predicted._pool_kernel, dict(FC=fc, BT=predicted.pool_tile(heads, dim),
                                                   BTS=predicted.SCORE_T),
-                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"}, 8)):
+                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"}, predicted.POOL_WARPS)):
                 kernel = compile_kernel(fn, dict(consts, **extra), ints, ptrs, num_warps=warps)
                 assert kernel.metadata.shared <= predicted.SM90_SHARED, (heads, dim, kernel.metadata.shared)
                 print("compiled", fn.fn.__name__, len(kernel.asm["cubin"]), flush=True)

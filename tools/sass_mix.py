@@ -104,12 +104,14 @@ def predicted_mix() -> None:
             scores = compile_sm90(predicted._scores_kernel, dict(consts, HG=hg, BT=predicted.SCORE_T, VCB=2, VNC=4,
                                                                 VSIGN=False, VGRID=True, VSTORED=stored),
                                   ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"), ptrs,
-                                  num_warps=4, aligned=())
-            rows.append(len(tile_loop(disassemble(scores.asm["cubin"]))) * 4 * groups / predicted.SCORE_T)
+                                  num_warps=predicted.SCORE_WARPS, aligned=())
+            rows.append(len(tile_loop(disassemble(scores.asm["cubin"]))) * predicted.SCORE_WARPS * groups
+                        / predicted.SCORE_T)
         bt = predicted.pool_tile(heads, dim)
         pool = compile_sm90(predicted._pool_kernel, dict(consts, FC=fc, BT=bt, BTS=predicted.SCORE_T),
-                            ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"), ptrs, num_warps=8, aligned=())
-        pooled = len(tile_loop(disassemble(pool.asm["cubin"]))) * 8 * nf / bt
+                            ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"), ptrs,
+                            num_warps=predicted.POOL_WARPS, aligned=())
+        pooled = len(tile_loop(disassemble(pool.asm["cubin"]))) * predicted.POOL_WARPS * nf / bt
         line = (f"{heads} heads of {dim}: scores walk {rows[0]:.0f} (the residual's sums too: {rows[1]:.0f}) "
                 f"+ pooling walk {pooled:.0f} = {rows[0] + pooled:.0f} ({rows[1] + pooled:.0f})")
         if (heads, dim) == (20, 64):

@@ -42,6 +42,9 @@ POOLED_VALUES = 16384
 SM90_SHARED = 232448
 #: the tokens of the pooling walk's tile: 16, or 32 where a program pools few features (``pool_tile``)
 BLOCK_T = 16
+#: warps a program of the scores walk and of the pooling walk (the pooling walk's sums spill at 4)
+SCORE_WARPS = 4
+POOL_WARPS = 8
 #: the channels (heads × d) of a token the scores walk's program decodes
 SCORE_CHANNELS = 128
 #: the tokens of the scores walk's tile (its four warps take 16 each); a multiple of the pooling walk's
@@ -489,11 +492,11 @@ def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: Cach
         values.table, k_lay, v_lay, lengths, pages, m, l_, acc, weights, tile_max, heads, s, t_cap, chunk,
         chunk // SCORE_T, splits, blocks, HG=hg, BT=SCORE_T, VCB=values.code.code_bits, VNC=values.table.shape[-1],
         VSIGN=values.code.sign == "plane", VGRID=values.code.grid, VSTORED=stored,
-        num_warps=1 if interpreting() else 4, enable_fp_fusion=FP_FUSION, **codes)
+        num_warps=1 if interpreting() else SCORE_WARPS, enable_fp_fusion=FP_FUSION, **codes)
     _pool_kernel[(batch * s, splits, nf)](
         weights, tile_max, m, keys.main, k_sign, keys.table, k_lay, ftab, trig, lengths, pages, pooled, heads, s,
         t_cap, chunk, chunk // bt, splits, nf, blocks, FC=fc, BT=bt, BTS=SCORE_T,
-        num_warps=1 if interpreting() else 8, enable_fp_fusion=FP_FUSION, **codes)
+        num_warps=1 if interpreting() else POOL_WARPS, enable_fp_fusion=FP_FUSION, **codes)
     return m, l_, acc, pooled
 
 
