@@ -407,6 +407,28 @@ def test_the_write_reads_back_its_keys_features_in_one_launch_as_the_codec_decod
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("block_size", [0, 4])
+def test_the_fused_write_packs_keys_and_residual_a_kind_a_launch_as_the_reference_path(block_size, monkeypatch):
+    """write_predicted with the kernels on (Triton's interpreter on CPU, the kernels on CUDA): the keys' programs of
+    the quantize kernel, the features read back in one launch, then the values' programs alone on the residual;
+    the bytes the reference path writes (but where a rounding flips a value on a boundary), contiguous and paged."""
+    from esm_turbo.ops import predicted
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 4, 3, 16, generator=g).to(device) for _ in range(2))
+    pos = torch.tensor([10, 4], device=device)
+    written = []
+    for kernels in (False, True):
+        codec, cache = _predicted_cache(4, 16, [13, 7], block_size, device=device)
+        parts = cache.pool.dev[0] if block_size else cache.parts[0]
+        pages = cache.pages()[0] if block_size else None
+        monkeypatch.setattr(predicted, "use_kernels", lambda x, on=kernels: on)
+        predicted.write_predicted(codec, parts, k, v, pos, pages)
+        written.append({name: t.clone() for name, t in parts.items()})
+    for name, want in written[0].items():
+        got = written[1][name]
+        assert got.any() and (got != want).float().mean() < 2e-3, name
+
 def test_the_fused_walk_refuses_heads_it_cannot_hold():
     """Layers past what a program holds (pooled sums of more than 64 query heads of 128), widths that are no power of
     two (35M's heads of 24) and keys whose rotation is not a permutation of their channels are read on the PyTorch

@@ -363,7 +363,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
                          k_out: tuple, v_out: tuple, pos: torch.Tensor, k_code: CodeLayout, v_code: CodeLayout,
                          rot_halves: tuple | None = None, config: dict | None = None,
                          pages: torch.Tensor | None = None, slots: tuple | None = None,
-                         keys_only: bool = False) -> None:
+                         one_kind: bool = False) -> None:
     """Same contract as ``quantize_pack_reference`` applied to keys and values, in one launch (CUDA).
 
     k, v [B,H,S,d] (strided views read in place); ``*_tables`` = (rot [H,d,d], offset [H,d], scale [H,d],
@@ -377,9 +377,9 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     (``ieee`` fp32, or ``tf32x3``) / by_position / maxnreg (a register cap) for tuning. ``slots`` = (keys' slot part,
     values' slot part, keys' code table [H, d, codes], values' table, relative ranking) or None: each token's slot
     of each kind (one a token, ``esm_turbo.quant.slots``) written at its rows of the parts [B, 1, T_cap, 1] (a
-    paged cache's pools [slots, 1, block, 1]) as ``quantize_pack_reference`` picks it. ``keys_only``: the keys alone
-    are written (values not stored, ``esm_turbo.quant.predict.Unstored``: ``v`` and its tables and parts may be the
-    keys', never read), without slots."""
+    paged cache's pools [slots, 1, block, 1]) as ``quantize_pack_reference`` picks it. ``one_kind``: the kind passed as
+    the keys alone is written (either kind: both run the same code), without slots; ``v`` and its tables and parts
+    may be the keys', never read."""
     batch, heads, s, d = k.shape
     # 4 warps (2 spilled registers at 1024-token blocks); the block size is chosen below; tf32x3 (or the fp16 split)
     # keeps fp32 accuracy on tensor cores
@@ -415,7 +415,7 @@ def quantize_pack_triton(k: torch.Tensor, v: torch.Tensor, k_tables: tuple, v_ta
     # capped at 96 registers (108 uncapped, 8 bytes of stack), five 64-token programs share an SM: a 1024-token
     # prefill's 640 programs run in one wave, not 1.2 (caps at 32 tokens gained nothing)
     maxnreg = cfg["maxnreg"] or (96 if block_n >= 64 else None)
-    kinds = 1 if keys_only else 2  # grid axis 0: keys' programs, then values'
+    kinds = 1 if one_kind else 2  # grid axis 0: keys' programs, then values'
     launch = ((kinds * heads, triton.cdiv(s, block_n), batch) if per_seq
               else (kinds * heads, triton.cdiv(batch, block_n)))
     paged = pages is not None and pages.numel() > 0

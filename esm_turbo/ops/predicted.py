@@ -82,16 +82,19 @@ def write_predicted(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Ten
                     pos: torch.Tensor, pages: torch.Tensor | None = None) -> None:
     """k, v [B, H, S, d] of tokens at positions ``pos[b] + j`` into one layer's packed parts (a paged cache's pools
     through ``pages``), the values as their residual after the prediction from the keys *as stored*: the keys are
-    packed first, read back (:func:`stored_features`), the prediction subtracted, and keys and residual packed
-    (``esm_turbo::quantize_pack``: one Triton launch each on CUDA) — what :meth:`KVCodec.encode` stores, whatever
-    the kernel's rounding of a key."""
+    packed first, read back (:func:`stored_features`), the prediction subtracted, and the residual packed (the
+    quantize kernel's programs of one kind a launch on CUDA; with slots, keys and residual packed together, as
+    ``esm_turbo::quantize_pack`` writes both kinds' slots) — what :meth:`KVCodec.encode` stores, whatever the
+    kernel's rounding of a key."""
+    write_part(codec, parts, k, "k", pos, pages)
     if not fused_tables(codec).values_stored:  # the keys alone: nothing of the values is stored
-        write_keys(codec, parts, k, pos, pages)
         return
-    write_keys(codec, parts, k, pos, pages)
     s = k.shape[2]
-    predicted = codec.predictor.from_features(stored_features(codec, parts, pos, s, pages))
-    pack_layer(codec, parts, k, v.float() - predicted, pos, pages)
+    residual = v.float() - codec.predictor.from_features(stored_features(codec, parts, pos, s, pages))
+    if codec.slots:
+        pack_layer(codec, parts, k, residual, pos, pages)
+    else:
+        write_part(codec, parts, residual, "v", pos, pages)
 
 
 def stored_features(codec: KVCodec, parts: dict[str, torch.Tensor], pos: torch.Tensor, s: int,
@@ -100,7 +103,6 @@ def stored_features(codec: KVCodec, parts: dict[str, torch.Tensor], pos: torch.T
     ``pos[b] + j`` (j < s; a paged cache's pools through ``pages``): one launch of
     ``kernels.decode.predicted.predicted_features_triton`` on CUDA where the keys' rotation permutes their channels,
     else read back and decoded by the codec (the same values and roundings)."""
-    from . import use_kernels
     tables = fused_tables(codec)
     if use_kernels(pos) and tables.k_perm is not None:
         from ..kernels.decode.predicted import predicted_features_triton
@@ -113,21 +115,22 @@ def stored_features(codec: KVCodec, parts: dict[str, torch.Tensor], pos: torch.T
     return codec.predictor.features(codec.key.decode(stored), positions)
 
 
-def write_keys(codec: KVCodec, parts: dict[str, torch.Tensor], k: torch.Tensor, pos: torch.Tensor,
+def write_part(codec: KVCodec, parts: dict[str, torch.Tensor], x: torch.Tensor, kind: str, pos: torch.Tensor,
                pages: torch.Tensor | None = None) -> None:
-    """k [B, H, S, d] into one layer's key parts at rows ``pos[b] + j``: the quantize kernel's key programs alone on
-    CUDA (``quantize_pack_triton(keys_only=True)``), its reference elsewhere."""
+    """x [B, H, S, d] into one layer's parts of ``kind`` ('k' or 'v') at rows ``pos[b] + j``, no slots: the quantize
+    kernel's programs of that kind alone on CUDA (``quantize_pack_triton(one_kind=True)``), its reference elsewhere."""
     tables = fused_tables(codec)
-    key = codec.key
-    k_tables = (key.rot, key.offset, key.scale, tables.k_bounds, key.centroids, tables.k_layout)
-    k_out = tables.packed(parts, "k")
-    if use_kernels(k):
+    q = codec.key if kind == "k" else codec.value
+    bounds, layout, code, rot16 = ((tables.k_bounds, tables.k_layout, tables.k_code, tables.k_rot16) if kind == "k"
+                                   else (tables.v_bounds, tables.v_layout, tables.v_code, tables.v_rot16))
+    x_tables = (q.rot, q.offset, q.scale, bounds, q.centroids, layout)
+    out = tables.packed(parts, kind)
+    if use_kernels(x):
         from ..kernels.quantize import quantize_pack_triton
-        halves = (tables.k_rot16, tables.k_rot16)
-        quantize_pack_triton(k, k, k_tables, k_tables, k_out, k_out, pos, tables.k_code, tables.k_code, halves,
-                             pages=pages, keys_only=True)
+        quantize_pack_triton(x, x, x_tables, x_tables, out, out, pos, code, code, (rot16, rot16), pages=pages,
+                             one_kind=True)
     else:
-        quantize_pack_reference(k, *k_tables, *k_out, pos, tables.k_code, pages)
+        quantize_pack_reference(x, *x_tables, *out, pos, code, pages)
 
 
 def predicted_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
