@@ -73,8 +73,8 @@ class CalibrationConfig:
     predict_values: bool = _f(False, "values coded as what every head's decoded keys, turned back before the rotary "
                                      "embedding, do not predict (an affine map a layer fitted on the calibration set: "
                                      "constants of H*d x H*d, no bytes a token; with value_index_bits 0 the values "
-                                     "are not stored at all); on CUDA a fused walk over every head's keys at "
-                                     "once (layers up to 20 heads of 64, no slots)")
+                                     "are not stored at all); on CUDA two fused walks over every head's keys "
+                                     "(heads of 16 to 128 channels, no slots)")
 
     def codec(self, key, value, predictor=None):
         """The :class:`~esm_turbo.quant.codec.KVCodec` of a layer's fitted ``key`` and ``value`` quantizers under
