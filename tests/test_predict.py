@@ -399,8 +399,9 @@ def test_the_write_reads_back_its_keys_features_in_one_launch_as_the_codec_decod
     stored = {name[2:]: gather_rows(t, pos, s, pages) for name, t in parts.items() if name.startswith("k.")}
     want = codec.predictor.features(codec.key.decode(stored), pos[:, None] + torch.arange(s, device=device))
     keys = cached_codes(codec, parts, "k")
-    got = predicted_features_triton(keys, pos, s, codec_walk_tables(codec)[0],
-                                    rotary_table(codec.predictor.inv_freq, 64), pages)
+    trig = rotary_table(codec.predictor, 64)
+    assert rotary_table(codec.predictor, 64) is trig  # kept a predictor
+    got = predicted_features_triton(keys, pos, s, codec_walk_tables(codec)[0], trig, pages)
     assert got.shape == want.shape == (2, s, heads * dim)
     assert torch.allclose(got, want, atol=1e-6 * want.abs().max().item(), rtol=0)
     if device == "cpu":

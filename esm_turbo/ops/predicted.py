@@ -24,8 +24,9 @@ from .reference import attend_predicted
 
 #: each codec's walk tables (:func:`walk_tables` of its keys and predictor), made once and kept while it lives
 _TABLES: "weakref.WeakKeyDictionary[KVCodec, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
-#: each predictor's rotary table (:func:`rotary_table`), keyed by its inv_freq buffer
-_ROTARY: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
+#: each predictor's rotary table (:func:`rotary_table`; a module, hashed by identity: a tensor key would be compared
+#: element by element)
+_ROTARY: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 def walk_tables(perm: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
@@ -53,18 +54,20 @@ def walk_tables(perm: torch.Tensor | None, offset: torch.Tensor, scale: torch.Te
     return ftab, torch.stack([w[rows], sign * w[partner]]).to(weight.dtype).contiguous()
 
 
-def rotary_table(inv_freq: torch.Tensor, length: int) -> torch.Tensor:
-    """[L, d/2, 2] float32 (L ≥ ``length``, on inv_freq's device): the rotary embedding's cos and sin at positions
-    0..L−1 and each of its d/2 frequencies, computed as ``quant.predict.rotary_angles`` computes them (so the fused
-    walk's factors are the reference's), for the pooling walk to read instead of evaluating them. Kept a predictor
-    (rebuilt when a longer one or another device is asked for), at least 1,024 rows and a power of two."""
-    cached = _ROTARY.get(inv_freq)
+def rotary_table(predictor, length: int) -> torch.Tensor:
+    """[L, d/2, 2] float32 (L ≥ ``length``, on the device of ``predictor.inv_freq``): the rotary embedding's cos and
+    sin at positions 0..L−1 and each of its d/2 frequencies, computed as ``quant.predict.rotary_angles`` computes them
+    (so the fused walk's factors are the reference's), for the pooling walk to read instead of evaluating them. Kept
+    a predictor (``quant.predict.ValuePredictor``; rebuilt when a longer one or another device is asked for), at
+    least 1,024 rows and a power of two."""
+    inv_freq = predictor.inv_freq
+    cached = _ROTARY.get(predictor)
     if cached is not None and cached.shape[0] >= length and cached.device == inv_freq.device:
         return cached
     rows = max(1024, 1 << max(0, int(length) - 1).bit_length())
     cos, sin = rotary_angles(torch.arange(rows, device=inv_freq.device), inv_freq)
     half = inv_freq.numel()
-    table = _ROTARY[inv_freq] = torch.stack([cos[:, :half], sin[:, :half]], -1).contiguous()
+    table = _ROTARY[predictor] = torch.stack([cos[:, :half], sin[:, :half]], -1).contiguous()
     return table
 
 
@@ -108,7 +111,7 @@ def stored_features(codec: KVCodec, parts: dict[str, torch.Tensor], pos: torch.T
         from ..kernels.decode.predicted import predicted_features_triton
         from ..kernels.decode.predicted import positions_held
         keys = cached_codes(codec, parts, "k")
-        trig = rotary_table(codec.predictor.inv_freq, positions_held(keys, pages)[1])
+        trig = rotary_table(codec.predictor, positions_held(keys, pages)[1])
         return predicted_features_triton(keys, pos, s, codec_walk_tables(codec)[0], trig, pages)
     stored = {name[2:]: gather_rows(t, pos, s, pages) for name, t in parts.items() if name.startswith("k.")}
     positions = pos[:, None] + torch.arange(s, device=pos.device)
@@ -163,7 +166,7 @@ def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
     :func:`walk_tables` (made here if None); ``splits``: walks a row (None: enough for two waves of the GPU)."""
     from ..kernels.decode.predicted import positions_held, predicted_merge_triton, predicted_partials_triton
     ftab, w2 = tables if tables is not None else walk_tables(keys.perm, keys.offset, keys.scale, predictor.weight)
-    trig = rotary_table(predictor.inv_freq, positions_held(keys, pages, block_size)[1])
+    trig = rotary_table(predictor, positions_held(keys, pages, block_size)[1])
     partials = predicted_partials_triton(q, lengths, keys, values, ftab, trig, pages, block_size, splits)
     return predicted_merge_triton(partials, q, k_new, v_new, new_valid, ftab, values, w2, predictor.bias)
 
