@@ -14,7 +14,7 @@ from esm_turbo.kernels import (activation, blocks, gemm, gemm_split, quantize, r
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, predicted, small, walk  # noqa: E402
-from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel  # noqa: E402
+from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel, resources  # noqa: E402
 from esm_turbo.quant.packing import packed_shifts  # noqa: E402
 
 
@@ -204,7 +204,8 @@ def main() -> None:
         compile_sm90(blocks._blocks_kernel, dict(TO_POOL=to_pool, BLOCK=2048), {"row_words"},
                      dict(stage_ptr=i64, base_ptr=i64, offset_ptr=i64, words_ptr=i64, slot_ptr=i64), num_warps=4)
     # the two walks over values predicted from the keys at each ESM-2 head shape they take (fits), within a Hopper
-    # program's shared memory: LUT codes with a sign plane and a coded residual, and grid codes of the keys alone
+    # program's shared memory and registers (no local memory: spills or stack), compiled as a launch specializes them
+    # (pointers 16-byte aligned): LUT codes with a sign plane and a coded residual, and grid codes of the keys alone
     for heads, dim in ((20, 16), (20, 32), (20, 64), (40, 64)):
         if not predicted.fits(heads, dim):
             continue
@@ -221,8 +222,9 @@ def main() -> None:
                     (predicted._pool_kernel, dict(FC=fc, BT=predicted.pool_tile(heads, dim),
                                                   BTS=predicted.SCORE_T),
                      {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"}, predicted.POOL_WARPS)):
-                kernel = compile_kernel(fn, dict(consts, **extra), ints, ptrs, num_warps=warps)
+                kernel = compile_kernel(fn, dict(consts, **extra), ints, ptrs, num_warps=warps, aligned=())
                 assert kernel.metadata.shared <= predicted.SM90_SHARED, (heads, dim, kernel.metadata.shared)
+                assert resources(kernel)[1] == 0, (fn.fn.__name__, heads, dim, grid, "local memory")
                 print("compiled", fn.fn.__name__, len(kernel.asm["cubin"]), flush=True)
     # the write's read-back of a token's keys as features (grid codes; LUT codes with a sign plane), at 20 heads of 64
     for grid in (True, False):

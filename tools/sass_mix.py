@@ -5,7 +5,8 @@ A listing compiled without that specialization loads its codes 32 bits at a time
 
     python tools/sass_mix.py            # head_dim 64 (650M-shaped) and 128 (15B-shaped); the 3.0-bit default at 64
     python tools/sass_mix.py --dump DIR # also writes each kernel's PTX and SASS there
-    python tools/sass_mix.py --predicted # the two walks over values predicted from the keys, per cached token
+    python tools/sass_mix.py --predicted # the two walks over values predicted from the keys, per cached token,
+                                         # and their registers and programs an SM (occupancy)
 
 Needs Triton's NVIDIA backend (its bundled ptxas and nvdisasm); TRITON_INTERPRET must be unset."""
 
@@ -30,7 +31,7 @@ from esm_turbo.kernels.decode import launch_config, walk  # noqa: E402
 from esm_turbo.model.recipe import recipe  # noqa: E402
 from esm_turbo.ops.compressed import fused_tables  # noqa: E402
 from esm_turbo.quant.layout import decode_grid  # noqa: E402
-from tools.sm90 import CODE_PTRS, compile_sm90  # noqa: E402
+from tools.sm90 import CODE_PTRS, compile_sm90, resident_programs, resources  # noqa: E402
 
 
 def compile_stream(d: int, index_bits: int = 3, subnormal: bool | None = None):
@@ -84,6 +85,10 @@ def opcode_mix(body: list[str]) -> collections.Counter:
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
 
 
+#: the step whose grids the occupancy lines size (queries × cached tokens a row), and an H100's multiprocessors
+OCCUPANCY_QUERIES, OCCUPANCY_T, H100_SMS = 64, 4096, 132
+
+
 def predicted_mix() -> None:
     """Warp instructions a cached token and query of the predicted-values walks (``kernels.decode.predicted``: the
     scores walk over every head, the pooling walk over every feature chunk), compiled as their launches compile them
@@ -99,12 +104,13 @@ def predicted_mix() -> None:
         hg = predicted.score_heads(heads, dim)
         groups = -(-heads // hg)
         consts = dict(D=dim, HQ=predicted.query_heads(heads), KCB=4, KNC=16, KSIGN=False, KGRID=True, PAGE=0, FT=4)
-        rows = []
+        rows, kernels = [], []
         for stored in (False, True):
             scores = compile_sm90(predicted._scores_kernel, dict(consts, HG=hg, BT=predicted.SCORE_T, VCB=2, VNC=4,
                                                                 VSIGN=False, VGRID=True, VSTORED=stored),
                                   ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"), ptrs,
                                   num_warps=predicted.SCORE_WARPS, aligned=())
+            kernels.append(scores)
             rows.append(len(tile_loop(disassemble(scores.asm["cubin"]))) * predicted.SCORE_WARPS * groups
                         / predicted.SCORE_T)
         bt = predicted.pool_tile(heads, dim)
@@ -119,6 +125,16 @@ def predicted_mix() -> None:
             plain = len(tile_loop(disassemble(kernel.asm["cubin"]))) * heads / block_t
             line += f"; the plain 3.0-bit walk {plain:.0f}"
         print(line, flush=True)
+        splits = predicted.walk_splits(OCCUPANCY_QUERIES, heads, dim, OCCUPANCY_T, H100_SMS)
+        for label, kernel, programs in (("scores walk", kernels[0], groups), ("residual's too", kernels[1], groups),
+                                        ("pooling walk", pool, nf)):
+            regs, local = resources(kernel)
+            resident, warps = resident_programs(kernel), kernel.metadata.num_warps
+            grid = OCCUPANCY_QUERIES * splits * programs
+            print(f"  {label}: {regs} registers, {local} B local, {kernel.metadata.shared // 1024} KB shared a "
+                  f"program of {warps} warps; {resident} an SM ({resident * warps} warps); B={OCCUPANCY_QUERIES} "
+                  f"T={OCCUPANCY_T}: {grid} programs, {grid / (resident * H100_SMS):.2f} waves on {H100_SMS} SMs",
+                  flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ unset in the process that compiles."""
 from __future__ import annotations
 
 import inspect
+import struct
 from collections.abc import Iterable
 
 import triton
@@ -37,3 +38,44 @@ def compile_sm90(fn, consts: dict, ints: Iterable[str], ptrs: dict, num_warps: i
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     options = dict(num_warps=num_warps, enable_fp_fusion=FP_FUSION) | (dict(maxnreg=maxnreg) if maxnreg else {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+#: an sm_90 multiprocessor's registers, warps, programs and shared memory (bytes; each program also reserves 1 KB)
+SM90_REGISTERS, SM90_WARPS, SM90_PROGRAMS, SM90_SHARED = 65536, 64, 32, 233472
+
+
+def resources(kernel) -> tuple[int, int]:
+    """(registers a thread, bytes of local memory a thread: spills and stack) of a kernel compiled by
+    :func:`compile_sm90`, read from its cubin's ``.nv.info`` section (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE)."""
+    cubin = kernel.asm["cubin"]
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i: int) -> tuple:  # ELF64 section header: name, type, flags, addr, offset, size, link, info, ...
+        return struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+
+    names = section(shstrndx)[4]
+    found = {}
+    for i in range(shnum):
+        head = section(i)
+        if cubin[names + head[0]:cubin.index(b"\0", names + head[0])] != b".nv.info":
+            continue
+        data, p = cubin[head[4]:head[4] + head[5]], 0
+        while p < len(data):  # attributes: format, id, then (format 4) a u16 size and the value, (3) two bytes
+            fmt, attr = data[p], data[p + 1]
+            size = struct.unpack_from("<H", data, p + 2)[0] if fmt == 4 else 2 if fmt == 3 else 0
+            start = p + (4 if fmt == 4 else 2)
+            if fmt == 4 and size == 8:
+                found[attr] = struct.unpack_from("<II", data, start)[1]  # (function symbol, value)
+            p = start + size
+    return found[0x2F], found.get(0x11, 0)
+
+
+def resident_programs(kernel) -> int:
+    """Programs of ``kernel`` one sm_90 multiprocessor holds at once, by registers (allocated 8 a thread at a time),
+    warps, shared memory and the programs' own limit."""
+    regs, _ = resources(kernel)
+    warps = kernel.metadata.num_warps
+    by_regs = SM90_REGISTERS // (-(-regs // 8) * 8 * 32 * warps)
+    by_shared = SM90_SHARED // (kernel.metadata.shared + 1024)
+    return min(by_regs, SM90_WARPS // warps, by_shared, SM90_PROGRAMS)

@@ -86,6 +86,13 @@ def score_heads(heads: int, dim: int) -> int:
     return max(1, min(8, SCORE_CHANNELS // dim))
 
 
+def walk_splits(queries: int, heads: int, dim: int, t_cap: int, sms: int) -> int:
+    """The splits of each query's cached tokens the walks take by default: enough pooling programs (queries × splits
+    × feature chunks) for two of each of ``sms`` multiprocessors, at most one a score tile and 64."""
+    blocks = max(1, math.ceil(t_cap / SCORE_T))
+    return max(1, min(blocks, 64, math.ceil(2 * sms / max(1, queries * feature_chunk(heads, dim)[1]))))
+
+
 @triton.jit
 def _rows_of(b, hh, offs_t, tmask, page_ptr, H, T_CAP, PAGE: tl.constexpr):
     """Row indices [HH, BT] (int64) of heads ``hh`` [HH] at positions ``offs_t`` [BT] of sequence b: ``(b·H + h)·T_CAP
@@ -470,7 +477,7 @@ def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: Cach
     blocks = max(1, math.ceil(t_cap / SCORE_T))  # the scores walk's tiles, each whole tiles of the pooling's
     bt = pool_tile(heads, d)
     if splits is None:
-        splits = max(1, min(blocks, 64, math.ceil(2 * num_sms(q.device) / max(1, batch * s * nf))))
+        splits = walk_splits(batch * s, heads, d, t_cap, num_sms(q.device))
     chunk = math.ceil(blocks / splits) * SCORE_T
     splits = max(1, math.ceil(t_cap / chunk))
     dev = q.device
