@@ -1,6 +1,7 @@
 """Compiling the kernels for an H100 (sm_90) without a GPU, with Triton's bundled ptxas: CI's compile check
-(tests/compile_sm90.py) and the decode walk's instruction mix (tools/sass_mix.py). TRITON_INTERPRET must be
-unset in the process that compiles."""
+(tests/compile_sm90.py) and the decode walks' instruction mix (tools/sass_mix.py); what a compiled kernel holds
+(registers, local memory) and how many of its programs an SM runs at once. TRITON_INTERPRET must be unset in the
+process that compiles."""
 
 from __future__ import annotations
 
