@@ -74,7 +74,7 @@ class CalibrationConfig:
                                      "embedding, do not predict (an affine map a layer fitted on the calibration set: "
                                      "constants of H*d x H*d, no bytes a token; with value_index_bits 0 the values "
                                      "are not stored at all); on CUDA two fused walks over every head's keys "
-                                     "(heads of 16 to 128 channels, no slots)")
+                                     "(heads of 16, 32, 64 or 128 channels, no slots)")
 
     def codec(self, key, value, predictor=None):
         """The :class:`~esm_turbo.quant.codec.KVCodec` of a layer's fitted ``key`` and ``value`` quantizers under
