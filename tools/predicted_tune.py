@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from esm_turbo.bench.step import profile_step
 from esm_turbo.bench.synthetic import fill_synthetic, step_args
 from esm_turbo.bench.timing import time_graph
 from esm_turbo.cache import KVCache
@@ -45,23 +46,6 @@ def launch(pooled: int, tile: int, pool_warps: int, score_warps: int):
         walks.POOLED_VALUES, walks.pool_tile, walks.POOL_WARPS, walks.SCORE_WARPS = saved
 
 
-def kernel_us(fn, reps: int = 5) -> dict[str, float]:
-    """µs a call of each CUDA kernel ``fn`` launches (profiled, eager, mean of ``reps``); empty without CUDA."""
-    if not torch.cuda.is_available():
-        return {}
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name] = out.get(e.name, 0.0) + e.device_time / reps
-    return out
-
-
 def shape_rows(name: str, log, dev: torch.device = torch.device("cuda")) -> None:
     """The lines of one shape of :data:`SHAPES` (on ``dev``: CUDA, or a CPU under Triton's interpreter to try it)."""
     heads, d, batch, t = SHAPES[name]
@@ -78,7 +62,8 @@ def shape_rows(name: str, log, dev: torch.device = torch.device("cuda")) -> None
     ref = run().float()
     t_plain = time_graph(lambda: compressed_attention_triton(q, k_new, v_new, valid, lengths, keys, values), dev) * 1e6
     t_default = time_graph(run, dev) * 1e6
-    parts = ", ".join(f"{k.split('(')[0][:28]} {v:.1f}" for k, v in kernel_us(run).items())
+    kernels = profile_step(run, dev)["top"] if dev.type == "cuda" else []
+    parts = ", ".join(f"{k['name'].split('(')[0][:28]} {k['ms'] * 1e3:.1f}" for k in kernels)
     log(f"{name} B={batch} T={t}: plain 3.0-bit walk {t_plain:.1f} µs, keys alone {t_default:.1f} µs at the default "
         f"launch ({parts})")
     rows = []

@@ -108,8 +108,7 @@ def stored_features(codec: KVCodec, parts: dict[str, torch.Tensor], pos: torch.T
     else read back and decoded by the codec (the same values and roundings)."""
     tables = fused_tables(codec)
     if use_kernels(pos) and tables.k_perm is not None:
-        from ..kernels.decode.predicted import predicted_features_triton
-        from ..kernels.decode.predicted import positions_held
+        from ..kernels.decode.predicted import positions_held, predicted_features_triton
         keys = cached_codes(codec, parts, "k")
         trig = rotary_table(codec.predictor, positions_held(keys, pages)[1])
         return predicted_features_triton(keys, pos, s, codec_walk_tables(codec)[0], trig, pages)
