@@ -46,8 +46,10 @@ def launch(pooled: int, tile: int, pool_warps: int, score_warps: int):
         walks.POOLED_VALUES, walks.pool_tile, walks.POOL_WARPS, walks.SCORE_WARPS = saved
 
 
-def shape_rows(name: str, log, dev: torch.device = torch.device("cuda")) -> None:
-    """The lines of one shape of :data:`SHAPES` (on ``dev``: CUDA, or a CPU under Triton's interpreter to try it)."""
+def shape_rows(name: str, log, dev: torch.device = torch.device("cuda")) -> tuple[float, list[tuple]]:
+    """The lines of one shape of :data:`SHAPES` (on ``dev``: CUDA, or a CPU under Triton's interpreter to try it);
+    returns the default launch's µs and every launch's row (µs, pooled, tile, pooling warps, scores warps, splits,
+    error or the failure's name, …), fastest first."""
     heads, d, batch, t = SHAPES[name]
     plain, pred, _ = codecs(heads, d, dev)
     cache = KVCache([plain], batch, capacity=t, device=dev)
@@ -85,6 +87,7 @@ def shape_rows(name: str, log, dev: torch.device = torch.device("cuda")) -> None
             f"tile {tile}, pooling warps {pw}, scores warps {sw}, splits {splits or 'default'}; error {note}")
     del cache, keys, values
     torch.cuda.empty_cache()
+    return t_default, rows
 
 
 def main(argv: list[str] | None = None) -> None:
