@@ -221,7 +221,7 @@ def main() -> None:
                      {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"}, predicted.SCORE_WARPS),
                     (predicted._pool_kernel, dict(FC=fc, BT=predicted.pool_tile(heads, dim),
                                                   BTS=predicted.SCORE_T),
-                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"}, predicted.POOL_WARPS)):
+                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"}, predicted.pool_warps(heads, dim, grid))):
                 kernel = compile_kernel(fn, dict(consts, **extra), ints, ptrs, num_warps=warps, aligned=())
                 assert kernel.metadata.shared <= predicted.SM90_SHARED, (heads, dim, kernel.metadata.shared)
                 assert resources(kernel)[1] == 0, (fn.fn.__name__, heads, dim, grid, "local memory")

@@ -333,8 +333,8 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
     (4, 16, [37, 0], 2, 8, 3, {}),  # a row with nothing cached nor new to attend to, paged
     (6, 32, [20, 33], 1, 16, None, {"grid": True}),  # the default's grid codes
     (2, 64, [40, 17], 1, 0, None, {"residual": "none", "shared": False}),  # a layout row a head
-    (20, 32, [19, 6], 1, 0, None, {"grid": True}),  # 150M's heads: three chunks of feature heads
-    (20, 64, [23, 9, 1], 1, 0, 2, {}),  # 650M's heads: five chunks
+    (20, 32, [19, 6], 1, 0, None, {"grid": True}),  # 150M's heads: five chunks of four feature heads
+    (20, 64, [23, 9, 1], 1, 0, 2, {}),  # 650M's heads: ten chunks of two
     (2, 128, [9, 4], 1, 0, None, {}),  # 15B's width: one chunk of two feature heads beside 16 query heads
     (20, 16, [30, 7], 1, 0, None, {"unstored": True}),  # values not stored: the keys alone
     (20, 64, [12, 5], 2, 16, 2, {"unstored": True}),
@@ -353,7 +353,7 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
     from esm_turbo.ops.compressed import cached_codes
     from esm_turbo.ops.predicted import predicted_attention_reference, predicted_attention_triton
     assert fits(heads, dim)
-    assert feature_chunk(heads, dim) == {(20, 16): (16, 2), (20, 32): (8, 3), (20, 64): (4, 5), (40, 64): (2, 20),
+    assert feature_chunk(heads, dim) == {(20, 16): (8, 3), (20, 32): (4, 5), (20, 64): (2, 10), (40, 64): (2, 20),
                                          (40, 128): (1, 40)}.get((heads, dim), (triton.next_power_of_2(heads), 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     codec, cache = _predicted_cache(heads, dim, lengths, block_size, device=device, **codec_args)

@@ -3,7 +3,7 @@ the walks and their merge (the keys alone, ``--bits 2 --predict-values``) over a
 pooling program (through the pooled sums it may hold), its tile and warps, the scores walk's warps, the splits of
 each row — each checked against the default's output and timed as ``esm-turbo bench`` times (a CUDA graph replayed
 after an L2 flush, median µs), beside the plain 3.0-bit walk in the same run. The occupancy each choice compiles to
-is static: ``python tools/sass_mix.py --predicted``.
+is static: ``python tools/sass_mix.py --predicted``. Last, the launches ranked for every shape at once.
 
     python tools/predicted_tune.py [--shapes 650M 8M] [--out R.txt]
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 from contextlib import contextmanager
 
@@ -37,13 +38,13 @@ TOP = 12
 @contextmanager
 def launch(pooled: int, tile: int, pool_warps: int, score_warps: int):
     """The walks' module constants and tile rule set to one launch choice for the block's calls."""
-    saved = walks.POOLED_VALUES, walks.pool_tile, walks.POOL_WARPS, walks.SCORE_WARPS
-    walks.POOLED_VALUES, walks.POOL_WARPS, walks.SCORE_WARPS = pooled, pool_warps, score_warps
+    saved = walks.POOLED_SUMS, walks.pool_tile, walks.POOL_WARPS, walks.SCORE_WARPS
+    walks.POOLED_SUMS, walks.POOL_WARPS, walks.SCORE_WARPS = pooled, pool_warps, score_warps
     walks.pool_tile = lambda heads, dim: tile
     try:
         yield
     finally:
-        walks.POOLED_VALUES, walks.pool_tile, walks.POOL_WARPS, walks.SCORE_WARPS = saved
+        walks.POOLED_SUMS, walks.pool_tile, walks.POOL_WARPS, walks.SCORE_WARPS = saved
 
 
 def shape_rows(name: str, log, dev: torch.device = torch.device("cuda")) -> tuple[float, list[tuple]]:
@@ -106,8 +107,18 @@ def main(argv: list[str] | None = None) -> None:
 
     log(f"# {torch.cuda.get_device_name()}: the predicted walks' launches, keys alone (µs, graph after an L2 flush); "
         "the 12 fastest of each shape")
+    per: dict[tuple, dict[str, float]] = {}  # launch → shape → time over the default's
     for name in args.shapes:
-        shape_rows(name, log)
+        t_default, rows = shape_rows(name, log)
+        for us, *launch_, note in (r[:7] for r in rows):
+            if us != float("inf"):
+                per.setdefault(tuple(launch_), {})[name] = us / t_default
+    ranked = sorted((math.exp(sum(map(math.log, v.values())) / len(v)), k, v) for k, v in per.items()
+                    if len(v) == len(args.shapes))
+    log("## one launch for every shape: the geometric mean of its time over the default's")
+    for mean, (pooled, tile, pw, sw, splits), v in ranked[:TOP]:
+        log(f"  {mean:.3f}  pooled {pooled}, tile {tile}, pooling warps {pw}, scores warps {sw}, splits "
+            f"{splits or 'default'}  (" + ", ".join(f"{n} {x:.3f}" for n, x in v.items()) + ")")
     if out:
         out.close()
 

@@ -113,11 +113,11 @@ def predicted_mix() -> None:
             kernels.append(scores)
             rows.append(len(tile_loop(disassemble(scores.asm["cubin"]))) * predicted.SCORE_WARPS * groups
                         / predicted.SCORE_T)
-        bt = predicted.pool_tile(heads, dim)
+        bt, warps = predicted.pool_tile(heads, dim), predicted.pool_warps(heads, dim, True)
         pool = compile_sm90(predicted._pool_kernel, dict(consts, FC=fc, BT=bt, BTS=predicted.SCORE_T),
                             ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"), ptrs,
-                            num_warps=predicted.POOL_WARPS, aligned=())
-        pooled = len(tile_loop(disassemble(pool.asm["cubin"]))) * predicted.POOL_WARPS * nf / bt
+                            num_warps=warps, aligned=())
+        pooled = len(tile_loop(disassemble(pool.asm["cubin"]))) * warps * nf / bt
         line = (f"{heads} heads of {dim}: scores walk {rows[0]:.0f} (the residual's sums too: {rows[1]:.0f}) "
                 f"+ pooling walk {pooled:.0f} = {rows[0] + pooled:.0f} ({rows[1] + pooled:.0f})")
         if (heads, dim) == (20, 64):

@@ -36,15 +36,20 @@ from ...quant.layout import CachedCodes
 from ..common import FP_FUSION, interpreting, num_sms, part_or, token_strides
 
 LOG2E = tl.constexpr(1.4426950408889634)
-#: the most pooled feature sums a program keeps (two [HQ, FC·d])
+#: the most pooled feature sums a program can keep (two [HQ, FC·d]): a head's own bound the heads that fit
 POOLED_VALUES = 16384
+#: the pooled sums a program keeps where a head's take fewer (feature heads chosen to fit them): half the most, at
+#: 4 warps, ran the keys alone 0.65× (650M-shaped) and 0.57× (8M-shaped) the time of the most at 8 warps (H100,
+#: ``tools/predicted_tune.py``, ``results/studies/predicted_tune_h100.txt``)
+POOLED_SUMS = 8192
 #: a Hopper program's most shared memory (bytes)
 SM90_SHARED = 232448
 #: the tokens of the pooling walk's tile: 16, or 32 where a program pools few features (``pool_tile``)
 BLOCK_T = 16
-#: warps a program of the scores walk and of the pooling walk (the pooling walk's sums spill at 4)
+#: warps a program of the scores walk and of the pooling walk (``pool_warps``: twice as many where a program keeps
+#: more than :data:`POOLED_SUMS`, whose sums spill at 4)
 SCORE_WARPS = 4
-POOL_WARPS = 8
+POOL_WARPS = 4
 #: the channels (heads × d) of a token the scores walk's program decodes
 SCORE_CHANNELS = 128
 #: the tokens of the scores walk's tile (its four warps take 16 each); a multiple of the pooling walk's
@@ -65,19 +70,30 @@ def fits(heads: int, dim: int) -> bool:
 
 def feature_chunk(heads: int, dim: int) -> tuple[int, int]:
     """(FC, chunks): the feature heads a program of the pooling walk pools (a power of two, as many as their two
-    pooled sums for every query head fit :data:`POOLED_VALUES`, at most the heads rounded up) and the programs that
-    cover every head."""
-    hq = query_heads(heads)
-    fc = min(triton.next_power_of_2(heads), max(1, POOLED_VALUES // (2 * hq * dim)))
+    pooled sums for every query head fit :data:`POOLED_SUMS`, at least two where two fit :data:`POOLED_VALUES` — 3B's
+    64 query heads of 64: one a program compiles to a third more instructions a cached token, sm_90 —, at least one,
+    at most the heads rounded up) and the programs that cover every head."""
+    per = 2 * query_heads(heads) * dim
+    fc = min(triton.next_power_of_2(heads), max(1, POOLED_SUMS // per, min(2, POOLED_VALUES // per)))
     return fc, math.ceil(heads / fc)
 
 
 def pool_tile(heads: int, dim: int) -> int:
-    """The pooling walk's tile: 32 tokens where its program pools at most 128 features (3B's and 15B's 64 query
-    heads), whose 16-token tiles left a tile's fixed work (the weights of every query head, the rotary rows) to few
-    values a thread (sm_90 listing: 1,980 → 1,785 warp instructions a cached token at 40 heads of 64); else 16."""
+    """The pooling walk's tile: 32 tokens where its program pools at most 128 features of heads of 64 or more
+    (650M-shaped: 0.65× the time of 16-token tiles at two feature heads, H100; at 3B's and 15B's 64 query heads the
+    16-token tiles left a tile's fixed work, the weights of every query head and the rotary rows, to few values a
+    thread); else 16 (8M-shaped: 0.86× the time of 32-token tiles)."""
     fc, _ = feature_chunk(heads, dim)
-    return 2 * BLOCK_T if fc * dim <= 128 else BLOCK_T
+    return 2 * BLOCK_T if fc * dim <= 128 and dim >= 64 else BLOCK_T
+
+
+def pool_warps(heads: int, dim: int, grid: bool) -> int:
+    """The pooling walk's warps: :data:`POOL_WARPS`, twice that where a program keeps more than :data:`POOLED_SUMS`
+    pooled sums (a head's own exceed it: 15B's 40 heads of 128) or decodes looked-up codes (``grid`` False) in
+    32-token tiles, which spill at 4 (sm_90 build: 8–80 bytes of local memory a thread, 255 registers)."""
+    fc, _ = feature_chunk(heads, dim)
+    big = 2 * query_heads(heads) * fc * dim > POOLED_SUMS or (not grid and pool_tile(heads, dim) > BLOCK_T)
+    return POOL_WARPS * (2 if big else 1)
 
 
 def score_heads(heads: int, dim: int) -> int:
@@ -503,7 +519,7 @@ def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: Cach
     _pool_kernel[(batch * s, splits, nf)](
         weights, tile_max, m, keys.main, k_sign, keys.table, k_lay, ftab, trig, lengths, pages, pooled, heads, s,
         t_cap, chunk, chunk // bt, splits, nf, blocks, FC=fc, BT=bt, BTS=SCORE_T,
-        num_warps=1 if interpreting() else POOL_WARPS, enable_fp_fusion=FP_FUSION, **codes)
+        num_warps=1 if interpreting() else pool_warps(heads, d, keys.code.grid), enable_fp_fusion=FP_FUSION, **codes)
     return m, l_, acc, pooled
 
 
