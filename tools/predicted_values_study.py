@@ -12,6 +12,11 @@ recipe itself at each ``--index-bits``.
 
     python tools/predicted_values_study.py ../shared/testbed/esm2_d64_trained --index-bits 1 2 --out R.txt
     python tools/predicted_values_study.py ../shared/testbed/esm2_8M_trained --index-bits 2 --predictor all-pre-rope
+    python tools/predicted_values_study.py ../shared/testbed/esm2_8M_trained --index-bits 2 --groups 1 8
+
+``--groups G``: the library's fit restricted to groups of G consecutive heads (each head's values from its group's
+keys before RoPE alone, W block-diagonal), as a walk that reads each group's keys once could pool them; with
+``--keys-alone`` no value bytes, the keys at the same all-in bits (``--bits B --predict-values``' split).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import esm_turbo.model.calibrate as calibration
 from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec
+from esm_turbo.quant.predict import PredictorFit, ValuePredictor
 
 
 def features(k_hat: torch.Tensor, every_head: bool) -> torch.Tensor:
@@ -88,6 +94,24 @@ def fit_predictors(model, records, cal, every_head: bool) -> list[tuple[torch.Te
     return out
 
 
+def group_solve(fit: PredictorFit, group: int, ridge: float = 1e-6) -> ValuePredictor:
+    """``fit``'s least squares restricted to groups of ``group`` consecutive heads: each group's values from its own
+    heads' keys before RoPE (W block-diagonal, a block a group), as :meth:`PredictorFit.solve` regularises."""
+    width, d = fit.heads * fit.dim, fit.dim
+    reg = ridge * float(fit.gram.diagonal()[:-1].mean().clamp_min(1e-30))
+    sol = torch.zeros(width + 1, width, dtype=fit.gram.dtype)
+    for first in range(0, fit.heads, group):
+        cols = list(range(first * d, min(first + group, fit.heads) * d))
+        rows = torch.tensor(cols + [width])
+        gram = fit.gram[rows][:, rows] + reg * torch.eye(len(rows), dtype=fit.gram.dtype)
+        gram[-1, -1] = fit.gram[-1, -1]
+        block = torch.linalg.solve(gram, fit.cross[rows][:, cols])
+        sol[rows[:, None], torch.tensor(cols)[None, :]] = block
+    pred = ValuePredictor(sol[:-1].float(), sol[-1].float(), fit.inv_freq, fit.heads, fit.dim)
+    pred.explained = fit.explained(sol)
+    return pred
+
+
 def calibrate_residuals(model, records, cfg, cal, predictors):
     """``calibrate`` with every recorded value replaced by its residual v − (k̂ W + b)."""
     plain_run = calibration._run
@@ -114,15 +138,46 @@ def main() -> None:
     ap.add_argument("--predictor", choices=["own", "all", "all-pre-rope"], default="own",
                     help="values predicted from their own head's key, from every head's key of the token, or from "
                          "every head's key turned back before the rotary embedding")
+    ap.add_argument("--groups", type=int, nargs="*", default=[],
+                    help="instead of --predictor: each head's values from the keys of its group of G consecutive "
+                         "heads alone (before RoPE), for each G given")
+    ap.add_argument("--keys-alone", action="store_true",
+                    help="with --groups: no value bytes (the prediction is the value), the keys at the same all-in "
+                         "bits")
+    ap.add_argument("--skip-recipe", action="store_true", help="with --groups: not the recipe's row beside them")
     args, model, cal_records, eval_records = parse(ap)
+    if args.skip_recipe and not args.groups:
+        ap.error("--skip-recipe: only with --groups")
     t0 = time.time()
     rows = []
+
+    def show(row) -> None:
+        label, r = row
+        print(f"{label:40} {r['bits']:.3f} {r['mean']:.4f} {r['worst']:.4f} {r['token']:.3f} {r['tail']:.2%} "
+              f"({time.time() - t0:.0f} s)", flush=True)
     for bits in args.index_bits:
         cfg = recipe("default", index_bits=bits)
-        cal = calibrate(model, cal_records, cfg, progress=False)
-        engine = TurboEsm(model, cal)
-        rows.append((f"recipe, {bits} index bits", measure(engine, eval_records, cal.codecs)))
+        if not args.skip_recipe:
+            cal = calibrate(model, cal_records, cfg, progress=False)
+            engine = TurboEsm(model, cal)
+            rows.append((f"recipe, {bits} index bits", measure(engine, eval_records, cal.codecs)))
+            show(rows[-1])
         source = {"own": "k̂", "all": "every head's k̂", "all-pre-rope": "every head's k̂ before RoPE"}[args.predictor]
+        for group in args.groups:  # the library's calibrate --predict-values, its fit restricted to groups
+            plain_solve = PredictorFit.solve
+            PredictorFit.solve = lambda fit, ridge=1e-6, g=group: group_solve(fit, g, ridge)
+            try:
+                split = dict(key_index_bits=2 * bits + 1, value_index_bits=0) if args.keys_alone else {}
+                grouped = calibrate(model, cal_records, recipe("default", index_bits=None if split else bits,
+                                                               predict_values=True, **split), progress=False)
+            finally:
+                PredictorFit.solve = plain_solve
+            rows.append((f"values from groups of {group} heads' k̂ before RoPE, {bits} index bits"
+                         + (" (keys alone)" if args.keys_alone else ""),
+                         measure(TurboEsm(model, grouped), eval_records, grouped.codecs)))
+            show(rows[-1])
+        if args.groups:
+            continue
         if args.predictor == "all-pre-rope":  # the library's calibrate --predict-values
             predicted = calibrate(model, cal_records, recipe("default", index_bits=bits, predict_values=True),
                                   progress=False)
@@ -132,12 +187,13 @@ def main() -> None:
             res = calibrate_residuals(model, cal_records, cfg, cal, predictors)
             codecs = [PredictedValues(c, w, b) for c, (w, b) in zip(res.codecs, predictors)]
         rows.append((f"values from {source}, {bits} index bits", measure(engine, eval_records, codecs)))
-        for label, r in rows[-2:]:
-            print(f"{label:40} {r['bits']:.3f} {r['mean']:.4f} {r['worst']:.4f} {r['token']:.3f} {r['tail']:.2%} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
+        show(rows[-1])
     lines = [f"# python tools/predicted_values_study.py {args.model} --index-bits "
              f"{' '.join(map(str, args.index_bits))}"
-             + (f" --predictor {args.predictor}" if args.predictor != "own" else "") + data_flags(args),
+             + (f" --predictor {args.predictor}" if args.predictor != "own" else "")
+             + (f" --groups {' '.join(map(str, args.groups))}" if args.groups else "")
+             + (" --keys-alone" if args.keys_alone else "") + (" --skip-recipe" if args.skip_recipe else "")
+             + data_flags(args),
              f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU. "
              "values from k̂: each value coded as its residual after v ≈ k̂ W + b (per layer and head, least squares "
              "on the calibration set), the value codec calibrated on those residuals",

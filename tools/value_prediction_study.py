@@ -9,7 +9,9 @@ layer (a read of the whole layer's keys per head), also turned back before the r
 every head are one square projection of the layer input, so its values are an affine map of them). The bits a value
 saved at equal error would be about ½·log2(1 / (1 − R²)).
 
-    python tools/value_prediction_study.py ../shared/testbed/esm2_8M_trained --out R.txt
+    python tools/value_prediction_study.py ../shared/testbed/esm2_8M_trained --groups 1 2 4 8 --out R.txt
+
+``--groups G``: also each head's values from the keys before RoPE of its group of G consecutive heads alone.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 from esm_turbo import load_esm, read_fasta
 from esm_turbo.model.calibrate import _run, token_batches
 from esm_turbo.model.engine import TurboEsm
-from predicted_values_study import affine_fit, unrope
+from esm_turbo.quant.predict import unrope
+from predicted_values_study import affine_fit
 
 
 def explained(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -35,11 +38,25 @@ def explained(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 1 - res.pow(2).sum((1, 2)) / centred.pow(2).sum((1, 2))
 
 
+def grouped(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [H, N, d] → [H, N, group·d]: each head's row the keys of its group of ``group`` consecutive heads (the last
+    group takes what is left, padded with zeros)."""
+    heads, n, d = x.shape
+    out = x.new_zeros(heads, n, group * d)
+    for h in range(heads):
+        first = h // group * group
+        members = x[first:min(first + group, heads)]
+        out[h, :, :members.shape[0] * d] = members.permute(1, 0, 2).reshape(n, -1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--calibration", default="calibration_data/calibration.fasta")
     ap.add_argument("--sequences", type=int, default=40)
+    ap.add_argument("--groups", type=int, nargs="*", default=[],
+                    help="also: V from the pre-RoPE keys of its group of G consecutive heads, for each G given")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = load_esm(args.model)
@@ -47,15 +64,18 @@ def main() -> None:
     store: dict[int, list] = {}
 
     def record(layer, q, k, v, valid):  # batches padded at the end: token s of every row sits at position s
-        flat = [t.permute(1, 0, 2, 3)[:, valid].float() for t in (k, v, unrope(k.float()))]
+        flat = [t.permute(1, 0, 2, 3)[:, valid].float() for t in (k, v, unrope(k.float(), None, inv_freq))]
         store.setdefault(layer, []).append(flat)
 
-    _run(TurboEsm(model), token_batches(records, 4096), record, "record", False)
+    engine = TurboEsm(model)
+    inv_freq = engine.rotary.inv_freq
+    _run(engine, token_batches(records, 4096), record, "record", False)
     tokens = sum(t[0].shape[1] for t in store[0])
     lines = [f"# python tools/value_prediction_study.py {args.model} (first {len(records)} sequences of "
              f"{args.calibration}: {tokens} tokens, fitted on the first half, scored on the second)",
              "# R² per head (mean, min over heads); bits: ½·log2(1 / (1 − mean R²)) a value at equal error",
-             "layer  V from own K      V from K,V below  K from K,V below  V from every head's K  (before RoPE)"]
+             "layer  V from own K      V from K,V below  K from K,V below  V from every head's K  (before RoPE)"
+             + "".join(f"  group of {g:<2} (before)" for g in args.groups)]
     prev = None
 
     def cell(r2: torch.Tensor) -> str:
@@ -70,7 +90,8 @@ def main() -> None:
         every_unrotated = unrotated.permute(1, 0, 2).reshape(1, k.shape[1], -1).expand(heads, -1, -1)
         below = ("-", "-") if prev is None else tuple(cell(explained(torch.cat(prev, -1), y)) for y in (v, k))
         lines.append(f"{layer:>5}  {cell(explained(k, v)):<16}  {below[0]:<16}  {below[1]:<16}  "
-                     f"{cell(explained(every_key, v)):<22} {cell(explained(every_unrotated, v))}")
+                     f"{cell(explained(every_key, v)):<22} {cell(explained(every_unrotated, v)):<22}"
+                     + "".join(f"  {cell(explained(grouped(unrotated, g), v)):<22}" for g in args.groups))
         prev = (k, v)
     text = "\n".join(lines) + "\n"
     print(text)
