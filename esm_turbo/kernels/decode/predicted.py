@@ -36,7 +36,7 @@ from ...quant.layout import CachedCodes
 from ..common import FP_FUSION, interpreting, num_sms, part_or, token_strides
 
 LOG2E = tl.constexpr(1.4426950408889634)
-#: the most pooled feature sums a program can keep (two [HQ, FC·d]): a head's own bound the heads that fit
+#: the most pooled feature sums a program can keep (two [HQ, FC·d]): one head's must fit (``fits``)
 POOLED_VALUES = 16384
 #: the pooled sums a program keeps where a head's take fewer (feature heads chosen to fit them): half the most, at
 #: 4 warps, ran the keys alone 0.65× (650M-shaped) and 0.57× (8M-shaped) the time of the most at 8 warps (H100,
@@ -80,7 +80,7 @@ def feature_chunk(heads: int, dim: int) -> tuple[int, int]:
 
 def pool_tile(heads: int, dim: int) -> int:
     """The pooling walk's tile: 32 tokens where its program pools at most 128 features of heads of 64 or more
-    (650M-shaped: 0.65× the time of 16-token tiles at two feature heads, H100; at 3B's and 15B's 64 query heads the
+    (650M-shaped: 0.74× the time of 16-token tiles at two feature heads, H100; at 3B's and 15B's 64 query heads the
     16-token tiles left a tile's fixed work, the weights of every query head and the rotary rows, to few values a
     thread); else 16 (8M-shaped: 0.86× the time of 32-token tiles)."""
     fc, _ = feature_chunk(heads, dim)
