@@ -67,6 +67,17 @@ def test_the_fit_recovers_values_that_are_an_affine_map_of_the_keys_before_rope(
     assert res_naive.pow(2).mean() > 100 * res.pow(2).mean()
 
 
+def test_a_fit_over_groups_of_heads_maps_each_group_from_its_own_keys():
+    k, v, _, _, inv_freq = _affine_keys_and_values(1, 200)
+    fit = PredictorFit(4, 16, inv_freq)
+    fit.add(k, v, torch.ones(2, 200, dtype=torch.bool))
+    grouped = fit.solve(group=2).weight.float().view(2, 32, 2, 32)  # [feature group, ·, value group, ·]
+    assert grouped[0, :, 1].abs().max() == 0 and grouped[1, :, 0].abs().max() == 0
+    assert grouped[0, :, 0].abs().max() > 0 and grouped[1, :, 1].abs().max() > 0
+    assert torch.equal(fit.solve(group=4).weight, fit.solve().weight)  # one group of every head: the full map
+    assert fit.solve(group=2).explained < fit.solve().explained
+
+
 def test_a_predictor_refuses_tables_of_the_wrong_shape():
     with pytest.raises(ValueError, match=r"expected weight \[64, 64\]"):
         ValuePredictor(torch.zeros(64, 32), torch.zeros(64), torch.zeros(8), 4, 16)

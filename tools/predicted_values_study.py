@@ -22,6 +22,7 @@ keys before RoPE alone, W block-diagonal), as a walk that reads each group's key
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -31,7 +32,7 @@ import esm_turbo.model.calibrate as calibration
 from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec
-from esm_turbo.quant.predict import PredictorFit, ValuePredictor
+from esm_turbo.quant.predict import PredictorFit
 
 
 def features(k_hat: torch.Tensor, every_head: bool) -> torch.Tensor:
@@ -94,24 +95,6 @@ def fit_predictors(model, records, cal, every_head: bool) -> list[tuple[torch.Te
     return out
 
 
-def group_solve(fit: PredictorFit, group: int, ridge: float = 1e-6) -> ValuePredictor:
-    """``fit``'s least squares restricted to groups of ``group`` consecutive heads: each group's values from its own
-    heads' keys before RoPE (W block-diagonal, a block a group), as :meth:`PredictorFit.solve` regularises."""
-    width, d = fit.heads * fit.dim, fit.dim
-    reg = ridge * float(fit.gram.diagonal()[:-1].mean().clamp_min(1e-30))
-    sol = torch.zeros(width + 1, width, dtype=fit.gram.dtype)
-    for first in range(0, fit.heads, group):
-        cols = list(range(first * d, min(first + group, fit.heads) * d))
-        rows = torch.tensor(cols + [width])
-        gram = fit.gram[rows][:, rows] + reg * torch.eye(len(rows), dtype=fit.gram.dtype)
-        gram[-1, -1] = fit.gram[-1, -1]
-        block = torch.linalg.solve(gram, fit.cross[rows][:, cols])
-        sol[rows[:, None], torch.tensor(cols)[None, :]] = block
-    pred = ValuePredictor(sol[:-1].float(), sol[-1].float(), fit.inv_freq, fit.heads, fit.dim)
-    pred.explained = fit.explained(sol)
-    return pred
-
-
 def calibrate_residuals(model, records, cfg, cal, predictors):
     """``calibrate`` with every recorded value replaced by its residual v − (k̂ W + b)."""
     plain_run = calibration._run
@@ -165,7 +148,7 @@ def main() -> None:
         source = {"own": "k̂", "all": "every head's k̂", "all-pre-rope": "every head's k̂ before RoPE"}[args.predictor]
         for group in args.groups:  # the library's calibrate --predict-values, its fit restricted to groups
             plain_solve = PredictorFit.solve
-            PredictorFit.solve = lambda fit, ridge=1e-6, g=group: group_solve(fit, g, ridge)
+            PredictorFit.solve = functools.partialmethod(plain_solve, group=group)
             try:
                 split = dict(key_index_bits=2 * bits + 1, value_index_bits=0) if args.keys_alone else {}
                 grouped = calibrate(model, cal_records, recipe("default", index_bits=None if split else bits,

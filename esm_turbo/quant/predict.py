@@ -143,16 +143,24 @@ class PredictorFit:
         self.energy += y.double().pow(2).sum(0)
         self.count += x.shape[0]
 
-    def solve(self, ridge: float = 1e-6) -> ValuePredictor:
+    def solve(self, ridge: float = 1e-6, group: int | None = None) -> ValuePredictor:
         """The fitted :class:`ValuePredictor` (a ridge of ``ridge`` × the features' mean energy keeps a rank-deficient
-        layer solvable)."""
+        layer solvable). ``group``: each head's values from the keys of its group of ``group`` consecutive heads alone
+        (the map block-diagonal, a block a group; ``tools/predicted_values_study.py --groups``); None: every head's."""
         if self.count == 0:
             raise ValueError("value predictor: no tokens to fit on")
         width = self.gram.shape[0]
         reg = ridge * float(self.gram.diagonal()[:-1].mean().clamp_min(1e-30))
         gram = self.gram + reg * torch.eye(width, dtype=self.gram.dtype, device=self.gram.device)
         gram[-1, -1] = self.gram[-1, -1]  # the bias is not shrunk
-        sol = torch.linalg.solve(gram, self.cross)  # [D + 1, D]
+        if group is None:
+            sol = torch.linalg.solve(gram, self.cross)  # [D + 1, D]
+        else:
+            sol = torch.zeros_like(self.cross)
+            for first in range(0, self.heads, group):
+                cols = torch.arange(first * self.dim, min(first + group, self.heads) * self.dim, device=sol.device)
+                rows = torch.cat([cols, cols.new_tensor([width - 1])])  # the group's features and the bias
+                sol[rows[:, None], cols] = torch.linalg.solve(gram[rows][:, rows], self.cross[rows][:, cols])
         pred = ValuePredictor(sol[:-1].float(), sol[-1].float(), self.inv_freq, self.heads, self.dim)
         pred.explained = self.explained(sol)
         return pred

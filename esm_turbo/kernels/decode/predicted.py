@@ -46,8 +46,8 @@ POOLED_SUMS = 8192
 SM90_SHARED = 232448
 #: the tokens of the pooling walk's tile: 16, or 32 where a program pools few features (``pool_tile``)
 BLOCK_T = 16
-#: warps a program of the scores walk and of the pooling walk (``pool_warps``: twice as many where a program keeps
-#: more than :data:`POOLED_SUMS`, whose sums spill at 4)
+#: warps a program of the scores walk and of the pooling walk (``pool_warps`` says where the pooling walk takes
+#: twice as many)
 SCORE_WARPS = 4
 POOL_WARPS = 4
 #: the channels (heads × d) of a token the scores walk's program decodes
