@@ -203,7 +203,7 @@ def main() -> None:
     for to_pool in (True, False):
         compile_sm90(blocks._blocks_kernel, dict(TO_POOL=to_pool, BLOCK=2048), {"row_words"},
                      dict(stage_ptr=i64, base_ptr=i64, offset_ptr=i64, words_ptr=i64, slot_ptr=i64), num_warps=4)
-    # the two walks over values predicted from the keys at each ESM-2 head shape they take (fits), within a Hopper
+    # the walks over values predicted from the keys at each ESM-2 head shape they take (fits), within a Hopper
     # program's shared memory and registers (no local memory: spills or stack), compiled as a launch specializes them
     # (pointers 16-byte aligned): LUT codes with a sign plane and a coded residual, and grid codes of the keys alone
     for heads, dim in ((20, 16), (20, 32), (20, 64), (40, 64)):
@@ -217,8 +217,13 @@ def main() -> None:
                         perm_ptr="*i32")
             for fn, extra, ints, warps in (
                     (predicted._scores_kernel, dict(HG=predicted.score_heads(heads, dim), BT=predicted.SCORE_T, VCB=2,
-                                                    VNC=4, VSIGN=False, VGRID=grid, VSTORED=stored),
+                                                    VNC=4, VSIGN=False, VGRID=grid, VSTORED=stored, POOL=False),
                      {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"}, predicted.SCORE_WARPS),
+                    # the one-pass walk (a map within the scores walk's groups of heads)
+                    (predicted._scores_kernel, dict(HG=predicted.score_heads(heads, dim), VCB=2, VNC=4, VSIGN=False,
+                                                    BT=predicted.one_pass_tile(dim, stored), VGRID=grid,
+                                                    VSTORED=stored, POOL=True),
+                     {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"}, predicted.ONE_PASS_WARPS),
                     (predicted._pool_kernel, dict(FC=fc, BT=predicted.pool_tile(heads, dim),
                                                   BTS=predicted.SCORE_T),
                      {"H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"}, predicted.pool_warps(heads, dim, grid))):
@@ -234,7 +239,7 @@ def main() -> None:
                                                pos_ptr="*i64"), num_warps=4)
     compile_sm90(predicted._predicted_merge_kernel, dict(D=64, HQ=32, BLOCK_NS=16, BLOCK_J=1, FB=128, NFB=10,
                                                          VSTORED=True, FT=4),
-                 {"sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svs", "H", "S", "NS", "HALF"},
+                 {"sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svs", "H", "S", "NS", "HALF", "GROUP"},
                  dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, kn_ptr=f16, vn_ptr=f16, valid_ptr=u8, w_ptr=f16, bias_ptr=f16,
                       out_ptr=f16), num_warps=4)
     # the bench's read-only floor

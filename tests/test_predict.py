@@ -78,6 +78,28 @@ def test_a_fit_over_groups_of_heads_maps_each_group_from_its_own_keys():
     assert fit.solve(group=2).explained < fit.solve().explained
 
 
+def test_a_predictor_knows_the_groups_of_heads_its_map_keeps_apart():
+    """ValuePredictor.group: the fewest consecutive heads whose keys alone each head's values come from (what the
+    one-pass walk asks, kernels.decode.predicted.one_pass); a fit over groups of G heads gives G (the last group
+    short), a full map every head, one coupling across a boundary the next grouping that holds it."""
+    from esm_turbo.kernels.decode.predicted import one_pass, score_heads
+    k, v, _, _, inv_freq = _affine_keys_and_values(1, 200)
+    fit = PredictorFit(4, 16, inv_freq)
+    fit.add(k, v, torch.ones(2, 200, dtype=torch.bool))
+    assert fit.solve(group=2).group == 2 and fit.solve(group=1).group == 1 and fit.solve().group == 4
+    inv = 1.0 / (10000 ** (torch.arange(0, 8).float() / 8))
+    w = torch.zeros(5 * 16, 5 * 16)
+    for h in range(5):
+        w[h * 16:(h + 1) * 16, (h // 2) * 32:(h // 2) * 32 + 16] = 1.0  # heads 0-1, 2-3, 4 (a short last group)
+    assert ValuePredictor(w, torch.zeros(80), inv, 5, 16).group == 2
+    w[2 * 16, 16 * 1] = 0.5  # head 2's features into head 1's values: groups of two no longer hold
+    pred = ValuePredictor(w, torch.zeros(80), inv, 5, 16)
+    assert pred.group == 4
+    assert score_heads(5, 16) == 8 and one_pass(pred, 5, 16)
+    assert score_heads(20, 64) == 2 and not one_pass(ValuePredictor(torch.ones(80, 80), torch.zeros(80), inv, 5,
+                                                                    16), 20, 64)
+
+
 def test_a_predictor_refuses_tables_of_the_wrong_shape():
     with pytest.raises(ValueError, match=r"expected weight \[64, 64\]"):
         ValuePredictor(torch.zeros(64, 32), torch.zeros(64), torch.zeros(8), 4, 16)
@@ -388,6 +410,62 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
     assert torch.allclose(got, want, atol=2e-3 * want.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("heads,dim,group,lengths,s,block_size,splits,codec_args", [
+    (20, 16, 8, [70, 7], 1, 0, 2, {}),  # 8M's heads in the scores walk's groups of eight, the last group short
+    (4, 16, 2, [37, 0], 2, 8, 3, {}),  # groups within one walk group; a row with nothing to attend to, paged
+    (20, 32, 4, [130, 6], 1, 16, None, {"grid": True, "unstored": True}),  # 150M's: groups of four, paged
+    (20, 64, 2, [23, 9, 1], 1, 0, 2, {"unstored": True}),  # 650M's: pairs, the keys alone
+    (20, 64, 1, [40, 17], 1, 0, None, {"grid": True}),  # a head's own keys alone
+    (2, 128, 1, [9, 4], 1, 0, None, {}),  # 15B's width: a head a walk group
+])
+def test_the_one_pass_walk_over_a_grouped_predictor_matches_its_reference(heads, dim, group, lengths, s, block_size,
+                                                                        splits, codec_args, monkeypatch):
+    """A predictor whose map keeps within the scores walk's groups of heads (PredictorFit.solve(group=G), G dividing
+    128 / d): one walk that scores and pools its group's features (no pooling walk, no weights written) and its
+    merge — what predicted_attention_triton takes for the keys alone, and on request with a coded residual — against
+    predicted_attention_reference and against the two walks (Triton's interpreter on CPU, the kernels on CUDA)."""
+    from esm_turbo.kernels.decode import predicted as kernels
+    from esm_turbo.ops.compressed import cached_codes
+    from esm_turbo.ops.predicted import predicted_attention_reference, predicted_attention_triton
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    codec, cache = _predicted_cache(heads, dim, lengths, block_size, device=device, **codec_args)
+    w = codec.predictor.weight.float().view(heads, dim, heads, dim)
+    head = torch.arange(heads, device=w.device)
+    apart = (head[:, None] // group != head[None, :] // group)[:, None, :, None]
+    pred = ValuePredictor(30 * w.masked_fill(apart, 0).reshape(heads * dim, -1), codec.predictor.bias.float(),
+                          codec.predictor.inv_freq, heads, dim)
+    assert pred.group == group and kernels.one_pass(pred, heads, dim) and not kernels.one_pass(pred, heads, dim, True)
+    g = torch.Generator().manual_seed(9)
+    b = len(lengths)
+    q = (torch.randn(b, heads, s, dim, generator=g) * dim ** -0.5 * 3).to(device)
+    k_new, v_new = (torch.randn(b, heads, s, dim, generator=g).to(device) for _ in range(2))
+    new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
+    if s > 1:
+        new_valid[0, -1] = False
+        new_valid[-1] = lengths[-1] > 0
+    parts = cache.pool.dev[0] if block_size else cache.parts[0]
+    pages = cache.pages() if block_size else (None, 0)
+    keys = cached_codes(codec, parts, "k")
+    values = None if codec_args.get("unstored") else cached_codes(codec, parts, "v")
+    args = (q, k_new, v_new, new_valid, cache.lengths, keys, values, pred, *pages)
+    want = predicted_attention_reference(*args)
+    two = predicted_attention_triton(*args, splits=splits, grouped=False)
+    monkeypatch.setattr(kernels, "_pool_kernel", _NoLaunch())
+    got = predicted_attention_triton(*args, splits=splits, grouped=True)  # a coded residual too: asked for
+    scale = want.abs().max().item()
+    assert torch.allclose(got, want, atol=2e-3 * scale, rtol=0)
+    assert torch.allclose(got, two, atol=1e-3 * scale, rtol=0)
+    if not new_valid[-1].any():
+        assert not got[-1].any()
+
+
+class _NoLaunch:
+    """A kernel that must not be launched: indexing it (``kernel[grid]``) fails."""
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"a launch of a kernel that the path must not take (grid {grid})")
+
+
 @pytest.mark.parametrize("heads,dim,block_size,codec_args", [
     (4, 16, 0, {}),
     (6, 32, 4, {"grid": True}),  # paged, grid codes
@@ -459,20 +537,28 @@ def test_the_fused_walk_refuses_heads_it_cannot_hold():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("stored", [True, False])
-def test_a_gpu_session_over_predicted_values_steps_in_the_fused_kernels_as_on_the_pytorch_path(stored, paged,
+@pytest.mark.parametrize("group", ["all", "walk"])
+def test_a_gpu_session_over_predicted_values_steps_in_the_fused_kernels_as_on_the_pytorch_path(stored, paged, group,
                                                                                                  monkeypatch):
-    """A session calibrated with predict_values (the residual coded at 3.0 bits, or the keys alone at 2.0), on CUDA:
-    the fused write and walk (prefill, then steps; a paged session too) give the PyTorch path's logits, and a captured
-    step replays the eager one."""
+    """A session calibrated with predict_values (the residual coded at 3.0 bits, or the keys alone at 2.0; from every
+    head's keys, or from the walk's groups of heads: the keys alone then in one pass), on CUDA: the fused write and
+    walk (prefill, then steps; a paged session too) give the PyTorch path's logits, and a captured step replays the
+    eager one."""
     from esm_turbo import TurboEsm, calibrate
     from esm_turbo.fasta import Record
     from esm_turbo.model.recipe import recipe
     from esm_turbo.testing import fused_and_reference_steps, stress_esm2
     monkeypatch.setenv("ESM_TURBO_PREDICTED_WALK", "1")
-    model = stress_esm2(layers=2, hidden=128, heads=8, seed=0).cuda()
+    model = stress_esm2(layers=2, hidden=256, heads=16, seed=0).cuda()
     recs = [Record(f"s{i}", "MKTAYIAKQRQISFVKSHFSRQ" * 3, "x", "") for i in range(4)]
     widths = dict(index_bits=2) if stored else dict(key_index_bits=3, value_index_bits=0)
-    cal = calibrate(model, recs, recipe("default", predict_values=True, **widths), progress=False)
+    cal = calibrate(model, recs, recipe("default", predict_values=True, predict_group=group, **widths),
+                    progress=False)
+    if group == "walk":  # the keys alone in one pass: no pooling walk
+        from esm_turbo.kernels.decode import predicted
+        assert all(c.predictor.group == 8 for c in cal.codecs)
+        if not stored:
+            monkeypatch.setattr(predicted, "_pool_kernel", _NoLaunch())
     fused, reference = fused_and_reference_steps(TurboEsm(model, cal), paged=paged)
     assert (fused - reference).abs().mean() < 2e-3 and (fused - reference).abs().max() < 0.1
 
@@ -557,3 +643,30 @@ def test_the_keys_alone_fit_the_keys_tables_of_a_plain_calibration_and_no_value_
     for a, b in zip(alone.codecs, plain.codecs):
         sa, sb = a.key.state_dict(), b.key.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[n], sb[n]) for n in sa)
+
+
+def test_a_calibration_over_groups_of_heads_keeps_its_groups_through_the_checkpoint(stress_model, tmp_path):
+    """calibrate(predict_values, predict_group="2"): every layer's map keeps pairs of heads apart (ValuePredictor.group
+    2, so the CUDA walk takes one pass at heads of 16), explains less than the full map's but most of the values, and
+    comes back from its checkpoint with the same groups; "walk" groups as the scores walk does; a group without
+    predict_values, or one that is no group, is refused in one line."""
+    from esm_turbo import Calibration, calibrate
+    from esm_turbo.errors import EsmTurboError
+    from esm_turbo.fasta import read_fasta
+    from esm_turbo.model.recipe import recipe
+    recs = read_fasta("calibration_data/calibration.fasta")[0][:6]
+    full = calibrate(stress_model, recs, recipe("default", index_bits=2, predict_values=True), progress=False)
+    paired = calibrate(stress_model, recs, recipe("default", index_bits=2, predict_values=True, predict_group="2"),
+                       progress=False)
+    assert [c.predictor.group for c in paired.codecs] == [2] * 4 and all(c.predictor.group == 4 for c in full.codecs)
+    explained = paired.meta["value_prediction_explained"], full.meta["value_prediction_explained"]
+    assert all(0.5 < a < b for a, b in zip(*explained))
+    back = Calibration.load(paired.save(tmp_path / "paired.safetensors"))
+    assert back.config.predict_group == "2" and [c.predictor.group for c in back.codecs] == [2] * 4
+    walk = calibrate(stress_model, recs, recipe("default", index_bits=2, predict_values=True, predict_group="walk",
+                                                max_tokens=2000), progress=False)
+    assert all(c.predictor.group == 4 for c in walk.codecs)  # 128 / 16 = 8 heads a walk group: all four here
+    with pytest.raises(EsmTurboError, match="predict_group 2: grouping the heads .* needs predict_values"):
+        calibrate(stress_model, recs, recipe("default", predict_group="2"), progress=False)
+    with pytest.raises(EsmTurboError, match="predict_group 'pairs': give all, walk or a number of heads"):
+        calibrate(stress_model, recs, recipe("default", predict_values=True, predict_group="pairs"), progress=False)

@@ -107,7 +107,7 @@ def predicted_mix() -> None:
         rows, kernels = [], []
         for stored in (False, True):
             scores = compile_sm90(predicted._scores_kernel, dict(consts, HG=hg, BT=predicted.SCORE_T, VCB=2, VNC=4,
-                                                                VSIGN=False, VGRID=True, VSTORED=stored),
+                                                                VSIGN=False, VGRID=True, VSTORED=stored, POOL=False),
                                   ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"), ptrs,
                                   num_warps=predicted.SCORE_WARPS, aligned=())
             kernels.append(scores)
@@ -118,16 +118,24 @@ def predicted_mix() -> None:
                             ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NF", "NT"), ptrs,
                             num_warps=warps, aligned=())
         pooled = len(tile_loop(disassemble(pool.asm["cubin"]))) * warps * nf / bt
+        one = compile_sm90(predicted._scores_kernel, dict(consts, HG=hg, BT=predicted.one_pass_tile(dim, False), VCB=2,
+                                                          VNC=4, VSIGN=False, VGRID=True, VSTORED=False, POOL=True),
+                           ("H", "S", "T_CAP", "CHUNK", "TILES", "NS", "NT", "sqb", "sqh", "sqs"), ptrs,
+                           num_warps=predicted.ONE_PASS_WARPS, aligned=())
+        kernels.append(one)
+        one_pass = len(tile_loop(disassemble(one.asm["cubin"]))) * predicted.ONE_PASS_WARPS * groups \
+            / predicted.one_pass_tile(dim, False)
         line = (f"{heads} heads of {dim}: scores walk {rows[0]:.0f} (the residual's sums too: {rows[1]:.0f}) "
-                f"+ pooling walk {pooled:.0f} = {rows[0] + pooled:.0f} ({rows[1] + pooled:.0f})")
+                f"+ pooling walk {pooled:.0f} = {rows[0] + pooled:.0f} ({rows[1] + pooled:.0f}); one pass over a "
+                f"map within the scores walk's groups {one_pass:.0f}")
         if (heads, dim) == (20, 64):
             kernel, block_t = compile_stream(dim, 2)
             plain = len(tile_loop(disassemble(kernel.asm["cubin"]))) * heads / block_t
             line += f"; the plain 3.0-bit walk {plain:.0f}"
         print(line, flush=True)
-        splits = predicted.walk_splits(OCCUPANCY_QUERIES, heads, dim, OCCUPANCY_T, H100_SMS)
         for label, kernel, programs in (("scores walk", kernels[0], groups), ("residual's too", kernels[1], groups),
-                                        ("pooling walk", pool, nf)):
+                                        ("pooling walk", pool, nf), ("one pass", kernels[2], groups)):
+            splits = predicted.walk_splits(OCCUPANCY_QUERIES, heads, dim, OCCUPANCY_T, H100_SMS, label == "one pass")
             regs, local = resources(kernel)
             resident, warps = resident_programs(kernel), kernel.metadata.num_warps
             grid = OCCUPANCY_QUERIES * splits * programs

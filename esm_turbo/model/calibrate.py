@@ -32,7 +32,7 @@ from ..quant.codec import KVCodec, VectorQuantizer, check_lut_kind
 from ..quant.fit import FitOptions, fit_quantizer
 from ..quant.tables import pad_levels
 from ..quant.histogram import HistogramAccumulator
-from ..quant.predict import PredictorFit, Unstored, ValuePredictor, rotary_angles
+from ..quant.predict import PredictorFit, Unstored, ValuePredictor, group_size, rotary_angles
 from ..quant.rotations import AffineStats, CovarianceAccumulator, build_rotations, identity_reflectors
 from .alphabet import encode
 from .attention import RunContext
@@ -258,6 +258,13 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
     if config.value_index_bits == 0 and (config.slots or config.narrow_layers):
         raise EsmTurboError("values not stored (value_index_bits 0) leave no value codes for slots or narrowed "
                             "layers to adjust: give slots 0 and narrow_layers 0, or value_index_bits ≥ 1")
+    try:
+        grouped = group_size(config.predict_group, heads, dim) is not None
+    except ValueError as e:
+        raise EsmTurboError(str(e)) from None
+    if grouped and not config.predict_values:
+        raise EsmTurboError(f"predict_group {config.predict_group}: grouping the heads of a value predictor needs "
+                            "predict_values")
     if config.predict_values:
         if config.shared_lut:
             raise EsmTurboError("predict_values fits the values' tables on what the keys do not predict: it needs "
@@ -271,7 +278,8 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         coded, _, n_tokens = _fit_codecs(engine, batches, replace(config, predict_values=False), progress,
                                          keys_only=True)
         keys = [c.key for c in coded]
-        predictors = fit_value_predictors(engine, batches, coded, progress)
+        predictors = fit_value_predictors(engine, batches, coded, progress,
+                                          group_size(config.predict_group, heads, dim))
         explained = [p.explained for p in predictors]
         log.info("values' variance the decoded keys predict, per layer: %s", ", ".join(f"{e:.4f}" for e in explained))
         if config.value_index_bits == 0 and min(explained) < UNSTORED_MIN_EXPLAINED:
@@ -330,9 +338,11 @@ def check_rotary(engine: TurboEsm) -> None:
                             "repeated over the two halves, unscaled) that the value predictor un-rotates")
 
 
-def fit_value_predictors(engine: TurboEsm, batches, coded: list[KVCodec], progress: bool) -> list[ValuePredictor]:
+def fit_value_predictors(engine: TurboEsm, batches, coded: list[KVCodec], progress: bool,
+                         group: int | None = None) -> list[ValuePredictor]:
     """Per layer, the least-squares :class:`~esm_turbo.quant.predict.ValuePredictor` of the values from every head's
-    keys as ``coded[layer]`` decodes them, before the rotary embedding."""
+    keys (``group``: from the keys of the head's group of ``group`` consecutive heads alone) as ``coded[layer]``
+    decodes them, before the rotary embedding."""
     fits = [PredictorFit(engine.heads, engine.head_dim, engine.rotary.inv_freq, engine.device)
             for _ in range(engine.num_layers)]
 
@@ -340,7 +350,7 @@ def fit_value_predictors(engine: TurboEsm, batches, coded: list[KVCodec], progre
         fits[layer].add(coded[layer].coded_keys(k), v, valid)
 
     _run(engine, batches, record, "calibrate: value predictors", progress)
-    return [f.solve().to(engine.device) for f in fits]
+    return [f.solve(group=group).to(engine.device) for f in fits]
 
 
 def _fit_codecs(engine: TurboEsm, batches, config: CalibrationConfig, progress: bool, values=None,

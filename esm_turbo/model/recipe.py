@@ -75,6 +75,10 @@ class CalibrationConfig:
                                      "constants of H*d x H*d, no bytes a token; with value_index_bits 0 the values "
                                      "are not stored at all); on CUDA two fused walks over every head's keys "
                                      "(heads of 16, 32, 64 or 128 channels, no slots)")
+    predict_group: str = _f("all", "with predict_values, whose keys predict a head's values: all (every head's), walk "
+                                   "(its group of 128 / head_dim consecutive heads, 8 at heads of 16, 2 at heads of "
+                                   "64: the CUDA walk then pools the features as it scores, one walk instead of two) "
+                                   "or a number of consecutive heads")
 
     def codec(self, key, value, predictor=None):
         """The :class:`~esm_turbo.quant.codec.KVCodec` of a layer's fitted ``key`` and ``value`` quantizers under

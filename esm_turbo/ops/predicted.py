@@ -158,15 +158,20 @@ def predicted_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
                                lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None, predictor,
                                pages: torch.Tensor | None = None, block_size: int = 0,
                                tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-                               splits: int | None = None) -> torch.Tensor:
+                               splits: int | None = None, grouped: bool | None = None,
+                               launch: dict | None = None) -> torch.Tensor:
     """:func:`predicted_attention_reference`'s contract on the fused walk (CUDA, or CPU under Triton's interpreter),
     for keys whose rotation is a permutation (``keys.perm``): the two walks (the first gathers and scales the queries
-    into the keys' affine domain itself) and their merge (``kernels.decode.predicted``), three launches. ``tables``:
+    into the keys' affine domain itself) and their merge (``kernels.decode.predicted``), three launches; two where
+    the predictor's map lies within the scores walk's groups of heads over the keys alone (``grouped``, None: as
+    ``kernels.decode.predicted.one_pass`` says; ``launch``: the one-pass walk's tile and warps). ``tables``:
     :func:`walk_tables` (made here if None); ``splits``: walks a row (None: enough for two waves of the GPU)."""
-    from ..kernels.decode.predicted import positions_held, predicted_merge_triton, predicted_partials_triton
+    from ..kernels.decode.predicted import one_pass, positions_held, predicted_merge_triton, predicted_partials_triton
     ftab, w2 = tables if tables is not None else walk_tables(keys.perm, keys.offset, keys.scale, predictor.weight)
     trig = rotary_table(predictor, positions_held(keys, pages, block_size)[1])
-    partials = predicted_partials_triton(q, lengths, keys, values, ftab, trig, pages, block_size, splits)
+    grouped = one_pass(predictor, q.shape[1], q.shape[3], values is not None) if grouped is None else grouped
+    partials = predicted_partials_triton(q, lengths, keys, values, ftab, trig, pages, block_size, splits, grouped,
+                                         launch)
     return predicted_merge_triton(partials, q, k_new, v_new, new_valid, ftab, values, w2, predictor.bias)
 
 

@@ -44,10 +44,49 @@ def unrope(k: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tens
     return k * cos - rotate_half(k) * sin
 
 
+#: the channels (heads × d) a program of the fused scores walk decodes a token (``kernels.decode.predicted``): a map
+#: within groups of that many heads' channels lets it pool the features as it scores
+WALK_CHANNELS = 128
+
+
+def walk_group(dim: int) -> int:
+    """The heads of d = ``dim`` channels that the fused scores walk takes together: :data:`WALK_CHANNELS` / d of them,
+    at least 1, at most 8 (8 at heads of 16, 2 at heads of 64, 1 at heads of 128)."""
+    return max(1, min(8, WALK_CHANNELS // dim))
+
+
+def group_size(spec: str | int, heads: int, dim: int) -> int | None:
+    """The consecutive heads whose keys predict a head's values under ``calibrate --predict-group`` ``spec``: None
+    for "all" (every head's), :func:`walk_group` for "walk", else the number given (at most ``heads``); a one-line
+    error for anything else."""
+    text = str(spec).strip().lower()
+    if text == "all":
+        return None
+    if text == "walk":
+        return min(heads, walk_group(dim))
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"predict_group {spec!r}: give all, walk or a number of heads ≥ 1")
+    return min(heads, int(text))
+
+
+def head_group(weight: torch.Tensor, heads: int, dim: int) -> int:
+    """The fewest heads G (1 ≤ G ≤ H) such that ``weight`` [H·d, H·d] maps each group of G consecutive heads'
+    features (the last group the rest) to that group's values alone: every entry outside those diagonal blocks
+    exactly zero, as ``PredictorFit.solve(group=G)`` leaves them. One device-to-host copy of [H, H] flags."""
+    coupled = weight.detach().reshape(heads, dim, heads, dim).abs().amax(dim=(1, 3)).cpu() > 0  # [H, H]
+    head = torch.arange(heads)
+    for g in range(1, heads):
+        if not coupled[(head[:, None] // g) != (head[None, :] // g)].any():
+            return g
+    return heads
+
+
 class ValuePredictor(nn.Module):
     """v ≈ f(k̂) W + b per token, f(k̂) [.., D] = every head's decoded key before the rotary embedding; ``weight``
     [D, D] and ``bias`` [D] (float16 buffers, applied in float32), ``inv_freq`` [d/2] (float32): the model's rotary
-    frequencies. ``explained``: the share of the calibration values' variance the fit predicted (None when loaded)."""
+    frequencies. ``explained``: the share of the calibration values' variance the fit predicted (None when loaded);
+    ``group``: the fewest consecutive heads whose keys alone each head's values are predicted from (the map
+    block-diagonal in blocks of ``group`` heads, :func:`head_group`; ``heads`` for a map over every head)."""
 
     explained: float | None = None
 
@@ -61,6 +100,7 @@ class ValuePredictor(nn.Module):
         self.register_buffer("weight", weight.to(torch.float16).contiguous())
         self.register_buffer("bias", bias.to(torch.float16).contiguous())
         self.register_buffer("inv_freq", inv_freq.float().clone())
+        self.group = head_group(self.weight, heads, dim)
 
     def features(self, k_hat: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """k̂ [..., H, T, d] → [..., T, D]: every head's key of the token before the rotary embedding."""

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ...quant.layout import CachedCodes
+from ...quant.predict import walk_group
 from ..common import FP_FUSION, interpreting, num_sms, part_or, token_strides
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -50,10 +51,12 @@ BLOCK_T = 16
 #: twice as many)
 SCORE_WARPS = 4
 POOL_WARPS = 4
-#: the channels (heads × d) of a token the scores walk's program decodes
-SCORE_CHANNELS = 128
 #: the tokens of the scores walk's tile (its four warps take 16 each); a multiple of the pooling walk's
 SCORE_T = 64
+#: the one-pass walk's warps and tile (tokens; a divisor of SCORE_T): :func:`one_pass_tile` halves it where it would
+#: spill (sm_90 build: 64 tokens in 4 warps spill everywhere)
+ONE_PASS_WARPS = 8
+ONE_PASS_T = 64
 
 
 def query_heads(heads: int) -> int:
@@ -97,16 +100,34 @@ def pool_warps(heads: int, dim: int, grid: bool) -> int:
 
 
 def score_heads(heads: int, dim: int) -> int:
-    """HG: the heads a program of the scores walk takes, :data:`SCORE_CHANNELS` / d of them (at most 8, at least 1):
-    the keys of a tile are its product's [HG·d, BT] operand."""
-    return max(1, min(8, SCORE_CHANNELS // dim))
+    """HG: the heads a program of the scores walk takes, ``quant.predict.walk_group`` (128 / d of them, at most 8, at
+    least 1): the keys of a tile are its product's [HG·d, BT] operand."""
+    return walk_group(dim)
 
 
-def walk_splits(queries: int, heads: int, dim: int, t_cap: int, sms: int) -> int:
+def walk_splits(queries: int, heads: int, dim: int, t_cap: int, sms: int, one_pass: bool = False) -> int:
     """The splits of each query's cached tokens the walks take by default: enough pooling programs (queries × splits
-    × feature chunks) for two of each of ``sms`` multiprocessors, at most one a score tile and 64."""
+    × feature chunks, or for the one-pass walk × groups of score heads) for two of each of ``sms`` multiprocessors,
+    at most one a score tile and 64."""
     blocks = max(1, math.ceil(t_cap / SCORE_T))
-    return max(1, min(blocks, 64, math.ceil(2 * sms / max(1, queries * feature_chunk(heads, dim)[1]))))
+    per = math.ceil(heads / score_heads(heads, dim)) if one_pass else feature_chunk(heads, dim)[1]
+    return max(1, min(blocks, 64, math.ceil(2 * sms / max(1, queries * per))))
+
+
+def one_pass_tile(dim: int, stored: bool) -> int:
+    """The one-pass walk's tile: :data:`ONE_PASS_T` tokens, half that where its program also sums a coded residual
+    (``stored``) or decodes heads of 128, which spill at 64 (8–80 bytes of local memory a thread, sm_90 build)."""
+    return ONE_PASS_T // 2 if stored or dim >= 128 else ONE_PASS_T
+
+
+def one_pass(predictor, heads: int, dim: int, stored: bool = False) -> bool:
+    """Whether the scores walk pools the features itself (``_scores_kernel``'s ``POOL``; no pooling walk, no weights
+    written): ``predictor``'s map takes each head's values from groups of heads that lie within the walk's groups of
+    :func:`score_heads` (``ValuePredictor.group`` divides it; ``calibrate --predict-group``), over the keys alone
+    (``stored`` False: values not stored). Where a residual is coded too the one pass ran 0.68–1.20× the two walks'
+    time (H100, slower at 8M- and 650M-shaped), the keys alone 0.42–0.81× at every shape measured
+    (``tools/predicted_speed.py``, ``results/studies/predicted_kernels_h100.txt``)."""
+    return not stored and score_heads(heads, dim) % predictor.group == 0
 
 
 @triton.jit
@@ -169,11 +190,11 @@ def _layout_rows(lay_ptr, hh, hmask, D: tl.constexpr):
 @triton.jit
 def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_main, v_sign, k_tab, v_tab, k_lay_ptr,
                    v_lay_ptr, len_ptr, page_ptr,
-                   m_ptr, l_ptr, acc_ptr, p_ptr, mt_ptr, H, S, T_CAP, CHUNK, TILES, NS, NT,
+                   m_ptr, l_ptr, acc_ptr, p_ptr, mt_ptr, trig_ptr, pool_ptr, H, S, T_CAP, CHUNK, TILES, NS, NT,
                    D: tl.constexpr, HQ: tl.constexpr, HG: tl.constexpr, BT: tl.constexpr, KCB: tl.constexpr,
                    VCB: tl.constexpr, KNC: tl.constexpr, VNC: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr,
                    KGRID: tl.constexpr, VGRID: tl.constexpr, VSTORED: tl.constexpr, PAGE: tl.constexpr,
-                   FT: tl.constexpr):
+                   FT: tl.constexpr, POOL: tl.constexpr):
     """Grid (B·S, NS, ⌈H/HG⌉): query ``qi`` of sequence b over cached rows [split·CHUNK, +CHUNK) ∩ [0, length) in tiles
     of BT, heads [group·HG, +HG) (HG ≤ 8): each head's scores from its own keys (``⟨q̃, ŷ⟩``, c0 dropped, log2 units;
     q̃ = (q Πᵀ) ⊙ σ gathered from ``q_ptr`` [B, H, S, D] (strides sqb, sqh, sqs) at the permutation ``perm_ptr``
@@ -186,7 +207,14 @@ def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_m
     values of the HG heads, of which each head keeps its own columns.
     Writes partial (b·S + qi)·NS + split: m, l [HQ] and (``VSTORED``) Σ p ŷᵥ [HQ, D]; and for the pooling walk each
     tile's weights p = 2^(s − m_tile) in fp16 at ``p_ptr`` [B·S, H, T_CAP] and its running max m_tile at ``mt_ptr``
-    [B·S, H, NT] (tile t0 / BT)."""
+    [B·S, H, NT] (tile t0 / BT).
+    ``POOL`` (one pass, for a predictor whose map takes each head's values from its own group of HG heads alone): no
+    weights written; the program pools its group's features itself, as ``_pool_kernel`` does: a tile's features at
+    their offsets i in the tile (cos(iω'), sin(iω') read once a program from rows 0…BT−1 of the rotary table
+    ``trig_ptr`` [≥ T_CAP, D/2, 2]) in one more product [16, 2·BT] × [2·BT, HG·D] (rows g and 8 + g head g's
+    weights against the cos and the sin halves), its sums turned by t0·ω' (the table's row t0) and added to the
+    running ones (rescaled with the head's softmax), and writes
+    Σ p u⊙cos, Σ p u⊙sin [HG·D] of head g at ``pool_ptr`` [B·S, NS, HQ, 2, HG·D] (its group's features only)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     group = tl.program_id(2)
@@ -218,6 +246,18 @@ def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_m
     m_i = tl.full((8,), float("-inf"), tl.float32)
     l_i = tl.zeros((8,), tl.float32)
     acc = tl.zeros((16, HG * D), tl.float32)  # row g's columns of head g: its Σ p ŷᵥ (the others unused)
+    if POOL:  # row g: head g's pooled features of the whole group, times cos and times sin
+        pool_c = tl.zeros((8, HG * D), tl.float32)
+        pool_s = tl.zeros((8, HG * D), tl.float32)
+        f_at = hh[:, None] * (FT * D) + tl.arange(0, D)[None, :]
+        sg = tl.load(ftab_ptr + f_at, mask=hmask[:, None], other=0.0)[:, None, :]  # [HG, 1, D]: σ, o in code order
+        of = tl.load(ftab_ptr + f_at + D, mask=hmask[:, None], other=0.0)[:, None, :]
+        fidx = tl.load(ftab_ptr + f_at + 2 * D, mask=hmask[:, None], other=0.0).to(tl.int32)[:, None, :]
+        fcol = tl.load(ftab_ptr + head * (FT * D) + 2 * D + cols % D, mask=hcm, other=0.0).to(tl.int32)  # [HG·D]
+        trig64 = trig_ptr.to(tl.pointer_type(tl.int64))  # a (cos, sin) pair one 8-byte word
+        rel = tl.load(trig64 + tl.arange(0, BT)[None, :, None] * (D // 2) + fidx)  # [HG, BT, D]: offsets' iω'
+        cos_i = (rel & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        sin_i = (rel >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     for it in range(0, TILES):
         t0 = start + it * BT
         if t0 < end:
@@ -226,15 +266,15 @@ def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_m
             rows = _rows_of(b, hh, offs_t, tmask, page_ptr, H, T_CAP, PAGE)
             yk = _decode_heads(k_main, k_sign, k_tab, k_lay, hh, rows, hmask[:, None] & tmask[None, :], D, KCB, KNC,
                                KSIGN, KGRID)
-            yk = tl.reshape(tl.permute(yk, (0, 2, 1)), (HG * D, BT)).to(tl.float16)
-            s = tl.sum(tl.reshape(tl.dot(qbd, yk), (2, 8, BT)), axis=0)  # [8, BT]: hi + lo
+            yk = yk.to(tl.float16)  # exact: grid codes are small integers, tables fp16
+            s = tl.dot(qbd, tl.reshape(tl.permute(yk, (0, 2, 1)), (HG * D, BT)))
+            s = tl.sum(tl.reshape(s, (2, 8, BT)), axis=0)  # [8, BT]: hi + lo
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            keep = h8mask[:, None] & tmask[None, :]
             if VSTORED:  # one more product: [16, BT] (the weights, 8 rows of zeros below) × [BT, HG·D]
                 yv = _decode_heads(v_main, v_sign, v_tab, v_lay, hh, rows, hmask[:, None] & tmask[None, :], D, VCB,
                                    VNC, VSIGN, VGRID)
@@ -242,14 +282,36 @@ def _scores_kernel(q_ptr, sqb, sqh, sqs, perm_ptr, ftab_ptr, k_main, k_sign, v_m
                 p16 = tl.reshape(tl.permute(tl.join(p, tl.zeros_like(p)), (2, 0, 1)), (16, BT)).to(tl.float16)
                 a16 = tl.reshape(tl.permute(tl.join(alpha, tl.full((8,), 1.0, tl.float32)), (1, 0)), (16,))
                 acc = tl.dot(p16, yv, acc * a16[:, None])
-            tl.store(p_ptr + prow[:, None] * T_CAP + offs_t[None, :], p.to(tl.float16), mask=keep)
-            tl.store(mt_ptr + prow * NT + t0 // BT, m_new, mask=h8mask)
+            if POOL:  # u = ŷ ⊙ σ + o, the keys before Π in code order, times cos and sin of iω' a channel (i the
+                # offset in the tile): one product [16, 2·BT] × [2·BT, HG·D], the weights block-diagonal (rows g |
+                # 8 + g: cos | sin); then turned by t0·ω' (cos((t0 + i)ω) = cos t0ω cos iω − sin t0ω sin iω)
+                u = yk.to(tl.float32) * sg + of  # [HG, BT, D]
+                f2 = tl.reshape(tl.permute(tl.join(u * cos_i, u * sin_i), (3, 1, 0, 2)), (2 * BT, HG * D))
+                zero = tl.zeros_like(p)
+                p2 = tl.join(tl.join(p, zero), tl.join(zero, p))  # [8, BT, 2 (K half), 2 (row half)]
+                p2 = tl.reshape(tl.permute(p2, (3, 0, 2, 1)), (16, 2 * BT)).to(tl.float16)
+                a_c, a_s = tl.split(tl.permute(tl.reshape(tl.dot(p2, f2.to(tl.float16)), (2, 8, HG * D)), (1, 2, 0)))
+                pair = tl.load(trig64 + t0 * (D // 2) + fcol)  # [HG·D]: t0·ω' a column
+                c0 = (pair & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)[None, :]
+                s0 = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)[None, :]
+                pool_c = pool_c * alpha[:, None] + (c0 * a_c - s0 * a_s)
+                pool_s = pool_s * alpha[:, None] + (s0 * a_c + c0 * a_s)
+            else:
+                keep = h8mask[:, None] & tmask[None, :]
+                tl.store(p_ptr + prow[:, None] * T_CAP + offs_t[None, :], p.to(tl.float16), mask=keep)
+                tl.store(mt_ptr + prow * NT + t0 // BT, m_new, mask=h8mask)
     part = (pid * NS + split).to(tl.int64)
     tl.store(m_ptr + part * HQ + h8, m_i, mask=h8mask)
     tl.store(l_ptr + part * HQ + h8, l_i, mask=h8mask)
     if VSTORED:
         own = tl.sum(tl.where(tl.arange(0, 16)[:, None] == hc[None, :], acc, 0.0), axis=0)  # [HG·D]
         tl.store(acc_ptr + (part * HQ + group * HG + hc) * D + cols % D, own, mask=group * HG + hc < H)
+    if POOL:
+        g8 = tl.arange(0, 8)[:, None]
+        pool_at = pool_ptr + ((part * HQ + group * HG + g8) * 2) * (HG * D) + cols[None, :]
+        pm = (g8 < HG) & (group * HG + g8 < H)
+        tl.store(pool_at, pool_c, mask=pm)
+        tl.store(pool_at + HG * D, pool_s, mask=pm)
 
 
 @triton.jit
@@ -326,7 +388,7 @@ def _pool_kernel(p_ptr, mt_ptr, m_ptr, k_main, k_sign, k_tab, k_lay_ptr, ftab_pt
 @triton.jit
 def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr, svb, svh, svs, valid_ptr, ftab_ptr,
                             m_ptr, l_ptr, acc_ptr, pool_ptr, v_scale, v_offset, v_rot, w_ptr, bias_ptr, out_ptr,
-                            H, S, NS, HALF, D: tl.constexpr, HQ: tl.constexpr, BLOCK_NS: tl.constexpr,
+                            H, S, NS, HALF, GROUP, D: tl.constexpr, HQ: tl.constexpr, BLOCK_NS: tl.constexpr,
                             BLOCK_J: tl.constexpr, FB: tl.constexpr, NFB: tl.constexpr, VSTORED: tl.constexpr,
                             FT: tl.constexpr):
     """Grid (B·S·H,): query ``qi`` of sequence b, head h. The walks' partials combined (log2 units, the query's c0 —
@@ -335,7 +397,8 @@ def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr,
     (each HALF wide) through head h's columns of their rows of the map (``w_ptr`` [2, H·D, H·D] fp16,
     ``esm_turbo.ops.predicted.walk_tables``; FB rows a step) plus (Σ p)·b, the step's own tokens (q, k, v strided;
     ``valid_ptr`` [B, S] uint8) added exactly; ``out_ptr`` [B, H, S, D] contiguous. A query with no valid key gets
-    zeros. ``VSTORED`` False: no residual (values not stored)."""
+    zeros. ``VSTORED`` False: no residual (values not stored). The pooled sums of a head are the features of its
+    group of GROUP heads (the one-pass walk's; H: every head's), the map's rows from the group's first feature."""
     pid = tl.program_id(0)
     h = pid % H
     bs = pid // H
@@ -366,14 +429,15 @@ def _predicted_merge_kernel(q_ptr, sqb, sqh, sqs, kn_ptr, skb, skh, sks, vn_ptr,
     else:  # values not stored: the prediction is the value
         out = tl.zeros((D,), tl.float32)
     fd = H * D
+    fbase = (h // GROUP) * GROUP * D  # the first feature of the head's group
     for half in tl.static_range(2):
         for fb in range(0, NFB):
             f = fb * FB + tl.arange(0, FB)
-            fm = f < fd
+            fm = (f < HALF) & (fbase + f < fd)
             pooled = tl.load(pool_ptr + (part[:, None] * HQ + h) * (2 * HALF) + half * HALF + f[None, :],
                              mask=nm[:, None] & fm[None, :], other=0.0)
             pv = tl.sum(w[:, None] * pooled, axis=0)  # [FB]
-            wt = tl.load(w_ptr + (half * fd + f[:, None]) * fd + h * D + d[None, :], mask=fm[:, None],
+            wt = tl.load(w_ptr + (half * fd + fbase + f[:, None]) * fd + h * D + d[None, :], mask=fm[:, None],
                          other=0.0).to(tl.float32)
             out += tl.sum(pv[:, None] * wt, axis=0)
     out += mass * tl.load(bias_ptr + h * D + d).to(tl.float32)
@@ -472,7 +536,8 @@ def full_layout(c: CachedCodes) -> torch.Tensor:
 
 def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes | None,
                               ftab: torch.Tensor, trig: torch.Tensor, pages: torch.Tensor | None = None,
-                              block_size: int = 0, splits: int | None = None) -> tuple[torch.Tensor, ...]:
+                              block_size: int = 0, splits: int | None = None,
+                              grouped: bool = False, launch: dict | None = None) -> tuple[torch.Tensor, ...]:
     """The walks' partials for queries ``q`` [B, H, S, d] (scaled and post-RoPE, any float dtype, a strided view read
     in place) over each row's ``lengths`` cached tokens of ``keys``, whose rotation permutes each head's channels
     (``keys.perm``): the scores walk (the query gathered at the permutation and scaled into the keys' affine domain,
@@ -481,7 +546,10 @@ def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: Cach
     the model's channel order; ``trig`` [≥ T_cap, d/2, 2] float32: the rotary embedding's cos and sin a position and
     frequency (``esm_turbo.ops.predicted.walk_tables``, ``rotary_table``); a paged cache: ``pages`` [B, blocks] int32
     and its ``block_size``. Returns (m, l [B, S, NS, HQ], Σ p ŷᵥ [B, S, NS, HQ, d], the pooled sums [B, S, NS, HQ,
-    2·NF·FC·d]); a split past a row's length leaves m = −inf and zero sums. Entries of heads ≥ H are not written."""
+    2·NF·FC·d]); a split past a row's length leaves m = −inf and zero sums. Entries of heads ≥ H are not written.
+    ``grouped`` (a map within the scores walk's groups, :func:`one_pass`): one launch, the scores walk pooling its
+    group's features (sums [B, S, NS, HQ, 2·HG·d]); ``launch``: its ``tile`` and ``warps`` (tuning; default
+    :func:`one_pass_tile`, :data:`ONE_PASS_WARPS`)."""
     batch, heads, s, d = q.shape
     page, t_cap = positions_held(keys, pages, block_size)
     _check_rotary(trig, t_cap, d)
@@ -493,16 +561,19 @@ def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: Cach
     blocks = max(1, math.ceil(t_cap / SCORE_T))  # the scores walk's tiles, each whole tiles of the pooling's
     bt = pool_tile(heads, d)
     if splits is None:
-        splits = walk_splits(batch * s, heads, d, t_cap, num_sms(q.device))
+        splits = walk_splits(batch * s, heads, d, t_cap, num_sms(q.device), grouped)
     chunk = math.ceil(blocks / splits) * SCORE_T
     splits = max(1, math.ceil(t_cap / chunk))
     dev = q.device
     m = torch.empty(batch, s, splits, hq, device=dev)  # every head's entry written (a split past a row's end too)
     l_ = torch.empty_like(m)
     acc = torch.empty(batch, s, splits, hq, d, device=dev)
-    pooled = torch.empty(batch, s, splits, hq, 2 * nf * fc * d, device=dev)
-    weights = torch.empty(batch * s, heads, t_cap, device=dev, dtype=torch.float16)
-    tile_max = torch.empty(batch * s, heads, blocks, device=dev)
+    pooled = torch.empty(batch, s, splits, hq, 2 * (hg if grouped else nf * fc) * d, device=dev)
+    if grouped:  # never written
+        weights, tile_max = pooled, pooled
+    else:
+        weights = torch.empty(batch * s, heads, t_cap, device=dev, dtype=torch.float16)
+        tile_max = torch.empty(batch * s, heads, blocks, device=dev)
     stored = values is not None
     values = values if stored else keys  # stand-ins, never read
     k_lay, v_lay = full_layout(keys), full_layout(values)
@@ -510,12 +581,16 @@ def predicted_partials_triton(q: torch.Tensor, lengths: torch.Tensor, keys: Cach
     codes = dict(D=d, HQ=hq, KCB=keys.code.code_bits, KNC=keys.table.shape[-1], KSIGN=keys.code.sign == "plane",
                  KGRID=keys.code.grid, PAGE=page, FT=ftab.shape[1])
     q, q_st = token_strides(q)
+    launch = {"tile": one_pass_tile(d, stored), "warps": ONE_PASS_WARPS, **(launch or {})} if grouped else {}
+    bt_s = launch.get("tile", SCORE_T)
     _scores_kernel[(batch * s, splits, math.ceil(heads / hg))](
         q, *q_st, keys.perm, ftab, keys.main, k_sign, values.main, part_or(values.sign, values.main), keys.table,
-        values.table, k_lay, v_lay, lengths, pages, m, l_, acc, weights, tile_max, heads, s, t_cap, chunk,
-        chunk // SCORE_T, splits, blocks, HG=hg, BT=SCORE_T, VCB=values.code.code_bits, VNC=values.table.shape[-1],
-        VSIGN=values.code.sign == "plane", VGRID=values.code.grid, VSTORED=stored,
-        num_warps=1 if interpreting() else SCORE_WARPS, enable_fp_fusion=FP_FUSION, **codes)
+        values.table, k_lay, v_lay, lengths, pages, m, l_, acc, weights, tile_max, trig, pooled, heads, s, t_cap,
+        chunk, chunk // bt_s, splits, blocks, HG=hg, BT=bt_s, VCB=values.code.code_bits, VNC=values.table.shape[-1],
+        VSIGN=values.code.sign == "plane", VGRID=values.code.grid, VSTORED=stored, POOL=grouped,
+        num_warps=1 if interpreting() else launch.get("warps", SCORE_WARPS), enable_fp_fusion=FP_FUSION, **codes)
+    if grouped:
+        return m, l_, acc, pooled
     _pool_kernel[(batch * s, splits, nf)](
         weights, tile_max, m, keys.main, k_sign, keys.table, k_lay, ftab, trig, lengths, pages, pooled, heads, s,
         t_cap, chunk, chunk // bt, splits, nf, blocks, FC=fc, BT=bt, BTS=SCORE_T,
@@ -535,12 +610,14 @@ def predicted_merge_triton(partials: tuple[torch.Tensor, ...], q: torch.Tensor, 
     batch, heads, s, d = q.shape
     (q, q_st), (k_new, k_st), (v_new, v_st) = map(token_strides, (q, k_new, v_new))
     out = torch.empty(batch, s, heads, d, device=q.device, dtype=q.dtype)
-    fb = min(128, triton.next_power_of_2(heads * d))
+    half = pooled.shape[-1] // 2  # a head's pooled features: every head's, or (one pass) its group's
+    group = min(heads, half // d)
+    fb = min(128, triton.next_power_of_2(group * d))
     stored = values is not None
     v_scale, v_offset, v_rot = (values.scale, values.offset, values.rot) if stored else (ftab,) * 3  # never read
     _predicted_merge_kernel[(batch * s * heads,)](
         q, *q_st, k_new, *k_st, v_new, *v_st, new_valid.contiguous().view(torch.uint8), ftab, m, l_, acc,
-        pooled, v_scale, v_offset, v_rot, weight, bias, out, heads, s, m.shape[2], pooled.shape[-1] // 2,
+        pooled, v_scale, v_offset, v_rot, weight, bias, out, heads, s, m.shape[2], half, group,
         D=d, HQ=m.shape[3], BLOCK_NS=triton.next_power_of_2(m.shape[2]), BLOCK_J=triton.next_power_of_2(s), FB=fb,
-        NFB=triton.cdiv(heads * d, fb), VSTORED=stored, FT=ftab.shape[1], num_warps=4, enable_fp_fusion=FP_FUSION)
+        NFB=triton.cdiv(group * d, fb), VSTORED=stored, FT=ftab.shape[1], num_warps=4, enable_fp_fusion=FP_FUSION)
     return out.transpose(1, 2)
