@@ -124,6 +124,8 @@ FIDELITY_RECIPES = {"default": ("turboesm", "turboesm_default_3bit", "turboesm_d
                     "--bits B": ("turboesm_budget_4bit", None, None),
                     "--bits B --predict-values": ("turboesm_predicted_4bit", "turboesm_predicted_3bit",
                                                   "turboesm_predicted_2bit"),
+                    "--bits B --predict-values --predict-group walk": (
+                        "turboesm_predicted_walk_4bit", "turboesm_predicted_walk_3bit", "turboesm_predicted_walk_2bit"),
                     "query-keys": ("turboesm_query_keys", "turboesm_query-keys_3bit", "turboesm_query-keys_2bit"),
                     "no-rotation": ("turboesm_no_rotation", "turboesm_no-rotation_3bit", "turboesm_no-rotation_2bit")}
 #: per all-in bit budget a value: the bars (mean, worst sequence's mean, worst token, most tokens under TAIL_COS)
@@ -189,6 +191,7 @@ def _fidelity_plot(by_model: dict[str, list[dict]], path: Path) -> None:
     models = sorted(by_model, key=lambda m: (int(m.split("-d")[1].split("-")[0]), m))
     fig, axes = plt.subplots(1, 3, figsize=(17, 5), sharey=False)
     colors = {"default": "tab:red", "--bits B": "tab:orange", "--bits B --predict-values": "tab:green",
+              "--bits B --predict-values --predict-group walk": "tab:olive",
               "query-keys": "tab:blue", "no-rotation": "tab:gray"}
     step = 0.8 / len(FIDELITY_RECIPES)
     labelled = set()
