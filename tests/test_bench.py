@@ -72,6 +72,21 @@ def test_cli_bench_embed_smoke(tmp_path, capsys):
     assert "hf_sorted" in out and "ours" in out and (tmp_path / "b.json").is_file()
 
 
+def test_the_fp8_bound_speeds_up_the_products_alone():
+    """bench embed's FP8 bound: the forward's products at the FP8 ceiling, the rest of its time as it is; printed
+    beside the FP8 row (the H100's 650M-shaped rates give 1.39×, under the 1.4× an issue asked for)."""
+    from esm_turbo.embed.benchmark import format_embed, fp8_bound
+    assert fp8_bound(346119, 476129, 771361) == pytest.approx(1.385, abs=1e-3)
+    assert fp8_bound(100, 100, 200) == pytest.approx(2.0)  # all products: the FP8 ceiling's own ratio
+    assert fp8_bound(50, 100, 200) == pytest.approx(4 / 3)  # half the time elsewhere
+    row = dict(size="650M", sequences=1, tokens=1, toks_per_batch=16, flops_per_token=1e9,
+               ours=dict(tokens_per_s=346119.0), ours_fp8=dict(tokens_per_s=413652.0),
+               gemm_ceiling_tokens_per_s=476129.0, fp8_gemm_ceiling_tokens_per_s=771361.0,
+               fp8_bound_x_ours=fp8_bound(346119, 476129, 771361))
+    text = "\n".join(format_embed(dict(rows=[row])))
+    assert "FP8 bound" in text and "1.39× ours" in text and "ours_fp8 1.20×" in text
+
+
 def test_cpu_step_rows():
     from esm_turbo.bench import bench_cpu_steps
     (row,) = bench_cpu_steps(sizes=("8M",), context=16, steps=2, calibration_tokens=256)
