@@ -361,6 +361,29 @@ def _predicted_cache(heads: int, dim: int, lengths: list[int], block_size: int =
     return codec, cache
 
 
+def _walk_args(codec, cache, s: int, block_size: int, codec_args: dict, predictor=None) -> tuple:
+    """The arguments of predicted_attention_reference / _triton for one step of ``s`` new tokens a row over
+    ``cache``'s one layer (``_predicted_cache``): random queries and new keys and values, the last new token of row 0
+    invalid and, where the last row holds nothing, all of its (``s`` > 1); the layer's packed codes (no values where
+    ``codec_args`` asked none stored), ``predictor`` (default the codec's) and the block table."""
+    from esm_turbo.ops.compressed import cached_codes
+    heads, dim = codec.key.heads, codec.key.dim
+    lengths, device = cache.lengths, cache.lengths.device
+    g = torch.Generator().manual_seed(9)
+    b = len(lengths)
+    q = (torch.randn(b, heads, s, dim, generator=g) * dim ** -0.5 * 3).to(device)
+    k_new, v_new = (torch.randn(b, heads, s, dim, generator=g).to(device) for _ in range(2))
+    new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
+    if s > 1:
+        new_valid[0, -1] = False
+        new_valid[-1] = bool(lengths[-1] > 0)  # a row with nothing to attend to: zeros
+    parts = cache.pool.dev[0] if block_size else cache.parts[0]
+    pages = cache.pages() if block_size else (None, 0)
+    keys = cached_codes(codec, parts, "k")
+    values = None if codec_args.get("unstored") else cached_codes(codec, parts, "v")
+    return q, k_new, v_new, new_valid, lengths, keys, values, predictor or codec.predictor, *pages
+
+
 @pytest.mark.parametrize("heads,dim,lengths,s,block_size,splits,codec_args", [
     (4, 16, [37, 5], 1, 0, 2, {}),
     (4, 16, [37, 0], 2, 8, 3, {}),  # a row with nothing cached nor new to attend to, paged
@@ -383,26 +406,14 @@ def test_the_fused_walk_over_predicted_values_matches_its_reference(heads, dim, 
     with the step's own tokens (the pooled products' inputs in fp16, as flash attention's P·V)."""
     import triton
     from esm_turbo.kernels.decode.predicted import feature_chunk, fits
-    from esm_turbo.ops.compressed import cached_codes
     from esm_turbo.ops.predicted import predicted_attention_reference, predicted_attention_triton
     assert fits(heads, dim)
     assert feature_chunk(heads, dim) == {(20, 16): (8, 3), (20, 32): (4, 5), (20, 64): (2, 10), (40, 64): (2, 20),
                                          (40, 128): (1, 40)}.get((heads, dim), (triton.next_power_of_2(heads), 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     codec, cache = _predicted_cache(heads, dim, lengths, block_size, device=device, **codec_args)
-    g = torch.Generator().manual_seed(9)
-    b = len(lengths)
-    q = (torch.randn(b, heads, s, dim, generator=g) * dim ** -0.5 * 3).to(device)
-    k_new, v_new = (torch.randn(b, heads, s, dim, generator=g).to(device) for _ in range(2))
-    new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
-    if s > 1:
-        new_valid[0, -1] = False
-        new_valid[-1] = lengths[-1] > 0  # a row with nothing to attend to: zeros
-    parts = cache.pool.dev[0] if block_size else cache.parts[0]
-    pages = cache.pages() if block_size else (None, 0)
-    keys = cached_codes(codec, parts, "k")
-    values = None if codec_args.get("unstored") else cached_codes(codec, parts, "v")
-    args = (q, k_new, v_new, new_valid, cache.lengths, keys, values, codec.predictor, *pages)
+    args = _walk_args(codec, cache, s, block_size, codec_args)
+    new_valid = args[3]
     want = predicted_attention_reference(*args)
     got = predicted_attention_triton(*args, splits=splits)
     if not new_valid[-1].any():
@@ -425,7 +436,6 @@ def test_the_one_pass_walk_over_a_grouped_predictor_matches_its_reference(heads,
     merge — what predicted_attention_triton takes for the keys alone, and on request with a coded residual — against
     predicted_attention_reference and against the two walks (Triton's interpreter on CPU, the kernels on CUDA)."""
     from esm_turbo.kernels.decode import predicted as kernels
-    from esm_turbo.ops.compressed import cached_codes
     from esm_turbo.ops.predicted import predicted_attention_reference, predicted_attention_triton
     device = "cuda" if torch.cuda.is_available() else "cpu"
     codec, cache = _predicted_cache(heads, dim, lengths, block_size, device=device, **codec_args)
@@ -435,19 +445,8 @@ def test_the_one_pass_walk_over_a_grouped_predictor_matches_its_reference(heads,
     pred = ValuePredictor(30 * w.masked_fill(apart, 0).reshape(heads * dim, -1), codec.predictor.bias.float(),
                           codec.predictor.inv_freq, heads, dim)
     assert pred.group == group and kernels.one_pass(pred, heads, dim) and not kernels.one_pass(pred, heads, dim, True)
-    g = torch.Generator().manual_seed(9)
-    b = len(lengths)
-    q = (torch.randn(b, heads, s, dim, generator=g) * dim ** -0.5 * 3).to(device)
-    k_new, v_new = (torch.randn(b, heads, s, dim, generator=g).to(device) for _ in range(2))
-    new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
-    if s > 1:
-        new_valid[0, -1] = False
-        new_valid[-1] = lengths[-1] > 0
-    parts = cache.pool.dev[0] if block_size else cache.parts[0]
-    pages = cache.pages() if block_size else (None, 0)
-    keys = cached_codes(codec, parts, "k")
-    values = None if codec_args.get("unstored") else cached_codes(codec, parts, "v")
-    args = (q, k_new, v_new, new_valid, cache.lengths, keys, values, pred, *pages)
+    args = _walk_args(codec, cache, s, block_size, codec_args, pred)
+    new_valid = args[3]
     want = predicted_attention_reference(*args)
     two = predicted_attention_triton(*args, splits=splits, grouped=False)
     monkeypatch.setattr(kernels, "_pool_kernel", _NoLaunch())
