@@ -259,10 +259,10 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         raise EsmTurboError("values not stored (value_index_bits 0) leave no value codes for slots or narrowed "
                             "layers to adjust: give slots 0 and narrow_layers 0, or value_index_bits ≥ 1")
     try:
-        grouped = group_size(config.predict_group, heads, dim) is not None
+        group = group_size(config.predict_group, heads, dim)
     except ValueError as e:
         raise EsmTurboError(str(e)) from None
-    if grouped and not config.predict_values:
+    if group is not None and not config.predict_values:
         raise EsmTurboError(f"predict_group {config.predict_group}: grouping the heads of a value predictor needs "
                             "predict_values")
     if config.predict_values:
@@ -278,8 +278,7 @@ def calibrate(model, records: list[Record], config: CalibrationConfig = Calibrat
         coded, _, n_tokens = _fit_codecs(engine, batches, replace(config, predict_values=False), progress,
                                          keys_only=True)
         keys = [c.key for c in coded]
-        predictors = fit_value_predictors(engine, batches, coded, progress,
-                                          group_size(config.predict_group, heads, dim))
+        predictors = fit_value_predictors(engine, batches, coded, progress, group)
         explained = [p.explained for p in predictors]
         log.info("values' variance the decoded keys predict, per layer: %s", ", ".join(f"{e:.4f}" for e in explained))
         if config.value_index_bits == 0 and min(explained) < UNSTORED_MIN_EXPLAINED:

@@ -20,6 +20,10 @@ are computed once by a walk of their own and handed over as fp16 weights:
   into the rows of W that the merge applies (``esm_turbo.ops.predicted.walk_tables``);
 * ``_predicted_merge_kernel``: the splits combined, the map applied, the step's own tokens added exactly.
 
+Where the map takes each head's values from its own group of the scores walk's heads (``calibrate --predict-group
+walk``) and the values are not stored, the scores walk pools its group's features itself (``POOL``, :func:`one_pass`):
+one walk and the merge, no weights handed over.
+
 HQ = max(16, the heads rounded up to a power of two) (a dot's rows); 2·FC·d ≤ :data:`POOLED_VALUES` / HQ, so the
 pooled sums fit a program's registers. Shapes beyond :func:`fits` (35M's heads of 24) take the PyTorch path.
 """
