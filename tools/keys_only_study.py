@@ -85,8 +85,9 @@ def value_maps(model) -> list[tuple[torch.Tensor, ...]]:
 def fitted(args, model, cal_records, eval_records) -> None:
     """The library's keys-alone caches (values not stored, a map fitted on decoded keys) at ``--key-bits``."""
     t0 = time.time()
+    group = "" if args.predict_group == "all" else f" --predict-group {args.predict_group}"
     lines = [f"# python tools/keys_only_study.py {args.model} --fitted --key-bits "
-             f"{' '.join(map(str, args.key_bits))}{data_flags(args)}",
+             f"{' '.join(map(str, args.key_bits))}{group}{data_flags(args)}",
              f"# {len(eval_records)} held-out sequences, half prefilled exactly, the rest decoded; PyTorch path, CPU. "
              "Values not stored: calibrate --predict-values with value_index_bits 0 (a map a layer fitted by least "
              "squares on the calibration set's decoded keys, before RoPE); explained: the share of the values' "
@@ -94,7 +95,8 @@ def fitted(args, model, cal_records, eval_records) -> None:
              f"{'cache':34} {'all-in':>6} {'mean cos':>9} {'worst seq':>9} {'worst tok':>9} {'<0.95':>6}  explained"]
     for kb in args.key_bits:
         cal = calibrate(model, cal_records, recipe("default", predict_values=True, key_index_bits=kb,
-                                                   value_index_bits=0), progress=False)
+                                                   value_index_bits=0, predict_group=args.predict_group),
+                        progress=False)
         r = measure(TurboEsm(model, cal), eval_records, cal.codecs)
         explained = ", ".join(f"{e:.4f}" for e in cal.meta["value_prediction_explained"])
         lines.append(f"{f'keys only, keys at {kb}+1, map fitted':34} {r['bits']:>6.3f} {r['mean']:>9.4f} "
@@ -107,6 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fitted", action="store_true", help="only the library's keys-alone caches (a fitted map)")
     ap.add_argument("--key-bits", type=int, nargs="+", default=[3, 4], help="with --fitted: the keys' index bits")
+    ap.add_argument("--predict-group", default="all", help="with --fitted: calibrate --predict-group (all, walk, N)")
     args, model, cal_records, eval_records = parse(ap)
     if args.fitted:
         fitted(args, model, cal_records, eval_records)
