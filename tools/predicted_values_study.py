@@ -14,15 +14,14 @@ recipe itself at each ``--index-bits``.
     python tools/predicted_values_study.py ../shared/testbed/esm2_8M_trained --index-bits 2 --predictor all-pre-rope
     python tools/predicted_values_study.py ../shared/testbed/esm2_8M_trained --index-bits 2 --groups 1 8
 
-``--groups G``: the library's fit restricted to groups of G consecutive heads (each head's values from its group's
-keys before RoPE alone, W block-diagonal), as a walk that reads each group's keys once could pool them; with
+``--groups G``: the library's fit restricted to groups of G consecutive heads (``calibrate --predict-group G``: each
+head's values from its group's keys before RoPE alone, W block-diagonal), as the one-pass walk pools them; with
 ``--keys-alone`` no value bytes, the keys at the same all-in bits (``--bits B --predict-values``' split).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import torch
@@ -32,7 +31,6 @@ import esm_turbo.model.calibrate as calibration
 from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec
-from esm_turbo.quant.predict import PredictorFit
 
 
 def features(k_hat: torch.Tensor, every_head: bool) -> torch.Tensor:
@@ -146,15 +144,11 @@ def main() -> None:
             rows.append((f"recipe, {bits} index bits", measure(engine, eval_records, cal.codecs)))
             show(rows[-1])
         source = {"own": "k̂", "all": "every head's k̂", "all-pre-rope": "every head's k̂ before RoPE"}[args.predictor]
-        for group in args.groups:  # the library's calibrate --predict-values, its fit restricted to groups
-            plain_solve = PredictorFit.solve
-            PredictorFit.solve = functools.partialmethod(plain_solve, group=group)
-            try:
-                split = dict(key_index_bits=2 * bits + 1, value_index_bits=0) if args.keys_alone else {}
-                grouped = calibrate(model, cal_records, recipe("default", index_bits=None if split else bits,
-                                                               predict_values=True, **split), progress=False)
-            finally:
-                PredictorFit.solve = plain_solve
+        for group in args.groups:  # the library's calibrate --predict-values --predict-group G
+            split = dict(key_index_bits=2 * bits + 1, value_index_bits=0) if args.keys_alone else {}
+            grouped = calibrate(model, cal_records, recipe("default", index_bits=None if split else bits,
+                                                           predict_values=True, predict_group=str(group), **split),
+                                progress=False)
             rows.append((f"values from groups of {group} heads' k̂ before RoPE, {bits} index bits"
                          + (" (keys alone)" if args.keys_alone else ""),
                          measure(TurboEsm(model, grouped), eval_records, grouped.codecs)))
