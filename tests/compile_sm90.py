@@ -158,7 +158,8 @@ def main() -> None:
     # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor
     # descriptors and through pointers, e4m3 QKV (bias) and FFN-down (residual) with row and column scales, e4m3 GELU
     # with the rows' maxima (GELU's erf in each form: the fit, and libdevice's where TILES keeps it), fp16 and e4m3
-    # QKV with the rotary embedding at heads of 64 (compiled here with FMA contraction on); then the
+    # QKV with the rotary embedding at heads of 64 (compiled here with FMA contraction on), the 150M-shaped FFN-up
+    # tile (two programs a multiprocessor under a register cap); then the
     # attention of 64-token tiles at heads of 64 and of 32
     ints = {"M", "N", "K", "stride_am", "stride_wn", "stride_cm", "stride_rm", "stride_cos", "q_cols"}
     for dt, tile, epi, tma, amax in (("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 1, True, False),
@@ -168,7 +169,8 @@ def main() -> None:
                                      ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 2, False, False),
                                      ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 0, True, False),
                                      ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 2, True, False),
-                                     ("fp8e4nv", gemm.Tile(128, 128, 128, 4, 8, 8, False), 1, True, True)):
+                                     ("fp8e4nv", gemm.Tile(128, 128, 128, 4, 8, 8, False), 1, True, True),
+                                     ("fp16", gemm.TILES[2560, 640, "float16", "gelu"], 1, True, False)):
         out = "bf16" if dt == "fp8e4nv" else dt
         desc = lambda rows: f"tensordesc<{dt}[{rows}, {tile.bk}]>"  # noqa: E731
         compile_sm90(gemm._gemm_kernel, dict(BM=tile.bm, BN=tile.bn, BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=132,
@@ -177,7 +179,7 @@ def main() -> None:
                                              GELU=gemm.GELU_FORMS[tile.gelu], HD=64), ints,
                      dict(a_ptr=f"*{dt}", w_ptr=f"*{dt}", c_ptr=f"*{out}", bias_ptr=f"*{out}", res_ptr=f"*{out}",
                           a_desc=desc(tile.bm) if tma else f"*{dt}", w_desc=desc(tile.bn) if tma else f"*{dt}",
-                          res_scale="fp32", q_scale="fp32"), num_warps=tile.warps)
+                          res_scale="fp32", q_scale="fp32"), num_warps=tile.warps, maxnreg=tile.maxnreg)
     # a step's few rows split along K (kernels.gemm_split): the last to arrive adds the partials, every epilogue
     for epi, split in ((0, 8), (1, 2), (2, 16), (0, 1)):
         compile_sm90(gemm_split._split_gemm_kernel, dict(BM=64, BN=128, BK=64, SPLIT=split, EPI=epi, HAS_BIAS=True,

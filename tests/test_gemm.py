@@ -47,6 +47,25 @@ def test_gemm_epilogues_match_the_reference(dtype, epilogue, scale, form):
     assert (got.float() - want.float()).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("parts,programs,maxnreg", [(1, 1, None), (4, 1, None), (4, 2, None), (2, 2, 128)])
+@pytest.mark.parametrize("epilogue", ["gelu", "residual"])
+def test_gemm_epilogue_parts_and_programs_per_sm(parts, programs, maxnreg, epilogue):
+    """The epilogue in 1, 2 or 4 column parts, two persistent programs a multiprocessor and a register cap compute
+    what the default launch computes, bit for bit (the same sums in the same order, the same epilogue); a part count
+    other than 1, 2 or 4 is refused."""
+    from esm_turbo.kernels.gemm import Tile, gemm, tile_for
+    dtype = torch.float16
+    m, n, k = (300, 520, 328) if CUDA else (37, 72, 40)
+    x, w, b, h = _inputs(m, n, k, dtype, seed=7)
+    res = h if epilogue == "residual" else None
+    base = _small_tile() or tile_for(n, k, dtype, epilogue)
+    tile = dataclasses.replace(base, subtile=parts, programs=programs, maxnreg=maxnreg if CUDA else None)
+    assert torch.equal(gemm(x, w, b, epilogue, res, tile=tile), gemm(x, w, b, epilogue, res, tile=base))
+    with pytest.raises(ValueError, match="epilogue parts"):
+        Tile(128, 256, subtile=3)
+    assert Tile(subtile=True).subtile == 2 and Tile(subtile=False).subtile == 1
+
+
 def _rope_tables(m: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [m, head_dim] float32 of ESM-2's rotary embedding at positions of a few packed sequences."""
     gen = torch.Generator().manual_seed(seed)

@@ -4,9 +4,13 @@ the whole forward with and without the folded epilogues, all in one run. ``--gel
 each form of its erf (esm_turbo.kernels.common.GELU_FORMS) over every tile, beside cuBLAS alone, cuBLAS + F.gelu,
 cuBLASLt's own GELU epilogue (tanh-approximate: not ESM-2's function, shown as a bound) and the Triton kernel with
 the bias only (what the epilogue's arithmetic costs); the form that wins goes into kernels.gemm.TILES with its tile.
+``--overlap``: FFN-up with GELU over tiles whose epilogue may run beside products (two programs a multiprocessor, the
+epilogue in four column parts; :data:`OVERLAP_TILES`), then, where one beats the table's tile, the forward and
+``Embedder.run`` with it against the table (DIR/overlap.json).
 
 usage: python tools/tune_gemm.py [--sizes 650M 3B 150M] [--tokens 16384] [--out DIR] [--skip-fp8] [--first N]
        python tools/tune_gemm.py --gelu-forms [--sizes ...] [--out DIR]
+       python tools/tune_gemm.py --overlap [--sizes ...] [--out DIR]
        python tools/tune_gemm.py --products qkv:rope [--sizes ...] [--out DIR]   # those rows, then the rotary A/B
 
 Per model shape and product (QKV with its bias, O with the residual add, FFN-up with GELU, FFN-down with the residual
@@ -38,6 +42,13 @@ FP16_TILES = [T(128, 256, 64, 3, 8, 8, True), T(128, 256, 64, 3, 8, 8, False), T
               T(128, 128, 64, 4, 4, 8, False, True), T(128, 256, 128, 2, 8, 8, True), T(128, 128, 128, 3, 8, 8, False)]
 FP8_TILES = [T(128, 256, 128, 3, 8, 8, True), T(256, 128, 128, 3, 8, 8, False), T(128, 256, 128, 3, 8, 8, True, True),
              T(128, 128, 128, 4, 8, 8, False), T(128, 256, 128, 4, 8, 8, True), T(128, 128, 128, 4, 4, 8, False, True)]
+#: FFN-up with GELU, tiles whose epilogue may overlap products: two programs a multiprocessor (each program's
+#: tiles and registers fit twice), or the epilogue in four column parts (no spills at 128 × 256)
+OVERLAP_TILES = [T(128, 256, 64, 3, 8, 8, 4), T(128, 128, 64, 3, 8, 8, 4, programs=2, maxnreg=128),
+                 T(128, 128, 64, 3, 4, 8, 4, programs=2), T(128, 128, 64, 2, 4, 8, 4, programs=2),
+                 T(128, 64, 64, 4, 4, 8, 1, programs=2), T(128, 64, 64, 3, 4, 8, 2, programs=2),
+                 T(128, 128, 32, 4, 8, 8, 4, programs=2, maxnreg=128),
+                 T(128, 128, 64, 3, 8, 8, 2, programs=2, maxnreg=128), T(128, 128, 64, 3, 8, 8, 4)]
 #: (name, epilogue) of a block's four products, in order, and QKV with the rotary embedding folded in
 PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"), ("qkv", "rope"))
 
@@ -238,31 +249,47 @@ def warm_forward(size: str, tokens: int) -> tuple:
 
 
 def rope_ab(size: str, tokens: int, tiles: dict, copies: int = 4) -> list[dict]:
-    """The forward on one real-length batch and ``Embedder.run`` over the bench's records (nothing written), fp16, with
-    the library's table as it is and with this run's best rotary QKV tile (``tiles``) added to it, interleaved, best
-    of three each; the two forwards' last layers compared."""
-    from esm_turbo.bench import EMBED_FASTA
-    from esm_turbo.embed.benchmark import _NullWriter
-    from esm_turbo.embed.extract import EmbedConfig, Embedder
-    from esm_turbo.fasta import Record, read_fastas
+    """:func:`table_ab` of this run's best rotary QKV tile (``tiles``) added to the library's table."""
     from esm_turbo.model.sizes import esm2_config
     cfg = esm2_config(size)
     key = (3 * cfg.hidden_size, cfg.hidden_size, "float16", "rope")
     found = tiles.get(",".join(map(str, key)))
     if found is None:
         return []
-    tile = G.Tile(**{f.name: found[f.name] for f in dataclasses.fields(G.Tile)})
+    tile = G.Tile(**{f.name: found[f.name] for f in dataclasses.fields(G.Tile) if f.name in found})
+    return table_ab(size, tokens, key, tile, "rope folded", copies)
+
+
+def table_ab(size: str, tokens: int, key: tuple, tile: G.Tile, label: str, copies: int = 4) -> list[dict]:
+    """:func:`variants_ab` of the library's table as it is ("table", left so) and with ``tile`` at ``key``
+    (``label``)."""
+    def use(entry: G.Tile | None):
+        def apply(_fast) -> None:
+            if entry is None:
+                G.TILES.pop(key, None)
+            else:
+                G.TILES[key] = entry
+        return apply
+    return variants_ab(size, tokens, {"table": use(G.TILES.get(key)), label: use(tile)}, copies)
+
+
+def variants_ab(size: str, tokens: int, variants: dict, copies: int = 4) -> list[dict]:
+    """The forward on one real-length batch and ``Embedder.run`` over the bench's records (nothing written), fp16, under
+    each of ``variants`` (name → a function that sets the variant up on the model), interleaved, best of three each;
+    each variant's last layer compared with the first's, and one forward of each profiled kernel by kernel. The first
+    variant is left set."""
+    from esm_turbo.bench import EMBED_FASTA
+    from esm_turbo.embed.benchmark import _NullWriter
+    from esm_turbo.embed.extract import EmbedConfig, Embedder
+    from esm_turbo.fasta import Record, read_fastas
     fast, batch, picked = warm_forward(size, tokens)
     records = [Record(f"{r.id}#{c}", r.sequence, r.source) for c in range(copies) for r in read_fastas(EMBED_FASTA)]
     emb = Embedder(fast, EmbedConfig(include=["mean"]), torch.device("cuda"))
     n_tok = sum(len(r.sequence) + 2 for r in records)
     best, outs = {}, {}
     for _ in range(3):
-        for variant in ("table", "rope folded"):
-            if variant == "table":
-                G.TILES.pop(key, None)
-            else:
-                G.TILES[key] = tile
+        for variant, setup in variants.items():
+            setup(fast)
             fn = lambda: fast(batch, [fast.num_layers])  # noqa: E731
             outs.setdefault(variant, fn()[fast.num_layers].float())
             ms = triton.testing.do_bench(fn, warmup=20, rep=200, return_mode="median")
@@ -275,20 +302,27 @@ def rope_ab(size: str, tokens: int, tiles: dict, copies: int = 4) -> list[dict]:
             old = best.get(variant, (float("inf"), float("inf")))
             best[variant] = (min(old[0], ms), min(old[1], run_s))
     kernels = {}
-    for variant in ("table", "rope folded"):  # one forward's GPU time by kernel, CUDA activity only
-        if variant == "table":
-            G.TILES.pop(key, None)
-        else:
-            G.TILES[key] = tile
+    for variant, setup in variants.items():  # one forward's GPU time by kernel, CUDA activity only
+        setup(fast)
         kernels[variant] = kernel_totals(lambda: fast(batch, [fast.num_layers]))
-    G.TILES.pop(key, None)
-    cos = F.cosine_similarity(outs["table"], outs["rope folded"], dim=-1).min().item()
+    first = next(iter(variants))
+    variants[first](fast)
     rows = [dict(size=size, variant=v, forward_ms=ms, forward_tokens_per_s=batch.tokens.numel() / ms * 1e3,
-                 embedder_tokens_per_s=n_tok / run_s, min_token_cos_vs_table=cos, kernels_ms=kernels[v])
+                 embedder_tokens_per_s=n_tok / run_s,
+                 min_token_cos_vs_base=F.cosine_similarity(outs[first], outs[v], dim=-1).min().item(),
+                 kernels_ms=kernels[v])
             for v, (ms, run_s) in best.items()]
     for r in rows:
-        log(f"rope A/B {r}")
+        log(f"A/B {r}")
     return rows
+
+
+def print_ab(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"{r['size']:5} {r['variant']:14} forward {r['forward_ms']:7.2f} ms ({r['forward_tokens_per_s']:,.0f} "
+              f"tokens/s)  Embedder.run {r['embedder_tokens_per_s']:,.0f} tokens/s  worst token cos vs the first "
+              f"{r['min_token_cos_vs_base']:.6f}")
+        print("    GPU ms by kernel: " + ", ".join(f"{k} {v:.3f}" for k, v in r["kernels_ms"].items()))
 
 
 def kernel_totals(fn, top: int = 14) -> dict:
@@ -358,6 +392,38 @@ def gelu_rows(size: str, tokens: int) -> dict:
     return row
 
 
+def overlap_rows(size: str, tokens: int) -> dict:
+    """FFN-up with GELU at ``tokens`` rows, fp16: cuBLAS, cuBLAS + F.gelu, the table's tile with the bias only and
+    with GELU, and every tile of :data:`OVERLAP_TILES` (GELU in the table tile's form); each checked against the
+    reference as :func:`gelu_rows` checks."""
+    dev = torch.device("cuda")
+    n, k = next((n, k) for name, _, n, k in shapes(size) if name == "ffn_up")
+    gen = torch.Generator(device=dev).manual_seed(n)
+    x = torch.randn(tokens, k, device=dev, generator=gen).half()
+    w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).half()
+    b = (0.1 * torch.randn(n, device=dev, generator=gen)).half()
+    ref = G.gemm_reference(x, w, b, "gelu").double()
+    err_base = (F.gelu(F.linear(x, w, b)).double() - ref).abs().max().item()
+    table = G.tile_for(n, k, torch.float16, "gelu")
+    row = dict(size=size, n=n, k=k, m=tokens, table_tile=dataclasses.asdict(table),
+               cublas_us=bench(lambda: F.linear(x, w, b)), cublas_gelu_us=bench(lambda: F.gelu(F.linear(x, w, b))),
+               table_bias_us=bench(lambda: G.gemm(x, w, b, "bias", tile=table)), tiles=[])
+    for t in [table] + [dataclasses.replace(c, gelu=table.gelu) for c in OVERLAP_TILES]:
+        entry = dict(tile=dataclasses.asdict(t))
+        try:
+            got = G.gemm(x, w, b, "gelu", tile=t)
+            entry["err"] = (got.double() - ref).abs().max().item()
+            entry["ok"] = entry["err"] <= 2 * err_base + 1e-3
+            entry["us"] = bench(lambda t=t: G.gemm(x, w, b, "gelu", tile=t))
+        except Exception as e:  # noqa: BLE001 - a tile that does not build is reported
+            entry["error"] = f"{type(e).__name__}: {e}"[:200]
+        row["tiles"].append(entry)
+        log(f"overlap {size} {entry}")
+    good = [e for e in row["tiles"][1:] if e.get("ok")]
+    row["best"] = min(good, key=lambda e: e["us"]) if good else None
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["650M", "3B", "150M"])
@@ -367,6 +433,8 @@ def main() -> None:
     ap.add_argument("--skip-products", action="store_true", help="only the attention, forward and profile parts")
     ap.add_argument("--first", type=int, default=None, help="only the first N tiles of each list")
     ap.add_argument("--gelu-forms", action="store_true", help="only the GELU forms in FFN-up and the forward")
+    ap.add_argument("--overlap", action="store_true",
+                    help="only FFN-up over OVERLAP_TILES, then the forward A/B of the best where it beats the table")
     ap.add_argument("--products", nargs="+", default=None, metavar="NAME:EPILOGUE",
                     help="only these products (e.g. qkv:rope), then the rotary A/B instead of the other parts")
     ap.add_argument("--tiles", type=Path, default=None,
@@ -381,6 +449,23 @@ def main() -> None:
             forms = "  ".join(f"{f} {v['us']:.1f}" for f, v in r["forms"].items() if v)
             print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  "
                   f"cuBLASLt tanh-GELU {r['cublaslt_tanh_gelu_us']:.1f}  Triton {forms}")
+        return
+    if args.overlap:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+        rows, ab = [overlap_rows(size, args.tokens) for size in args.sizes], []
+        for r in rows:
+            table_us = r["tiles"][0].get("us", float("inf"))
+            print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  table "
+                  f"tile bias {r['table_bias_us']:.1f}  GELU {table_us:.1f}")
+            for e in r["tiles"][1:]:
+                t = e["tile"]
+                print(f"    {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} w{t['warps']} parts {t['subtile']} programs "
+                      f"{t['programs']} maxnreg {t['maxnreg']}: " + (f"{e['us']:.1f} µs" if "us" in e else e["error"]))
+            if r["best"] and r["best"]["us"] < 0.98 * table_us:
+                key = (r["n"], r["k"], "float16", "gelu")
+                ab += table_ab(r["size"], args.tokens, key, G.Tile(**r["best"]["tile"]), "overlap")
+        (args.out / "overlap.json").write_text(json.dumps(dict(products=rows, ab=ab), indent=1))
+        print_ab(ab)
         return
     from esm_turbo.embed.fp8 import fp8_supported
     fp8 = fp8_supported("cuda") and not args.skip_fp8
@@ -406,11 +491,7 @@ def main() -> None:
         ab = [r for size in args.sizes for r in rope_ab(size, args.tokens, tiles)]
         (args.out / "tune_gemm.json").write_text(json.dumps(dict(products=rows, rope_ab=ab), indent=1))
         print_products(rows)
-        for r in ab:
-            print(f"{r['size']:5} {r['variant']:12} forward {r['forward_ms']:7.2f} ms "
-                  f"({r['forward_tokens_per_s']:,.0f} tokens/s)  Embedder.run {r['embedder_tokens_per_s']:,.0f} "
-                  f"tokens/s  worst token cos vs the table's {r['min_token_cos_vs_table']:.6f}")
-            print("    GPU ms by kernel: " + ", ".join(f"{k} {v:.3f}" for k, v in r["kernels_ms"].items()))
+        print_ab(ab)
         return
     attn, fwd = [], []
     for size in args.sizes:

@@ -48,9 +48,12 @@ EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2, "rope": 3}
 @dataclass(frozen=True)
 class Tile:
     """One launch plan: the output tile (bm × bn), the K step, how many K steps are in flight (stages), warps, the
-    M-group of the tile order, whether the epilogue works on two column halves (less register pressure), whether
-    the tile loop is warp-specialized (loads, products and the epilogue in warps of their own, where Triton offers
-    it), and the form of GELU's erf (:data:`~esm_turbo.kernels.common.GELU_FORMS`) when the epilogue has one."""
+    M-group of the tile order, the epilogue's column parts (``subtile``: 1, 2 or 4 parts of bn / parts columns, less
+    register pressure; True is 2, False 1), whether the tile loop is warp-specialized (loads, products and the
+    epilogue in warps of their own, where Triton offers it), the form of GELU's erf
+    (:data:`~esm_turbo.kernels.common.GELU_FORMS`) when the epilogue has one, the persistent programs a
+    multiprocessor runs (``programs``: with 2, one program's epilogue can run beside the other's products where both
+    fit) and a cap on registers a thread (``maxnreg``, None: the compiler's choice)."""
 
     bm: int = 128
     bn: int = 256
@@ -58,9 +61,16 @@ class Tile:
     stages: int = 3
     warps: int = 8
     group_m: int = 8
-    subtile: bool = True
+    subtile: int = 2
     ws: bool = False
     gelu: str = GELU_FORM
+    programs: int = 1
+    maxnreg: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "subtile", 2 if self.subtile is True else 1 if self.subtile is False else self.subtile)
+        if self.subtile not in (1, 2, 4) or self.bn % self.subtile:
+            raise ValueError(f"a tile's epilogue parts (subtile) are 1, 2 or 4 dividing bn, not {self.subtile}")
 
 
 #: the products where the kernel, its epilogue folded in, measured faster than cuBLAS followed by the separate pass
@@ -71,7 +81,10 @@ TILES: dict[tuple[int, int, str, str], Tile] = {
     # fp16 FFN-up with GELU (``tune_gemm.py --gelu-forms``), ESM-2 650M: 420 µs against cuBLAS's 306 + F.gelu's 150
     # (libdevice's erf: 450); 150M: 138 against 91 + 54 (erf: 153); 3B: 1,511 against 1,289 + 227 (erfc: 1,538)
     (5120, 1280, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True),
-    (2560, 640, "float16", "gelu"): Tile(256, 128, 64, 3, 8, 8, False),
+    # 150M: two programs a multiprocessor, 128 registers a thread, so one program's GELU runs beside the other's
+    # products (``tune_gemm.py --overlap``, H100): 135.6 µs against 141.0 for the one-program 256 × 128 tile, the
+    # forward 15.29 → 15.09 ms and ``Embedder.run`` 976K → 990K tokens/s; at 650M and 3B no such tile won
+    (2560, 640, "float16", "gelu"): Tile(128, 128, 64, 3, 8, 8, 2, programs=2, maxnreg=128),
     (10240, 2560, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True, gelu="erf"),
     # e4m3, the QKV projections (bias only): 151 µs against torch._scaled_mm's 162 (650M); 556 against 578 (3B)
     (3840, 1280, "float8_e4m3fn", "bias"): Tile(128, 256, 128, 4, 8, 8, True),
@@ -203,6 +216,20 @@ def _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stri
 
 
 @triton.jit
+def _column_part(acc, j: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PARTS: tl.constexpr):
+    """Columns [j · BN / PARTS, (j + 1) · BN / PARTS) of acc [BM, BN] (PARTS 1, 2 or 4), by halving splits."""
+    if PARTS == 1:
+        part = acc
+    else:
+        h0, h1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        part = h0 if j // (PARTS // 2) == 0 else h1
+        if PARTS == 4:
+            q0, q1 = tl.split(tl.permute(tl.reshape(part, (BM, 2, BN // 4)), (0, 2, 1)))
+            part = q0 if j % 2 == 0 else q1
+    return part
+
+
+@triton.jit
 def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr, sw_ptr, amax_ptr, cos_ptr, sin_ptr,
                  M, N, K, stride_am, stride_wn, stride_cm, stride_rm, stride_cos, q_cols, res_scale, q_scale,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
@@ -219,7 +246,7 @@ def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr,
     k_tiles = tl.cdiv(K, BK)
     tile_c = start - NUM_SMS  # the epilogue's own count: the loop's is pipelined ahead of it
     offs_k = tl.arange(0, BK)
-    parts = num_pid_n * (2 if SUBTILE else 1)
+    parts = num_pid_n * SUBTILE
     for tile in tl.range(start, num_tiles, NUM_SMS, flatten=True, warp_specialize=WS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -243,21 +270,12 @@ def _gemm_kernel(a_ptr, a_desc, w_ptr, w_desc, c_ptr, bias_ptr, res_ptr, sa_ptr,
         tile_c += NUM_SMS
         pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
-        if SUBTILE:
-            halves = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
-            acc0, acc1 = tl.split(halves)
-            offs_n = pid_n * BN + tl.arange(0, BN // 2)
-            _part(acc0, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
-                  sw_ptr, amax_ptr, 2 * pid_n, parts, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI, HAS_BIAS,
-                  FP8, SCALED, AMAX, GELU, BM, BN // 2, HD)
-            _part(acc1, offs_m, offs_n + BN // 2, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale,
-                  sa_ptr, sw_ptr, amax_ptr, 2 * pid_n + 1, parts, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI,
-                  HAS_BIAS, FP8, SCALED, AMAX, GELU, BM, BN // 2, HD)
-        else:
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            _part(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr,
-                  sw_ptr, amax_ptr, pid_n, parts, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI, HAS_BIAS, FP8,
-                  SCALED, AMAX, GELU, BM, BN, HD)
+        W: tl.constexpr = BN // SUBTILE
+        for j in tl.static_range(SUBTILE):
+            _part(_column_part(acc, j, BM, BN, SUBTILE), offs_m, pid_n * BN + j * W + tl.arange(0, W), M, N, c_ptr,
+                  stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, sa_ptr, sw_ptr, amax_ptr, SUBTILE * pid_n + j,
+                  parts, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI, HAS_BIAS, FP8, SCALED, AMAX, GELU, BM, W,
+                  HD)
 
 
 def tma_supported(device: torch.device) -> bool:
@@ -313,11 +331,11 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     if tma is None:  # a descriptor needs 16-byte aligned rows
         tma = tma_supported(x.device) and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                                               for t in (x, w))
-    parts = triton.cdiv(n, tile.bn) * (2 if tile.subtile else 1)
+    parts = triton.cdiv(n, tile.bn) * tile.subtile
     amax = torch.empty(m, parts, device=x.device, dtype=torch.float32) if row_amax else out
     if m == 0:
         return (out, amax[:, 0]) if row_amax else out
-    sms = num_sms(x.device)
+    sms = num_sms(x.device) * tile.programs
     tiles = triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn)
     a_desc = _descriptor(x, [tile.bm, tile.bk]) if tma else x
     w_desc = _descriptor(w, [tile.bn, tile.bk]) if tma else w
@@ -329,7 +347,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
         n // 3, float(residual_scale), head_dim ** -0.5, BM=tile.bm, BN=tile.bn, BK=tile.bk, GROUP_M=tile.group_m,
         NUM_SMS=sms, TMA=tma, SUBTILE=tile.subtile, EPI=EPILOGUES[epilogue], HAS_BIAS=bias is not None, FP8=fp8,
         SCALED=residual_scale != 1.0, AMAX=row_amax, WS=tile.ws, GELU=GELU_FORMS[tile.gelu], HD=head_dim,
-        num_warps=tile.warps, num_stages=tile.stages, enable_fp_fusion=rope is None)
+        num_warps=tile.warps, num_stages=tile.stages, enable_fp_fusion=rope is None,
+        **({} if tile.maxnreg is None else dict(maxnreg=tile.maxnreg)))
     return (out, amax.amax(1)) if row_amax else out
 
 
