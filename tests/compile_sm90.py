@@ -186,19 +186,15 @@ def main() -> None:
                                                          SCALED=True, GELU=gemm.GELU_FORMS[gemm.GELU_FORM]), ints,
                      dict(a_ptr=f16, w_ptr=f16, c_ptr=f16, bias_ptr=f16, res_ptr=f16, part_ptr="*fp32",
                           count_ptr="*i32", res_scale="fp32"), num_warps=4)
-    for d, bn, embeds in ((64, 64, False), (64, 32, False), (32, 32, False), (64, 32, True), (32, 32, True)):
-        # varlen_attention.LENGTH_CLASSES' key tiles, with q as it leaves the projection (embedded in the kernel)
-        compile_sm90(varlen_attention._varlen_kernel, dict(D=d, DP=d, BM=64, BN=bn, ROPE=embeds),
-                     {"n_blocks", "sq", "sk", "sv", "so", "s_cos"},
-                     dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, o_ptr=f16, blocks_ptr="*i32", scale_log2e="fp32",
-                          q_scale="fp32"), num_warps=4)
-    # FastEsm's query scaling and rotary embedding over (token, head) pairs (q and k, or k alone), and its mean
-    # pooling of the residues
-    for first in (0, 1):
-        compile_sm90(rope._rope_packed_kernel, dict(H=20, D=64, DP=64, P=32, FIRST=first),
-                     {"n_pairs", "s_tok", "s_cos"},
-                     dict(qkv_ptr=f16, cos_ptr="*fp32", sin_ptr="*fp32", qo_ptr=f16, ko_ptr=f16, scale="fp32"),
+    for d, bn in ((64, 64), (64, 32), (32, 32)):  # varlen_attention.LENGTH_CLASSES' key tiles
+        compile_sm90(varlen_attention._varlen_kernel, dict(D=d, DP=d, BM=64, BN=bn), {"n_blocks", "sq", "sk", "sv",
+                                                                                        "so"},
+                     dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, o_ptr=f16, blocks_ptr="*i32", scale_log2e="fp32"),
                      num_warps=4)
+    # FastEsm's query scaling and rotary embedding over (token, head) pairs, and its mean pooling of the residues
+    compile_sm90(rope._rope_packed_kernel, dict(H=20, D=64, DP=64, P=32), {"n_pairs", "s_tok", "s_cos"},
+                 dict(qkv_ptr=f16, cos_ptr="*fp32", sin_ptr="*fp32", qo_ptr=f16, ko_ptr=f16, scale="fp32"),
+                 num_warps=4)
     compile_sm90(segment._segment_mean_kernel, dict(ROWS=32, BLOCK_D=128), {"D", "h_stride"},
                  dict(h_ptr=f16, starts_ptr="*i32", ends_ptr="*i32", out_ptr="*fp32"), num_warps=4)
     compile_sm90(dequant._dequant_kernel, dict(BLOCK_M=64, BLOCK_K=64, GROUP=32, ROTATE=True, HAS_PREV=True,

@@ -433,8 +433,6 @@ def main() -> None:
     ap.add_argument("--skip-products", action="store_true", help="only the attention, forward and profile parts")
     ap.add_argument("--first", type=int, default=None, help="only the first N tiles of each list")
     ap.add_argument("--gelu-forms", action="store_true", help="only the GELU forms in FFN-up and the forward")
-    ap.add_argument("--queries-ab", action="store_true",
-                    help="only the forward A/B of the queries embedded by the rotary launch or in the attention")
     ap.add_argument("--overlap", action="store_true",
                     help="only FFN-up over OVERLAP_TILES, then the forward A/B of the best where it beats the table")
     ap.add_argument("--products", nargs="+", default=None, metavar="NAME:EPILOGUE",
@@ -451,14 +449,6 @@ def main() -> None:
             forms = "  ".join(f"{f} {v['us']:.1f}" for f, v in r["forms"].items() if v)
             print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  "
                   f"cuBLASLt tanh-GELU {r['cublaslt_tanh_gelu_us']:.1f}  Triton {forms}")
-        return
-    if args.queries_ab:
-        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-        ab = [r for size in args.sizes for r in variants_ab(size, args.tokens, {
-            "rotary launch": lambda fast: setattr(fast, "queries_in_attention", False),
-            "in attention": lambda fast: setattr(fast, "queries_in_attention", True)})]
-        (args.out / "queries_ab.json").write_text(json.dumps(ab, indent=1))
-        print_ab(ab)
         return
     if args.overlap:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")

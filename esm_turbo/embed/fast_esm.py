@@ -287,9 +287,6 @@ class FastEsm(nn.Module):
         # tiles of 64 tokens, in the dtypes it measured faster in: kernels.varlen_attention.GPU_DTYPES) or "flash"
         # (flash-attention's variable-length kernel); captured graphs take flash
         self.attention_kernel = "triton"
-        # that Triton kernel takes the queries as the QKV product leaves them and scales and embeds them itself, so
-        # the rotary launch embeds the keys alone (half its bytes)
-        self.queries_in_attention = True
         # the fused path on CUDA captures block 2 of each batch as a CUDA graph and replays it for the blocks after
         # it with their tensors copied in (block_replay.BlockGraph): the host's launch work once a batch, not once a
         # block.
@@ -533,11 +530,8 @@ class FastEsm(nn.Module):
             if not h.is_cuda or h.dtype in GPU_DTYPES:  # where it measured faster than flash (and the interpreter)
                 blocks = attention_plan(batch.lengths, h.device)  # cut once, read by every layer
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _layer: int,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-            return varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, 1.0, blocks,
-                                    rope).reshape(n, dim)
-        attend.embeds_queries = blocks is not None and self.queries_in_attention  # read by fused_block
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _layer: int) -> torch.Tensor:
+            return varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, 1.0, blocks).reshape(n, dim)
 
         first, stop = 1, self._replayed_blocks(h, last, fp8s)
         if stop > 2:  # block 1 eager (every kernel built and loaded), then blocks 2 … stop − 1 replayed
@@ -603,8 +597,7 @@ class FastEsm(nn.Module):
                     into: tuple | None = None) -> tuple:
         """Block ``i`` (1 … num_layers) of the fused path over N tokens: h [N, D] the residual stream, x its LayerNorm
         by the block's attention norm (or its e4m3 rows, ``fp8``), cos, sin [N, d] float32. ``attend(q, k, v, i - 1)``
-        (q scaled and rotated, k rotated, v: [N, H, d]; where ``attend.embeds_queries``, q as the product leaves it
-        and ``attend(q, k, v, i - 1, (cos, sin))``) gives the attention output [N, D] (or, ``fp8``, of any
+        (q scaled and rotated, k rotated, v: [N, H, d]) gives the attention output [N, D] (or, ``fp8``, of any
         layout the next product takes). Returns (h after the block, its LayerNorm by the next block's attention norm
         or, after the last block, the final norm) as the next call takes them: as e4m3 rows where ``fp8_next`` (the
         next block's products in FP8; default ``fp8`` before the last block). ``tensors``: what the block reads
@@ -612,7 +605,7 @@ class FastEsm(nn.Module):
         captured block's own inputs, :class:`~.block_replay.BlockGraph`)."""
         from ..kernels.activation import activation_triton
         from ..kernels.norm import layer_norm_columns_
-        from ..kernels.rope import rope_packed_keys_triton, rope_packed_triton
+        from ..kernels.rope import rope_packed_triton
         from .products import folds, product, rope_folds
         n, dim = h.shape
         b = self.blocks[i - 1]  # the shape of every block alike: heads, activation
@@ -624,7 +617,6 @@ class FastEsm(nn.Module):
         t = tensors
         policy, inv_scale = self.fused_products, 1.0 / self.branch_scale
         head_dim = dim // b.heads
-        rope = None  # (cos, sin) where the attention embeds the queries itself
         if t.q_norm is None and folds(x, t.w_qkv, "rope", policy) and rope_folds(t.w_qkv, head_dim):
             qkv = product(x, t.w_qkv, t.b_qkv, "rope", rope=(cos, sin))  # q scaled, q and k rotated in its epilogue
             q, k = qkv[:, :dim].view(n, b.heads, head_dim), qkv[:, dim: 2 * dim].view(n, b.heads, head_dim)
@@ -633,13 +625,9 @@ class FastEsm(nn.Module):
             if t.q_norm is not None:  # ESM C: LayerNorms over the whole width of the query and the key, in place
                 layer_norm_columns_(qkv[:, :dim], t.q_norm, self.eps)
                 layer_norm_columns_(qkv[:, dim: 2 * dim], t.k_norm, self.eps)
-            if getattr(attend, "embeds_queries", False):  # q as it leaves the product: the attention embeds it
-                q, k = qkv[:, :dim].view(n, b.heads, head_dim), rope_packed_keys_triton(qkv, cos, sin, b.heads)
-                rope = (cos, sin)
-            else:
-                q, k = rope_packed_triton(qkv, cos, sin, b.heads)
+            q, k = rope_packed_triton(qkv, cos, sin, b.heads)
         v = qkv[:, 2 * dim:].view(n, b.heads, head_dim)
-        a = attend(q, k, v, i - 1, rope) if rope is not None else attend(q, k, v, i - 1)
+        a = attend(q, k, v, i - 1)
         a = activation_triton(a, "none", fp8=True) if fp8 else a
         h, x = self._residual(h, a, t.w_o, t.b_o, (t.ffn_w, t.ffn_b), inv_scale, fp8, policy, then=t.w_1)
         if b.activation == "gelu" and folds(x, t.w_1, "gelu", policy):  # bias and GELU in the epilogue

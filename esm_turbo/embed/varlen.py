@@ -61,21 +61,17 @@ def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, layout: tuple | None = None, scale: float | None = None,
-                     blocks=None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     blocks=None) -> torch.Tensor:
     """Attention of each sequence of a packed batch to itself (``scale`` default 1/sqrt(d)).
 
     q, k, v: [N, H, d]; cu_seqlens: [S + 1] int32 on q's device; max_seqlen: the longest sequence;
     layout: :func:`padded_layout` of the batch, for where the flash kernel cannot run; blocks: the batch's
     :func:`~esm_turbo.kernels.varlen_attention.attention_plan`, to run the Triton kernel of tiles cut to the
-    sequences instead of flash attention's (short sequences waste less of it on padding); rope: with blocks only,
-    cos, sin [N, d] float32, q then being the projection's queries, scaled and embedded by that kernel. Returns
-    [N, H, d].
+    sequences instead of flash attention's (short sequences waste less of it on padding). Returns [N, H, d].
     """
     if blocks is not None:
         from ..kernels.varlen_attention import varlen_attention_triton
-        return varlen_attention_triton(q, k, v, blocks, scale, rope=rope)
-    if rope is not None:
-        raise ValueError("only the Triton kernel of planned tiles (blocks) embeds the queries itself")
+        return varlen_attention_triton(q, k, v, blocks, scale)
     if not flash_available(q.device, q.dtype, q.shape[-1]):
         return varlen_attention_padded(q, k, v, layout, scale)
     # the kernel torch.nn.attention.varlen.varlen_attn wraps, called directly: that module imports torch._dynamo

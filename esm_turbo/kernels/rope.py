@@ -15,29 +15,20 @@ import triton.language as tl
 
 
 @triton.jit
-def rotate(x, xp, cos, sin, first, scale, SCALE: tl.constexpr):
-    """ESM-2's rotary embedding of x (any shape, channels last) in float32: x · cos + rotate_half(x) · sin, xp being
-    x at each channel's partner (c + D/2 where ``first``, the first half, else c − D/2), cos and sin float32 of x's
-    shape (or broadcast to it). With ``SCALE`` x and xp are first multiplied by ``scale`` and rounded to their dtype
-    (the query's d ** -0.5, as transformers scales it before the embedding)."""
-    if SCALE:
-        x = (x.to(tl.float32) * scale).to(x.dtype)
-        xp = (xp.to(tl.float32) * scale).to(xp.dtype)
-    xp = tl.where(first, -xp.to(tl.float32), xp.to(tl.float32))
-    return x.to(tl.float32) * cos + xp * sin
-
-
-@triton.jit
 def _embed_rows(x_ptr, out_ptr, cos, sin, b, s, S, sxb, sxs, scale, offs_h, offs_d, partner, H: tl.constexpr,
                 D: tl.constexpr, SCALE: tl.constexpr):
     """Heads ``offs_h`` [BH] of token (b, s) of x [B, S, H·D] (strides sxb, sxs; channels contiguous) → out
-    [B, S, H, D] contiguous: :func:`rotate` of x (times ``scale``, rounded to x's dtype, with ``SCALE``), stored in
-    out's dtype. cos, sin [1, DP] float32; ``partner`` [DP]: the channel rotate_half reads."""
+    [B, S, H, D] contiguous: x (times ``scale``, rounded to x's dtype, with ``SCALE``) · cos + rotate_half(x) · sin,
+    in float32, stored in out's dtype. cos, sin [1, DP] float32; ``partner`` [DP]: the channel rotate_half reads."""
     mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
     row = x_ptr + b.to(tl.int64) * sxb + s.to(tl.int64) * sxs + offs_h[:, None] * D
     x = tl.load(row + offs_d[None, :], mask=mask, other=0.0)
     xp = tl.load(row + partner[None, :], mask=mask, other=0.0)
-    y = rotate(x, xp, cos, sin, offs_d[None, :] < D // 2, scale, SCALE)
+    if SCALE:  # q * head_dim ** -0.5 in x's dtype, as transformers scales before the embedding
+        x = (x.to(tl.float32) * scale).to(x.dtype)
+        xp = (xp.to(tl.float32) * scale).to(xp.dtype)
+    xp = tl.where(offs_d[None, :] < D // 2, -xp.to(tl.float32), xp.to(tl.float32))
+    y = x.to(tl.float32) * cos + xp * sin
     at = ((b * S + s).to(tl.int64) * H + offs_h[:, None]) * D + offs_d[None, :]
     tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -90,11 +81,10 @@ PAIR_ELEMENTS = 2048
 
 @triton.jit
 def _rope_packed_kernel(qkv_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_pairs, s_tok, s_cos, scale, H: tl.constexpr,
-                        D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr, FIRST: tl.constexpr):
+                        D: tl.constexpr, DP: tl.constexpr, P: tl.constexpr):
     """Program i: (token, head) pairs [i·P, (i + 1)·P) of a packed batch, pair t·H + j being head j of token t; q of
     the pair at qkv_ptr + t·s_tok + j·D, k H·D further on. cos, sin [N, D] (row stride s_cos); qo, ko [N, H, D]
-    contiguous, so a pair's output row is the pair's index. Parts FIRST … 1 (0: q, 1: k) embedded with the same
-    arithmetic as :func:`_embed_rows`."""
+    contiguous, so a pair's output row is the pair's index. The same arithmetic as :func:`_embed_rows`."""
     pairs = tl.program_id(0) * P + tl.arange(0, P)
     dims = tl.arange(0, DP)
     tok = pairs // H
@@ -105,10 +95,15 @@ def _rope_packed_kernel(qkv_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, n_pairs, s_to
     sin = tl.load(sin_ptr + trig, mask=mask, other=0.0).to(tl.float32)
     row = qkv_ptr + tok[:, None].to(tl.int64) * s_tok + (pairs % H)[:, None] * D
     out = pairs[:, None].to(tl.int64) * D + dims[None, :]
-    for part in tl.static_range(FIRST, 2):  # q (scaled first, rounded to its dtype, as transformers does), then k
+    first = dims[None, :] < D // 2
+    for part in tl.static_range(2):  # q (scaled first, rounded to its dtype, as transformers does), then k
         x = tl.load(row + part * H * D + dims[None, :], mask=mask, other=0.0)
         xp = tl.load(row + part * H * D + partner[None, :], mask=mask, other=0.0)
-        y = rotate(x, xp, cos, sin, dims[None, :] < D // 2, scale, part == 0)
+        if part == 0:
+            x = (x.to(tl.float32) * scale).to(x.dtype)
+            xp = (xp.to(tl.float32) * scale).to(xp.dtype)
+        xp = tl.where(first, -xp.to(tl.float32), xp.to(tl.float32))
+        y = x.to(tl.float32) * cos + xp * sin
         tl.store((qo_ptr if part == 0 else ko_ptr) + out, y.to(qo_ptr.dtype.element_ty), mask=mask)
 
 
@@ -136,17 +131,6 @@ def rope_packed_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """The same embedding for a packed batch (FastEsm): qkv [N, 3·H·d] (q, k, v side by side, as the fused
     projection writes them; rows may be strided), cos, sin [N, d] float32 of each token's position. Returns q (scaled
     by d ** -0.5, as transformers scales it) and k, [N, H, d] contiguous."""
-    return _packed(qkv, cos, sin, heads, keys_only=False)
-
-
-def rope_packed_keys_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
-    """k of :func:`rope_packed_triton` alone, [N, H, d] contiguous: for an attention that embeds its queries itself
-    (:func:`~esm_turbo.kernels.varlen_attention.varlen_attention_triton` with ``rope``)."""
-    return _packed(qkv, cos, sin, heads, keys_only=True)[1]
-
-
-def _packed(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-            keys_only: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     n, width = qkv.shape
     dim = width // 3
     head_dim = dim // heads
@@ -154,14 +138,12 @@ def _packed(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
         raise ValueError(f"qkv {tuple(qkv.shape)} and cos, sin {tuple(cos.shape)}, {tuple(sin.shape)} do not describe "
                          f"{heads} heads of a packed batch")
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
-    ko = torch.empty(n, heads, head_dim, device=qkv.device, dtype=qkv.dtype)
-    qo = None if keys_only else torch.empty_like(ko)
+    qo = torch.empty(n, heads, head_dim, device=qkv.device, dtype=qkv.dtype)
+    ko = torch.empty_like(qo)
     dp = triton.next_power_of_2(head_dim)
     pairs = max(1, PAIR_ELEMENTS // dp)
     if n:
-        _rope_packed_kernel[(triton.cdiv(n * heads, pairs),)](qkv, cos, sin, ko if qo is None else qo, ko, n * heads,
-                                                              qkv.stride(0), cos.stride(0), head_dim ** -0.5,
-                                                              H=heads, D=head_dim, DP=dp, P=pairs,
-                                                              FIRST=int(keys_only), num_warps=4,
-                                                              enable_fp_fusion=False)
+        _rope_packed_kernel[(triton.cdiv(n * heads, pairs),)](qkv, cos, sin, qo, ko, n * heads, qkv.stride(0),
+                                                              cos.stride(0), head_dim ** -0.5, H=heads, D=head_dim,
+                                                              DP=dp, P=pairs, num_warps=4, enable_fp_fusion=False)
     return qo, ko

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from ..io import to_device_queued
-from .rope import rotate
 
 #: the 64-token query and key tile of short sequences
 BLOCK = 64
@@ -119,13 +118,10 @@ def _attend(q, k_ptr, v_ptr, start, s1, col, sk, sv, dims, dmask, m_i, l_i, acc,
 
 
 @triton.jit
-def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, cos_ptr, sin_ptr, n_blocks, sq, sk, sv, so, s_cos,
-                   scale_log2e, q_scale, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   ROPE: tl.constexpr):
+def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, n_blocks, sq, sk, sv, so, scale_log2e,
+                   D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Program (b, h): query block b of the table at blocks_ptr [3, n_blocks], head h. q, k, v, o: [N, H, d] with
-    token strides sq, sk, sv, so and head stride d (channels contiguous). ``ROPE``: q as the projection leaves it,
-    scaled by ``q_scale`` and embedded here (:func:`~esm_turbo.kernels.rope.rotate`, cos and sin [N, d] float32
-    rows ``s_cos`` apart), rounded to its dtype, as the rotary kernel would have stored it."""
+    token strides sq, sk, sv, so and head stride d (channels contiguous)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     q0 = tl.load(blocks_ptr + b)
@@ -136,16 +132,8 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, cos_ptr, sin_ptr, n_b
     row_ok = rows < s1
     dmask = dims < D
     col = h * D
-    q_mask = row_ok[:, None] & dmask[None, :]
-    q_rows = q_ptr + rows[:, None].to(tl.int64) * sq + col
-    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
-    if ROPE:
-        partner = tl.where(dims < D // 2, dims + D // 2, dims - D // 2)
-        qp = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
-        trig = rows[:, None].to(tl.int64) * s_cos + dims[None, :]
-        cos = tl.load(cos_ptr + trig, mask=q_mask, other=0.0)
-        sin = tl.load(sin_ptr + trig, mask=q_mask, other=0.0)
-        q = rotate(q, qp, cos, sin, dims[None, :] < D // 2, q_scale, True).to(q.dtype)
+    q = tl.load(q_ptr + rows[:, None].to(tl.int64) * sq + col + dims[None, :], mask=row_ok[:, None] & dmask[None, :],
+                other=0.0)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, DP), tl.float32)
@@ -162,36 +150,26 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, blocks_ptr, cos_ptr, sin_ptr, n_b
 
 
 def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan | torch.Tensor,
-                            scale: float | None = None, tile: AttentionTile | None = None,
-                            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """q, k, v: [N, H, d] (any token stride, heads and channels contiguous: q and v may be views of the fused
+                            scale: float | None = None, tile: AttentionTile | None = None) -> torch.Tensor:
+    """q, k, v: [N, H, d] (any token stride, heads and channels contiguous: v may be a view of the fused
     projection's output); plan: :func:`attention_plan` of the batch, or one :func:`query_blocks` table run with
-    ``tile`` (default :class:`AttentionTile`'s; its ``bm`` must be the table's block). ``rope``: cos, sin [N, d]
-    float32, q then being the projection's queries, scaled by d ** -0.5 and embedded here as
-    :func:`~esm_turbo.kernels.rope.rope_packed_triton` embeds them. Returns [N, H, d] in q's dtype; ``scale`` default
-    1/sqrt(d)."""
+    ``tile`` (default :class:`AttentionTile`'s; its ``bm`` must be the table's block). Returns [N, H, d] in q's
+    dtype; ``scale`` default 1/sqrt(d)."""
     n, heads, d = q.shape
     for t in (q, k, v):
         if t.shape != q.shape or t.stride(2) != 1 or t.stride(1) != d:
             raise ValueError(f"q, k, v {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} must be [N, H, d] with "
                              "heads and channels contiguous")
-    if rope is not None:
-        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in rope)
-        if cos.shape != (n, d) or sin.shape != cos.shape or cos.dtype != torch.float32 or sin.dtype != cos.dtype:
-            raise ValueError(f"rope's cos, sin {tuple(rope[0].shape)}, {tuple(rope[1].shape)} must be [{n}, {d}] "
-                             "float32")
     scale = d ** -0.5 if scale is None else scale
     out = torch.empty(n, heads, d, device=q.device, dtype=q.dtype)
     launches = plan.launches if isinstance(plan, AttentionPlan) else [(plan, tile or AttentionTile())]
     dp = triton.next_power_of_2(max(d, 16))
-    trig = (cos, sin) if rope is not None else (out, out)
     for table, t in launches:
         nb = table.shape[1]
         if nb == 0:
             continue
-        _varlen_kernel[(nb, heads)](q, k, v, out, table, *trig, nb, q.stride(0), k.stride(0), v.stride(0),
-                                    out.stride(0), trig[0].stride(0), scale * 1.4426950408889634, d ** -0.5, D=d,
-                                    DP=dp, BM=t.bm, BN=t.bn, ROPE=rope is not None, num_warps=t.warps,
+        _varlen_kernel[(nb, heads)](q, k, v, out, table, nb, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                                    scale * 1.4426950408889634, D=d, DP=dp, BM=t.bm, BN=t.bn, num_warps=t.warps,
                                     num_stages=t.stages or (3 if dp <= 64 else 2))
     return out
 
