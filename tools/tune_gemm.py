@@ -43,12 +43,16 @@ FP16_TILES = [T(128, 256, 64, 3, 8, 8, True), T(128, 256, 64, 3, 8, 8, False), T
 FP8_TILES = [T(128, 256, 128, 3, 8, 8, True), T(256, 128, 128, 3, 8, 8, False), T(128, 256, 128, 3, 8, 8, True, True),
              T(128, 128, 128, 4, 8, 8, False), T(128, 256, 128, 4, 8, 8, True), T(128, 128, 128, 4, 4, 8, False, True)]
 #: FFN-up with GELU, tiles whose epilogue may overlap products: two programs a multiprocessor (each program's
-#: tiles and registers fit twice), or the epilogue in four column parts (no spills at 128 × 256)
+#: tiles and registers fit twice), or the epilogue in four column parts (no spills at 128 × 256, so room for a fourth
+#: stage or a narrower K step with more stages), warp-specialized where Triton offers it
 OVERLAP_TILES = [T(128, 256, 64, 3, 8, 8, 4), T(128, 128, 64, 3, 8, 8, 4, programs=2, maxnreg=128),
                  T(128, 128, 64, 3, 4, 8, 4, programs=2), T(128, 128, 64, 2, 4, 8, 4, programs=2),
                  T(128, 64, 64, 4, 4, 8, 1, programs=2), T(128, 64, 64, 3, 4, 8, 2, programs=2),
                  T(128, 128, 32, 4, 8, 8, 4, programs=2, maxnreg=128),
-                 T(128, 128, 64, 3, 8, 8, 2, programs=2, maxnreg=128), T(128, 128, 64, 3, 8, 8, 4)]
+                 T(128, 128, 64, 3, 8, 8, 2, programs=2, maxnreg=128), T(128, 128, 64, 3, 8, 8, 4),
+                 T(128, 256, 64, 4, 8, 8, 4), T(128, 256, 32, 6, 8, 8, 4), T(128, 256, 32, 5, 8, 8, 4),
+                 T(256, 128, 64, 3, 8, 8, 4), T(256, 128, 64, 4, 8, 8, 4), T(128, 256, 128, 2, 8, 8, 4),
+                 T(128, 256, 64, 3, 8, 8, 4, True), T(128, 256, 64, 4, 8, 8, 4, True)]
 #: (name, epilogue) of a block's four products, in order, and QKV with the rotary embedding folded in
 PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"), ("qkv", "rope"))
 
