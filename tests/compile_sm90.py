@@ -146,13 +146,15 @@ def main() -> None:
                                                    FP8=fp8), {"n_rows", "h_stride", "x_stride"},
                      dict(h_ptr=f16, y_ptr=f16, w_ptr=f16, b_ptr=f16, s_ptr=f16, x_ptr="*fp8e4nv" if fp8 else f16,
                           xs_ptr="*fp32", eps="fp32", y_scale="fp32"), num_warps=4 if block <= 2048 else 8)
-    # FastEsm's feed-forward activation and FP8 input quantization: GELU into e4m3, SwiGLU in bf16 and into e4m3,
-    # the attention output into e4m3
+    # FastEsm's feed-forward activation and FP8 input quantization: GELU into e4m3 (its rows' maxima from their
+    # bounding values, and from GELU over the row), SwiGLU in bf16 and into e4m3, the attention output into e4m3
     # (and the quantization alone with the rows' maxima known)
     form = activation.GELU_FORMS[activation.GELU_FORM]
-    for kind, fp8, known in ((1, True, False), (2, False, False), (2, True, False), (0, True, False), (0, True, True)):
+    for kind, fp8, known, bounds in ((1, True, False, True), (1, True, False, False), (2, False, False, False),
+                                     (2, True, False, False), (0, True, False, False), (0, True, True, False)):
         compile_sm90(activation._activation_kernel, dict(F=3072, BLOCK=1024, ROWS=4, KIND=kind, FP8=fp8,
-                                                         KNOWN_AMAX=known, GELU=form),
+                                                         KNOWN_AMAX=known, GELU=form, BOUNDS=bounds,
+                                                         ARGMIN=activation.GELU_ARGMIN),
                      {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv" if fp8 else "*bf16",
                                                   scale_ptr="*fp32", amax_ptr="*fp32"), num_warps=4)
     # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor

@@ -216,6 +216,30 @@ def test_activation_quantizes_with_a_known_row_maximum():
         activation_triton(u, "none", fp8=True, amax=torch.zeros(3, device=DEV))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16])
+def test_gelu_row_maxima_from_the_rows_bounds_are_the_maxima_of_gelu(monkeypatch, dtype):
+    """The FP8 GELU launch's row maxima from three bounding values a row (GELU_AMAX_FROM_BOUNDS) give the codes and
+    scales of GELU evaluated over the whole row, bit for bit: random rows, rows straddling GELU's minimum closely on
+    both sides, rows all below it, all between it and zero, all positive, a row of zeros, and rows whose largest |GELU|
+    comes from each of the three candidates; dropping the left or the right candidate fails it."""
+    from esm_turbo.kernels import activation as A
+    gen = torch.Generator().manual_seed(3)
+    rows = [3 * torch.randn(700, generator=gen) for _ in range(6)]
+    c = A.GELU_ARGMIN
+    rows += [c + 0.01 * torch.randn(700, generator=gen), -5 + torch.rand(700, generator=gen) * (5 + c),
+             c + torch.rand(700, generator=gen) * (-c), torch.rand(700, generator=gen), torch.zeros(700),
+             torch.full((700,), -1.2), torch.full((700,), -0.4), torch.full((700,), 2.0)]
+    rows += [torch.cat([torch.full((350,), c - 0.05), torch.full((350,), -0.2)]),   # the left candidate wins
+             torch.cat([torch.full((350,), -2.5), torch.full((350,), c + 0.05)]),   # the right one
+             torch.cat([torch.full((350,), -1.0), torch.full((350,), 0.3)])]        # the left over a small largest
+    u = torch.stack(rows).to(DEV, dtype)
+    got = A.activation_triton(u, "gelu", fp8=True)
+    monkeypatch.setattr(A, "GELU_AMAX_FROM_BOUNDS", False)
+    want = A.activation_triton(u, "gelu", fp8=True)
+    assert torch.equal(got.scale, want.scale) and torch.equal(got.q.float(), want.q.float())
+    assert (want.scale > 1.1754943508222875e-38).sum() == len(rows) - 1  # only the row of zeros takes the floor
+
+
 def test_the_folded_block_is_as_close_to_fp32_as_the_unfolded_block():
     """FastEsm's fused path with every epilogue folded into the products and with none: under the interpreter (fp32)
     the same hidden states to rounding; on the GPU in fp16 no further from the fp32 model than twice the unfolded

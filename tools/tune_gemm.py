@@ -10,7 +10,8 @@ epilogue in four column parts; :data:`OVERLAP_TILES`), then, where one beats the
 
 usage: python tools/tune_gemm.py [--sizes 650M 3B 150M] [--tokens 16384] [--out DIR] [--skip-fp8] [--first N]
        python tools/tune_gemm.py --gelu-forms [--sizes ...] [--out DIR]
-       python tools/tune_gemm.py --overlap [--sizes ...] [--out DIR]
+       python tools/tune_gemm.py --overlap [--fp8-overlap] [--sizes ...] [--out DIR]
+       python tools/tune_gemm.py --fp8-gelu-ab [--sizes ...] [--out DIR]
        python tools/tune_gemm.py --products qkv:rope [--sizes ...] [--out DIR]   # those rows, then the rotary A/B
 
 Per model shape and product (QKV with its bias, O with the residual add, FFN-up with GELU, FFN-down with the residual
@@ -53,6 +54,11 @@ OVERLAP_TILES = [T(128, 256, 64, 3, 8, 8, 4), T(128, 128, 64, 3, 8, 8, 4, progra
                  T(128, 256, 64, 4, 8, 8, 4), T(128, 256, 32, 6, 8, 8, 4), T(128, 256, 32, 5, 8, 8, 4),
                  T(256, 128, 64, 3, 8, 8, 4), T(256, 128, 64, 4, 8, 8, 4), T(128, 256, 128, 2, 8, 8, 4),
                  T(128, 256, 64, 3, 8, 8, 4, True), T(128, 256, 64, 4, 8, 8, 4, True)]
+#: the same for FFN-up's e4m3 products (GELU and each row's largest |value| in the epilogue, bf16 out)
+OVERLAP_FP8_TILES = [T(128, 128, 128, 4, 8, 8, 1), T(128, 128, 128, 3, 8, 8, 4, programs=2, maxnreg=128),
+                     T(128, 128, 128, 2, 8, 8, 4, programs=2, maxnreg=128),
+                     T(128, 128, 64, 4, 8, 8, 4, programs=2, maxnreg=128),
+                     T(128, 128, 128, 3, 8, 8, 2, programs=2, maxnreg=128), T(128, 256, 128, 3, 8, 8, 4)]
 #: (name, epilogue) of a block's four products, in order, and QKV with the rotary embedding folded in
 PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"), ("qkv", "rope"))
 
@@ -237,14 +243,16 @@ def forward_rows(size: str, tokens: int, fp8: bool) -> list[dict]:
     return rows
 
 
-def warm_forward(size: str, tokens: int) -> tuple:
-    """A random ``size``-shaped FastEsm in fp16 on the GPU and one :func:`real_batch` packed for it, three forwards
-    run: (model, batch, the batch's sequences)."""
+def warm_forward(size: str, tokens: int, fp8: bool = False) -> tuple:
+    """A random ``size``-shaped FastEsm in fp16 (its products in e4m3 with ``fp8``) on the GPU and one
+    :func:`real_batch` packed for it, three forwards run: (model, batch, the batch's sequences)."""
     from esm_turbo.embed.benchmark import random_masked_lm
     from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
     dev = torch.device("cuda")
     picked = real_batch(tokens)
     fast = FastEsm.from_hf(random_masked_lm(size, dev, torch.float16))
+    if fp8:
+        fast = fast.to_fp8()
     batch = PackedBatch.from_sequences(picked, dev)
     for _ in range(3):
         fast(batch)
@@ -264,7 +272,8 @@ def rope_ab(size: str, tokens: int, tiles: dict, copies: int = 4) -> list[dict]:
     return table_ab(size, tokens, key, tile, "rope folded", copies)
 
 
-def table_ab(size: str, tokens: int, key: tuple, tile: G.Tile, label: str, copies: int = 4) -> list[dict]:
+def table_ab(size: str, tokens: int, key: tuple, tile: G.Tile, label: str, copies: int = 4,
+             fp8: bool = False) -> list[dict]:
     """:func:`variants_ab` of the library's table as it is ("table", left so) and with ``tile`` at ``key``
     (``label``)."""
     def use(entry: G.Tile | None):
@@ -274,11 +283,12 @@ def table_ab(size: str, tokens: int, key: tuple, tile: G.Tile, label: str, copie
             else:
                 G.TILES[key] = entry
         return apply
-    return variants_ab(size, tokens, {"table": use(G.TILES.get(key)), label: use(tile)}, copies)
+    return variants_ab(size, tokens, {"table": use(G.TILES.get(key)), label: use(tile)}, copies, fp8)
 
 
-def variants_ab(size: str, tokens: int, variants: dict, copies: int = 4) -> list[dict]:
-    """The forward on one real-length batch and ``Embedder.run`` over the bench's records (nothing written), fp16, under
+def variants_ab(size: str, tokens: int, variants: dict, copies: int = 4, fp8: bool = False) -> list[dict]:
+    """The forward on one real-length batch and ``Embedder.run`` over the bench's records (nothing written), fp16 (or
+    its products in e4m3, ``fp8``), under
     each of ``variants`` (name → a function that sets the variant up on the model), interleaved, best of three each;
     each variant's last layer compared with the first's, and one forward of each profiled kernel by kernel. The first
     variant is left set."""
@@ -286,7 +296,7 @@ def variants_ab(size: str, tokens: int, variants: dict, copies: int = 4) -> list
     from esm_turbo.embed.benchmark import _NullWriter
     from esm_turbo.embed.extract import EmbedConfig, Embedder
     from esm_turbo.fasta import Record, read_fastas
-    fast, batch, picked = warm_forward(size, tokens)
+    fast, batch, picked = warm_forward(size, tokens, fp8)
     records = [Record(f"{r.id}#{c}", r.sequence, r.source) for c in range(copies) for r in read_fastas(EMBED_FASTA)]
     emb = Embedder(fast, EmbedConfig(include=["mean"]), torch.device("cuda"))
     n_tok = sum(len(r.sequence) + 2 for r in records)
@@ -311,7 +321,7 @@ def variants_ab(size: str, tokens: int, variants: dict, copies: int = 4) -> list
         kernels[variant] = kernel_totals(lambda: fast(batch, [fast.num_layers]))
     first = next(iter(variants))
     variants[first](fast)
-    rows = [dict(size=size, variant=v, forward_ms=ms, forward_tokens_per_s=batch.tokens.numel() / ms * 1e3,
+    rows = [dict(size=size, fp8=fp8, variant=v, forward_ms=ms, forward_tokens_per_s=batch.tokens.numel() / ms * 1e3,
                  embedder_tokens_per_s=n_tok / run_s,
                  min_token_cos_vs_base=F.cosine_similarity(outs[first], outs[v], dim=-1).min().item(),
                  kernels_ms=kernels[v])
@@ -428,6 +438,76 @@ def overlap_rows(size: str, tokens: int) -> dict:
     return row
 
 
+def overlap_fp8_rows(size: str, tokens: int) -> dict:
+    """FFN-up in e4m3 at ``tokens`` rows as the FP8 forward runs it: ``torch._scaled_mm`` (bf16 out, the bias) then
+    the GELU-and-quantize kernel (two reads of its input), against the folded product (GELU and the rows' maxima in
+    its epilogue) then the quantize kernel given those maxima (one read), over :data:`OVERLAP_FP8_TILES`; each
+    folded output checked against the reference as :func:`tune_product` checks."""
+    from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
+    from esm_turbo.kernels.activation import activation_triton
+    dev = torch.device("cuda")
+    n, k = next((n, k) for name, _, n, k in shapes(size) if name == "ffn_up")
+    gen = torch.Generator(device=dev).manual_seed(n)
+    xq, xs = quantize_rows(torch.randn(tokens, k, device=dev, generator=gen))
+    xs = xs[:, 0].contiguous()
+    wq = Fp8Weight.quantize(torch.randn(n, k, device=dev, generator=gen) / k ** 0.5)
+    b = (0.1 * torch.randn(n, device=dev, generator=gen)).to(torch.bfloat16)
+    ref = G.gemm_reference(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale).double()
+    err_base = (unfused(xq, wq.q, b, "gelu", None, xs, wq.scale).double() - ref).abs().max().item()
+    eps = torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
+
+    def cublas():
+        u = torch._scaled_mm(xq, wq.q.t(), scale_a=xs[:, None], scale_b=wq.scale[None, :], bias=b,
+                             out_dtype=torch.bfloat16)
+        return activation_triton(u, "gelu", fp8=True)
+    row = dict(size=size, n=n, k=k, m=tokens, cublas_then_pass_us=bench(cublas), tiles=[])
+    for t in OVERLAP_FP8_TILES:
+        entry = dict(tile=dataclasses.asdict(t))
+
+        def folded(t=t):
+            f, amax = G.gemm(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale, row_amax=True, tile=t)
+            return f, activation_triton(f, "none", fp8=True, amax=amax)
+        try:
+            entry["err"] = (folded()[0].double() - ref).abs().max().item()
+            entry["ok"] = entry["err"] <= 2 * err_base + eps
+            entry["us"] = bench(folded)
+        except Exception as e:  # noqa: BLE001 - a tile that does not build is reported
+            entry["error"] = f"{type(e).__name__}: {e}"[:200]
+        row["tiles"].append(entry)
+        log(f"overlap fp8 {size} {entry}")
+    good = [e for e in row["tiles"] if e.get("ok")]
+    row["best"] = min(good, key=lambda e: e["us"]) if good else None
+    return row
+
+
+def fp8_gelu_ab(sizes: list[str], tokens: int) -> dict:
+    """The FP8 forward's GELU-and-quantize launch after FFN-up, its rows' maxima from their bounding values
+    (``activation.GELU_AMAX_FROM_BOUNDS``) against from GELU over the row: the launch alone on a bf16 FFN-up output of
+    ``tokens`` rows (µs, interleaved, best of three), then :func:`variants_ab` of the FP8 forward both ways."""
+    from esm_turbo.kernels import activation as A
+    from esm_turbo.model.sizes import esm2_config
+    dev = torch.device("cuda")
+    launch, ab = [], []
+    for size in sizes:
+        f = esm2_config(size).intermediate_size
+        u = (3 * torch.randn(tokens, f, device=dev)).to(torch.bfloat16)
+        best = {}
+        for _ in range(3):
+            for bounds in (False, True):
+                A.GELU_AMAX_FROM_BOUNDS = bounds
+                us = bench(lambda: A.activation_triton(u, "gelu", fp8=True))
+                best[bounds] = min(best.get(bounds, us), us)
+        launch.append(dict(size=size, rows=tokens, width=f, gelu_over_row_us=best[False], from_bounds_us=best[True],
+                           read_write_floor_us=u.numel() * 3 / 3e6))
+        log(f"fp8 gelu launch {launch[-1]}")
+
+        def use(bounds: bool):
+            return lambda _fast: setattr(A, "GELU_AMAX_FROM_BOUNDS", bounds)
+        ab += variants_ab(size, tokens, {"gelu over the row": use(False), "from bounds": use(True)}, fp8=True)
+    A.GELU_AMAX_FROM_BOUNDS = True
+    return dict(launch=launch, ab=ab)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["650M", "3B", "150M"])
@@ -439,6 +519,11 @@ def main() -> None:
     ap.add_argument("--gelu-forms", action="store_true", help="only the GELU forms in FFN-up and the forward")
     ap.add_argument("--overlap", action="store_true",
                     help="only FFN-up over OVERLAP_TILES, then the forward A/B of the best where it beats the table")
+    ap.add_argument("--fp8-overlap", action="store_true",
+                    help="FFN-up in e4m3 folded over OVERLAP_FP8_TILES against cuBLAS and its pass (after --overlap's "
+                         "rows where both are given)")
+    ap.add_argument("--fp8-gelu-ab", action="store_true",
+                    help="only the FP8 GELU launch's row maxima from bounds against GELU over the row, and the forward")
     ap.add_argument("--products", nargs="+", default=None, metavar="NAME:EPILOGUE",
                     help="only these products (e.g. qkv:rope), then the rotary A/B instead of the other parts")
     ap.add_argument("--tiles", type=Path, default=None,
@@ -454,9 +539,19 @@ def main() -> None:
             print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  "
                   f"cuBLASLt tanh-GELU {r['cublaslt_tanh_gelu_us']:.1f}  Triton {forms}")
         return
-    if args.overlap:
+    if args.fp8_gelu_ab:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-        rows, ab = [overlap_rows(size, args.tokens) for size in args.sizes], []
+        got = fp8_gelu_ab(args.sizes, args.tokens)
+        (args.out / "fp8_gelu_ab.json").write_text(json.dumps(got, indent=1))
+        for r in got["launch"]:
+            print(f"{r['size']:5} GELU into e4m3, {r['rows']} x {r['width']}: GELU over the row "
+                  f"{r['gelu_over_row_us']:.1f} µs, from bounds {r['from_bounds_us']:.1f} µs (one read and a write at "
+                  f"3 TB/s: {r['read_write_floor_us']:.1f})")
+        print_ab(got["ab"])
+        return
+    if args.overlap or args.fp8_overlap:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+        rows, ab = [overlap_rows(size, args.tokens) for size in args.sizes] if args.overlap else [], []
         for r in rows:
             table_us = r["tiles"][0].get("us", float("inf"))
             print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  table "
@@ -468,7 +563,19 @@ def main() -> None:
             if r["best"] and r["best"]["us"] < 0.98 * table_us:
                 key = (r["n"], r["k"], "float16", "gelu")
                 ab += table_ab(r["size"], args.tokens, key, G.Tile(**r["best"]["tile"]), "overlap")
-        (args.out / "overlap.json").write_text(json.dumps(dict(products=rows, ab=ab), indent=1))
+        fp8_rows = [overlap_fp8_rows(size, args.tokens) for size in args.sizes] if args.fp8_overlap else []
+        for r in fp8_rows:
+            print(f"{r['size']:5} FFN-up e4m3 µs: cuBLAS then the GELU-and-quantize pass "
+                  f"{r['cublas_then_pass_us']:.1f}")
+            for e in r["tiles"]:
+                t = e["tile"]
+                print(f"    folded {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} w{t['warps']} parts {t['subtile']} "
+                      f"programs {t['programs']} maxnreg {t['maxnreg']}, then the quantize pass: "
+                      + (f"{e['us']:.1f} µs" if "us" in e else e["error"]))
+            if r["best"] and r["best"]["us"] < 0.98 * r["cublas_then_pass_us"]:
+                key = (r["n"], r["k"], "float8_e4m3fn", "gelu")
+                ab += table_ab(r["size"], args.tokens, key, G.Tile(**r["best"]["tile"]), "folded", fp8=True)
+        (args.out / "overlap.json").write_text(json.dumps(dict(products=rows, fp8=fp8_rows, ab=ab), indent=1))
         print_ab(ab)
         return
     from esm_turbo.embed.fp8 import fp8_supported

@@ -6,7 +6,10 @@ rounded to u's dtype, as the reference (:func:`~esm_turbo.embed.fast_esm.activat
 quantized to e4m3 with one scale per row (:func:`~esm_turbo.embed.fp8.quantize_rows` of the reference's result),
 returned as :class:`~esm_turbo.embed.fp8.Fp8Rows`. Eagerly that is four passes over the activations for SwiGLU and
 five more for the quantization (a float32 copy, abs, max, divide, cast); here one read of u and one write, two reads
-of u with FP8 (the row's maximum first, then the values; the second read mostly from L2).
+of u with FP8 (the row's maximum first, then the values; the second read mostly from L2). For GELU the first sweep
+evaluates no GELU (:data:`GELU_AMAX_FROM_BOUNDS`): GELU falls to its minimum at :data:`GELU_ARGMIN` and rises on
+either side, so a row's largest |GELU| is that of its largest value, of its largest value left of the minimum or of
+its smallest value right of it and below zero: three reductions, then GELU of three values a row.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ import triton.language as tl
 from .common import GELU_FORM, GELU_FORMS, gelu
 
 KINDS = {"none": 0, "gelu": 1, "swiglu": 2}
+#: where x·Φ(x) is least (GELU(x) = −0.16997…): it falls on (−∞, GELU_ARGMIN] and rises after
+GELU_ARGMIN = -0.7517915246935645
+#: the FP8 GELU launch finds each row's largest |GELU| from the row's three bounding values (one GELU a row, not one a
+#: value); False evaluates GELU over the row twice, as before (kept to time the two against each other)
+GELU_AMAX_FROM_BOUNDS = True
 
 
 @triton.jit
@@ -48,12 +56,21 @@ def _act(u_ptr, row_at, cols, mask, F: tl.constexpr, KIND: tl.constexpr, GELU: t
 
 
 @triton.jit
+def _rounded_gelu_abs(v, dtype, GELU: tl.constexpr):
+    """|GELU(v)| rounded to ``dtype`` as :func:`_act` rounds it, of finite v [R] (float32); 0 where v is not finite
+    (a row with no value on that side)."""
+    v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
+    return tl.abs(gelu(v, GELU).to(dtype, fp_downcast_rounding="rtne").to(tl.float32))
+
+
+@triton.jit
 def _activation_kernel(u_ptr, out_ptr, scale_ptr, amax_ptr, n_rows, u_stride, F: tl.constexpr, BLOCK: tl.constexpr,
                        ROWS: tl.constexpr, KIND: tl.constexpr, FP8: tl.constexpr, KNOWN_AMAX: tl.constexpr,
-                       GELU: tl.constexpr):
+                       GELU: tl.constexpr, BOUNDS: tl.constexpr, ARGMIN: tl.constexpr):
     """Rows [pid·ROWS, (pid + 1)·ROWS) of u (rows ``u_stride`` apart) → out [N, F] contiguous, in column blocks of
     BLOCK; with ``FP8`` a first sweep finds each row's max |activation| (or, ``KNOWN_AMAX``, reads it at amax_ptr
-    [N]) and the second stores e4m3 codes, the row's scale at scale_ptr [N]."""
+    [N]; ``BOUNDS``, GELU's, from the row's values bounding GELU's minimum at ``ARGMIN`` and its largest) and the
+    second stores e4m3 codes, the row's scale at scale_ptr [N]."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     row_at = rows[:, None].to(tl.int64) * u_stride
@@ -62,6 +79,20 @@ def _activation_kernel(u_ptr, out_ptr, scale_ptr, amax_ptr, n_rows, u_stride, F:
     if FP8:
         if KNOWN_AMAX:
             amax = tl.load(amax_ptr + rows, mask=row_ok, other=0.0)
+        elif BOUNDS:  # GELU: the row's largest value, and its values either side of GELU's minimum nearest to it
+            top = tl.full((ROWS,), float("-inf"), tl.float32)
+            left = tl.full((ROWS,), float("-inf"), tl.float32)
+            right = tl.full((ROWS,), float("inf"), tl.float32)
+            for start in range(0, F, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = row_ok[:, None] & (cols[None, :] < F)
+                x = tl.load(u_ptr + row_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                top = tl.maximum(top, tl.max(tl.where(mask, x, float("-inf")), axis=1))
+                left = tl.maximum(left, tl.max(tl.where(mask & (x <= ARGMIN), x, float("-inf")), axis=1))
+                right = tl.minimum(right, tl.min(tl.where(mask & (x > ARGMIN) & (x < 0.0), x, float("inf")), axis=1))
+            dtype = u_ptr.dtype.element_ty
+            amax = tl.maximum(_rounded_gelu_abs(top, dtype, GELU), tl.maximum(_rounded_gelu_abs(left, dtype, GELU),
+                                                                            _rounded_gelu_abs(right, dtype, GELU)))
         else:
             amax = tl.zeros((ROWS,), tl.float32)
             for start in range(0, F, BLOCK):
@@ -99,12 +130,13 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch
     rows = max(1, min(16, 4096 // block))
     _activation_kernel[(triton.cdiv(n, rows),)](u, out, scale, scale if amax is None else amax, n, u.stride(0), F=f,
                                                 BLOCK=block, ROWS=rows, KIND=KINDS[kind], FP8=fp8,
-                                                KNOWN_AMAX=amax is not None,
-                                                GELU=GELU_FORMS[GELU_FORM], num_warps=4)
+                                                KNOWN_AMAX=amax is not None, GELU=GELU_FORMS[GELU_FORM],
+                                                BOUNDS=kind == "gelu" and GELU_AMAX_FROM_BOUNDS, ARGMIN=GELU_ARGMIN,
+                                                num_warps=4)
     if not fp8:
         return out
     from ..embed.fp8 import Fp8Rows
     return Fp8Rows(out, scale)
 
 
-__all__ = ["KINDS", "activation_triton", "e4m3_row_scale", "store_e4m3"]
+__all__ = ["GELU_AMAX_FROM_BOUNDS", "GELU_ARGMIN", "KINDS", "activation_triton", "e4m3_row_scale", "store_e4m3"]
