@@ -372,18 +372,24 @@ def profile_forward(size: str, tokens: int, path: Path) -> None:
                                               max_name_column_width=90))
 
 
+def ffn_up_inputs(size: str, tokens: int) -> tuple:
+    """FFN-up of a ``size``-shaped model at ``tokens`` rows in fp16 on the GPU: (N, K, x, w, b, the reference
+    product with GELU in float64, cuBLAS + F.gelu's largest error against it)."""
+    dev = torch.device("cuda")
+    n, k = next((n, k) for name, _, n, k in shapes(size) if name == "ffn_up")
+    gen = torch.Generator(device=dev).manual_seed(n)
+    x = torch.randn(tokens, k, device=dev, generator=gen).half()
+    w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).half()
+    b = (0.1 * torch.randn(n, device=dev, generator=gen)).half()
+    ref = G.gemm_reference(x, w, b, "gelu").double()
+    return n, k, x, w, b, ref, (F.gelu(F.linear(x, w, b)).double() - ref).abs().max().item()
+
+
 def gelu_rows(size: str, tokens: int) -> dict:
     """FFN-up at ``tokens`` rows, fp16: every form of GELU over every tile of FP16_TILES (see the module
     docstring)."""
     from esm_turbo.kernels import common
-    dev = torch.device("cuda")
-    cfg_n, cfg_k = next((n, k) for name, _, n, k in shapes(size) if name == "ffn_up")
-    gen = torch.Generator(device=dev).manual_seed(cfg_n)
-    x = torch.randn(tokens, cfg_k, device=dev, generator=gen).half()
-    w = (torch.randn(cfg_n, cfg_k, device=dev, generator=gen) / cfg_k ** 0.5).half()
-    b = (0.1 * torch.randn(cfg_n, device=dev, generator=gen)).half()
-    ref = G.gemm_reference(x, w, b, "gelu").double()
-    err_base = (F.gelu(F.linear(x, w, b)).double() - ref).abs().max().item()
+    cfg_n, cfg_k, x, w, b, ref, err_base = ffn_up_inputs(size, tokens)
     row = dict(size=size, n=cfg_n, k=cfg_k, m=tokens, cublas_us=bench(lambda: F.linear(x, w, b)),
                cublas_gelu_us=bench(lambda: F.gelu(F.linear(x, w, b))),
                cublaslt_tanh_gelu_us=bench(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)), forms={})
@@ -410,14 +416,7 @@ def overlap_rows(size: str, tokens: int) -> dict:
     """FFN-up with GELU at ``tokens`` rows, fp16: cuBLAS, cuBLAS + F.gelu, the table's tile with the bias only and
     with GELU, and every tile of :data:`OVERLAP_TILES` (GELU in the table tile's form); each checked against the
     reference as :func:`gelu_rows` checks."""
-    dev = torch.device("cuda")
-    n, k = next((n, k) for name, _, n, k in shapes(size) if name == "ffn_up")
-    gen = torch.Generator(device=dev).manual_seed(n)
-    x = torch.randn(tokens, k, device=dev, generator=gen).half()
-    w = (torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).half()
-    b = (0.1 * torch.randn(n, device=dev, generator=gen)).half()
-    ref = G.gemm_reference(x, w, b, "gelu").double()
-    err_base = (F.gelu(F.linear(x, w, b)).double() - ref).abs().max().item()
+    n, k, x, w, b, ref, err_base = ffn_up_inputs(size, tokens)
     table = G.tile_for(n, k, torch.float16, "gelu")
     row = dict(size=size, n=n, k=k, m=tokens, table_tile=dataclasses.asdict(table),
                cublas_us=bench(lambda: F.linear(x, w, b)), cublas_gelu_us=bench(lambda: F.gelu(F.linear(x, w, b))),
