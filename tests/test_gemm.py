@@ -66,6 +66,14 @@ def test_gemm_epilogue_parts_and_programs_per_sm(parts, programs, maxnreg, epilo
     assert Tile(subtile=True).subtile == 2 and Tile(subtile=False).subtile == 1
 
 
+def test_the_rotary_epilogue_needs_whole_heads_in_each_part():
+    """The rotary epilogue works on each column part of the tile (bn / subtile columns), which must hold whole heads:
+    128-wide heads fit a 128-column tile whole but not in halves; 32-wide heads fit its quarters."""
+    from esm_turbo.kernels.gemm import Tile, rope_fits
+    assert rope_fits(Tile(128, 128, subtile=1), 128) and not rope_fits(Tile(128, 128, subtile=2), 128)
+    assert rope_fits(Tile(128, 128, subtile=4), 32) and not rope_fits(Tile(128, 128, subtile=4), 64)
+
+
 def _rope_tables(m: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [m, head_dim] float32 of ESM-2's rotary embedding at positions of a few packed sequences."""
     gen = torch.Generator().manual_seed(seed)

@@ -135,7 +135,7 @@ def tune_product(size, name, epi, n, k, m, dtype, tiles, out_rows, head_dim=None
     amax = fp8 and epi == "gelu"
     for t in tiles:
         for tma in ([True, False] if t in tiles[:1] else [True]):
-            label = (f"{t.bm}x{t.bn}x{t.bk} s{t.stages} w{t.warps} {'sub' if t.subtile else 'full'}"
+            label = (f"{t.bm}x{t.bn}x{t.bk} s{t.stages} w{t.warps} parts {t.subtile}"
                      f"{' ws' if t.ws else ''} {'tma' if tma else 'ptr'}")
             try:
                 def run():

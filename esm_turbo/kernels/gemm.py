@@ -362,14 +362,14 @@ def check_rope(rope: tuple[torch.Tensor, torch.Tensor], m: int, n: int, tile: Ti
         raise ValueError(f"rope's cos, sin {tuple(cos.shape)}, {tuple(sin.shape)} (float32, rows alike) are not the "
                          f"[{m}, d] tables of a [{m}, {n}] q/k/v product's heads")
     if not rope_fits(tile, d):
-        raise ValueError(f"tile {tile.bn} columns wide ({'halves' if tile.subtile else 'whole'}) does not hold whole "
-                         f"{d}-wide heads")
+        raise ValueError(f"tile {tile.bn} columns wide (in {tile.subtile} parts) does not hold whole {d}-wide heads "
+                         "a part")
     return d
 
 
 def rope_fits(tile: Tile, head_dim: int) -> bool:
     """Whether every part of ``tile``'s columns the epilogue works on holds whole heads of ``head_dim``."""
-    part = tile.bn // 2 if tile.subtile else tile.bn
+    part = tile.bn // tile.subtile
     return head_dim >= 2 and part % head_dim == 0 and head_dim & (head_dim - 1) == 0
 
 
