@@ -157,6 +157,9 @@ def main() -> None:
                                                          ARGMIN=activation.GELU_ARGMIN),
                      {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv" if fp8 else "*bf16",
                                                   scale_ptr="*fp32", amax_ptr="*fp32"), num_warps=4)
+    # and GELU into e4m3 with each 650M-shaped row held in registers (one read)
+    compile_sm90(activation._held_rows_kernel, dict(F=5120, HI=4096, LO=1024, KIND=1, GELU=form),
+                 {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32"), num_warps=8)
     # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor
     # descriptors and through pointers, e4m3 QKV (bias) and FFN-down (residual) with row and column scales, e4m3 GELU
     # with the rows' maxima (GELU's erf in each form: the fit, and libdevice's where TILES keeps it), fp16 and e4m3

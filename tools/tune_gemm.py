@@ -480,30 +480,33 @@ def overlap_fp8_rows(size: str, tokens: int) -> dict:
 
 
 def fp8_gelu_ab(sizes: list[str], tokens: int) -> dict:
-    """The FP8 forward's GELU-and-quantize launch after FFN-up, its rows' maxima from their bounding values
-    (``activation.GELU_AMAX_FROM_BOUNDS``) against from GELU over the row: the launch alone on a bf16 FFN-up output of
-    ``tokens`` rows (µs, interleaved, best of three), then :func:`variants_ab` of the FP8 forward both ways."""
+    """The FP8 forward's GELU-into-e4m3 launch after FFN-up three ways: its rows' maxima from GELU over the row (two
+    sweeps, GELU in both), from the rows' bounding values (``activation.GELU_AMAX_FROM_BOUNDS``), and each row held
+    in registers (``activation.HOLD_ROWS``: one read): the launch alone on a bf16 FFN-up output of ``tokens`` rows
+    (µs, interleaved, best of three), then :func:`variants_ab` of the FP8 forward each way."""
     from esm_turbo.kernels import activation as A
     from esm_turbo.model.sizes import esm2_config
     dev = torch.device("cuda")
+    ways = {"gelu over the row": (False, False), "from bounds": (True, False), "held rows": (True, True)}
+
+    def use(way: str):
+        def apply(_fast=None) -> None:
+            A.GELU_AMAX_FROM_BOUNDS, A.HOLD_ROWS = ways[way]
+        return apply
     launch, ab = [], []
     for size in sizes:
         f = esm2_config(size).intermediate_size
         u = (3 * torch.randn(tokens, f, device=dev)).to(torch.bfloat16)
         best = {}
         for _ in range(3):
-            for bounds in (False, True):
-                A.GELU_AMAX_FROM_BOUNDS = bounds
+            for way in ways:
+                use(way)()
                 us = bench(lambda: A.activation_triton(u, "gelu", fp8=True))
-                best[bounds] = min(best.get(bounds, us), us)
-        launch.append(dict(size=size, rows=tokens, width=f, gelu_over_row_us=best[False], from_bounds_us=best[True],
-                           read_write_floor_us=u.numel() * 3 / 3e6))
+                best[way] = min(best.get(way, us), us)
+        launch.append(dict(size=size, rows=tokens, width=f, us=best, read_write_floor_us=u.numel() * 3 / 3e6))
         log(f"fp8 gelu launch {launch[-1]}")
-
-        def use(bounds: bool):
-            return lambda _fast: setattr(A, "GELU_AMAX_FROM_BOUNDS", bounds)
-        ab += variants_ab(size, tokens, {"gelu over the row": use(False), "from bounds": use(True)}, fp8=True)
-    A.GELU_AMAX_FROM_BOUNDS = True
+        ab += variants_ab(size, tokens, {way: use(way) for way in ways}, fp8=True)
+    use("from bounds")()
     return dict(launch=launch, ab=ab)
 
 
@@ -522,7 +525,8 @@ def main() -> None:
                     help="FFN-up in e4m3 folded over OVERLAP_FP8_TILES against cuBLAS and its pass (after --overlap's "
                          "rows where both are given)")
     ap.add_argument("--fp8-gelu-ab", action="store_true",
-                    help="only the FP8 GELU launch's row maxima from bounds against GELU over the row, and the forward")
+                    help="only the FP8 GELU launch three ways (row maxima from GELU over the row, from bounds, rows "
+                         "held), alone and in the forward")
     ap.add_argument("--products", nargs="+", default=None, metavar="NAME:EPILOGUE",
                     help="only these products (e.g. qkv:rope), then the rotary A/B instead of the other parts")
     ap.add_argument("--tiles", type=Path, default=None,
@@ -543,9 +547,9 @@ def main() -> None:
         got = fp8_gelu_ab(args.sizes, args.tokens)
         (args.out / "fp8_gelu_ab.json").write_text(json.dumps(got, indent=1))
         for r in got["launch"]:
-            print(f"{r['size']:5} GELU into e4m3, {r['rows']} x {r['width']}: GELU over the row "
-                  f"{r['gelu_over_row_us']:.1f} µs, from bounds {r['from_bounds_us']:.1f} µs (one read and a write at "
-                  f"3 TB/s: {r['read_write_floor_us']:.1f})")
+            print(f"{r['size']:5} GELU into e4m3, {r['rows']} x {r['width']}: "
+                  + ", ".join(f"{way} {us:.1f} µs" for way, us in r["us"].items())
+                  + f" (one read and a write at 3 TB/s: {r['read_write_floor_us']:.1f})")
         print_ab(got["ab"])
         return
     if args.overlap or args.fp8_overlap:

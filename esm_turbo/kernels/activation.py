@@ -26,6 +26,11 @@ GELU_ARGMIN = -0.7517915246935645
 #: the FP8 GELU launch finds each row's largest |GELU| from the row's three bounding values (one GELU a row, not one a
 #: value); False evaluates GELU over the row twice, as before (kept to time the two against each other)
 GELU_AMAX_FROM_BOUNDS = True
+#: FP8 launches whose rows' maxima are not known may hold each row's activations in registers between its maximum and
+#: its codes (:func:`_held_rows_kernel`: one read of u), for rows up to HELD_MAX columns. Off: not yet timed on a GPU
+#: against the two sweeps (``tools/tune_gemm.py --fp8-gelu-ab`` times the three ways)
+HOLD_ROWS = False
+HELD_MAX = 16384
 
 
 @triton.jit
@@ -112,6 +117,38 @@ def _activation_kernel(u_ptr, out_ptr, scale_ptr, amax_ptr, n_rows, u_stride, F:
             tl.store(out_ptr + out_at + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _held_rows_kernel(u_ptr, out_ptr, scale_ptr, n_rows, u_stride, F: tl.constexpr, HI: tl.constexpr,
+                      LO: tl.constexpr, KIND: tl.constexpr, GELU: tl.constexpr):
+    """Row pid of u → its e4m3 codes at out [N, F] and its scale at scale_ptr [N], the row's activations (as
+    :func:`_act` computes them) held in registers from its maximum to its codes: one read of u. The columns as two
+    chunks, [0, HI) and [HI, HI + LO) (HI a power of two, LO that of what remains, or 0), so little is masked."""
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    row_ok = rows < n_rows
+    row_at = rows[:, None].to(tl.int64) * u_stride
+    out_at = rows[:, None].to(tl.int64) * F
+    hi = tl.arange(0, HI)
+    hi_ok = row_ok[:, None] & (hi[None, :] < F)
+    x_hi = tl.where(hi_ok, _act(u_ptr, row_at, hi, hi_ok, F, KIND, GELU), 0.0)
+    amax = tl.max(tl.abs(x_hi), axis=1)
+    if LO > 0:
+        lo = HI + tl.arange(0, LO)
+        lo_ok = row_ok[:, None] & (lo[None, :] < F)
+        x_lo = tl.where(lo_ok, _act(u_ptr, row_at, lo, lo_ok, F, KIND, GELU), 0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x_lo), axis=1))
+    scale = e4m3_row_scale(amax)
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    store_e4m3(out_ptr + out_at + hi[None, :], x_hi, scale, hi_ok)
+    if LO > 0:
+        store_e4m3(out_ptr + out_at + lo[None, :], x_lo, scale, lo_ok)
+
+
+def held_chunks(f: int) -> tuple[int, int]:
+    """(HI, LO) of :func:`_held_rows_kernel` for rows of f columns."""
+    hi = 1 << (f.bit_length() - 1)
+    return hi, (triton.next_power_of_2(f - hi) if f > hi else 0)
+
+
 def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch.Tensor | None = None):
     """See the module docstring. u: [N, F] (``"swiglu"``: [N, 2F]), columns contiguous. ``amax`` [N] float32 (with
     ``fp8``): each row's largest |activation| when already known (the product before it found it,
@@ -126,6 +163,12 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch
     f = width // 2 if kind == "swiglu" else width
     out = torch.empty(n, f, device=u.device, dtype=torch.float8_e4m3fn if fp8 else u.dtype)
     scale = torch.empty(n, 1, device=u.device, dtype=torch.float32) if fp8 else out
+    hi, lo = held_chunks(f) if f else (0, 0)
+    if fp8 and amax is None and HOLD_ROWS and 0 < hi + lo <= HELD_MAX:
+        _held_rows_kernel[(n,)](u, out, scale, n, u.stride(0), F=f, HI=hi, LO=lo, KIND=KINDS[kind],
+                                GELU=GELU_FORMS[GELU_FORM], num_warps=8)
+        from ..embed.fp8 import Fp8Rows
+        return Fp8Rows(out, scale)
     block = min(1024, triton.next_power_of_2(f))
     rows = max(1, min(16, 4096 // block))
     _activation_kernel[(triton.cdiv(n, rows),)](u, out, scale, scale if amax is None else amax, n, u.stride(0), F=f,
@@ -139,4 +182,5 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch
     return Fp8Rows(out, scale)
 
 
-__all__ = ["GELU_AMAX_FROM_BOUNDS", "GELU_ARGMIN", "KINDS", "activation_triton", "e4m3_row_scale", "store_e4m3"]
+__all__ = ["GELU_AMAX_FROM_BOUNDS", "GELU_ARGMIN", "HELD_MAX", "HOLD_ROWS", "KINDS", "activation_triton",
+           "e4m3_row_scale", "held_chunks", "store_e4m3"]
