@@ -61,6 +61,14 @@ def _act(u_ptr, row_at, cols, mask, F: tl.constexpr, KIND: tl.constexpr, GELU: t
 
 
 @triton.jit
+def _act_cols(u_ptr, row_at, row_ok, cols, F: tl.constexpr, KIND: tl.constexpr, GELU: tl.constexpr):
+    """(:func:`_act` of the columns ``cols`` of the rows at ``row_at`` [R, 1], 0 outside the rows ``row_ok`` and the
+    F columns; that mask [R, C])."""
+    mask = row_ok[:, None] & (cols[None, :] < F)
+    return tl.where(mask, _act(u_ptr, row_at, cols, mask, F, KIND, GELU), 0.0), mask
+
+
+@triton.jit
 def _rounded_gelu_abs(v, dtype, GELU: tl.constexpr):
     """|GELU(v)| rounded to ``dtype`` as :func:`_act` rounds it, of finite v [R] (float32); 0 where v is not finite
     (a row with no value on that side)."""
@@ -101,9 +109,7 @@ def _activation_kernel(u_ptr, out_ptr, scale_ptr, amax_ptr, n_rows, u_stride, F:
         else:
             amax = tl.zeros((ROWS,), tl.float32)
             for start in range(0, F, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                mask = row_ok[:, None] & (cols[None, :] < F)
-                x = tl.where(mask, _act(u_ptr, row_at, cols, mask, F, KIND, GELU), 0.0)
+                x, _ = _act_cols(u_ptr, row_at, row_ok, start + tl.arange(0, BLOCK), F, KIND, GELU)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         scale = e4m3_row_scale(amax)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
@@ -128,13 +134,11 @@ def _held_rows_kernel(u_ptr, out_ptr, scale_ptr, n_rows, u_stride, F: tl.constex
     row_at = rows[:, None].to(tl.int64) * u_stride
     out_at = rows[:, None].to(tl.int64) * F
     hi = tl.arange(0, HI)
-    hi_ok = row_ok[:, None] & (hi[None, :] < F)
-    x_hi = tl.where(hi_ok, _act(u_ptr, row_at, hi, hi_ok, F, KIND, GELU), 0.0)
+    x_hi, hi_ok = _act_cols(u_ptr, row_at, row_ok, hi, F, KIND, GELU)
     amax = tl.max(tl.abs(x_hi), axis=1)
     if LO > 0:
         lo = HI + tl.arange(0, LO)
-        lo_ok = row_ok[:, None] & (lo[None, :] < F)
-        x_lo = tl.where(lo_ok, _act(u_ptr, row_at, lo, lo_ok, F, KIND, GELU), 0.0)
+        x_lo, lo_ok = _act_cols(u_ptr, row_at, row_ok, lo, F, KIND, GELU)
         amax = tl.maximum(amax, tl.max(tl.abs(x_lo), axis=1))
     scale = e4m3_row_scale(amax)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
