@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from esm_turbo.quant.predict import PredictorFit, ValuePredictor, rotary_angles, unrope
+from esm_turbo.quant.predict import PredictorFit, ValuePredictor, rotary_angles, unrope, within_groups
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -439,11 +439,8 @@ def test_the_one_pass_walk_over_a_grouped_predictor_matches_its_reference(heads,
     from esm_turbo.ops.predicted import predicted_attention_reference, predicted_attention_triton
     device = "cuda" if torch.cuda.is_available() else "cpu"
     codec, cache = _predicted_cache(heads, dim, lengths, block_size, device=device, **codec_args)
-    w = codec.predictor.weight.float().view(heads, dim, heads, dim)
-    head = torch.arange(heads, device=w.device)
-    apart = (head[:, None] // group != head[None, :] // group)[:, None, :, None]
-    pred = ValuePredictor(30 * w.masked_fill(apart, 0).reshape(heads * dim, -1), codec.predictor.bias.float(),
-                          codec.predictor.inv_freq, heads, dim)
+    pred = ValuePredictor(30 * within_groups(codec.predictor.weight.float(), heads, dim, group),
+                          codec.predictor.bias.float(), codec.predictor.inv_freq, heads, dim)
     assert pred.group == group and kernels.one_pass(pred, heads, dim) and not kernels.one_pass(pred, heads, dim, True)
     args = _walk_args(codec, cache, s, block_size, codec_args, pred)
     new_valid = args[3]

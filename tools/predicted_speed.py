@@ -27,7 +27,7 @@ from esm_turbo.model.recipe import recipe
 from esm_turbo.ops.compressed import write_compressed
 from esm_turbo.ops.predicted import codec_walk_tables, predicted_attention_reference, predicted_attention_triton
 from esm_turbo.quant.codec import KVCodec
-from esm_turbo.quant.predict import Unstored, ValuePredictor
+from esm_turbo.quant.predict import Unstored, ValuePredictor, within_groups
 
 #: (name, heads, head_dim, batch, cached tokens a row) of decode steps
 DECODE = (("8M", 20, 16, 64, 4096), ("8M", 20, 16, 195, 1024), ("8M", 20, 16, 8, 512), ("150M", 20, 32, 64, 4096),
@@ -47,9 +47,7 @@ def codecs(heads: int, dim: int, dev: torch.device, group: int = 0) -> tuple[KVC
     width = heads * dim
     weight = torch.randn(width, width, generator=g) / width
     if group:
-        head = torch.arange(heads)
-        apart = (head[:, None] // group != head[None, :] // group)[:, None, :, None]
-        weight = weight.view(heads, dim, heads, dim).masked_fill(apart, 0).reshape(width, width)
+        weight = within_groups(weight, heads, dim, group)
     pred = ValuePredictor(weight, 0.1 * torch.randn(width, generator=g),
                           1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), heads, dim)
     return (KVCodec(base.key, base.value).to(dev), KVCodec(base.key, base.value, predictor=pred).to(dev),

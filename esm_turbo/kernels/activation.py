@@ -167,8 +167,8 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch
     f = width // 2 if kind == "swiglu" else width
     out = torch.empty(n, f, device=u.device, dtype=torch.float8_e4m3fn if fp8 else u.dtype)
     scale = torch.empty(n, 1, device=u.device, dtype=torch.float32) if fp8 else out
-    hi, lo = held_chunks(f) if f else (0, 0)
-    if fp8 and amax is None and HOLD_ROWS and 0 < hi + lo <= HELD_MAX:
+    hi, lo = held_chunks(f) if fp8 and amax is None and HOLD_ROWS and f else (0, 0)
+    if 0 < hi + lo <= HELD_MAX:
         _held_rows_kernel[(n,)](u, out, scale, n, u.stride(0), F=f, HI=hi, LO=lo, KIND=KINDS[kind],
                                 GELU=GELU_FORMS[GELU_FORM], num_warps=8)
         from ..embed.fp8 import Fp8Rows

@@ -69,14 +69,27 @@ def group_size(spec: str | int, heads: int, dim: int) -> int | None:
     return min(heads, int(text))
 
 
+def cross_group(heads: int, group: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """[H, H] bool: whether heads i and j lie in different groups of ``group`` consecutive heads (the last group the
+    rest)."""
+    head = torch.arange(heads, device=device)
+    return (head[:, None] // group) != (head[None, :] // group)
+
+
+def within_groups(weight: torch.Tensor, heads: int, dim: int, group: int) -> torch.Tensor:
+    """``weight`` [H·d, H·d] with every entry outside the diagonal blocks of ``group`` heads zeroed: a map that takes
+    each head's values from its group's features alone (as ``PredictorFit.solve(group=...)`` fits one)."""
+    apart = cross_group(heads, group, weight.device)[:, None, :, None]
+    return weight.view(heads, dim, heads, dim).masked_fill(apart, 0).reshape(weight.shape)
+
+
 def head_group(weight: torch.Tensor, heads: int, dim: int) -> int:
     """The fewest heads G (1 ≤ G ≤ H) such that ``weight`` [H·d, H·d] maps each group of G consecutive heads'
     features (the last group the rest) to that group's values alone: every entry outside those diagonal blocks
     exactly zero, as ``PredictorFit.solve(group=G)`` leaves them. One device-to-host copy of [H, H] flags."""
     coupled = weight.detach().reshape(heads, dim, heads, dim).abs().amax(dim=(1, 3)).cpu() > 0  # [H, H]
-    head = torch.arange(heads)
     for g in range(1, heads):
-        if not coupled[(head[:, None] // g) != (head[None, :] // g)].any():
+        if not coupled[cross_group(heads, g)].any():
             return g
     return heads
 
