@@ -241,6 +241,7 @@ def test_gelu_row_maxima_from_the_rows_bounds_are_the_maxima_of_gelu(monkeypatch
              torch.cat([torch.full((350,), -2.5), torch.full((350,), c + 0.05)]),   # the right one
              torch.cat([torch.full((350,), -1.0), torch.full((350,), 0.3)])]        # the left over a small largest
     u = torch.stack(rows).to(DEV, dtype)
+    monkeypatch.setattr(A, "HOLD_ROWS", False)  # the two sweeps, whose first finds the maxima
     got = A.activation_triton(u, "gelu", fp8=True)
     monkeypatch.setattr(A, "GELU_AMAX_FROM_BOUNDS", False)
     want = A.activation_triton(u, "gelu", fp8=True)
@@ -259,6 +260,7 @@ def test_held_rows_give_the_codes_of_the_two_sweeps(monkeypatch, kind, width):
     u = (3 * torch.randn(9, width * (2 if kind == "swiglu" else 1), generator=gen)).to(
         DEV, torch.bfloat16 if CUDA else torch.float32)
     monkeypatch.setattr(A, "GELU_AMAX_FROM_BOUNDS", False)
+    monkeypatch.setattr(A, "HOLD_ROWS", False)
     two = A.activation_triton(u, kind, fp8=True)
     monkeypatch.setattr(A, "HOLD_ROWS", True)
     held = A.activation_triton(u, kind, fp8=True)

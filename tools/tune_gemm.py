@@ -261,15 +261,18 @@ def warm_forward(size: str, tokens: int, fp8: bool = False) -> tuple:
 
 
 def rope_ab(size: str, tokens: int, tiles: dict, copies: int = 4) -> list[dict]:
-    """:func:`table_ab` of this run's best rotary QKV tile (``tiles``) added to the library's table."""
+    """:func:`table_ab` of this run's best rotary QKV tile (``tiles``) added to the library's table, fp16 and (where
+    tuned) e4m3, each in its own forward."""
     from esm_turbo.model.sizes import esm2_config
     cfg = esm2_config(size)
-    key = (3 * cfg.hidden_size, cfg.hidden_size, "float16", "rope")
-    found = tiles.get(",".join(map(str, key)))
-    if found is None:
-        return []
-    tile = G.Tile(**{f.name: found[f.name] for f in dataclasses.fields(G.Tile) if f.name in found})
-    return table_ab(size, tokens, key, tile, "rope folded", copies)
+    rows = []
+    for dtype in ("float16", "float8_e4m3fn"):
+        key = (3 * cfg.hidden_size, cfg.hidden_size, dtype, "rope")
+        found = tiles.get(",".join(map(str, key)))
+        if found is not None:
+            tile = G.Tile(**{f.name: found[f.name] for f in dataclasses.fields(G.Tile) if f.name in found})
+            rows += table_ab(size, tokens, key, tile, "rope folded", copies, fp8=dtype != "float16")
+    return rows
 
 
 def table_ab(size: str, tokens: int, key: tuple, tile: G.Tile, label: str, copies: int = 4,
@@ -506,7 +509,7 @@ def fp8_gelu_ab(sizes: list[str], tokens: int) -> dict:
         launch.append(dict(size=size, rows=tokens, width=f, us=best, read_write_floor_us=u.numel() * 3 / 3e6))
         log(f"fp8 gelu launch {launch[-1]}")
         ab += variants_ab(size, tokens, {way: use(way) for way in ways}, fp8=True)
-    use("from bounds")()
+    use("held rows")()  # the library's default
     return dict(launch=launch, ab=ab)
 
 
@@ -516,6 +519,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--skip-fp8", action="store_true")
+    ap.add_argument("--skip-fp16", action="store_true", help="tune the e4m3 products only")
     ap.add_argument("--skip-products", action="store_true", help="only the attention, forward and profile parts")
     ap.add_argument("--first", type=int, default=None, help="only the first N tiles of each list")
     ap.add_argument("--gelu-forms", action="store_true", help="only the GELU forms in FFN-up and the forward")
@@ -593,7 +597,8 @@ def main() -> None:
         for name, epi, n, k in shapes(size):
             if args.products and f"{name}:{epi}" not in args.products:
                 continue
-            for dtype, cands in ((torch.float16, FP16_TILES),) + (((torch.float8_e4m3fn, FP8_TILES),) if fp8 else ()):
+            for dtype, cands in ((() if args.skip_fp16 else ((torch.float16, FP16_TILES),))
+                                 + (((torch.float8_e4m3fn, FP8_TILES),) if fp8 else ())):
                 cands = cands[: args.first] if args.first else cands
                 row = tune_product(size, name, epi, n, k, args.tokens, dtype, cands, rows, head_dim)
                 if row["best"]:
