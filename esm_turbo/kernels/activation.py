@@ -30,7 +30,8 @@ GELU_AMAX_FROM_BOUNDS = True
 #: FP8 launches whose rows' maxima are not known hold each row's activations in registers between its maximum and
 #: its codes (:func:`_held_rows_kernel`: one read of u), for rows up to HELD_MAX columns. H100, GELU into e4m3 at
 #: 16,384 rows (``tools/tune_gemm.py --fp8-gelu-ab``): 141.5 µs against the two sweeps' 181.2 (650M-shaped), 285.0
-#: against 371.9 (3B); the FP8 forward 35.74 → 34.83 ms and 116.98 → 111.68 ms. False: the two sweeps
+#: against 371.9 (3B), both at eight warps (:func:`held_warps` since); the FP8 forward 35.74 → 34.83 ms and
+#: 116.98 → 111.68 ms. False: the two sweeps
 HOLD_ROWS = True
 HELD_MAX = 16384
 
@@ -149,6 +150,14 @@ def _held_rows_kernel(u_ptr, out_ptr, scale_ptr, n_rows, u_stride, F: tl.constex
         store_e4m3(out_ptr + out_at + lo[None, :], x_lo, scale, lo_ok)
 
 
+def held_warps(f: int) -> int:
+    """Warps a program of :func:`_held_rows_kernel` for rows of f columns: one per 1,024 columns (rounded up to a power
+    of two), at most four. H100, 16,384 rows, bf16 into e4m3, µs (``results/embed/held_warps_h100.txt``): the
+    attention output at 1,280 columns 27.5 against 41.9 at eight warps (and the two sweeps' 32.5), at 640 17.0
+    against 34.0; GELU at 5,120 138.8 against 142.8, at 2,560 74.1 against 84.7."""
+    return min(4, max(1, triton.next_power_of_2(f) // 1024))
+
+
 def held_chunks(f: int) -> tuple[int, int]:
     """(HI, LO) of :func:`_held_rows_kernel` for rows of f columns."""
     hi = 1 << (f.bit_length() - 1)
@@ -172,7 +181,7 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch
     hi, lo = held_chunks(f) if fp8 and amax is None and HOLD_ROWS and f else (0, 0)
     if 0 < hi + lo <= HELD_MAX:
         _held_rows_kernel[(n,)](u, out, scale, n, u.stride(0), F=f, HI=hi, LO=lo, KIND=KINDS[kind],
-                                GELU=GELU_FORMS[GELU_FORM], num_warps=8)
+                                GELU=GELU_FORMS[GELU_FORM], num_warps=held_warps(f))
         from ..embed.fp8 import Fp8Rows
         return Fp8Rows(out, scale)
     block = min(1024, triton.next_power_of_2(f))
