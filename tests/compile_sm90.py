@@ -9,12 +9,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import (activation, blocks, gemm, gemm_split, quantize, rope, segment, varlen_attention,  # noqa: E402
-                               weights_mma, write)
+from esm_turbo.kernels import (activation, blocks, gemm, gemm_split, gemm_ws, quantize, rope, segment,  # noqa: E402
+                               varlen_attention, weights_mma, write)
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, predicted, small, walk  # noqa: E402
-from tools.sm90 import CODE_PTRS, compile_sm90 as compile_kernel, resources  # noqa: E402
+from tools.sm90 import CODE_PTRS, compile_gluon_sm90, compile_sm90 as compile_kernel, resources  # noqa: E402
 from esm_turbo.quant.packing import packed_shifts  # noqa: E402
 
 
@@ -159,7 +159,22 @@ def main() -> None:
                                                   scale_ptr="*fp32", amax_ptr="*fp32"), num_warps=4)
     # and GELU into e4m3 with each 650M-shaped row held in registers (one read)
     compile_sm90(activation._held_rows_kernel, dict(F=5120, HI=4096, LO=1024, KIND=1, GELU=form),
-                 {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32"), num_warps=8)
+                 {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32"),
+                 num_warps=activation.held_warps(5120))
+    # FFN-up with its epilogue in warps of its own (Gluon: a loader warp, two warp groups of products, the epilogue's
+    # warps), fp16 GELU with a bias and bf16 with none, without spills
+    for dt, epi, has_bias in (("fp16", 1, True), ("bf16", 0, False)):
+        t = gemm_ws.WsTile()
+        gdt = gemm_ws.gl.float16 if dt == "fp16" else gemm_ws.gl.bfloat16
+        lay_a = gemm_ws.gl.NVMMASharedLayout.get_default_for([t.bm, t.bk], gdt)
+        lay_b = gemm_ws.gl.NVMMASharedLayout.get_default_for([t.bn, t.bk], gdt)
+        sig = dict(a_desc=f"tensordesc<{dt}[{t.bm}, {t.bk}],{lay_a}>",
+                   b_desc=f"tensordesc<{dt}[{t.bn}, {t.bk}],{lay_b}>", c_ptr=f"*{dt}", bias_ptr=f"*{dt}", M="i32",
+                   N="i32", K="i32", stride_c="i32")
+        kernel = compile_gluon_sm90(gemm_ws._ws_gemm_kernel, sig, gemm_ws.launch_constants(t, epi, has_bias, 132),
+                                    t.warps)
+        assert resources(kernel)[1] == 0, f"_ws_gemm_kernel spills: {resources(kernel)}"
+        print("compiled", "_ws_gemm_kernel", len(kernel.asm["cubin"]), flush=True)
     # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor
     # descriptors and through pointers, e4m3 QKV (bias) and FFN-down (residual) with row and column scales, e4m3 GELU
     # with the rows' maxima (GELU's erf in each form: the fit, and libdevice's where TILES keeps it), fp16 and e4m3

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from esm_turbo.kernels import gemm as G
+from esm_turbo.kernels import gemm_ws as WS
 
 T = G.Tile
 FP16_TILES = [T(128, 256, 64, 3, 8, 8, True), T(128, 256, 64, 3, 8, 8, False), T(128, 256, 64, 3, 8, 8, True, True),
@@ -59,6 +60,10 @@ OVERLAP_FP8_TILES = [T(128, 128, 128, 4, 8, 8, 1), T(128, 128, 128, 3, 8, 8, 4, 
                      T(128, 128, 128, 2, 8, 8, 4, programs=2, maxnreg=128),
                      T(128, 128, 64, 4, 8, 8, 4, programs=2, maxnreg=128),
                      T(128, 128, 128, 3, 8, 8, 2, programs=2, maxnreg=128), T(128, 256, 128, 3, 8, 8, 4)]
+#: FFN-up with its epilogue in warps of its own (kernels.gemm_ws): the default plan, fewer and more slots of a narrower
+#: K step, another tile order, the epilogue in wider chunks
+WS_TILES = [WS.WsTile(), WS.WsTile(stages=2), WS.WsTile(bk=32, stages=6), WS.WsTile(group_m=16),
+            WS.WsTile(epi_m=16), WS.WsTile(bk=32, stages=5, group_m=4)]
 #: (name, epilogue) of a block's four products, in order, and QKV with the rotary embedding folded in
 PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"), ("qkv", "rope"))
 
@@ -440,6 +445,34 @@ def overlap_rows(size: str, tokens: int) -> dict:
     return row
 
 
+def ws_rows(size: str, tokens: int) -> dict:
+    """FFN-up with GELU at ``tokens`` rows, fp16: cuBLAS, cuBLAS + F.gelu, the table's tile with the bias only and
+    with GELU, and every plan of :data:`WS_TILES` (the epilogue in warps of its own) with GELU and with the bias
+    only (its products' own pace); each checked against the reference as :func:`gelu_rows` checks."""
+    n, k, x, w, b, ref, err_base = ffn_up_inputs(size, tokens)
+    table = G.tile_for(n, k, torch.float16, "gelu")
+    row = dict(size=size, n=n, k=k, m=tokens, table_tile=dataclasses.asdict(table),
+               cublas_us=bench(lambda: F.linear(x, w, b)), cublas_gelu_us=bench(lambda: F.gelu(F.linear(x, w, b))),
+               table_bias_us=bench(lambda: G.gemm(x, w, b, "bias", tile=table)),
+               table_us=bench(lambda: G.gemm(x, w, b, "gelu", tile=table)), tiles=[])
+    log(f"ws {size} {row}")
+    for t in WS_TILES:
+        entry = dict(tile=dataclasses.asdict(t))
+        try:
+            got = WS.ws_gemm(x, w, b, "gelu", t)
+            entry["err"] = (got.double() - ref).abs().max().item()
+            entry["ok"] = entry["err"] <= 2 * err_base + 1e-3
+            entry["us"] = bench(lambda t=t: WS.ws_gemm(x, w, b, "gelu", t))
+            entry["bias_us"] = bench(lambda t=t: WS.ws_gemm(x, w, b, "bias", t))
+        except Exception as e:  # noqa: BLE001 - a plan that does not build is reported
+            entry["error"] = f"{type(e).__name__}: {e}"[:200]
+        row["tiles"].append(entry)
+        log(f"ws {size} {entry}")
+    good = [e for e in row["tiles"] if e.get("ok")]
+    row["best"] = min(good, key=lambda e: e["us"]) if good else None
+    return row
+
+
 def overlap_fp8_rows(size: str, tokens: int) -> dict:
     """FFN-up in e4m3 at ``tokens`` rows as the FP8 forward runs it: ``torch._scaled_mm`` (bf16 out, the bias) then
     the GELU-and-quantize kernel (two reads of its input), against the folded product (GELU and the rows' maxima in
@@ -531,6 +564,9 @@ def main() -> None:
     ap.add_argument("--fp8-gelu-ab", action="store_true",
                     help="only the FP8 GELU launch three ways (row maxima from GELU over the row, from bounds, rows "
                          "held), alone and in the forward")
+    ap.add_argument("--ws", action="store_true",
+                    help="only FFN-up with its epilogue in warps of its own (WS_TILES), then the forward A/B of the "
+                         "best where it beats the table")
     ap.add_argument("--products", nargs="+", default=None, metavar="NAME:EPILOGUE",
                     help="only these products (e.g. qkv:rope), then the rotary A/B instead of the other parts")
     ap.add_argument("--tiles", type=Path, default=None,
@@ -555,6 +591,26 @@ def main() -> None:
                   + ", ".join(f"{way} {us:.1f} µs" for way, us in r["us"].items())
                   + f" (one read and a write at 3 TB/s: {r['read_write_floor_us']:.1f})")
         print_ab(got["ab"])
+        return
+    if args.ws:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+        rows, ab = [], []
+        for size in args.sizes:
+            r = ws_rows(size, args.tokens)
+            rows.append(r)
+            print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  table "
+                  f"tile bias {r['table_bias_us']:.1f}  GELU {r['table_us']:.1f}", flush=True)
+            for e in r["tiles"]:
+                t = e["tile"]
+                print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} group {t['group_m']} epilogue "
+                      f"{t['epi_warps']} warps {t['epi_m']}x{t['epi_n']}: "
+                      + (f"GELU {e['us']:.1f} µs, bias only {e['bias_us']:.1f}, max error {e['err']:.2e}"
+                         + ("" if e["ok"] else " (FAILS the reference)") if "us" in e else e["error"]), flush=True)
+            if r["best"] and r["best"]["us"] < 0.98 * r["table_us"]:
+                key = (r["n"], r["k"], "float16", "gelu")
+                ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "warp-specialized")
+        (args.out / "ws.json").write_text(json.dumps(dict(products=rows, ab=ab), indent=1))
+        print_ab(ab)
         return
     if args.overlap or args.fp8_overlap:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")

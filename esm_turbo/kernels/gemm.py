@@ -74,6 +74,7 @@ class Tile:
 
 
 #: the products where the kernel, its epilogue folded in, measured faster than cuBLAS followed by the separate pass
+#: (a :class:`~esm_turbo.kernels.gemm_ws.WsTile` runs the epilogue in warps of its own where that kernel runs)
 #: (``tools/tune_gemm.py`` on an H200, 16,384 rows, each against ``F.linear`` / ``torch._scaled_mm`` and the pointwise
 #: kernel it replaces, timed in the same run), and the tile that won: (N, K, input dtype, epilogue) → Tile. Products
 #: not listed run in cuBLAS (:mod:`esm_turbo.embed.products`).
@@ -298,7 +299,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     (``epilogue="rope"``). Returns [M, N] in x's dtype (bf16 for e4m3), and with ``row_amax`` also the rows' largest
     |value| [M] float32. With ``split`` (a
     :class:`~esm_turbo.kernels.gemm_split.SplitTile`; fp16/bf16) the product runs split along K instead
-    (:mod:`esm_turbo.kernels.gemm_split`: measured, slower than cuBLAS at a step's rows, so never by default)."""
+    (:mod:`esm_turbo.kernels.gemm_split`: measured, slower than cuBLAS at a step's rows, so never by default). A
+    ``tile`` that is a :class:`~esm_turbo.kernels.gemm_ws.WsTile` runs the product in
+    :func:`~esm_turbo.kernels.gemm_ws.ws_gemm` (its epilogue in warps of its own) where that kernel runs and takes
+    the epilogue, else in this kernel's default tile."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}: one of {list(EPILOGUES)}")
     m, k = x.shape
@@ -317,6 +321,12 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != out_dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not the [{m}, {n}] {out_dtype} output")
     tile = tile or tile_for(n, k, x.dtype, epilogue)
+    if not isinstance(tile, Tile):  # a WsTile: the epilogue in warps of its own (kernels.gemm_ws), where it runs
+        from .gemm_ws import EPILOGUES as WS_EPILOGUES, available, ws_gemm
+        if (epilogue in WS_EPILOGUES and not fp8 and not row_amax and split is None and m and tma is not False
+                and available(x.device)):
+            return ws_gemm(x, w, bias, epilogue, tile)
+        tile = default_tile(n, k, x.dtype)
     if tile.gelu not in GELU_FORMS:
         raise ValueError(f"tile's GELU form {tile.gelu!r}: one of {list(GELU_FORMS)}")
     if (epilogue == "rope") != (rope is not None):

@@ -1,0 +1,250 @@
+"""A product whose epilogue runs in warps of its own, beside the next tile's products (Hopper, Gluon).
+
+``y = epilogue(x wᵀ + b)`` for x [M, K], w [N, K] fp16/bf16 (K contiguous), as :func:`~esm_turbo.kernels.gemm.gemm`
+computes it and rounds it: the product in fp32, the bias added, the sum rounded to x's dtype, then ``"gelu"`` (ESM-2's
+erf GELU, :func:`~esm_turbo.kernels.common.gelu`) rounded once, or nothing (``"bias"``).
+
+In :mod:`~esm_turbo.kernels.gemm` the epilogue of a tile runs after the tile's products and before the next tile's,
+in the same warps, so GELU's arithmetic (about 20 instructions a value) adds to the tensor cores' time: FFN-up with
+GELU takes about 1.3× the same product with the bias only. Here one persistent program a multiprocessor splits its
+warps three ways (``gl.warp_specialize``):
+
+- a loader (one warp): TMA copies of x's and w's tiles into a ring of ``STAGES`` shared-memory slots;
+- the products (the default partition, two warp groups): each tile's wgmma over K, the bias added and the sum rounded
+  to fp16/bf16, handed to the epilogue through one shared-memory tile;
+- the epilogue (``EPI_WARPS`` warps): GELU of the handed tile in column chunks of ``EPI_N``, stored to y.
+
+Barriers: ``ready[s]`` (the loader's copies into slot s landed), ``empty[s]`` (the products are done with slot s),
+``full`` (a tile is handed over), ``free`` (the epilogue has read it). Each waits on the parity of its use count.
+While the epilogue works through tile i the products run tile i + 1, so GELU costs nothing while it takes less
+time than a tile's products (a 128 × 256 tile of FFN-up at K = 1,280: about 11 µs of products on an H100
+multiprocessor, 3–4 µs of GELU for four warps).
+
+Compute capability 9.0 only (wgmma, TMA, register reallocation) and Triton ≥ 3.6's Gluon; :func:`available` says
+whether this process can run it. Reference: :func:`~esm_turbo.kernels.gemm.gemm_reference`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+try:  # Gluon is experimental: its module names move between Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.9 renamed these two
+    _sync = getattr(gl, "thread_barrier", None) or gl.barrier
+    GLUON = True
+except (ImportError, AttributeError):  # pragma: no cover - an older or a reorganised Triton
+    GLUON = False
+
+from .common import FP_FUSION, GELU_FORM, GELU_FORMS, gelu
+
+#: the epilogues this kernel folds
+EPILOGUES = {"bias": 0, "gelu": 1}
+
+
+@dataclass(frozen=True)
+class WsTile:
+    """One launch plan: the output tile (bm × bn, the products in ``warps`` warps: bm / 16 warps of 16 rows), the K
+    step, the ring's slots, the M-group of the tile order, the epilogue's warps and its column chunk, the registers
+    the loader and the epilogue keep (the products take the rest)."""
+
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    stages: int = 3
+    warps: int = 8
+    group_m: int = 8
+    epi_warps: int = 2
+    epi_m: int = 8
+    epi_n: int = 64
+    load_regs: int = 24
+    epi_regs: int = 152
+
+    def shared_bytes(self, elem: int = 2) -> int:
+        """Shared memory the plan takes: the ring's slots and the handed tile (barriers aside)."""
+        return (self.stages * (self.bm + self.bn) * self.bk + self.bm * self.bn) * elem
+
+
+def available(device: torch.device | str | None = None) -> bool:
+    """Whether this process can run the kernel on ``device`` (default: the current CUDA device): CUDA, compute
+    capability 9.0, Gluon importable, not under Triton's interpreter."""
+    import os
+    if not GLUON or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    device = torch.device("cuda") if device is None else torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+if GLUON:
+    @gluon.jit
+    def _tile_of(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+        """(pid_m, pid_n) of linear tile ``tile``: groups of GROUP_M tile rows walked column by column."""
+        in_group = GROUP_M * num_pid_n
+        first_m = (tile // in_group) * GROUP_M
+        rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (tile % in_group) % rows, (tile % in_group) // rows
+
+    @gluon.jit
+    def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS: gl.constexpr,
+                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                        GROUP_M: gl.constexpr):
+        """The loader: every tile's K steps, in the products' order, into the ring (waits for a slot's release)."""
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = gl.cdiv(N, BN)
+        k_steps = gl.cdiv(K, BK)
+        nbytes: gl.constexpr = (BM + BN) * BK * a_desc.dtype.primitive_bitwidth // 8
+        it = 0
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
+            pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+            for kk in range(k_steps):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh slot passes at once
+                mbarrier.expect(ready.index(s), nbytes)
+                _tma_load(a_desc, [pid_m * BM, kk * BK], ready.index(s), a_bufs.index(s))
+                _tma_load(b_desc, [pid_n * BN, kk * BK], ready.index(s), b_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _mma_partition(a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+        """The products: each tile's wgmma over K from the ring (one product in flight while the next slot's wait
+        runs), then the bias, the rounding to the output dtype and the hand-over to the epilogue."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BN, 16])
+        out_dtype: gl.constexpr = hand.dtype
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = gl.cdiv(N, BN)
+        k_steps = gl.cdiv(K, BK)
+        it = 0
+        n_tile = 0
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
+            pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+            if HAS_BIAS:  # the sum starts at the bias (the registers for a separate add after it would spill)
+                cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+                bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
+                acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout) + gl.expand_dims(bias, 0)
+            else:
+                acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
+            for kk in range(k_steps):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                # the product before this one is done: its slot goes back to the loader
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                _sync()  # both warp groups' products from the slot before
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)
+                it += 1
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _sync()
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            y = acc.to(out_dtype)
+            mbarrier.wait(free, (n_tile & 1) ^ 1)  # the epilogue has read the tile before
+            hand.store(y)
+            fence_async_shared()
+            _sync()  # every warp's part of the tile is stored
+            mbarrier.arrive(full)
+            n_tile += 1
+
+    @gluon.jit
+    def _epilogue_partition(hand, full, free, c_ptr, M, N, stride_c, NUM_SMS: gl.constexpr, BM: gl.constexpr,
+                            BN: gl.constexpr, GROUP_M: gl.constexpr, EPI: gl.constexpr, GELU: gl.constexpr,
+                            EPI_M: gl.constexpr, EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """The epilogue: each handed tile in chunks of EPI_M × EPI_N, GELU (``EPI`` 1) rounded once, stored to y;
+        the tile released once every chunk is read."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_N // 8), EPI_N // 8], [EPI_WARPS, 1], [1, 0])
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = gl.cdiv(N, BN)
+        n_tile = 0
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
+            pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+            mbarrier.wait(full, n_tile & 1)
+            for i in gl.static_range(BM // EPI_M):
+                rows = pid_m * BM + i * EPI_M + gl.arange(0, EPI_M, layout=gl.SliceLayout(1, layout))
+                for j in gl.static_range(BN // EPI_N):
+                    y = hand.slice(i * EPI_M, EPI_M, dim=0).slice(j * EPI_N, EPI_N, dim=1).load(layout)
+                    if EPI == 1:
+                        y = gelu(y.to(gl.float32), GELU).to(y.dtype)
+                    cols = pid_n * BN + j * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, layout))
+                    ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_c, 1) + gl.expand_dims(cols, 0)
+                    gl.store(ptrs, y, mask=gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0))
+            _sync()  # every warp has read the tile
+            mbarrier.arrive(free)
+            n_tile += 1
+
+    @gluon.jit
+    def _ws_gemm_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_c, NUM_SMS: gl.constexpr,
+                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                        GROUP_M: gl.constexpr, EPI: gl.constexpr, GELU: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        EPI_M: gl.constexpr, EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+                        EPI_REGS: gl.constexpr, num_warps: gl.constexpr):
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], b_desc.layout)
+        hand_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+        hand = gl.allocate_shared_memory(dtype, [BM, BN], hand_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(full, count=1)
+        mbarrier.init(free, count=1)
+        gl.warp_specialize([
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS, BM, BN,
+                              BK, STAGES, GROUP_M, HAS_BIAS, num_warps)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS, BM, BN, BK, STAGES,
+                               GROUP_M)),
+            (_epilogue_partition, (hand, full, free, c_ptr, M, N, stride_c, NUM_SMS, BM, BN, GROUP_M, EPI, GELU,
+                                   EPI_M, EPI_N, EPI_WARPS)),
+        ], [1, EPI_WARPS], [LOAD_REGS, EPI_REGS])
+
+
+def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "gelu",
+            tile: WsTile | None = None) -> torch.Tensor:
+    """x [M, K] times w [N, K]ᵀ plus the bias [N], then ``epilogue`` (``"gelu"`` or ``"bias"``): [M, N] in x's dtype
+    (fp16 or bf16), as :func:`~esm_turbo.kernels.gemm.gemm` computes it. Needs :func:`available`."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue {epilogue!r}: one of {list(EPILOGUES)}")
+    if not available(x.device):
+        raise RuntimeError("ws_gemm runs on a compute-capability 9.0 GPU with Triton's Gluon")
+    m, k = x.shape
+    n = w.shape[0]
+    if (x.dtype not in (torch.float16, torch.bfloat16) or w.dtype != x.dtype or w.shape[1] != k
+            or x.stride(1) != 1 or w.stride(1) != 1):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} (fp16/bf16, K contiguous) "
+                         "do not make a product")
+    tile = tile or WsTile()
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out
+    gdt = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
+    a_desc = TensorDescriptor.from_tensor(x, [tile.bm, tile.bk], gl.NVMMASharedLayout.get_default_for(
+        [tile.bm, tile.bk], gdt))
+    b_desc = TensorDescriptor.from_tensor(w, [tile.bn, tile.bk], gl.NVMMASharedLayout.get_default_for(
+        [tile.bn, tile.bk], gdt))
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = min(sms, triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn))
+    _ws_gemm_kernel[(grid,)](a_desc, b_desc, out, bias if bias is not None else out, m, n, k, out.stride(0),
+                             **launch_constants(tile, EPILOGUES[epilogue], bias is not None, grid),
+                             enable_fp_fusion=FP_FUSION)
+    return out
+
+
+def launch_constants(tile: WsTile, epi: int, has_bias: bool, programs: int) -> dict:
+    """The kernel's constexprs (and its warps) for ``tile``, epilogue code ``epi`` and ``programs`` persistent
+    programs: what :func:`ws_gemm` launches and what tests/compile_sm90.py compiles."""
+    return dict(NUM_SMS=programs, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages, GROUP_M=tile.group_m,
+                EPI=epi, GELU=GELU_FORMS[GELU_FORM], HAS_BIAS=has_bias, EPI_M=tile.epi_m, EPI_N=tile.epi_n,
+                EPI_WARPS=tile.epi_warps, LOAD_REGS=tile.load_regs, EPI_REGS=tile.epi_regs, num_warps=tile.warps)
+
+
+__all__ = ["EPILOGUES", "GLUON", "WsTile", "available", "launch_constants", "ws_gemm"]

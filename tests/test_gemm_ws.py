@@ -1,0 +1,75 @@
+"""The product with its epilogue in warps of its own (esm_turbo.kernels.gemm_ws) against its PyTorch reference on a
+compute-capability 9.0 GPU, and gemm()'s fallback to its own kernel where that one does not run."""
+
+import pytest
+import torch
+
+from esm_turbo.kernels import triton_supported
+
+pytestmark = pytest.mark.skipif(not triton_supported(), reason="needs Triton (its interpreter on CPU)")
+
+
+def _hopper() -> bool:
+    from esm_turbo.kernels.gemm_ws import available
+    return available()
+
+
+def _inputs(m, n, k, dtype, dev, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dev, dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dev, dtype)
+    b = (0.3 * torch.randn(n, generator=gen)).to(dev, dtype)
+    return x, w, b
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", ["gelu", "bias"])
+@pytest.mark.parametrize("m,n,k", [(300, 520, 328), (1000, 5120, 1280), (64, 256, 64), (4096, 2560, 640)])
+def test_ws_gemm_matches_the_reference(dtype, epilogue, m, n, k):
+    """M and N not multiples of the tile (and smaller than one), K not a multiple of its step, a tile per
+    multiprocessor and several: the reference's value up to the order of the float32 sums, as close as the folded
+    kernel of kernels.gemm comes; with and without a bias."""
+    if not _hopper():
+        pytest.skip("needs compute capability 9.0 and Triton's Gluon")
+    from esm_turbo.kernels.gemm import gemm, gemm_reference
+    from esm_turbo.kernels.gemm_ws import ws_gemm
+    x, w, b = _inputs(m, n, k, dtype, "cuda", seed=m + n + k)
+    for bias in (b, None):
+        want = gemm_reference(x, w, bias, epilogue).float()
+        folded = gemm(x, w, bias, epilogue).float()
+        got = ws_gemm(x, w, bias, epilogue)
+        assert got.dtype == dtype and got.shape == (m, n)
+        eps = torch.finfo(dtype).eps * want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= 2 * (folded - want).abs().max().item() + eps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ws_tiles_in_the_table_run_through_gemm():
+    """A WsTile handed to gemm() (as kernels.gemm.TILES may list one) runs ws_gemm: the same bits."""
+    if not _hopper():
+        pytest.skip("needs compute capability 9.0 and Triton's Gluon")
+    from esm_turbo.kernels.gemm import gemm
+    from esm_turbo.kernels.gemm_ws import WsTile, ws_gemm
+    x, w, b = _inputs(700, 1024, 256, torch.float16, "cuda", seed=3)
+    tile = WsTile(stages=2)
+    assert torch.equal(gemm(x, w, b, "gelu", tile=tile), ws_gemm(x, w, b, "gelu", tile))
+
+
+def test_a_ws_tile_falls_back_to_the_folded_kernel_where_it_cannot_run():
+    """Off a compute-capability 9.0 GPU (here: the CPU under Triton's interpreter) or for an epilogue it does not
+    take, gemm() with a WsTile computes what its own default tile computes; ws_gemm itself refuses in one line."""
+    from esm_turbo.kernels.gemm import default_tile, gemm
+    from esm_turbo.kernels.gemm_ws import WsTile, available, ws_gemm
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path")
+    assert not available("cpu")
+    x, w, b = _inputs(37, 72, 40, torch.float32, "cpu", seed=1)
+    h = torch.randn(37, 72)
+    for epilogue, res in (("gelu", None), ("residual", h)):
+        got = gemm(x, w, b, epilogue, res, tile=WsTile())
+        want = gemm(x, w, b, epilogue, res, tile=default_tile(72, 40, torch.float32))
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="compute-capability 9.0"):
+        ws_gemm(x, w, b)
+    assert WsTile().shared_bytes() == (3 * (128 + 256) * 64 + 128 * 256) * 2  # 208 KiB of an H100's 227
