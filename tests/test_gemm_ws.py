@@ -45,6 +45,29 @@ def test_ws_gemm_matches_the_reference(dtype, epilogue, m, n, k):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m,n,k", [(300, 520, 328), (1000, 5120, 1280)])
+def test_ws_gemm_in_e4m3_matches_the_reference(m, n, k):
+    """e4m3 inputs with row and column scales, GELU, bf16 out and each row's largest |value|: the reference's value
+    as closely as the folded kernel of kernels.gemm comes, and the rows' maxima those of the output itself."""
+    if not _hopper():
+        pytest.skip("needs compute capability 9.0 and Triton's Gluon")
+    from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
+    from esm_turbo.kernels.gemm import gemm, gemm_reference
+    from esm_turbo.kernels.gemm_ws import WS_FP8, ws_gemm
+    gen = torch.Generator().manual_seed(m)
+    xq, xs = quantize_rows(torch.randn(m, k, generator=gen).cuda())
+    wq = Fp8Weight.quantize((torch.randn(n, k, generator=gen) / k ** 0.5).cuda())
+    b = (0.1 * torch.randn(n, generator=gen)).cuda().to(torch.bfloat16)
+    want = gemm_reference(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale).float()
+    folded, _ = gemm(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale, row_amax=True)
+    got, amax = ws_gemm(xq, wq.q, b, "gelu", WS_FP8, x_scale=xs, w_scale=wq.scale, row_amax=True)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    eps = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+    assert (got.float() - want).abs().max().item() <= 2 * (folded.float() - want).abs().max().item() + eps
+    assert torch.equal(amax, got.float().abs().amax(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ws_tiles_in_the_table_run_through_gemm():
     """A WsTile handed to gemm() (as kernels.gemm.TILES may list one) runs ws_gemm: the same bits."""
     if not _hopper():
@@ -73,3 +96,4 @@ def test_a_ws_tile_falls_back_to_the_folded_kernel_where_it_cannot_run():
     with pytest.raises(RuntimeError, match="compute-capability 9.0"):
         ws_gemm(x, w, b)
     assert WsTile().shared_bytes() == (3 * (128 + 256) * 64 + 128 * 256) * 2  # 208 KiB of an H100's 227
+    assert WsTile(bn=128, bk=128, stages=4).shared_bytes(1) == 4 * 256 * 128 + 128 * 128 * 4  # 192 KiB

@@ -64,6 +64,9 @@ OVERLAP_FP8_TILES = [T(128, 128, 128, 4, 8, 8, 1), T(128, 128, 128, 3, 8, 8, 4, 
 #: K step, another tile order, the epilogue in wider chunks
 WS_TILES = [WS.WsTile(), WS.WsTile(stages=2), WS.WsTile(bk=32, stages=6), WS.WsTile(group_m=16),
             WS.WsTile(epi_m=16), WS.WsTile(bk=32, stages=5, group_m=4)]
+#: the same in e4m3 (the float32 sums handed over: 128 × 128 tiles)
+WS_FP8_TILES = [WS.WS_FP8, WS.WsTile(bn=128, bk=128, stages=3), WS.WsTile(bn=128, bk=64, stages=6),
+                WS.WsTile(bn=128, bk=128, stages=4, group_m=16)]
 #: (name, epilogue) of a block's four products, in order, and QKV with the rotary embedding folded in
 PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"), ("qkv", "rope"))
 
@@ -473,6 +476,50 @@ def ws_rows(size: str, tokens: int) -> dict:
     return row
 
 
+def ws_fp8_rows(size: str, tokens: int) -> dict:
+    """FFN-up in e4m3 at ``tokens`` rows as the FP8 forward runs it (``torch._scaled_mm`` then the GELU-into-e4m3
+    launch), against the product with its epilogue in warps of its own (scales, bias, GELU and the rows' maxima)
+    then the quantize launch given those maxima, over :data:`WS_FP8_TILES`; each checked against the reference."""
+    from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
+    from esm_turbo.kernels.activation import activation_triton
+    dev = torch.device("cuda")
+    n, k = next((n, k) for name, _, n, k in shapes(size) if name == "ffn_up")
+    gen = torch.Generator(device=dev).manual_seed(n)
+    xq, xs = quantize_rows(torch.randn(tokens, k, device=dev, generator=gen))
+    xs = xs[:, 0].contiguous()
+    wq = Fp8Weight.quantize(torch.randn(n, k, device=dev, generator=gen) / k ** 0.5)
+    b = (0.1 * torch.randn(n, device=dev, generator=gen)).to(torch.bfloat16)
+    ref = G.gemm_reference(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale).double()
+    err_base = (unfused(xq, wq.q, b, "gelu", None, xs, wq.scale).double() - ref).abs().max().item()
+    eps = torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
+
+    def cublas():
+        u = torch._scaled_mm(xq, wq.q.t(), scale_a=xs[:, None], scale_b=wq.scale[None, :], bias=b,
+                             out_dtype=torch.bfloat16)
+        return activation_triton(u, "gelu", fp8=True)
+    row = dict(size=size, n=n, k=k, m=tokens, cublas_then_pass_us=bench(cublas),
+               cublas_us=bench(lambda: torch._scaled_mm(xq, wq.q.t(), scale_a=xs[:, None], scale_b=wq.scale[None, :],
+                                                        bias=b, out_dtype=torch.bfloat16)), tiles=[])
+    for t in WS_FP8_TILES:
+        entry = dict(tile=dataclasses.asdict(t))
+
+        def folded(t=t):
+            f, amax = WS.ws_gemm(xq, wq.q, b, "gelu", t, xs, wq.scale, row_amax=True)
+            return f, activation_triton(f, "none", fp8=True, amax=amax)
+        try:
+            entry["err"] = (folded()[0].double() - ref).abs().max().item()
+            entry["ok"] = entry["err"] <= 2 * err_base + eps
+            entry["us"] = bench(folded)
+            entry["product_us"] = bench(lambda t=t: WS.ws_gemm(xq, wq.q, b, "gelu", t, xs, wq.scale, row_amax=True))
+        except Exception as e:  # noqa: BLE001 - a plan that does not build is reported
+            entry["error"] = f"{type(e).__name__}: {e}"[:200]
+        row["tiles"].append(entry)
+        log(f"ws fp8 {size} {entry}")
+    good = [e for e in row["tiles"] if e.get("ok")]
+    row["best"] = min(good, key=lambda e: e["us"]) if good else None
+    return row
+
+
 def overlap_fp8_rows(size: str, tokens: int) -> dict:
     """FFN-up in e4m3 at ``tokens`` rows as the FP8 forward runs it: ``torch._scaled_mm`` (bf16 out, the bias) then
     the GELU-and-quantize kernel (two reads of its input), against the folded product (GELU and the rows' maxima in
@@ -609,7 +656,23 @@ def main() -> None:
             if r["best"] and r["best"]["us"] < 0.98 * r["table_us"]:
                 key = (r["n"], r["k"], "float16", "gelu")
                 ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "warp-specialized")
-        (args.out / "ws.json").write_text(json.dumps(dict(products=rows, ab=ab), indent=1))
+        fp8_rows = []
+        for size in args.sizes if not args.skip_fp8 else []:
+            r = ws_fp8_rows(size, args.tokens)
+            fp8_rows.append(r)
+            print(f"{r['size']:5} FFN-up e4m3 µs: cuBLAS {r['cublas_us']:.1f}, then the GELU-into-e4m3 launch "
+                  f"{r['cublas_then_pass_us']:.1f}", flush=True)
+            for e in r["tiles"]:
+                t = e["tile"]
+                print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} group {t['group_m']}, then the quantize "
+                      "launch: " + (f"{e['us']:.1f} µs (the product {e['product_us']:.1f}), max error "
+                                    f"{e['err']:.2e}" + ("" if e["ok"] else " (FAILS the reference)")
+                                    if "us" in e else e["error"]), flush=True)
+            if r["best"] and r["best"]["us"] < 0.98 * r["cublas_then_pass_us"]:
+                key = (r["n"], r["k"], "float8_e4m3fn", "gelu")
+                ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "warp-specialized",
+                               fp8=True)
+        (args.out / "ws.json").write_text(json.dumps(dict(products=rows, fp8=fp8_rows, ab=ab), indent=1))
         print_ab(ab)
         return
     if args.overlap or args.fp8_overlap:

@@ -323,9 +323,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     tile = tile or tile_for(n, k, x.dtype, epilogue)
     if not isinstance(tile, Tile):  # a WsTile: the epilogue in warps of its own (kernels.gemm_ws), where it runs
         from .gemm_ws import EPILOGUES as WS_EPILOGUES, available, ws_gemm
-        if (epilogue in WS_EPILOGUES and not fp8 and not row_amax and split is None and m and tma is not False
-                and available(x.device)):
-            return ws_gemm(x, w, bias, epilogue, tile)
+        if epilogue in WS_EPILOGUES and split is None and m and tma is not False and available(x.device):
+            return ws_gemm(x, w, bias, epilogue, tile, x_scale, w_scale, row_amax)
         tile = default_tile(n, k, x.dtype)
     if tile.gelu not in GELU_FORMS:
         raise ValueError(f"tile's GELU form {tile.gelu!r}: one of {list(GELU_FORMS)}")

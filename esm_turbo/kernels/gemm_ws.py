@@ -67,8 +67,14 @@ class WsTile:
     epi_regs: int = 152
 
     def shared_bytes(self, elem: int = 2) -> int:
-        """Shared memory the plan takes: the ring's slots and the handed tile (barriers aside)."""
-        return (self.stages * (self.bm + self.bn) * self.bk + self.bm * self.bn) * elem
+        """Shared memory the plan takes for inputs of ``elem`` bytes (2: fp16/bf16, 1: e4m3, whose sums are handed
+        over in float32): the ring's slots and the handed tile (barriers aside)."""
+        return self.stages * (self.bm + self.bn) * self.bk * elem + self.bm * self.bn * (2 if elem == 2 else 4)
+
+
+#: the plan for e4m3 inputs: their float32 sums are handed over (64 KiB for 128 × 128), the ring's slots 128 wide in
+#: K (128 bytes a row); 192 KiB of shared memory
+WS_FP8 = WsTile(bn=128, bk=128, stages=4)
 
 
 def available(device: torch.device | str | None = None) -> bool:
@@ -113,11 +119,12 @@ if GLUON:
     @gluon.jit
     def _mma_partition(a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                       GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+                       GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
         """The products: each tile's wgmma over K from the ring (one product in flight while the next slot's wait
-        runs), then the bias, the rounding to the output dtype and the hand-over to the epilogue."""
+        runs), then the hand-over to the epilogue: fp16/bf16 inputs' sums started at the bias and rounded to the
+        output dtype; e4m3 inputs' float32 sums as they are (their scales and bias are the epilogue's)."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, BN, 16])
+                                                             instr_shape=[16, BN, 32 if FP8 else 16])
         out_dtype: gl.constexpr = hand.dtype
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN)
@@ -126,7 +133,7 @@ if GLUON:
         n_tile = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
             pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
-            if HAS_BIAS:  # the sum starts at the bias (the registers for a separate add after it would spill)
+            if HAS_BIAS and not FP8:  # the sum starts at the bias (registers for an add after it would spill)
                 cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
                 bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
                 acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout) + gl.expand_dims(bias, 0)
@@ -153,12 +160,17 @@ if GLUON:
             n_tile += 1
 
     @gluon.jit
-    def _epilogue_partition(hand, full, free, c_ptr, M, N, stride_c, NUM_SMS: gl.constexpr, BM: gl.constexpr,
-                            BN: gl.constexpr, GROUP_M: gl.constexpr, EPI: gl.constexpr, GELU: gl.constexpr,
-                            EPI_M: gl.constexpr, EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr):
-        """The epilogue: each handed tile in chunks of EPI_M × EPI_N, GELU (``EPI`` 1) rounded once, stored to y;
-        the tile released once every chunk is read."""
+    def _epilogue_partition(hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, M, N, stride_c,
+                            stride_amax, NUM_SMS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                            GROUP_M: gl.constexpr, EPI: gl.constexpr, GELU: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            FP8: gl.constexpr, AMAX: gl.constexpr, EPI_M: gl.constexpr, EPI_N: gl.constexpr,
+                            EPI_WARPS: gl.constexpr):
+        """The epilogue: each handed tile in chunks of EPI_M × EPI_N (e4m3 inputs: the float32 sums times the row's
+        and the column's scales plus the bias, rounded to bf16), GELU (``EPI`` 1) rounded once, stored to y, and with
+        ``AMAX`` each row's largest |y| over the chunk's columns at amax [M, column chunks]; the tile released once
+        every chunk is read."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_N // 8), EPI_N // 8], [EPI_WARPS, 1], [1, 0])
+        out_dtype: gl.constexpr = c_ptr.dtype.element_ty
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN)
         n_tile = 0
@@ -167,11 +179,23 @@ if GLUON:
             mbarrier.wait(full, n_tile & 1)
             for i in gl.static_range(BM // EPI_M):
                 rows = pid_m * BM + i * EPI_M + gl.arange(0, EPI_M, layout=gl.SliceLayout(1, layout))
+                if FP8:
+                    xs = gl.load(xs_ptr + rows, mask=rows < M, other=0.0)
                 for j in gl.static_range(BN // EPI_N):
                     y = hand.slice(i * EPI_M, EPI_M, dim=0).slice(j * EPI_N, EPI_N, dim=1).load(layout)
-                    if EPI == 1:
-                        y = gelu(y.to(gl.float32), GELU).to(y.dtype)
                     cols = pid_n * BN + j * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, layout))
+                    if FP8:  # as gemm_reference: (Σ · x_scale) · w_scale + bias, rounded to bf16
+                        wsc = gl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+                        y = y * gl.expand_dims(xs, 1) * gl.expand_dims(wsc, 0)
+                        if HAS_BIAS:
+                            y = y + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+                        y = y.to(out_dtype)
+                    if EPI == 1:
+                        y = gelu(y.to(gl.float32), GELU).to(out_dtype)
+                    if AMAX:
+                        part = gl.max(gl.abs(gl.where(gl.expand_dims(cols < N, 0), y.to(gl.float32), 0.0)), axis=1)
+                        gl.store(amax_ptr + rows.to(gl.int64) * stride_amax + pid_n * (BN // EPI_N) + j, part,
+                                 mask=rows < M)
                     ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_c, 1) + gl.expand_dims(cols, 0)
                     gl.store(ptrs, y, mask=gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0))
             _sync()  # every warp has read the tile
@@ -179,16 +203,18 @@ if GLUON:
             n_tile += 1
 
     @gluon.jit
-    def _ws_gemm_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_c, NUM_SMS: gl.constexpr,
-                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                        GROUP_M: gl.constexpr, EPI: gl.constexpr, GELU: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        EPI_M: gl.constexpr, EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    def _ws_gemm_kernel(a_desc, b_desc, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, M, N, K, stride_c, stride_amax,
+                        NUM_SMS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, EPI: gl.constexpr, GELU: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, FP8: gl.constexpr, AMAX: gl.constexpr, EPI_M: gl.constexpr,
+                        EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
                         EPI_REGS: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
+        hand_dtype: gl.constexpr = gl.float32 if FP8 else dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], b_desc.layout)
-        hand_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
-        hand = gl.allocate_shared_memory(dtype, [BM, BN], hand_layout)
+        hand_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], hand_dtype)
+        hand = gl.allocate_shared_memory(hand_dtype, [BM, BN], hand_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -200,51 +226,64 @@ if GLUON:
         mbarrier.init(free, count=1)
         gl.warp_specialize([
             (_mma_partition, (a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS, BM, BN,
-                              BK, STAGES, GROUP_M, HAS_BIAS, num_warps)),
+                              BK, STAGES, GROUP_M, HAS_BIAS, FP8, num_warps)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS, BM, BN, BK, STAGES,
                                GROUP_M)),
-            (_epilogue_partition, (hand, full, free, c_ptr, M, N, stride_c, NUM_SMS, BM, BN, GROUP_M, EPI, GELU,
-                                   EPI_M, EPI_N, EPI_WARPS)),
+            (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, M, N, stride_c,
+                                   stride_amax, NUM_SMS, BM, BN, GROUP_M, EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M,
+                                   EPI_N, EPI_WARPS)),
         ], [1, EPI_WARPS], [LOAD_REGS, EPI_REGS])
 
 
 def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "gelu",
-            tile: WsTile | None = None) -> torch.Tensor:
+            tile: WsTile | None = None, x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+            row_amax: bool = False):
     """x [M, K] times w [N, K]ᵀ plus the bias [N], then ``epilogue`` (``"gelu"`` or ``"bias"``): [M, N] in x's dtype
-    (fp16 or bf16), as :func:`~esm_turbo.kernels.gemm.gemm` computes it. Needs :func:`available`."""
+    (fp16 or bf16; bf16 for e4m3 inputs, with x_scale [M] or [M, 1] and w_scale [N] float32), and with ``row_amax``
+    also each row's largest |value| [M] float32: what :func:`~esm_turbo.kernels.gemm.gemm` computes. Needs
+    :func:`available`."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}: one of {list(EPILOGUES)}")
     if not available(x.device):
         raise RuntimeError("ws_gemm runs on a compute-capability 9.0 GPU with Triton's Gluon")
     m, k = x.shape
     n = w.shape[0]
-    if (x.dtype not in (torch.float16, torch.bfloat16) or w.dtype != x.dtype or w.shape[1] != k
-            or x.stride(1) != 1 or w.stride(1) != 1):
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} (fp16/bf16, K contiguous) "
-                         "do not make a product")
+    fp8 = x.dtype == torch.float8_e4m3fn
+    if (x.dtype not in (torch.float16, torch.bfloat16, torch.float8_e4m3fn) or w.dtype != x.dtype
+            or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} (fp16/bf16/e4m3, K "
+                         "contiguous) do not make a product")
+    if fp8 != (x_scale is not None and w_scale is not None):
+        raise ValueError("e4m3 inputs need x_scale and w_scale, and only they take them")
     tile = tile or WsTile()
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16 if fp8 else x.dtype)
+    chunks = triton.cdiv(n, tile.bn) * (tile.bn // tile.epi_n)
+    amax = torch.empty(m, chunks, device=x.device, dtype=torch.float32) if row_amax else out
     if m == 0:
-        return out
-    gdt = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
+        return (out, amax[:, 0]) if row_amax else out
+    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[x.dtype]
     a_desc = TensorDescriptor.from_tensor(x, [tile.bm, tile.bk], gl.NVMMASharedLayout.get_default_for(
         [tile.bm, tile.bk], gdt))
     b_desc = TensorDescriptor.from_tensor(w, [tile.bn, tile.bk], gl.NVMMASharedLayout.get_default_for(
         [tile.bn, tile.bk], gdt))
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = min(sms, triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn))
-    _ws_gemm_kernel[(grid,)](a_desc, b_desc, out, bias if bias is not None else out, m, n, k, out.stride(0),
-                             **launch_constants(tile, EPILOGUES[epilogue], bias is not None, grid),
+    xs = x_scale.reshape(-1).contiguous() if fp8 else out
+    _ws_gemm_kernel[(grid,)](a_desc, b_desc, out, bias if bias is not None else out, xs,
+                             w_scale if fp8 else out, amax, m, n, k, out.stride(0), amax.stride(0),
+                             **launch_constants(tile, EPILOGUES[epilogue], bias is not None, fp8, row_amax, grid),
                              enable_fp_fusion=FP_FUSION)
-    return out
+    return (out, amax.amax(1)) if row_amax else out
 
 
-def launch_constants(tile: WsTile, epi: int, has_bias: bool, programs: int) -> dict:
-    """The kernel's constexprs (and its warps) for ``tile``, epilogue code ``epi`` and ``programs`` persistent
-    programs: what :func:`ws_gemm` launches and what tests/compile_sm90.py compiles."""
+def launch_constants(tile: WsTile, epi: int, has_bias: bool, fp8: bool, row_amax: bool, programs: int) -> dict:
+    """The kernel's constexprs (and its warps) for ``tile``, epilogue code ``epi``, e4m3 inputs or not, the rows'
+    maxima or not and ``programs`` persistent programs: what :func:`ws_gemm` launches and what
+    tests/compile_sm90.py compiles."""
     return dict(NUM_SMS=programs, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages, GROUP_M=tile.group_m,
-                EPI=epi, GELU=GELU_FORMS[GELU_FORM], HAS_BIAS=has_bias, EPI_M=tile.epi_m, EPI_N=tile.epi_n,
-                EPI_WARPS=tile.epi_warps, LOAD_REGS=tile.load_regs, EPI_REGS=tile.epi_regs, num_warps=tile.warps)
+                EPI=epi, GELU=GELU_FORMS[GELU_FORM], HAS_BIAS=has_bias, FP8=fp8, AMAX=row_amax, EPI_M=tile.epi_m,
+                EPI_N=tile.epi_n, EPI_WARPS=tile.epi_warps, LOAD_REGS=tile.load_regs, EPI_REGS=tile.epi_regs,
+                num_warps=tile.warps)
 
 
-__all__ = ["EPILOGUES", "GLUON", "WsTile", "available", "launch_constants", "ws_gemm"]
+__all__ = ["EPILOGUES", "GLUON", "WS_FP8", "WsTile", "available", "launch_constants", "ws_gemm"]
