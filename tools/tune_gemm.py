@@ -423,6 +423,29 @@ def gelu_rows(size: str, tokens: int) -> dict:
     return row
 
 
+def timed_plan(tile, run, ref: torch.Tensor, tol: float, times: dict) -> dict:
+    """One launch plan's entry: ``tile`` as a dict, the largest error of ``run()`` (its first output when it returns
+    a tuple) against ``ref``, whether that is within ``tol``, and the time of each of ``times`` (name → function, µs);
+    a plan that does not build is reported, not raised."""
+    entry = dict(tile=dataclasses.asdict(tile))
+    try:
+        got = run()
+        got = got[0] if isinstance(got, tuple) else got
+        entry["err"] = (got.double() - ref).abs().max().item()
+        entry["ok"] = entry["err"] <= tol
+        for name, fn in times.items():
+            entry[name] = bench(fn)
+    except Exception as e:  # noqa: BLE001 - a plan that does not build is reported
+        entry["error"] = f"{type(e).__name__}: {e}"[:200]
+    return entry
+
+
+def best_plan(entries: list[dict]) -> dict | None:
+    """The fastest entry of :func:`timed_plan` within its tolerance, or None."""
+    good = [e for e in entries if e.get("ok")]
+    return min(good, key=lambda e: e["us"]) if good else None
+
+
 def overlap_rows(size: str, tokens: int) -> dict:
     """FFN-up with GELU at ``tokens`` rows, fp16: cuBLAS, cuBLAS + F.gelu, the table's tile with the bias only and
     with GELU, and every tile of :data:`OVERLAP_TILES` (GELU in the table tile's form); each checked against the
@@ -433,18 +456,11 @@ def overlap_rows(size: str, tokens: int) -> dict:
                cublas_us=bench(lambda: F.linear(x, w, b)), cublas_gelu_us=bench(lambda: F.gelu(F.linear(x, w, b))),
                table_bias_us=bench(lambda: G.gemm(x, w, b, "bias", tile=table)), tiles=[])
     for t in [table] + [dataclasses.replace(c, gelu=table.gelu) for c in OVERLAP_TILES]:
-        entry = dict(tile=dataclasses.asdict(t))
-        try:
-            got = G.gemm(x, w, b, "gelu", tile=t)
-            entry["err"] = (got.double() - ref).abs().max().item()
-            entry["ok"] = entry["err"] <= 2 * err_base + 1e-3
-            entry["us"] = bench(lambda t=t: G.gemm(x, w, b, "gelu", tile=t))
-        except Exception as e:  # noqa: BLE001 - a tile that does not build is reported
-            entry["error"] = f"{type(e).__name__}: {e}"[:200]
-        row["tiles"].append(entry)
-        log(f"overlap {size} {entry}")
-    good = [e for e in row["tiles"][1:] if e.get("ok")]
-    row["best"] = min(good, key=lambda e: e["us"]) if good else None
+        def run(t=t):
+            return G.gemm(x, w, b, "gelu", tile=t)
+        row["tiles"].append(timed_plan(t, run, ref, 2 * err_base + 1e-3, dict(us=run)))
+        log(f"overlap {size} {row['tiles'][-1]}")
+    row["best"] = best_plan(row["tiles"][1:])
     return row
 
 
@@ -460,26 +476,20 @@ def ws_rows(size: str, tokens: int) -> dict:
                table_us=bench(lambda: G.gemm(x, w, b, "gelu", tile=table)), tiles=[])
     log(f"ws {size} {row}")
     for t in WS_TILES:
-        entry = dict(tile=dataclasses.asdict(t))
-        try:
-            got = WS.ws_gemm(x, w, b, "gelu", t)
-            entry["err"] = (got.double() - ref).abs().max().item()
-            entry["ok"] = entry["err"] <= 2 * err_base + 1e-3
-            entry["us"] = bench(lambda t=t: WS.ws_gemm(x, w, b, "gelu", t))
-            entry["bias_us"] = bench(lambda t=t: WS.ws_gemm(x, w, b, "bias", t))
-        except Exception as e:  # noqa: BLE001 - a plan that does not build is reported
-            entry["error"] = f"{type(e).__name__}: {e}"[:200]
-        row["tiles"].append(entry)
-        log(f"ws {size} {entry}")
-    good = [e for e in row["tiles"] if e.get("ok")]
-    row["best"] = min(good, key=lambda e: e["us"]) if good else None
+        def run(t=t, epilogue="gelu"):
+            return WS.ws_gemm(x, w, b, epilogue, t)
+        row["tiles"].append(timed_plan(t, run, ref, 2 * err_base + 1e-3,
+                                       dict(us=run, bias_us=lambda run=run: run(epilogue="bias"))))
+        log(f"ws {size} {row['tiles'][-1]}")
+    row["best"] = best_plan(row["tiles"])
     return row
 
 
-def ws_fp8_rows(size: str, tokens: int) -> dict:
-    """FFN-up in e4m3 at ``tokens`` rows as the FP8 forward runs it (``torch._scaled_mm`` then the GELU-into-e4m3
-    launch), against the product with its epilogue in warps of its own (scales, bias, GELU and the rows' maxima)
-    then the quantize launch given those maxima, over :data:`WS_FP8_TILES`; each checked against the reference."""
+def ffn_up_fp8_inputs(size: str, tokens: int) -> tuple:
+    """FFN-up of a ``size``-shaped model at ``tokens`` rows in e4m3 on the GPU: (N, K, x's codes, their row scales
+    [M], the weight's codes and scales (Fp8Weight), the bf16 bias, the reference with GELU in float64, the unfused
+    path's largest error against it, bf16's epsilon at the reference's largest value, and the FP8 forward's way as a
+    function: ``torch._scaled_mm`` then the GELU-into-e4m3 launch)."""
     from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
     from esm_turbo.kernels.activation import activation_triton
     dev = torch.device("cuda")
@@ -497,26 +507,28 @@ def ws_fp8_rows(size: str, tokens: int) -> dict:
         u = torch._scaled_mm(xq, wq.q.t(), scale_a=xs[:, None], scale_b=wq.scale[None, :], bias=b,
                              out_dtype=torch.bfloat16)
         return activation_triton(u, "gelu", fp8=True)
+    return n, k, xq, xs, wq, b, ref, err_base, eps, cublas
+
+
+def ws_fp8_rows(size: str, tokens: int) -> dict:
+    """FFN-up in e4m3 at ``tokens`` rows as the FP8 forward runs it (``torch._scaled_mm`` then the GELU-into-e4m3
+    launch), against the product with its epilogue in warps of its own (scales, bias, GELU and the rows' maxima)
+    then the quantize launch given those maxima, over :data:`WS_FP8_TILES`; each checked against the reference."""
+    from esm_turbo.kernels.activation import activation_triton
+    n, k, xq, xs, wq, b, ref, err_base, eps, cublas = ffn_up_fp8_inputs(size, tokens)
     row = dict(size=size, n=n, k=k, m=tokens, cublas_then_pass_us=bench(cublas),
                cublas_us=bench(lambda: torch._scaled_mm(xq, wq.q.t(), scale_a=xs[:, None], scale_b=wq.scale[None, :],
                                                         bias=b, out_dtype=torch.bfloat16)), tiles=[])
     for t in WS_FP8_TILES:
-        entry = dict(tile=dataclasses.asdict(t))
+        def product(t=t):
+            return WS.ws_gemm(xq, wq.q, b, "gelu", t, xs, wq.scale, row_amax=True)
 
-        def folded(t=t):
-            f, amax = WS.ws_gemm(xq, wq.q, b, "gelu", t, xs, wq.scale, row_amax=True)
+        def folded(product=product):
+            f, amax = product()
             return f, activation_triton(f, "none", fp8=True, amax=amax)
-        try:
-            entry["err"] = (folded()[0].double() - ref).abs().max().item()
-            entry["ok"] = entry["err"] <= 2 * err_base + eps
-            entry["us"] = bench(folded)
-            entry["product_us"] = bench(lambda t=t: WS.ws_gemm(xq, wq.q, b, "gelu", t, xs, wq.scale, row_amax=True))
-        except Exception as e:  # noqa: BLE001 - a plan that does not build is reported
-            entry["error"] = f"{type(e).__name__}: {e}"[:200]
-        row["tiles"].append(entry)
-        log(f"ws fp8 {size} {entry}")
-    good = [e for e in row["tiles"] if e.get("ok")]
-    row["best"] = min(good, key=lambda e: e["us"]) if good else None
+        row["tiles"].append(timed_plan(t, folded, ref, 2 * err_base + eps, dict(us=folded, product_us=product)))
+        log(f"ws fp8 {size} {row['tiles'][-1]}")
+    row["best"] = best_plan(row["tiles"])
     return row
 
 
@@ -525,40 +537,16 @@ def overlap_fp8_rows(size: str, tokens: int) -> dict:
     the GELU-and-quantize kernel (two reads of its input), against the folded product (GELU and the rows' maxima in
     its epilogue) then the quantize kernel given those maxima (one read), over :data:`OVERLAP_FP8_TILES`; each
     folded output checked against the reference as :func:`tune_product` checks."""
-    from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
     from esm_turbo.kernels.activation import activation_triton
-    dev = torch.device("cuda")
-    n, k = next((n, k) for name, _, n, k in shapes(size) if name == "ffn_up")
-    gen = torch.Generator(device=dev).manual_seed(n)
-    xq, xs = quantize_rows(torch.randn(tokens, k, device=dev, generator=gen))
-    xs = xs[:, 0].contiguous()
-    wq = Fp8Weight.quantize(torch.randn(n, k, device=dev, generator=gen) / k ** 0.5)
-    b = (0.1 * torch.randn(n, device=dev, generator=gen)).to(torch.bfloat16)
-    ref = G.gemm_reference(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale).double()
-    err_base = (unfused(xq, wq.q, b, "gelu", None, xs, wq.scale).double() - ref).abs().max().item()
-    eps = torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
-
-    def cublas():
-        u = torch._scaled_mm(xq, wq.q.t(), scale_a=xs[:, None], scale_b=wq.scale[None, :], bias=b,
-                             out_dtype=torch.bfloat16)
-        return activation_triton(u, "gelu", fp8=True)
+    n, k, xq, xs, wq, b, ref, err_base, eps, cublas = ffn_up_fp8_inputs(size, tokens)
     row = dict(size=size, n=n, k=k, m=tokens, cublas_then_pass_us=bench(cublas), tiles=[])
     for t in OVERLAP_FP8_TILES:
-        entry = dict(tile=dataclasses.asdict(t))
-
         def folded(t=t):
             f, amax = G.gemm(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale, row_amax=True, tile=t)
             return f, activation_triton(f, "none", fp8=True, amax=amax)
-        try:
-            entry["err"] = (folded()[0].double() - ref).abs().max().item()
-            entry["ok"] = entry["err"] <= 2 * err_base + eps
-            entry["us"] = bench(folded)
-        except Exception as e:  # noqa: BLE001 - a tile that does not build is reported
-            entry["error"] = f"{type(e).__name__}: {e}"[:200]
-        row["tiles"].append(entry)
-        log(f"overlap fp8 {size} {entry}")
-    good = [e for e in row["tiles"] if e.get("ok")]
-    row["best"] = min(good, key=lambda e: e["us"]) if good else None
+        row["tiles"].append(timed_plan(t, folded, ref, 2 * err_base + eps, dict(us=folded)))
+        log(f"overlap fp8 {size} {row['tiles'][-1]}")
+    row["best"] = best_plan(row["tiles"])
     return row
 
 
@@ -648,10 +636,10 @@ def main() -> None:
             print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  table "
                   f"tile bias {r['table_bias_us']:.1f}  GELU {r['table_us']:.1f}", flush=True)
             for e in r["tiles"]:
-                t = e["tile"]
+                t, bias_us = e["tile"], e.get("bias_us", float("nan"))
                 print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} group {t['group_m']} epilogue "
                       f"{t['epi_warps']} warps {t['epi_m']}x{t['epi_n']}: "
-                      + (f"GELU {e['us']:.1f} µs, bias only {e['bias_us']:.1f}, max error {e['err']:.2e}"
+                      + (f"GELU {e['us']:.1f} µs, bias only {bias_us:.1f}, max error {e['err']:.2e}"
                          + ("" if e["ok"] else " (FAILS the reference)") if "us" in e else e["error"]), flush=True)
             if r["best"] and r["best"]["us"] < 0.98 * r["table_us"]:
                 key = (r["n"], r["k"], "float16", "gelu")
@@ -663,11 +651,11 @@ def main() -> None:
             print(f"{r['size']:5} FFN-up e4m3 µs: cuBLAS {r['cublas_us']:.1f}, then the GELU-into-e4m3 launch "
                   f"{r['cublas_then_pass_us']:.1f}", flush=True)
             for e in r["tiles"]:
-                t = e["tile"]
+                t, product_us = e["tile"], e.get("product_us", float("nan"))
                 print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} group {t['group_m']}, then the quantize "
-                      "launch: " + (f"{e['us']:.1f} µs (the product {e['product_us']:.1f}), max error "
-                                    f"{e['err']:.2e}" + ("" if e["ok"] else " (FAILS the reference)")
-                                    if "us" in e else e["error"]), flush=True)
+                      "launch: " + (f"{e['us']:.1f} µs (the product {product_us:.1f}), max error {e['err']:.2e}"
+                                    + ("" if e["ok"] else " (FAILS the reference)") if "us" in e else e["error"]),
+                      flush=True)
             if r["best"] and r["best"]["us"] < 0.98 * r["cublas_then_pass_us"]:
                 key = (r["n"], r["k"], "float8_e4m3fn", "gelu")
                 ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "warp-specialized",

@@ -43,6 +43,7 @@ except (ImportError, AttributeError):  # pragma: no cover - an older or a reorga
     GLUON = False
 
 from .common import FP_FUSION, GELU_FORM, GELU_FORMS, gelu
+from .gemm import _tile_coords  # the Triton kernel's tile order (a Triton function Gluon calls as it is)
 
 #: the epilogues this kernel folds
 EPILOGUES = {"bias": 0, "gelu": 1}
@@ -89,14 +90,6 @@ def available(device: torch.device | str | None = None) -> bool:
 
 if GLUON:
     @gluon.jit
-    def _tile_of(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-        """(pid_m, pid_n) of linear tile ``tile``: groups of GROUP_M tile rows walked column by column."""
-        in_group = GROUP_M * num_pid_n
-        first_m = (tile // in_group) * GROUP_M
-        rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-        return first_m + (tile % in_group) % rows, (tile % in_group) // rows
-
-    @gluon.jit
     def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS: gl.constexpr,
                         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                         GROUP_M: gl.constexpr):
@@ -107,7 +100,7 @@ if GLUON:
         nbytes: gl.constexpr = (BM + BN) * BK * a_desc.dtype.primitive_bitwidth // 8
         it = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
-            pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             for kk in range(k_steps):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh slot passes at once
@@ -132,7 +125,7 @@ if GLUON:
         it = 0
         n_tile = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
-            pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             if HAS_BIAS and not FP8:  # the sum starts at the bias (registers for an add after it would spill)
                 cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
                 bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
@@ -175,7 +168,7 @@ if GLUON:
         num_pid_n = gl.cdiv(N, BN)
         n_tile = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
-            pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             mbarrier.wait(full, n_tile & 1)
             for i in gl.static_range(BM // EPI_M):
                 rows = pid_m * BM + i * EPI_M + gl.arange(0, EPI_M, layout=gl.SliceLayout(1, layout))
