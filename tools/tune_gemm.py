@@ -61,9 +61,11 @@ OVERLAP_FP8_TILES = [T(128, 128, 128, 4, 8, 8, 1), T(128, 128, 128, 3, 8, 8, 4, 
                      T(128, 128, 64, 4, 8, 8, 4, programs=2, maxnreg=128),
                      T(128, 128, 128, 3, 8, 8, 2, programs=2, maxnreg=128), T(128, 256, 128, 3, 8, 8, 4)]
 #: FFN-up with its epilogue in warps of its own (kernels.gemm_ws): the default plan, fewer and more slots of a narrower
-#: K step, another tile order, the epilogue in wider chunks
+#: K step, another tile order, the epilogue in wider chunks; 64-row tiles in one warp group of products (a tile's
+#: products half as long: for small K), with two and with four epilogue warps
 WS_TILES = [WS.WsTile(), WS.WsTile(stages=2), WS.WsTile(bk=32, stages=6), WS.WsTile(group_m=16),
-            WS.WsTile(epi_m=16), WS.WsTile(bk=32, stages=5, group_m=4)]
+            WS.WsTile(epi_m=16), WS.WsTile(bk=32, stages=5, group_m=4), WS.WsTile(bm=64, warps=4, stages=4),
+            WS.WsTile(bm=64, warps=4, stages=4, epi_warps=4, epi_regs=128)]
 #: the same in e4m3 (the float32 sums handed over: 128 × 128 tiles)
 WS_FP8_TILES = [WS.WS_FP8, WS.WsTile(bn=128, bk=128, stages=3), WS.WsTile(bn=128, bk=64, stages=6),
                 WS.WsTile(bn=128, bk=128, stages=4, group_m=16)]
