@@ -161,10 +161,12 @@ def main() -> None:
     compile_sm90(activation._held_rows_kernel, dict(F=5120, HI=4096, LO=1024, KIND=1, GELU=form),
                  {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32"),
                  num_warps=activation.held_warps(5120))
-    # FFN-up with its epilogue in warps of its own (Gluon: a loader warp, two warp groups of products, the epilogue's
-    # warps): fp16 GELU with a bias, bf16 with none, e4m3 GELU with scales, a bias and the rows' maxima; no spills
+    # products with their epilogue in warps of their own (Gluon: a loader warp, two warp groups of products, the
+    # epilogue's warps): fp16 GELU with a bias, bf16 with none, e4m3 GELU with scales, a bias and the rows' maxima,
+    # fp16 and e4m3 QKV with the rotary embedding at heads of 64 (no FMA contraction); no spills
     for dt, epi, has_bias, t in (("fp16", 1, True, gemm_ws.WsTile()), ("bf16", 0, False, gemm_ws.WsTile()),
-                                 ("fp8e4nv", 1, True, gemm_ws.WS_FP8)):
+                                 ("fp8e4nv", 1, True, gemm_ws.WS_FP8), ("fp16", 2, True, gemm_ws.WsTile()),
+                                 ("fp8e4nv", 2, True, gemm_ws.WS_FP8)):
         fp8 = dt == "fp8e4nv"
         gdt = {"fp16": gemm_ws.gl.float16, "bf16": gemm_ws.gl.bfloat16, "fp8e4nv": gemm_ws.gl.float8e4nv}[dt]
         lay_a = gemm_ws.gl.NVMMASharedLayout.get_default_for([t.bm, t.bk], gdt)
@@ -172,10 +174,11 @@ def main() -> None:
         out = "bf16" if fp8 else dt
         sig = dict(a_desc=f"tensordesc<{dt}[{t.bm}, {t.bk}],{lay_a}>",
                    b_desc=f"tensordesc<{dt}[{t.bn}, {t.bk}],{lay_b}>", c_ptr=f"*{out}", bias_ptr=f"*{out}",
-                   xs_ptr="*fp32", ws_ptr="*fp32", amax_ptr="*fp32", M="i32", N="i32", K="i32", stride_c="i32",
-                   stride_amax="i32")
+                   xs_ptr="*fp32", ws_ptr="*fp32", amax_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", M="i32",
+                   N="i32", K="i32", stride_c="i32", stride_amax="i32", stride_cos="i32", q_cols="i32", q_scale="fp32")
         kernel = compile_gluon_sm90(gemm_ws._ws_gemm_kernel, sig,
-                                    gemm_ws.launch_constants(t, epi, has_bias, fp8, fp8, 132), t.warps)
+                                    gemm_ws.launch_constants(t, epi, has_bias, fp8, fp8 and epi == 1, 132), t.warps,
+                                    fp_fusion=epi != gemm_ws.EPILOGUES["rope"])
         assert resources(kernel)[1] == 0, f"_ws_gemm_kernel spills: {resources(kernel)}"
         print("compiled", "_ws_gemm_kernel", len(kernel.asm["cubin"]), flush=True)
     # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor

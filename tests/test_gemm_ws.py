@@ -68,6 +68,40 @@ def test_ws_gemm_in_e4m3_matches_the_reference(m, n, k):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("m,dim", [(300, 1280), (1000, 640)])
+def test_ws_gemm_with_the_rotary_epilogue_matches_the_reference(fp8, m, dim):
+    """The q/k/v projection with the queries scaled and queries and keys rotated in the epilogue warps, heads of 64
+    (at 640 wide a tile holds query and key heads both): the reference's value as closely as the folded kernel of
+    kernels.gemm comes; the values untouched but for the product's rounding."""
+    if not _hopper():
+        pytest.skip("needs compute capability 9.0 and Triton's Gluon")
+    from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
+    from esm_turbo.kernels.gemm import Tile, gemm, gemm_reference
+    from esm_turbo.kernels.gemm_ws import WS_FP8, WsTile, ws_gemm
+    gen = torch.Generator().manual_seed(m + dim)
+    x = torch.randn(m, dim, generator=gen).cuda()
+    w = (torch.randn(3 * dim, dim, generator=gen) / dim ** 0.5).cuda()
+    pos = torch.randint(0, 1000, (m, 1), generator=gen).float()
+    angles = pos * (10000 ** (-torch.arange(0, 64, 2).float() / 64))[None, :]
+    rope = tuple(torch.cat([f(angles)] * 2, 1).cuda() for f in (torch.cos, torch.sin))
+    if fp8:
+        xq, xs = quantize_rows(x)
+        wq = Fp8Weight.quantize(w)
+        b = (0.1 * torch.randn(3 * dim, generator=gen)).cuda().to(torch.bfloat16)
+        args, scales, tile, dtype = (xq, wq.q, b), dict(x_scale=xs, w_scale=wq.scale), WS_FP8, torch.bfloat16
+    else:
+        b = (0.1 * torch.randn(3 * dim, generator=gen)).cuda().half()
+        args, scales, tile, dtype = (x.half(), w.half(), b), {}, WsTile(), torch.float16
+    want = gemm_reference(*args, "rope", rope=rope, **scales).float()
+    folded = gemm(*args, "rope", rope=rope, tile=Tile(128, 256, 128 if fp8 else 64, 3, 8, 8, True), **scales)
+    got = ws_gemm(*args, "rope", tile, rope=rope, **scales)
+    assert got.dtype == dtype and got.shape == (m, 3 * dim)
+    eps = torch.finfo(dtype).eps * want.abs().max().item()
+    assert (got.float() - want).abs().max().item() <= 2 * (folded.float() - want).abs().max().item() + eps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ws_tiles_in_the_table_run_through_gemm():
     """A WsTile handed to gemm() (as kernels.gemm.TILES may list one) runs ws_gemm: the same bits."""
     if not _hopper():
@@ -101,4 +135,6 @@ def test_a_ws_tile_falls_back_to_the_folded_kernel_where_it_cannot_run():
     with pytest.raises(RuntimeError, match="compute-capability 9.0"):
         ws_gemm(x, w, b)
     assert WsTile().shared_bytes() == (3 * (128 + 256) * 64 + 128 * 256) * 2  # 208 KiB of an H100's 227
+    from esm_turbo.kernels.gemm import rope_fits  # the rotary epilogue takes a head an epilogue chunk
+    assert rope_fits(WsTile(), 64) and not rope_fits(WsTile(), 32) and rope_fits(WsTile(epi_n=32), 32)
     assert WsTile(bn=128, bk=128, stages=4).shared_bytes(1) == 4 * 256 * 128 + 128 * 128 * 4  # 192 KiB

@@ -41,15 +41,15 @@ def compile_sm90(fn, consts: dict, ints: Iterable[str], ptrs: dict, num_warps: i
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_gluon_sm90(fn, signature: dict, consts: dict, num_warps: int):
+def compile_gluon_sm90(fn, signature: dict, consts: dict, num_warps: int, fp_fusion: bool = FP_FUSION):
     """A Gluon kernel ``fn`` compiled for sm_90: ``signature`` names every non-constexpr parameter's type (pointers
-    ``*fp16``, scalars ``i32``, tensor descriptors ``tensordesc<fp16[128, 64],layout>``), ``consts`` the constexprs.
-    Returns Triton's compiled kernel."""
+    ``*fp16``, scalars ``i32``, tensor descriptors ``tensordesc<fp16[128, 64],layout>``), ``consts`` the constexprs;
+    FMA contraction as ``fp_fusion`` says. Returns Triton's compiled kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = dict(signature, **{name: "constexpr" for name in consts})
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, enable_fp_fusion=FP_FUSION))
+                          options=dict(num_warps=num_warps, enable_fp_fusion=fp_fusion))
 
 
 #: an sm_90 multiprocessor's registers, warps, programs and shared memory (bytes; each program also reserves 1 KB)

@@ -66,6 +66,8 @@ OVERLAP_FP8_TILES = [T(128, 128, 128, 4, 8, 8, 1), T(128, 128, 128, 3, 8, 8, 4, 
 WS_TILES = [WS.WsTile(), WS.WsTile(stages=2), WS.WsTile(bk=32, stages=6), WS.WsTile(group_m=16),
             WS.WsTile(epi_m=16), WS.WsTile(bk=32, stages=5, group_m=4), WS.WsTile(bm=64, warps=4, stages=4),
             WS.WsTile(bm=64, warps=4, stages=4, epi_warps=4, epi_regs=128)]
+#: the q/k/v projection with the rotary embedding in its epilogue warps (each epilogue chunk one head of 64)
+WS_ROPE_TILES = [WS.WsTile(), WS.WsTile(stages=2), WS.WsTile(bk=32, stages=6)]
 #: the same in e4m3 (the float32 sums handed over: 128 × 128 tiles)
 WS_FP8_TILES = [WS.WS_FP8, WS.WsTile(bn=128, bk=128, stages=3), WS.WsTile(bn=128, bk=64, stages=6),
                 WS.WsTile(bn=128, bk=128, stages=4, group_m=16)]
@@ -487,6 +489,46 @@ def ws_rows(size: str, tokens: int) -> dict:
     return row
 
 
+def ws_rope_rows(size: str, tokens: int, fp8: bool) -> dict:
+    """The q/k/v projection at ``tokens`` rows as the forward runs it (fp16: cuBLAS, e4m3: the table's Triton tile;
+    then the rotary launch) against the product with the queries scaled and queries and keys rotated in its epilogue
+    warps, over :data:`WS_ROPE_TILES` (e4m3: the plans of :data:`WS_FP8_TILES`); each checked against the
+    reference."""
+    from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
+    from esm_turbo.kernels.rope import rope_packed_triton
+    from esm_turbo.model.sizes import esm2_config
+    dev = torch.device("cuda")
+    cfg = esm2_config(size)
+    dim, head_dim = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    gen = torch.Generator(device=dev).manual_seed(dim)
+    xf = torch.randn(tokens, dim, device=dev, generator=gen)
+    wf = torch.randn(3 * dim, dim, device=dev, generator=gen) / dim ** 0.5
+    rope = rope_tables(tokens, head_dim, dev)
+    if fp8:
+        xq, xs = quantize_rows(xf)
+        wq = Fp8Weight.quantize(wf)
+        x, w, scales, out_dtype = xq, wq.q, dict(x_scale=xs[:, 0].contiguous(), w_scale=wq.scale), torch.bfloat16
+    else:
+        x, w, scales, out_dtype = xf.half(), wf.half(), {}, torch.float16
+    b = (0.1 * torch.randn(3 * dim, device=dev, generator=gen)).to(out_dtype)
+    ref = G.gemm_reference(x, w, b, "rope", rope=rope, **scales).double()
+
+    def forward_way():  # the block's way today: the product (bias only), then the rotary launch over q and k
+        y = G.gemm(x, w, b, "bias", **scales) if fp8 else F.linear(x, w, b)
+        q, k = rope_packed_triton(y, *rope, dim // head_dim)
+        return torch.cat([q.flatten(1), k.flatten(1), y[:, 2 * dim:]], 1)
+    err_base = (forward_way().double() - ref).abs().max().item()
+    eps = torch.finfo(out_dtype).eps * ref.abs().max().item()
+    row = dict(size=size, fp8=fp8, n=3 * dim, k=dim, m=tokens, forward_way_us=bench(forward_way), tiles=[])
+    for t in WS_FP8_TILES if fp8 else WS_ROPE_TILES:
+        def run(t=t):
+            return WS.ws_gemm(x, w, b, "rope", t, rope=rope, **scales)
+        row["tiles"].append(timed_plan(t, run, ref, 2 * err_base + eps, dict(us=run)))
+        log(f"ws rope {size} fp8={fp8} {row['tiles'][-1]}")
+    row["best"] = best_plan(row["tiles"])
+    return row
+
+
 def ffn_up_fp8_inputs(size: str, tokens: int) -> tuple:
     """FFN-up of a ``size``-shaped model at ``tokens`` rows in e4m3 on the GPU: (N, K, x's codes, their row scales
     [M], the weight's codes and scales (Fp8Weight), the bf16 bias, the reference with GELU in float64, the unfused
@@ -662,7 +704,23 @@ def main() -> None:
                 key = (r["n"], r["k"], "float8_e4m3fn", "gelu")
                 ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "warp-specialized",
                                fp8=True)
-        (args.out / "ws.json").write_text(json.dumps(dict(products=rows, fp8=fp8_rows, ab=ab), indent=1))
+        rope_rows = []
+        for size in args.sizes:
+            for fp8 in (False, True) if not args.skip_fp8 else (False,):
+                r = ws_rope_rows(size, args.tokens, fp8)
+                rope_rows.append(r)
+                print(f"{r['size']:5} QKV {'e4m3' if fp8 else 'fp16'} then the rotary launch: "
+                      f"{r['forward_way_us']:.1f} µs", flush=True)
+                for e in r["tiles"]:
+                    t = e["tile"]
+                    print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']}, rotary in the epilogue: "
+                          + (f"{e['us']:.1f} µs, max error {e['err']:.2e}" + ("" if e["ok"] else " (FAILS)")
+                             if "us" in e else e["error"]), flush=True)
+                if r["best"] and r["best"]["us"] < 0.98 * r["forward_way_us"]:
+                    key = (r["n"], r["k"], "float8_e4m3fn" if fp8 else "float16", "rope")
+                    ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "ws rotary", fp8=fp8)
+        (args.out / "ws.json").write_text(json.dumps(dict(products=rows, fp8=fp8_rows, rope=rope_rows, ab=ab),
+                                                     indent=1))
         print_ab(ab)
         return
     if args.overlap or args.fp8_overlap:

@@ -324,7 +324,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     if not isinstance(tile, Tile):  # a WsTile: the epilogue in warps of its own (kernels.gemm_ws), where it runs
         from .gemm_ws import EPILOGUES as WS_EPILOGUES, available, ws_gemm
         if epilogue in WS_EPILOGUES and split is None and m and tma is not False and available(x.device):
-            return ws_gemm(x, w, bias, epilogue, tile, x_scale, w_scale, row_amax)
+            return ws_gemm(x, w, bias, epilogue, tile, x_scale, w_scale, row_amax, rope)
         tile = default_tile(n, k, x.dtype)
     if tile.gelu not in GELU_FORMS:
         raise ValueError(f"tile's GELU form {tile.gelu!r}: one of {list(GELU_FORMS)}")
@@ -371,13 +371,16 @@ def check_rope(rope: tuple[torch.Tensor, torch.Tensor], m: int, n: int, tile: Ti
         raise ValueError(f"rope's cos, sin {tuple(cos.shape)}, {tuple(sin.shape)} (float32, rows alike) are not the "
                          f"[{m}, d] tables of a [{m}, {n}] q/k/v product's heads")
     if not rope_fits(tile, d):
-        raise ValueError(f"tile {tile.bn} columns wide (in {tile.subtile} parts) does not hold whole {d}-wide heads "
-                         "a part")
+        parts = tile.subtile if isinstance(tile, Tile) else tile.bn // tile.epi_n
+        raise ValueError(f"tile {tile.bn} columns wide (in {parts} parts) does not hold whole {d}-wide heads a part")
     return d
 
 
-def rope_fits(tile: Tile, head_dim: int) -> bool:
-    """Whether every part of ``tile``'s columns the epilogue works on holds whole heads of ``head_dim``."""
+def rope_fits(tile, head_dim: int) -> bool:
+    """Whether every part of ``tile``'s columns the epilogue works on holds whole heads of ``head_dim`` (a
+    :class:`~esm_turbo.kernels.gemm_ws.WsTile`: its epilogue's column chunk is one head)."""
+    if not isinstance(tile, Tile):
+        return head_dim == tile.epi_n and tile.bn % head_dim == 0 and head_dim in (32, 64, 128)
     part = tile.bn // tile.subtile
     return head_dim >= 2 and part % head_dim == 0 and head_dim & (head_dim - 1) == 0
 

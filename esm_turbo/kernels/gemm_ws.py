@@ -46,7 +46,7 @@ from .common import FP_FUSION, GELU_FORM, GELU_FORMS, gelu
 from .gemm import _tile_coords  # the Triton kernel's tile order (a Triton function Gluon calls as it is)
 
 #: the epilogues this kernel folds
-EPILOGUES = {"bias": 0, "gelu": 1}
+EPILOGUES = {"bias": 0, "gelu": 1, "rope": 2}
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,14 @@ def available(device: torch.device | str | None = None) -> bool:
 
 
 if GLUON:
+    @gluon.constexpr_function
+    def _chunk_layout(rows, cols, warps):
+        """A blocked layout that covers a [rows, cols] chunk once with ``warps`` warps: each thread a run of up to 8
+        contiguous columns (16-byte stores of fp16), no element held twice."""
+        vec = max(1, min(8, rows * cols // (32 * warps)))
+        along = min(32, cols // vec)
+        return gl.BlockedLayout([1, vec], [32 // along, along], [warps, 1], [1, 0])
+
     @gluon.jit
     def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS: gl.constexpr,
                         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -153,16 +161,36 @@ if GLUON:
             n_tile += 1
 
     @gluon.jit
-    def _epilogue_partition(hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, M, N, stride_c,
-                            stride_amax, NUM_SMS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                            GROUP_M: gl.constexpr, EPI: gl.constexpr, GELU: gl.constexpr, HAS_BIAS: gl.constexpr,
-                            FP8: gl.constexpr, AMAX: gl.constexpr, EPI_M: gl.constexpr, EPI_N: gl.constexpr,
-                            EPI_WARPS: gl.constexpr):
-        """The epilogue: each handed tile in chunks of EPI_M × EPI_N (e4m3 inputs: the float32 sums times the row's
-        and the column's scales plus the bias, rounded to bf16), GELU (``EPI`` 1) rounded once, stored to y, and with
-        ``AMAX`` each row's largest |y| over the chunk's columns at amax [M, column chunks]; the tile released once
-        every chunk is read."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (EPI_N // 8), EPI_N // 8], [EPI_WARPS, 1], [1, 0])
+    def _piece(sub, col0, width: gl.constexpr, layout: gl.constexpr, rows, xs, pid_n_col, bias_ptr, ws_ptr, N,
+               HAS_BIAS: gl.constexpr, FP8: gl.constexpr, out_dtype: gl.constexpr):
+        """Columns [col0, col0 + width) of a handed row chunk ``sub`` as the product alone returns them, in
+        ``layout``, and their global columns: fp16/bf16 as handed over; e4m3 inputs' float32 sums as gemm_reference
+        takes them, (Σ · x_scale) · w_scale + bias rounded to bf16 (``xs``: the rows' scales)."""
+        y = sub.slice(col0, width, dim=1).load(layout)
+        cols = pid_n_col + col0 + gl.arange(0, width, layout=gl.SliceLayout(0, layout))
+        if FP8:
+            wsc = gl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+            y = y * gl.expand_dims(xs, 1) * gl.expand_dims(wsc, 0)
+            if HAS_BIAS:
+                y = y + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+            y = y.to(out_dtype)
+        return y, cols
+
+    @gluon.jit
+    def _epilogue_partition(hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr, M, N,
+                            stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS: gl.constexpr,
+                            BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, EPI: gl.constexpr,
+                            GELU: gl.constexpr, HAS_BIAS: gl.constexpr, FP8: gl.constexpr, AMAX: gl.constexpr,
+                            EPI_M: gl.constexpr, EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """The epilogue: each handed tile in chunks of EPI_M × EPI_N (e4m3 inputs: :func:`_piece`'s scaling),
+        then ``EPI`` 1: GELU rounded once; 2 (each chunk one head of EPI_N channels): columns < ``q_cols``
+        (queries) times ``q_scale`` rounded, columns < 2 · q_cols (queries and keys) rotated, x · cos +
+        rotate_half(x) · sin in float32 with cos, sin [M, EPI_N] float32 (rows ``stride_cos`` apart; compiled without
+        fused multiply-adds, as the rotary kernel runs), rounded once; stored to y. With ``AMAX`` each row's largest
+        |y| over the chunk's columns at amax [M, column chunks]. The tile is released once every chunk is read."""
+        layout: gl.constexpr = _chunk_layout(EPI_M, EPI_N, EPI_WARPS)
+        HALF: gl.constexpr = EPI_N // 2
+        half_layout: gl.constexpr = _chunk_layout(EPI_M, HALF, EPI_WARPS)
         out_dtype: gl.constexpr = c_ptr.dtype.element_ty
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN)
@@ -171,37 +199,61 @@ if GLUON:
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             mbarrier.wait(full, n_tile & 1)
             for i in gl.static_range(BM // EPI_M):
-                rows = pid_m * BM + i * EPI_M + gl.arange(0, EPI_M, layout=gl.SliceLayout(1, layout))
-                if FP8:
-                    xs = gl.load(xs_ptr + rows, mask=rows < M, other=0.0)
+                sub = hand.slice(i * EPI_M, EPI_M, dim=0)
+                if EPI == 2:
+                    rows = pid_m * BM + i * EPI_M + gl.arange(0, EPI_M, layout=gl.SliceLayout(1, half_layout))
+                else:
+                    rows = pid_m * BM + i * EPI_M + gl.arange(0, EPI_M, layout=gl.SliceLayout(1, layout))
+                row_ok = gl.expand_dims(rows < M, 1)
+                xs = gl.load(xs_ptr + rows, mask=rows < M, other=0.0) if FP8 else rows
                 for j in gl.static_range(BN // EPI_N):
-                    y = hand.slice(i * EPI_M, EPI_M, dim=0).slice(j * EPI_N, EPI_N, dim=1).load(layout)
-                    cols = pid_n * BN + j * EPI_N + gl.arange(0, EPI_N, layout=gl.SliceLayout(0, layout))
-                    if FP8:  # as gemm_reference: (Σ · x_scale) · w_scale + bias, rounded to bf16
-                        wsc = gl.load(ws_ptr + cols, mask=cols < N, other=0.0)
-                        y = y * gl.expand_dims(xs, 1) * gl.expand_dims(wsc, 0)
-                        if HAS_BIAS:
-                            y = y + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-                        y = y.to(out_dtype)
-                    if EPI == 1:
-                        y = gelu(y.to(gl.float32), GELU).to(out_dtype)
-                    if AMAX:
-                        part = gl.max(gl.abs(gl.where(gl.expand_dims(cols < N, 0), y.to(gl.float32), 0.0)), axis=1)
-                        gl.store(amax_ptr + rows.to(gl.int64) * stride_amax + pid_n * (BN // EPI_N) + j, part,
-                                 mask=rows < M)
-                    ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_c, 1) + gl.expand_dims(cols, 0)
-                    gl.store(ptrs, y, mask=gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0))
+                    if EPI == 2:
+                        y1, cols = _piece(sub, j * EPI_N, HALF, half_layout, rows, xs, pid_n * BN, bias_ptr, ws_ptr,
+                                          N, HAS_BIAS, FP8, out_dtype)
+                        y2, _ = _piece(sub, j * EPI_N + HALF, HALF, half_layout, rows, xs, pid_n * BN, bias_ptr,
+                                       ws_ptr, N, HAS_BIAS, FP8, out_dtype)
+                        head = pid_n * BN + j * EPI_N
+                        if head < 2 * q_cols:  # a query's or a key's head: rotated
+                            x1 = y1.to(gl.float32)
+                            x2 = y2.to(gl.float32)
+                            if head < q_cols:
+                                x1 = (x1 * q_scale).to(out_dtype).to(gl.float32)
+                                x2 = (x2 * q_scale).to(out_dtype).to(gl.float32)
+                            at = gl.expand_dims(rows.to(gl.int64) * stride_cos, 1) + gl.expand_dims(
+                                gl.arange(0, HALF, layout=gl.SliceLayout(0, half_layout)), 0)
+                            c1 = gl.load(cos_ptr + at, mask=row_ok, other=0.0)
+                            s1 = gl.load(sin_ptr + at, mask=row_ok, other=0.0)
+                            c2 = gl.load(cos_ptr + at + HALF, mask=row_ok, other=0.0)
+                            s2 = gl.load(sin_ptr + at + HALF, mask=row_ok, other=0.0)
+                            y1 = (x1 * c1 - x2 * s1).to(out_dtype)
+                            y2 = (x2 * c2 + x1 * s2).to(out_dtype)
+                        ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_c, 1) + gl.expand_dims(cols, 0)
+                        mask = row_ok & gl.expand_dims(cols < N, 0)
+                        gl.store(ptrs, y1, mask=mask)
+                        gl.store(ptrs + HALF, y2, mask=row_ok & gl.expand_dims(cols + HALF < N, 0))
+                    else:
+                        y, cols = _piece(sub, j * EPI_N, EPI_N, layout, rows, xs, pid_n * BN, bias_ptr, ws_ptr, N,
+                                         HAS_BIAS, FP8, out_dtype)
+                        if EPI == 1:
+                            y = gelu(y.to(gl.float32), GELU).to(out_dtype)
+                        if AMAX:
+                            seen = gl.where(gl.expand_dims(cols < N, 0), y.to(gl.float32), 0.0)
+                            part = gl.max(gl.abs(seen), axis=1)
+                            gl.store(amax_ptr + rows.to(gl.int64) * stride_amax + pid_n * (BN // EPI_N) + j, part,
+                                     mask=rows < M)
+                        ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_c, 1) + gl.expand_dims(cols, 0)
+                        gl.store(ptrs, y, mask=row_ok & gl.expand_dims(cols < N, 0))
             _sync()  # every warp has read the tile
             mbarrier.arrive(free)
             n_tile += 1
 
     @gluon.jit
-    def _ws_gemm_kernel(a_desc, b_desc, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, M, N, K, stride_c, stride_amax,
-                        NUM_SMS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, EPI: gl.constexpr, GELU: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, FP8: gl.constexpr, AMAX: gl.constexpr, EPI_M: gl.constexpr,
-                        EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
-                        EPI_REGS: gl.constexpr, num_warps: gl.constexpr):
+    def _ws_gemm_kernel(a_desc, b_desc, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr, M, N, K,
+                        stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS: gl.constexpr, BM: gl.constexpr,
+                        BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                        EPI: gl.constexpr, GELU: gl.constexpr, HAS_BIAS: gl.constexpr, FP8: gl.constexpr,
+                        AMAX: gl.constexpr, EPI_M: gl.constexpr, EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr,
+                        LOAD_REGS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         hand_dtype: gl.constexpr = gl.float32 if FP8 else dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
@@ -222,21 +274,24 @@ if GLUON:
                               BK, STAGES, GROUP_M, HAS_BIAS, FP8, num_warps)),
             (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS, BM, BN, BK, STAGES,
                                GROUP_M)),
-            (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, M, N, stride_c,
-                                   stride_amax, NUM_SMS, BM, BN, GROUP_M, EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M,
-                                   EPI_N, EPI_WARPS)),
+            (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr, M,
+                                   N, stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN, GROUP_M,
+                                   EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS)),
         ], [1, EPI_WARPS], [LOAD_REGS, EPI_REGS])
 
 
 def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "gelu",
             tile: WsTile | None = None, x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-            row_amax: bool = False):
-    """x [M, K] times w [N, K]ᵀ plus the bias [N], then ``epilogue`` (``"gelu"`` or ``"bias"``): [M, N] in x's dtype
-    (fp16 or bf16; bf16 for e4m3 inputs, with x_scale [M] or [M, 1] and w_scale [N] float32), and with ``row_amax``
-    also each row's largest |value| [M] float32: what :func:`~esm_turbo.kernels.gemm.gemm` computes. Needs
-    :func:`available`."""
+            row_amax: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """x [M, K] times w [N, K]ᵀ plus the bias [N], then ``epilogue`` (``"gelu"``, ``"bias"``, or ``"rope"`` with
+    rope = (cos, sin) [M, d] float32: the q/k/v projection's queries scaled and queries and keys rotated, d the
+    tile's ``epi_n``): [M, N] in x's dtype (fp16 or bf16; bf16 for e4m3 inputs, with x_scale [M] or [M, 1] and
+    w_scale [N] float32), and with ``row_amax`` also each row's largest |value| [M] float32: what
+    :func:`~esm_turbo.kernels.gemm.gemm` computes. Needs :func:`available`."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue {epilogue!r}: one of {list(EPILOGUES)}")
+    if (epilogue == "rope") != (rope is not None) or (row_amax and epilogue == "rope"):
+        raise ValueError("rope's (cos, sin) go with epilogue='rope', and only with it (and no row maxima)")
     if not available(x.device):
         raise RuntimeError("ws_gemm runs on a compute-capability 9.0 GPU with Triton's Gluon")
     m, k = x.shape
@@ -249,6 +304,10 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, 
     if fp8 != (x_scale is not None and w_scale is not None):
         raise ValueError("e4m3 inputs need x_scale and w_scale, and only they take them")
     tile = tile or WsTile()
+    if rope is not None:
+        from .gemm import check_rope
+        check_rope(rope, m, n, tile)
+    cos, sin = rope if rope is not None else (x_scale, x_scale)
     out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16 if fp8 else x.dtype)
     chunks = triton.cdiv(n, tile.bn) * (tile.bn // tile.epi_n)
     amax = torch.empty(m, chunks, device=x.device, dtype=torch.float32) if row_amax else out
@@ -262,10 +321,13 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, 
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = min(sms, triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn))
     xs = x_scale.reshape(-1).contiguous() if fp8 else out
+    cos = out if cos is None else cos
+    sin = out if sin is None else sin
     _ws_gemm_kernel[(grid,)](a_desc, b_desc, out, bias if bias is not None else out, xs,
-                             w_scale if fp8 else out, amax, m, n, k, out.stride(0), amax.stride(0),
+                             w_scale if fp8 else out, amax, cos, sin, m, n, k, out.stride(0), amax.stride(0),
+                             cos.stride(0) if rope is not None else 0, n // 3, tile.epi_n ** -0.5,
                              **launch_constants(tile, EPILOGUES[epilogue], bias is not None, fp8, row_amax, grid),
-                             enable_fp_fusion=FP_FUSION)
+                             enable_fp_fusion=FP_FUSION and rope is None)
     return (out, amax.amax(1)) if row_amax else out
 
 
