@@ -644,8 +644,10 @@ def main() -> None:
                     help="only the FP8 GELU launch three ways (row maxima from GELU over the row, from bounds, rows "
                          "held), alone and in the forward")
     ap.add_argument("--ws", action="store_true",
-                    help="only FFN-up with its epilogue in warps of its own (WS_TILES), then the forward A/B of the "
-                         "best where it beats the table")
+                    help="only the products with their epilogue in warps of their own (WS_TILES, WS_FP8_TILES, "
+                         "WS_ROPE_TILES), then the forward A/B of the best where it beats the forward's way")
+    ap.add_argument("--ws-parts", nargs="+", default=["ffn_up", "ffn_up_fp8", "rope"],
+                    choices=["ffn_up", "ffn_up_fp8", "rope"], help="with --ws: which products")
     ap.add_argument("--products", nargs="+", default=None, metavar="NAME:EPILOGUE",
                     help="only these products (e.g. qkv:rope), then the rotary A/B instead of the other parts")
     ap.add_argument("--tiles", type=Path, default=None,
@@ -674,7 +676,7 @@ def main() -> None:
     if args.ws:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
         rows, ab = [], []
-        for size in args.sizes:
+        for size in args.sizes if "ffn_up" in args.ws_parts else []:
             r = ws_rows(size, args.tokens)
             rows.append(r)
             print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  table "
@@ -689,7 +691,7 @@ def main() -> None:
                 key = (r["n"], r["k"], "float16", "gelu")
                 ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "warp-specialized")
         fp8_rows = []
-        for size in args.sizes if not args.skip_fp8 else []:
+        for size in args.sizes if "ffn_up_fp8" in args.ws_parts and not args.skip_fp8 else []:
             r = ws_fp8_rows(size, args.tokens)
             fp8_rows.append(r)
             print(f"{r['size']:5} FFN-up e4m3 µs: cuBLAS {r['cublas_us']:.1f}, then the GELU-into-e4m3 launch "
@@ -705,7 +707,7 @@ def main() -> None:
                 ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "warp-specialized",
                                fp8=True)
         rope_rows = []
-        for size in args.sizes:
+        for size in args.sizes if "rope" in args.ws_parts else []:
             for fp8 in (False, True) if not args.skip_fp8 else (False,):
                 r = ws_rope_rows(size, args.tokens, fp8)
                 rope_rows.append(r)
