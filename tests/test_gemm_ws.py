@@ -135,6 +135,8 @@ def test_a_ws_tile_falls_back_to_the_folded_kernel_where_it_cannot_run():
     with pytest.raises(RuntimeError, match="compute-capability 9.0"):
         ws_gemm(x, w, b)
     assert WsTile().shared_bytes() == (3 * (128 + 256) * 64 + 128 * 256) * 2  # 208 KiB of an H100's 227
+    with pytest.raises(ValueError, match="multiple of 8"):  # the handed tile's swizzle repeats every 8 rows
+        WsTile(epi_m=4)
     from esm_turbo.kernels.gemm import rope_fits  # the rotary epilogue takes a head an epilogue chunk
     assert rope_fits(WsTile(), 64) and not rope_fits(WsTile(), 32) and rope_fits(WsTile(epi_n=32), 32)
     assert WsTile(bn=128, bk=128, stages=4).shared_bytes(1) == 4 * 256 * 128 + 128 * 128 * 4  # 192 KiB

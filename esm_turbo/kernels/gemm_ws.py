@@ -67,6 +67,11 @@ class WsTile:
     load_regs: int = 24
     epi_regs: int = 152
 
+    def __post_init__(self):
+        if self.epi_m % 8 or self.bm % self.epi_m or self.bn % self.epi_n:
+            raise ValueError(f"an epilogue chunk of {self.epi_m} x {self.epi_n} does not tile {self.bm} x {self.bn} "
+                             "in rows of a multiple of 8")
+
     def shared_bytes(self, elem: int = 2) -> int:
         """Shared memory the plan takes for inputs of ``elem`` bytes (2: fp16/bf16, 1: e4m3, whose sums are handed
         over in float32): the ring's slots and the handed tile (barriers aside)."""
@@ -89,6 +94,18 @@ def available(device: torch.device | str | None = None) -> bool:
 
 
 if GLUON:
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # 3.6: private name
+
+    @gluon.jit
+    def _row_chunks(hand, CHUNK: gl.constexpr):
+        """The shared [R, C] tile ``hand`` as [R / CHUNK, CHUNK, C], a chunk of CHUNK rows an index (CHUNK a multiple
+        of the layout's swizzle period, so each chunk keeps the tile's layout at its offset)."""
+        shape: gl.constexpr = [hand.shape[0] // CHUNK, CHUNK, hand.shape[1]]
+        if _PUBLIC_REINTERPRET:
+            return hand.reinterpret(hand.dtype, shape, hand.layout)
+        else:
+            return hand._reinterpret(hand.dtype, shape, hand.layout)
+
     @gluon.constexpr_function
     def _chunk_layout(rows, cols, warps):
         """A blocked layout that covers a [rows, cols] chunk once with ``warps`` warps: each thread a run of up to 8
@@ -192,14 +209,17 @@ if GLUON:
         HALF: gl.constexpr = EPI_N // 2
         half_layout: gl.constexpr = _chunk_layout(EPI_M, HALF, EPI_WARPS)
         out_dtype: gl.constexpr = c_ptr.dtype.element_ty
+        # the handed tile as EPI_M-row chunks, one index each: its swizzle repeats every 8 rows, so a chunk of a
+        # multiple of 8 rows is the same layout at the chunk's offset
+        rows_of = _row_chunks(hand, EPI_M)
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN)
         n_tile = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             mbarrier.wait(full, n_tile & 1)
-            for i in gl.static_range(BM // EPI_M):
-                sub = hand.slice(i * EPI_M, EPI_M, dim=0)
+            for i in range(BM // EPI_M):  # a loop, not unrolled: the chunks' code stays in the instruction cache
+                sub = rows_of.index(i)
                 if EPI == 2:
                     rows = pid_m * BM + i * EPI_M + gl.arange(0, EPI_M, layout=gl.SliceLayout(1, half_layout))
                 else:
@@ -258,7 +278,9 @@ if GLUON:
         hand_dtype: gl.constexpr = gl.float32 if FP8 else dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], b_desc.layout)
-        hand_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], hand_dtype)
+        # rows of 16-byte runs swizzled by the row's index mod 8 (the products' stores and the epilogue's 16-byte
+        # loads without bank conflicts)
+        hand_layout: gl.constexpr = gl.SwizzledSharedLayout(128 // hand_dtype.primitive_bitwidth, 1, 8, [1, 0])
         hand = gl.allocate_shared_memory(hand_dtype, [BM, BN], hand_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
