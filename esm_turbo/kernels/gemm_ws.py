@@ -1,24 +1,30 @@
-"""A product whose epilogue runs in warps of its own, beside the next tile's products (Hopper, Gluon).
+"""Products whose epilogue runs in warps of its own, beside the next tile's products (Hopper, Gluon).
 
-``y = epilogue(x wᵀ + b)`` for x [M, K], w [N, K] fp16/bf16 (K contiguous), as :func:`~esm_turbo.kernels.gemm.gemm`
-computes it and rounds it: the product in fp32, the bias added, the sum rounded to x's dtype, then ``"gelu"`` (ESM-2's
-erf GELU, :func:`~esm_turbo.kernels.common.gelu`) rounded once, or nothing (``"bias"``).
+``y = epilogue(x wᵀ + b)`` for x [M, K], w [N, K] (K contiguous), as :func:`~esm_turbo.kernels.gemm.gemm` computes
+it and rounds it: fp16/bf16 inputs summed in fp32 from the bias and rounded to x's dtype; e4m3 inputs (row scales
+[M], column scales [N]) summed in fp32, then (Σ · x_scale) · w_scale + b rounded to bf16. Then ``"gelu"`` (ESM-2's
+erf GELU, :func:`~esm_turbo.kernels.common.gelu`) rounded once, with each row's largest |value| if asked (the next
+product's e4m3 input then takes one read), or ``"rope"`` (the q/k/v projection: the queries scaled by d^-1/2, queries
+and keys rotated, :func:`~esm_turbo.kernels.rope.rope_packed_reference`), or nothing (``"bias"``).
 
-In :mod:`~esm_turbo.kernels.gemm` the epilogue of a tile runs after the tile's products and before the next tile's,
-in the same warps, so GELU's arithmetic (about 20 instructions a value) adds to the tensor cores' time: FFN-up with
-GELU takes about 1.3× the same product with the bias only. Here one persistent program a multiprocessor splits its
-warps three ways (``gl.warp_specialize``):
+In :mod:`~esm_turbo.kernels.gemm` a tile's epilogue runs after the tile's products and before the next tile's, in
+the same warps, so its arithmetic adds to the tensor cores' time (FFN-up with GELU takes about 1.3× the same product
+with the bias only, and the rotary epilogue what a separate launch takes). Here one persistent program a
+multiprocessor splits its warps three ways (``gl.warp_specialize``):
 
 - a loader (one warp): TMA copies of x's and w's tiles into a ring of ``STAGES`` shared-memory slots;
-- the products (the default partition, two warp groups): each tile's wgmma over K, the bias added and the sum rounded
-  to fp16/bf16, handed to the epilogue through one shared-memory tile;
-- the epilogue (``EPI_WARPS`` warps): GELU of the handed tile in column chunks of ``EPI_N``, stored to y.
+- the products (the default partition, ``warps`` warps: bm / 16 of 16 rows each): each tile's wgmma over K, handed to
+  the epilogue through one shared-memory tile (fp16/bf16: the rounded sums; e4m3: the float32 sums);
+- the epilogue (``epi_warps`` warps): the handed tile in chunks of epi_m × epi_n (a loop over row chunks, so its
+  code stays in the instruction cache), stored to y.
 
 Barriers: ``ready[s]`` (the loader's copies into slot s landed), ``empty[s]`` (the products are done with slot s),
-``full`` (a tile is handed over), ``free`` (the epilogue has read it). Each waits on the parity of its use count.
-While the epilogue works through tile i the products run tile i + 1, so GELU costs nothing while it takes less
-time than a tile's products (a 128 × 256 tile of FFN-up at K = 1,280: about 11 µs of products on an H100
-multiprocessor, 3–4 µs of GELU for four warps).
+``full`` (a tile is handed over), ``free`` (the epilogue has read it); each waits on the parity of its use count.
+While the epilogue works through tile i the products run tile i + 1, so the epilogue costs nothing while it takes
+less time than a tile's products (a 128 × 256 tile of FFN-up at K = 1,280: about 11 µs of products on an H100
+multiprocessor at peak, about 7 µs of GELU for two warps). The register budget (the products' 128 accumulators a
+thread) leaves room for two epilogue warps beside two warp groups of products: 168 registers a thread at launch,
+176 for the products after the hand-over, 152 for the loader's and epilogue's warp group.
 
 Compute capability 9.0 only (wgmma, TMA, register reallocation) and Triton ≥ 3.6's Gluon; :func:`available` says
 whether this process can run it. Reference: :func:`~esm_turbo.kernels.gemm.gemm_reference`."""
