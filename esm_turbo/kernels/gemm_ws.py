@@ -184,7 +184,7 @@ if GLUON:
             n_tile += 1
 
     @gluon.jit
-    def _piece(sub, col0, width: gl.constexpr, layout: gl.constexpr, rows, xs, pid_n_col, bias_ptr, ws_ptr, N,
+    def _piece(sub, col0, width: gl.constexpr, layout: gl.constexpr, xs, pid_n_col, bias_ptr, ws_ptr, N,
                HAS_BIAS: gl.constexpr, FP8: gl.constexpr, out_dtype: gl.constexpr):
         """Columns [col0, col0 + width) of a handed row chunk ``sub`` as the product alone returns them, in
         ``layout``, and their global columns: fp16/bf16 as handed over; e4m3 inputs' float32 sums as gemm_reference
@@ -234,9 +234,9 @@ if GLUON:
                 xs = gl.load(xs_ptr + rows, mask=rows < M, other=0.0) if FP8 else rows
                 for j in gl.static_range(BN // EPI_N):
                     if EPI == 2:
-                        y1, cols = _piece(sub, j * EPI_N, HALF, half_layout, rows, xs, pid_n * BN, bias_ptr, ws_ptr,
+                        y1, cols = _piece(sub, j * EPI_N, HALF, half_layout, xs, pid_n * BN, bias_ptr, ws_ptr,
                                           N, HAS_BIAS, FP8, out_dtype)
-                        y2, _ = _piece(sub, j * EPI_N + HALF, HALF, half_layout, rows, xs, pid_n * BN, bias_ptr,
+                        y2, _ = _piece(sub, j * EPI_N + HALF, HALF, half_layout, xs, pid_n * BN, bias_ptr,
                                        ws_ptr, N, HAS_BIAS, FP8, out_dtype)
                         head = pid_n * BN + j * EPI_N
                         if head < 2 * q_cols:  # a query's or a key's head: rotated
@@ -258,7 +258,7 @@ if GLUON:
                         gl.store(ptrs, y1, mask=mask)
                         gl.store(ptrs + HALF, y2, mask=row_ok & gl.expand_dims(cols + HALF < N, 0))
                     else:
-                        y, cols = _piece(sub, j * EPI_N, EPI_N, layout, rows, xs, pid_n * BN, bias_ptr, ws_ptr, N,
+                        y, cols = _piece(sub, j * EPI_N, EPI_N, layout, xs, pid_n * BN, bias_ptr, ws_ptr, N,
                                          HAS_BIAS, FP8, out_dtype)
                         if EPI == 1:
                             y = gelu(y.to(gl.float32), GELU).to(out_dtype)
