@@ -625,6 +625,63 @@ def fp8_gelu_ab(sizes: list[str], tokens: int) -> dict:
     return dict(launch=launch, ab=ab)
 
 
+def plan_text(e: dict, timing) -> str:
+    """An entry of :func:`timed_plan` as the tail of a line: ``timing(e)`` and its largest error, or why it did not
+    build."""
+    if "us" not in e:
+        return e["error"]
+    return f"{timing(e)}, max error {e['err']:.2e}" + ("" if e["ok"] else " (FAILS the reference)")
+
+
+def ws_main(args) -> None:
+    """``--ws``: each of ``--ws-parts`` at each size (:func:`ws_rows`, :func:`ws_fp8_rows`, :func:`ws_rope_rows`),
+    printed, then the forward A/B of each plan that beats the forward's own way by 2%; ws.json."""
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    rows, ab = {}, []
+    jobs = [("ffn_up", size, False) for size in args.sizes] + \
+        [("ffn_up_fp8", size, True) for size in args.sizes] + \
+        [("rope", size, fp8) for size in args.sizes for fp8 in (False, True)]
+    for part, size, fp8 in jobs:
+        if part not in args.ws_parts or (fp8 and args.skip_fp8):
+            continue
+        if part == "ffn_up":
+            r = ws_rows(size, args.tokens)
+            base, head = r["table_us"], (f"FFN-up fp16 µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu "
+                                         f"{r['cublas_gelu_us']:.1f}  table tile bias {r['table_bias_us']:.1f}  GELU "
+                                         f"{r['table_us']:.1f}")
+            key, label = (r["n"], r["k"], "float16", "gelu"), "warp-specialized"
+
+            def timing(e):
+                return f"GELU {e['us']:.1f} µs, bias only {e.get('bias_us', float('nan')):.1f}"
+        elif part == "ffn_up_fp8":
+            r = ws_fp8_rows(size, args.tokens)
+            base, head = r["cublas_then_pass_us"], (f"FFN-up e4m3 µs: cuBLAS {r['cublas_us']:.1f}, then the "
+                                                    f"GELU-into-e4m3 launch {r['cublas_then_pass_us']:.1f}")
+            key, label = (r["n"], r["k"], "float8_e4m3fn", "gelu"), "warp-specialized"
+
+            def timing(e):
+                product = e.get("product_us", float("nan"))
+                return f"then the quantize launch {e['us']:.1f} µs (the product {product:.1f})"
+        else:
+            r = ws_rope_rows(size, args.tokens, fp8)
+            base = r["forward_way_us"]
+            head = f"QKV {'e4m3' if fp8 else 'fp16'} then the rotary launch: {base:.1f} µs"
+            key, label = (r["n"], r["k"], "float8_e4m3fn" if fp8 else "float16", "rope"), "ws rotary"
+
+            def timing(e):
+                return f"rotary in the epilogue {e['us']:.1f} µs"
+        rows.setdefault(part, []).append(r)
+        print(f"{size:5} {head}", flush=True)
+        for e in r["tiles"]:
+            t = e["tile"]
+            print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} group {t['group_m']} epilogue {t['epi_warps']} "
+                  f"warps {t['epi_m']}x{t['epi_n']}: " + plan_text(e, timing), flush=True)
+        if r["best"] and r["best"]["us"] < 0.98 * base:
+            ab += table_ab(size, args.tokens, key, WS.WsTile(**r["best"]["tile"]), label, fp8=fp8)
+    (args.out / "ws.json").write_text(json.dumps(dict(rows, ab=ab), indent=1))
+    print_ab(ab)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", default=["650M", "3B", "150M"])
@@ -674,56 +731,7 @@ def main() -> None:
         print_ab(got["ab"])
         return
     if args.ws:
-        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-        rows, ab = [], []
-        for size in args.sizes if "ffn_up" in args.ws_parts else []:
-            r = ws_rows(size, args.tokens)
-            rows.append(r)
-            print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  table "
-                  f"tile bias {r['table_bias_us']:.1f}  GELU {r['table_us']:.1f}", flush=True)
-            for e in r["tiles"]:
-                t, bias_us = e["tile"], e.get("bias_us", float("nan"))
-                print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} group {t['group_m']} epilogue "
-                      f"{t['epi_warps']} warps {t['epi_m']}x{t['epi_n']}: "
-                      + (f"GELU {e['us']:.1f} µs, bias only {bias_us:.1f}, max error {e['err']:.2e}"
-                         + ("" if e["ok"] else " (FAILS the reference)") if "us" in e else e["error"]), flush=True)
-            if r["best"] and r["best"]["us"] < 0.98 * r["table_us"]:
-                key = (r["n"], r["k"], "float16", "gelu")
-                ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "warp-specialized")
-        fp8_rows = []
-        for size in args.sizes if "ffn_up_fp8" in args.ws_parts and not args.skip_fp8 else []:
-            r = ws_fp8_rows(size, args.tokens)
-            fp8_rows.append(r)
-            print(f"{r['size']:5} FFN-up e4m3 µs: cuBLAS {r['cublas_us']:.1f}, then the GELU-into-e4m3 launch "
-                  f"{r['cublas_then_pass_us']:.1f}", flush=True)
-            for e in r["tiles"]:
-                t, product_us = e["tile"], e.get("product_us", float("nan"))
-                print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} group {t['group_m']}, then the quantize "
-                      "launch: " + (f"{e['us']:.1f} µs (the product {product_us:.1f}), max error {e['err']:.2e}"
-                                    + ("" if e["ok"] else " (FAILS the reference)") if "us" in e else e["error"]),
-                      flush=True)
-            if r["best"] and r["best"]["us"] < 0.98 * r["cublas_then_pass_us"]:
-                key = (r["n"], r["k"], "float8_e4m3fn", "gelu")
-                ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "warp-specialized",
-                               fp8=True)
-        rope_rows = []
-        for size in args.sizes if "rope" in args.ws_parts else []:
-            for fp8 in (False, True) if not args.skip_fp8 else (False,):
-                r = ws_rope_rows(size, args.tokens, fp8)
-                rope_rows.append(r)
-                print(f"{r['size']:5} QKV {'e4m3' if fp8 else 'fp16'} then the rotary launch: "
-                      f"{r['forward_way_us']:.1f} µs", flush=True)
-                for e in r["tiles"]:
-                    t = e["tile"]
-                    print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']}, rotary in the epilogue: "
-                          + (f"{e['us']:.1f} µs, max error {e['err']:.2e}" + ("" if e["ok"] else " (FAILS)")
-                             if "us" in e else e["error"]), flush=True)
-                if r["best"] and r["best"]["us"] < 0.98 * r["forward_way_us"]:
-                    key = (r["n"], r["k"], "float8_e4m3fn" if fp8 else "float16", "rope")
-                    ab += table_ab(r["size"], args.tokens, key, WS.WsTile(**r["best"]["tile"]), "ws rotary", fp8=fp8)
-        (args.out / "ws.json").write_text(json.dumps(dict(products=rows, fp8=fp8_rows, rope=rope_rows, ab=ab),
-                                                     indent=1))
-        print_ab(ab)
+        ws_main(args)
         return
     if args.overlap or args.fp8_overlap:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
