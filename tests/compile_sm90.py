@@ -169,8 +169,7 @@ def main() -> None:
                                  ("fp8e4nv", 2, True, gemm_ws.WS_FP8)):
         fp8 = dt == "fp8e4nv"
         gdt = {"fp16": gemm_ws.gl.float16, "bf16": gemm_ws.gl.bfloat16, "fp8e4nv": gemm_ws.gl.float8e4nv}[dt]
-        lay_a = gemm_ws.gl.NVMMASharedLayout.get_default_for([t.bm, t.bk], gdt)
-        lay_b = gemm_ws.gl.NVMMASharedLayout.get_default_for([t.bn, t.bk], gdt)
+        lay_a, lay_b = gemm_ws.operand_layouts(t, gdt)
         out = "bf16" if fp8 else dt
         sig = dict(a_desc=f"tensordesc<{dt}[{t.bm}, {t.bk}],{lay_a}>",
                    b_desc=f"tensordesc<{dt}[{t.bn}, {t.bk}],{lay_b}>", c_ptr=f"*{out}", bias_ptr=f"*{out}",

@@ -548,9 +548,7 @@ def ffn_up_fp8_inputs(size: str, tokens: int) -> tuple:
     eps = torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
 
     def cublas():
-        u = torch._scaled_mm(xq, wq.q.t(), scale_a=xs[:, None], scale_b=wq.scale[None, :], bias=b,
-                             out_dtype=torch.bfloat16)
-        return activation_triton(u, "gelu", fp8=True)
+        return activation_triton(unfused(xq, wq.q, b, "bias", None, xs, wq.scale), "gelu", fp8=True)
     return n, k, xq, xs, wq, b, ref, err_base, eps, cublas
 
 
@@ -561,8 +559,7 @@ def ws_fp8_rows(size: str, tokens: int) -> dict:
     from esm_turbo.kernels.activation import activation_triton
     n, k, xq, xs, wq, b, ref, err_base, eps, cublas = ffn_up_fp8_inputs(size, tokens)
     row = dict(size=size, n=n, k=k, m=tokens, cublas_then_pass_us=bench(cublas),
-               cublas_us=bench(lambda: torch._scaled_mm(xq, wq.q.t(), scale_a=xs[:, None], scale_b=wq.scale[None, :],
-                                                        bias=b, out_dtype=torch.bfloat16)), tiles=[])
+               cublas_us=bench(lambda: unfused(xq, wq.q, b, "bias", None, xs, wq.scale)), tiles=[])
     for t in WS_FP8_TILES:
         def product(t=t):
             return WS.ws_gemm(xq, wq.q, b, "gelu", t, xs, wq.scale, row_amax=True)
@@ -636,7 +633,6 @@ def plan_text(e: dict, timing) -> str:
 def ws_main(args) -> None:
     """``--ws``: each of ``--ws-parts`` at each size (:func:`ws_rows`, :func:`ws_fp8_rows`, :func:`ws_rope_rows`),
     printed, then the forward A/B of each plan that beats the forward's own way by 2%; ws.json."""
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     rows, ab = {}, []
     jobs = [("ffn_up", size, False) for size in args.sizes] + \
         [("ffn_up_fp8", size, True) for size in args.sizes] + \
@@ -711,8 +707,8 @@ def main() -> None:
                     help="with --products: the tiles of an earlier run's tiles.json instead of tuning them again")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if args.gelu_forms:
-        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
         rows = [gelu_rows(size, args.tokens) for size in args.sizes]
         (args.out / "gelu_forms.json").write_text(json.dumps(rows, indent=1))
         for r in rows:
@@ -721,7 +717,6 @@ def main() -> None:
                   f"cuBLASLt tanh-GELU {r['cublaslt_tanh_gelu_us']:.1f}  Triton {forms}")
         return
     if args.fp8_gelu_ab:
-        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
         got = fp8_gelu_ab(args.sizes, args.tokens)
         (args.out / "fp8_gelu_ab.json").write_text(json.dumps(got, indent=1))
         for r in got["launch"]:
@@ -734,7 +729,6 @@ def main() -> None:
         ws_main(args)
         return
     if args.overlap or args.fp8_overlap:
-        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
         rows, ab = [overlap_rows(size, args.tokens) for size in args.sizes] if args.overlap else [], []
         for r in rows:
             table_us = r["tiles"][0].get("us", float("inf"))
@@ -764,7 +758,6 @@ def main() -> None:
         return
     from esm_turbo.embed.fp8 import fp8_supported
     fp8 = fp8_supported("cuda") and not args.skip_fp8
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     rows, tiles = [], {}
     if args.tiles:
         tiles = json.loads(args.tiles.read_text())

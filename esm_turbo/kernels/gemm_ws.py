@@ -341,11 +341,10 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, 
     amax = torch.empty(m, chunks, device=x.device, dtype=torch.float32) if row_amax else out
     if m == 0:
         return (out, amax[:, 0]) if row_amax else out
-    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[x.dtype]
-    a_desc = TensorDescriptor.from_tensor(x, [tile.bm, tile.bk], gl.NVMMASharedLayout.get_default_for(
-        [tile.bm, tile.bk], gdt))
-    b_desc = TensorDescriptor.from_tensor(w, [tile.bn, tile.bk], gl.NVMMASharedLayout.get_default_for(
-        [tile.bn, tile.bk], gdt))
+    lay_a, lay_b = operand_layouts(tile, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
+                                          torch.float8_e4m3fn: gl.float8e4nv}[x.dtype])
+    a_desc = TensorDescriptor.from_tensor(x, [tile.bm, tile.bk], lay_a)
+    b_desc = TensorDescriptor.from_tensor(w, [tile.bn, tile.bk], lay_b)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = min(sms, triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn))
     xs = x_scale.reshape(-1).contiguous() if fp8 else out
@@ -359,6 +358,13 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, 
     return (out, amax.amax(1)) if row_amax else out
 
 
+def operand_layouts(tile: WsTile, dtype) -> tuple:
+    """The shared layouts of x's [bm, bk] and w's [bn, bk] tiles in Gluon dtype ``dtype``: what their TMA
+    descriptors and the ring's slots take."""
+    return (gl.NVMMASharedLayout.get_default_for([tile.bm, tile.bk], dtype),
+            gl.NVMMASharedLayout.get_default_for([tile.bn, tile.bk], dtype))
+
+
 def launch_constants(tile: WsTile, epi: int, has_bias: bool, fp8: bool, row_amax: bool, programs: int) -> dict:
     """The kernel's constexprs (and its warps) for ``tile``, epilogue code ``epi``, e4m3 inputs or not, the rows'
     maxima or not and ``programs`` persistent programs: what :func:`ws_gemm` launches and what
@@ -369,4 +375,4 @@ def launch_constants(tile: WsTile, epi: int, has_bias: bool, fp8: bool, row_amax
                 num_warps=tile.warps)
 
 
-__all__ = ["EPILOGUES", "GLUON", "WS_FP8", "WsTile", "available", "launch_constants", "ws_gemm"]
+__all__ = ["EPILOGUES", "GLUON", "WS_FP8", "WsTile", "available", "launch_constants", "operand_layouts", "ws_gemm"]
