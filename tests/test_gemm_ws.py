@@ -45,10 +45,12 @@ def test_ws_gemm_matches_the_reference(dtype, epilogue, m, n, k):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m,n,k", [(300, 520, 328), (1000, 5120, 1280)])
+@pytest.mark.parametrize("m,n,k", [(300, 520, 336), (1000, 5120, 1280), (300, 520, 328)])
 def test_ws_gemm_in_e4m3_matches_the_reference(m, n, k):
     """e4m3 inputs with row and column scales, GELU, bf16 out and each row's largest |value|: the reference's value
-    as closely as the folded kernel of kernels.gemm comes, and the rows' maxima those of the output itself."""
+    as closely as the folded kernel of kernels.gemm comes, and the rows' maxima those of the output itself. Rows of
+    a K not a multiple of 16 bytes (TMA's alignment): ws_gemm refuses in one line, gemm() with the WsTile runs them
+    in its own kernel."""
     if not _hopper():
         pytest.skip("needs compute capability 9.0 and Triton's Gluon")
     from esm_turbo.embed.fp8 import Fp8Weight, quantize_rows
@@ -60,6 +62,12 @@ def test_ws_gemm_in_e4m3_matches_the_reference(m, n, k):
     b = (0.1 * torch.randn(n, generator=gen)).cuda().to(torch.bfloat16)
     want = gemm_reference(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale).float()
     folded, _ = gemm(xq, wq.q, b, "gelu", x_scale=xs, w_scale=wq.scale, row_amax=True)
+    if k % 16:
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            ws_gemm(xq, wq.q, b, "gelu", WS_FP8, x_scale=xs, w_scale=wq.scale)
+        routed, _ = gemm(xq, wq.q, b, "gelu", tile=WS_FP8, x_scale=xs, w_scale=wq.scale, row_amax=True)
+        assert torch.equal(routed, folded)
+        return
     got, amax = ws_gemm(xq, wq.q, b, "gelu", WS_FP8, x_scale=xs, w_scale=wq.scale, row_amax=True)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     eps = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
@@ -116,6 +124,8 @@ def test_ws_tiles_in_the_table_run_through_gemm():
     want = ws_gemm(x, w, b, "gelu", tile).float()
     got = ws_gemm(x, w, b, "gelu", small).float()
     assert (got - want).abs().max().item() <= torch.finfo(torch.float16).eps * want.abs().max().item()
+    # a second epilogue partition of one warp taking the last row chunks: the same bits
+    assert torch.equal(ws_gemm(x, w, b, "gelu", WsTile(epi_warps2=1)), ws_gemm(x, w, b, "gelu", tile))
 
 
 def test_a_ws_tile_falls_back_to_the_folded_kernel_where_it_cannot_run():
@@ -140,3 +150,5 @@ def test_a_ws_tile_falls_back_to_the_folded_kernel_where_it_cannot_run():
     from esm_turbo.kernels.gemm import rope_fits  # the rotary epilogue takes a head an epilogue chunk
     assert rope_fits(WsTile(), 64) and not rope_fits(WsTile(), 32) and rope_fits(WsTile(epi_n=32), 32)
     assert WsTile(bn=128, bk=128, stages=4).shared_bytes(1) == 4 * 256 * 128 + 128 * 128 * 4  # 192 KiB
+    # a second epilogue partition of one warp beside two takes a third of the 16 row chunks, rounded
+    assert WsTile().chunk_split() == 16 and WsTile(epi_warps2=1).chunk_split() == 11

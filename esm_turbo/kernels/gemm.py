@@ -289,6 +289,11 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
+def tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every 2-D tensor's start and row stride are 16-byte aligned: what a TMA descriptor takes."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
+
+
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "bias",
          residual: torch.Tensor | None = None, residual_scale: float = 1.0, x_scale: torch.Tensor | None = None,
          w_scale: torch.Tensor | None = None, row_amax: bool = False, tile: Tile | None = None,
@@ -323,7 +328,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     tile = tile or tile_for(n, k, x.dtype, epilogue)
     if not isinstance(tile, Tile):  # a WsTile: the epilogue in warps of its own (kernels.gemm_ws), where it runs
         from .gemm_ws import EPILOGUES as WS_EPILOGUES, available, ws_gemm
-        if epilogue in WS_EPILOGUES and split is None and m and tma is not False and available(x.device):
+        if (epilogue in WS_EPILOGUES and split is None and m and tma is not False and available(x.device)
+                and tma_aligned(x, w)):
             return ws_gemm(x, w, bias, epilogue, tile, x_scale, w_scale, row_amax, rope)
         tile = default_tile(n, k, x.dtype)
     if tile.gelu not in GELU_FORMS:
@@ -338,8 +344,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
         from .gemm_split import split_gemm
         return split_gemm(x, w, bias, out, epilogue, residual, residual_scale, GELU_FORMS[tile.gelu], split)
     if tma is None:  # a descriptor needs 16-byte aligned rows
-        tma = tma_supported(x.device) and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-                                              for t in (x, w))
+        tma = tma_supported(x.device) and tma_aligned(x, w)
     parts = triton.cdiv(n, tile.bn) * tile.subtile
     amax = torch.empty(m, parts, device=x.device, dtype=torch.float32) if row_amax else out
     if m == 0:
@@ -425,4 +430,5 @@ def epilogue_reference(y: torch.Tensor, epilogue: str, residual: torch.Tensor | 
 
 
 __all__ = ["EPILOGUES", "TILES", "Tile", "check_rope", "default_tile", "epilogue_reference", "gemm", "gemm_reference",
-           "measured", "rope_fits", "tile_for", "tma_supported"]
+           "measured", "rope_fits", "tile_for", "tma_aligned",
+           "tma_supported"]

@@ -59,7 +59,9 @@ EPILOGUES = {"bias": 0, "gelu": 1, "rope": 2}
 class WsTile:
     """One launch plan: the output tile (bm × bn, the products in ``warps`` warps: bm / 16 warps of 16 rows), the K
     step, the ring's slots, the M-group of the tile order, the epilogue's warps and its column chunk, the registers
-    the loader and the epilogue keep (the products take the rest)."""
+    the loader and the epilogue keep (the products take the rest). With ``epi_warps2`` a second epilogue partition of
+    that many warps takes the tile's last row chunks, a share of them by its warps (:meth:`chunk_split`): three
+    epilogue warps beside two warp groups of products, where a partition's warps come in powers of two."""
 
     bm: int = 128
     bn: int = 256
@@ -72,11 +74,18 @@ class WsTile:
     epi_n: int = 64
     load_regs: int = 24
     epi_regs: int = 152
+    epi_warps2: int = 0
 
     def __post_init__(self):
         if self.epi_m % 8 or self.bm % self.epi_m or self.bn % self.epi_n:
             raise ValueError(f"an epilogue chunk of {self.epi_m} x {self.epi_n} does not tile {self.bm} x {self.bn} "
                              "in rows of a multiple of 8")
+
+    def chunk_split(self) -> int:
+        """The first row chunk the second epilogue partition takes (all bm / epi_m chunks are the first's without
+        one): the chunks shared in proportion to the two partitions' warps."""
+        chunks = self.bm // self.epi_m
+        return chunks if not self.epi_warps2 else round(chunks * self.epi_warps / (self.epi_warps + self.epi_warps2))
 
     def shared_bytes(self, elem: int = 2) -> int:
         """Shared memory the plan takes for inputs of ``elem`` bytes (2: fp16/bf16, 1: e4m3, whose sums are handed
@@ -204,13 +213,15 @@ if GLUON:
                             stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS: gl.constexpr,
                             BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, EPI: gl.constexpr,
                             GELU: gl.constexpr, HAS_BIAS: gl.constexpr, FP8: gl.constexpr, AMAX: gl.constexpr,
-                            EPI_M: gl.constexpr, EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr):
+                            EPI_M: gl.constexpr, EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr,
+                            CHUNK_LO: gl.constexpr, CHUNK_HI: gl.constexpr):
         """The epilogue: each handed tile in chunks of EPI_M × EPI_N (e4m3 inputs: :func:`_piece`'s scaling),
         then ``EPI`` 1: GELU rounded once; 2 (each chunk one head of EPI_N channels): columns < ``q_cols``
         (queries) times ``q_scale`` rounded, columns < 2 · q_cols (queries and keys) rotated, x · cos +
         rotate_half(x) · sin in float32 with cos, sin [M, EPI_N] float32 (rows ``stride_cos`` apart; compiled without
         fused multiply-adds, as the rotary kernel runs), rounded once; stored to y. With ``AMAX`` each row's largest
-        |y| over the chunk's columns at amax [M, column chunks]. The tile is released once every chunk is read."""
+        |y| over the chunk's columns at amax [M, column chunks]. This partition (EPI_WARPS warps) takes the row
+        chunks [CHUNK_LO, CHUNK_HI) of each tile and releases the tile once it has read them."""
         layout: gl.constexpr = _chunk_layout(EPI_M, EPI_N, EPI_WARPS)
         HALF: gl.constexpr = EPI_N // 2
         half_layout: gl.constexpr = _chunk_layout(EPI_M, HALF, EPI_WARPS)
@@ -224,7 +235,7 @@ if GLUON:
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             mbarrier.wait(full, n_tile & 1)
-            for i in range(BM // EPI_M):  # a loop, not unrolled: the chunks' code stays in the instruction cache
+            for i in range(CHUNK_LO, CHUNK_HI):  # a loop, not unrolled: the chunks' code stays in the instruction cache
                 sub = rows_of.index(i)
                 if EPI == 2:
                     rows = pid_m * BM + i * EPI_M + gl.arange(0, EPI_M, layout=gl.SliceLayout(1, half_layout))
@@ -269,7 +280,7 @@ if GLUON:
                                      mask=rows < M)
                         ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_c, 1) + gl.expand_dims(cols, 0)
                         gl.store(ptrs, y, mask=row_ok & gl.expand_dims(cols < N, 0))
-            _sync()  # every warp has read the tile
+            _sync()  # every warp of the partition has read its chunks
             mbarrier.arrive(free)
             n_tile += 1
 
@@ -279,7 +290,8 @@ if GLUON:
                         BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                         EPI: gl.constexpr, GELU: gl.constexpr, HAS_BIAS: gl.constexpr, FP8: gl.constexpr,
                         AMAX: gl.constexpr, EPI_M: gl.constexpr, EPI_N: gl.constexpr, EPI_WARPS: gl.constexpr,
-                        LOAD_REGS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr):
+                        LOAD_REGS: gl.constexpr, EPI_REGS: gl.constexpr, EPI_WARPS2: gl.constexpr,
+                        SPLIT: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         hand_dtype: gl.constexpr = gl.float32 if FP8 else dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
@@ -296,16 +308,33 @@ if GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(full, count=1)
-        mbarrier.init(free, count=1)
-        gl.warp_specialize([
-            (_mma_partition, (a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS, BM, BN,
-                              BK, STAGES, GROUP_M, HAS_BIAS, FP8, num_warps)),
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS, BM, BN, BK, STAGES,
-                               GROUP_M)),
-            (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr, M,
-                                   N, stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN, GROUP_M,
-                                   EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS)),
-        ], [1, EPI_WARPS], [LOAD_REGS, EPI_REGS])
+        mbarrier.init(free, count=2 if EPI_WARPS2 else 1)  # each epilogue partition releases the tile
+        # (the partitions' lists spelled out in each branch: a jitted function cannot be held in a variable)
+        if EPI_WARPS2:
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS, BM, BN,
+                                  BK, STAGES, GROUP_M, HAS_BIAS, FP8, num_warps)),
+                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS, BM, BN, BK,
+                                   STAGES, GROUP_M)),
+                (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr,
+                                       M, N, stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN,
+                                       GROUP_M, EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS, 0, SPLIT)),
+                (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr,
+                                       M, N, stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN,
+                                       GROUP_M, EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS2, SPLIT,
+                                       BM // EPI_M)),
+            ], [1, EPI_WARPS, EPI_WARPS2], [LOAD_REGS, EPI_REGS, EPI_REGS])
+        else:
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS, BM, BN,
+                                  BK, STAGES, GROUP_M, HAS_BIAS, FP8, num_warps)),
+                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS, BM, BN, BK,
+                                   STAGES, GROUP_M)),
+                (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr,
+                                       M, N, stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN,
+                                       GROUP_M, EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS, 0,
+                                       BM // EPI_M)),
+            ], [1, EPI_WARPS], [LOAD_REGS, EPI_REGS])
 
 
 def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "gelu",
@@ -329,6 +358,10 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, 
             or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} (fp16/bf16/e4m3, K "
                          "contiguous) do not make a product")
+    from .gemm import tma_aligned
+    if not tma_aligned(x, w):
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: rows of {k * x.element_size()} bytes (or a start)"
+                         " not 16-byte aligned, as the kernel's TMA copies take; gemm() runs such products")
     if fp8 != (x_scale is not None and w_scale is not None):
         raise ValueError("e4m3 inputs need x_scale and w_scale, and only they take them")
     tile = tile or WsTile()
@@ -372,7 +405,7 @@ def launch_constants(tile: WsTile, epi: int, has_bias: bool, fp8: bool, row_amax
     return dict(NUM_SMS=programs, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages, GROUP_M=tile.group_m,
                 EPI=epi, GELU=GELU_FORMS[GELU_FORM], HAS_BIAS=has_bias, FP8=fp8, AMAX=row_amax, EPI_M=tile.epi_m,
                 EPI_N=tile.epi_n, EPI_WARPS=tile.epi_warps, LOAD_REGS=tile.load_regs, EPI_REGS=tile.epi_regs,
-                num_warps=tile.warps)
+                EPI_WARPS2=tile.epi_warps2, SPLIT=tile.chunk_split(), num_warps=tile.warps)
 
 
 __all__ = ["EPILOGUES", "GLUON", "WS_FP8", "WsTile", "available", "launch_constants", "operand_layouts", "ws_gemm"]
