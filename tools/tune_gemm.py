@@ -670,8 +670,9 @@ def ws_main(args) -> None:
         print(f"{size:5} {head}", flush=True)
         for e in r["tiles"]:
             t = e["tile"]
+            split = f"+ {t['epi_warps2']} " if t.get("epi_warps2") else ""
             print(f"    ws {t['bm']}x{t['bn']}x{t['bk']} s{t['stages']} group {t['group_m']} epilogue {t['epi_warps']} "
-                  f"{'+ 1 ' if t.get('epi_warps2') else ''}warps {t['epi_m']}x{t['epi_n']}: " + plan_text(e, timing), flush=True)
+                  f"{split}warps {t['epi_m']}x{t['epi_n']}: " + plan_text(e, timing), flush=True)
         if r["best"] and r["best"]["us"] < 0.98 * base:
             ab += table_ab(size, args.tokens, key, WS.WsTile(**r["best"]["tile"]), label, fp8=fp8)
     (args.out / "ws.json").write_text(json.dumps(dict(rows, ab=ab), indent=1))
