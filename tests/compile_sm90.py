@@ -165,7 +165,7 @@ def main() -> None:
     # epilogue's warps): fp16 GELU with a bias (in two epilogue warps, and in two partitions of 2 + 1), bf16 with
     # none, e4m3 GELU with scales, a bias and the rows' maxima, fp16 and e4m3 QKV with the rotary embedding at heads
     # of 64 (no FMA contraction); no spills
-    for dt, epi, has_bias, t in (("fp16", 1, True, gemm_ws.WsTile()), ("fp16", 1, True, gemm_ws.WsTile(epi_warps2=1)),
+    for dt, epi, has_bias, t in (("fp16", 1, True, gemm_ws.WsTile()), ("fp16", 1, True, gemm_ws.WsTile(epi_warps=2)),
                                  ("bf16", 0, False, gemm_ws.WsTile()),
                                  ("fp8e4nv", 1, True, gemm_ws.WS_FP8), ("fp16", 2, True, gemm_ws.WsTile()),
                                  ("fp8e4nv", 2, True, gemm_ws.WS_FP8)):

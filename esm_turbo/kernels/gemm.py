@@ -46,14 +46,9 @@ EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2, "rope": 3}
 
 
 @dataclass(frozen=True)
-class Tile:
-    """One launch plan: the output tile (bm × bn), the K step, how many K steps are in flight (stages), warps, the
-    M-group of the tile order, the epilogue's column parts (``subtile``: 1, 2 or 4 parts of bn / parts columns, less
-    register pressure; True is 2, False 1), whether the tile loop is warp-specialized (loads, products and the
-    epilogue in warps of their own, where Triton offers it), the form of GELU's erf
-    (:data:`~esm_turbo.kernels.common.GELU_FORMS`) when the epilogue has one, the persistent programs a
-    multiprocessor runs (``programs``: with 2, one program's epilogue can run beside the other's products where both
-    fit) and a cap on registers a thread (``maxnreg``, None: the compiler's choice)."""
+class TilePlan:
+    """What every product kernel's launch plan sets: the output tile (bm × bn), the K step, how many K steps are in
+    flight (stages), the warps and the M-group of the tile order."""
 
     bm: int = 128
     bn: int = 256
@@ -61,6 +56,17 @@ class Tile:
     stages: int = 3
     warps: int = 8
     group_m: int = 8
+
+
+@dataclass(frozen=True)
+class Tile(TilePlan):
+    """One launch plan of this module's kernel: :class:`TilePlan`'s fields, then the epilogue's column parts
+    (``subtile``: 1, 2 or 4 parts of bn / parts columns, less register pressure; True is 2, False 1), whether the tile loop is warp-specialized (loads, products and the
+    epilogue in warps of their own, where Triton offers it), the form of GELU's erf
+    (:data:`~esm_turbo.kernels.common.GELU_FORMS`) when the epilogue has one, the persistent programs a
+    multiprocessor runs (``programs``: with 2, one program's epilogue can run beside the other's products where both
+    fit) and a cap on registers a thread (``maxnreg``, None: the compiler's choice)."""
+
     subtile: int = 2
     ws: bool = False
     gelu: str = GELU_FORM
@@ -429,6 +435,5 @@ def epilogue_reference(y: torch.Tensor, epilogue: str, residual: torch.Tensor | 
     return y
 
 
-__all__ = ["EPILOGUES", "TILES", "Tile", "check_rope", "default_tile", "epilogue_reference", "gemm", "gemm_reference",
-           "measured", "rope_fits", "tile_for", "tma_aligned",
-           "tma_supported"]
+__all__ = ["EPILOGUES", "TILES", "Tile", "TilePlan", "check_rope", "default_tile", "epilogue_reference", "gemm",
+           "gemm_reference", "measured", "rope_fits", "tile_for", "tma_aligned", "tma_supported"]

@@ -15,16 +15,18 @@ multiprocessor splits its warps three ways (``gl.warp_specialize``):
 - a loader (one warp): TMA copies of x's and w's tiles into a ring of ``STAGES`` shared-memory slots;
 - the products (the default partition, ``warps`` warps: bm / 16 of 16 rows each): each tile's wgmma over K, handed to
   the epilogue through one shared-memory tile (fp16/bf16: the rounded sums; e4m3: the float32 sums);
-- the epilogue (``epi_warps`` warps): the handed tile in chunks of epi_m × epi_n (a loop over row chunks, so its
-  code stays in the instruction cache), stored to y.
+- the epilogue (two partitions of ``epi_warps`` and ``epi_warps2`` warps, a partition's warps a power of two): the
+  handed tile in chunks of epi_m × epi_n (a loop over row chunks, so its code stays in the instruction cache), the
+  chunks shared between the two in proportion to their warps, stored to y.
 
 Barriers: ``ready[s]`` (the loader's copies into slot s landed), ``empty[s]`` (the products are done with slot s),
-``full`` (a tile is handed over), ``free`` (the epilogue has read it); each waits on the parity of its use count.
-While the epilogue works through tile i the products run tile i + 1, so the epilogue costs nothing while it takes
-less time than a tile's products (a 128 × 256 tile of FFN-up at K = 1,280: about 11 µs of products on an H100
-multiprocessor at peak, about 7 µs of GELU for two warps). The register budget (the products' 128 accumulators a
-thread) leaves room for two epilogue warps beside two warp groups of products: 168 registers a thread at launch,
-176 for the products after the hand-over, 152 for the loader's and epilogue's warp group.
+``full`` (a tile is handed over), ``free`` (both epilogue partitions have read it); each waits on the parity of its
+use count. While the epilogue works through tile i the products run tile i + 1, so the epilogue costs nothing while
+it takes less time than a tile's products (a 128 × 256 tile of FFN-up at K = 1,280: about 11 µs of products on an
+H100 multiprocessor at peak). The register budget (the products' 128 accumulators a thread) leaves room for three
+epilogue warps beside two warp groups of products and the loader (twelve warps: 168 registers a thread at launch,
+176 for the products after the hand-over, 152 for the loader's and epilogue's warp group); four would make sixteen
+warps, whose 128 registers at launch are too few to compile the products'.
 
 Compute capability 9.0 only (wgmma, TMA, register reallocation) and Triton ≥ 3.6's Gluon; :func:`available` says
 whether this process can run it. Reference: :func:`~esm_turbo.kernels.gemm.gemm_reference`."""
@@ -49,43 +51,39 @@ except (ImportError, AttributeError):  # pragma: no cover - an older or a reorga
     GLUON = False
 
 from .common import FP_FUSION, GELU_FORM, GELU_FORMS, gelu
-from .gemm import _tile_coords  # the Triton kernel's tile order (a Triton function Gluon calls as it is)
+from .gemm import TilePlan, _tile_coords  # _tile_coords: the Triton kernel's tile order (Gluon calls it as it is)
 
 #: the epilogues this kernel folds
 EPILOGUES = {"bias": 0, "gelu": 1, "rope": 2}
 
 
 @dataclass(frozen=True)
-class WsTile:
-    """One launch plan: the output tile (bm × bn, the products in ``warps`` warps: bm / 16 warps of 16 rows), the K
-    step, the ring's slots, the M-group of the tile order, the epilogue's warps and its column chunk, the registers
-    the loader and the epilogue keep (the products take the rest). With ``epi_warps2`` a second epilogue partition of
-    that many warps takes the tile's last row chunks, a share of them by its warps (:meth:`chunk_split`): three
-    epilogue warps beside two warp groups of products, where a partition's warps come in powers of two."""
+class WsTile(TilePlan):
+    """One launch plan: :class:`~esm_turbo.kernels.gemm.TilePlan`'s fields (the products in ``warps`` warps: bm / 16
+    warps of 16 rows; ``stages``: the ring's slots), then the epilogue's warps and its row and column chunk, the
+    registers the loader and the epilogue keep (the products take the rest). The epilogue runs in two partitions of
+    ``epi_warps`` and ``epi_warps2`` warps, the second taking the tile's last row chunks (:meth:`chunk_split`): so
+    three epilogue warps can run beside two warp groups of products, where a partition's warps come in powers of
+    two."""
 
-    bm: int = 128
-    bn: int = 256
-    bk: int = 64
-    stages: int = 3
-    warps: int = 8
-    group_m: int = 8
-    epi_warps: int = 2
+    epi_warps: int = 1
     epi_m: int = 8
     epi_n: int = 64
     load_regs: int = 24
     epi_regs: int = 152
-    epi_warps2: int = 0
+    epi_warps2: int = 1
 
     def __post_init__(self):
+        if min(self.epi_warps, self.epi_warps2) < 1:
+            raise ValueError("each of the two epilogue partitions takes at least one warp")
         if self.epi_m % 8 or self.bm % self.epi_m or self.bn % self.epi_n:
             raise ValueError(f"an epilogue chunk of {self.epi_m} x {self.epi_n} does not tile {self.bm} x {self.bn} "
                              "in rows of a multiple of 8")
 
     def chunk_split(self) -> int:
-        """The first row chunk the second epilogue partition takes (all bm / epi_m chunks are the first's without
-        one): the chunks shared in proportion to the two partitions' warps."""
-        chunks = self.bm // self.epi_m
-        return chunks if not self.epi_warps2 else round(chunks * self.epi_warps / (self.epi_warps + self.epi_warps2))
+        """The first of the bm / epi_m row chunks that the second epilogue partition takes: the chunks shared in
+        proportion to the two partitions' warps."""
+        return round(self.bm // self.epi_m * self.epi_warps / (self.epi_warps + self.epi_warps2))
 
     def shared_bytes(self, elem: int = 2) -> int:
         """Shared memory the plan takes for inputs of ``elem`` bytes (2: fp16/bf16, 1: e4m3, whose sums are handed
@@ -308,33 +306,19 @@ if GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         mbarrier.init(full, count=1)
-        mbarrier.init(free, count=2 if EPI_WARPS2 else 1)  # each epilogue partition releases the tile
-        # (the partitions' lists spelled out in each branch: a jitted function cannot be held in a variable)
-        if EPI_WARPS2:
-            gl.warp_specialize([
-                (_mma_partition, (a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS, BM, BN,
-                                  BK, STAGES, GROUP_M, HAS_BIAS, FP8, num_warps)),
-                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS, BM, BN, BK,
-                                   STAGES, GROUP_M)),
-                (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr,
-                                       M, N, stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN,
-                                       GROUP_M, EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS, 0, SPLIT)),
-                (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr,
-                                       M, N, stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN,
-                                       GROUP_M, EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS2, SPLIT,
-                                       BM // EPI_M)),
-            ], [1, EPI_WARPS, EPI_WARPS2], [LOAD_REGS, EPI_REGS, EPI_REGS])
-        else:
-            gl.warp_specialize([
-                (_mma_partition, (a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS, BM, BN,
-                                  BK, STAGES, GROUP_M, HAS_BIAS, FP8, num_warps)),
-                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS, BM, BN, BK,
-                                   STAGES, GROUP_M)),
-                (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr,
-                                       M, N, stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN,
-                                       GROUP_M, EPI, GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS, 0,
-                                       BM // EPI_M)),
-            ], [1, EPI_WARPS], [LOAD_REGS, EPI_REGS])
+        mbarrier.init(free, count=2)  # each epilogue partition releases the tile
+        gl.warp_specialize([
+            (_mma_partition, (a_bufs, b_bufs, ready, empty, hand, full, free, bias_ptr, M, N, K, NUM_SMS, BM, BN, BK,
+                              STAGES, GROUP_M, HAS_BIAS, FP8, num_warps)),
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_SMS, BM, BN, BK, STAGES,
+                               GROUP_M)),
+            (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr, M, N,
+                                   stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN, GROUP_M, EPI,
+                                   GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS, 0, SPLIT)),
+            (_epilogue_partition, (hand, full, free, c_ptr, bias_ptr, xs_ptr, ws_ptr, amax_ptr, cos_ptr, sin_ptr, M, N,
+                                   stride_c, stride_amax, stride_cos, q_cols, q_scale, NUM_SMS, BM, BN, GROUP_M, EPI,
+                                   GELU, HAS_BIAS, FP8, AMAX, EPI_M, EPI_N, EPI_WARPS2, SPLIT, BM // EPI_M)),
+        ], [1, EPI_WARPS, EPI_WARPS2], [LOAD_REGS, EPI_REGS, EPI_REGS])
 
 
 def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "gelu",
