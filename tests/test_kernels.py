@@ -720,9 +720,9 @@ def test_kernels_compile_for_sm90():
     # add, one row and four a program, a scaled branch into e4m3, in place without a bias) and its activation kernel
     # six times (GELU, SwiGLU, none; into e4m3 or not; GELU's row maxima from the rows' bounds and from GELU over the
     # row; with the rows' maxima known) and once holding a row in registers; products with their epilogue in warps of
-    # their own six times (Gluon: fp16 GELU with a bias, also in two epilogue partitions, bf16 without, e4m3 GELU with
-    # the rows' maxima, fp16 and e4m3 QKV with the rotary embedding; no spills); its products with folded epilogues
-    # seven times (fp16 GELU through descriptors, warp-specialized, fp16 residual through pointers, e4m3 bias,
+    # their own six times (Gluon: fp16 GELU with a bias in epilogue partitions of 2 + 1 and 1 + 1, bf16 without,
+    # e4m3 GELU with the rows' maxima, fp16 and e4m3 QKV with the rotary embedding; no spills); its products with folded
+    # epilogues seven times (fp16 GELU through descriptors, warp-specialized, fp16 residual through pointers, e4m3 bias,
     # residual and GELU with row maxima, 150M's two programs a multiprocessor under a register cap) and split along K
     # at a step's rows four times (bias, GELU, scaled residual; one run),
     # its attention three times (key tiles of 64 and 32 at heads of 64, of 32 at heads of 32), its rotary over (token,

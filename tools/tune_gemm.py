@@ -60,16 +60,16 @@ OVERLAP_FP8_TILES = [T(128, 128, 128, 4, 8, 8, 1), T(128, 128, 128, 3, 8, 8, 4, 
                      T(128, 128, 128, 2, 8, 8, 4, programs=2, maxnreg=128),
                      T(128, 128, 64, 4, 8, 8, 4, programs=2, maxnreg=128),
                      T(128, 128, 128, 3, 8, 8, 2, programs=2, maxnreg=128), T(128, 256, 128, 3, 8, 8, 4)]
-#: FFN-up with its epilogue in warps of its own (kernels.gemm_ws): epilogue partitions of one warp and one, of two and
-#: one (three warps), the latter in wider chunks, another tile order, fewer and more slots of a narrower K step; 64-row
+#: FFN-up with its epilogue in warps of its own (kernels.gemm_ws): epilogue partitions of two warps and one (the
+#: default), of one and one, the default in wider chunks, another tile order, more slots of a narrower K step; 64-row
 #: tiles in one warp group of products (a tile's products half as long: for small K) with four epilogue warps
-WS_TILES = [WS.WsTile(), WS.WsTile(epi_warps=2), WS.WsTile(epi_warps=2, epi_n=128), WS.WsTile(epi_warps=2, group_m=16),
-            WS.WsTile(epi_warps=2, bk=32, stages=6), WS.WsTile(epi_warps=2, group_m=16, bk=32, stages=6),
-            WS.WsTile(bm=64, warps=4, stages=4, epi_warps=2, epi_warps2=2, epi_regs=128)]
+WS_TILES = [WS.WsTile(), WS.WsTile(epi_warps=1), WS.WsTile(epi_n=128), WS.WsTile(group_m=16),
+            WS.WsTile(bk=32, stages=6), WS.WsTile(group_m=16, bk=32, stages=6),
+            WS.WsTile(bm=64, warps=4, stages=4, epi_warps2=2, epi_regs=128)]
 #: the q/k/v projection with the rotary embedding in its epilogue warps (each epilogue chunk one head of 64)
-WS_ROPE_TILES = [WS.WsTile(), WS.WsTile(epi_warps=2), WS.WsTile(bk=32, stages=6)]
+WS_ROPE_TILES = [WS.WsTile(), WS.WsTile(epi_warps=1), WS.WsTile(bk=32, stages=6)]
 #: the same in e4m3 (the float32 sums handed over: 128 × 128 tiles)
-WS_FP8_TILES = [WS.WS_FP8, WS.WsTile(bn=128, bk=128, stages=4, epi_warps=2), WS.WsTile(bn=128, bk=64, stages=6),
+WS_FP8_TILES = [WS.WS_FP8, WS.WsTile(bn=128, bk=128, stages=4, epi_warps=1), WS.WsTile(bn=128, bk=64, stages=6),
                 WS.WsTile(bn=128, bk=128, stages=4, group_m=16)]
 #: (name, epilogue) of a block's four products, in order, and QKV with the rotary embedding folded in
 PRODUCTS = (("qkv", "bias"), ("o", "residual"), ("ffn_up", "gelu"), ("ffn_down", "residual"), ("qkv", "rope"))
