@@ -164,7 +164,8 @@ def main() -> None:
     # products with their epilogue in warps of their own (Gluon: a loader warp, two warp groups of products, the
     # epilogue's warps): fp16 GELU with a bias (epilogue partitions of 2 + 1 warps, and 1 + 1), bf16 with
     # none, e4m3 GELU with scales, a bias and the rows' maxima, fp16 and e4m3 QKV with the rotary embedding at heads
-    # of 64 (no FMA contraction); no spills
+    # of 64 (no FMA contraction), specialized as ESM-2's shapes launch them (N, K and the strides multiples of 16:
+    # 16-byte stores); no spills
     for dt, epi, has_bias, t in (("fp16", 1, True, gemm_ws.WsTile()), ("fp16", 1, True, gemm_ws.WsTile(epi_warps=1)),
                                  ("bf16", 0, False, gemm_ws.WsTile()),
                                  ("fp8e4nv", 1, True, gemm_ws.WS_FP8), ("fp16", 2, True, gemm_ws.WsTile()),
@@ -179,7 +180,8 @@ def main() -> None:
                    N="i32", K="i32", stride_c="i32", stride_amax="i32", stride_cos="i32", q_cols="i32", q_scale="fp32")
         kernel = compile_gluon_sm90(gemm_ws._ws_gemm_kernel, sig,
                                     gemm_ws.launch_constants(t, epi, has_bias, fp8, fp8 and epi == 1, 132), t.warps,
-                                    fp_fusion=epi != gemm_ws.EPILOGUES["rope"])
+                                    fp_fusion=epi != gemm_ws.EPILOGUES["rope"],
+                                    aligned={"N", "K", "stride_c", "stride_amax", "stride_cos", "q_cols"})
         assert resources(kernel)[1] == 0, f"_ws_gemm_kernel spills: {resources(kernel)}"
         print("compiled", "_ws_gemm_kernel", len(kernel.asm["cubin"]), flush=True)
     # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor

@@ -41,13 +41,20 @@ def compile_sm90(fn, consts: dict, ints: Iterable[str], ptrs: dict, num_warps: i
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_gluon_sm90(fn, signature: dict, consts: dict, num_warps: int, fp_fusion: bool = FP_FUSION):
+def compile_gluon_sm90(fn, signature: dict, consts: dict, num_warps: int, fp_fusion: bool = FP_FUSION,
+                       aligned: Iterable[str] | None = None):
     """A Gluon kernel ``fn`` compiled for sm_90: ``signature`` names every non-constexpr parameter's type (pointers
     ``*fp16``, scalars ``i32``, tensor descriptors ``tensordesc<fp16[128, 64],layout>``), ``consts`` the constexprs;
-    FMA contraction as ``fp_fusion`` says. Returns Triton's compiled kernel."""
+    FMA contraction as ``fp_fusion`` says; ``aligned`` as :func:`compile_sm90` takes it. Returns Triton's compiled
+    kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = dict(signature, **{name: "constexpr" for name in consts})
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts)
+    attrs = {}
+    if aligned is not None:
+        names = list(inspect.signature(fn.fn).parameters)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                 if n in set(aligned) or sig.get(n, "").startswith("*")}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, enable_fp_fusion=fp_fusion))
 
