@@ -186,8 +186,8 @@ def main() -> None:
         print("compiled", "_ws_gemm_kernel", len(kernel.asm["cubin"]), flush=True)
     # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor
     # descriptors and through pointers, e4m3 QKV (bias) and FFN-down (residual) with row and column scales, e4m3 GELU
-    # with the rows' maxima (GELU's erf in each form: the fit, and libdevice's where TILES keeps it), fp16 and e4m3
-    # QKV with the rotary embedding at heads of 64 (compiled here with FMA contraction on), the 150M-shaped FFN-up
+    # with the rows' maxima (GELU's erf in each form: the fit, and libdevice's where TILES keeps it; and GELU's tanh
+    # form), fp16 and e4m3 QKV with the rotary embedding at heads of 64 (compiled here with FMA contraction on), the 150M-shaped FFN-up
     # tile (two programs a multiprocessor under a register cap); then the
     # attention of 64-token tiles at heads of 64 and of 32
     ints = {"M", "N", "K", "stride_am", "stride_wn", "stride_cm", "stride_rm", "stride_cos", "q_cols"}
@@ -195,6 +195,7 @@ def main() -> None:
                                      ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 3, True, False),
                                      ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 3, True, False),
                                      ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True, gelu="erf"), 1, True, False),
+                                     ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True, gelu="tanh"), 1, True, False),
                                      ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 2, False, False),
                                      ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 0, True, False),
                                      ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 2, True, False),
