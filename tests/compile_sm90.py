@@ -187,8 +187,8 @@ def main() -> None:
     # FastEsm's products with folded epilogues, as kernels.gemm.TILES launches them: fp16 GELU through tensor
     # descriptors and through pointers, e4m3 QKV (bias) and FFN-down (residual) with row and column scales, e4m3 GELU
     # with the rows' maxima (GELU's erf in each form: the fit, and libdevice's where TILES keeps it; and GELU's tanh
-    # form), fp16 and e4m3 QKV with the rotary embedding at heads of 64 (compiled here with FMA contraction on), the 150M-shaped FFN-up
-    # tile (two programs a multiprocessor under a register cap); then the
+    # form), fp16 and e4m3 QKV with the rotary embedding at heads of 64 (compiled here with FMA contraction on), the
+    # 150M-shaped FFN-up tile (two programs a multiprocessor under a register cap); then the
     # attention of 64-token tiles at heads of 64 and of 32
     ints = {"M", "N", "K", "stride_am", "stride_wn", "stride_cm", "stride_rm", "stride_cos", "q_cols"}
     for dt, tile, epi, tma, amax in (("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 1, True, False),

@@ -61,8 +61,9 @@ class TilePlan:
 @dataclass(frozen=True)
 class Tile(TilePlan):
     """One launch plan of this module's kernel: :class:`TilePlan`'s fields, then the epilogue's column parts
-    (``subtile``: 1, 2 or 4 parts of bn / parts columns, less register pressure; True is 2, False 1), whether the tile loop is warp-specialized (loads, products and the
-    epilogue in warps of their own, where Triton offers it), the form of GELU's erf
+    (``subtile``: 1, 2 or 4 parts of bn / parts columns, less register pressure; True is 2, False 1), whether the
+    tile loop is warp-specialized (loads, products and the epilogue in warps of their own, where Triton offers it),
+    the form of GELU's erf
     (:data:`~esm_turbo.kernels.common.GELU_FORMS`) when the epilogue has one, the persistent programs a
     multiprocessor runs (``programs``: with 2, one program's epilogue can run beside the other's products where both
     fit) and a cap on registers a thread (``maxnreg``, None: the compiler's choice)."""

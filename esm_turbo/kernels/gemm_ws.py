@@ -51,7 +51,7 @@ except (ImportError, AttributeError):  # pragma: no cover - an older or a reorga
     GLUON = False
 
 from .common import FP_FUSION, GELU_FORM, GELU_FORMS, gelu
-from .gemm import TilePlan, _tile_coords  # _tile_coords: the Triton kernel's tile order (Gluon calls it as it is)
+from .gemm import TilePlan, _tile_coords, check_rope, tma_aligned  # _tile_coords: the tile order (Gluon calls it)
 
 #: the epilogues this kernel folds
 EPILOGUES = {"bias": 0, "gelu": 1, "rope": 2}
@@ -344,7 +344,6 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, 
             or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} (fp16/bf16/e4m3, K "
                          "contiguous) do not make a product")
-    from .gemm import tma_aligned
     if not tma_aligned(x, w):
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: rows of {k * x.element_size()} bytes (or a start)"
                          " not 16-byte aligned, as the kernel's TMA copies take; gemm() runs such products")
@@ -352,10 +351,9 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, 
         raise ValueError("e4m3 inputs need x_scale and w_scale, and only they take them")
     tile = tile or WsTile()
     if rope is not None:
-        from .gemm import check_rope
         check_rope(rope, m, n, tile)
-    cos, sin = rope if rope is not None else (x_scale, x_scale)
     out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16 if fp8 else x.dtype)
+    cos, sin = rope if rope is not None else (out, out)  # unread but for the rotary epilogue
     chunks = triton.cdiv(n, tile.bn) * (tile.bn // tile.epi_n)
     amax = torch.empty(m, chunks, device=x.device, dtype=torch.float32) if row_amax else out
     if m == 0:
@@ -367,8 +365,6 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, 
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = min(sms, triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn))
     xs = x_scale.reshape(-1).contiguous() if fp8 else out
-    cos = out if cos is None else cos
-    sin = out if sin is None else sin
     _ws_gemm_kernel[(grid,)](a_desc, b_desc, out, bias if bias is not None else out, xs,
                              w_scale if fp8 else out, amax, cos, sin, m, n, k, out.stride(0), amax.stride(0),
                              cos.stride(0) if rope is not None else 0, n // 3, tile.epi_n ** -0.5,
