@@ -19,6 +19,16 @@ CODE_PTRS = dict(k_idx_ptr="*u8", k_sign_ptr="*u8", v_idx_ptr="*u8", v_sign_ptr=
                  k_lay_ptr="*i32", v_lay_ptr="*i32")
 
 
+def _aligned_attrs(fn, sig: dict, aligned: Iterable[str] | None) -> dict:
+    """The specialization attributes a launch gives ``fn`` (signature ``sig``): every pointer and each integer named
+    in ``aligned`` a multiple of 16; none where ``aligned`` is None."""
+    if aligned is None:
+        return {}
+    aligned = set(aligned)
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(inspect.signature(fn.fn).parameters)
+            if n in aligned or sig.get(n, "").startswith("*")}
+
+
 def compile_sm90(fn, consts: dict, ints: Iterable[str], ptrs: dict, num_warps: int = 2, maxnreg: int | None = None,
                  aligned: Iterable[str] | None = None):
     """``fn`` compiled for sm_90 as the wrappers launch it: constexprs from ``consts``, i32 scalars ``ints``, every
@@ -31,12 +41,7 @@ def compile_sm90(fn, consts: dict, ints: Iterable[str], ptrs: dict, num_warps: i
     ints = set(ints)
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: "constexpr" if n in consts else "i32" if n in ints else ptrs.get(n, "*fp32") for n in names}
-    attrs = {}
-    if aligned is not None:
-        aligned = set(aligned)
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if n in aligned or sig[n].startswith("*")}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=_aligned_attrs(fn, sig, aligned))
     options = dict(num_warps=num_warps, enable_fp_fusion=FP_FUSION) | (dict(maxnreg=maxnreg) if maxnreg else {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -49,12 +54,7 @@ def compile_gluon_sm90(fn, signature: dict, consts: dict, num_warps: int, fp_fus
     kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = dict(signature, **{name: "constexpr" for name in consts})
-    attrs = {}
-    if aligned is not None:
-        names = list(inspect.signature(fn.fn).parameters)
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if n in set(aligned) or sig.get(n, "").startswith("*")}
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=_aligned_attrs(fn, sig, aligned))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, enable_fp_fusion=fp_fusion))
 
