@@ -162,11 +162,12 @@ def main() -> None:
                  {"n_rows", "u_stride"}, dict(u_ptr="*bf16", out_ptr="*fp8e4nv", scale_ptr="*fp32"),
                  num_warps=activation.held_warps(5120))
     # products with their epilogue in warps of their own (Gluon: a loader warp, two warp groups of products, the
-    # epilogue's warps): fp16 GELU with a bias (epilogue partitions of 2 + 1 warps, and 1 + 1), bf16 with
-    # none, e4m3 GELU with scales, a bias and the rows' maxima, fp16 and e4m3 QKV with the rotary embedding at heads
-    # of 64 (no FMA contraction), specialized as ESM-2's shapes launch them (N, K and the strides multiples of 16:
-    # 16-byte stores); no spills
+    # epilogue's warps): fp16 GELU with a bias (epilogue partitions of 2 + 1 warps, and 1 + 1; GELU's tanh form),
+    # bf16 with none, e4m3 GELU with scales, a bias and the rows' maxima, fp16 and e4m3 QKV with the rotary embedding
+    # at heads of 64 (no FMA contraction), specialized as ESM-2's shapes launch them (N, K and the strides multiples of
+    # 16: 16-byte stores); no spills
     for dt, epi, has_bias, t in (("fp16", 1, True, gemm_ws.WsTile()), ("fp16", 1, True, gemm_ws.WsTile(epi_warps=1)),
+                                 ("fp16", 1, True, gemm_ws.WsTile(gelu="tanh")),
                                  ("bf16", 0, False, gemm_ws.WsTile()),
                                  ("fp8e4nv", 1, True, gemm_ws.WS_FP8), ("fp16", 2, True, gemm_ws.WsTile()),
                                  ("fp8e4nv", 2, True, gemm_ws.WS_FP8)):

@@ -126,6 +126,12 @@ def test_ws_tiles_in_the_table_run_through_gemm():
     assert (got - want).abs().max().item() <= torch.finfo(torch.float16).eps * want.abs().max().item()
     # epilogue partitions of one warp and one: the same bits as two and one
     assert torch.equal(ws_gemm(x, w, b, "gelu", WsTile(epi_warps=1)), ws_gemm(x, w, b, "gelu", tile))
+    # GELU's tanh form: what the folded kernel computes in that form (to fp16's rounding), not the erf GELU
+    from esm_turbo.kernels.gemm import Tile
+    tanh = ws_gemm(x, w, b, "gelu", WsTile(gelu="tanh")).float()
+    folded = gemm(x, w, b, "gelu", tile=Tile(gelu="tanh")).float()
+    assert (tanh - folded).abs().max().item() <= 2 * torch.finfo(torch.float16).eps * folded.abs().max().item()
+    assert not torch.equal(tanh, want)
 
 
 def test_a_ws_tile_falls_back_to_the_folded_kernel_where_it_cannot_run():
@@ -154,3 +160,8 @@ def test_a_ws_tile_falls_back_to_the_folded_kernel_where_it_cannot_run():
     assert WsTile().chunk_split() == 11 and WsTile(epi_warps=1).chunk_split() == 8
     with pytest.raises(ValueError, match="at least one warp"):
         WsTile(epi_warps2=0)
+    from esm_turbo.kernels.gemm_ws import launch_constants  # the form of GELU goes to the kernel as its code
+    assert launch_constants(WsTile(gelu="tanh"), 1, True, False, False, 132)["GELU"] == 2
+    assert launch_constants(WsTile(), 1, True, False, False, 132)["GELU"] == 1
+    with pytest.raises(ValueError, match="GELU form 'gauss'"):
+        WsTile(gelu="gauss")

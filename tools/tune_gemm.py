@@ -4,14 +4,15 @@ the whole forward with and without the folded epilogues, all in one run. ``--gel
 each form of GELU (esm_turbo.kernels.common.GELU_FORMS: two of its erf, and its tanh approximation) over every tile,
 beside cuBLAS alone, cuBLAS + F.gelu, cuBLASLt's own GELU epilogue (tanh-approximate) and the Triton kernel with the
 bias only (what the epilogue's arithmetic costs); the erf form that wins goes into kernels.gemm.TILES with its tile;
-where the tanh form beats the table's by 2%, the forward and ``Embedder.run`` with it against without (it changes
-the function: the A/B's worst token cosine says by how much in fp16).
+the warp-specialized kernel (esm_turbo.kernels.gemm_ws) in the erfc and tanh forms; where the tanh form (either
+kernel) beats the table's by 2%, the forward and ``Embedder.run`` with it against without (it changes the function:
+the A/B's worst token cosine says by how much in fp16).
 ``--overlap``: FFN-up with GELU over tiles whose epilogue may run beside products (two programs a multiprocessor, the
 epilogue in four column parts; :data:`OVERLAP_TILES`), then, where one beats the table's tile, the forward and
 ``Embedder.run`` with it against the table (DIR/overlap.json).
 
 usage: python tools/tune_gemm.py [--sizes 650M 3B 150M] [--tokens 16384] [--out DIR] [--skip-fp8] [--first N]
-       python tools/tune_gemm.py --gelu-forms [--sizes ...] [--out DIR]
+       python tools/tune_gemm.py --gelu-forms [--sizes ...] [--first N] [--out DIR]
        python tools/tune_gemm.py --overlap [--fp8-overlap] [--sizes ...] [--out DIR]
        python tools/tune_gemm.py --fp8-gelu-ab [--sizes ...] [--out DIR]
        python tools/tune_gemm.py --products qkv:rope [--sizes ...] [--out DIR]   # those rows, then the rotary A/B
@@ -294,14 +295,19 @@ def table_ab(size: str, tokens: int, key: tuple, tile: G.Tile, label: str, copie
              fp8: bool = False) -> list[dict]:
     """:func:`variants_ab` of the library's table as it is ("table", left so) and with ``tile`` at ``key``
     (``label``)."""
-    def use(entry: G.Tile | None):
-        def apply(_fast) -> None:
-            if entry is None:
-                G.TILES.pop(key, None)
-            else:
-                G.TILES[key] = entry
-        return apply
-    return variants_ab(size, tokens, {"table": use(G.TILES.get(key)), label: use(tile)}, copies, fp8)
+    return variants_ab(size, tokens, {"table": table_entry(key, G.TILES.get(key)), label: table_entry(key, tile)},
+                       copies, fp8)
+
+
+def table_entry(key: tuple, entry):
+    """A variant's set-up for :func:`variants_ab`: ``entry`` (a Tile or WsTile; None: no entry, cuBLAS) at ``key`` of
+    the library's table."""
+    def apply(_fast) -> None:
+        if entry is None:
+            G.TILES.pop(key, None)
+        else:
+            G.TILES[key] = entry
+    return apply
 
 
 def variants_ab(size: str, tokens: int, variants: dict, copies: int = 4, fp8: bool = False) -> list[dict]:
@@ -403,16 +409,19 @@ def ffn_up_inputs(size: str, tokens: int) -> tuple:
     return n, k, x, w, b, ref, (F.gelu(F.linear(x, w, b)).double() - ref).abs().max().item()
 
 
-def gelu_rows(size: str, tokens: int) -> dict:
-    """FFN-up at ``tokens`` rows, fp16: every form of GELU over every tile of FP16_TILES (see the module
-    docstring)."""
+def gelu_rows(size: str, tokens: int, first: int | None = None) -> dict:
+    """FFN-up at ``tokens`` rows, fp16: every form of GELU over the table's tile and the tiles of FP16_TILES (its
+    ``first`` only, if given; see the module docstring)."""
     cfg_n, cfg_k, x, w, b, ref, err_base = ffn_up_inputs(size, tokens)
+    table = G.TILES.get((cfg_n, cfg_k, "float16", "gelu"))
+    tiles = ([dataclasses.replace(table, gelu=common.GELU_FORM)] if isinstance(table, G.Tile) else []) + \
+        [t for t in FP16_TILES[:first] if not isinstance(table, G.Tile) or t != dataclasses.replace(table, gelu=t.gelu)]
     row = dict(size=size, n=cfg_n, k=cfg_k, m=tokens, cublas_us=bench(lambda: F.linear(x, w, b)),
                cublas_gelu_us=bench(lambda: F.gelu(F.linear(x, w, b))),
                cublaslt_tanh_gelu_us=bench(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)), forms={})
     for form in ["bias-only", *common.GELU_FORMS]:
         best = None
-        for t in FP16_TILES:
+        for t in tiles:
             epi, tile = ("bias", t) if form == "bias-only" else ("gelu", dataclasses.replace(t, gelu=form))
             try:
                 def run(epi=epi, tile=tile):
@@ -426,7 +435,44 @@ def gelu_rows(size: str, tokens: int) -> dict:
                 best = dict(us=us, err=err, tile=t.__dict__)
         row["forms"][form] = best
         log(f"gelu {size} {form}: {best}")
+    row["ws_forms"] = {}
+    if WS.available(x.device):  # the epilogue in warps of its own, erfc (the kernels' form) and tanh
+        for form in ("erfc", "tanh"):
+            entries = [timed_plan(t, lambda t=t: WS.ws_gemm(x, w, b, "gelu", t), ref, 2 * err_base + 1e-3,
+                                  dict(us=lambda t=t: WS.ws_gemm(x, w, b, "gelu", t)))
+                       for t in (WS.WsTile(gelu=form), WS.WsTile(group_m=16, gelu=form))]
+            row["ws_forms"][form] = best_plan(entries)
+            log(f"gelu {size} ws {form}: {entries}")
     return row
+
+
+def gelu_forms_main(args) -> None:
+    """``--gelu-forms``: :func:`gelu_rows` at each size, printed; then, where GELU's tanh form (the table's tile or
+    warp-specialized) beats the table's own form by 2%, the forward and ``Embedder.run`` with each such plan against
+    the table as it is; gelu_forms.json."""
+    rows = [gelu_rows(size, args.tokens, args.first) for size in args.sizes]
+    ab = []
+    for r in rows:
+        forms = "  ".join(f"{f} {v['us']:.1f}" for f, v in r["forms"].items() if v)
+        ws = "  ".join(f"{f} {v['us']:.1f}" for f, v in r["ws_forms"].items() if v)
+        print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  "
+              f"cuBLASLt tanh-GELU {r['cublaslt_tanh_gelu_us']:.1f}  Triton {forms}" + (f"  warp-specialized {ws}"
+                                                                                     if ws else ""), flush=True)
+        key = (r["n"], r["k"], "float16", "gelu")
+        table = G.TILES.get(key)
+        now = r["forms"].get(table.gelu if isinstance(table, G.Tile) else common.GELU_FORM)
+        plans = {}
+        if r["forms"].get("tanh"):
+            plans["tanh GELU"] = (r["forms"]["tanh"], dataclasses.replace(G.Tile(**r["forms"]["tanh"]["tile"]),
+                                                                            gelu="tanh"))
+        if r["ws_forms"].get("tanh"):
+            plans["ws tanh GELU"] = (r["ws_forms"]["tanh"], WS.WsTile(**r["ws_forms"]["tanh"]["tile"]))
+        winners = {label: tile for label, (e, tile) in plans.items() if now and e["us"] < 0.98 * now["us"]}
+        if winners:
+            ab += variants_ab(r["size"], args.tokens, {"table": table_entry(key, table),
+                                                      **{k: table_entry(key, t) for k, t in winners.items()}})
+    (args.out / "gelu_forms.json").write_text(json.dumps(dict(rows=rows, ab=ab), indent=1))
+    print_ab(ab)
 
 
 def timed_plan(tile, run, ref: torch.Tensor, tol: float, times: dict) -> dict:
@@ -711,21 +757,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if args.gelu_forms:
-        rows = [gelu_rows(size, args.tokens) for size in args.sizes]
-        ab = []
-        for r in rows:
-            forms = "  ".join(f"{f} {v['us']:.1f}" for f, v in r["forms"].items() if v)
-            print(f"{r['size']:5} FFN-up µs: cuBLAS {r['cublas_us']:.1f}  + F.gelu {r['cublas_gelu_us']:.1f}  "
-                  f"cuBLASLt tanh-GELU {r['cublaslt_tanh_gelu_us']:.1f}  Triton {forms}", flush=True)
-            # GELU's tanh form (another function) in the forward where it beats the table's form by 2%
-            key = (r["n"], r["k"], "float16", "gelu")
-            table = G.TILES.get(key)
-            tanh, now = r["forms"].get("tanh"), r["forms"].get(table.gelu if table else common.GELU_FORM)
-            if tanh and now and tanh["us"] < 0.98 * now["us"]:
-                tile = dataclasses.replace(G.Tile(**tanh["tile"]), gelu="tanh")
-                ab += table_ab(r["size"], args.tokens, key, tile, "tanh GELU")
-        (args.out / "gelu_forms.json").write_text(json.dumps(dict(rows=rows, ab=ab), indent=1))
-        print_ab(ab)
+        gelu_forms_main(args)
         return
     if args.fp8_gelu_ab:
         got = fp8_gelu_ab(args.sizes, args.tokens)

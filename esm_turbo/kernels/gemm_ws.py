@@ -66,7 +66,8 @@ class WsTile(TilePlan):
     three epilogue warps can run beside two warp groups of products, where a partition's warps come in powers of
     two. Two and one by default: on an H100 FFN-up with GELU at 650M-shaped took 733 µs in partitions of one warp
     and one, 449 in one partition of two, 397 in two and one (``results/embed/ws_ffn_up_h100.txt``,
-    ``ws_three_warps_h100.txt``)."""
+    ``ws_three_warps_h100.txt``). ``gelu``: the form of GELU (:data:`~esm_turbo.kernels.common.GELU_FORMS`) the
+    ``"gelu"`` epilogue computes."""
 
     epi_warps: int = 2
     epi_m: int = 8
@@ -74,8 +75,11 @@ class WsTile(TilePlan):
     load_regs: int = 24
     epi_regs: int = 152
     epi_warps2: int = 1
+    gelu: str = GELU_FORM
 
     def __post_init__(self):
+        if self.gelu not in GELU_FORMS:
+            raise ValueError(f"GELU form {self.gelu!r}: one of {list(GELU_FORMS)}")
         if min(self.epi_warps, self.epi_warps2) < 1:
             raise ValueError("each of the two epilogue partitions takes at least one warp")
         if self.epi_m % 8 or self.bm % self.epi_m or self.bn % self.epi_n:
@@ -385,7 +389,7 @@ def launch_constants(tile: WsTile, epi: int, has_bias: bool, fp8: bool, row_amax
     maxima or not and ``programs`` persistent programs: what :func:`ws_gemm` launches and what
     tests/compile_sm90.py compiles."""
     return dict(NUM_SMS=programs, BM=tile.bm, BN=tile.bn, BK=tile.bk, STAGES=tile.stages, GROUP_M=tile.group_m,
-                EPI=epi, GELU=GELU_FORMS[GELU_FORM], HAS_BIAS=has_bias, FP8=fp8, AMAX=row_amax, EPI_M=tile.epi_m,
+                EPI=epi, GELU=GELU_FORMS[tile.gelu], HAS_BIAS=has_bias, FP8=fp8, AMAX=row_amax, EPI_M=tile.epi_m,
                 EPI_N=tile.epi_n, EPI_WARPS=tile.epi_warps, LOAD_REGS=tile.load_regs, EPI_REGS=tile.epi_regs,
                 EPI_WARPS2=tile.epi_warps2, SPLIT=tile.chunk_split(), num_warps=tile.warps)
 
