@@ -467,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-keep", type=int, nargs="+", default=[], metavar="BLOCK",
                    help="with --dtype fp8: blocks whose products stay in bf16 (0 the first, -1 the last); the trained "
                         "ESM C testbed holds every FP8 fidelity bar with --fp8-keep 0 (docs/embed-speed.md)")
+    p.add_argument("--gelu", choices=["erf", "tanh"], default=None,
+                   help="ESM-2's GELU: erf (the model's own; the default) or tanh (GELU's tanh approximation: 5-7%% "
+                        "faster on Hopper, embeddings within cosine 0.99999 of erf's; docs/embed-speed.md)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu… (default: cuda when available)")
     p.add_argument("--nogpu", action="store_true", help="run on CPU (fair-esm's flag)")
     p.add_argument("--offload-residual", action="store_true",

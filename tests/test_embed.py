@@ -150,6 +150,33 @@ def test_h5_output_and_resume(stress_dir, fasta, tmp_path):
         assert len(fh.keys()) == 4  # ids, residues and one group per kind: not a group per record
 
 
+def test_gelu_tanh_is_recorded_and_not_mixed_on_resume(stress_dir, fasta, tmp_path, capsys, monkeypatch):
+    """``--gelu tanh``: transformers' model with GELU's tanh approximation in place of its erf GELU is what is written
+    (a little off the erf output), the output says so, and a resume asking for erf GELU is refused in one line;
+    contacts (transformers' path) are refused with it before any work."""
+    import json
+
+    import transformers.models.esm.modeling_esm as modeling_esm
+    out = tmp_path / "pt"
+    args = ["embed", "--model", str(stress_dir), str(fasta), "-o", str(out), "--nogpu", "--quiet"]
+    assert main(args + ["--gelu", "tanh"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["meta"]["gelu"] == "tanh"
+    rid, seq = SEQS[3]
+    got = torch.load(out / f"{safe_name(rid)}.pt")["mean_representations"][3]
+    erf = direct(stress_dir, seq)[0][3][0, 1:-1].mean(0)
+    monkeypatch.setattr(modeling_esm, "gelu", lambda x: torch.nn.functional.gelu(x, approximate="tanh"))
+    want = direct(stress_dir, seq)[0][3][0, 1:-1].mean(0)
+    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(got, erf, atol=1e-6)
+    capsys.readouterr()
+    assert main(args + ["--resume"]) == 2  # --gelu erf, the default
+    err = capsys.readouterr().err.strip()
+    assert "made with gelu tanh, this run asks for erf" in err and len(err.splitlines()) == 1
+    assert main(args + ["--gelu", "tanh", "--resume"]) == 0
+    assert main(["embed", "--model", str(stress_dir), str(fasta), "-o", str(tmp_path / "c"), "--gelu", "tanh",
+                 "--include", "contacts", "--nogpu", "--quiet"]) == 2
+    assert "--gelu tanh runs in FastEsm" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
 def test_bad_input_is_named(stress_dir, tmp_path, capsys):
     bad = tmp_path / "bad.fasta"
     bad.write_text(">ok\nMKV\n>bad one\nMKJV\n>empty\n\n")

@@ -130,6 +130,21 @@ def test_contacts_are_refused_in_one_line(esmc_dir, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_gelu_tanh_is_refused_for_esmc_in_one_line(esmc_dir, tmp_path, capsys):
+    """ESM C's feed-forward is SwiGLU: ``--gelu tanh`` (GELU's tanh form) has nothing to change, and says so."""
+    fasta = tmp_path / "in.fasta"
+    write_fasta(fasta, [("a", "MKV")])
+    code = main(["embed", "--model", str(esmc_dir), str(fasta), "-o", str(tmp_path / "o"), "--gelu", "tanh",
+                 "--nogpu", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "--gelu tanh" in err and "SwiGLU" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    fast = FastEsm.from_hf(stress_esmc(layers=1, hidden=128, heads=2, seed=2))
+    assert fast.gelu is None
+    with pytest.raises(ValueError, match="SwiGLU"):
+        fast.gelu = "tanh"
+
+
 @pytest.mark.parametrize("field, value", [("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"),
                                           ("num_key_value_heads", 1)])
 def test_configs_esmc_does_not_compute_are_refused(esmc_dir, tmp_path, field, value):

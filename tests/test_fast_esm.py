@@ -294,7 +294,7 @@ def test_packed_rope_kernel_is_the_reference_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "swiglu"])
 def test_activation_kernel_matches_the_reference(dtype, kind):
     """One launch (column blocks of 1,024: 2,500 spans three) against the reference: equal in float32 up to the
     transcendental functions' last bit; in bf16 (the reference rounds after every op, the kernel once or twice) no
@@ -342,6 +342,33 @@ def test_fused_forward_matches_the_reference_path(net):
         assert torch.allclose(a[layer], b[layer], atol=2e-5, rtol=1e-5), (layer, (a[layer] - b[layer]).abs().max())
     only = fused(batch, [2])
     assert list(only) == [2] and torch.equal(only[2], b[2])
+
+
+def test_gelu_tanh_computes_the_tanh_approximation_on_both_paths(net, monkeypatch):
+    """FastEsm.gelu = "tanh": transformers' EsmModel with its GELU swapped for F.gelu(approximate="tanh") is what the
+    reference path returns, and the fused path with every product folded (GELU's tanh form in FFN-up's epilogue;
+    kernels under Triton's interpreter on CPU) returns the same; erf GELU's states differ from both, a little."""
+    _needs_triton()
+    import transformers.models.esm.modeling_esm as modeling_esm
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = PackedBatch.from_sequences(SEQS, dev)
+    erf = FastEsm.from_hf(net.to(dev), fused=False)(batch, [3])[3]
+    ref, fused = FastEsm.from_hf(net.to(dev), fused=False), FastEsm.from_hf(net.to(dev), fused=True)
+    assert ref.gelu == "erf"
+    ref.gelu = fused.gelu = "tanh"
+    fused.fused_products = True
+    a, b = ref(batch, [3])[3], fused(batch, [3])[3]
+    assert torch.allclose(a, b, atol=2e-5, rtol=1e-5), (a - b).abs().max()
+    gap = (a - erf).abs().max().item()
+    assert 1e-6 < gap < 0.05 * erf.abs().max().item()
+    ref.gelu = "erf"
+    assert torch.equal(ref(batch, [3])[3], erf)
+    monkeypatch.setattr(modeling_esm, "gelu", lambda x: torch.nn.functional.gelu(x, approximate="tanh"))
+    want = padded_reference(net, SEQS, device=dev)[3]
+    for row, got in enumerate(unpad(a, batch)):
+        assert torch.allclose(got, want[row, : len(got)], atol=2e-5, rtol=1e-5), row
+    with pytest.raises(ValueError, match="gelu 'sigmoid': one of"):
+        ref.gelu = "sigmoid"
 
 
 @needs_cuda

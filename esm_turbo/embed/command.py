@@ -126,7 +126,8 @@ def run_embed(args) -> int:
     rank, world = distributed_context()
     cfg = EmbedConfig(repr_layers=args.repr_layers, include=args.include, toks_per_batch=args.toks_per_batch,
                       truncation_seq_length=args.truncation_seq_length, long_policy=args.long_policy,
-                      window_overlap=args.window_overlap, dtype=args.dtype, fp8_keep=list(args.fp8_keep))
+                      window_overlap=args.window_overlap, dtype=args.dtype, fp8_keep=list(args.fp8_keep),
+                      gelu=args.gelu)
     cfg.check()
     device = torch.device("cpu" if args.nogpu else (args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     if device.type == "cuda" and world > 1 and device.index is None:
@@ -140,7 +141,7 @@ def run_embed(args) -> int:
     layers = known_layer_count(str(args.model))
     meta = dict(model=str(args.model), dtype=dtype_name, include=sorted(set(cfg.include)),
                 truncation_seq_length=cfg.truncation_seq_length, long_policy=cfg.long_policy,
-                window_overlap=cfg.window_overlap)
+                window_overlap=cfg.window_overlap, gelu=cfg.gelu or "erf")
     if cfg.dtype == "fp8":
         meta["fp8_keep"] = sorted(cfg.fp8_keep)
     if layers is not None:

@@ -56,6 +56,7 @@ class EmbedConfig:
     window_overlap: int | None = None  # default: 256, at most a quarter of the window
     dtype: str = "auto"  # auto (fp16 on CUDA, fp32 elsewhere) | fp32 | fp16 | bf16 | fp8 (FP8 products, bf16 around)
     fp8_keep: list[int] = field(default_factory=list)  # fp8: blocks whose products stay in bf16 (FastEsm.to_fp8)
+    gelu: str | None = None  # erf (ESM-2's own GELU) | tanh (its approximation, faster: FastEsm.gelu) | None: as is
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the model's activations take on ``device``: ``dtype`` (bf16 for fp8, whose matrix products
@@ -75,6 +76,10 @@ class EmbedConfig:
             raise EsmTurboError(f"--dtype {self.dtype!r}: choose auto, fp32, fp16, bf16 or fp8")
         if self.fp8_keep and self.dtype != "fp8":
             raise EsmTurboError("--fp8-keep names blocks kept out of FP8: it goes with --dtype fp8")
+        if self.gelu not in (None, "erf", "tanh"):
+            raise EsmTurboError(f"--gelu {self.gelu!r}: choose erf or tanh")
+        if self.gelu == "tanh" and "contacts" in self.include:
+            raise EsmTurboError("--gelu tanh runs in FastEsm, which has no attention maps: contacts need --gelu erf")
         if self.dtype == "fp8" and "contacts" in self.include:
             raise EsmTurboError("--dtype fp8 runs in FastEsm, which has no attention maps: contacts need fp16, bf16 "
                                 "or fp32")
@@ -203,6 +208,10 @@ class Embedder:
             self.num_layers = self.model.config.num_hidden_layers
             self.model.config._attn_implementation = "eager" if self.padded else "sdpa"
             self.fast = None if self.padded else FastEsm.from_hf(self.model)
+        if config.gelu is not None and self.fast is not None and self.fast.gelu != config.gelu:
+            if self.fast.gelu is None:
+                raise EsmTurboError(f"--gelu {config.gelu}: {family.label}'s feed-forward is SwiGLU, not GELU")
+            self.fast.gelu = config.gelu
         self.layers = resolve_layers(config.repr_layers, self.num_layers)
 
     def warm_up(self) -> None:

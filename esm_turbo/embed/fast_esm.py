@@ -109,11 +109,13 @@ def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor
 
 
 def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """The feed-forward's nonlinearity: ``"gelu"`` exact erf GELU ([N, F] → [N, F]), ``"swiglu"`` silu(gate) · up of
-    the stacked [N, 2F] (gate first) → [N, F]."""
+    """The feed-forward's nonlinearity: ``"gelu"`` exact erf GELU ([N, F] → [N, F]; ``"gelu_tanh"``: its tanh
+    approximation), ``"swiglu"`` silu(gate) · up of the stacked [N, 2F] (gate first) → [N, F]."""
     if kind == "swiglu":
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
@@ -168,6 +170,10 @@ class BlockTensors(NamedTuple):
         it = iter(leaves)
         return BlockTensors(*(Fp8Weight(next(it), next(it)) if isinstance(v, Fp8Weight)
                               else next(it) if isinstance(v, torch.Tensor) else v for v in self))
+
+
+#: FastEsm.gelu's forms → the feed-forward's activation kind
+GELU_CHOICES = {"erf": "gelu", "tanh": "gelu_tanh"}
 
 
 class FastEsmBlock(nn.Module):
@@ -446,14 +452,37 @@ class FastEsm(nn.Module):
             head = self.lm_head
             for name in ("dense_w", "dense_b", "norm_w", "norm_b", "bias", "decoder"):
                 setattr(head, name, getattr(head, name).to(dtype))
-        # the captured graphs go, and with the last one its memory pool: the next capture makes a new pool (a pool
-        # no graph holds any more is freed, and capturing into its handle again fails inside PyTorch's allocator)
-        self._graphs, self._block_graph, self._packed, self._block_pool = {}, None, None, None
+        self._drop_graphs()
         return self
+
+    def _drop_graphs(self) -> None:
+        """The captured graphs go, and with the last one its memory pool: the next capture makes a new pool (a pool
+        no graph holds any more is freed, and capturing into its handle again fails inside PyTorch's allocator)."""
+        self._graphs, self._block_graph, self._packed, self._block_pool = {}, None, None, None
 
     @property
     def is_fp8(self) -> bool:
         return any(b.fp8 is not None for b in self.blocks)
+
+    @property
+    def gelu(self) -> str | None:
+        """ESM-2's GELU as the forward computes it: ``"erf"`` (the model's own, the default) or ``"tanh"`` (GELU's
+        tanh approximation, ``F.gelu(approximate="tanh")``: another function, within 4.8e-4 of erf GELU everywhere;
+        on Hopper its FFN-up kernel takes 0.73–0.89× the erf one's time, :data:`~esm_turbo.kernels.gemm.TILES`, the
+        forward 0.93–0.95×; docs/embed-speed.md has its fidelity). None for a model without GELU (ESM C's SwiGLU).
+        Setting it drops the captured CUDA graphs."""
+        acts = {b.activation for b in self.blocks}
+        return None if acts == {"swiglu"} else "tanh" if acts == {"gelu_tanh"} else "erf"
+
+    @gelu.setter
+    def gelu(self, form: str) -> None:
+        if form not in GELU_CHOICES:
+            raise ValueError(f"gelu {form!r}: one of {list(GELU_CHOICES)}")
+        if self.gelu is None:
+            raise ValueError(f"gelu {form!r}: this model's feed-forward has no GELU ({self.family.name}: SwiGLU)")
+        for b in self.blocks:
+            b.activation = GELU_CHOICES[form]
+        self._drop_graphs()
 
     # ---- the forward -----------------------------------------------------------------------------
     def uses_kernels(self) -> bool:
@@ -630,15 +659,17 @@ class FastEsm(nn.Module):
         a = attend(q, k, v, i - 1)
         a = activation_triton(a, "none", fp8=True) if fp8 else a
         h, x = self._residual(h, a, t.w_o, t.b_o, (t.ffn_w, t.ffn_b), inv_scale, fp8, policy, then=t.w_1)
-        if b.activation == "gelu" and folds(x, t.w_1, "gelu", policy):  # bias and GELU in the epilogue
+        act = b.activation  # "gelu", "gelu_tanh" (FastEsm.gelu) or "swiglu"
+        if act != "swiglu" and folds(x, t.w_1, act, policy):  # bias and GELU in the epilogue
             if fp8:  # the rows' maxima come with it: one read of the activation to quantize it
-                f, amax = product(x, t.w_1, t.b_1, "gelu", row_amax=True)
+                f, amax = product(x, t.w_1, t.b_1, act, row_amax=True)
                 f = activation_triton(f, "none", fp8=True, amax=amax)
             else:
-                f = product(x, t.w_1, t.b_1, "gelu")
+                f = product(x, t.w_1, t.b_1, act)
         else:
             u = product(x, t.w_1, t.b_1, kernel=False)
-            f = F.gelu(u) if b.activation == "gelu" and not fp8 else activation_triton(u, b.activation, fp8=fp8)
+            f = (F.gelu(u, approximate="tanh" if act == "gelu_tanh" else "none") if act != "swiglu" and not fp8
+                 else activation_triton(u, act, fp8=fp8))
         fp8_next = (fp8 and not last) if fp8_next is None else fp8_next
         return self._residual(h, f, t.w_2, t.b_2, (t.after_w, t.after_b), inv_scale, fp8_next, policy, then=then,
                               into=into)
@@ -801,5 +832,5 @@ class _GraphedEmbed:
         return self.out
 
 
-__all__ = ["FastEsm", "FastEsmBlock", "PackedBatch", "activation", "attention_inputs", "block_output",
+__all__ = ["FastEsm", "FastEsmBlock", "GELU_CHOICES", "PackedBatch", "activation", "attention_inputs", "block_output",
            "pack_sequences"]

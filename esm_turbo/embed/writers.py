@@ -35,7 +35,7 @@ MAX_NAME_BYTES = 200
 MANIFEST = "manifest.json"
 #: what must match between an output and a run that adds to it (``--resume``)
 MATCHED = ("model_fingerprint", "dtype", "repr_layers", "include", "truncation_seq_length", "long_policy",
-           "window_overlap", "fp8_keep")
+           "window_overlap", "fp8_keep", "gelu")
 
 
 def safe_name(rid: str) -> str:

@@ -1,16 +1,18 @@
 """FastEsm's feed-forward nonlinearity and the e4m3 row quantization of an FP8 product's input, in one pass (Triton).
 
 ``activation_triton(u, kind, fp8)``: ``kind`` ``"gelu"`` (erf GELU, :func:`~esm_turbo.kernels.common.gelu`;
-u [N, F] → [N, F]), ``"swiglu"`` (ESM C: silu(gate) · up of u [N, 2F], gate first → [N, F]) or ``"none"``; the result
-rounded to u's dtype, as the reference (:func:`~esm_turbo.embed.fast_esm.activation`) rounds it. ``fp8``: then
-quantized to e4m3 with one scale per row (:func:`~esm_turbo.embed.fp8.quantize_rows` of the reference's result),
-returned as :class:`~esm_turbo.embed.fp8.Fp8Rows`. Eagerly that is four passes over the activations for SwiGLU and
+u [N, F] → [N, F]; ``"gelu_tanh"``: its tanh approximation), ``"swiglu"`` (ESM C: silu(gate) · up of u [N, 2F],
+gate first → [N, F]) or ``"none"``; the result rounded to u's dtype, as the reference
+(:func:`~esm_turbo.embed.fast_esm.activation`) rounds it. ``fp8``: then quantized to e4m3 with one scale per row
+(:func:`~esm_turbo.embed.fp8.quantize_rows` of the reference's result), returned as
+:class:`~esm_turbo.embed.fp8.Fp8Rows`. Eagerly that is four passes over the activations for SwiGLU and
 five more for the quantization (a float32 copy, abs, max, divide, cast); here one read of u and one write, two reads
 of u with FP8 where a row is too wide to hold (the row's maximum first, then the values; the second read mostly from
 L2), else one (:data:`HOLD_ROWS`). For GELU the first sweep
 evaluates no GELU (:data:`GELU_AMAX_FROM_BOUNDS`): GELU falls to its minimum at :data:`GELU_ARGMIN` and rises on
 either side, so a row's largest |GELU| is that of its largest value, of its largest value left of the minimum or of
-its smallest value right of it and below zero: three reductions, then GELU of three values a row.
+its smallest value right of it and below zero: three reductions, then GELU of three values a row (erf GELU only;
+the tanh form's maxima come from GELU over the row).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import triton.language as tl
 
 from .common import GELU_FORM, GELU_FORMS, gelu
 
-KINDS = {"none": 0, "gelu": 1, "swiglu": 2}
+KINDS = {"none": 0, "gelu": 1, "gelu_tanh": 1, "swiglu": 2}
 #: where x·Φ(x) is least (GELU(x) = −0.16997…): it falls on (−∞, GELU_ARGMIN] and rises after
 GELU_ARGMIN = -0.7517915246935645
 #: the FP8 GELU launch finds each row's largest |GELU| from the row's three bounding values (one GELU a row, not one a
@@ -176,19 +178,20 @@ def activation_triton(u: torch.Tensor, kind: str, fp8: bool = False, amax: torch
     if amax is not None and (not fp8 or amax.shape != (n,) or amax.dtype != torch.float32):
         raise ValueError(f"amax {tuple(amax.shape)} {amax.dtype} goes with fp8 and is [{n}] float32")
     f = width // 2 if kind == "swiglu" else width
+    form = GELU_FORMS["tanh" if kind == "gelu_tanh" else GELU_FORM]
     out = torch.empty(n, f, device=u.device, dtype=torch.float8_e4m3fn if fp8 else u.dtype)
     scale = torch.empty(n, 1, device=u.device, dtype=torch.float32) if fp8 else out
     hi, lo = held_chunks(f) if fp8 and amax is None and HOLD_ROWS and f else (0, 0)
     if 0 < hi + lo <= HELD_MAX:
         _held_rows_kernel[(n,)](u, out, scale, n, u.stride(0), F=f, HI=hi, LO=lo, KIND=KINDS[kind],
-                                GELU=GELU_FORMS[GELU_FORM], num_warps=held_warps(f))
+                                GELU=form, num_warps=held_warps(f))
         from ..embed.fp8 import Fp8Rows
         return Fp8Rows(out, scale)
     block = min(1024, triton.next_power_of_2(f))
     rows = max(1, min(16, 4096 // block))
     _activation_kernel[(triton.cdiv(n, rows),)](u, out, scale, scale if amax is None else amax, n, u.stride(0), F=f,
                                                 BLOCK=block, ROWS=rows, KIND=KINDS[kind], FP8=fp8,
-                                                KNOWN_AMAX=amax is not None, GELU=GELU_FORMS[GELU_FORM],
+                                                KNOWN_AMAX=amax is not None, GELU=form,
                                                 BOUNDS=kind == "gelu" and GELU_AMAX_FROM_BOUNDS, ARGMIN=GELU_ARGMIN,
                                                 num_warps=4)
     if not fp8:

@@ -6,7 +6,8 @@ and w [N, K] (fp16 or bf16; or e4m3 with one float32 scale per row of x and per 
 
 * ``"bias"``: y, rounded to the output dtype (what ``F.linear`` returns);
 * ``"gelu"``: erf GELU of the rounded y (:func:`~esm_turbo.kernels.common.gelu`), rounded again
-  (``F.gelu(F.linear(x, w, b))``: ESM-2's FFN-up);
+  (``F.gelu(F.linear(x, w, b))``: ESM-2's FFN-up); ``"gelu_tanh"``: GELU's tanh approximation instead
+  (``F.gelu(..., approximate="tanh")``, the tile's GELU form set to ``"tanh"``: FastEsm's ``gelu="tanh"``);
 * ``"residual"``: ``h + y`` (h [M, N] the residual stream), or with ``residual_scale`` s ≠ 1 ``h + y · s`` summed
   in float32 and rounded once (the output projections: ``add_layer_norm_reference``'s sum). The LayerNorm after it
   then reads one tensor, not two;
@@ -30,7 +31,7 @@ Tile shapes come from :data:`TILES` per product shape, dtype and epilogue (measu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +43,8 @@ from .common import GELU_FORM, GELU_FORMS, gelu, num_sms, sm90
 if TYPE_CHECKING:
     from .gemm_split import SplitTile
 
-EPILOGUES = {"bias": 0, "gelu": 1, "residual": 2, "rope": 3}
+#: epilogue → the kernel's code ("gelu_tanh" is the GELU code with the tile's form set to "tanh")
+EPILOGUES = {"bias": 0, "gelu": 1, "gelu_tanh": 1, "residual": 2, "rope": 3}
 
 
 @dataclass(frozen=True)
@@ -80,12 +82,52 @@ class Tile(TilePlan):
             raise ValueError(f"a tile's epilogue parts (subtile) are 1, 2 or 4 dividing bn, not {self.subtile}")
 
 
+@dataclass(frozen=True)
+class WsTile(TilePlan):
+    """One launch plan of :func:`~esm_turbo.kernels.gemm_ws.ws_gemm`: :class:`TilePlan`'s fields (the products in
+    ``warps`` warps: bm / 16 warps of 16 rows; ``stages``: the ring's slots), then the epilogue's warps and its row
+    and column chunk, the registers the loader and the epilogue keep (the products take the rest). The epilogue runs
+    in two partitions of ``epi_warps`` and ``epi_warps2`` warps, the second taking the tile's last row chunks
+    (:meth:`chunk_split`): so three epilogue warps can run beside two warp groups of products, where a partition's
+    warps come in powers of two. Two and one by default: on an H100 FFN-up with GELU at 650M-shaped took 733 µs in
+    partitions of one warp and one, 449 in one partition of two, 397 in two and one
+    (``results/embed/ws_ffn_up_h100.txt``, ``ws_three_warps_h100.txt``). ``gelu``: the form of GELU
+    (:data:`~esm_turbo.kernels.common.GELU_FORMS`) the ``"gelu"`` epilogue computes."""
+
+    epi_warps: int = 2
+    epi_m: int = 8
+    epi_n: int = 64
+    load_regs: int = 24
+    epi_regs: int = 152
+    epi_warps2: int = 1
+    gelu: str = GELU_FORM
+
+    def __post_init__(self):
+        if self.gelu not in GELU_FORMS:
+            raise ValueError(f"GELU form {self.gelu!r}: one of {list(GELU_FORMS)}")
+        if min(self.epi_warps, self.epi_warps2) < 1:
+            raise ValueError("each of the two epilogue partitions takes at least one warp")
+        if self.epi_m % 8 or self.bm % self.epi_m or self.bn % self.epi_n:
+            raise ValueError(f"an epilogue chunk of {self.epi_m} x {self.epi_n} does not tile {self.bm} x {self.bn} "
+                             "in rows of a multiple of 8")
+
+    def chunk_split(self) -> int:
+        """The first of the bm / epi_m row chunks that the second epilogue partition takes: the chunks shared in
+        proportion to the two partitions' warps."""
+        return round(self.bm // self.epi_m * self.epi_warps / (self.epi_warps + self.epi_warps2))
+
+    def shared_bytes(self, elem: int = 2) -> int:
+        """Shared memory the plan takes for inputs of ``elem`` bytes (2: fp16/bf16, 1: e4m3, whose sums are handed
+        over in float32): the ring's slots and the handed tile (barriers aside)."""
+        return self.stages * (self.bm + self.bn) * self.bk * elem + self.bm * self.bn * (2 if elem == 2 else 4)
+
+
 #: the products where the kernel, its epilogue folded in, measured faster than cuBLAS followed by the separate pass
 #: (a :class:`~esm_turbo.kernels.gemm_ws.WsTile` runs the epilogue in warps of its own where that kernel runs)
 #: (``tools/tune_gemm.py`` on an H200, 16,384 rows, each against ``F.linear`` / ``torch._scaled_mm`` and the pointwise
 #: kernel it replaces, timed in the same run), and the tile that won: (N, K, input dtype, epilogue) → Tile. Products
 #: not listed run in cuBLAS (:mod:`esm_turbo.embed.products`).
-TILES: dict[tuple[int, int, str, str], Tile] = {
+TILES: dict[tuple[int, int, str, str], Tile | WsTile] = {
     # fp16 FFN-up with GELU (``tune_gemm.py --gelu-forms``), ESM-2 650M: 420 µs against cuBLAS's 306 + F.gelu's 150
     # (libdevice's erf: 450); 150M: 138 against 91 + 54 (erf: 153); 3B: 1,511 against 1,289 + 227 (erfc: 1,538)
     (5120, 1280, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True),
@@ -94,6 +136,13 @@ TILES: dict[tuple[int, int, str, str], Tile] = {
     # forward 15.29 → 15.09 ms and ``Embedder.run`` 976K → 990K tokens/s; at 650M and 3B no such tile won
     (2560, 640, "float16", "gelu"): Tile(128, 128, 64, 3, 8, 8, 2, programs=2, maxnreg=128),
     (10240, 2560, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True, gelu="erf"),
+    # fp16 FFN-up with GELU's tanh approximation (FastEsm ``gelu="tanh"``), the epilogue in warps of its own
+    # (``tune_gemm.py --gelu-forms``, H100, ``results/embed/gelu_tanh_h100.txt``): 650M 340 µs against 371 for the
+    # tanh form in this kernel and 419 for the erfc row above (cuBLAS 306); 150M 102 against 114 and 134 (cuBLAS 93);
+    # 3B 1,324 against 1,414 and 1,489 (cuBLAS 1,163)
+    (5120, 1280, "float16", "gelu_tanh"): WsTile(group_m=16, gelu="tanh"),
+    (2560, 640, "float16", "gelu_tanh"): WsTile(gelu="tanh"),
+    (10240, 2560, "float16", "gelu_tanh"): WsTile(group_m=16, gelu="tanh"),
     # e4m3, the QKV projections (bias only): 151 µs against torch._scaled_mm's 162 (650M); 556 against 578 (3B)
     (3840, 1280, "float8_e4m3fn", "bias"): Tile(128, 256, 128, 4, 8, 8, True),
     (7680, 2560, "float8_e4m3fn", "bias"): Tile(256, 128, 128, 3, 8, 8, False),
@@ -333,12 +382,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != out_dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} is not the [{m}, {n}] {out_dtype} output")
     tile = tile or tile_for(n, k, x.dtype, epilogue)
+    if epilogue == "gelu_tanh":  # GELU's tanh form, whatever tile computes it
+        tile, epilogue = replace(tile, gelu="tanh"), "gelu"
     if not isinstance(tile, Tile):  # a WsTile: the epilogue in warps of its own (kernels.gemm_ws), where it runs
         from .gemm_ws import EPILOGUES as WS_EPILOGUES, available, ws_gemm
         if (epilogue in WS_EPILOGUES and split is None and m and tma is not False and available(x.device)
                 and tma_aligned(x, w)):
             return ws_gemm(x, w, bias, epilogue, tile, x_scale, w_scale, row_amax, rope)
-        tile = default_tile(n, k, x.dtype)
+        tile = replace(default_tile(n, k, x.dtype), gelu=tile.gelu)
     if tile.gelu not in GELU_FORMS:
         raise ValueError(f"tile's GELU form {tile.gelu!r}: one of {list(GELU_FORMS)}")
     if (epilogue == "rope") != (rope is not None):
@@ -415,7 +466,8 @@ def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
 
 def epilogue_reference(y: torch.Tensor, epilogue: str, residual: torch.Tensor | None = None,
                        residual_scale: float = 1.0, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """An epilogue's op on a product's rounded output y [M, N], rounded once: ``F.gelu``, or the residual sum
+    """An epilogue's op on a product's rounded output y [M, N], rounded once: ``F.gelu`` (``"gelu_tanh"``: its tanh
+    approximation), or the residual sum
     (:func:`~esm_turbo.kernels.norm.residual_sum`), or the rotary embedding of the queries and keys
     (:func:`~esm_turbo.kernels.rope.rope_packed_reference` written over them; ``rope`` = (cos, sin)), or nothing for
     ``"bias"``."""
@@ -427,14 +479,14 @@ def epilogue_reference(y: torch.Tensor, epilogue: str, residual: torch.Tensor | 
         out = y.clone()
         out[:, :dim], out[:, dim: 2 * dim] = q.flatten(1), k.flatten(1)
         return out
-    if epilogue == "gelu":
+    if epilogue in ("gelu", "gelu_tanh"):
         import torch.nn.functional as F
-        return F.gelu(y)
+        return F.gelu(y, approximate="tanh" if epilogue == "gelu_tanh" else "none")
     if epilogue == "residual":
         from .norm import residual_sum
         return residual_sum(residual, y, residual_scale)
     return y
 
 
-__all__ = ["EPILOGUES", "TILES", "Tile", "TilePlan", "check_rope", "default_tile", "epilogue_reference", "gemm",
-           "gemm_reference", "measured", "rope_fits", "tile_for", "tma_aligned", "tma_supported"]
+__all__ = ["EPILOGUES", "TILES", "Tile", "TilePlan", "WsTile", "check_rope", "default_tile", "epilogue_reference",
+           "gemm", "gemm_reference", "measured", "rope_fits", "tile_for", "tma_aligned", "tma_supported"]

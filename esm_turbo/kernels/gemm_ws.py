@@ -33,8 +33,6 @@ whether this process can run it. Reference: :func:`~esm_turbo.kernels.gemm.gemm_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 
@@ -50,51 +48,11 @@ try:  # Gluon is experimental: its module names move between Triton releases
 except (ImportError, AttributeError):  # pragma: no cover - an older or a reorganised Triton
     GLUON = False
 
-from .common import FP_FUSION, GELU_FORM, GELU_FORMS, gelu
-from .gemm import TilePlan, _tile_coords, check_rope, tma_aligned  # _tile_coords: the tile order (Gluon calls it)
+from .common import FP_FUSION, GELU_FORMS, gelu
+from .gemm import WsTile, _tile_coords, check_rope, tma_aligned  # _tile_coords: the tile order (Gluon calls it)
 
 #: the epilogues this kernel folds
 EPILOGUES = {"bias": 0, "gelu": 1, "rope": 2}
-
-
-@dataclass(frozen=True)
-class WsTile(TilePlan):
-    """One launch plan: :class:`~esm_turbo.kernels.gemm.TilePlan`'s fields (the products in ``warps`` warps: bm / 16
-    warps of 16 rows; ``stages``: the ring's slots), then the epilogue's warps and its row and column chunk, the
-    registers the loader and the epilogue keep (the products take the rest). The epilogue runs in two partitions of
-    ``epi_warps`` and ``epi_warps2`` warps, the second taking the tile's last row chunks (:meth:`chunk_split`): so
-    three epilogue warps can run beside two warp groups of products, where a partition's warps come in powers of
-    two. Two and one by default: on an H100 FFN-up with GELU at 650M-shaped took 733 µs in partitions of one warp
-    and one, 449 in one partition of two, 397 in two and one (``results/embed/ws_ffn_up_h100.txt``,
-    ``ws_three_warps_h100.txt``). ``gelu``: the form of GELU (:data:`~esm_turbo.kernels.common.GELU_FORMS`) the
-    ``"gelu"`` epilogue computes."""
-
-    epi_warps: int = 2
-    epi_m: int = 8
-    epi_n: int = 64
-    load_regs: int = 24
-    epi_regs: int = 152
-    epi_warps2: int = 1
-    gelu: str = GELU_FORM
-
-    def __post_init__(self):
-        if self.gelu not in GELU_FORMS:
-            raise ValueError(f"GELU form {self.gelu!r}: one of {list(GELU_FORMS)}")
-        if min(self.epi_warps, self.epi_warps2) < 1:
-            raise ValueError("each of the two epilogue partitions takes at least one warp")
-        if self.epi_m % 8 or self.bm % self.epi_m or self.bn % self.epi_n:
-            raise ValueError(f"an epilogue chunk of {self.epi_m} x {self.epi_n} does not tile {self.bm} x {self.bn} "
-                             "in rows of a multiple of 8")
-
-    def chunk_split(self) -> int:
-        """The first of the bm / epi_m row chunks that the second epilogue partition takes: the chunks shared in
-        proportion to the two partitions' warps."""
-        return round(self.bm // self.epi_m * self.epi_warps / (self.epi_warps + self.epi_warps2))
-
-    def shared_bytes(self, elem: int = 2) -> int:
-        """Shared memory the plan takes for inputs of ``elem`` bytes (2: fp16/bf16, 1: e4m3, whose sums are handed
-        over in float32): the ring's slots and the handed tile (barriers aside)."""
-        return self.stages * (self.bm + self.bn) * self.bk * elem + self.bm * self.bn * (2 if elem == 2 else 4)
 
 
 #: the plan for e4m3 inputs: their float32 sums are handed over (64 KiB for 128 × 128), the ring's slots 128 wide in

@@ -39,10 +39,10 @@ class StepProduct:
 
     def __call__(self, x: torch.Tensor, epilogue: str = "bias", residual: torch.Tensor | None = None,
                  residual_scale: float = 1.0) -> torch.Tensor:
-        """x [N, K] times the linears plus their biases, then ``epilogue`` (``"bias"``, ``"gelu"``, ``"residual"``:
-        residual + y · residual_scale, residual [N, ΣM]), in x's dtype."""
+        """x [N, K] times the linears plus their biases, then ``epilogue`` (``"bias"``, ``"gelu"``, ``"gelu_tanh"``
+        (in PyTorch), ``"residual"``: residual + y · residual_scale, residual [N, ΣM]), in x's dtype."""
         from ..kernels.gemm import epilogue_reference
-        if not self.kernel(x):
+        if not self.kernel(x) or epilogue == "gelu_tanh":  # the 4-bit kernels' GELU is erf GELU
             y = torch.cat([m.rotate_input(x) @ m.rotated_weight(x.dtype).T
                            + (0 if m.bias is None else m.bias.to(x.dtype)) for m in self.linears], dim=-1)
             return epilogue_reference(y, epilogue, residual, residual_scale)
