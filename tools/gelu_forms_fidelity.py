@@ -1,7 +1,9 @@
 """ESM-2 with GELU's tanh approximation in place of its erf GELU (``kernels.common.GELU_FORMS["tanh"]``): how far the
 model moves, in float32 on the CPU, the functions the only difference. For each checkpoint: masked-LM perplexity on
 the sequences with 15% of residues masked (the same positions both ways) and the last layer's embeddings (each
-sequence's mean over its residues, and each residue) against the erf model's:
+sequence's mean over its residues, and each residue) against the erf model's. Then the flash-attention rule's
+question in fp16 and bf16: the last layer's largest |error| against the float32 erf model, for the erf model in that
+dtype (the rounding's own error) and for the tanh form in it:
 
     python tools/gelu_forms_fidelity.py ../shared/testbed/esm2_8M_trained ../shared/testbed/esm2_d64_trained \\
         --out results/embed/gelu_forms_fidelity_cpu.txt
@@ -25,9 +27,11 @@ def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def measure(model: EsmForMaskedLM, tok: EsmTokenizer, seqs: list[str], act) -> tuple[float, list[torch.Tensor]]:
-    """Masked-LM perplexity over ``seqs`` (15% of each sequence's residues masked, seeded) and each sequence's last
-    hidden states [L, d], with transformers' ESM GELU replaced by ``act``."""
+def measure(model: EsmForMaskedLM, tok: EsmTokenizer, seqs: list[str], act,
+            perplexity: bool = True) -> tuple[float, list[torch.Tensor]]:
+    """Masked-LM perplexity over ``seqs`` (15% of each sequence's residues masked, seeded; NaN without
+    ``perplexity``) and each sequence's last hidden states [L, d] in float32, with transformers' ESM GELU replaced by
+    ``act``."""
     erf_gelu, modeling_esm.gelu = modeling_esm.gelu, act  # the module's layers look the function up at call time
     try:
         gen = torch.Generator().manual_seed(0)
@@ -35,7 +39,9 @@ def measure(model: EsmForMaskedLM, tok: EsmTokenizer, seqs: list[str], act) -> t
         with torch.no_grad():
             for s in seqs:
                 ids = tok(s, return_tensors="pt")["input_ids"]
-                states.append(model(ids, output_hidden_states=True).hidden_states[-1][0, 1:-1])
+                states.append(model(ids, output_hidden_states=True).hidden_states[-1][0, 1:-1].float())
+                if not perplexity:
+                    continue
                 mask = torch.rand(ids.shape, generator=gen) < 0.15
                 mask[0, 0] = mask[0, -1] = False
                 masked = ids.masked_fill(mask, tok.mask_token_id)
@@ -44,7 +50,7 @@ def measure(model: EsmForMaskedLM, tok: EsmTokenizer, seqs: list[str], act) -> t
                 count += int(mask.sum())
     finally:
         modeling_esm.gelu = erf_gelu
-    return math.exp(nll / count), states
+    return math.exp(nll / count) if count else math.nan, states
 
 
 def main() -> None:
@@ -68,6 +74,14 @@ def main() -> None:
                      f"({100 * (ppl_tanh / ppl_erf - 1):+.3f}%); worst mean embedding cos {mean_cos:.6f}, "
                      f"worst residue cos {residue_cos:.6f}")
         print(lines[-1], flush=True)
+        for dtype in (torch.float16, torch.bfloat16):
+            low = EsmForMaskedLM.from_pretrained(path, dtype=dtype).eval()
+            err = {form: max((a - b).abs().max().item() for a, b in
+                             zip(erf_states, measure(low, tok, seqs, act, perplexity=False)[1]))
+                   for form, act in (("erf", modeling_esm.gelu), ("tanh", tanh_gelu))}
+            lines.append(f"    {str(dtype).removeprefix('torch.')}: last layer's largest |error| against float32 erf: "
+                         f"erf {err['erf']:.4g}, tanh {err['tanh']:.4g} ({err['tanh'] / err['erf']:.2f}x)")
+            print(lines[-1], flush=True)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
 
