@@ -282,11 +282,12 @@ def test_gelu_row_maxima_from_the_rows_bounds_are_the_maxima_of_gelu(monkeypatch
     assert (want.scale > 1.1754943508222875e-38).sum() == len(rows) - 1  # only the row of zeros takes the floor
 
 
-@pytest.mark.parametrize("kind", ["gelu", "swiglu", "none"])
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "swiglu", "none"])
 @pytest.mark.parametrize("width", [700, 1024, 1920])
 def test_held_rows_give_the_codes_of_the_two_sweeps(monkeypatch, kind, width):
     """activation_triton(fp8=True) with each row held in registers (HOLD_ROWS: one read of u, its columns in two
-    power-of-two chunks, the second masked or absent) gives the codes and scales of the two sweeps bit for bit."""
+    power-of-two chunks, the second masked or absent) gives the codes and scales of the two sweeps bit for bit; GELU's
+    tanh form (whose row maxima come from GELU over the row) gives the scales of the reference's quantization."""
     from esm_turbo.kernels import activation as A
     assert A.held_chunks(700) == (512, 256) and A.held_chunks(1024) == (1024, 0) and A.held_chunks(1920) == (1024, 1024)
     gen = torch.Generator().manual_seed(width)
@@ -298,6 +299,10 @@ def test_held_rows_give_the_codes_of_the_two_sweeps(monkeypatch, kind, width):
     monkeypatch.setattr(A, "HOLD_ROWS", True)
     held = A.activation_triton(u, kind, fp8=True)
     assert torch.equal(held.scale, two.scale) and torch.equal(held.q.float(), two.q.float())
+    if kind == "gelu_tanh":
+        from esm_turbo.embed.fp8 import quantize_rows
+        _, scale = quantize_rows(torch.nn.functional.gelu(u.float(), approximate="tanh").to(u.dtype))
+        assert torch.allclose(held.scale, scale, rtol=2 * torch.finfo(u.dtype).eps)
 
 
 def test_the_folded_block_is_as_close_to_fp32_as_the_unfolded_block():
