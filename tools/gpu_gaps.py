@@ -1,13 +1,14 @@
 """Where the GPU waits in FastEsm's forward and in ``Embedder.run``: host enqueue time against GPU time, and the
 largest idle gaps between kernels with what the host was doing in them (torch.profiler, CPU and CUDA).
 
-usage: python tools/gpu_gaps.py [--size 650M] [--tokens 16384] [--copies 4] [--out DIR]
+usage: python tools/gpu_gaps.py [--size 650M] [--tokens 16384] [--copies 4] [--gelu erf|tanh] [--out DIR]
 
 Per part (one forward on one real-length batch; the embedder over the bench's records, nothing written): wall time,
 GPU busy time (the union of kernel and copy intervals), the host's own time to enqueue a forward with the GPU kept
 busy, the share of GPU idle, and the 12 largest gaps with the kernels either side and the CPU ops inside them. The
 embedder is profiled once more with CUDA activity only (the host then runs at its own speed): where its idle time
-lies (:func:`timeline`).
+lies (:func:`timeline`). Each part's GPU time by kernel, per 1,000 tokens (``kernels_us_per_1k_tokens``), says which
+kernels the embedder's batches spend more on than the one forward. ``--gelu``: FastEsm.gelu for both.
 """
 from __future__ import annotations
 
@@ -77,11 +78,23 @@ def timeline(prof, marker: str = "fill") -> dict:
     return out
 
 
-def forward_part(size: str, tokens: int) -> tuple[dict, str]:
+def per_1k_tokens(prof, tokens: int) -> dict:
+    """GPU µs per 1,000 tokens by kernel name (60 characters), from a profile's events, longest first."""
+    from esm_turbo.bench.step import kernel_times
+    totals: dict[str, float] = {}
+    for name, start, end in kernel_times(prof.events()):
+        totals[name[:60]] = totals.get(name[:60], 0.0) + (end - start)
+    return {k: round(v * 1e3 / tokens, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def forward_part(size: str, tokens: int, gelu: str) -> tuple[dict, str]:
     from torch.profiler import ProfilerActivity, profile
     from tune_gemm import warm_forward
     dev = torch.device("cuda")
     fast, batch, picked = warm_forward(size, tokens)
+    fast.gelu = gelu
+    for _ in range(3):
+        fast(batch)
     # host enqueue time with the GPU kept busy: a big matmul first so nothing the host queues can start at once
     big = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
     enqueue = []
@@ -107,11 +120,12 @@ def forward_part(size: str, tokens: int) -> tuple[dict, str]:
     row = gaps(prof, wall)
     row.update(part="forward", tokens=sum(len(s) + 2 for s in picked), host_enqueue_ms=min(enqueue),
                wall_unprofiled_ms=min(walls))
+    row["kernels_us_per_1k_tokens"] = per_1k_tokens(prof, row["tokens"])
     cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
     return row, cpu
 
 
-def embedder_part(size: str, copies: int) -> tuple[dict, str]:
+def embedder_part(size: str, copies: int, gelu: str) -> tuple[dict, str]:
     from torch.profiler import ProfilerActivity, profile
 
     from esm_turbo.bench import EMBED_FASTA
@@ -121,7 +135,7 @@ def embedder_part(size: str, copies: int) -> tuple[dict, str]:
     dev = torch.device("cuda")
     base = read_fastas(EMBED_FASTA)
     records = [Record(f"{r.id}#{k}", r.sequence, r.source) for k in range(copies) for r in base]
-    emb = Embedder(random_masked_lm(size, dev, torch.float16), EmbedConfig(include=["mean"]), dev)
+    emb = Embedder(random_masked_lm(size, dev, torch.float16), EmbedConfig(include=["mean"], gelu=gelu), dev)
     emb.run(records, _NullWriter(), progress=False)
     torch.cuda.synchronize()
     walls = []
@@ -148,6 +162,7 @@ def embedder_part(size: str, copies: int) -> tuple[dict, str]:
     tokens = sum(len(r.sequence) + 2 for r in records)
     row.update(part="embedder", tokens=tokens, wall_unprofiled_ms=min(walls),
                tokens_per_s=tokens / min(walls) * 1e3)
+    row["kernels_us_per_1k_tokens"] = per_1k_tokens(prof, tokens)
     cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
     cpu += "\n" + prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90)
     return row, cpu
@@ -158,13 +173,14 @@ def main() -> None:
     ap.add_argument("--size", default="650M")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--gelu", choices=["erf", "tanh"], default="erf")
     ap.add_argument("--out", type=Path, default=Path("gaps"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, fn, arg in (("forward", forward_part, args.tokens), ("embedder", embedder_part, args.copies)):
-        row, cpu = fn(args.size, arg)
-        row["size"] = args.size
+        row, cpu = fn(args.size, arg, args.gelu)
+        row["size"], row["gelu"] = args.size, args.gelu
         rows.append(row)
         (args.out / f"cpu_{name}.txt").write_text(cpu)
         log(json.dumps(row, indent=1))
