@@ -468,7 +468,7 @@ class FastEsm(nn.Module):
     def gelu(self) -> str | None:
         """ESM-2's GELU as the forward computes it: ``"erf"`` (the model's own, the default) or ``"tanh"`` (GELU's
         tanh approximation, ``F.gelu(approximate="tanh")``: another function, within 4.8e-4 of erf GELU everywhere;
-        on Hopper its FFN-up kernel takes 0.73–0.89× the erf one's time, :data:`~esm_turbo.kernels.gemm.TILES`, the
+        on Hopper its FFN-up kernel takes 0.76–0.87× the erf one's time, :data:`~esm_turbo.kernels.gemm.TILES`, the
         forward 0.93–0.95×; docs/embed-speed.md has its fidelity). None for a model without GELU (ESM C's SwiGLU).
         Setting it drops the captured CUDA graphs."""
         acts = {b.activation for b in self.blocks}
