@@ -31,7 +31,7 @@ Tile shapes come from :data:`TILES` per product shape, dtype and epilogue (measu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +50,8 @@ EPILOGUES = {"bias": 0, "gelu": 1, "gelu_tanh": 1, "residual": 2, "rope": 3}
 @dataclass(frozen=True)
 class TilePlan:
     """What every product kernel's launch plan sets: the output tile (bm × bn), the K step, how many K steps are in
-    flight (stages), the warps and the M-group of the tile order."""
+    flight (stages), the warps and the M-group of the tile order; and, by keyword only, the form of GELU
+    (:data:`~esm_turbo.kernels.common.GELU_FORMS`) a ``"gelu"`` epilogue computes."""
 
     bm: int = 128
     bn: int = 256
@@ -58,6 +59,11 @@ class TilePlan:
     stages: int = 3
     warps: int = 8
     group_m: int = 8
+    gelu: str = field(default=GELU_FORM, kw_only=True)
+
+    def __post_init__(self):
+        if self.gelu not in GELU_FORMS:
+            raise ValueError(f"GELU form {self.gelu!r}: one of {list(GELU_FORMS)}")
 
 
 @dataclass(frozen=True)
@@ -65,18 +71,16 @@ class Tile(TilePlan):
     """One launch plan of this module's kernel: :class:`TilePlan`'s fields, then the epilogue's column parts
     (``subtile``: 1, 2 or 4 parts of bn / parts columns, less register pressure; True is 2, False 1), whether the
     tile loop is warp-specialized (loads, products and the epilogue in warps of their own, where Triton offers it),
-    the form of GELU's erf
-    (:data:`~esm_turbo.kernels.common.GELU_FORMS`) when the epilogue has one, the persistent programs a
-    multiprocessor runs (``programs``: with 2, one program's epilogue can run beside the other's products where both
-    fit) and a cap on registers a thread (``maxnreg``, None: the compiler's choice)."""
+    the persistent programs a multiprocessor runs (``programs``: with 2, one program's epilogue can run beside the
+    other's products where both fit) and a cap on registers a thread (``maxnreg``, None: the compiler's choice)."""
 
     subtile: int = 2
     ws: bool = False
-    gelu: str = GELU_FORM
     programs: int = 1
     maxnreg: int | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "subtile", 2 if self.subtile is True else 1 if self.subtile is False else self.subtile)
         if self.subtile not in (1, 2, 4) or self.bn % self.subtile:
             raise ValueError(f"a tile's epilogue parts (subtile) are 1, 2 or 4 dividing bn, not {self.subtile}")
@@ -91,8 +95,7 @@ class WsTile(TilePlan):
     (:meth:`chunk_split`): so three epilogue warps can run beside two warp groups of products, where a partition's
     warps come in powers of two. Two and one by default: on an H100 FFN-up with GELU at 650M-shaped took 733 µs in
     partitions of one warp and one, 449 in one partition of two, 397 in two and one
-    (``results/embed/ws_ffn_up_h100.txt``, ``ws_three_warps_h100.txt``). ``gelu``: the form of GELU
-    (:data:`~esm_turbo.kernels.common.GELU_FORMS`) the ``"gelu"`` epilogue computes."""
+    (``results/embed/ws_ffn_up_h100.txt``, ``ws_three_warps_h100.txt``)."""
 
     epi_warps: int = 2
     epi_m: int = 8
@@ -100,11 +103,9 @@ class WsTile(TilePlan):
     load_regs: int = 24
     epi_regs: int = 152
     epi_warps2: int = 1
-    gelu: str = GELU_FORM
 
     def __post_init__(self):
-        if self.gelu not in GELU_FORMS:
-            raise ValueError(f"GELU form {self.gelu!r}: one of {list(GELU_FORMS)}")
+        super().__post_init__()
         if min(self.epi_warps, self.epi_warps2) < 1:
             raise ValueError("each of the two epilogue partitions takes at least one warp")
         if self.epi_m % 8 or self.bm % self.epi_m or self.bn % self.epi_n:
@@ -390,8 +391,6 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
                 and tma_aligned(x, w)):
             return ws_gemm(x, w, bias, epilogue, tile, x_scale, w_scale, row_amax, rope)
         tile = replace(default_tile(n, k, x.dtype), gelu=tile.gelu)
-    if tile.gelu not in GELU_FORMS:
-        raise ValueError(f"tile's GELU form {tile.gelu!r}: one of {list(GELU_FORMS)}")
     if (epilogue == "rope") != (rope is not None):
         raise ValueError("rope's (cos, sin) go with epilogue='rope', and only with it")
     head_dim = check_rope(rope, m, n, tile) if rope is not None else 2
