@@ -250,16 +250,13 @@ def bench_size(size: str, records: list[Record], device: torch.device, budget: i
     fpt = flops_per_token(net.config)
     row: dict = dict(size=size, sequences=len(seqs), tokens=tokens, toks_per_batch=budget, flops_per_token=fpt)
     runs: dict[str, Callable[[], None]] = {}
-    if "ours" in methods:
-        name = next(k for k, v in DTYPES.items() if v == dtype)
-        embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype=name), device)
-        runs["ours"] = lambda: embedder.run(records, _NullWriter(), progress=False)
     from ..model.family import family_of_net
-    if "ours_gelu_tanh" in methods and device.type == "cuda" and family_of_net(net).activation == "gelu":
-        from .fast_esm import FastEsm
-        tanh_embedder = Embedder(FastEsm.from_hf(net), EmbedConfig(include=["mean"], toks_per_batch=budget,
-                                                                   gelu="tanh"), device)
-        runs["ours_gelu_tanh"] = lambda: tanh_embedder.run(records, _NullWriter(), progress=False)
+    name = next(k for k, v in DTYPES.items() if v == dtype)
+    for method, gelu in (("ours", None), ("ours_gelu_tanh", "tanh")):  # the tanh form: ESM-2 on CUDA
+        if method in methods and (gelu is None or device.type == "cuda" and family_of_net(net).activation == "gelu"):
+            embedder = Embedder(net, EmbedConfig(include=["mean"], toks_per_batch=budget, dtype=name, gelu=gelu),
+                                device)
+            runs[method] = lambda embedder=embedder: embedder.run(records, _NullWriter(), progress=False)
     from .fp8 import fp8_supported
     for method, keep in (("ours_fp8", ()), ("ours_fp8_keep0", (0,))):
         if method in methods and fp8_supported(device):
