@@ -5,8 +5,8 @@ each form of GELU (esm_turbo.kernels.common.GELU_FORMS: two of its erf, and its 
 beside cuBLAS alone, cuBLAS + F.gelu, cuBLASLt's own GELU epilogue (tanh-approximate) and the Triton kernel with the
 bias only (what the epilogue's arithmetic costs); the erf form that wins goes into kernels.gemm.TILES with its tile;
 the warp-specialized kernel (esm_turbo.kernels.gemm_ws) in the erfc and tanh forms; where one of those or the tanh
-form in the table's kernel beats the table's by 2%, the forward and ``Embedder.run`` with it against without (it changes the function:
-the A/B's worst token cosine says by how much in fp16).
+form in the table's kernel beats the table's by 2%, the forward and ``Embedder.run`` with it against without (the
+tanh form changes the function: the A/B's worst token cosine says by how much in fp16).
 ``--overlap``: FFN-up with GELU over tiles whose epilogue may run beside products (two programs a multiprocessor, the
 epilogue in four column parts; :data:`OVERLAP_TILES`), then, where one beats the table's tile, the forward and
 ``Embedder.run`` with it against the table (DIR/overlap.json).
