@@ -9,6 +9,10 @@ busy, the share of GPU idle, and the 12 largest gaps with the kernels either sid
 embedder is profiled once more with CUDA activity only (the host then runs at its own speed): where its idle time
 lies (:func:`timeline`). Each part's GPU time by kernel, per 1,000 tokens (``kernels_us_per_1k_tokens``), says which
 kernels the embedder's batches spend more on than the one forward. ``--gelu``: FastEsm.gelu for both.
+
+Each part's ``bound``: the rate it would run at with its matrix products at the cuBLAS ceiling of the same run
+(``esm_turbo.embed.benchmark.gemm_ceiling`` at ``--tokens`` rows) and every other kernel as it ran, with no idle
+GPU time (:func:`bound`): what no change to the products or the launch order alone can pass.
 """
 from __future__ import annotations
 
@@ -85,6 +89,21 @@ def per_1k_tokens(prof, tokens: int) -> dict:
     for name, start, end in kernel_times(prof.events()):
         totals[name[:60]] = totals.get(name[:60], 0.0) + (end - start)
     return {k: round(v * 1e3 / tokens, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+#: kernel names (their first 60 characters) of matrix products: cuBLAS's and the library's own
+PRODUCT_KERNELS = ("nvjet", "gemm", "cutlass", "xmma", "sm90_")
+
+
+def bound(per_1k: dict, ceiling: float) -> dict:
+    """From a part's GPU µs per 1,000 tokens by kernel (:func:`per_1k_tokens`) and the products' ceiling (tokens/s):
+    the products' and the other kernels' µs per 1,000 tokens, and the rate with the products at the ceiling and the
+    rest as it ran, no GPU idle (tokens/s and % of the ceiling)."""
+    products = sum(v for k, v in per_1k.items() if any(p in k.lower() for p in PRODUCT_KERNELS))
+    rest = sum(per_1k.values()) - products
+    rate = 1 / (1 / ceiling + rest * 1e-9)  # µs per 1,000 tokens: 1e-9 s a token each
+    return dict(ceiling_tokens_per_s=ceiling, products_us_per_1k=round(products, 1), rest_us_per_1k=round(rest, 1),
+                bound_tokens_per_s=rate, bound_pct_ceiling=100 * rate / ceiling)
 
 
 def forward_part(size: str, tokens: int, gelu: str) -> tuple[dict, str]:
@@ -177,10 +196,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("gaps"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    from esm_turbo.embed.benchmark import gemm_ceiling
+    from esm_turbo.model.sizes import esm2_config
+    ceiling = gemm_ceiling(esm2_config(args.size), args.tokens, torch.device("cuda"), torch.float16)
     rows = []
     for name, fn, arg in (("forward", forward_part, args.tokens), ("embedder", embedder_part, args.copies)):
         row, cpu = fn(args.size, arg, args.gelu)
         row["size"], row["gelu"] = args.size, args.gelu
+        row["bound"] = bound(row["kernels_us_per_1k_tokens"], ceiling)
+        rate = row["tokens"] / row["wall_unprofiled_ms"] * 1e3
+        row["bound"].update(tokens_per_s=rate, pct_ceiling=100 * rate / ceiling)
         rows.append(row)
         (args.out / f"cpu_{name}.txt").write_text(cpu)
         log(json.dumps(row, indent=1))
