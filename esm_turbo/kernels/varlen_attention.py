@@ -5,8 +5,9 @@ tokens). A kernel whose query and key tiles are 128 tokens spends most of a shor
 each program owns one query block of one sequence and one head, walking only that sequence's keys with an online
 softmax in float32 (exp2, the scale inside the exponent's FMA, the values' product accumulated into the rescaled sum
 in place: 1.3-2.6% faster than a scale multiply and a separate sum, ``results/embed/attention_softmax_fma_h100.txt``):
-full key tiles with no masks, then the sequence's last partial tile masked; the output rounded once to q's dtype. The tile follows the length: :data:`LENGTH_CLASSES` gives short sequences 32-token key
-tiles and long ones 64-token tiles, as measured (``tools/tune_attention.py``); query blocks are 64 tokens.
+full key tiles with no masks, then the sequence's last partial tile masked; the output rounded once to q's dtype.
+The tile follows the length: :data:`LENGTH_CLASSES` gives short sequences 32-token key tiles and long ones 64-token
+tiles, as measured (``tools/tune_attention.py``); query blocks are 64 tokens.
 
 :func:`attention_plan` cuts a batch into those blocks once on the host (per class, ``[3, B]`` int32 tables of block
 starts, sequence starts and sequence ends, :func:`query_blocks`), and every layer reuses it: one launch per class
