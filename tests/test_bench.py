@@ -87,6 +87,20 @@ def test_the_fp8_bound_speeds_up_the_products_alone():
     assert "FP8 bound" in text and "1.39× ours" in text and "ours_fp8 1.20×" in text
 
 
+def test_the_gaps_bound_puts_the_products_at_their_ceiling_and_keeps_the_rest():
+    """tools/gpu_gaps.bound: cuBLAS's and the library's product kernels counted as products, every other kernel as
+    the rest; the rate with the products at the ceiling and the rest as it ran (the 650M-shaped H100 figures of
+    results/embed/bound_h100.txt: 73.0% of a 514.5K ceiling)."""
+    from tools.gpu_gaps import bound
+    per_1k = {"nvjet_sm90_hsh_128x208_64x5_2x1_v_bz_coopA_bias_TNT": 1000.0, "_gemm_kernel": 900.0,
+              "_ws_gemm_kernel": 287.9, "_varlen_kernel": 331.2, "_add_ln_kernel": 223.0,
+              "_rope_packed_kernel": 121.4, "Memcpy DtoD (Device -> Device)": 42.1}
+    b = bound(per_1k, 514547.5)
+    assert b["products_us_per_1k"] == pytest.approx(2187.9) and b["rest_us_per_1k"] == pytest.approx(717.7)
+    assert b["bound_pct_ceiling"] == pytest.approx(73.0, abs=0.05)
+    assert bound({"_varlen_kernel": 0.0, "_gemm_kernel": 5.0}, 1e6)["bound_pct_ceiling"] == pytest.approx(100.0)
+
+
 def test_cpu_step_rows():
     from esm_turbo.bench import bench_cpu_steps
     (row,) = bench_cpu_steps(sizes=("8M",), context=16, steps=2, calibration_tokens=256)
