@@ -5,12 +5,14 @@ Run by tests/test_kernels.py::test_kernels_compile_for_sm90 (TRITON_INTERPRET mu
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/
 
 
 from esm_turbo.bench import read  # noqa: E402
 from esm_turbo.kernels import (activation, blocks, copy, gemm, gemm_split, gemm_ws, quantize, rope,  # noqa: E402
-                               segment, varlen_attention, weights_mma, write)
+                               segment, varlen_attention, varlen_attention_gluon, weights_mma, write)
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, predicted, small, walk  # noqa: E402
@@ -222,6 +224,16 @@ def main() -> None:
                                                                                         "so"},
                      dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, o_ptr=f16, blocks_ptr="*i32", scale_log2e="fp32"),
                      num_warps=4)
+    # the packed attention with each key tile's scores under the previous tile's softmax (Gluon), heads of 32 and 64,
+    # 64-token key tiles in a ring of three; no spills
+    for d in (32, 64):
+        lay = varlen_attention_gluon.kv_layout(64, d, torch.float16)
+        sig = dict(q_ptr=f16, k_desc=f"tensordesc<fp16[64, {d}],{lay}>", v_desc=f"tensordesc<fp16[64, {d}],{lay}>",
+                   o_ptr=f16, blocks_ptr="*i32", n_blocks="i32", sq="i32", so="i32", scale_log2e="fp32")
+        kernel = compile_gluon_sm90(varlen_attention_gluon._attention_kernel, sig,
+                                    dict(D=d, BN=64, STAGES=3, num_warps=4), 4, aligned={"sq", "so"})
+        assert resources(kernel)[1] == 0, f"_attention_kernel spills: {resources(kernel)}"
+        print("compiled", "_attention_kernel", len(kernel.asm["cubin"]), flush=True)
     # FastEsm's query scaling and rotary embedding over (token, head) pairs, and its mean pooling of the residues
     compile_sm90(rope._rope_packed_kernel, dict(H=20, D=64, DP=64, P=32), {"n_pairs", "s_tok", "s_cos"},
                  dict(qkv_ptr=f16, cos_ptr="*fp32", sin_ptr="*fp32", qo_ptr=f16, ko_ptr=f16, scale="fp32"),

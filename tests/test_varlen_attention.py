@@ -71,3 +71,29 @@ def test_fast_esm_takes_the_triton_attention_when_asked():
     fast.attention_kernel = "triton"
     tiles = fast(batch, [2])[2].float()
     assert (tiles - flash).abs().max() <= (4e-3 if CUDA else 1e-5) * max(1.0, flash.abs().max().item())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a compute-capability 9.0 GPU (Gluon)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("bn,stages", [(64, 3), (32, 4), (64, 5)])
+def test_gluon_varlen_attention_matches_the_reference(dtype, head_dim, bn, stages):
+    """The Gluon kernel (each key tile's scores under the previous tile's softmax): sequences of 1, 63, 64, 65, 200
+    and 130 tokens (one tile and less, several full tiles, a partial last one: keys past a sequence's end are the next
+    one's, or past the batch TMA's zeros), q, k and v column views of one projection output as FastEsm hands them;
+    no further from float64 than twice the reference in the same dtype."""
+    from esm_turbo.kernels.gemm_ws import available
+    from esm_turbo.kernels.varlen_attention import query_blocks
+    from esm_turbo.kernels.varlen_attention_gluon import varlen_attention_gluon
+    if not available():
+        pytest.skip("needs a compute-capability 9.0 GPU with Triton's Gluon")
+    lengths = [1, 63, 64, 65, 200, 130]
+    n, heads = sum(lengths), 3
+    gen = torch.Generator().manual_seed(head_dim + bn)
+    qkv = torch.randn(n, 3 * heads * head_dim, generator=gen).to(DEV, dtype)
+    q, k, v = (qkv[:, i * heads * head_dim: (i + 1) * heads * head_dim].view(n, heads, head_dim) for i in range(3))
+    out = varlen_attention_gluon(q, k, v, query_blocks(lengths, DEV, 64), bn=bn, stages=stages)
+    ref = varlen_attention_reference(q.double(), k.double(), v.double(), lengths)
+    own = (varlen_attention_reference(q, k, v, lengths).double() - ref).abs().max().item()
+    err = (out.double() - ref).abs().max().item()
+    assert torch.isfinite(out).all() and err <= 2 * own + torch.finfo(dtype).eps, (err, own)

@@ -1,13 +1,15 @@
 """The packed attention's tile by sequence length (esm_turbo.kernels.varlen_attention), against flash-attention's
 variable-length kernel, on one GPU.
 
-usage: python tools/tune_attention.py [--heads 20] [--head-dim 64] [--tokens 16384] [--out DIR]
+usage: python tools/tune_attention.py [--heads 20] [--head-dim 64] [--tokens 16384] [--gluon] [--out DIR]
 
 For each length class (16K-token batches of sequences drawn uniformly within ±20% of a length, real proteins'
 lengths after that: the bench's records, length-sorted and cut into 16K-token batches), every tile of ``TILES`` and
 flash's kernel: µs (median of do_bench) and useful TFLOP/s (4 · L² · d per head and sequence), each output checked
 against the float64 reference on the batch's first 8 sequences under the flash-attention rule. Writes DIR/attention.json
-and prints a table; the best passing tile per class is what ``LENGTH_CLASSES`` should say.
+and prints a table; the best passing tile per class is what ``LENGTH_CLASSES`` should say. ``--gluon`` adds the Gluon
+kernel (``kernels/varlen_attention_gluon.py``: each key tile's scores under the previous tile's softmax) at the key
+tiles and rings of :data:`GLUON_TILES`.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ TILES = [AttentionTile(64, 64, 4, 3), AttentionTile(64, 64, 4, 2), AttentionTile
          AttentionTile(64, 32, 2, 3), AttentionTile(32, 32, 2, 3), AttentionTile(128, 32, 4, 3),
          AttentionTile(64, 16, 4, 3)]  # the last six for narrow heads (d = 32, 150M-shaped)
 LENGTHS = (40, 80, 128, 160, 200, 256, 320, 400, 512, 640, 800, 1024)
+#: the Gluon kernel's (key tile, ring slots) that ``--gluon`` times
+GLUON_TILES = ((64, 3), (64, 4), (32, 4))
 
 
 def log(msg: str) -> None:
@@ -61,7 +65,7 @@ def real_batches(tokens: int) -> list[list[int]]:
     return batches + [cur]
 
 
-def measure(lengths: list[int], heads: int, d: int, label: str) -> list[dict]:
+def measure(lengths: list[int], heads: int, d: int, label: str, gluon: bool = False) -> list[dict]:
     from esm_turbo.embed.varlen import varlen_attention, varlen_attention_reference
     n = sum(lengths)
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
@@ -76,6 +80,12 @@ def measure(lengths: list[int], heads: int, d: int, label: str) -> list[dict]:
         table = query_blocks(lengths, "cuda", t.bm)
         cands[f"{t.bm}x{t.bn} w{t.warps} s{t.stages}"] = (lambda t=t, table=table:
                                                            varlen_attention_triton(q, k, v, table, tile=t))
+    if gluon:
+        from esm_turbo.kernels.varlen_attention_gluon import varlen_attention_gluon
+        table = query_blocks(lengths, "cuda", 64)
+        for bn, stages in GLUON_TILES:
+            cands[f"gluon 64x{bn} s{stages}"] = (lambda bn=bn, stages=stages:
+                                                 varlen_attention_gluon(q, k, v, table, bn=bn, stages=stages))
     rows = []
     for name, fn in cands.items():
         try:
@@ -97,16 +107,17 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=20)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--gluon", action="store_true", help="also the Gluon kernel at GLUON_TILES")
     ap.add_argument("--out", type=Path, default=Path("attention"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     rows = []
     for length in LENGTHS:
-        rows += measure(synthetic(length, args.tokens, rng), args.heads, args.head_dim, f"L~{length}")
+        rows += measure(synthetic(length, args.tokens, rng), args.heads, args.head_dim, f"L~{length}", args.gluon)
     plan_rows = []
     for i, lengths in enumerate(real_batches(args.tokens)):
-        rows += measure(lengths, args.heads, args.head_dim, f"real {i}")
+        rows += measure(lengths, args.heads, args.head_dim, f"real {i}", args.gluon)
         # the library's own plan on the same batch
         n = sum(lengths)
         q, k, v = (torch.randn(n, args.heads, args.head_dim, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -122,6 +133,7 @@ def main() -> None:
         if "us" in r:
             by.setdefault(r["batch"], {})[r["kernel"]] = r
     names = ["flash"] + [f"{t.bm}x{t.bn} w{t.warps} s{t.stages}" for t in TILES]
+    names += [f"gluon 64x{bn} s{stages}" for bn, stages in GLUON_TILES] if args.gluon else []
     print("batch       mean L  " + "  ".join(f"{n:>15}" for n in names))
     for batch, ks in by.items():
         any_row = next(iter(ks.values()))

@@ -1,0 +1,179 @@
+"""The packed attention of :mod:`~esm_turbo.kernels.varlen_attention` with each key tile's scores computed under the
+previous tile's softmax (Hopper, Gluon).
+
+The Triton kernel runs a key tile's work in order: the scores' product, then the softmax's exponentials, then the
+values' product. Triton waits for the scores' product at once (``wgmma.wait_group 0`` before the exponentials), so
+the tensor cores idle while the special-function units work and the other way round. Here the products are
+asynchronous and waited for by count, in the order FlashAttention-3 uses within one warp group:
+
+- tile j + 1's scores are issued before tile j's softmax, and waited for at tile j + 1;
+- tile j's values' product is issued after its softmax and waited for at tile j + 1, before the sum is rescaled;
+- keys and values arrive by TMA into a ring of ``STAGES`` shared-memory slots, a slot refilled once the values'
+  product that read it is done.
+
+One program of one warp group per (query block of 64 tokens of one sequence, head), from the same host-side table
+(:func:`~esm_turbo.kernels.varlen_attention.query_blocks`); the online softmax in float32 (exp2, the scale inside the
+exponent's FMA), the sequence's last key tile masked, the output rounded once. Keys past a sequence's end in its last
+tile are the next sequence's tokens (or TMA's zeros past the batch), masked before the softmax.
+
+Compute capability 9.0 and Triton ≥ 3.6's Gluon only (:func:`~esm_turbo.kernels.gemm_ws.available`). Built and
+compiled for sm_90; not yet run on a GPU: FastEsm does not take it (``tools/tune_attention.py --gluon`` times it
+against the Triton kernel, ``tests/test_varlen_attention.py`` ties it to the reference on CUDA). Reference:
+``esm_turbo.embed.varlen.varlen_attention_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .gemm_ws import GLUON, available
+
+if GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _sync = getattr(gl, "thread_barrier", None) or gl.barrier
+
+#: query rows a program (one warp group's wgmma height)
+BM = 64
+_BM = gl.constexpr(BM) if GLUON else BM
+
+
+if GLUON:
+    @gluon.jit
+    def _softmax(s, m_i, l_i, start, s1, scale_log2e, MASK: gl.constexpr, BN: gl.constexpr,
+                 s_layout: gl.constexpr):
+        """Tile [start, start + BN)'s scores ``s`` [BM, BN] (keys from s1 on left out where ``MASK``) into the online
+        softmax: (p, alpha, m_new, l_new)."""
+        if MASK:
+            keys = start + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(keys < s1, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2e)
+        p = gl.exp2(s * scale_log2e - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
+    def _attention_kernel(q_ptr, k_desc, v_desc, o_ptr, blocks_ptr, n_blocks, sq, so, scale_log2e,
+                          D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """Program (b, h): query block b of the table at blocks_ptr [3, n_blocks], head h. q, o: [N, H, d] (token
+        strides sq, so; heads and channels contiguous); k_desc, v_desc: TMA descriptors over [N, H·d] with [BN, d]
+        boxes."""
+        b = gl.program_id(0)
+        h = gl.program_id(1)
+        q0 = gl.load(blocks_ptr + b)
+        s0 = gl.load(blocks_ptr + n_blocks + b)
+        s1 = gl.load(blocks_ptr + 2 * n_blocks + b)
+        dtype: gl.constexpr = k_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [num_warps, 1], [1, 0])
+        rows = q0 + gl.arange(0, _BM, layout=gl.SliceLayout(1, io_layout))
+        dims = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout))
+        row_ok = gl.expand_dims(rows < s1, 1)
+        q = gl.load(q_ptr + gl.expand_dims(rows.to(gl.int64) * sq, 1) + h * D + gl.expand_dims(dims, 0), mask=row_ok,
+                    other=0.0)
+        q_smem = gl.allocate_shared_memory(dtype, [_BM, D], gl.NVMMASharedLayout.get_default_for([_BM, D], dtype), q)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, D], v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        fence_async_shared()  # q and the barriers, before the async proxy (TMA, wgmma) reads them
+        n = gl.cdiv(s1 - s0, BN)  # key tiles, the last one partial where BN does not divide the length
+        nbytes: gl.constexpr = 2 * BN * D * dtype.primitive_bitwidth // 8
+        for i in gl.static_range(STAGES - 1):  # the first STAGES - 1 tiles in flight
+            if i < n:
+                mbarrier.expect(ready.index(i), nbytes)
+                _tma_load(k_desc, [s0 + i * BN, h * D], ready.index(i), k_bufs.index(i))
+                _tma_load(v_desc, [s0 + i * BN, h * D], ready.index(i), v_bufs.index(i))
+        m_i = gl.full([_BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([_BM], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([_BM, D], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([_BM, BN], gl.float32, layout=s_layout)
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        # Products in flight, in issue order, at the top of iteration j >= 1: tile j's scores, tile j - 1's values'
+        # product. A wait for at most k outstanding completes all but the last k; a wait right after an issue with k
+        # at least the count in flight only hands the result over as a tensor.
+        for j in range(n):
+            slot = j % STAGES
+            if j + 1 < n:
+                nxt = (j + 1) % STAGES
+                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                s_next = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)), zero_s, is_async=True)
+                s_next = warpgroup_mma_wait(3, deps=(s_next, ))
+                s = warpgroup_mma_wait(2, deps=(s, ))  # tile j's scores; the two later products run on
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, s0 + j * BN, s1, scale_log2e, False, BN, s_layout)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))  # tile j - 1's values' product; tile j + 1's scores run on
+            else:  # the last tile: nothing issued ahead
+                s_next = s
+                s = warpgroup_mma_wait(1, deps=(s, ))
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, s0 + j * BN, s1, scale_log2e, True, BN, s_layout)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _sync()  # every warp is past the product that read slot j - 1
+            t = j + STAGES - 1
+            if t < n:  # refill slot j - 1 with tile j + STAGES - 1
+                mbarrier.expect(ready.index(t % STAGES), nbytes)
+                _tma_load(k_desc, [s0 + t * BN, h * D], ready.index(t % STAGES), k_bufs.index(t % STAGES))
+                _tma_load(v_desc, [s0 + t * BN, h * D], ready.index(t % STAGES), v_bufs.index(t % STAGES))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p16, v_bufs.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(2, deps=(acc, ))
+            s = s_next
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+        out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), io_layout)
+        gl.store(o_ptr + gl.expand_dims(rows.to(gl.int64) * so, 1) + h * D + gl.expand_dims(dims, 0), out,
+                 mask=row_ok)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+
+def kv_layout(bn: int, d: int, dtype: torch.dtype):
+    """The shared layout of a [bn, d] key or value tile (its TMA descriptor's and the ring's)."""
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([bn, d], gl_dtype)
+
+
+def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                           scale: float | None = None, bn: int = 64, stages: int = 3) -> torch.Tensor:
+    """:func:`~esm_turbo.kernels.varlen_attention.varlen_attention_triton` for one :func:`query_blocks` table of
+    64-token blocks, key tiles of ``bn`` tokens in a ring of ``stages`` (at least 3): q, k, v [N, H, d] fp16/bf16
+    (any token stride, heads and channels contiguous, d of 32 or 64, rows 16-byte aligned). Returns [N, H, d] in q's
+    dtype."""
+    n, heads, d = q.shape
+    if not available(q.device):
+        raise RuntimeError("varlen_attention_gluon runs on a compute-capability 9.0 GPU with Triton's Gluon")
+    if d not in (32, 64) or q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"heads of {d} in {q.dtype}: the Gluon attention takes heads of 32 or 64 in fp16 or bf16")
+    if stages < 3 or bn not in (32, 64):
+        raise ValueError(f"key tiles of {bn} in a ring of {stages}: tiles of 32 or 64, three slots or more (the tile "
+                         "after the next is loaded while the next one's scores are computed)")
+    for t in (q, k, v):
+        if (t.shape != q.shape or t.dtype != q.dtype or t.stride(2) != 1 or t.stride(1) != d
+                or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16):
+            raise ValueError(f"q, k, v {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} must be [N, H, d] of one "
+                             "dtype, heads and channels contiguous, rows 16-byte aligned")
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.empty(n, heads, d, device=q.device, dtype=q.dtype)
+    nb = table.shape[1]
+    if nb == 0 or n == 0:
+        return out
+    layout = kv_layout(bn, d, q.dtype)
+    k_desc, v_desc = (TensorDescriptor(t, [n, heads * d], [t.stride(0), 1], [bn, d], layout) for t in (k, v))
+    _attention_kernel[(nb, heads)](q, k_desc, v_desc, out, table, nb, q.stride(0), out.stride(0),
+                                   scale * 1.4426950408889634, D=d, BN=bn, STAGES=stages, num_warps=4)
+    return out
+
+
+__all__ = ["BM", "kv_layout", "varlen_attention_gluon"]
