@@ -9,7 +9,12 @@ asynchronous and waited for by count, in the order FlashAttention-3 uses within 
 - tile j + 1's scores are issued before tile j's softmax, and waited for at tile j + 1;
 - tile j's values' product is issued after its softmax and waited for at tile j + 1, before the sum is rescaled;
 - keys and values arrive by TMA into a ring of ``STAGES`` shared-memory slots, a slot refilled once the values'
-  product that read it is done.
+  product that read it is done;
+- two tiles a loop trip, their scores in two register sets taken in turn, so no in-flight product's registers are
+  copied from one trip to the next (a copy makes ptxas wait for every product at once: its C7514 "wgmma serialized").
+
+Compiled for sm_90, ptxas places the wait for tile j - 1's values' product before tile j's exponentials (it may
+move a wait earlier), so the exponentials run under tile j + 1's scores' product.
 
 One program of one warp group per (query block of 64 tokens of one sequence, head), from the same host-side table
 (:func:`~esm_turbo.kernels.varlen_attention.query_blocks`); the online softmax in float32 (exp2, the scale inside the
@@ -58,6 +63,53 @@ if GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
+    def _values(p, alpha, acc, v_buf, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """The sum rescaled and tile's values' product issued into it (asynchronous; handed back as a tensor)."""
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(v_buf.dtype), p_layout), v_buf, acc, is_async=True)
+        return warpgroup_mma_wait(2, deps=(acc, ))
+
+    @gluon.jit
+    def _refill(k_desc, v_desc, k_bufs, v_bufs, ready, t, n, s0, h, D: gl.constexpr, BN: gl.constexpr,
+                STAGES: gl.constexpr):
+        """Tile t's keys and values by TMA into slot t % STAGES, where tile t exists."""
+        if t < n:
+            slot = t % STAGES
+            mbarrier.expect(ready.index(slot), 2 * BN * D * k_desc.dtype.primitive_bitwidth // 8)
+            _tma_load(k_desc, [s0 + t * BN, h * D], ready.index(slot), k_bufs.index(slot))
+            _tma_load(v_desc, [s0 + t * BN, h * D], ready.index(slot), v_bufs.index(slot))
+
+    @gluon.jit
+    def _step(s, m_i, l_i, acc, j, n, q_smem, k_desc, v_desc, k_bufs, v_bufs, ready, zero_s, s0, s1, h, scale_log2e,
+              D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """Full key tile j (j + 1 < n): tile j + 1's scores issued, then tile j's softmax (its scores ``s`` waited
+        for: in flight before, in issue order, tile j's scores and tile j - 1's values' product), tile j - 1's values'
+        product waited for, slot j - 1 refilled, tile j's values' product issued. Returns (tile j + 1's scores, in
+        flight, m_i, l_i, acc in flight)."""
+        nxt = (j + 1) % STAGES
+        mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+        ahead = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)), zero_s, is_async=True)
+        ahead = warpgroup_mma_wait(3, deps=(ahead, ))  # handed over as a tensor; nothing waited for
+        s = warpgroup_mma_wait(2, deps=(s, ))  # tile j's scores; the two later products run on
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, s0 + j * BN, s1, scale_log2e, False, BN, s_layout)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))  # tile j - 1's values' product; tile j + 1's scores run on
+        _sync()  # every warp is past the product that read slot j - 1
+        _refill(k_desc, v_desc, k_bufs, v_bufs, ready, j + STAGES - 1, n, s0, h, D, BN, STAGES)
+        acc = _values(p, alpha, acc, v_bufs.index(j % STAGES), o_layout, p_layout)
+        return ahead, m_i, l_i, acc
+
+    @gluon.jit
+    def _last(s, m_i, l_i, acc, j, v_bufs, s1, s0, scale_log2e, BN: gl.constexpr, STAGES: gl.constexpr,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """The last key tile j, masked, nothing issued ahead; every product waited for. Returns (l_i, acc)."""
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, s0 + j * BN, s1, scale_log2e, True, BN, s_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = _values(p, alpha, acc, v_bufs.index(j % STAGES), o_layout, p_layout)
+        return l_i, warpgroup_mma_wait(0, deps=(acc, ))
+
+    @gluon.jit
     def _attention_kernel(q_ptr, k_desc, v_desc, o_ptr, blocks_ptr, n_blocks, sq, so, scale_log2e,
                           D: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         """Program (b, h): query block b of the table at blocks_ptr [3, n_blocks], head h. q, o: [N, H, d] (token
@@ -87,50 +139,34 @@ if GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
         fence_async_shared()  # q and the barriers, before the async proxy (TMA, wgmma) reads them
+        _sync()  # every warp's rows of q stored
         n = gl.cdiv(s1 - s0, BN)  # key tiles, the last one partial where BN does not divide the length
-        nbytes: gl.constexpr = 2 * BN * D * dtype.primitive_bitwidth // 8
         for i in gl.static_range(STAGES - 1):  # the first STAGES - 1 tiles in flight
-            if i < n:
-                mbarrier.expect(ready.index(i), nbytes)
-                _tma_load(k_desc, [s0 + i * BN, h * D], ready.index(i), k_bufs.index(i))
-                _tma_load(v_desc, [s0 + i * BN, h * D], ready.index(i), v_bufs.index(i))
+            _refill(k_desc, v_desc, k_bufs, v_bufs, ready, i, n, s0, h, D, BN, STAGES)
         m_i = gl.full([_BM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([_BM], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([_BM, D], gl.float32, layout=o_layout)
         zero_s = gl.zeros([_BM, BN], gl.float32, layout=s_layout)
         mbarrier.wait(ready.index(0), 0)
-        s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s, ))
-        # Products in flight, in issue order, at the top of iteration j >= 1: tile j's scores, tile j - 1's values'
-        # product. A wait for at most k outstanding completes all but the last k; a wait right after an issue with k
-        # at least the count in flight only hands the result over as a tensor.
-        for j in range(n):
-            slot = j % STAGES
-            if j + 1 < n:
-                nxt = (j + 1) % STAGES
-                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
-                s_next = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)), zero_s, is_async=True)
-                s_next = warpgroup_mma_wait(3, deps=(s_next, ))
-                s = warpgroup_mma_wait(2, deps=(s, ))  # tile j's scores; the two later products run on
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, s0 + j * BN, s1, scale_log2e, False, BN, s_layout)
-                acc = warpgroup_mma_wait(1, deps=(acc, ))  # tile j - 1's values' product; tile j + 1's scores run on
-            else:  # the last tile: nothing issued ahead
-                s_next = s
-                s = warpgroup_mma_wait(1, deps=(s, ))
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, s0 + j * BN, s1, scale_log2e, True, BN, s_layout)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-            _sync()  # every warp is past the product that read slot j - 1
-            t = j + STAGES - 1
-            if t < n:  # refill slot j - 1 with tile j + STAGES - 1
-                mbarrier.expect(ready.index(t % STAGES), nbytes)
-                _tma_load(k_desc, [s0 + t * BN, h * D], ready.index(t % STAGES), k_bufs.index(t % STAGES))
-                _tma_load(v_desc, [s0 + t * BN, h * D], ready.index(t % STAGES), v_bufs.index(t % STAGES))
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p16, v_bufs.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(2, deps=(acc, ))
-            s = s_next
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        sa = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, is_async=True)
+        sa = warpgroup_mma_wait(0, deps=(sa, ))
+        # Two tiles a trip, their scores in two register sets taken in turn: a trip hands the set it issued last to
+        # the next trip as it stands, so no in-flight product's registers are copied (which would make ptxas wait for
+        # every product at once). The last one or two tiles after the loop.
+        for jj in range((n - 1) // 2):
+            sb, m_i, l_i, acc = _step(sa, m_i, l_i, acc, 2 * jj, n, q_smem, k_desc, v_desc, k_bufs, v_bufs, ready,
+                                      zero_s, s0, s1, h, scale_log2e, D, BN, STAGES, s_layout, o_layout, p_layout)
+            sa, m_i, l_i, acc = _step(sb, m_i, l_i, acc, 2 * jj + 1, n, q_smem, k_desc, v_desc, k_bufs, v_bufs,
+                                      ready, zero_s, s0, s1, h, scale_log2e, D, BN, STAGES, s_layout, o_layout,
+                                      p_layout)
+        if n % 2 == 0:  # tiles n - 2 and n - 1 left
+            sb, m_i, l_i, acc = _step(sa, m_i, l_i, acc, n - 2, n, q_smem, k_desc, v_desc, k_bufs, v_bufs, ready,
+                                      zero_s, s0, s1, h, scale_log2e, D, BN, STAGES, s_layout, o_layout, p_layout)
+            l_i, acc = _last(sb, m_i, l_i, acc, n - 1, v_bufs, s1, s0, scale_log2e, BN, STAGES, s_layout, o_layout,
+                             p_layout)
+        else:
+            l_i, acc = _last(sa, m_i, l_i, acc, n - 1, v_bufs, s1, s0, scale_log2e, BN, STAGES, s_layout, o_layout,
+                             p_layout)
         out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
         out = gl.convert_layout(out.to(o_ptr.dtype.element_ty), io_layout)
         gl.store(o_ptr + gl.expand_dims(rows.to(gl.int64) * so, 1) + h * D + gl.expand_dims(dims, 0), out,
