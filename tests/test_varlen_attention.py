@@ -97,3 +97,24 @@ def test_gluon_varlen_attention_matches_the_reference(dtype, head_dim, bn, stage
     own = (varlen_attention_reference(q, k, v, lengths).double() - ref).abs().max().item()
     err = (out.double() - ref).abs().max().item()
     assert torch.isfinite(out).all() and err <= 2 * own + torch.finfo(dtype).eps, (err, own)
+
+
+def test_fast_esm_takes_the_gluon_attention_where_it_runs_and_the_triton_one_elsewhere():
+    """FastEsm.attention_kernel = "gluon": on a compute-capability 9.0 GPU (heads of 32 here) the plan runs in the
+    Gluon kernel, within fp16's rounding of the Triton kernel's output; elsewhere (CPU, the interpreter) the same plan
+    runs in the Triton kernel, bit for bit."""
+    from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
+    from esm_turbo.kernels.varlen_attention_gluon import usable
+    from esm_turbo.testing import stress_esm2
+    net = stress_esm2(layers=2, hidden=128, heads=4, seed=5).to(DEV)
+    if CUDA:
+        net = net.half()
+    fast = FastEsm.from_hf(net, fused=True)
+    batch = PackedBatch.from_sequences(["MKTAYIAKQRQISFVKSHFSRQ" * 4, "W" * 70, "GSHM"], DEV)
+    triton_out = fast(batch, [2])[2].float()
+    fast.attention_kernel = "gluon"
+    gluon_out = fast(batch, [2])[2].float()
+    if usable(torch.device(DEV), next(net.parameters()).dtype, 32):
+        assert (gluon_out - triton_out).abs().max() <= 4e-3 * max(1.0, triton_out.abs().max().item())
+    else:
+        assert torch.equal(gluon_out, triton_out)

@@ -291,7 +291,8 @@ class FastEsm(nn.Module):
         self.fused_products: bool | None = None
         # the fused path's attention over batches planned on the host: "triton" (esm_turbo.kernels.varlen_attention,
         # tiles of 64 tokens, in the dtypes it measured faster in: kernels.varlen_attention.GPU_DTYPES) or "flash"
-        # (flash-attention's variable-length kernel); captured graphs take flash
+        # (flash-attention's variable-length kernel); captured graphs take flash. "gluon": the same plan in the
+        # Gluon kernel (kernels.varlen_attention_gluon, not yet timed on a GPU) where it runs, else as "triton"
         self.attention_kernel = "triton"
         # the fused path on CUDA captures block 2 of each batch as a CUDA graph and replays it for the blocks after
         # it with their tensors copied in (block_replay.BlockGraph): the host's launch work once a batch, not once a
@@ -554,10 +555,13 @@ class FastEsm(nn.Module):
         last = min(max(wanted, default=0), self.num_layers)
         layout = None if self._flash() else padded_layout(batch.positions, batch.segment(), batch.lengths)
         blocks = None
-        if self.attention_kernel == "triton" and batch.lengths:
+        if self.attention_kernel in ("triton", "gluon") and batch.lengths:
             from ..kernels.varlen_attention import GPU_DTYPES, attention_plan
             if not h.is_cuda or h.dtype in GPU_DTYPES:  # where it measured faster than flash (and the interpreter)
                 blocks = attention_plan(batch.lengths, h.device)  # cut once, read by every layer
+                if self.attention_kernel == "gluon":
+                    from ..kernels.varlen_attention_gluon import usable
+                    blocks.gluon = usable(h.device, h.dtype, dim // self.blocks[0].heads)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _layer: int) -> torch.Tensor:
             return varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, layout, 1.0, blocks).reshape(n, dim)

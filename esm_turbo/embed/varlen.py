@@ -67,8 +67,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     q, k, v: [N, H, d]; cu_seqlens: [S + 1] int32 on q's device; max_seqlen: the longest sequence;
     layout: :func:`padded_layout` of the batch, for where the flash kernel cannot run; blocks: the batch's
     :func:`~esm_turbo.kernels.varlen_attention.attention_plan`, to run the Triton kernel of tiles cut to the
-    sequences instead of flash attention's (short sequences waste less of it on padding). Returns [N, H, d].
+    sequences instead of flash attention's (short sequences waste less of it on padding), or the Gluon kernel where
+    the plan says ``gluon``. Returns [N, H, d].
     """
+    if blocks is not None and getattr(blocks, "gluon", False):
+        from ..kernels.varlen_attention_gluon import varlen_attention_gluon_plan
+        return varlen_attention_gluon_plan(q, k, v, blocks, scale)
     if blocks is not None:
         from ..kernels.varlen_attention import varlen_attention_triton
         return varlen_attention_triton(q, k, v, blocks, scale)

@@ -56,9 +56,11 @@ LENGTH_CLASSES: tuple[tuple[int, AttentionTile], ...] = ((288, AttentionTile(64,
 @dataclass
 class AttentionPlan:
     """A batch cut into query blocks, one :func:`query_blocks` table per tile class present: ``launches`` =
-    [(table [3, B] int32 on the device, tile)]."""
+    [(table [3, B] int32 on the device, tile)]. ``gluon``: the launches run in the Gluon kernel
+    (:func:`~esm_turbo.kernels.varlen_attention_gluon.varlen_attention_gluon_plan`) at each tile's key tile."""
 
     launches: list[tuple[torch.Tensor, AttentionTile]]
+    gluon: bool = False
 
 
 def query_blocks(lengths: list[int], device: torch.device | str, block: int = BLOCK,

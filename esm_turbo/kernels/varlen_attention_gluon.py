@@ -21,10 +21,10 @@ One program of one warp group per (query block of 64 tokens of one sequence, hea
 exponent's FMA), the sequence's last key tile masked, the output rounded once. Keys past a sequence's end in its last
 tile are the next sequence's tokens (or TMA's zeros past the batch), masked before the softmax.
 
-Compute capability 9.0 and Triton ≥ 3.6's Gluon only (:func:`~esm_turbo.kernels.gemm_ws.available`). Built and
-compiled for sm_90; not yet run on a GPU: FastEsm does not take it (``tools/tune_attention.py --gluon`` times it
-against the Triton kernel, ``tests/test_varlen_attention.py`` ties it to the reference on CUDA). Reference:
-``esm_turbo.embed.varlen.varlen_attention_reference``.
+Compute capability 9.0 and Triton ≥ 3.6's Gluon only (:func:`usable`). Built and compiled for sm_90; not yet run on
+a GPU, so FastEsm takes it only when asked (``FastEsm.attention_kernel = "gluon"``: the same plan, each launch here);
+``tools/tune_attention.py --gluon`` times it against the Triton kernel, and ``tests/test_varlen_attention.py`` ties it
+to the reference on CUDA. Reference: ``esm_turbo.embed.varlen.varlen_attention_reference``.
 """
 
 from __future__ import annotations
@@ -181,12 +181,28 @@ def kv_layout(bn: int, d: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([bn, d], gl_dtype)
 
 
+def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether :func:`varlen_attention_gluon` runs heads of ``head_dim`` in ``dtype`` on ``device``."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim in (32, 64) and available(device)
+
+
+def varlen_attention_gluon_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan,
+                                scale: float | None = None) -> torch.Tensor:
+    """Every launch of an :class:`~esm_turbo.kernels.varlen_attention.AttentionPlan` of 64-token query blocks in
+    :func:`varlen_attention_gluon`, at its tile's key tile and a ring of at least three, into one output."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for table, tile in plan.launches:
+        varlen_attention_gluon(q, k, v, table, scale, tile.bn, max(3, tile.stages or 3), out=out)
+    return out
+
+
 def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
-                           scale: float | None = None, bn: int = 64, stages: int = 3) -> torch.Tensor:
+                           scale: float | None = None, bn: int = 64, stages: int = 3,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`~esm_turbo.kernels.varlen_attention.varlen_attention_triton` for one :func:`query_blocks` table of
     64-token blocks, key tiles of ``bn`` tokens in a ring of ``stages`` (at least 3): q, k, v [N, H, d] fp16/bf16
     (any token stride, heads and channels contiguous, d of 32 or 64, rows 16-byte aligned). Returns [N, H, d] in q's
-    dtype."""
+    dtype (written into ``out``, contiguous, where given: the table's rows only)."""
     n, heads, d = q.shape
     if not available(q.device):
         raise RuntimeError("varlen_attention_gluon runs on a compute-capability 9.0 GPU with Triton's Gluon")
@@ -201,7 +217,10 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ta
             raise ValueError(f"q, k, v {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} must be [N, H, d] of one "
                              "dtype, heads and channels contiguous, rows 16-byte aligned")
     scale = d ** -0.5 if scale is None else scale
-    out = torch.empty(n, heads, d, device=q.device, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(n, heads, d, device=q.device, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous and as q {tuple(q.shape)} {q.dtype}")
     nb = table.shape[1]
     if nb == 0 or n == 0:
         return out
@@ -212,4 +231,4 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ta
     return out
 
 
-__all__ = ["BM", "kv_layout", "varlen_attention_gluon"]
+__all__ = ["BM", "kv_layout", "usable", "varlen_attention_gluon", "varlen_attention_gluon_plan"]
