@@ -16,6 +16,7 @@ usage: python tools/tune_gemm.py [--sizes 650M 3B 150M] [--tokens 16384] [--out 
        python tools/tune_gemm.py --overlap [--fp8-overlap] [--sizes ...] [--out DIR]
        python tools/tune_gemm.py --fp8-gelu-ab [--sizes ...] [--out DIR]
        python tools/tune_gemm.py --products qkv:rope [--sizes ...] [--out DIR]   # those rows, then the rotary A/B
+       python tools/tune_gemm.py --attention-ab [--sizes ...] [--out DIR]   # the Triton against the Gluon attention
 
 Per model shape and product (QKV with its bias, O with the residual add, FFN-up with GELU, FFN-down with the residual
 add, QKV with the rotary embedding against cuBLAS and the rotary kernel), at ``--tokens`` rows:
@@ -756,6 +757,8 @@ def main() -> None:
                     help="only these products (e.g. qkv:rope), then the rotary A/B instead of the other parts")
     ap.add_argument("--tiles", type=Path, default=None,
                     help="with --products: the tiles of an earlier run's tiles.json instead of tuning them again")
+    ap.add_argument("--attention-ab", action="store_true",
+                    help="only the forward and Embedder.run with FastEsm.attention_kernel 'triton' against 'gluon'")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
@@ -773,6 +776,16 @@ def main() -> None:
         return
     if args.ws:
         ws_main(args)
+        return
+    if args.attention_ab:
+        def kernel(name):
+            def apply(fast):
+                fast.attention_kernel = name
+            return apply
+        ab = [r for size in args.sizes for r in variants_ab(size, args.tokens,
+                                                             {"triton": kernel("triton"), "gluon": kernel("gluon")})]
+        (args.out / "attention_ab.json").write_text(json.dumps(ab, indent=1))
+        print_ab(ab)
         return
     if args.overlap or args.fp8_overlap:
         rows, ab = [overlap_rows(size, args.tokens) for size in args.sizes] if args.overlap else [], []
