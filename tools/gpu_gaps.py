@@ -91,15 +91,13 @@ def per_1k_tokens(prof, tokens: int) -> dict:
     return {k: round(v * 1e3 / tokens, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-#: kernel names (their first 60 characters) of matrix products: cuBLAS's and the library's own
-PRODUCT_KERNELS = ("nvjet", "gemm", "cutlass", "xmma", "sm90_")
-
-
 def bound(per_1k: dict, ceiling: float) -> dict:
     """From a part's GPU µs per 1,000 tokens by kernel (:func:`per_1k_tokens`) and the products' ceiling (tokens/s):
-    the products' and the other kernels' µs per 1,000 tokens, and the rate with the products at the ceiling and the
-    rest as it ran, no GPU idle (tokens/s and % of the ceiling)."""
-    products = sum(v for k, v in per_1k.items() if any(p in k.lower() for p in PRODUCT_KERNELS))
+    the products' (the kernels ``esm_turbo.bench.step.kernel_kind`` calls linears) and the other kernels' µs per
+    1,000 tokens, and the rate with the products at the ceiling and the rest as it ran, no GPU idle (tokens/s and %
+    of the ceiling)."""
+    from esm_turbo.bench.step import kernel_kind
+    products = sum(v for k, v in per_1k.items() if kernel_kind(k) == "linears")
     rest = sum(per_1k.values()) - products
     rate = 1 / (1 / ceiling + rest * 1e-9)  # µs per 1,000 tokens: 1e-9 s a token each
     return dict(ceiling_tokens_per_s=ceiling, products_us_per_1k=round(products, 1), rest_us_per_1k=round(rest, 1),

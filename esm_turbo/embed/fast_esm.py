@@ -637,6 +637,7 @@ class FastEsm(nn.Module):
         (default :meth:`block_tensors` of block i); ``into``: (h, x) buffers the two outputs are written to (a
         captured block's own inputs, :class:`~.block_replay.BlockGraph`)."""
         from ..kernels.activation import activation_triton
+        from ..kernels.gemm import epilogue_reference
         from ..kernels.norm import layer_norm_columns_
         from ..kernels.rope import rope_packed_triton
         from .products import folds, product, rope_folds
@@ -672,8 +673,7 @@ class FastEsm(nn.Module):
                 f = product(x, t.w_1, t.b_1, act)
         else:
             u = product(x, t.w_1, t.b_1, kernel=False)
-            f = (F.gelu(u, approximate="tanh" if act == "gelu_tanh" else "none") if act != "swiglu" and not fp8
-                 else activation_triton(u, act, fp8=fp8))
+            f = epilogue_reference(u, act) if act != "swiglu" and not fp8 else activation_triton(u, act, fp8=fp8)
         fp8_next = (fp8 and not last) if fp8_next is None else fp8_next
         return self._residual(h, f, t.w_2, t.b_2, (t.after_w, t.after_b), inv_scale, fp8_next, policy, then=then,
                               into=into)

@@ -70,7 +70,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     sequences instead of flash attention's (short sequences waste less of it on padding), or the Gluon kernel where
     the plan says ``gluon``. Returns [N, H, d].
     """
-    if blocks is not None and getattr(blocks, "gluon", False):
+    if blocks is not None and blocks.gluon:
         from ..kernels.varlen_attention_gluon import varlen_attention_gluon_plan
         return varlen_attention_gluon_plan(q, k, v, blocks, scale)
     if blocks is not None:

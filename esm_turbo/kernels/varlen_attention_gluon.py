@@ -34,14 +34,9 @@ import triton
 
 from .gemm_ws import GLUON, available
 
-if GLUON:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _sync = getattr(gl, "thread_barrier", None) or gl.barrier
+if GLUON:  # Gluon's names, and the two that Triton 3.9 renamed, as the warp-specialized GEMM imports them
+    from .gemm_ws import (TensorDescriptor, _sync, _tma_load, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
+                          warpgroup_mma_wait)
 
 #: query rows a program (one warp group's wgmma height)
 BM = 64
