@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import (activation, blocks, copy, gemm, gemm_split, gemm_ws, quantize, rope,  # noqa: E402
+from esm_turbo.kernels import (activation, blocks, gemm, gemm_split, gemm_ws, quantize, rope,  # noqa: E402
                                segment, varlen_attention, varlen_attention_gluon, weights_mma, write)
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
@@ -237,9 +237,6 @@ def main() -> None:
     # FastEsm's query scaling and rotary embedding over (token, head) pairs, and its mean pooling of the residues
     compile_sm90(rope._rope_packed_kernel, dict(H=20, D=64, DP=64, P=32), {"n_pairs", "s_tok", "s_cos"},
                  dict(qkv_ptr=f16, cos_ptr="*fp32", sin_ptr="*fp32", qo_ptr=f16, ko_ptr=f16, scale="fp32"),
-                 num_warps=4)
-    # a replayed block's weights into its graph's buffer, in 4-byte words
-    compile_sm90(copy._copy_kernel, dict(WORDS=copy.WORDS), {"n_words"}, dict(src_ptr="*i32", dst_ptr="*i32"),
                  num_warps=4)
     compile_sm90(segment._segment_mean_kernel, dict(ROWS=32, BLOCK_D=128), {"D", "h_stride"},
                  dict(h_ptr=f16, starts_ptr="*i32", ends_ptr="*i32", out_ptr="*fp32"), num_warps=4)

@@ -373,15 +373,11 @@ def test_gelu_tanh_computes_the_tanh_approximation_on_both_paths(net, monkeypatc
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp16", "bf16", "fp8", "esmc", "fp16_kernel"])
-def test_replayed_blocks_give_the_eager_forward_bit_for_bit(kind, monkeypatch):
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "fp8", "esmc"])
+def test_replayed_blocks_give_the_eager_forward_bit_for_bit(kind):
     """Blocks 2 … L − 1 replayed from one captured block, each layer's tensors copied in, give every layer's hidden
     states exactly as running every block eagerly does (ESM-2 in fp16 and bf16, FP8 weights on a GPU with FP8, and
-    ESM C; the weights copied as a device-to-device memcpy or, ``_kernel``, by the copy kernel), batch after batch
-    of other shapes."""
-    from esm_turbo.embed import block_replay
-    kind, _, kernel = kind.partition("_")
-    monkeypatch.setattr(block_replay, "COPY_KERNEL", bool(kernel))
+    ESM C), batch after batch of other shapes."""
     from esm_turbo.embed.fp8 import fp8_supported
     from esm_turbo.testing import stress_esmc
     if kind == "fp8" and not fp8_supported(torch.device("cuda")):
@@ -404,7 +400,6 @@ def test_replayed_blocks_give_the_eager_forward_bit_for_bit(kind, monkeypatch):
             assert torch.equal(eager[layer], replayed[layer]), (kind, layer)
         assert fast._replayed_blocks(replayed[1], fast.num_layers, fast.fp8_forms(replayed[1].device)) > 2
         assert len(fast._packed) == fast.num_layers - 1 and not fast._packed.stale  # one contiguous copy a replay
-        assert (fast._block_graph.copy_words is not None) == bool(kernel)
     # a block's weights moved after packing (a new tensor, other values): the replay copies leaf by leaf and reads
     # the new values, then the blocks are packed again
     b = fast.blocks[3]
@@ -458,7 +453,7 @@ def test_packed_blocks_hold_each_block_in_one_flat_buffer_and_notice_moved_weigh
         flat = packed.flat(i, leaves)
         offsets, total = flat_layout(leaves)
         layouts.add((tuple(offsets), total))
-        assert flat is not None and flat.numel() == total and all(o % FLAT_ALIGN == 0 for o in offsets + [total])
+        assert flat is not None and flat.numel() == total and all(o % FLAT_ALIGN == 0 for o in offsets)
         assert all(t.data_ptr() == flat.data_ptr() + o for t, o in zip(leaves, offsets))
     assert len(layouts) == 1
     assert not fast.blocks[2].qkv.weight.is_inference()  # still an ordinary parameter

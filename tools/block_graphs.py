@@ -1,7 +1,6 @@
 """FastEsm's forward with every block launched eagerly against blocks 2 … L − 1 replayed from one captured block
 (``FastEsm.block_graphs`` False / True), on one GPU, interleaved, best of each; replayed blocks take their weights
-in one contiguous copy (``block_replay.PackedBlocks``) as a device-to-device memcpy, by the copy kernel
-(``replayed_copy_kernel``, ``block_replay.COPY_KERNEL``), or, as ``replayed_leaf``, leaf by leaf.
+in one contiguous copy (``block_replay.PackedBlocks``) or, as ``replayed_leaf``, leaf by leaf.
 
 usage: python tools/block_graphs.py [--sizes 35M 150M 650M 650M:4096] [--embed 35M 150M] [--out F.json]
 
@@ -23,19 +22,15 @@ import torch
 from esm_turbo.embed import block_replay
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-MODES = (("eager", False, True, False), ("replayed", True, True, False), ("replayed_copy_kernel", True, True, True),
-         ("replayed_leaf", True, False, False))
+MODES = (("eager", False, True), ("replayed", True, True), ("replayed_leaf", True, False))
 
 
-def _copies(flat: bool, kernel: bool = False) -> None:
-    """Replays copy each block's weights in one contiguous copy (``flat``; as a memcpy or, ``kernel``, by the copy
-    kernel) or leaf by leaf."""
+def _copies(flat: bool) -> None:
+    """Replays copy each block's weights in one contiguous copy (``flat``) or leaf by leaf."""
     block_replay.PackedBlocks.flat = _FLAT if flat else (lambda self, i, leaves: None)
-    block_replay.COPY_KERNEL = kernel
 
 
 _FLAT = block_replay.PackedBlocks.flat
-_KERNEL = block_replay.COPY_KERNEL
 
 
 def _host_ms(fn, busy: torch.Tensor, reps: int = 5) -> float:
@@ -72,19 +67,18 @@ def forward_rows(spec: str) -> dict:
                      width=fast.config.hidden_size)
     outs = {}
     for _ in range(2):
-        for name, mode, flat, kernel in MODES:
+        for name, mode, flat in MODES:
             fast.block_graphs = mode
-            _copies(flat, kernel)
+            _copies(flat)
             outs[name] = fast(batch, layers)
             for key, value in (("host_ms", _host_ms(lambda: fast(batch), busy)),
                                ("wall_ms", _wall_ms(lambda: fast(batch))),
                                ("queued_ms", _wall_ms(lambda: fast(batch), reps=3, queued=6))):
                 row[f"{name}_{key}"] = min(row.get(f"{name}_{key}", float("inf")), value)
-    _copies(True, _KERNEL)
+    _copies(True)
     row["identical"] = all(torch.equal(outs["eager"][k], outs[m][k]) for k in layers for m in outs)
     row["queued_speedup"] = row["eager_queued_ms"] / row["replayed_queued_ms"]
     row["flat_copy_speedup"] = row["replayed_leaf_queued_ms"] / row["replayed_queued_ms"]
-    row["copy_kernel_speedup"] = row["replayed_queued_ms"] / row["replayed_copy_kernel_queued_ms"]
     return row
 
 
@@ -100,18 +94,17 @@ def embedder_row(size: str, copies: int = 4) -> dict:
     emb.run(records, _NullWriter(), progress=False)
     best: dict[str, float] = {}
     for _ in range(3):
-        for name, mode, flat, kernel in MODES:
+        for name, mode, flat in MODES:
             emb.fast.block_graphs = mode
-            _copies(flat, kernel)
+            _copies(flat)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             emb.run(records, _NullWriter(), progress=False)
             torch.cuda.synchronize()
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-    _copies(True, _KERNEL)
+    _copies(True)
     return dict(size=size, part="embedder", tokens=tokens, **{f"{k}_tokens_per_s": tokens / v for k, v in best.items()},
-                speedup=best["eager"] / best["replayed"], flat_copy_speedup=best["replayed_leaf"] / best["replayed"],
-                copy_kernel_speedup=best["replayed"] / best["replayed_copy_kernel"])
+                speedup=best["eager"] / best["replayed"], flat_copy_speedup=best["replayed_leaf"] / best["replayed"])
 
 
 def main() -> None:

@@ -24,14 +24,9 @@ if TYPE_CHECKING:
 BLOCK_GRAPH_MAX_WORK = 1.2e10
 #: ... and at least this many blocks replay: the capture costs about three blocks' launches on the host
 BLOCK_GRAPH_MIN_REPLAYS = 8
-#: where each leaf of a flat block buffer starts, and its size: a multiple of this many bytes (what TMA descriptors
-#: and 128-bit loads ask of a base address, with room to spare; and what the copy kernel asks of a size)
+#: where each leaf of a flat block buffer starts: a multiple of this many bytes (what TMA descriptors and 128-bit
+#: loads ask of a base address, with room to spare)
 FLAT_ALIGN = 256
-#: a replay's contiguous weight copy runs on the multiprocessors (:func:`~esm_turbo.kernels.copy.copy_words_triton`)
-#: rather than as a device-to-device memcpy. Off until timed on a GPU (``tools/block_graphs.py``, its
-#: ``replayed_copy_kernel`` rows): the memcpy moved a 150M-shaped block's weights at about 1.7 TB/s of traffic on an
-#: H100 (2% of ``Embedder.run``'s GPU time), and a copy on the multiprocessors could move them at a read's rate
-COPY_KERNEL = False
 
 
 def replay_pays(tokens: int, width: int, replays: int) -> bool:
@@ -52,13 +47,13 @@ def replayed_run(fp8s: list[bool], last: int) -> int:
 
 def flat_layout(leaves: list[torch.Tensor]) -> tuple[list[int], int]:
     """Byte offsets of ``leaves`` packed one after another, each at a multiple of :data:`FLAT_ALIGN`, and the
-    buffer's size in bytes (a multiple of it too). The same shapes and dtypes give the same layout."""
+    buffer's size in bytes. The same shapes and dtypes give the same layout."""
     offsets, total = [], 0
     for t in leaves:
         total = -(-total // FLAT_ALIGN) * FLAT_ALIGN
         offsets.append(total)
         total += t.numel() * t.element_size()
-    return offsets, -(-total // FLAT_ALIGN) * FLAT_ALIGN
+    return offsets, total
 
 
 def flat_views(flat: torch.Tensor, leaves: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
@@ -137,12 +132,6 @@ class BlockGraph:
         self.flat = torch.empty(total, dtype=torch.uint8, device=h.device)
         self.buffers = flat_views(self.flat, leaves, offsets)
         self.packed = packed
-        self.copy_words = None  # the copy kernel, where COPY_KERNEL asks for it and Triton builds it
-        if COPY_KERNEL:
-            from ..kernels import triton_supported
-            if triton_supported():
-                from ..kernels.copy import copy_words_triton
-                self.copy_words = copy_words_triton
         own = tensors.with_leaves(self.buffers)
         into = (h, tuple(x) if fp8 else x)  # the block's output in its input's form: fp8 for both its and the next's
         self.graph = torch.cuda.CUDAGraph()
@@ -165,10 +154,7 @@ class BlockGraph:
         leaves = tensors.leaves()
         flat = self.packed.flat(i, leaves) if self.packed is not None else None
         if flat is not None and flat.numel() == self.flat.numel():
-            if self.copy_words is not None:
-                self.copy_words(self.flat, flat)
-            else:
-                self.flat.copy_(flat)
+            self.flat.copy_(flat)
         else:
             torch._foreach_copy_(self.buffers, leaves)
         self.graph.replay()
