@@ -76,7 +76,7 @@ def test_fast_esm_takes_the_triton_attention_when_asked():
 @pytest.mark.skipif(not CUDA, reason="needs a compute-capability 9.0 GPU (Gluon)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 64])
-@pytest.mark.parametrize("bn,stages", [(64, 3), (32, 4), (64, 5)])
+@pytest.mark.parametrize("bn,stages", [(64, 3), (64, 4), (32, 4), (64, 5)])
 def test_gluon_varlen_attention_matches_the_reference(dtype, head_dim, bn, stages):
     """The Gluon kernel (each key tile's scores under the previous tile's softmax): sequences of 1, 63, 64, 65, 200
     and 130 tokens (one tile and less, several full tiles, a partial last one: keys past a sequence's end are the next
@@ -99,22 +99,25 @@ def test_gluon_varlen_attention_matches_the_reference(dtype, head_dim, bn, stage
     assert torch.isfinite(out).all() and err <= 2 * own + torch.finfo(dtype).eps, (err, own)
 
 
-def test_fast_esm_takes_the_gluon_attention_where_it_runs_and_the_triton_one_elsewhere():
-    """FastEsm.attention_kernel = "gluon": on a compute-capability 9.0 GPU (heads of 32 here) the plan runs in the
-    Gluon kernel, within fp16's rounding of the Triton kernel's output; elsewhere (CPU, the interpreter) the same plan
-    runs in the Triton kernel, bit for bit."""
+@pytest.mark.parametrize("heads", [4, 2])
+def test_fast_esm_takes_the_gluon_attention_where_it_runs_and_the_triton_one_elsewhere(heads):
+    """FastEsm.attention_kernel = "gluon": on a compute-capability 9.0 GPU (heads of 32 and 64 here) the plan runs in
+    the Gluon kernel, within fp16's rounding of the Triton kernel's output; elsewhere (CPU, the interpreter) the same
+    plan runs in the Triton kernel, bit for bit. The default is the Triton kernel."""
     from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
     from esm_turbo.kernels.varlen_attention_gluon import usable
     from esm_turbo.testing import stress_esm2
-    net = stress_esm2(layers=2, hidden=128, heads=4, seed=5).to(DEV)
+    net = stress_esm2(layers=2, hidden=128, heads=heads, seed=5).to(DEV)
     if CUDA:
         net = net.half()
     fast = FastEsm.from_hf(net, fused=True)
     batch = PackedBatch.from_sequences(["MKTAYIAKQRQISFVKSHFSRQ" * 4, "W" * 70, "GSHM"], DEV)
+    assert fast.attention_kernel == "triton"
     triton_out = fast(batch, [2])[2].float()
     fast.attention_kernel = "gluon"
     gluon_out = fast(batch, [2])[2].float()
-    if usable(torch.device(DEV), next(net.parameters()).dtype, 32):
+    dtype, d = next(net.parameters()).dtype, 128 // heads
+    if usable(torch.device(DEV), dtype, d):
         assert (gluon_out - triton_out).abs().max() <= 4e-3 * max(1.0, triton_out.abs().max().item())
     else:
         assert torch.equal(gluon_out, triton_out)

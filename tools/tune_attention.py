@@ -33,7 +33,7 @@ TILES = [AttentionTile(64, 64, 4, 3), AttentionTile(64, 64, 4, 2), AttentionTile
          AttentionTile(64, 16, 4, 3)]  # the last six for narrow heads (d = 32, 150M-shaped)
 LENGTHS = (40, 80, 128, 160, 200, 256, 320, 400, 512, 640, 800, 1024)
 #: the Gluon kernel's (key tile, ring slots) that ``--gluon`` times
-GLUON_TILES = ((64, 3), (64, 4), (32, 4))
+GLUON_TILES = ((64, 3), (64, 4), (64, 5), (64, 6), (32, 4), (32, 5))
 
 
 def log(msg: str) -> None:

@@ -21,10 +21,15 @@ One program of one warp group per (query block of 64 tokens of one sequence, hea
 exponent's FMA), the sequence's last key tile masked, the output rounded once. Keys past a sequence's end in its last
 tile are the next sequence's tokens (or TMA's zeros past the batch), masked before the softmax.
 
-Compute capability 9.0 and Triton ≥ 3.6's Gluon only (:func:`usable`). Built and compiled for sm_90; not yet run on
-a GPU, so FastEsm takes it only when asked (``FastEsm.attention_kernel = "gluon"``: the same plan, each launch here);
-``tools/tune_attention.py --gluon`` times it against the Triton kernel, and ``tests/test_varlen_attention.py`` ties it
-to the reference on CUDA. Reference: ``esm_turbo.embed.varlen.varlen_attention_reference``.
+Compute capability 9.0 and Triton ≥ 3.6's Gluon only (:func:`usable`). Measured against the Triton kernel's tiles
+on the bench's ten real 16K-token batches (``tools/tune_attention.py --gluon``,
+``results/embed/attention_gluon_h100.txt``, H100): at heads of 64 a ring of four slots is 11-13% faster than three
+and the kernel beats the Triton plan on every batch but the longest (1,269 µs against 1,364 over the ten); at heads of
+32 it is slower on every batch. In the whole 650M-shaped forward its launches are up to 2.4% faster than the Triton
+kernel's, and the forward is 2.8% slower (the products beside it slow down: 46.2 against 44.9 ms on an H200, twice,
+``results/embed/attention_gluon_ab_h200.txt``), so FastEsm takes it only when asked (``FastEsm.attention_kernel =
+"gluon"``). ``tests/test_varlen_attention.py`` ties it to the reference on CUDA.
+Reference: ``esm_turbo.embed.varlen.varlen_attention_reference``.
 """
 
 from __future__ import annotations
@@ -181,13 +186,18 @@ def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in (torch.float16, torch.bfloat16) and head_dim in (32, 64) and available(device)
 
 
+#: key and value slots in the TMA ring of :func:`varlen_attention_gluon_plan`'s launches (four measured 11-13% faster
+#: than three at heads of 64 on an H100)
+RING = 4
+
+
 def varlen_attention_gluon_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan,
                                 scale: float | None = None) -> torch.Tensor:
     """Every launch of an :class:`~esm_turbo.kernels.varlen_attention.AttentionPlan` of 64-token query blocks in
-    :func:`varlen_attention_gluon`, at its tile's key tile and a ring of at least three, into one output."""
+    :func:`varlen_attention_gluon`, at its tile's key tile and a ring of :data:`RING` slots, into one output."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for table, tile in plan.launches:
-        varlen_attention_gluon(q, k, v, table, scale, tile.bn, max(3, tile.stages or 3), out=out)
+        varlen_attention_gluon(q, k, v, table, scale, tile.bn, RING, out=out)
     return out
 
 
@@ -226,4 +236,4 @@ def varlen_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ta
     return out
 
 
-__all__ = ["BM", "kv_layout", "usable", "varlen_attention_gluon", "varlen_attention_gluon_plan"]
+__all__ = ["BM", "RING", "kv_layout", "usable", "varlen_attention_gluon", "varlen_attention_gluon_plan"]
