@@ -170,6 +170,7 @@ def main() -> None:
     # 16: 16-byte stores); no spills
     for dt, epi, has_bias, t in (("fp16", 1, True, gemm_ws.WsTile()), ("fp16", 1, True, gemm_ws.WsTile(epi_warps=1)),
                                  ("fp16", 1, True, gemm_ws.WsTile(gelu="tanh")),
+                                 ("fp16", 1, True, gemm_ws.WsTile(gelu="exp2poly")),
                                  ("bf16", 0, False, gemm_ws.WsTile()),
                                  ("fp8e4nv", 1, True, gemm_ws.WS_FP8), ("fp16", 2, True, gemm_ws.WsTile()),
                                  ("fp8e4nv", 2, True, gemm_ws.WS_FP8)):
@@ -199,11 +200,13 @@ def main() -> None:
                                      ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 3, True, False),
                                      ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True, gelu="erf"), 1, True, False),
                                      ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True, gelu="tanh"), 1, True, False),
+                                     ("fp16", gemm.TILES[5120, 1280, "float16", "gelu"], 1, True, False),
                                      ("fp16", gemm.Tile(128, 256, 64, 3, 8, 8, True), 2, False, False),
                                      ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 0, True, False),
                                      ("fp8e4nv", gemm.Tile(128, 256, 128, 4, 8, 8, True), 2, True, False),
                                      ("fp8e4nv", gemm.Tile(128, 128, 128, 4, 8, 8, False), 1, True, True),
-                                     ("fp16", gemm.TILES[2560, 640, "float16", "gelu"], 1, True, False)):
+                                     ("fp16", gemm.Tile(128, 128, 64, 3, 8, 8, 2, programs=2, maxnreg=128), 1, True,
+                                      False)):
         out = "bf16" if dt == "fp8e4nv" else dt
         desc = lambda rows: f"tensordesc<{dt}[{rows}, {tile.bk}]>"  # noqa: E731
         compile_sm90(gemm._gemm_kernel, dict(BM=tile.bm, BN=tile.bn, BK=tile.bk, GROUP_M=tile.group_m, NUM_SMS=132,

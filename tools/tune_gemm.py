@@ -1,11 +1,12 @@
 """FastEsm's matrix products on the GPU: the cuBLAS ceiling, the Triton GEMMs with fused epilogues
 (esm_turbo.kernels.gemm) over a list of tiles, checked against the reference, the attention kernels torch ships, and
 the whole forward with and without the folded epilogues, all in one run. ``--gelu-forms``: only FFN-up with GELU,
-each form of GELU (esm_turbo.kernels.common.GELU_FORMS: two of its erf, and its tanh approximation) over every tile,
+each form of GELU (esm_turbo.kernels.common.GELU_FORMS: three of its erf, and its tanh approximation) over every tile,
 beside cuBLAS alone, cuBLAS + F.gelu, cuBLASLt's own GELU epilogue (tanh-approximate) and the Triton kernel with the
 bias only (what the epilogue's arithmetic costs); the erf form that wins goes into kernels.gemm.TILES with its tile;
-the warp-specialized kernel (esm_turbo.kernels.gemm_ws) in the erfc and tanh forms; where one of those or the tanh
-form in the table's kernel beats the table's by 2%, the forward and ``Embedder.run`` with it against without (the
+the warp-specialized kernel (esm_turbo.kernels.gemm_ws) in the erfc, exp2poly and tanh forms; where one of those or
+the tanh or exp2poly form in the table's kernel beats the table's by 2%, the forward and ``Embedder.run`` with it
+against without (the
 tanh form changes the function: the A/B's worst token cosine says by how much in fp16).
 ``--overlap``: FFN-up with GELU over tiles whose epilogue may run beside products (two programs a multiprocessor, the
 epilogue in four column parts; :data:`OVERLAP_TILES`), then, where one beats the table's tile, the forward and
@@ -437,8 +438,8 @@ def gelu_rows(size: str, tokens: int, first: int | None = None) -> dict:
         row["forms"][form] = best
         log(f"gelu {size} {form}: {best}")
     row["ws_forms"] = {}
-    if WS.available(x.device):  # the epilogue in warps of its own, erfc (the kernels' form) and tanh
-        for form in ("erfc", "tanh"):
+    if WS.available(x.device):  # the epilogue in warps of its own, erfc (the kernels' form), exp2poly and tanh
+        for form in ("erfc", "exp2poly", "tanh"):
             entries = [timed_plan(t, lambda t=t: WS.ws_gemm(x, w, b, "gelu", t), ref, 2 * err_base + 1e-3,
                                   dict(us=lambda t=t: WS.ws_gemm(x, w, b, "gelu", t)))
                        for t in (WS.WsTile(gelu=form), WS.WsTile(group_m=16, gelu=form))]
@@ -448,9 +449,9 @@ def gelu_rows(size: str, tokens: int, first: int | None = None) -> dict:
 
 
 def gelu_forms_main(args) -> None:
-    """``--gelu-forms``: :func:`gelu_rows` at each size, printed; then, where GELU's tanh form (the table's tile or
-    warp-specialized) or the warp-specialized erfc form beats the table's own by 2%, the forward and ``Embedder.run``
-    with each such plan against the table as it is; gelu_forms.json."""
+    """``--gelu-forms``: :func:`gelu_rows` at each size, printed; then, where GELU's tanh or exp2poly form (the
+    table's tile or warp-specialized) or the warp-specialized erfc form beats the table's own by 2%, the forward and
+    ``Embedder.run`` with each such plan against the table as it is; gelu_forms.json."""
     rows, ab = [], []
     for size in args.sizes:
         r = gelu_rows(size, args.tokens, args.first)
@@ -464,9 +465,10 @@ def gelu_forms_main(args) -> None:
         table = G.TILES.get(key)
         now = r["forms"].get(table.gelu if isinstance(table, G.Tile) else common.GELU_FORM)
         plans = {}
-        if r["forms"].get("tanh"):
-            plans["tanh GELU"] = (r["forms"]["tanh"], dataclasses.replace(G.Tile(**r["forms"]["tanh"]["tile"]),
-                                                                            gelu="tanh"))
+        for form in ("tanh", "exp2poly"):
+            if r["forms"].get(form):
+                plans[f"{form} GELU"] = (r["forms"][form], dataclasses.replace(G.Tile(**r["forms"][form]["tile"]),
+                                                                               gelu=form))
         for form, found in r["ws_forms"].items():
             if found:
                 plans[f"ws {form} GELU"] = (found, WS.WsTile(**found["tile"]))

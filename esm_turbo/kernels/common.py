@@ -18,10 +18,14 @@ FP_FUSION = True
 #: the forms of GELU a kernel can compute (:func:`gelu`): ESM-2's erf GELU through libdevice's ``erff``, or through
 #: the complementary error function's Chebyshev fit (one reciprocal, one exp2 and nine FMAs; relative error under
 #: 1.2e-7 everywhere, so the fp16/bf16 result rounds as the exact GELU's but for the rare value within that of a
-#: rounding boundary); or GELU's tanh approximation (``F.gelu(approximate="tanh")``: one exp2, one division and four
-#: multiplies or FMAs), a different function within 4.8e-4 of erf GELU (the largest difference near x = 2.7); on the
-#: trained testbeds in float32 it moves the masked-LM perplexity by under 0.01% (``tools/gelu_forms_fidelity.py``)
-GELU_FORMS = {"erf": 0, "erfc": 1, "tanh": 2}
+#: rounding boundary), or through the normal tail as exp2 of a polynomial of degree 10 (``"exp2poly"``: eleven FMAs,
+#: one exp2, no reciprocal; relative error about 5e-6, so 15 of the 63,488 finite fp16 values round one unit in the
+#: last place away from the exact GELU with an exact exp2, against the erfc form's 3 and libdevice's 328 by up to
+#: two: ``tools/gelu_fit.py``); or
+#: GELU's tanh approximation (``F.gelu(approximate="tanh")``: one exp2, one division and four multiplies or FMAs), a
+#: different function within 4.8e-4 of erf GELU (the largest difference near x = 2.7); on the trained testbeds in
+#: float32 it moves the masked-LM perplexity by under 0.01% (``tools/gelu_forms_fidelity.py``)
+GELU_FORMS = {"erf": 0, "erfc": 1, "tanh": 2, "exp2poly": 3}
 #: the form the kernels use unless a measured tile says otherwise (``kernels.gemm.TILES``; ``tools/tune_gemm.py
 #: --gelu-forms`` times each in the FFN-up product)
 GELU_FORM = "erfc"
@@ -32,11 +36,27 @@ def gelu(x, FORM: tl.constexpr):
     """x·Φ(x) of float32 x (any shape), Φ the standard normal CDF: ``FORM`` 0 through libdevice's erf, 1 through
     Φ(-|x|) = erfc(|x|/√2)/2 = t·exp(-z² + P(t))/2 with z = |x|/√2, t = 1/(1 + z/2) and P of degree 9 (Numerical
     Recipes' ``erfcc``), whose error is relative in the tails too; 2: GELU's tanh approximation instead,
-    x·(1 + tanh(u))/2 = x / (1 + exp(-2u)) with u = √(2/π)·(x + 0.044715·x³)."""
+    x·(1 + tanh(u))/2 = x / (1 + exp(-2u)) with u = √(2/π)·(x + 0.044715·x³); 3: max(x, 0) − a·Φ(−a) with a = |x|
+    and Φ(−a) = 2^P(2a/6 − 1) below a = 6 (0 from there: under fp16's smallest step), P of degree 10 fitted to
+    log2 Φ(−a) (``tools/gelu_fit.py``), whose error is relative in the tails too."""
     if FORM == 0:
         y = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif FORM == 2:  # -2u·log2(e) = -2√(2/π)·log2(e) · x·(1 + 0.044715·x²); x / inf = -0 far below zero
         y = tl.math.fdiv(x, 1.0 + tl.exp2(x * -2.302208198144325 * (1.0 + 0.044715 * x * x)))
+    elif FORM == 3:
+        a = tl.abs(x)
+        u = a * 0.3333333333333333 - 1.0
+        p = -0.0007272332441061735 * u + 0.0008886408759281039
+        p = p * u + 0.0017659366130828857
+        p = p * u - 0.006132118869572878
+        p = p * u + 0.015279926359653473
+        p = p * u - 0.03926163911819458
+        p = p * u + 0.09225447475910187
+        p = p * u - 0.20438537001609802
+        p = p * u - 6.034056186676025
+        p = p * u - 14.209527015686035
+        p = p * u - 9.532934188842773
+        y = tl.maximum(x, 0.0) - a * tl.where(a < 6.0, tl.exp2(p), 0.0)
     else:
         z = tl.abs(x) * 0.7071067811865476
         t = tl.math.fdiv(1.0, 1.0 + 0.5 * z)

@@ -129,13 +129,14 @@ class WsTile(TilePlan):
 #: kernel it replaces, timed in the same run), and the tile that won: (N, K, input dtype, epilogue) → Tile. Products
 #: not listed run in cuBLAS (:mod:`esm_turbo.embed.products`).
 TILES: dict[tuple[int, int, str, str], Tile | WsTile] = {
-    # fp16 FFN-up with GELU (``tune_gemm.py --gelu-forms``), ESM-2 650M: 420 µs against cuBLAS's 306 + F.gelu's 150
-    # (libdevice's erf: 450); 150M: 138 against 91 + 54 (erf: 153); 3B: 1,511 against 1,289 + 227 (erfc: 1,538)
-    (5120, 1280, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True),
-    # 150M: two programs a multiprocessor, 128 registers a thread, so one program's GELU runs beside the other's
-    # products (``tune_gemm.py --overlap``, H100): 135.6 µs against 141.0 for the one-program 256 × 128 tile, the
-    # forward 15.29 → 15.09 ms and ``Embedder.run`` 976K → 990K tokens/s; at 650M and 3B no such tile won
-    (2560, 640, "float16", "gelu"): Tile(128, 128, 64, 3, 8, 8, 2, programs=2, maxnreg=128),
+    # fp16 FFN-up with GELU in its exp2poly form (``tune_gemm.py --gelu-forms``, H100,
+    # ``results/embed/gelu_exp2poly_h100.txt``): 650M 388 µs against 423 for the erfc form in the tile before (128 ×
+    # 256, the epilogue in two parts), cuBLAS 312 + F.gelu's 130; the forward 45.34 → 44.14 ms. 150M: 120.5 against
+    # 136.2 for the erfc form in two programs a multiprocessor (cuBLAS 94.6); the forward 15.07 → 14.57 ms,
+    # ``Embedder.run`` 999K → 1,026K tokens/s
+    (5120, 1280, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, False, gelu="exp2poly"),
+    (2560, 640, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, False, gelu="exp2poly"),
+    # 3B (H200, before the exp2poly form): 1,511 µs against 1,289 + 227 (erfc: 1,538)
     (10240, 2560, "float16", "gelu"): Tile(128, 256, 64, 3, 8, 8, True, gelu="erf"),
     # fp16 FFN-up with GELU's tanh approximation (FastEsm ``gelu="tanh"``), the epilogue in warps of its own
     # (``tune_gemm.py --gelu-forms``, H100, ``results/embed/gelu_tanh_h100.txt``): 650M 340 µs against 371 for the
