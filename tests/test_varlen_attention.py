@@ -103,7 +103,8 @@ def test_gluon_varlen_attention_matches_the_reference(dtype, head_dim, bn, stage
 def test_fast_esm_takes_the_gluon_attention_where_it_runs_and_the_triton_one_elsewhere(heads):
     """FastEsm.attention_kernel = "gluon": on a compute-capability 9.0 GPU (heads of 32 and 64 here) the plan runs in
     the Gluon kernel, within fp16's rounding of the Triton kernel's output; elsewhere (CPU, the interpreter) the same
-    plan runs in the Triton kernel, bit for bit. The default is the Triton kernel."""
+    plan runs in the Triton kernel, bit for bit. The default is the Triton kernel; a name it does not know is refused
+    (not run as flash)."""
     from esm_turbo.embed.fast_esm import FastEsm, PackedBatch
     from esm_turbo.kernels.varlen_attention_gluon import usable
     from esm_turbo.testing import stress_esm2
@@ -113,6 +114,8 @@ def test_fast_esm_takes_the_gluon_attention_where_it_runs_and_the_triton_one_els
     fast = FastEsm.from_hf(net, fused=True)
     batch = PackedBatch.from_sequences(["MKTAYIAKQRQISFVKSHFSRQ" * 4, "W" * 70, "GSHM"], DEV)
     assert fast.attention_kernel == "triton"
+    with pytest.raises(ValueError, match="attention_kernel 'Gluon': one of"):
+        fast.attention_kernel = "Gluon"
     triton_out = fast(batch, [2])[2].float()
     fast.attention_kernel = "gluon"
     gluon_out = fast(batch, [2])[2].float()

@@ -174,6 +174,8 @@ class BlockTensors(NamedTuple):
 
 #: FastEsm.gelu's forms → the feed-forward's activation kind
 GELU_CHOICES = {"erf": "gelu", "tanh": "gelu_tanh"}
+#: the attention kernels the fused path can run (:attr:`FastEsm.attention_kernel`)
+ATTENTION_KERNELS = ("triton", "flash", "gluon")
 
 
 class FastEsmBlock(nn.Module):
@@ -289,11 +291,7 @@ class FastEsm(nn.Module):
         # the fused path's products with their pointwise work (GELU, the residual adds) folded into the epilogue
         # (esm_turbo.kernels.gemm): None where it measured faster (kernels.gemm.TILES), True always, False never
         self.fused_products: bool | None = None
-        # the fused path's attention over batches planned on the host: "triton" (esm_turbo.kernels.varlen_attention,
-        # tiles of 64 tokens, in the dtypes it measured faster in: kernels.varlen_attention.GPU_DTYPES) or "flash"
-        # (flash-attention's variable-length kernel); captured graphs take flash. "gluon": the same plan in the
-        # Gluon kernel (kernels.varlen_attention_gluon, not yet timed on a GPU) where it runs, else as "triton"
-        self.attention_kernel = "triton"
+        self.attention_kernel = "triton"  # the fused path's attention (FastEsm.attention_kernel)
         # the fused path on CUDA captures block 2 of each batch as a CUDA graph and replays it for the blocks after
         # it with their tensors copied in (block_replay.BlockGraph): the host's launch work once a batch, not once a
         # block.
@@ -464,6 +462,21 @@ class FastEsm(nn.Module):
     @property
     def is_fp8(self) -> bool:
         return any(b.fp8 is not None for b in self.blocks)
+
+    @property
+    def attention_kernel(self) -> str:
+        """The fused path's attention over batches planned on the host: ``"triton"`` (the default:
+        :mod:`~esm_turbo.kernels.varlen_attention`, query blocks of 64 tokens, in the dtypes it measured faster in,
+        ``GPU_DTYPES``), ``"flash"`` (flash-attention's variable-length kernel), or ``"gluon"`` (the same plan in
+        :mod:`~esm_turbo.kernels.varlen_attention_gluon` where it runs, else as "triton": faster alone at heads of
+        64, slower in the whole forward on an H200, docs/embed-speed.md). Captured graphs take flash."""
+        return self._attention_kernel
+
+    @attention_kernel.setter
+    def attention_kernel(self, kernel: str) -> None:
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {kernel!r}: one of {list(ATTENTION_KERNELS)}")
+        self._attention_kernel = kernel
 
     @property
     def gelu(self) -> str | None:
@@ -836,5 +849,5 @@ class _GraphedEmbed:
         return self.out
 
 
-__all__ = ["FastEsm", "FastEsmBlock", "GELU_CHOICES", "PackedBatch", "activation", "attention_inputs", "block_output",
-           "pack_sequences"]
+__all__ = ["ATTENTION_KERNELS", "FastEsm", "FastEsmBlock", "GELU_CHOICES", "PackedBatch", "activation",
+           "attention_inputs", "block_output", "pack_sequences"]
