@@ -8,18 +8,23 @@ Then GELU(x) = max(x, 0) − a·Φ(−a), one FMA. The error is relative in the 
 
     python tools/gelu_fit.py [--degree 10] [--limit 6]
 
-prints P's coefficients (lowest power first, as float32) and, for each form, how many fp16 and bf16 values round
-differently from the float64 GELU and by how many units in the last place at most (the forms emulated in float32 with
-single-rounding FMAs, exp2 exact).
+prints P's coefficients (lowest power first, as float32) and, for the fitted P and each form the kernels compute, how
+many fp16 and bf16 values round differently from the float64 GELU and by how many units in the last place at most
+(the fitted P emulated in float32 with single-rounding FMAs, exp2 exact; the kernels' forms through their own code,
+``kernels.activation.activation_triton``, under Triton's interpreter without a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import numpy as np
 import torch
+
+if not torch.cuda.is_available():  # the kernels' own forms run under Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from numpy.polynomial import chebyshev
 from scipy.special import log_ndtr
 
@@ -58,27 +63,30 @@ def exp2poly(x: np.ndarray, coef: np.ndarray, limit: float) -> np.ndarray:
     return _fma(-a, tail, np.maximum(x, F32(0)))
 
 
-def erfc_form(x: np.ndarray) -> np.ndarray:
-    """GELU of float32 x in the kernels' erfc form (Numerical Recipes' erfcc), float32."""
-    z = (np.abs(x) * F32(0.7071067811865476)).astype(F32)
-    t = (F32(1) / (F32(1) + F32(0.5) * z)).astype(F32)
-    p = np.full_like(t, F32(0.17087277))
-    for c in (-0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806, 0.09678418, 0.37409196, 1.00002368,
-              -1.26551223):
-        p = _fma(p, t, F32(c))
-    with np.errstate(over="ignore", invalid="ignore"):
-        tail = (F32(0.5) * t * np.exp2(((p - z * z) * F32(1.4426950408889634)).astype(np.float64)).astype(F32))
-    return (x * np.where(x >= 0, F32(1) - tail, tail)).astype(F32)
+def kernel_form(form: str):
+    """The kernels' GELU in ``form`` (``kernels.common.GELU_FORMS``) as the activation kernel computes it: a tensor of
+    fp16/bf16 values → their GELU rounded to the same dtype."""
+    from esm_turbo.kernels import activation
+
+    def run(u: torch.Tensor) -> torch.Tensor:
+        kept, activation.GELU_FORM = activation.GELU_FORM, form
+        try:
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            return activation.activation_triton(u.reshape(1, -1).to(dev), "gelu").reshape(-1).cpu()
+        finally:
+            activation.GELU_FORM = kept
+    return run
 
 
 def rounding(fn, dtype: torch.dtype) -> tuple[int, int, float, float]:
-    """(values that round differently from the float64 GELU, values, the largest difference in units in the last
-    place, the largest |difference|) over every finite value of ``dtype`` (bf16: those under 10⁴ in magnitude)."""
+    """For ``fn`` taking a tensor of ``dtype`` values to their GELU in ``dtype``: (values that round differently
+    from the float64 GELU, values, the largest difference in units in the last place, the largest |difference|) over
+    every finite value of ``dtype`` (bf16: those under 10⁴ in magnitude)."""
     bits = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
     u = bits[torch.isfinite(bits)]
     if dtype == torch.bfloat16:
         u = u[u.float().abs() < 1e4]
-    got = torch.from_numpy(fn(u.float().numpy())).to(dtype)
+    got = fn(u)
     want = (u.double() * 0.5 * (1 + torch.erf(u.double() / math.sqrt(2)))).to(dtype)
     ulp = torch.nextafter(want.abs(), torch.tensor(math.inf, dtype=dtype)).float() - want.float().abs()
     diff = (got.float() - want.float()).abs()
@@ -93,11 +101,12 @@ def main() -> None:
     coef = fit(args.degree, args.limit)
     print(f"degree {args.degree}, limit {args.limit}: coefficients (u^0 first)")
     print(", ".join(repr(float(c)) for c in coef))
-    forms = {"exp2poly": lambda x: exp2poly(x, coef, args.limit), "erfc": erfc_form}
+    fitted = lambda u: torch.from_numpy(exp2poly(u.float().numpy(), coef, args.limit)).to(u.dtype)  # noqa: E731
+    forms = {"fitted": fitted, **{f"kernel {f}": kernel_form(f) for f in ("exp2poly", "erfc", "erf")}}
     for name, fn in forms.items():
         for dtype in (torch.float16, torch.bfloat16):
             differ, n, worst, largest = rounding(fn, dtype)
-            print(f"{name:9} {str(dtype).removeprefix('torch.'):9} differ on {differ:4} of {n} values, "
+            print(f"{name:15} {str(dtype).removeprefix('torch.'):9} differ on {differ:4} of {n} values, "
                   f"at most {worst:.3g} ulp, |difference| at most {largest:.2g}")
 
 

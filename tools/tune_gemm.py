@@ -6,8 +6,7 @@ beside cuBLAS alone, cuBLAS + F.gelu, cuBLASLt's own GELU epilogue (tanh-approxi
 bias only (what the epilogue's arithmetic costs); the erf form that wins goes into kernels.gemm.TILES with its tile;
 the warp-specialized kernel (esm_turbo.kernels.gemm_ws) in the erfc, exp2poly and tanh forms; where one of those or
 the tanh or exp2poly form in the table's kernel beats the table's by 2%, the forward and ``Embedder.run`` with it
-against without (the
-tanh form changes the function: the A/B's worst token cosine says by how much in fp16).
+against without (the tanh form changes the function: the A/B's worst token cosine says by how much in fp16).
 ``--overlap``: FFN-up with GELU over tiles whose epilogue may run beside products (two programs a multiprocessor, the
 epilogue in four column parts; :data:`OVERLAP_TILES`), then, where one beats the table's tile, the forward and
 ``Embedder.run`` with it against the table (DIR/overlap.json).
