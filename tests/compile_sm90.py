@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 
 from esm_turbo.bench import read  # noqa: E402
-from esm_turbo.kernels import (activation, blocks, gemm, gemm_split, gemm_ws, quantize, rope,  # noqa: E402
-                               segment, varlen_attention, varlen_attention_gluon, weights_mma, write)
+from esm_turbo.kernels import (activation, blocks, ffn_step, gemm, gemm_split, gemm_ws, quantize,  # noqa: E402
+                               rope, segment, varlen_attention, varlen_attention_gluon, weights_mma, write)
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, predicted, small, walk  # noqa: E402
@@ -222,6 +222,16 @@ def main() -> None:
                                                          SCALED=True, GELU=gemm.GELU_FORMS[gemm.GELU_FORM]), ints,
                      dict(a_ptr=f16, w_ptr=f16, c_ptr=f16, bias_ptr=f16, res_ptr=f16, part_ptr="*fp32",
                           count_ptr="*i32", res_scale="fp32"), num_warps=4)
+    # a block's feed-forward half at a step's rows in one persistent launch (grid barriers, W2 asked into L2), rows in
+    # tiles of 64 and 16
+    for bm, prefetch in ((64, True), (16, False)):
+        compile_sm90(ffn_step._ffn_step_kernel, dict(BM=bm, BN1=64, BN2=64, BK=64, SPLIT=6, BLOCK=2048, STAGE=0,
+                                                     PREFETCH=prefetch, HAS_B1=True, HAS_B2=True, NORM_BIAS=True,
+                                                     FORM=ffn_step.ACTIVATIONS["gelu"]),
+                     {"M", "D", "FD", "sxm", "shm"},
+                     dict(x_ptr=f16, w1_ptr=f16, b1_ptr=f16, f_ptr=f16, w2_ptr=f16, part_ptr="*fp32", b2_ptr=f16,
+                          h_ptr=f16, nw_ptr=f16, nb_ptr=f16, s_ptr=f16, y_ptr=f16, words="*i32", branch_scale="fp32",
+                          eps="fp32"), num_warps=4)
     for d, bn in ((64, 64), (64, 32), (32, 32)):  # varlen_attention.LENGTH_CLASSES' key tiles
         compile_sm90(varlen_attention._varlen_kernel, dict(D=d, DP=d, BM=64, BN=bn), {"n_blocks", "sq", "sk", "sv",
                                                                                         "so"},

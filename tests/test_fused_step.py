@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from esm_turbo.bench.synthetic import default_codec
+from esm_turbo.kernels.ffn_step import ffn_step
 from esm_turbo.model.engine import TurboEsm
 from esm_turbo.testing import stress_esm2, stress_esmc
 
@@ -35,15 +36,22 @@ def _steps(engine, fused: bool, cache, steps: int = 3, paged: bool = False):
     return outs, session.lengths.clone(), session
 
 
-@pytest.mark.parametrize("make,cache", [(stress_esm2, "fp32"), (stress_esm2, _codec), (stress_esmc, _codec)],
-                         ids=["esm2-fp32-cache", "esm2-turbo", "esmc-turbo"])
-def test_fused_step_gives_the_layers_outputs(make, cache):
+@pytest.mark.parametrize("make,cache,ffn_rows", [(stress_esm2, "fp32", 0), (stress_esm2, _codec, 0),
+                                                  (stress_esmc, _codec, 0), (stress_esm2, _codec, 256)],
+                         ids=["esm2-fp32-cache", "esm2-turbo", "esmc-turbo", "esm2-turbo-ffn-one-launch"])
+def test_fused_step_gives_the_layers_outputs(make, cache, ffn_rows, monkeypatch):
+    """Also with each block's feed-forward half in one launch (kernels.ffn_step, opt-in by its row bound)."""
     _needs_triton()
+    import esm_turbo.kernels.ffn_step as ffn
+    monkeypatch.setattr(ffn, "FFN_STEP_ROWS", ffn_rows)
+    calls = []
+    monkeypatch.setattr(ffn, "ffn_step", lambda *a, **k: calls.append(1) or ffn_step(*a, **k))
     torch.manual_seed(0)
     engine = TurboEsm(make(layers=2, seed=1).to(DEV).float())
     want, lengths, _ = _steps(engine, False, cache)
     got, got_lengths, _ = _steps(engine, True, cache)
     assert torch.equal(got_lengths, lengths)
+    assert bool(calls) == (ffn_rows > 0)
     for a, b in zip(want, got):
         assert torch.allclose(b.logits, a.logits, atol=1e-4, rtol=1e-4), (b.logits - a.logits).abs().max()
         assert torch.allclose(b.hidden, a.hidden, atol=1e-4, rtol=1e-4), (b.hidden - a.hidden).abs().max()

@@ -63,7 +63,13 @@ def main() -> None:
     ap.add_argument("--prep", action="store_true",
                     help="the queries rotated by a prep launch, as before the walks gathered them "
                          "(launch_config's gather_query off)")
+    ap.add_argument("--ffn-rows", type=int, default=None,
+                    help="the most rows a block's feed-forward half runs in one launch at (kernels.ffn_step's "
+                         "FFN_STEP_ROWS; 0: cuBLAS products with their passes)")
     args = ap.parse_args()
+    if args.ffn_rows is not None:
+        import esm_turbo.kernels.ffn_step as ffn
+        ffn.FFN_STEP_ROWS = args.ffn_rows
     if args.prep:
         import esm_turbo.kernels.decode.plan as plan
         plan.GATHER_QUERY = False

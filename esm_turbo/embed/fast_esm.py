@@ -650,10 +650,11 @@ class FastEsm(nn.Module):
         (default :meth:`block_tensors` of block i); ``into``: (h, x) buffers the two outputs are written to (a
         captured block's own inputs, :class:`~.block_replay.BlockGraph`)."""
         from ..kernels.activation import activation_triton
+        from ..kernels.ffn_step import ffn_step
         from ..kernels.gemm import epilogue_reference
         from ..kernels.norm import layer_norm_columns_
         from ..kernels.rope import rope_packed_triton
-        from .products import folds, product, rope_folds
+        from .products import ffn_folds, folds, is_step_product, product, rope_folds
         n, dim = h.shape
         b = self.blocks[i - 1]  # the shape of every block alike: heads, activation
         last = i == self.num_layers
@@ -678,6 +679,9 @@ class FastEsm(nn.Module):
         a = activation_triton(a, "none", fp8=True) if fp8 else a
         h, x = self._residual(h, a, t.w_o, t.b_o, (t.ffn_w, t.ffn_b), inv_scale, fp8, policy, then=t.w_1)
         act = b.activation  # "gelu", "gelu_tanh" (FastEsm.gelu) or "swiglu"
+        fp8_next = (fp8 and not last) if fp8_next is None else fp8_next
+        if not (fp8 or fp8_next or is_step_product(then)) and ffn_folds(x, t.w_1, t.w_2, act, policy):
+            return ffn_step(h, x, t.w_1, t.b_1, t.w_2, t.b_2, t.after_w, t.after_b, self.eps, inv_scale, act, into)
         if act != "swiglu" and folds(x, t.w_1, act, policy):  # bias and GELU in the epilogue
             if fp8:  # the rows' maxima come with it: one read of the activation to quantize it
                 f, amax = product(x, t.w_1, t.b_1, act, row_amax=True)
@@ -687,7 +691,6 @@ class FastEsm(nn.Module):
         else:
             u = product(x, t.w_1, t.b_1, kernel=False)
             f = epilogue_reference(u, act) if act != "swiglu" and not fp8 else activation_triton(u, act, fp8=fp8)
-        fp8_next = (fp8 and not last) if fp8_next is None else fp8_next
         return self._residual(h, f, t.w_2, t.b_2, (t.after_w, t.after_b), inv_scale, fp8_next, policy, then=then,
                               into=into)
 

@@ -68,6 +68,21 @@ def folds(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, epilogue: str,
     return held.is_cuda and measured(weight.shape[0], weight.shape[1], weight.dtype, epilogue, held.shape[0])
 
 
+def ffn_folds(x, w1, w2, act: str, policy: bool | None) -> bool:
+    """Whether a block's feed-forward half (FFN up, its activation, FFN down, the residual add and the LayerNorm
+    after it) runs in one persistent launch (:func:`~esm_turbo.kernels.ffn_step.ffn_step`): plain fp16/bf16 weights
+    (float32 under Triton's interpreter) and input rows, an activation it computes, and at most
+    :data:`~esm_turbo.kernels.ffn_step.FFN_STEP_ROWS` rows (where it measured faster), unless ``policy`` is False."""
+    from ..kernels.common import interpreting
+    from ..kernels.ffn_step import ACTIVATIONS, FFN_STEP_ROWS
+    plain = all(isinstance(t, torch.Tensor) for t in (x, w1, w2))
+    if policy is False or not plain or act not in ACTIVATIONS or x.shape[0] > FFN_STEP_ROWS:
+        return False
+    if x.is_cuda:
+        return x.dtype in (torch.float16, torch.bfloat16) and w1.dtype == w2.dtype == x.dtype
+    return interpreting() and x.dtype == w1.dtype == w2.dtype
+
+
 def rope_folds(w: torch.Tensor | Fp8Weight, head_dim: int) -> bool:
     """Whether the q/k/v projection ``w`` [3·D, D] can take the rotary embedding into its epilogue: its kernel's tile
     (:func:`~esm_turbo.kernels.gemm.tile_for`) holds whole heads of ``head_dim`` in each part. (Whether it should is
@@ -89,4 +104,4 @@ def product_reference(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bi
     return epilogue_reference(y, epilogue, residual, residual_scale, rope)
 
 
-__all__ = ["folds", "is_step_product", "product", "product_reference", "rope_folds"]
+__all__ = ["ffn_folds", "folds", "is_step_product", "product", "product_reference", "rope_folds"]
