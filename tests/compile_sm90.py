@@ -223,11 +223,11 @@ def main() -> None:
                      dict(a_ptr=f16, w_ptr=f16, c_ptr=f16, bias_ptr=f16, res_ptr=f16, part_ptr="*fp32",
                           count_ptr="*i32", res_scale="fp32"), num_warps=4)
     # a block's feed-forward half at a step's rows in one persistent launch (grid barriers, W2 asked into L2), rows in
-    # tiles of 64 and 16
-    for bm, prefetch in ((64, True), (16, False)):
+    # tiles of 64 and 16 (the latter's barrier sleeping between looks)
+    for bm, prefetch, backoff in ((64, True, 0), (16, False, 200)):
         compile_sm90(ffn_step._ffn_step_kernel, dict(BM=bm, BN1=64, BN2=64, BK=64, SPLIT=6, BLOCK=2048, STAGE=0,
                                                      PREFETCH=prefetch, HAS_B1=True, HAS_B2=True, NORM_BIAS=True,
-                                                     FORM=ffn_step.ACTIVATIONS["gelu"]),
+                                                     FORM=ffn_step.ACTIVATIONS["gelu"], BACKOFF=backoff),
                      {"M", "D", "FD", "sxm", "shm"},
                      dict(x_ptr=f16, w1_ptr=f16, b1_ptr=f16, f_ptr=f16, w2_ptr=f16, part_ptr="*fp32", b2_ptr=f16,
                           h_ptr=f16, nw_ptr=f16, nb_ptr=f16, s_ptr=f16, y_ptr=f16, words="*i32", branch_scale="fp32",

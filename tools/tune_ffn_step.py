@@ -113,11 +113,12 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="plan()'s launch only")
     ap.add_argument("--out", default=None, help="JSON here (and the table beside it, .txt)")
     ap.add_argument("--stages", action="store_true", help="also each stage alone and each of the four launches alone, "
-                    "for row tiles of 64 and 128, K steps of 64 to 256 and deeper pipelines")
+                    "for row tiles of 64 and 128, K steps of 64 to 256, deeper pipelines and a "
+                    "barrier that sleeps between looks")
     args = ap.parse_args()
-    parts = [FfnPlan(bm, bn, bn, bk, 0, 4, st, False) for bm, bn, bk, st in
-             ((64, 64, 64, 4), (64, 64, 128, 4), (64, 64, 128, 6), (64, 64, 256, 4), (128, 128, 64, 4))
-             ] if args.stages else None
+    parts = [FfnPlan(bm, bn, bn, bk, 0, 4, st, False, backoff) for bm, bn, bk, st, backoff in
+             ((64, 64, 64, 4, 0), (64, 64, 64, 4, 200), (64, 64, 128, 4, 0), (64, 64, 128, 6, 0),
+              (64, 64, 256, 4, 0), (128, 128, 64, 4, 0))] if args.stages else None
     dev = torch.device("cuda")
     rate = read_rate_gbs(dev)
     rows = [block_row(size, m, rate, not args.no_sweep, parts) for size in args.sizes for m in args.rows]

@@ -43,7 +43,8 @@ ACTIVATIONS = {"gelu": GELU_FORMS[GELU_FORM], "gelu_tanh": GELU_FORMS["tanh"]}
 @dataclass(frozen=True)
 class FfnPlan:
     """One launch: row tile ``bm``, FFN-up column tile ``bn1``, FFN-down column tile ``bn2``, the K step ``bk``, the
-    runs of F FFN down is split into, warps, pipeline stages, and whether W2 is asked into L2 at the start."""
+    runs of F FFN down is split into, warps, pipeline stages, whether W2 is asked into L2 at the start, and the
+    nanoseconds a program waiting at a grid barrier sleeps between looks at its count."""
 
     bm: int = 64
     bn1: int = 64
@@ -53,6 +54,7 @@ class FfnPlan:
     warps: int = 4
     stages: int = 3
     prefetch: bool = True
+    backoff: int = 0
 
 
 def plan(m: int, d: int, sms: int, base: FfnPlan | None = None) -> FfnPlan:
@@ -61,7 +63,7 @@ def plan(m: int, d: int, sms: int, base: FfnPlan | None = None) -> FfnPlan:
     base = base or FfnPlan()
     bm = min(base.bm, max(16, triton.next_power_of_2(m)))
     split = base.split or max(1, sms // (triton.cdiv(m, bm) * triton.cdiv(d, base.bn2)))
-    return FfnPlan(bm, base.bn1, base.bn2, base.bk, split, base.warps, base.stages, base.prefetch)
+    return FfnPlan(bm, base.bn1, base.bn2, base.bk, split, base.warps, base.stages, base.prefetch, base.backoff)
 
 
 def ffn_step_reference(h: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
@@ -79,13 +81,16 @@ def ffn_step_reference(h: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: t
 
 
 @triton.jit
-def _grid_barrier(words, nprog):
+def _grid_barrier(words, nprog, BACKOFF: tl.constexpr):
     """Every program of the grid waits here until all ``nprog`` have arrived: ``words`` [2] int32, zero on entry
-    and left zero (the last program to leave zeroes both), so each barrier of a launch takes words of its own."""
+    and left zero (the last program to leave zeroes both), so each barrier of a launch takes words of its own.
+    ``BACKOFF``: nanoseconds a waiting program sleeps between looks at the count (0: it looks again at once)."""
     tl.debug_barrier()  # every thread's stores before the (one-thread, releasing) arrival
     tl.atomic_add(words, 1, sem="release")
     while tl.atomic_add(words, 0, sem="acquire") < nprog:
-        pass
+        if BACKOFF > 0:
+            tl.inline_asm_elementwise(f"nanosleep.u32 {BACKOFF}; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
     if tl.atomic_add(words + 1, 1, sem="relaxed") == nprog - 1:  # the last to leave: every program saw nprog
         tl.store(words, 0)
         tl.store(words + 1, 0)
@@ -175,7 +180,7 @@ def _ffn_step_kernel(x_ptr, w1_ptr, b1_ptr, f_ptr, w2_ptr, part_ptr, b2_ptr, h_p
                      words, M, D, FD, sxm, shm, branch_scale, eps, BM: tl.constexpr, BN1: tl.constexpr,
                      BN2: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
                      STAGE: tl.constexpr, PREFETCH: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
-                     NORM_BIAS: tl.constexpr, FORM: tl.constexpr):
+                     NORM_BIAS: tl.constexpr, FORM: tl.constexpr, BACKOFF: tl.constexpr):
     """Grid (programs,): STAGE 0 all three stages with a grid barrier between them (every program resident), or
     only stage 1, 2 or 3 (three launches, no barrier)."""
     pid = tl.program_id(0)
@@ -194,11 +199,11 @@ def _ffn_step_kernel(x_ptr, w1_ptr, b1_ptr, f_ptr, w2_ptr, part_ptr, b2_ptr, h_p
     if STAGE == 0 or STAGE == 1:
         _up_stage(x_ptr, w1_ptr, b1_ptr, f_ptr, M, D, FD, sxm, pid, nprog, BM, BN1, BK, HAS_B1, FORM)
     if STAGE == 0:
-        _grid_barrier(words, nprog)
+        _grid_barrier(words, nprog, BACKOFF)
     if STAGE == 0 or STAGE == 2:
         _down_stage(f_ptr, w2_ptr, part_ptr, M, D, FD, pid, nprog, BM, BN2, BK, SPLIT)
     if STAGE == 0:
-        _grid_barrier(words + 2, nprog)
+        _grid_barrier(words + 2, nprog, BACKOFF)
     if STAGE == 0 or STAGE == 3:
         _finish_stage(part_ptr, b2_ptr, h_ptr, nw_ptr, nb_ptr, s_ptr, y_ptr, M, D, shm, branch_scale, eps, pid, nprog,
                       BLOCK, SPLIT, HAS_B2, NORM_BIAS)
@@ -233,7 +238,8 @@ def ffn_step(h: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tenso
             float(branch_scale), float(eps))
     meta = dict(BM=p.bm, BN1=p.bn1, BN2=p.bn2, BK=p.bk, SPLIT=p.split, BLOCK=triton.next_power_of_2(d),
                 PREFETCH=p.prefetch and not staged, HAS_B1=b1 is not None, HAS_B2=b2 is not None,
-                NORM_BIAS=norm_b is not None, FORM=ACTIVATIONS[act], num_warps=p.warps, num_stages=p.stages,
+                NORM_BIAS=norm_b is not None, FORM=ACTIVATIONS[act], BACKOFF=p.backoff, num_warps=p.warps,
+                num_stages=p.stages,
                 enable_fp_fusion=FP_FUSION)
     if staged:
         mt = triton.cdiv(m, p.bm)
