@@ -72,7 +72,8 @@ def ffn_folds(x, w1, w2, act: str, policy: bool | None) -> bool:
     """Whether a block's feed-forward half (FFN up, its activation, FFN down, the residual add and the LayerNorm
     after it) runs in one persistent launch (:func:`~esm_turbo.kernels.ffn_step.ffn_step`): plain fp16/bf16 weights
     (float32 under Triton's interpreter) and input rows, an activation it computes, and at most
-    :data:`~esm_turbo.kernels.ffn_step.FFN_STEP_ROWS` rows (where it measured faster), unless ``policy`` is False."""
+    :data:`~esm_turbo.kernels.ffn_step.FFN_STEP_ROWS` rows (0 unless set: it measured slower than cuBLAS), unless
+    ``policy`` is False."""
     from ..kernels.common import interpreting
     from ..kernels.ffn_step import ACTIVATIONS, FFN_STEP_ROWS
     plain = all(isinstance(t, torch.Tensor) for t in (x, w1, w2))
