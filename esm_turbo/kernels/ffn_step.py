@@ -13,12 +13,17 @@ work items in turn, with a barrier across the grid between stages:
    residual h added, rounded once to s [M, D]; and the LayerNorm after the block of s.
 
 W2 is not read before stage 2 needs it, but its bytes do not depend on stage 1: with ``prefetch`` each program asks
-its stage-2 share of W2 into L2 at its start (``kernels.prefetch``), so the stage-1 weight stream and W2's overlap.
-The barrier counts arrivals and departures in two words of :func:`~.common.split_counters` (zero before and after
+its stage-2 share of W2 into L2 at its start (``kernels.prefetch``), so the stage-1 weight stream and W2's overlap
+(measured slower at every shape, so off unless asked). The barrier counts arrivals and departures in two words of :func:`~.common.split_counters` (zero before and after
 every launch); it needs every program resident at once, so the grid is at most one program a multiprocessor.
 
 Under Triton's interpreter (CPU, no concurrent programs) and with ``staged`` the three stages run as three launches
 over the same code, without the barrier. Returns what :func:`ffn_step_reference` computes, which the tests tie it to.
+
+Measured on an H200 over cold weights (``tools/tune_ffn_step.py``, ``results/gpu/ffn_step_h200.txt``), the best of a
+grid of tiles ran slower than cuBLAS's four launches from 48 rows (650M-shaped: 24.6 against 21.8 µs at 48 rows,
+43.3 against 26.6 at 195) and as fast at 16 rows (20.1 against 20.5), so the library takes it only where
+:data:`FFN_STEP_ROWS` is set (``docs/kernels.md``).
 """
 
 from __future__ import annotations
