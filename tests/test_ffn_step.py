@@ -74,6 +74,17 @@ def test_the_feed_forward_writes_into_buffers_and_checks_its_arguments():
         ffn_step(h, x, w2, b1, w1, b2, nw, nb, 1e-5)
 
 
+def test_the_launch_plan_fits_the_rows_and_fills_the_grid():
+    """Row tiles fitted to the rows (16 up), 128 × 128 tiles from 128 rows, FFN down split into the most runs that
+    keep its items within one program a multiprocessor; a given split kept."""
+    from esm_turbo.kernels.ffn_step import FfnPlan, plan
+    assert plan(1, 1280, 132) == FfnPlan(16, 64, 64, 64, 6)
+    assert plan(48, 1280, 132) == FfnPlan(64, 64, 64, 64, 6)
+    assert plan(195, 1280, 132) == FfnPlan(128, 128, 128, 64, 6)
+    assert plan(256, 2560, 132, FfnPlan(64, 64, 64, 64, 3)) == FfnPlan(64, 64, 64, 64, 3)
+    assert plan(256, 2560, 132, FfnPlan(64, 64, 64)).split == 1
+
+
 @pytest.mark.skipif(not CUDA, reason="the grid barrier needs concurrent programs (CUDA)")
 def test_the_feed_forward_replays_in_a_graph():
     """Captured in a CUDA graph and replayed many times over new inputs: each replay the eager launch's output."""

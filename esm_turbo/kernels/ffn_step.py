@@ -14,8 +14,9 @@ work items in turn, with a barrier across the grid between stages:
 
 W2 is not read before stage 2 needs it, but its bytes do not depend on stage 1: with ``prefetch`` each program asks
 its stage-2 share of W2 into L2 at its start (``kernels.prefetch``), so the stage-1 weight stream and W2's overlap
-(measured slower at every shape, so off unless asked). The barrier counts arrivals and departures in two words of :func:`~.common.split_counters` (zero before and after
-every launch); it needs every program resident at once, so the grid is at most one program a multiprocessor.
+(measured slower at every shape, so off unless asked). The barrier counts arrivals and departures in two words of
+:func:`~.common.split_counters` (zero before and after every launch); it needs every program resident at once, so
+the grid is at most one program a multiprocessor.
 
 Under Triton's interpreter (CPU, no concurrent programs) and with ``staged`` the three stages run as three launches
 over the same code, without the barrier. Returns what :func:`ffn_step_reference` computes, which the tests tie it to.
@@ -57,15 +58,16 @@ class FfnPlan:
     bk: int = 64
     split: int = 0  # 0: as many runs as fill the grid (plan())
     warps: int = 4
-    stages: int = 3
-    prefetch: bool = True
+    stages: int = 4
+    prefetch: bool = False
     backoff: int = 0
 
 
 def plan(m: int, d: int, sms: int, base: FfnPlan | None = None) -> FfnPlan:
-    """``base`` (default :class:`FfnPlan`) with the row tile fitted to m rows (16–64) and, where its split is 0,
-    FFN down's F split into the most runs that keep its work items within one program a multiprocessor."""
-    base = base or FfnPlan()
+    """``base`` (default :class:`FfnPlan`, with 128 × 128 tiles from 128 rows: the grid's best at 195 and 256 rows)
+    with the row tile fitted to m rows (16 up) and, where its split is 0, FFN down's F split into the most runs that
+    keep its work items within one program a multiprocessor."""
+    base = base or (FfnPlan(128, 128, 128) if m >= 128 else FfnPlan())
     bm = min(base.bm, max(16, triton.next_power_of_2(m)))
     split = base.split or max(1, sms // (triton.cdiv(m, bm) * triton.cdiv(d, base.bn2)))
     return FfnPlan(bm, base.bn1, base.bn2, base.bk, split, base.warps, base.stages, base.prefetch, base.backoff)
