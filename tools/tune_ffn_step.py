@@ -10,26 +10,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 
 import torch
 import torch.nn.functional as F
 
 from esm_turbo.bench.step import read_rate_gbs
-from esm_turbo.bench.timing import time_graph
 from esm_turbo.kernels.ffn_step import FfnPlan, ffn_step, ffn_step_reference, plan
 from esm_turbo.kernels.common import num_sms
 from esm_turbo.kernels.norm import add_layer_norm_triton
 from esm_turbo.model.sizes import esm2_config
 from tune_gemm import log
+from tune_split import per_product_us, save
 
 GRID = dict(bm=(64, 128), bn1=(64, 128), bn2=(64, 128), bk=(64,), split=(0,), warps=(4,), stages=(3, 4),
             prefetch=(False, True))
-
-
-def per_block_us(fn, layers: list, dev: torch.device) -> float:
-    """fn(layer) over every layer in one captured graph: µs per call (the replay's median)."""
-    return time_graph(lambda: [fn(lay) for lay in layers], dev) * 1e6 / len(layers)
 
 
 def four_launches(h, x, lay, eps):
@@ -54,7 +48,7 @@ def block_row(size: str, m: int, rate: float, sweep: bool, parts: list | None = 
     base = four_launches(h, x, layers[0], eps)
     err_base = max((a.float() - b.float()).abs().max().item() for a, b in zip(base, want))
     row = dict(size=size, rows=m, d=d, f=fd, layers=count, read_us=4 * d * fd / (rate * 1e9) * 1e6,
-               four_launches_us=per_block_us(lambda lay: four_launches(h, x, lay, eps), layers, dev))
+               four_launches_us=per_product_us(lambda lay: four_launches(h, x, lay, eps), layers, dev))
     chosen = plan(m, d, num_sms(dev))
 
     def kernel_us(launch: FfnPlan) -> float | None:
@@ -67,14 +61,14 @@ def block_row(size: str, m: int, rate: float, sweep: bool, parts: list | None = 
         if err > 2 * err_base + 1e-2:
             log(f"  {launch}: misses the reference by {err:.3g} (cuBLAS's path {err_base:.3g})")
             return None
-        return per_block_us(lambda lay: ffn_step(h, x, *lay[:4], *lay[4:], eps, launch=launch), layers, dev)
+        return per_product_us(lambda lay: ffn_step(h, x, *lay[:4], *lay[4:], eps, launch=launch), layers, dev)
 
     row["plan"] = dict(launch=chosen.__dict__, us=kernel_us(chosen))
     if parts is not None:  # each launch of the four alone, and each stage of the kernel alone (three launches)
         w1, b1, w2, b2, nw, nb = layers[0]
         f = F.gelu(F.linear(x, w1, b1))
         y = F.linear(f, w2, b2)
-        row["four"] = {name: per_block_us(fn, layers, dev) for name, fn in (
+        row["four"] = {name: per_product_us(fn, layers, dev) for name, fn in (
             ("up", lambda lay: F.linear(x, lay[0], lay[1])), ("gelu", lambda lay: F.gelu(f)),
             ("down", lambda lay: F.linear(f, lay[2], lay[3])),
             ("add_ln", lambda lay: add_layer_norm_triton(h, y, lay[4], lay[5], eps)))}
@@ -83,7 +77,7 @@ def block_row(size: str, m: int, rate: float, sweep: bool, parts: list | None = 
             one = kernel_us(launch)
             if one is None:
                 continue
-            stages = [per_block_us(lambda lay, i=i: ffn_step(h, x, *lay[:4], *lay[4:], eps, launch=launch,
+            stages = [per_product_us(lambda lay, i=i: ffn_step(h, x, *lay[:4], *lay[4:], eps, launch=launch,
                                                              staged=True, only=i), layers, dev) for i in (1, 2, 3)]
             row.setdefault("stages", []).append(dict(launch=launch.__dict__, stages_us=stages, one_us=one))
             log(f"  {launch}: stages {[round(t, 1) for t in stages]} µs, one launch {one or float('nan'):.1f}"
@@ -132,13 +126,7 @@ def main() -> None:
         lines.append(f"  {r['size']:5} {r['rows']:4} {r['read_us']:6.1f} {r['four_launches_us']:10.1f} "
                      f"{plan_us:14.1f} {best_us:12.1f} {r['four_launches_us'] / best_us:7.2f}   "
                      f"{best.get('launch', '')}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), read_gbs=rate, rows=rows), f, indent=1)
-        with open(args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
-            f.write(text + "\n")
+    save(args.out, "\n".join(lines), rate, rows)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .common import FP_FUSION, GELU_FORM, GELU_FORMS, gelu, interpreting, num_sms, split_counters
+from .gemm import epilogue_reference
+from .gemm_split import tile_product
+from .norm import add_layer_norm_reference
 from .prefetch import prefetch_rows
 
 #: the most rows a block's feed-forward half takes this launch at (``embed.products.ffn_folds``); above it, cuBLAS
@@ -80,11 +82,9 @@ def ffn_step_reference(h: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: t
     f = GELU(x W1ᵀ + b1) in float32 rounded to the dtype, s = h + (f W2ᵀ + b2) · branch_scale in float32 rounded once
     (``act`` ``"gelu_tanh"``: GELU's tanh approximation)."""
     u = x.float() @ w1.float().t() + (0.0 if b1 is None else b1.float())
-    f = F.gelu(u, approximate="tanh" if act == "gelu_tanh" else "none").to(h.dtype)
+    f = epilogue_reference(u, act).to(h.dtype)
     y = f.float() @ w2.float().t() + (0.0 if b2 is None else b2.float())
-    s = (h.float() + y * branch_scale).to(h.dtype)
-    return s, F.layer_norm(s.float(), (s.shape[1],), norm_w.float(), None if norm_b is None else norm_b.float(),
-                           eps).to(h.dtype)
+    return add_layer_norm_reference((h.float() + y * branch_scale).to(h.dtype), None, norm_w, norm_b, eps)
 
 
 @triton.jit
@@ -110,18 +110,10 @@ def _up_stage(x_ptr, w1_ptr, b1_ptr, f_ptr, M, D, FD, sxm, pid, nprog, BM: tl.co
     """Tiles (i, j) of f = GELU(x W1ᵀ + b1) [M, FD], items i + j·cdiv(M, BM) taken by program pid in turns of
     nprog (the row tiles of one weight slice run side by side)."""
     mt = tl.cdiv(M, BM)
-    offs_k = tl.arange(0, BK)
     for item in range(pid, mt * tl.cdiv(FD, BN), nprog):
         offs_m = (item % mt) * BM + tl.arange(0, BM)
         offs_n = (item // mt) * BN + tl.arange(0, BN)
-        a_at = x_ptr + tl.where(offs_m < M, offs_m, 0).to(tl.int64)[:, None] * sxm + offs_k[None, :]
-        w_at = w1_ptr + tl.where(offs_n < FD, offs_n, 0).to(tl.int64)[:, None] * D + offs_k[None, :]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            k_ok = offs_k[None, :] < D - k0
-            acc = tl.dot(tl.load(a_at, mask=k_ok, other=0.0), tl.load(w_at, mask=k_ok, other=0.0).T, acc)
-            a_at += BK
-            w_at += BK
+        acc = tile_product(x_ptr, w1_ptr, offs_m, offs_n, M, FD, D, sxm, D, 0, D, BM, BN, BK, "")
         if HAS_BIAS:
             acc += tl.load(b1_ptr + offs_n, mask=offs_n < FD, other=0.0).to(tl.float32)[None, :]
         mask = (offs_m < M)[:, None] & (offs_n < FD)[None, :]
@@ -130,30 +122,29 @@ def _up_stage(x_ptr, w1_ptr, b1_ptr, f_ptr, M, D, FD, sxm, pid, nprog, BM: tl.co
 
 
 @triton.jit
-def _down_stage(f_ptr, w2_ptr, part_ptr, M, D, FD, pid, nprog, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, SPLIT: tl.constexpr):
-    """Items (i, j, s), i fastest: rows of tile i of f times W2's rows of tile j over the s-th of SPLIT runs of F
-    (whole BK steps; the last may be shorter or empty) into partial s [SPLIT, M, D] float32."""
+def _down_item(item, M, D, FD, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """FFN down's work item ``item`` (row tile i fastest, then column tile j, then run s): (i, j, s, the run's first
+    and last + 1 column of F: whole BK steps, the last run shorter or empty)."""
     mt = tl.cdiv(M, BM)
     nt = tl.cdiv(D, BN)
     steps = tl.cdiv(tl.cdiv(FD, BK), SPLIT)
-    offs_k = tl.arange(0, BK)
-    for item in range(pid, mt * nt * SPLIT, nprog):
-        rest = item // mt
-        s = rest // nt
-        offs_m = (item % mt) * BM + tl.arange(0, BM)
-        offs_n = (rest % nt) * BN + tl.arange(0, BN)
-        k_lo = s * steps * BK
-        k_hi = tl.minimum(FD, k_lo + steps * BK)
-        a_at = f_ptr + tl.where(offs_m < M, offs_m, 0).to(tl.int64)[:, None] * FD + (k_lo + offs_k)[None, :]
-        w_at = w2_ptr + tl.where(offs_n < D, offs_n, 0).to(tl.int64)[:, None] * FD + (k_lo + offs_k)[None, :]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            k_ok = offs_k[None, :] < FD - k0
-            a = tl.load(a_at, mask=k_ok, other=0.0, cache_modifier=".cg")  # f: other programs' stores
-            acc = tl.dot(a, tl.load(w_at, mask=k_ok, other=0.0).T, acc)
-            a_at += BK
-            w_at += BK
+    rest = item // mt
+    s = rest // nt
+    k_lo = s * steps * BK
+    return item % mt, rest % nt, s, k_lo, tl.minimum(FD, k_lo + steps * BK)
+
+
+@triton.jit
+def _down_stage(f_ptr, w2_ptr, part_ptr, M, D, FD, pid, nprog, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, SPLIT: tl.constexpr):
+    """Items (i, j, s) (:func:`_down_item`): rows of tile i of f times W2's rows of tile j over the s-th of SPLIT
+    runs of F into partial s [SPLIT, M, D] float32."""
+    for item in range(pid, tl.cdiv(M, BM) * tl.cdiv(D, BN) * SPLIT, nprog):
+        i, j, s, k_lo, k_hi = _down_item(item, M, D, FD, BM, BN, BK, SPLIT)
+        offs_m = i * BM + tl.arange(0, BM)
+        offs_n = j * BN + tl.arange(0, BN)
+        # f: other programs' stores in this launch, read past L1
+        acc = tile_product(f_ptr, w2_ptr, offs_m, offs_n, M, D, FD, FD, FD, k_lo, k_hi, BM, BN, BK, ".cg")
         mask = (offs_m < M)[:, None] & (offs_n < D)[None, :]
         tl.store(part_ptr + (s * M + offs_m).to(tl.int64)[:, None] * D + offs_n[None, :], acc, mask=mask)
 
@@ -193,16 +184,11 @@ def _ffn_step_kernel(x_ptr, w1_ptr, b1_ptr, f_ptr, w2_ptr, part_ptr, b2_ptr, h_p
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if STAGE == 0 and PREFETCH:  # this program's stage-2 share of W2 (row tile 0's items), asked into L2
-        mt = tl.cdiv(M, BM)
-        nt = tl.cdiv(D, BN2)
-        steps = tl.cdiv(tl.cdiv(FD, BK), SPLIT)
-        rows = tl.arange(0, BN2)
-        for item in range(pid, mt * nt * SPLIT, nprog):
-            if item % mt == 0:
-                rest = item // mt
-                k_lo = (rest // nt) * steps * BK
-                n = (rest % nt) * BN2 + rows
-                prefetch_rows(w2_ptr, n, FD, k_lo, tl.minimum(FD - k_lo, steps * BK), (n < D) & (k_lo < FD))
+        for item in range(pid, tl.cdiv(M, BM) * tl.cdiv(D, BN2) * SPLIT, nprog):
+            i, j, s, k_lo, k_hi = _down_item(item, M, D, FD, BM, BN2, BK, SPLIT)
+            if i == 0:
+                n = j * BN2 + tl.arange(0, BN2)
+                prefetch_rows(w2_ptr, n, FD, k_lo, k_hi - k_lo, (n < D) & (k_lo < FD))
     if STAGE == 0 or STAGE == 1:
         _up_stage(x_ptr, w1_ptr, b1_ptr, f_ptr, M, D, FD, sxm, pid, nprog, BM, BN1, BK, HAS_B1, FORM)
     if STAGE == 0:

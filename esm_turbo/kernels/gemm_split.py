@@ -62,6 +62,27 @@ def plan(m: int, n: int, k: int, sms: int, bn: int = 128, bk: int = 64) -> Split
 
 
 @triton.jit
+def tile_product(a_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_am, stride_wn, k_lo, k_hi, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, A_CACHE: tl.constexpr):
+    """Rows ``offs_m`` [BM] of a [M, K] times rows ``offs_n`` [BN] of w [N, K]ᵀ over K's run [k_lo, k_hi) in steps of
+    BK (rows ``stride_am`` / ``stride_wn`` apart, K contiguous; rows past M or N read row 0, K past K zeros): the
+    float32 sums [BM, BN]. ``A_CACHE``: a's loads' cache modifier (``".cg"`` where other programs of the launch wrote
+    a)."""
+    offs_k = tl.arange(0, BK)
+    a_at = a_ptr + tl.where(offs_m < M, offs_m, 0).to(tl.int64)[:, None] * stride_am + (k_lo + offs_k)[None, :]
+    w_at = w_ptr + tl.where(offs_n < N, offs_n, 0).to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        k_ok = offs_k[None, :] < K - k0
+        a = tl.load(a_at, mask=k_ok, other=0.0, cache_modifier=A_CACHE)
+        w = tl.load(w_at, mask=k_ok, other=0.0)
+        acc = tl.dot(a, w.T, acc)
+        a_at += BK
+        w_at += BK
+    return acc
+
+
+@triton.jit
 def _split_gemm_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, M, N, K, stride_am, stride_wn,
                        stride_cm, stride_rm, res_scale, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        SPLIT: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
@@ -77,17 +98,7 @@ def _split_gemm_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, res_ptr, part_ptr, count_p
     k_hi = tl.minimum(K, k_lo + steps * BK)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    a_at = a_ptr + tl.where(offs_m < M, offs_m, 0).to(tl.int64)[:, None] * stride_am + (k_lo + offs_k)[None, :]
-    w_at = w_ptr + tl.where(offs_n < N, offs_n, 0).to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        k_ok = offs_k[None, :] < K - k0
-        a = tl.load(a_at, mask=k_ok, other=0.0)
-        w = tl.load(w_at, mask=k_ok, other=0.0)
-        acc = tl.dot(a, w.T, acc)
-        a_at += BK
-        w_at += BK
+    acc = tile_product(a_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_am, stride_wn, k_lo, k_hi, BM, BN, BK, "")
     if SPLIT > 1:
         at = tl.where(offs_m < M, offs_m, 0).to(tl.int64)[:, None] * N + tl.where(offs_n < N, offs_n, 0)[None, :]
         mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -125,4 +136,4 @@ def split_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out:
     return out
 
 
-__all__ = ["SplitTile", "plan", "split_gemm"]
+__all__ = ["SplitTile", "plan", "split_gemm", "tile_product"]
