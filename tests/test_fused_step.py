@@ -36,22 +36,30 @@ def _steps(engine, fused: bool, cache, steps: int = 3, paged: bool = False):
     return outs, session.lengths.clone(), session
 
 
-@pytest.mark.parametrize("make,cache,ffn_rows", [(stress_esm2, "fp32", 0), (stress_esm2, _codec, 0),
-                                                  (stress_esmc, _codec, 0), (stress_esm2, _codec, 256)],
-                         ids=["esm2-fp32-cache", "esm2-turbo", "esmc-turbo", "esm2-turbo-ffn-one-launch"])
-def test_fused_step_gives_the_layers_outputs(make, cache, ffn_rows, monkeypatch):
-    """Also with each block's feed-forward half in one launch (kernels.ffn_step, opt-in by its row bound)."""
+@pytest.mark.parametrize("make,cache,ffn_rows,split_rows",
+                         [(stress_esm2, "fp32", 0, 0), (stress_esm2, _codec, 0, 0), (stress_esmc, _codec, 0, 0),
+                          (stress_esm2, _codec, 256, 0), (stress_esm2, _codec, 0, 256)],
+                         ids=["esm2-fp32-cache", "esm2-turbo", "esmc-turbo", "esm2-turbo-ffn-one-launch",
+                              "esm2-turbo-split-k"])
+def test_fused_step_gives_the_layers_outputs(make, cache, ffn_rows, split_rows, monkeypatch):
+    """Also with each block's feed-forward half in one launch (kernels.ffn_step, opt-in by its row bound), and with
+    its plain products split along K (kernels.gemm_split, opt-in by its row bound)."""
     _needs_triton()
     import esm_turbo.kernels.ffn_step as ffn
+    import esm_turbo.kernels.gemm_split as gemm_split
     monkeypatch.setattr(ffn, "FFN_STEP_ROWS", ffn_rows)
-    calls = []
+    monkeypatch.setattr(gemm_split, "SPLIT_ROWS", split_rows)
+    calls, splits = [], []
     monkeypatch.setattr(ffn, "ffn_step", lambda *a, **k: calls.append(1) or ffn_step(*a, **k))
+    split_gemm = gemm_split.split_gemm
+    monkeypatch.setattr(gemm_split, "split_gemm", lambda *a, **k: splits.append(a[4]) or split_gemm(*a, **k))
     torch.manual_seed(0)
     engine = TurboEsm(make(layers=2, seed=1).to(DEV).float())
     want, lengths, _ = _steps(engine, False, cache)
     got, got_lengths, _ = _steps(engine, True, cache)
     assert torch.equal(got_lengths, lengths)
     assert bool(calls) == (ffn_rows > 0)
+    assert set(splits) == ({"bias", "gelu", "residual"} if split_rows else set())
     for a, b in zip(want, got):
         assert torch.allclose(b.logits, a.logits, atol=1e-4, rtol=1e-4), (b.logits - a.logits).abs().max()
         assert torch.allclose(b.hidden, a.hidden, atol=1e-4, rtol=1e-4), (b.hidden - a.hidden).abs().max()

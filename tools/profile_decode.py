@@ -66,7 +66,13 @@ def main() -> None:
     ap.add_argument("--ffn-rows", type=int, default=None,
                     help="the most rows a block's feed-forward half runs in one launch at (kernels.ffn_step's "
                          "FFN_STEP_ROWS; 0: cuBLAS products with their passes)")
+    ap.add_argument("--split-rows", type=int, default=None,
+                    help="the most rows a block's plain products run split along K at, their epilogues folded "
+                         "(kernels.gemm_split's SPLIT_ROWS; 0: cuBLAS)")
     args = ap.parse_args()
+    if args.split_rows is not None:
+        import esm_turbo.kernels.gemm_split as gemm_split
+        gemm_split.SPLIT_ROWS = args.split_rows
     if args.ffn_rows is not None:
         import esm_turbo.kernels.ffn_step as ffn
         ffn.FFN_STEP_ROWS = args.ffn_rows

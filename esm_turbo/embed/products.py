@@ -36,12 +36,24 @@ def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.
         return (y, y.float().abs().amax(1)) if row_amax else y
     if epilogue == "bias" and not row_amax and not kernel:
         return linear(x, w, bias)
+    tile = _split_tile(x, w, epilogue) if not row_amax else None
+    if tile is not None:
+        return gemm(x, w, bias, epilogue, residual, residual_scale, split=tile)
     if fp8:
         if not isinstance(x, Fp8Rows):
             from ..kernels.activation import activation_triton
             x = activation_triton(x, "none", fp8=True)
         return gemm(x.q, w.q, bias, epilogue, residual, residual_scale, x.scale, w.scale, row_amax, rope=rope)
     return gemm(x, w, bias, epilogue, residual, residual_scale, row_amax=row_amax, rope=rope)
+
+
+def _split_tile(x, w, epilogue: str):
+    """The split-K launch a plain fp16/bf16 product takes at a step's rows
+    (:func:`~esm_turbo.kernels.gemm_split.step_tile`: up to ``SPLIT_ROWS`` rows, 0 unless set), or None."""
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return None
+    from ..kernels.gemm_split import step_tile
+    return step_tile(x, w, epilogue)
 
 
 def is_step_product(w) -> bool:
@@ -64,6 +76,8 @@ def folds(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, epilogue: str,
         return False
     if policy is not None:
         return policy
+    if _split_tile(x, w, epilogue) is not None:  # the split kernel folds its epilogue
+        return True
     from ..kernels.gemm import measured
     return held.is_cuda and measured(weight.shape[0], weight.shape[1], weight.dtype, epilogue, held.shape[0])
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import num_sms, split_counters
+from .common import interpreting, num_sms, split_counters
 from .gemm import EPILOGUES, _finish
 from .weights.matmul import _last_to_arrive
 
@@ -46,6 +46,10 @@ class SplitTile:
 #: programs a multiprocessor the split aims at, and the fewest K steps a run keeps
 WAVES = 2
 MIN_K_STEPS = 4
+#: the most rows at which a block's plain fp16/bf16 products run here (:func:`step_tile`), not in cuBLAS: 0, none
+SPLIT_ROWS = 0
+#: the epilogues a split product folds
+SPLIT_EPILOGUES = ("bias", "gelu", "residual")
 
 
 def plan(m: int, n: int, k: int, sms: int, bn: int = 128, bk: int = 64) -> SplitTile:
@@ -59,6 +63,17 @@ def plan(m: int, n: int, k: int, sms: int, bn: int = 128, bk: int = 64) -> Split
     while tiles * split < WAVES * sms and steps // (2 * split) >= MIN_K_STEPS:
         split *= 2
     return SplitTile(bm, bn, bk, split)
+
+
+def step_tile(x: torch.Tensor, w: torch.Tensor, epilogue: str) -> SplitTile | None:
+    """The launch a step's product x [M, K] × w [N, K]ᵀ takes here (:func:`plan`'s), or None where it does not: off
+    the GPU (but under Triton's interpreter), past :data:`SPLIT_ROWS` rows, an epilogue not in
+    :data:`SPLIT_EPILOGUES`, or x and w not of one dtype (fp16/bf16 on the GPU)."""
+    if x.shape[0] > SPLIT_ROWS or epilogue not in SPLIT_EPILOGUES or w.dtype != x.dtype:
+        return None
+    if not (x.dtype in (torch.float16, torch.bfloat16) if x.is_cuda else interpreting()):
+        return None
+    return plan(x.shape[0], w.shape[0], w.shape[1], num_sms(x.device))
 
 
 @triton.jit
@@ -99,15 +114,15 @@ def _split_gemm_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, res_ptr, part_ptr, count_p
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     acc = tile_product(a_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_am, stride_wn, k_lo, k_hi, BM, BN, BK, "")
-    if SPLIT > 1:
-        at = tl.where(offs_m < M, offs_m, 0).to(tl.int64)[:, None] * N + tl.where(offs_n < N, offs_n, 0)[None, :]
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        tl.store(part_ptr + s.to(tl.int64) * M * N + at, acc, mask=mask)
+    if SPLIT > 1:  # partials [tiles, SPLIT, BM, BN]: a tile's runs contiguous, whole tiles (no masks)
         tile = pid_m * tl.num_programs(0) + pid_n
+        inner = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        parts = part_ptr + tile.to(tl.int64) * (SPLIT * BM * BN)
+        tl.store(parts + s * (BM * BN) + inner, acc)
         if _last_to_arrive(count_ptr + tile, SPLIT):
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for t in tl.static_range(SPLIT):
-                acc += tl.load(part_ptr + t * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+            for t in range(SPLIT):  # a loop, not unrolled: SPLIT tiles' loads in flight at once spill registers
+                acc += tl.load(parts + t * (BM * BN) + inner, cache_modifier=".cg")
             _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, c_ptr,
                     c_ptr, c_ptr, 0, 1, EPI, HAS_BIAS, False, SCALED, False, GELU)
             tl.store(count_ptr + tile, 0)  # every run has counted: zero again for the next launch
@@ -125,7 +140,8 @@ def split_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out:
     n = w.shape[0]
     tile = tile or plan(m, n, k, num_sms(x.device))
     grid = (triton.cdiv(n, tile.bn), triton.cdiv(m, tile.bm), tile.split)
-    parts = torch.empty(tile.split, m, n, device=x.device, dtype=torch.float32) if tile.split > 1 else out
+    parts = (torch.empty(grid[0] * grid[1] * tile.split * tile.bm * tile.bn, device=x.device, dtype=torch.float32)
+             if tile.split > 1 else out)
     counts = split_counters(grid[0] * grid[1], x.device) if tile.split > 1 else out
     _split_gemm_kernel[grid](
         x, w, out, bias if bias is not None else out, residual if residual is not None else out, parts, counts, m, n,
@@ -136,4 +152,4 @@ def split_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out:
     return out
 
 
-__all__ = ["SplitTile", "plan", "split_gemm", "tile_product"]
+__all__ = ["SPLIT_ROWS", "SplitTile", "plan", "split_gemm", "step_tile", "tile_product"]
