@@ -59,7 +59,7 @@ def test_fused_step_gives_the_layers_outputs(make, cache, ffn_rows, split_rows, 
     got, got_lengths, _ = _steps(engine, True, cache)
     assert torch.equal(got_lengths, lengths)
     assert bool(calls) == (ffn_rows > 0)
-    assert set(splits) == ({"bias", "gelu", "residual"} if split_rows else set())
+    assert set(splits) == ({"rope", "gelu", "residual"} if split_rows else set())
     for a, b in zip(want, got):
         assert torch.allclose(b.logits, a.logits, atol=1e-4, rtol=1e-4), (b.logits - a.logits).abs().max()
         assert torch.allclose(b.hidden, a.hidden, atol=1e-4, rtol=1e-4), (b.hidden - a.hidden).abs().max()

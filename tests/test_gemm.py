@@ -152,6 +152,33 @@ def test_split_products_match_the_reference(epilogue, scale, split):
     assert not split_counters(1, x.device).any()
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_split_rotary_epilogue_is_the_split_product_then_the_rotary_kernel(split):
+    """The q/k/v projection split along K with the rotary embedding in its epilogue: bit for bit the same split
+    product followed by ``rope_packed_triton`` (the same partial sums in the same order, the same roundings), and the
+    reference's up to the order of the sums; a tile that splits heads is refused."""
+    from esm_turbo.kernels.gemm import gemm, gemm_reference
+    from esm_turbo.kernels.gemm_split import SplitTile
+    from esm_turbo.kernels.rope import rope_packed_triton
+    dtype = torch.float16 if CUDA else torch.float32
+    heads, head_dim = (20, 64) if CUDA else (3, 16)
+    dim = heads * head_dim
+    m = 195 if CUDA else 21
+    x, w, b, _ = _inputs(m, 3 * dim, dim, dtype, seed=split)
+    cos, sin = _rope_tables(m, head_dim, seed=split)
+    tile = SplitTile(64, 128, 64, 4 * split) if CUDA else SplitTile(16, 32, 16, split, 2, 4)
+    got = gemm(x, w, b, "rope", split=tile, rope=(cos, sin))
+    plain = gemm(x, w, b, split=tile)
+    q, k = rope_packed_triton(plain, cos, sin, heads)
+    assert torch.equal(got[:, :dim], q.flatten(1)) and torch.equal(got[:, dim: 2 * dim], k.flatten(1))
+    assert torch.equal(got[:, 2 * dim:], plain[:, 2 * dim:])
+    want = gemm_reference(x, w, b, "rope", rope=(cos, sin))
+    tol = 4 * torch.finfo(dtype).eps * want.float().abs().max().item() + 1e-6
+    assert (got.float() - want.float()).abs().max().item() <= tol
+    with pytest.raises(ValueError, match="whole"):
+        gemm(x, w, b, "rope", split=SplitTile(16, 8, 16, split, 2, 4), rope=(cos, sin))
+
+
 def test_split_launch_plan():
     """plan(): rows in tiles of 16-64, K split where output tiles alone leave the multiprocessors idle, each run at
     least MIN_K_STEPS steps; a split product with FP8 inputs or row maxima is refused."""

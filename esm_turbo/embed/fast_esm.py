@@ -665,7 +665,7 @@ class FastEsm(nn.Module):
         t = tensors
         policy, inv_scale = self.fused_products, 1.0 / self.branch_scale
         head_dim = dim // b.heads
-        if t.q_norm is None and folds(x, t.w_qkv, "rope", policy) and rope_folds(t.w_qkv, head_dim):
+        if t.q_norm is None and folds(x, t.w_qkv, "rope", policy) and rope_folds(t.w_qkv, head_dim, x):
             qkv = product(x, t.w_qkv, t.b_qkv, "rope", rope=(cos, sin))  # q scaled, q and k rotated in its epilogue
             q, k = qkv[:, :dim].view(n, b.heads, head_dim), qkv[:, dim: 2 * dim].view(n, b.heads, head_dim)
         else:

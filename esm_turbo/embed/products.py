@@ -27,7 +27,7 @@ def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.
     ``row_amax`` also each row's largest |output| [M] float32. ``kernel`` False (a plain product only): cuBLAS. A
     plain tensor input to an FP8 weight is quantized per row first; FP8 weights off an FP8 GPU take the reference's
     arithmetic."""
-    from ..kernels.gemm import gemm
+    from ..kernels.gemm import gemm, rope_fits
     if is_step_product(w):  # 4-bit linears at a step's rows: their own kernels, their own biases
         return w(x, epilogue, residual, residual_scale)
     fp8 = isinstance(w, Fp8Weight)
@@ -37,8 +37,8 @@ def product(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.
     if epilogue == "bias" and not row_amax and not kernel:
         return linear(x, w, bias)
     tile = _split_tile(x, w, epilogue) if not row_amax else None
-    if tile is not None:
-        return gemm(x, w, bias, epilogue, residual, residual_scale, split=tile)
+    if tile is not None and (rope is None or rope_fits(tile, rope[0].shape[-1])):
+        return gemm(x, w, bias, epilogue, residual, residual_scale, split=tile, rope=rope)
     if fp8:
         if not isinstance(x, Fp8Rows):
             from ..kernels.activation import activation_triton
@@ -98,15 +98,16 @@ def ffn_folds(x, w1, w2, act: str, policy: bool | None) -> bool:
     return interpreting() and x.dtype == w1.dtype == w2.dtype
 
 
-def rope_folds(w: torch.Tensor | Fp8Weight, head_dim: int) -> bool:
+def rope_folds(w: torch.Tensor | Fp8Weight, head_dim: int, x: torch.Tensor | Fp8Rows | None = None) -> bool:
     """Whether the q/k/v projection ``w`` [3·D, D] can take the rotary embedding into its epilogue: its kernel's tile
-    (:func:`~esm_turbo.kernels.gemm.tile_for`) holds whole heads of ``head_dim`` in each part. (Whether it should is
-    :func:`folds`' question.)"""
+    (:func:`~esm_turbo.kernels.gemm.tile_for`, or at x's rows the split-K launch's, where one applies) holds whole
+    heads of ``head_dim`` in each part. (Whether it should is :func:`folds`' question.)"""
     if is_step_product(w):
         return False
     from ..kernels.gemm import rope_fits, tile_for
+    split = _split_tile(x, w, "rope") if x is not None else None
     weight = w.q if isinstance(w, Fp8Weight) else w
-    return rope_fits(tile_for(weight.shape[0], weight.shape[1], weight.dtype, "rope"), head_dim)
+    return rope_fits(split or tile_for(weight.shape[0], weight.shape[1], weight.dtype, "rope"), head_dim)
 
 
 def product_reference(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,

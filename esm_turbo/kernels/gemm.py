@@ -394,13 +394,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
         tile = replace(default_tile(n, k, x.dtype), gelu=tile.gelu)
     if (epilogue == "rope") != (rope is not None):
         raise ValueError("rope's (cos, sin) go with epilogue='rope', and only with it")
-    head_dim = check_rope(rope, m, n, tile) if rope is not None else 2
+    head_dim = check_rope(rope, m, n, split or tile) if rope is not None else 2
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if split is not None and m:
-        if fp8 or row_amax or rope is not None:
-            raise ValueError("a split product takes fp16/bf16 inputs and returns no row maxima nor rotary")
+        if fp8 or row_amax:
+            raise ValueError("a split product takes fp16/bf16 inputs and returns no row maxima")
         from .gemm_split import split_gemm
-        return split_gemm(x, w, bias, out, epilogue, residual, residual_scale, GELU_FORMS[tile.gelu], split)
+        return split_gemm(x, w, bias, out, epilogue, residual, residual_scale, GELU_FORMS[tile.gelu], split, rope,
+                          head_dim)
     if tma is None:  # a descriptor needs 16-byte aligned rows
         tma = tma_supported(x.device) and tma_aligned(x, w)
     parts = triton.cdiv(n, tile.bn) * tile.subtile
@@ -434,7 +435,7 @@ def check_rope(rope: tuple[torch.Tensor, torch.Tensor], m: int, n: int, tile: Ti
         raise ValueError(f"rope's cos, sin {tuple(cos.shape)}, {tuple(sin.shape)} (float32, rows alike) are not the "
                          f"[{m}, d] tables of a [{m}, {n}] q/k/v product's heads")
     if not rope_fits(tile, d):
-        parts = tile.subtile if isinstance(tile, Tile) else tile.bn // tile.epi_n
+        parts = tile.bn // _part_width(tile)
         raise ValueError(f"tile {tile.bn} columns wide (in {parts} parts) does not hold whole {d}-wide heads a part")
     return d
 
@@ -442,10 +443,17 @@ def check_rope(rope: tuple[torch.Tensor, torch.Tensor], m: int, n: int, tile: Ti
 def rope_fits(tile, head_dim: int) -> bool:
     """Whether every part of ``tile``'s columns the epilogue works on holds whole heads of ``head_dim`` (a
     :class:`~esm_turbo.kernels.gemm_ws.WsTile`: its epilogue's column chunk is one head)."""
-    if not isinstance(tile, Tile):
+    if isinstance(tile, WsTile):
         return head_dim == tile.epi_n and tile.bn % head_dim == 0 and head_dim in (32, 64, 128)
-    part = tile.bn // tile.subtile
-    return head_dim >= 2 and part % head_dim == 0 and head_dim & (head_dim - 1) == 0
+    return head_dim >= 2 and _part_width(tile) % head_dim == 0 and head_dim & (head_dim - 1) == 0
+
+
+def _part_width(tile) -> int:
+    """The columns of one part of ``tile`` an epilogue works on: a :class:`Tile`'s subtile, a
+    :class:`~esm_turbo.kernels.gemm_ws.WsTile`'s epilogue chunk, a split tile's whole width."""
+    if isinstance(tile, Tile):
+        return tile.bn // tile.subtile
+    return tile.epi_n if isinstance(tile, WsTile) else tile.bn
 
 
 def gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epilogue: str = "bias",

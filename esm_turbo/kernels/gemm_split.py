@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting, num_sms, split_counters
-from .gemm import EPILOGUES, _finish
+from .gemm import EPILOGUES, _part
 from .weights.matmul import _last_to_arrive
 
 
@@ -49,7 +49,7 @@ MIN_K_STEPS = 4
 #: the most rows at which a block's plain fp16/bf16 products run here (:func:`step_tile`), not in cuBLAS: 0, none
 SPLIT_ROWS = 0
 #: the epilogues a split product folds
-SPLIT_EPILOGUES = ("bias", "gelu", "residual")
+SPLIT_EPILOGUES = ("bias", "gelu", "residual", "rope")
 
 
 def plan(m: int, n: int, k: int, sms: int, bn: int = 128, bk: int = 64) -> SplitTile:
@@ -98,13 +98,14 @@ def tile_product(a_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_am, stride_wn, k_
 
 
 @triton.jit
-def _split_gemm_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, M, N, K, stride_am, stride_wn,
-                       stride_cm, stride_rm, res_scale, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       SPLIT: tl.constexpr, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-                       GELU: tl.constexpr):
+def _split_gemm_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, M, N, K,
+                       stride_am, stride_wn, stride_cm, stride_rm, stride_cos, q_cols, res_scale, q_scale,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, EPI: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, GELU: tl.constexpr, HD: tl.constexpr):
     """Grid (cdiv(N, BN), cdiv(M, BM), SPLIT): program (j, i, s) multiplies rows [i·BM, (i + 1)·BM) of x by columns
     [j·BN, (j + 1)·BN) of wᵀ over the s-th run of K (runs of whole BK steps; the last may be shorter or empty), then
-    stores a partial (SPLIT > 1, the last to arrive finishes) or finishes the tile (``_finish``)."""
+    stores a partial (SPLIT > 1, the last to arrive finishes) or finishes the tile (``_part``: the rotary epilogue
+    over whole heads of HD in the tile's BN columns, or ``_finish``)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     s = tl.program_id(2)
@@ -123,19 +124,22 @@ def _split_gemm_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, res_ptr, part_ptr, count_p
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for t in range(SPLIT):  # a loop, not unrolled: SPLIT tiles' loads in flight at once spill registers
                 acc += tl.load(parts + t * (BM * BN) + inner, cache_modifier=".cg")
-            _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, c_ptr,
-                    c_ptr, c_ptr, 0, 1, EPI, HAS_BIAS, False, SCALED, False, GELU)
+            _part(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, c_ptr, c_ptr,
+                  c_ptr, 0, 1, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI, HAS_BIAS, False, SCALED, False,
+                  GELU, BM, BN, HD)
             tl.store(count_ptr + tile, 0)  # every run has counted: zero again for the next launch
     else:
-        _finish(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, c_ptr, c_ptr,
-                c_ptr, 0, 1, EPI, HAS_BIAS, False, SCALED, False, GELU)
+        _part(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, c_ptr, c_ptr,
+              c_ptr, 0, 1, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI, HAS_BIAS, False, SCALED, False, GELU,
+              BM, BN, HD)
 
 
 def split_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, epilogue: str,
                residual: torch.Tensor | None, residual_scale: float, gelu_form: int,
-               tile: SplitTile | None = None) -> torch.Tensor:
-    """The product into ``out`` [M, N] (x [M, K], w [N, K], K contiguous; checked by the caller,
-    :func:`~esm_turbo.kernels.gemm.gemm`); ``tile`` None: :func:`plan`'s."""
+               tile: SplitTile | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+               head_dim: int = 2) -> torch.Tensor:
+    """The product into ``out`` [M, N] (x [M, K], w [N, K], K contiguous; rope (cos, sin) [M, head_dim] float32 for
+    ``"rope"``; checked by the caller, :func:`~esm_turbo.kernels.gemm.gemm`); ``tile`` None: :func:`plan`'s."""
     m, k = x.shape
     n = w.shape[0]
     tile = tile or plan(m, n, k, num_sms(x.device))
@@ -143,12 +147,14 @@ def split_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out:
     parts = (torch.empty(grid[0] * grid[1] * tile.split * tile.bm * tile.bn, device=x.device, dtype=torch.float32)
              if tile.split > 1 else out)
     counts = split_counters(grid[0] * grid[1], x.device) if tile.split > 1 else out
+    cos, sin = rope if rope is not None else (out, out)
     _split_gemm_kernel[grid](
-        x, w, out, bias if bias is not None else out, residual if residual is not None else out, parts, counts, m, n,
-        k, x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
-        float(residual_scale), BM=tile.bm, BN=tile.bn, BK=tile.bk, SPLIT=tile.split, EPI=EPILOGUES[epilogue],
-        HAS_BIAS=bias is not None, SCALED=residual_scale != 1.0, GELU=gelu_form, num_warps=tile.warps,
-        num_stages=tile.stages)
+        x, w, out, bias if bias is not None else out, residual if residual is not None else out, parts, counts, cos,
+        sin, m, n, k, x.stride(0), w.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+        cos.stride(0) if rope is not None else 0, n // 3, float(residual_scale), head_dim ** -0.5, BM=tile.bm,
+        BN=tile.bn, BK=tile.bk, SPLIT=tile.split, EPI=EPILOGUES[epilogue], HAS_BIAS=bias is not None,
+        SCALED=residual_scale != 1.0, GELU=gelu_form, HD=head_dim, num_warps=tile.warps, num_stages=tile.stages,
+        enable_fp_fusion=rope is None)
     return out
 
 
