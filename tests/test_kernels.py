@@ -725,9 +725,9 @@ def test_kernels_compile_for_sm90():
     # e4m3 GELU with the rows' maxima, fp16 and e4m3 QKV with the rotary embedding; no spills); its products with folded
     # epilogues (fp16 GELU through descriptors, in GELU's tanh and exp2poly forms, warp-specialized, fp16 residual
     # through pointers, e4m3 bias, residual and GELU with row maxima, 150M's two programs a multiprocessor under a
-    # register cap) and split along K
-    # at a step's rows five times (bias, GELU, scaled residual, the rotary embedding; one run), a block's feed-forward half in one
-    # persistent launch twice (rows in tiles of 64 and 16, a barrier sleeping between looks),
+    # register cap) and split along K at a step's rows five times (bias, GELU, scaled residual, the rotary
+    # embedding; one run), a block's feed-forward half in one persistent launch twice (rows in tiles of 64 and 16, a
+    # barrier sleeping between looks),
     # its attention three times (key tiles of 64 and 32 at heads of 64, of 32 at heads of 32) and twice with each
     # tile's scores under the previous tile's softmax (Gluon, heads of 32 and 64), its rotary over (token, head)
     # pairs and its mean pooling; the scores and pooling walks over predicted values and the one-pass walk at 20
