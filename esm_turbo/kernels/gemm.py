@@ -362,7 +362,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, epi
     (``epilogue="rope"``). Returns [M, N] in x's dtype (bf16 for e4m3), and with ``row_amax`` also the rows' largest
     |value| [M] float32. With ``split`` (a
     :class:`~esm_turbo.kernels.gemm_split.SplitTile`; fp16/bf16) the product runs split along K instead
-    (:mod:`esm_turbo.kernels.gemm_split`: measured, slower than cuBLAS at a step's rows, so never by default). A
+    (:mod:`esm_turbo.kernels.gemm_split`: its earlier form measured slower than cuBLAS at a step's rows, so never
+    by default). A
     ``tile`` that is a :class:`~esm_turbo.kernels.gemm_ws.WsTile` runs the product in
     :func:`~esm_turbo.kernels.gemm_ws.ws_gemm` (its epilogue in warps of its own) where that kernel runs and takes
     the epilogue, else in this kernel's default tile."""

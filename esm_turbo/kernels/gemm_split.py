@@ -1,18 +1,25 @@
 """The matrix products of a few rows (a decode step's 16–512), split along K so that every multiprocessor reads
 its share of the weights: ``y = x wᵀ + b`` [M, N] from x [M, K] and w [N, K] (fp16 or bf16), finished by the same
-epilogue as :func:`~esm_turbo.kernels.gemm.gemm` (``"bias"``, ``"gelu"``, ``"residual"``; :func:`~.gemm._finish`).
-Reached through ``gemm(..., split=SplitTile(...))`` only: measured on an H200 (``tools/tune_split.py``,
-``results/gpu/split_h200.txt``) it ran slower than cuBLAS at every step shape of 650M and 3B at 16–256 rows, its
-best launch 1.0–2.8× cuBLAS's time (0.87–2.6× cuBLAS followed by the epilogue's pass), so the library's products
-never take it by default (``docs/kernels.md``).
+epilogue as :func:`~esm_turbo.kernels.gemm.gemm` (``"bias"``, ``"gelu"``, ``"residual"``, ``"rope"``;
+:func:`~.gemm._part`). Reached through ``gemm(..., split=SplitTile(...))``, and from a fused block's plain products at
+up to :data:`SPLIT_ROWS` rows (0 unless set: :func:`step_tile`).
+
+Measured on an H200 (``tools/tune_split.py``, ``results/gpu/split_h200.txt``), the kernel before its present form
+ran slower than cuBLAS at every step shape of 650M and 3B at 16–256 rows, its best launch 1.0–2.8× cuBLAS's time,
+and slower with each doubling of the split. Built for sm_90 that form spilled 40, 976 and 2,584 bytes a thread at
+splits 2, 4 and 8 (none unsplit): its last program added the partials in an unrolled loop, all SPLIT tiles' loads in
+flight at once, over 64-bit addresses of a [split, M, N] layout. The present form lays each tile's partials
+contiguous ([tiles, split, BM, BN], whole tiles, no masks) and adds them in a loop that is not unrolled: 128
+registers a thread at 64 × 128 tiles and no spills at any split. It has not yet been timed on a GPU, so the
+library's products still never take it by default (``docs/kernels.md``).
 
 At a step's rows a product reads its weight once and does little arithmetic a byte (195 rows: about the ridge of an
 H200), so its time could be one read of the weight if the whole GPU read it. A tile grid over the output alone
 leaves most multiprocessors idle (a [195, 1280] output is 40 tiles of 64 × 128 on 132 multiprocessors), so the grid
 here is (output column tiles, row tiles, ``split``): program (j, i, s) sums the s-th of ``split`` equal runs of K into
-a float32 partial [split, M, N], counts its arrival, and the tile's last program to arrive adds the partials in split
-order (the same sums on every run, eager or replayed) and finishes the tile (the count set back to zero for the next
-launch, :func:`~esm_turbo.kernels.common.split_counters`). ``split`` = 1 is a plain tiled product, no partials.
+a float32 partial, counts its arrival, and the tile's last program to arrive adds the partials in split order (the
+same sums on every run, eager or replayed) and finishes the tile (the count set back to zero for the next launch,
+:func:`~esm_turbo.kernels.common.split_counters`). ``split`` = 1 is a plain tiled product, no partials.
 
 :func:`plan` picks a launch (:class:`SplitTile`) from the shape and the multiprocessors. Reference:
 :func:`~esm_turbo.kernels.gemm.gemm_reference`.
