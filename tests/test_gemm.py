@@ -193,6 +193,23 @@ def test_split_launch_plan():
         gemm(x, w, b, split=SplitTile(16, 32, 16, 1), row_amax=True)
 
 
+def test_step_products_take_the_split_kernel_only_up_to_its_row_bound(monkeypatch):
+    """step_tile: plan()'s launch for a step's product at up to SPLIT_ROWS rows (0 by default: none) with an
+    epilogue the split kernel folds and x and w of one dtype; None otherwise."""
+    from esm_turbo.kernels import gemm_split
+    from esm_turbo.kernels.common import num_sms
+    dtype = torch.float16 if CUDA else torch.float32
+    x, w, _, _ = _inputs(48, 96, 64, dtype, seed=0)
+    assert gemm_split.SPLIT_ROWS == 0 and gemm_split.step_tile(x, w, "bias") is None
+    monkeypatch.setattr(gemm_split, "SPLIT_ROWS", 48)
+    for epilogue in ("bias", "gelu", "gelu_tanh", "residual", "rope"):
+        assert gemm_split.step_tile(x, w, epilogue) == gemm_split.plan(48, 96, 64, num_sms(x.device))
+    monkeypatch.setattr(gemm_split, "SPLIT_ROWS", 47)
+    assert gemm_split.step_tile(x, w, "bias") is None
+    monkeypatch.setattr(gemm_split, "SPLIT_ROWS", 256)
+    assert gemm_split.step_tile(x, w.double(), "bias") is None
+
+
 @pytest.mark.parametrize("form,differ", [("erfc", 16), ("exp2poly", 24)])
 def test_gelu_rounds_as_the_exact_gelu_on_every_fp16_value(monkeypatch, form, differ):
     """The kernels' GELU (kernels.common.gelu) in its erf forms over every finite fp16 value: the float64 GELU rounded

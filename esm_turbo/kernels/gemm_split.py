@@ -56,7 +56,7 @@ MIN_K_STEPS = 4
 #: the most rows at which a block's plain fp16/bf16 products run here (:func:`step_tile`), not in cuBLAS: 0, none
 SPLIT_ROWS = 0
 #: the epilogues a split product folds
-SPLIT_EPILOGUES = ("bias", "gelu", "residual", "rope")
+SPLIT_EPILOGUES = ("bias", "gelu", "gelu_tanh", "residual", "rope")
 
 
 def plan(m: int, n: int, k: int, sms: int, bn: int = 128, bk: int = 64) -> SplitTile:
