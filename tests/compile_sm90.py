@@ -216,12 +216,13 @@ def main() -> None:
                      dict(a_ptr=f"*{dt}", w_ptr=f"*{dt}", c_ptr=f"*{out}", bias_ptr=f"*{out}", res_ptr=f"*{out}",
                           a_desc=desc(tile.bm) if tma else f"*{dt}", w_desc=desc(tile.bn) if tma else f"*{dt}",
                           res_scale="fp32", q_scale="fp32"), num_warps=tile.warps, maxnreg=tile.maxnreg)
-    # a step's few rows split along K (kernels.gemm_split): the last to arrive adds the partials, every epilogue
+    # a step's few rows split along K (kernels.gemm_split): the last to arrive adds the partials, every epilogue (the
+    # rotary one in 8 warps, as step_tile launches it)
     for epi, split in ((0, 8), (1, 2), (2, 16), (0, 1), (3, 4)):
         compile_sm90(gemm_split._split_gemm_kernel, dict(BM=64, BN=128, BK=64, SPLIT=split, EPI=epi, HAS_BIAS=True,
                                                          SCALED=True, GELU=gemm.GELU_FORMS[gemm.GELU_FORM], HD=64),
                      ints, dict(a_ptr=f16, w_ptr=f16, c_ptr=f16, bias_ptr=f16, res_ptr=f16, part_ptr="*fp32",
-                                count_ptr="*i32", res_scale="fp32", q_scale="fp32"), num_warps=4)
+                                count_ptr="*i32", res_scale="fp32", q_scale="fp32"), num_warps=8 if epi == 3 else 4)
     # a block's feed-forward half at a step's rows in one persistent launch (grid barriers, W2 asked into L2), rows in
     # tiles of 64 and 16 (the latter's barrier sleeping between looks)
     for bm, prefetch, backoff in ((64, True, 0), (16, False, 200)):

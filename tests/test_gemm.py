@@ -195,15 +195,18 @@ def test_split_launch_plan():
 
 def test_step_products_take_the_split_kernel_only_up_to_its_row_bound(monkeypatch):
     """step_tile: plan()'s launch for a step's product at up to SPLIT_ROWS rows (0 by default: none) with an
-    epilogue the split kernel folds and x and w of one dtype; None otherwise."""
+    epilogue the split kernel folds and x and w of one dtype (the rotary epilogue at 64-row tiles in 8 warps); None
+    otherwise."""
     from esm_turbo.kernels import gemm_split
     from esm_turbo.kernels.common import num_sms
     dtype = torch.float16 if CUDA else torch.float32
     x, w, _, _ = _inputs(48, 96, 64, dtype, seed=0)
     assert gemm_split.SPLIT_ROWS == 0 and gemm_split.step_tile(x, w, "bias") is None
     monkeypatch.setattr(gemm_split, "SPLIT_ROWS", 48)
-    for epilogue in ("bias", "gelu", "gelu_tanh", "residual", "rope"):
-        assert gemm_split.step_tile(x, w, epilogue) == gemm_split.plan(48, 96, 64, num_sms(x.device))
+    planned = gemm_split.plan(48, 96, 64, num_sms(x.device))
+    for epilogue in ("bias", "gelu", "gelu_tanh", "residual"):
+        assert gemm_split.step_tile(x, w, epilogue) == planned
+    assert planned.bm == 64 and gemm_split.step_tile(x, w, "rope") == dataclasses.replace(planned, warps=8)
     monkeypatch.setattr(gemm_split, "SPLIT_ROWS", 47)
     assert gemm_split.step_tile(x, w, "bias") is None
     monkeypatch.setattr(gemm_split, "SPLIT_ROWS", 256)

@@ -27,7 +27,7 @@ same sums on every run, eager or replayed) and finishes the tile (the count set 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -73,14 +73,18 @@ def plan(m: int, n: int, k: int, sms: int, bn: int = 128, bk: int = 64) -> Split
 
 
 def step_tile(x: torch.Tensor, w: torch.Tensor, epilogue: str) -> SplitTile | None:
-    """The launch a step's product x [M, K] × w [N, K]ᵀ takes here (:func:`plan`'s), or None where it does not: off
-    the GPU (but under Triton's interpreter), past :data:`SPLIT_ROWS` rows, an epilogue not in
-    :data:`SPLIT_EPILOGUES`, or x and w not of one dtype (fp16/bf16 on the GPU)."""
+    """The launch a step's product x [M, K] × w [N, K]ᵀ takes here (:func:`plan`'s; 8 warps for the rotary epilogue
+    from 64-row tiles), or None where it does not: off the GPU (but under Triton's interpreter), past
+    :data:`SPLIT_ROWS` rows, an epilogue not in :data:`SPLIT_EPILOGUES`, or x and w not of one dtype (fp16/bf16 on
+    the GPU)."""
     if x.shape[0] > SPLIT_ROWS or epilogue not in SPLIT_EPILOGUES or w.dtype != x.dtype:
         return None
     if not (x.dtype in (torch.float16, torch.bfloat16) if x.is_cuda else interpreting()):
         return None
-    return plan(x.shape[0], w.shape[0], w.shape[1], num_sms(x.device))
+    tile = plan(x.shape[0], w.shape[0], w.shape[1], num_sms(x.device))
+    if epilogue == "rope" and tile.bm >= 64:  # 4 warps rotating [64, 128] spill (sm_90 build); 8 do not
+        tile = replace(tile, warps=8)
+    return tile
 
 
 @triton.jit
@@ -122,20 +126,19 @@ def _split_gemm_kernel(a_ptr, w_ptr, c_ptr, bias_ptr, res_ptr, part_ptr, count_p
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     acc = tile_product(a_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_am, stride_wn, k_lo, k_hi, BM, BN, BK, "")
+    finish = True
     if SPLIT > 1:  # partials [tiles, SPLIT, BM, BN]: a tile's runs contiguous, whole tiles (no masks)
         tile = pid_m * tl.num_programs(0) + pid_n
         inner = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         parts = part_ptr + tile.to(tl.int64) * (SPLIT * BM * BN)
         tl.store(parts + s * (BM * BN) + inner, acc)
-        if _last_to_arrive(count_ptr + tile, SPLIT):
+        finish = _last_to_arrive(count_ptr + tile, SPLIT)
+        if finish:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for t in range(SPLIT):  # a loop, not unrolled: SPLIT tiles' loads in flight at once spill registers
                 acc += tl.load(parts + t * (BM * BN) + inner, cache_modifier=".cg")
-            _part(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, c_ptr, c_ptr,
-                  c_ptr, 0, 1, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI, HAS_BIAS, False, SCALED, False,
-                  GELU, BM, BN, HD)
             tl.store(count_ptr + tile, 0)  # every run has counted: zero again for the next launch
-    else:
+    if finish:
         _part(acc, offs_m, offs_n, M, N, c_ptr, stride_cm, bias_ptr, res_ptr, stride_rm, res_scale, c_ptr, c_ptr,
               c_ptr, 0, 1, cos_ptr, sin_ptr, stride_cos, q_cols, q_scale, EPI, HAS_BIAS, False, SCALED, False, GELU,
               BM, BN, HD)
