@@ -65,6 +65,10 @@ class DecodeCache(Protocol):
         """(block table [B, blocks] int32, block size) that attention reads the parts through; (None, 0) when
         contiguous."""
 
+    def shared_prefix(self) -> int:
+        """Tokens at the start of every row that all rows hold in the same blocks (0 when contiguous): attention may
+        read them once for all the rows."""
+
     def dequantize(self, layer: int,
                    split_values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The reference path: (K̂ [B, H, T, d], V̂ [B, H, T, d], valid [B, T] bool), T = the longest row;

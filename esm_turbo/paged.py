@@ -297,6 +297,7 @@ class PagedKVCache(KVCache):
         """Forget the step's write rows (the lengths changed). Block tables on the device stay while the pool's epoch
         does (every change of a table or a slot bumps it)."""
         self._writes: tuple[int, int] | None = None  # (epoch, S) when the step's blocks were made ready
+        self._shared: tuple[int, int] | None = None  # (epoch, shared_prefix) once asked in this step
 
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict:
         return {}  # the pool holds the parts
@@ -416,6 +417,20 @@ class PagedKVCache(KVCache):
         self.host_lengths = [n + tokens for n in self.host_lengths]
         self._max_bound += tokens
         self._new_step()
+
+    def shared_prefix(self) -> int:
+        """Tokens at the start of every row held in the same blocks (forks of one scaffold, before they write apart):
+        decode attention may read them once for all the rows (``esm_turbo.kernels.decode.shared``). Host work once a
+        step and epoch (B·blocks comparisons); 0 for a single row."""
+        if self._shared is None or self._shared[0] != self.pool.epoch:
+            first, common = self.tables[0], 0
+            if self.batch_size > 1:
+                common = len(first)
+                for table in self.tables[1:]:
+                    common = next((i for i in range(min(common, len(table))) if table[i] != first[i]),
+                                  min(common, len(table)))
+            self._shared = (self.pool.epoch, min(common * self.block_size, min(self.host_lengths)))
+        return self._shared[1]
 
     def pages(self) -> tuple[torch.Tensor, int]:
         """(pages [B, ceil(max length / block_size)] int32 on the device, block_size): what the fused decode kernel

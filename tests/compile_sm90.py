@@ -16,6 +16,7 @@ from esm_turbo.kernels import (activation, blocks, ffn_step, gemm, gemm_split, g
 from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, predicted, small, walk  # noqa: E402
+from esm_turbo.kernels.decode import shared as shared_walk  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_gluon_sm90, compile_sm90 as compile_kernel, resources  # noqa: E402
 from esm_turbo.quant.packing import packed_shifts  # noqa: E402
 
@@ -26,6 +27,9 @@ def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, ma
     size = len(compile_kernel(fn, consts, ints, ptrs, num_warps, maxnreg).asm["cubin"])
     print("compiled", fn.fn.__name__, size, flush=True)
     return size
+
+
+SHARED_CONSTS = {p.name for p in shared_walk._shared_kernel.params if p.is_constexpr}
 
 
 def main() -> None:
@@ -62,18 +66,26 @@ def main() -> None:
             consts = dict(bits, GRID=grid, PAGE=page, SLOTS=slots, SUBN=subn)
             walks = dict(codes, **paged, qt_ptr=f16 if gather else "*fp32", perm_ptr="*i32" if gather else "*i64")
             compile_sm90(walk._prefix_kernel, dict(consts, BLOCK_S=1, PDL=True, GATHER=gather),
-                         {"H", "S", "T_CAP", "CHUNK", "NS", "sqb", "sqh", "sqs"}, walks)
+                         {"H", "S", "T_CAP", "T0", "PS", "CHUNK", "NS", "sqb", "sqh", "sqs"}, walks)
             compile_sm90(small._small_kernel, dict(consts, BLOCK_NS=16), small_ints, dict(small_ptrs, **paged))
             compile_sm90(walk._stream_kernel, dict(consts, BLOCK_S=1, PDL=True, GATHER=gather),
-                         {"H", "S", "T_CAP", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"}, walks, num_warps=1,
-                         maxnreg=168)
+                         {"H", "S", "T_CAP", "T0", "PS", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"}, walks,
+                         num_warps=1, maxnreg=168)
+            # the shared prefix of a paged step's rows, read once for a group of queries: grid codes and looked-up
+            for sg in (grid, 0) if page else ():
+                sconsts = {n: v for n, v in dict(consts, GRID=sg).items() if n in SHARED_CONSTS}
+                block_g, warps = shared_walk.shared_tiles(d)
+                compile_sm90(shared_walk._shared_kernel,
+                             dict(sconsts, BLOCK_S=1, BLOCK_T=shared_walk.BLOCK_T, BLOCK_G=block_g, GATHER=gather,
+                                  PRECISION="tf32x3"),
+                             {"H", "S", "N", "SPAN", "CHUNK", "NS", "sqb", "sqh", "sqs"}, walks, num_warps=warps)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(merge._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
                  {"sqb", "sqh", "sqs", "B", "H", "S"}, dict(q_ptr=f16), num_warps=4)
     for block_b, block_s, block_ns, gather in ((16, 1, 8, False), (1, 2, 32, False), (16, 1, 8, True)):
         compile_sm90(merge._merge_kernel, dict(D=64, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=32,
                                                 PRECISION="tf32x3", GATHER=gather),
-                     strides | {"B", "H", "S", "NS", "NT", "W"},
+                     strides | {"B", "H", "S", "NS", "NT", "W", "PS"},
                      dict(q_ptr=f16, k_ptr=f16, v_ptr=f16, valid_ptr=u8, out_ptr=f16,
                           perm_ptr="*i32" if gather else "*i64"), num_warps=4)
     # quantize-and-pack: shared allocated fields compiled in for keys (split by position in a prefill), each head's

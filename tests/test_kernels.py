@@ -286,6 +286,57 @@ def test_decode_kernel_paged(block_size, path, stream, grid):
                          shared=grid, config=dict(stream=stream), block_size=block_size)
 
 
+def check_shared_prefix(d, grid, batch, lengths, s, span, block_size, stream, permuted_keys=False, heads=2, seed=0):
+    """A paged step whose rows hold their first ``span`` tokens in row 0's blocks (forks of one scaffold): the shared
+    walk reads them once (``kernels/decode/shared.py``), the rows' own walks the rest. The other rows' table entries
+    for the shared blocks point at junk, so only a kernel that reads the shared prefix through row 0's table alone
+    matches the reference (which reads row 0's blocks for every row)."""
+    from esm_turbo.kernels.decode import compressed_attention_triton
+    codec = random_turbo_codec(heads, d, 3, 3, "sign", seed=seed, grid=grid, permuted_keys=permuted_keys).to(DEVICE)
+    cache = filled_cache(codec, batch, lengths, DEVICE, seed)
+    for part in cache.parts[0].values():  # every row's first span tokens: row 0's
+        part[1:, :, :span] = part[:1, :, :span]
+    q, k, v, valid = (strided(t) if t.is_floating_point() else t for t in step_inputs(batch, heads, s, d, DEVICE, 7))
+    ref64 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float64))
+    ref32 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float32))
+    args, table = paged_args(_reference_args(codec, cache, q, k, v, valid, torch.float32), block_size, seed)
+    blocks = span // block_size
+    junk = table.clone()
+    junk[1:, :blocks] = table.numel()  # a spare slot, full of junk
+    out = compressed_attention_triton(*args, config=dict(path="split", stream=stream, shared=True), pages=junk,
+                                      block_size=block_size, shared=span)
+    err, err_pt = ((t.double() - ref64).abs().max().item() for t in (out, ref32))
+    assert err <= 2 * err_pt + 1e-5, (err, err_pt)
+    unshared = compressed_attention_triton(*args, config=dict(path="split", stream=stream), pages=junk,
+                                           block_size=block_size, shared=span)  # the walks read the junk
+    assert (unshared.double() - ref64).abs().max().item() > 100 * (err + 1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("d,grid,s,block_size,stream,permuted", [(16, True, 1, 16, 2, False),
+                                                                 (64, True, 1, 64, 0, True),
+                                                                 (32, False, 2, 32, 0, False)])
+def test_decode_kernel_shared_prefix(d, grid, s, block_size, stream, permuted):
+    """The shared walk over forks of one scaffold: grid and looked-up codes, one and two queries a row, the rows'
+    own walks stream-K and split, the query gathered (keys' channels permuted) or prepared; a row whose length is the
+    shared prefix exactly walks nothing of its own."""
+    from esm_turbo.kernels.decode.shared import MIN_SHARED
+    span = MIN_SHARED
+    lengths = [span + 37, span, span + 1, span + 64, span + 100, span + 3, span + 9, span + 70, span + 15]
+    check_shared_prefix(d, grid, len(lengths), lengths, s, span, block_size, stream, permuted)
+
+
+@needs_triton
+def test_shared_span_rule():
+    """Where the shared walk takes a prefix: whole tiles of both walks, paged, no slots, enough tokens and queries."""
+    from esm_turbo.kernels.decode.shared import BLOCK_T, MIN_QUERIES, MIN_SHARED, shared_span
+    assert shared_span(MIN_SHARED + 5, 64, 16, True, False) == MIN_SHARED
+    assert shared_span(1000, 64, 64, True, False) == 1000 // 64 * 64 and BLOCK_T <= 64
+    assert shared_span(MIN_SHARED - 1, 64, 16, True, False) == 0
+    assert shared_span(4096, MIN_QUERIES - 1, 16, True, False) == 0
+    assert shared_span(4096, 64, 16, False, False) == 0 and shared_span(4096, 64, 16, True, True) == 0
+
+
 @needs_triton
 def test_stream_plan_covers_every_tile_once():
     """The runs of a stream-K cut tile every row's capacity once, and no row meets more runs than its partial slots."""
@@ -710,7 +761,8 @@ def test_kernels_compile_for_sm90():
     out = _compiling("compile_sm90.py")
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid through 1.0's exponent and as
-    # subnormals, grid gathering its queries, grid paged, LUT and grid reading slots), prep, merge three times (many
+    # subnormals, grid gathering its queries, grid paged, LUT and grid reading slots), the shared walk over a paged
+    # step's shared prefix in 2 layouts × (grid, LUT), prep, merge three times (many
     # sequences per program, several queries, c0 from gathered queries); quantize-and-pack eight times: prefills in
     # blocks of 32 and 64, a decode step (also into a paged pool), the last two also with grid codes, two picking
     # slots; the 4-bit weights' tensor-core matmul three times (groups
@@ -733,7 +785,7 @@ def test_kernels_compile_for_sm90():
     # pairs and its mean pooling; the scores and pooling walks over predicted values and the one-pass walk at 20
     # heads of 16, 32 and 64 and 40 of 64 (a coded residual, the keys alone) within a Hopper program's shared memory,
     # their merge and the write's read-back of a token's keys twice (grid, LUT); the bench's read-only kernel
-    assert len(compiled) == 141, out
+    assert len(compiled) == 145, out
 
 
 @pytest.fixture(scope="module")

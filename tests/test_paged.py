@@ -103,6 +103,26 @@ def test_forks_share_their_prefix():
     assert cache.memory_report().used_bytes == (64 // block) * block_bytes + 4 * (64 // block)
 
 
+def test_forks_report_the_prefix_they_share():
+    """``shared_prefix``: the tokens every row holds in the same blocks (what decode attention may read once for all
+    of them), as forks write apart, roll back and are selected; none for one row or a contiguous cache."""
+    cs, block = codecs(), 16
+    cache = PagedKVCache(cs, 1, capacity=80, block_size=block)
+    gen = torch.Generator().manual_seed(0)
+    cache.append(*[list(t) for t in torch.randn(2, LAYERS, 1, HEADS, 70, DIM, generator=gen)])
+    assert cache.shared_prefix() == 0  # one row
+    cache.select([0] * 8)
+    assert cache.shared_prefix() == 70  # every block shared, the last one partly filled
+    cache.append(*[list(t) for t in torch.randn(2, LAYERS, 8, HEADS, 1, DIM, generator=gen)])
+    assert cache.shared_prefix() == 64  # each row wrote into its own copy of the partly filled block
+    cache.truncate(10)
+    assert cache.shared_prefix() == 61  # no row reaches past 61 now
+    cache.select([3, 3])
+    assert cache.shared_prefix() == 61
+    flat = KVCache(cs, 4, capacity=8)
+    assert flat.shared_prefix() == 0
+
+
 def _paged_and_contiguous_outputs(engine, factory, block_size):
     outputs = []
     for paged in (False, True):
@@ -144,6 +164,41 @@ def test_a_paged_session_runs_the_kernels_as_the_contiguous_one(stress_model, bl
     (flat, seqs_flat), (paged, seqs_paged) = _paged_and_contiguous_outputs(engine, layer_codec, block_size)
     assert seqs_flat == seqs_paged
     for a, b in zip(flat, paged):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+def test_forks_of_one_scaffold_step_with_the_shared_walk_as_without(stress_model, monkeypatch):
+    """16 forks of one 300-residue scaffold on CUDA: with the shared walk on (the scaffold's blocks read once for the
+    forks, ``kernels/decode/shared.py``) a step's logits are the per-row walks' within fp32 rounding, eager and
+    captured."""
+    from esm_turbo.bench.synthetic import layer_codec
+    from esm_turbo.kernels.decode import launch, plan
+    engine = TurboEsm(copy.deepcopy(stress_model).cuda())
+    scaffold = "".join("ACDEFGHIKLMNPQRSTVWY"[i * 7 % 20] for i in range(300))
+    launches, kernel = [], launch._shared_kernel
+
+    class Spy:  # counts the shared walk's launches
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(launch, "_shared_kernel", Spy())
+    out = []
+    for on in (False, True):
+        monkeypatch.setattr(plan, "SHARED_WALK", on)
+        session = engine.session(layer_codec, capacity=320, paged=True, block_size=64)
+        session.start([scaffold])
+        session.fork(16)
+        held = session.cache.host_lengths[0]
+        assert session.cache.shared_prefix() == held
+        tokens = torch.randint(4, 24, (16, 1), generator=torch.Generator().manual_seed(0)).cuda()
+        steps = [session.step(tokens).logits]
+        assert session.cache.shared_prefix() == held // 64 * 64
+        steps.append(session.step(tokens, commit=False).logits)
+        steps.append(session.capture_step(tokens, commit=False).replay().logits)
+        out.append(steps)
+        assert bool(launches) == on
+    for a, b in zip(*out):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
 
 

@@ -1,6 +1,6 @@
 """The instruction mix of the stream-K decode walk's tile loop (sm_90 SASS), compiled without a GPU as a launch on the
 bench's default cache compiles it: the default codec's widths, fields and grid, one warp, 168 registers, and the
-specialization Triton gives a launch (S = 1 a constant; pointers and the lengths T_CAP, R and NT divisible by 16).
+specialization Triton gives a launch (S = 1 a constant; pointers and T_CAP, T0, PS, R and NT divisible by 16).
 A listing compiled without that specialization loads its codes 32 bits at a time and counts other instructions.
 
     python tools/sass_mix.py            # head_dim 64 (650M-shaped) and 128 (15B-shaped); the 3.0-bit default at 64
@@ -37,7 +37,7 @@ from tools.sm90 import CODE_PTRS, compile_sm90, resident_programs, resources  # 
 def compile_stream(d: int, index_bits: int = 3, subnormal: bool | None = None):
     """The stream kernel for a 20- (d = 64) or 40-head (d = 128) default codec at ``index_bits`` mean index bits a
     value (3: 4.0 bits all-in; 2: 3.0, code words of 4 and 2 bits), compiled for sm_90 with a launch's specialization
-    (S = 1; pointers and the lengths T_CAP, R and NT multiples of 16), its codes decoded as subnormals or not
+    (S = 1; pointers and T_CAP, T0, PS, R and NT multiples of 16), its codes decoded as subnormals or not
     (``subnormal``; None: as the launch's default): (kernel, its block_t)."""
     heads = 20 if d == 64 else 40
     tables = fused_tables(default_codec(heads, d, recipe=recipe("default", index_bits).resolved()))
@@ -50,9 +50,9 @@ def compile_stream(d: int, index_bits: int = 3, subnormal: bool | None = None):
                   PAGE=0, SLOTS=False, SUBN=cfg["subnormal"] if subnormal is None else subnormal,
                   GATHER=False)
     assert cfg["stream"], "the default cache's walk at this shape is the stream-K kernel"
-    ints = ("H", "T_CAP", "R", "NT", "W", "NS", "sqb", "sqh", "sqs")
+    ints = ("H", "T_CAP", "T0", "PS", "R", "NT", "W", "NS", "sqb", "sqh", "sqs")
     kernel = compile_sm90(walk._stream_kernel, consts, ints, CODE_PTRS, num_warps=cfg["num_warps"],
-                          maxnreg=cfg["maxnreg"], aligned=("T_CAP", "R", "NT"))
+                          maxnreg=cfg["maxnreg"], aligned=("T_CAP", "T0", "PS", "R", "NT"))
     return kernel, cfg["block_t"]
 
 

@@ -11,6 +11,7 @@ from ..common import FP_FUSION, dot_precision, interpreting, num_sms, part_or, s
 from .codes import aligned_table, slot_parts
 from .merge import _merge_kernel, _prep_kernel
 from .plan import launch_config, merge_rows, plan_splits, stream_plan
+from .shared import BLOCK_T as SHARED_T, _shared_kernel, shared_span, shared_tiles
 from .small import attention_one_launch
 from .walk import _prefix_kernel, _stream_kernel
 
@@ -18,13 +19,15 @@ from .walk import _prefix_kernel, _stream_kernel
 def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
                                 lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes,
                                 config: dict | None = None, pages: torch.Tensor | None = None,
-                                block_size: int = 0) -> torch.Tensor:
+                                block_size: int = 0, shared: int = 0) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes, and for a paged cache's
     ``pages`` [B, blocks] int32 and ``block_size``); CUDA tensors (or CPU under Triton's interpreter). ``config``
     overrides the launch choice (:func:`~.plan.launch_config`) for tuning: ``path`` (auto | one | split), block_t /
     num_warps / waves (or ``splits``: split-K programs per query), ``prefetch``, ``rows``, ``maxnreg``, ``pdl``,
     ``stream``, ``subnormal``, ``gather_query`` and for the prep and merge kernels ``prep_block``, ``prep_cols`` /
-    ``merge_cols`` and ``merge_rows``."""
+    ``merge_cols`` and ``merge_rows``. ``shared``: tokens at the start of every row held in the same blocks of a paged
+    cache (``DecodeCache.shared_prefix``); where ``config``'s ``shared`` is on and :func:`~.shared.shared_span` takes
+    them, the shared walk (``shared.py``) reads them once for groups of queries and the walks start past them."""
     batch, heads, s, d = q.shape
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]
@@ -33,7 +36,8 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     keys = keys._replace(table=aligned_table(keys.table))
     values = values._replace(table=aligned_table(values.table))
     cfg = launch_config(d, keys.code, values.code, batch, heads, s, t_cap, config)
-    if cfg["path"] == "one" or (cfg["path"] == "auto" and cfg["small"]):
+    span = shared_span(shared, batch * s, cfg["block_t"], page > 0, keys.has_slots()) if cfg["shared"] else 0
+    if cfg["path"] == "one" or (cfg["path"] == "auto" and cfg["small"] and not span):
         if s != 1:
             raise ValueError("the one-launch path takes one query per sequence")
         return attention_one_launch(q, k_new, v_new, new_valid, lengths, keys, values, cfg, pages, page, t_cap)
@@ -44,12 +48,19 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     block_t = cfg["block_t"]
     programs = batch * heads * s
     sms = num_sms(q.device)
-    if cfg["stream"]:
-        nt, run, splits, launched = stream_plan(programs, t_cap, block_t, cfg["stream"] * sms)
+    if span:  # the shared walk's splits: waves of its (head, group) programs, as the walks'
+        block_g, shared_warps = shared_tiles(d)
+        groups = triton.cdiv(batch * s, block_g)
+        ps, pchunk = plan_splits(heads * groups, span, SHARED_T, sms)
     else:
-        splits, chunk = plan_splits(programs, t_cap, block_t, sms, cfg["waves"], cfg.get("splits"))
+        ps = pchunk = 0
+    if cfg["stream"]:
+        nt, run, splits, launched = stream_plan(programs, t_cap - span, block_t, cfg["stream"] * sms)
+    else:
+        splits, chunk = plan_splits(programs, t_cap - span, block_t, sms, cfg["waves"], cfg.get("splits"))
         nt = run = 0
-    block_ns = triton.next_power_of_2(splits)
+    nparts = ps + splits  # each query's partials: the shared walk's first, then its own walk's
+    block_ns = triton.next_power_of_2(nparts)
     dev = q.device
     gather = bool(cfg["gather_query"]) and keys.perm is not None
     (q, q_strides), (k_new, k_strides), (v_new, v_strides) = map(token_strides, (q, k_new, v_new))
@@ -63,14 +74,14 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
             q, *q_strides, keys.rot, keys.offset, keys.scale, qt, c0, batch, heads, s, D=d,
             BLOCK_N=cfg["prep_block"], COLS=min(d, cfg["prep_cols"]), PRECISION=precision,
             SPLIT16=split16(q, precision), PDL=pdl, num_warps=4, enable_fp_fusion=FP_FUSION)
-    m = torch.empty(batch * heads * splits * block_s, device=dev, dtype=torch.float32)
+    m = torch.empty(batch * heads * nparts * block_s, device=dev, dtype=torch.float32)
     l_ = torch.empty_like(m)
-    acc = torch.empty(batch * heads * splits * block_s, d, device=dev, dtype=torch.float32)
+    acc = torch.empty(batch * heads * nparts * block_s, d, device=dev, dtype=torch.float32)
     out = torch.empty(batch, heads, s, d, device=dev, dtype=q.dtype)
     codes = (qt, *q_strides, perm, keys.scale, keys.main, part_or(keys.sign, keys.main), values.main,
              part_or(values.sign, values.main), keys.table, values.table, part_or(keys.layout, keys.table),
              part_or(values.layout, values.table),
-             lengths, pages, *slot_parts(keys, values, lengths), m, l_, acc, heads, s, t_cap)
+             lengths, pages, *slot_parts(keys, values, lengths), m, l_, acc, heads, s, t_cap, span, ps)
     consts = dict(D=d, KCODE_BITS=keys.code.code_bits, VCODE_BITS=values.code.code_bits,
                   KFIELDS=keys.code.kernel_fields(), VFIELDS=values.code.kernel_fields(),
                   KSIGN=keys.code.sign == "plane",
@@ -80,16 +91,25 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                   num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
                   launch_pdl=pdl,
                   enable_fp_fusion=FP_FUSION)
+    if span:
+        _shared_kernel[(heads, ps, groups)](
+            qt, *q_strides, perm, keys.scale, keys.main, part_or(keys.sign, keys.main), values.main,
+            part_or(values.sign, values.main), keys.table, values.table, part_or(keys.layout, keys.table),
+            part_or(values.layout, values.table), pages, m, l_, acc, heads, s, batch * s, span, pchunk, nparts,
+            D=d, KCODE_BITS=consts["KCODE_BITS"], VCODE_BITS=consts["VCODE_BITS"], KFIELDS=consts["KFIELDS"],
+            VFIELDS=consts["VFIELDS"], KSIGN=consts["KSIGN"], VSIGN=consts["VSIGN"], BLOCK_S=block_s,
+            BLOCK_T=SHARED_T, BLOCK_G=block_g, NK=consts["NK"], NV=consts["NV"], ROWS=cfg["rows"], GRID=grid,
+            PAGE=page, GATHER=gather, PRECISION=precision, num_warps=shared_warps, enable_fp_fusion=FP_FUSION)
     if run:
-        _stream_kernel[(launched,)](*codes, programs, nt, run, splits, INTERPRET=run if interpreting() else 0,
+        _stream_kernel[(launched,)](*codes, programs, nt, run, nparts, INTERPRET=run if interpreting() else 0,
                                     **consts)
     else:
-        _prefix_kernel[(programs, splits)](*codes, chunk, splits, INTERPRET=chunk // block_t if interpreting() else 0,
+        _prefix_kernel[(programs, splits)](*codes, chunk, nparts, INTERPRET=chunk // block_t if interpreting() else 0,
                                            **consts)
     block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, sms)
     _merge_kernel[(heads, triton.cdiv(batch, block_b))](
         c0, q, *q_strides, k_new, *k_strides, v_new, *v_strides, m, l_, acc, new_valid, values.scale, values.offset,
-        values.rot, perm, keys.offset, out, batch, heads, s, splits, nt, run,
+        values.rot, perm, keys.offset, out, batch, heads, s, nparts, nt, run, ps,
         D=d, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_NS=block_ns, COLS=min(d, cfg["merge_cols"]), PRECISION=precision,
         GATHER=gather, num_warps=4, enable_fp_fusion=FP_FUSION)
     return out

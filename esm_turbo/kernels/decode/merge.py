@@ -41,11 +41,13 @@ def _prep_kernel(q_ptr, sqb, sqh, sqs, k_rot, k_offset, k_scale, qt_ptr, c0_ptr,
 @triton.jit
 def _merge_kernel(c0_ptr, q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb, svh, svs, m_ptr, l_ptr, acc_ptr,
                   valid_ptr, v_scale_ptr, v_offset_ptr, v_rot_ptr, perm_ptr, k_offset_ptr, out_ptr, B, H, S, NS, NT, W,
+                  PS,
                   D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr,
                   COLS: tl.constexpr, PRECISION: tl.constexpr, GATHER: tl.constexpr):
     """Grid (H, cdiv(B, BLOCK_B)): the S queries of BLOCK_B sequences of head h per program, so the head's Πᵥ is
-    read once for all of them (one read per (b, h) cost more than the merge itself at head_dim 128). Tensors [BLOCK_B, BLOCK_S, …]: partials over the splits'
-    axis first.
+    read once for all of them (one read per (b, h) cost more than the merge itself at head_dim 128). Tensors
+    [BLOCK_B, BLOCK_S, …]: partials over the splits' axis first; a query's first PS partials are the shared walk's
+    (``shared.py``), then its own walk's (NS in all).
 
     The step's own tokens (q, k, v strided, any float dtype) stay in the value domain, unrotated: a key's score
     is ``⟨q, k⟩ − c0`` (``= ⟨q̃, y⟩``, the affine domain's score less the c0 its cached keys drop; Π orthogonal)
@@ -80,7 +82,7 @@ def _merge_kernel(c0_ptr, q_ptr, sqb, sqh, sqs, k_ptr, skb, skh, sks, v_ptr, svb
     part = part + offs_s[None, None, :]
     if W > 0:  # stream-K partials (``_stream_kernel``): as many as programs whose runs meet the query's row
         first, last = _runs_meeting(row, NT, W)
-        count = last - first + 1
+        count = PS + last - first + 1  # after the shared walk's PS (``shared.py``; else 0)
     else:
         count = tl.zeros_like(row) + NS
     pmask = (offs_n[:, None, None] < count[None, :, :]) & rmask[None, :, :]

@@ -49,6 +49,9 @@ SUBNORMAL_CODES = True
 #: keys whose rotation permutes their channels: the walk gathers each query and the merge makes c0, with no prep
 #: launch (``launch_config``'s ``gather_query``)
 GATHER_QUERY = True
+#: a paged step's shared prefix (forks of one scaffold) read once for groups of queries by the shared walk
+#: (``shared.py``; ``launch_config``'s ``shared``), not once a query by the walks: off until it is timed on a GPU
+SHARED_WALK = False
 
 
 def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool = False) -> bool:
@@ -97,9 +100,10 @@ def launch_config(d: int, key: CodeLayout, value: CodeLayout, batch: int, heads:
     # pdl: on sm_90+, a grid codec's walk launches while the prep kernel runs (programmatic dependent launch);
     # stream: the default cache's walk cut stream-K, this many one-warp programs per SM (one full wave)
     # subnormal: a grid codec's codes decoded as float32 subnormals (``codes._decode_codes``), two integer
-    # instructions a value where 1.0's exponent OR-ed in and 1 subtracted took three or four
+    # instructions a value where 1.0's exponent OR-ed in and 1 subtracted took three or four;
+    # shared: a paged step's shared prefix read once for groups of queries (``shared.py``)
     cfg.update(path="auto", small=small, prefetch=True, pdl=decode_grid(key, value) > 0, stream=12 if lean_grid else 0,
-               subnormal=SUBNORMAL_CODES, gather_query=GATHER_QUERY)
+               subnormal=SUBNORMAL_CODES, gather_query=GATHER_QUERY, shared=SHARED_WALK)
     # prep / merge: tokens per prep program, output channels per rotation dot (a whole Π spills at d = 128)
     cfg.update(prep_block=16, prep_cols=64, merge_cols=64)
     cfg.update(overrides or {})

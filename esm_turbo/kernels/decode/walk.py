@@ -229,14 +229,16 @@ def _prefix_kernel(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_p
                    v_tab_ptr, k_lay_ptr, v_lay_ptr,
                    len_ptr, page_ptr, k_sl_ptr, v_sl_ptr,
                     m_ptr, l_ptr, acc_ptr,
-                    H, S, T_CAP, CHUNK, NS,
+                    H, S, T_CAP, T0, PS, CHUNK, NS,
                     D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                     VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_T: tl.constexpr,
                     NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
                     ROWS: tl.constexpr, GRID: tl.constexpr, PDL: tl.constexpr, PAGE: tl.constexpr,
                     SLOTS: tl.constexpr, SUBN: tl.constexpr, GATHER: tl.constexpr):
-    """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes). ``PDL``
+    """Grid (B·H·S, splits): one query per program, tiles kept as [BLOCK_T, D/8, 8] (no reshapes), split k over the
+    cached rows [T0 + k·CHUNK, T0 + (k + 1)·CHUNK) stored at partial PS + k of the query's NS (T0, PS: what the shared
+    walk took, ``shared.py``; else 0). ``PDL``
     (launched while the kernel before it runs: the prep kernel, or with ``GATHER`` whatever wrote q): the first
     tile's codes are requested, then the program waits for that grid before it reads its query (``_walk_store``)."""
     pid = tl.program_id(0)
@@ -245,16 +247,16 @@ def _prefix_kernel(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_p
     qi = pid % S
     _walk_store(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
                 v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, split * CHUNK,
-                split * CHUNK + CHUNK, (pid_bh * NS + split) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS,
-                KFIELDS, VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS,
-                SUBN, GATHER)
+                len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, T0 + split * CHUNK,
+                T0 + split * CHUNK + CHUNK, (pid_bh * NS + PS + split) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS,
+                VCODE_BITS, KFIELDS, VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE,
+                SLOTS, SUBN, GATHER)
 
 
 @triton.jit
 def _stream_kernel(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
                    v_tab_ptr, k_lay_ptr, v_lay_ptr,
-                   len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, R, NT, W, NS,
+                   len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, H, S, T_CAP, T0, PS, R, NT, W, NS,
                    D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                    VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_T: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr,
@@ -264,8 +266,8 @@ def _stream_kernel(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_p
     tiles each laid end to end and cut in runs of W tiles, one run per program, so every program walks as many
     tiles and the GPU holds one full wave (a grid of (query, split) programs left SMs part-empty: 1280 one-warp
     programs on 132 SMs that hold 12 each). A run that crosses rows writes one partial per row: row r's
-    partial k (slot r·NS + k; k below the count the merge derives, NS from :func:`stream_plan`) comes from program
-    ⌊r·NT / W⌋ + k."""
+    partial k (slot r·NS + PS + k; k below the count the merge derives, NS − PS from :func:`stream_plan`) comes from
+    program ⌊r·NT / W⌋ + k. The rows' tiles start at cached row T0 (T0, PS: what the shared walk took, else 0)."""
     p = tl.program_id(0)
     first = p * W
     for r in range(first // NT, tl.minimum((first + W - 1) // NT, R - 1) + 1):
@@ -276,10 +278,10 @@ def _stream_kernel(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_p
         k = p - _runs_meeting(r, NT, W)[0]
         _walk_store(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
                     v_tab_ptr, k_lay_ptr,
-                    v_lay_ptr, len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi, lo * BLOCK_T,
-                    hi * BLOCK_T, (pid_bh * NS + k) * BLOCK_S + qi, H, S, T_CAP, D, KCODE_BITS, VCODE_BITS, KFIELDS,
-                    VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS, GRID, PDL, PAGE, SLOTS,
-                    SUBN, GATHER)
+                    v_lay_ptr, len_ptr, page_ptr, k_sl_ptr, v_sl_ptr, m_ptr, l_ptr, acc_ptr, pid_bh, qi,
+                    T0 + lo * BLOCK_T, T0 + hi * BLOCK_T, (pid_bh * NS + PS + k) * BLOCK_S + qi, H, S, T_CAP, D,
+                    KCODE_BITS, VCODE_BITS, KFIELDS, VFIELDS, KSIGN, VSIGN, BLOCK_T, NK, NV, PREFETCH, INTERPRET, ROWS,
+                    GRID, PDL, PAGE, SLOTS, SUBN, GATHER)
 
 
 @triton.jit
