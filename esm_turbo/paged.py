@@ -427,8 +427,9 @@ class PagedKVCache(KVCache):
             if self.batch_size > 1:
                 common = len(first)
                 for table in self.tables[1:]:
-                    common = next((i for i in range(min(common, len(table))) if table[i] != first[i]),
-                                  min(common, len(table)))
+                    common = min(common, len(table))
+                    if table[:common] != first[:common]:
+                        common = next(i for i in range(common) if table[i] != first[i])
             self._shared = (self.pool.epoch, min(common * self.block_size, min(self.host_lengths)))
         return self._shared[1]
 
