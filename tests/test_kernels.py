@@ -286,11 +286,13 @@ def test_decode_kernel_paged(block_size, path, stream, grid):
                          shared=grid, config=dict(stream=stream), block_size=block_size)
 
 
-def check_shared_prefix(d, grid, batch, lengths, s, span, block_size, stream, permuted_keys=False, heads=2, seed=0):
+def check_shared_prefix(d, grid, batch, lengths, s, span, block_size, stream=None, permuted_keys=False, heads=2,
+                        seed=0):
     """A paged step whose rows hold their first ``span`` tokens in row 0's blocks (forks of one scaffold): the shared
     walk reads them once (``kernels/decode/shared.py``), the rows' own walks the rest. The other rows' table entries
     for the shared blocks point at junk, so only a kernel that reads the shared prefix through row 0's table alone
-    matches the reference (which reads row 0's blocks for every row)."""
+    matches the reference (which reads row 0's blocks for every row). ``stream``: the walks' launch (None: the
+    default's)."""
     from esm_turbo.kernels.decode import compressed_attention_triton
     codec = random_turbo_codec(heads, d, 3, 3, "sign", seed=seed, grid=grid, permuted_keys=permuted_keys).to(DEVICE)
     cache = filled_cache(codec, batch, lengths, DEVICE, seed)
@@ -303,12 +305,13 @@ def check_shared_prefix(d, grid, batch, lengths, s, span, block_size, stream, pe
     blocks = span // block_size
     junk = table.clone()
     junk[1:, :blocks] = table.numel()  # a spare slot, full of junk
-    out = compressed_attention_triton(*args, config=dict(path="split", stream=stream, shared=True), pages=junk,
-                                      block_size=block_size, shared=span)
+    launch = dict(path="split") | ({} if stream is None else dict(stream=stream))
+    out = compressed_attention_triton(*args, config=dict(launch, shared=True), pages=junk, block_size=block_size,
+                                      shared=span)
     err, err_pt = ((t.double() - ref64).abs().max().item() for t in (out, ref32))
     assert err <= 2 * err_pt + 1e-5, (err, err_pt)
-    unshared = compressed_attention_triton(*args, config=dict(path="split", stream=stream), pages=junk,
-                                           block_size=block_size, shared=span)  # the walks read the junk
+    unshared = compressed_attention_triton(*args, config=launch, pages=junk, block_size=block_size,
+                                           shared=span)  # the walks read the junk
     assert (unshared.double() - ref64).abs().max().item() > 100 * (err + 1e-6)
 
 
@@ -893,6 +896,18 @@ def test_decode_kernel_split_widths_gpu(bits, d):
     check_kernel_matches(bits, "sign", d, 8, [500] * 8, s=4, heads=4, dtype=torch.float16, shared=True)
     for path in ("one", "split"):
         check_kernel_matches(bits, "sign", d, 3, [2000, 1, 0], s=1, heads=4, path=path, shared=True)
+
+
+@gpu
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_decode_kernel_shared_prefix_gpu(d):
+    """The shared walk over forks of one scaffold at the launch's own choices (stream-K or split-K walks, the
+    default's gathered queries): 8 to 300 forks of 256- to 2,048-token scaffolds, grid and looked-up codes."""
+    gen = torch.Generator().manual_seed(d)
+    for grid in (True, False):
+        for batch, span, tail, block in ((8, 256, 64, 64), (64, 1024, 64, 64), (300, 2048, 200, 128)):
+            lengths = (span + torch.randint(0, tail + 1, (batch,), generator=gen)).tolist()
+            check_shared_prefix(d, grid, batch, lengths, 1, span, block, permuted_keys=grid, heads=4, seed=batch)
 
 
 @gpu
