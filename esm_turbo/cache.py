@@ -273,10 +273,10 @@ class KVCache:
         (:meth:`~esm_turbo.paged.PagedKVCache.pages`)."""
         return None, 0
 
-    def shared_prefix(self) -> int:
-        """Tokens at the start of every row held in the same storage: none here, every row has its own
+    def shared_prefix(self) -> tuple[int, torch.Tensor | None]:
+        """(tokens, leads) that rows hold in the same storage as their lead: none here, every row has its own
         (:meth:`~esm_turbo.paged.PagedKVCache.shared_prefix`)."""
-        return 0
+        return 0, None
 
     def prefill_groups(self, width: int) -> list[list[int]]:
         """Rows a prefill of ``width`` tokens writes together: every row (a paged cache under a device budget splits

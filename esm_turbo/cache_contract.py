@@ -65,9 +65,10 @@ class DecodeCache(Protocol):
         """(block table [B, blocks] int32, block size) that attention reads the parts through; (None, 0) when
         contiguous."""
 
-    def shared_prefix(self) -> int:
-        """Tokens at the start of every row that all rows hold in the same blocks (0 when contiguous): attention may
-        read them once for all the rows."""
+    def shared_prefix(self) -> tuple[int, torch.Tensor | None]:
+        """(tokens, leads [B] int32 or None): the tokens at the start of every row that it holds in the same blocks as
+        its lead row (forks of one scaffold share a lead; None: row 0 leads every row); (0, None) when contiguous.
+        Attention may read them once for the rows of a lead."""
 
     def dequantize(self, layer: int,
                    split_values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

@@ -39,6 +39,10 @@ from .quant.codec import KVCodec
 HOST_CHUNK_BYTES = STAGE_BYTES = 256 * 2**20
 
 
+#: the fewest rows a lead (a scaffold's forks) on average for :meth:`PagedKVCache.shared_prefix` to report what they
+#: share: with fewer, a group of queries spans so many leads that reading the prefix once a lead saves little
+MIN_ROWS_A_LEAD = 4
+
 def _runs(host_slots: list[int], per_chunk: int) -> list[tuple[int, int, int]]:
     """(first index, first host slot, length) of each run of ``host_slots`` that are consecutive within one chunk
     of ``per_chunk`` slots."""
@@ -290,6 +294,7 @@ class PagedKVCache(KVCache):
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
         self.host_lengths = [0] * batch_size  # ``lengths`` on the host: block bookkeeping never waits for the device
         self._tables: tuple[int, dict[int, torch.Tensor]] = (-1, {})  # (epoch, {width: [B, width] slots})
+        self._scaffolds: tuple | None = None  # (epoch, blocks shared with the leads, leads on the device) once asked
         self._reach: list[int] | None = None  # positions each row's blocks are held up to (reserve), else None
         self._new_step()
 
@@ -297,7 +302,7 @@ class PagedKVCache(KVCache):
         """Forget the step's write rows (the lengths changed). Block tables on the device stay while the pool's epoch
         does (every change of a table or a slot bumps it)."""
         self._writes: tuple[int, int] | None = None  # (epoch, S) when the step's blocks were made ready
-        self._shared: tuple[int, int] | None = None  # (epoch, shared_prefix) once asked in this step
+        self._shared: tuple[int, int] | None = None  # (epoch, shared tokens) once asked in this step
 
     def _alloc(self, codec: KVCodec, batch: int, capacity: int) -> dict:
         return {}  # the pool holds the parts
@@ -418,20 +423,41 @@ class PagedKVCache(KVCache):
         self._max_bound += tokens
         self._new_step()
 
-    def shared_prefix(self) -> int:
-        """Tokens at the start of every row held in the same blocks (forks of one scaffold, before they write apart):
-        decode attention may read them once for all the rows (``esm_turbo.kernels.decode.shared``). Host work once a
-        step and epoch (B·blocks comparisons); 0 for a single row."""
-        if self._shared is None or self._shared[0] != self.pool.epoch:
-            first, common = self.tables[0], 0
-            if self.batch_size > 1:
-                common = len(first)
-                for table in self.tables[1:]:
-                    common = min(common, len(table))
-                    if table[:common] != first[:common]:
-                        common = next(i for i in range(common) if table[i] != first[i])
-            self._shared = (self.pool.epoch, min(common * self.block_size, min(self.host_lengths)))
-        return self._shared[1]
+    def shared_prefix(self) -> tuple[int, torch.Tensor | None]:
+        """(tokens, leads): each row's lead is the first row whose first block is its own (forks of one scaffold share
+        a lead); tokens, those at the start of every row that it holds in the same blocks as its lead, before the rows
+        write apart. Decode attention may read them once for the rows of a lead (``esm_turbo.kernels.decode.shared``).
+        ``leads`` [B] int32 on the device, None where row 0 leads every row. (0, None) where rows share nothing or
+        too little to pay: fewer than :data:`MIN_ROWS_A_LEAD` rows a lead. Host work once an epoch (B·blocks
+        comparisons), the lengths' bound once a step."""
+        epoch = self.pool.epoch
+        if self._scaffolds is None or self._scaffolds[0] != epoch:
+            self._scaffolds = (epoch, *self._leads())
+        _, blocks, leads = self._scaffolds
+        if self._shared is None or self._shared[0] != epoch:
+            self._shared = (epoch, min(blocks * self.block_size, min(self.host_lengths)) if blocks else 0)
+        return self._shared[1], leads if self._shared[1] else None
+
+    def _leads(self) -> tuple[int, torch.Tensor | None]:
+        """(blocks every row holds in common with its lead, the leads on the device or None where all are row 0);
+        (0, None) where rows share too little (:meth:`shared_prefix`)."""
+        first_of: dict[int, int] = {}
+        leads: list[int] = []
+        common: dict[int, int] = {}
+        for row, table in enumerate(self.tables):
+            if not table:
+                return 0, None
+            lead = first_of.setdefault(table[0], row)
+            leads.append(lead)
+            ref = self.tables[lead]
+            n = min(common.get(lead, len(ref)), len(table))
+            if table[:n] != ref[:n]:
+                n = next(i for i in range(n) if table[i] != ref[i])
+            common[lead] = n
+        if len(leads) < MIN_ROWS_A_LEAD * len(common):
+            return 0, None
+        on_device = None if not any(leads) else to_device_queued(leads, self.device, torch.int32)
+        return min(common.values()), on_device
 
     def pages(self) -> tuple[torch.Tensor, int]:
         """(pages [B, ceil(max length / block_size)] int32 on the device, block_size): what the fused decode kernel
@@ -572,6 +598,7 @@ class PagedRows(PagedKVCache):
         self.batch_size = len(rows)
         self._written = 0
         self._tables = (-1, {})
+        self._scaffolds = None
         self._new_step()
 
     def give_back(self) -> None:
@@ -585,4 +612,4 @@ class PagedRows(PagedKVCache):
         parent._new_step()
 
 
-__all__ = ["BLOCK_SIZE", "BlockPool", "PagedKVCache", "PagedRows"]
+__all__ = ["BLOCK_SIZE", "MIN_ROWS_A_LEAD", "BlockPool", "PagedKVCache", "PagedRows"]

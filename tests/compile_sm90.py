@@ -71,14 +71,16 @@ def main() -> None:
             compile_sm90(walk._stream_kernel, dict(consts, BLOCK_S=1, PDL=True, GATHER=gather),
                          {"H", "S", "T_CAP", "T0", "PS", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"}, walks,
                          num_warps=1, maxnreg=168)
-            # the shared prefix of a paged step's rows, read once for a group of queries: grid codes and looked-up
+            # the shared prefix of a paged step's rows, read once for a group of queries: grid codes with leads of
+            # their own and looked-up codes with row 0 leading
             for sg in (grid, 0) if page else ():
                 sconsts = {n: v for n, v in dict(consts, GRID=sg).items() if n in SHARED_CONSTS}
                 block_g, warps = shared_walk.shared_tiles(d)
                 compile_sm90(shared_walk._shared_kernel,
                              dict(sconsts, BLOCK_S=1, BLOCK_T=shared_walk.BLOCK_T, BLOCK_G=block_g, GATHER=gather,
-                                  PRECISION="tf32x3"),
-                             {"H", "S", "N", "SPAN", "CHUNK", "NS", "sqb", "sqh", "sqs"}, walks, num_warps=warps)
+                                  LEADS=sg > 0, PRECISION="tf32x3"),
+                             {"H", "S", "N", "SPAN", "CHUNK", "NS", "TABLE_W", "sqb", "sqh", "sqs"},
+                             dict(walks, lead_ptr="*i32"), num_warps=warps)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(merge._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
                  {"sqb", "sqh", "sqs", "B", "H", "S"}, dict(q_ptr=f16), num_warps=4)

@@ -287,46 +287,48 @@ def test_decode_kernel_paged(block_size, path, stream, grid):
 
 
 def check_shared_prefix(d, grid, batch, lengths, s, span, block_size, stream=None, permuted_keys=False, heads=2,
-                        seed=0):
+                        seed=0, leads=None):
     """A paged step whose rows hold their first ``span`` tokens in row 0's blocks (forks of one scaffold): the shared
     walk reads them once (``kernels/decode/shared.py``), the rows' own walks the rest. The other rows' table entries
     for the shared blocks point at junk, so only a kernel that reads the shared prefix through row 0's table alone
     matches the reference (which reads row 0's blocks for every row). ``stream``: the walks' launch (None: the
-    default's)."""
+    default's); ``leads``: each row's lead (forks of several scaffolds; None: row 0 leads every row)."""
     from esm_turbo.kernels.decode import compressed_attention_triton
     codec = random_turbo_codec(heads, d, 3, 3, "sign", seed=seed, grid=grid, permuted_keys=permuted_keys).to(DEVICE)
     cache = filled_cache(codec, batch, lengths, DEVICE, seed)
-    for part in cache.parts[0].values():  # every row's first span tokens: row 0's
-        part[1:, :, :span] = part[:1, :, :span]
+    lead = leads or [0] * batch
+    for part in cache.parts[0].values():  # every row's first span tokens: its lead's
+        part[:, :, :span] = part[lead, :, :span]
     q, k, v, valid = (strided(t) if t.is_floating_point() else t for t in step_inputs(batch, heads, s, d, DEVICE, 7))
     ref64 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float64))
     ref32 = compressed_attention_reference(*_reference_args(codec, cache, q, k, v, valid, torch.float32))
     args, table = paged_args(_reference_args(codec, cache, q, k, v, valid, torch.float32), block_size, seed)
     blocks = span // block_size
     junk = table.clone()
-    junk[1:, :blocks] = table.numel()  # a spare slot, full of junk
+    for b, first in enumerate(lead):
+        junk[b, :blocks] = table[first, :blocks] if first == b else table.numel()  # a spare slot, full of junk
+    call = dict(pages=junk, block_size=block_size, shared=span,
+                leads=None if leads is None else torch.tensor(leads, dtype=torch.int32, device=DEVICE))
     launch = dict(path="split") | ({} if stream is None else dict(stream=stream))
-    out = compressed_attention_triton(*args, config=dict(launch, shared=True), pages=junk, block_size=block_size,
-                                      shared=span)
+    out = compressed_attention_triton(*args, config=dict(launch, shared=True), **call)
     err, err_pt = ((t.double() - ref64).abs().max().item() for t in (out, ref32))
     assert err <= 2 * err_pt + 1e-5, (err, err_pt)
-    unshared = compressed_attention_triton(*args, config=launch, pages=junk, block_size=block_size,
-                                           shared=span)  # the walks read the junk
+    unshared = compressed_attention_triton(*args, config=launch, **call)  # the walks read the junk
     assert (unshared.double() - ref64).abs().max().item() > 100 * (err + 1e-6)
 
 
 @needs_triton
-@pytest.mark.parametrize("d,grid,s,block_size,stream,permuted", [(16, True, 1, 16, 2, False),
-                                                                 (64, True, 1, 64, 0, True),
-                                                                 (32, False, 2, 32, 0, False)])
-def test_decode_kernel_shared_prefix(d, grid, s, block_size, stream, permuted):
-    """The shared walk over forks of one scaffold: grid and looked-up codes, one and two queries a row, the rows'
-    own walks stream-K and split, the query gathered (keys' channels permuted) or prepared; a row whose length is the
-    shared prefix exactly walks nothing of its own."""
+@pytest.mark.parametrize("d,grid,s,block_size,stream,permuted,leads", [
+    (16, True, 1, 16, 2, False, None), (64, True, 1, 64, 0, True, None), (32, False, 2, 32, 0, False, None),
+    (16, True, 1, 32, 2, True, [0, 0, 2, 2, 0, 5, 5, 5, 2]), (32, False, 2, 64, 0, False, [0, 1, 2, 0, 1, 2, 0, 1, 2])])
+def test_decode_kernel_shared_prefix(d, grid, s, block_size, stream, permuted, leads):
+    """The shared walk over forks of one scaffold (or of several, ``leads``, in runs or interleaved: a pass a lead):
+    grid and looked-up codes, one and two queries a row, the rows' own walks stream-K and split, the query gathered
+    (keys' channels permuted) or prepared; a row whose length is the shared prefix exactly walks nothing of its own."""
     from esm_turbo.kernels.decode.shared import MIN_SHARED
     span = MIN_SHARED
     lengths = [span + 37, span, span + 1, span + 64, span + 100, span + 3, span + 9, span + 70, span + 15]
-    check_shared_prefix(d, grid, len(lengths), lengths, s, span, block_size, stream, permuted)
+    check_shared_prefix(d, grid, len(lengths), lengths, s, span, block_size, stream, permuted, leads=leads)
 
 
 @needs_triton
@@ -902,12 +904,15 @@ def test_decode_kernel_split_widths_gpu(bits, d):
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_decode_kernel_shared_prefix_gpu(d):
     """The shared walk over forks of one scaffold at the launch's own choices (stream-K or split-K walks, the
-    default's gathered queries): 8 to 300 forks of 256- to 2,048-token scaffolds, grid and looked-up codes."""
+    default's gathered queries): 8 to 300 forks of 256- to 2,048-token scaffolds (the 300 of six scaffolds), grid and
+    looked-up codes."""
     gen = torch.Generator().manual_seed(d)
     for grid in (True, False):
         for batch, span, tail, block in ((8, 256, 64, 64), (64, 1024, 64, 64), (300, 2048, 200, 128)):
             lengths = (span + torch.randint(0, tail + 1, (batch,), generator=gen)).tolist()
-            check_shared_prefix(d, grid, batch, lengths, 1, span, block, permuted_keys=grid, heads=4, seed=batch)
+            leads = [b // 50 * 50 for b in range(batch)] if batch == 300 else None  # six scaffolds of 50 forks
+            check_shared_prefix(d, grid, batch, lengths, 1, span, block, permuted_keys=grid, heads=4, seed=batch,
+                                leads=leads)
 
 
 @gpu

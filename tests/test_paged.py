@@ -104,23 +104,32 @@ def test_forks_share_their_prefix():
 
 
 def test_forks_report_the_prefix_they_share():
-    """``shared_prefix``: the tokens every row holds in the same blocks (what decode attention may read once for all
-    of them), as forks write apart, roll back and are selected; none for one row or a contiguous cache."""
+    """``shared_prefix``: the tokens every row holds in the same blocks as its lead (what decode attention may read
+    once for a lead's rows), as forks write apart, roll back and are selected; each row's lead where forks of several
+    scaffolds step together; nothing for one row, too few rows a lead, or a contiguous cache."""
     cs, block = codecs(), 16
     cache = PagedKVCache(cs, 1, capacity=80, block_size=block)
     gen = torch.Generator().manual_seed(0)
     cache.append(*[list(t) for t in torch.randn(2, LAYERS, 1, HEADS, 70, DIM, generator=gen)])
-    assert cache.shared_prefix() == 0  # one row
+    assert cache.shared_prefix() == (0, None)  # one row
     cache.select([0] * 8)
-    assert cache.shared_prefix() == 70  # every block shared, the last one partly filled
+    assert cache.shared_prefix() == (70, None)  # every block shared, the last one partly filled; row 0 leads
     cache.append(*[list(t) for t in torch.randn(2, LAYERS, 8, HEADS, 1, DIM, generator=gen)])
-    assert cache.shared_prefix() == 64  # each row wrote into its own copy of the partly filled block
+    assert cache.shared_prefix() == (64, None)  # each row wrote into its own copy of the partly filled block
     cache.truncate(10)
-    assert cache.shared_prefix() == 61  # no row reaches past 61 now
-    cache.select([3, 3])
-    assert cache.shared_prefix() == 61
-    flat = KVCache(cs, 4, capacity=8)
-    assert flat.shared_prefix() == 0
+    assert cache.shared_prefix() == (61, None)  # no row reaches past 61 now
+    cache.select([3, 3, 3, 3])
+    assert cache.shared_prefix() == (61, None)
+    cache.select([0, 1])
+    assert cache.shared_prefix() == (0, None)  # two rows a lead: too few to pay
+    assert KVCache(cs, 4, capacity=8).shared_prefix() == (0, None)
+
+    two = PagedKVCache(cs, 2, capacity=80, block_size=block)  # two scaffolds, forked and interleaved
+    two.append(*[list(t) for t in torch.randn(2, LAYERS, 2, HEADS, 40, DIM, generator=gen)])
+    two.select([0, 1, 0, 0, 1, 1, 0, 1, 1, 0])
+    span, leads = two.shared_prefix()
+    assert span == 40 and leads.tolist() == [0, 1, 0, 0, 1, 1, 0, 1, 1, 0]
+    assert leads.dtype == torch.int32 and leads.device == two.device
 
 
 def _paged_and_contiguous_outputs(engine, factory, block_size):
@@ -190,10 +199,10 @@ def test_forks_of_one_scaffold_step_with_the_shared_walk_as_without(stress_model
         session.start([scaffold])
         session.fork(16)
         held = session.cache.host_lengths[0]
-        assert session.cache.shared_prefix() == held
+        assert session.cache.shared_prefix() == (held, None)
         tokens = torch.randint(4, 24, (16, 1), generator=torch.Generator().manual_seed(0)).cuda()
         steps = [session.step(tokens).logits]
-        assert session.cache.shared_prefix() == held // 64 * 64
+        assert session.cache.shared_prefix() == (held // 64 * 64, None)
         steps.append(session.step(tokens, commit=False).logits)
         steps.append(session.capture_step(tokens, commit=False).replay().logits)
         out.append(steps)

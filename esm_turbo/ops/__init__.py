@@ -84,7 +84,7 @@ def decode_attention(q: torch.Tensor, cache: "DecodeCache", layer: int, k_new: t
         return attend_dense(q, cache, layer, new_valid, memo)
     if cache.fused[layer]:
         return attend_compressed(cache.codecs[layer], cache.parts[layer], cache.lengths, q, k_new, v_new, new_valid,
-                                 *cache.pages(), cache.shared_prefix())
+                                 *cache.pages(), *cache.shared_prefix())
     return decode_attention_reference(q, cache, layer, k_new, v_new, new_valid)
 
 

@@ -363,12 +363,13 @@ def _compressed_attention_with(kernel: Callable[[], bool]) -> Callable:
                              v_offset: torch.Tensor, v_scale: torch.Tensor, v_code: list[int], pages: torch.Tensor,
                              block_size: int, k_slots: torch.Tensor | None = None,
                              v_slots: torch.Tensor | None = None, k_perm: torch.Tensor | None = None,
-                             shared: int = 0) -> torch.Tensor:
+                             shared: int = 0, leads: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`compressed_attention_reference` (or the Triton kernel on CUDA) with each kind's
         :class:`~esm_turbo.quant.layout.CachedCodes` flattened, its code layout as :meth:`CodeLayout.to_op` gives
         it; ``pages`` empty for a contiguous cache; ``*_slots`` each kind's slot words or None; ``k_perm`` the keys'
-        channel permutation or None; ``shared`` the tokens every row holds in the same blocks (the kernel may read
-        them once for many rows; the reference's sums are the same)."""
+        channel permutation or None; ``shared`` the tokens every row holds in the same blocks as its lead row
+        (``leads`` [B] int32, or None: row 0), which the kernel may read once for the rows of a lead (the reference's
+        sums are the same)."""
         keys = CachedCodes(k_main, k_sign, k_tab, k_layout, k_rot, k_offset, k_scale, CodeLayout.from_op(k_code),
                            k_slots, k_perm)
         values = CachedCodes(v_main, v_sign, v_tab, v_layout, v_rot, v_offset, v_scale, CodeLayout.from_op(v_code),
@@ -376,7 +377,7 @@ def _compressed_attention_with(kernel: Callable[[], bool]) -> Callable:
         if kernel():
             from ..kernels.decode import compressed_attention_triton
             return compressed_attention_triton(q, k_new, v_new, new_valid, lengths, keys, values, pages=pages,
-                                               block_size=block_size, shared=shared)
+                                               block_size=block_size, shared=shared, leads=leads)
         return compressed_attention_reference(q, k_new, v_new, new_valid, lengths, keys, values, pages, block_size)
 
     return compressed_attention
@@ -450,11 +451,12 @@ def cached_codes(codec: KVCodec, parts: dict[str, torch.Tensor], kind: str) -> C
 def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: torch.Tensor,
                       q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       new_valid: torch.Tensor, pages: torch.Tensor | None = None,
-                      block_size: int = 0, shared: int = 0) -> torch.Tensor:
+                      block_size: int = 0, shared: int = 0, leads: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q [B,H,S,d] over one layer's packed prefix (``lengths`` [B] rows) plus the
     step's own k_new/v_new [B,H,S,d] (new_valid [B,S]). Returns [B,H,S,d] in q's dtype. A paged cache's parts
     are pools read through ``pages`` [B, blocks] int32 (:func:`compressed_attention_reference`), the first ``shared``
-    tokens of every row in the same blocks (``DecodeCache.shared_prefix``). Values predicted from the keys:
+    tokens of every row in the same blocks as its lead's (``leads``; ``DecodeCache.shared_prefix``). Values predicted
+    from the keys:
     :func:`esm_turbo.ops.predicted.attend_predicted_compressed`."""
     if getattr(codec, "predictor", None) is not None:
         from .predicted import attend_predicted_compressed
@@ -464,4 +466,4 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
         pages = lengths.new_empty(0, dtype=torch.int32)
     return _run(compressed_attention, _COMPRESSED_ATTENTION, q, k_new, v_new,
                 new_valid.contiguous().view(torch.uint8), lengths, *keys[:7], keys.code.to_op(), *values[:7],
-                values.code.to_op(), pages, int(block_size), keys.slots, values.slots, keys.perm, int(shared))
+                values.code.to_op(), pages, int(block_size), keys.slots, values.slots, keys.perm, int(shared), leads)

@@ -19,15 +19,17 @@ from .walk import _prefix_kernel, _stream_kernel
 def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor,
                                 lengths: torch.Tensor, keys: CachedCodes, values: CachedCodes,
                                 config: dict | None = None, pages: torch.Tensor | None = None,
-                                block_size: int = 0, shared: int = 0) -> torch.Tensor:
+                                block_size: int = 0, shared: int = 0,
+                                leads: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``compressed_attention_reference`` (see there for shapes, and for a paged cache's
     ``pages`` [B, blocks] int32 and ``block_size``); CUDA tensors (or CPU under Triton's interpreter). ``config``
     overrides the launch choice (:func:`~.plan.launch_config`) for tuning: ``path`` (auto | one | split), block_t /
     num_warps / waves (or ``splits``: split-K programs per query), ``prefetch``, ``rows``, ``maxnreg``, ``pdl``,
     ``stream``, ``subnormal``, ``gather_query`` and for the prep and merge kernels ``prep_block``, ``prep_cols`` /
     ``merge_cols`` and ``merge_rows``. ``shared``: tokens at the start of every row held in the same blocks of a paged
-    cache (``DecodeCache.shared_prefix``); where ``config``'s ``shared`` is on and :func:`~.shared.shared_span` takes
-    them, the shared walk (``shared.py``) reads them once for groups of queries and the walks start past them."""
+    cache as its lead row's (``leads`` [B] int32, None: row 0; ``DecodeCache.shared_prefix``); where ``config``'s
+    ``shared`` is on and :func:`~.shared.shared_span` takes them, the shared walk (``shared.py``) reads them once for
+    the queries of a lead in a group and the walks start past them."""
     batch, heads, s, d = q.shape
     page = int(block_size) if pages is not None and pages.numel() else 0
     t_cap = pages.shape[1] * page if page else keys.main.shape[2]
@@ -95,11 +97,13 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         _shared_kernel[(heads, ps, groups)](
             qt, *q_strides, perm, keys.scale, keys.main, part_or(keys.sign, keys.main), values.main,
             part_or(values.sign, values.main), keys.table, values.table, part_or(keys.layout, keys.table),
-            part_or(values.layout, values.table), pages, m, l_, acc, heads, s, batch * s, span, pchunk, nparts,
+            part_or(values.layout, values.table), pages, lengths if leads is None else leads, m, l_, acc, heads, s,
+            batch * s, span, pchunk, nparts, pages.shape[1],
             D=d, KCODE_BITS=consts["KCODE_BITS"], VCODE_BITS=consts["VCODE_BITS"], KFIELDS=consts["KFIELDS"],
             VFIELDS=consts["VFIELDS"], KSIGN=consts["KSIGN"], VSIGN=consts["VSIGN"], BLOCK_S=block_s,
             BLOCK_T=SHARED_T, BLOCK_G=block_g, NK=consts["NK"], NV=consts["NV"], ROWS=cfg["rows"], GRID=grid,
-            PAGE=page, GATHER=gather, PRECISION=precision, num_warps=shared_warps, enable_fp_fusion=FP_FUSION)
+            PAGE=page, GATHER=gather, LEADS=leads is not None, PRECISION=precision, num_warps=shared_warps,
+            enable_fp_fusion=FP_FUSION)
     if run:
         _stream_kernel[(launched,)](*codes, programs, nt, run, nparts, INTERPRET=run if interpreting() else 0,
                                     **consts)

@@ -54,15 +54,18 @@ def shared_span(shared: int, queries: int, block_t: int, paged: bool, slots: boo
 
 @triton.jit
 def _shared_kernel(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_tab_ptr,
-                   v_tab_ptr, k_lay_ptr, v_lay_ptr, page_ptr, m_ptr, l_ptr, acc_ptr, H, S, N, SPAN, CHUNK, NS,
+                   v_tab_ptr, k_lay_ptr, v_lay_ptr, page_ptr, lead_ptr, m_ptr, l_ptr, acc_ptr, H, S, N, SPAN, CHUNK,
+                   NS, TABLE_W,
                    D: tl.constexpr, KCODE_BITS: tl.constexpr, VCODE_BITS: tl.constexpr, KFIELDS: tl.constexpr,
                    VFIELDS: tl.constexpr, KSIGN: tl.constexpr, VSIGN: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                    ROWS: tl.constexpr, GRID: tl.constexpr, PAGE: tl.constexpr, GATHER: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   LEADS: tl.constexpr, PRECISION: tl.constexpr):
     """Grid (H, splits, cdiv(N, BLOCK_G)), N = B·S queries: head h's queries n = b·S + s of one group over the
-    shared prefix's tokens [split·CHUNK, min(split·CHUNK + CHUNK, SPAN)), read through the block table of row 0
-    (``page_ptr`` [B, ·] int32: every row's first SPAN / PAGE entries are the same blocks). The queries as the
+    shared prefix's tokens [split·CHUNK, min(split·CHUNK + CHUNK, SPAN)), read through the block table of the row's
+    lead (``page_ptr`` [B, TABLE_W] int32; ``LEADS``: ``lead_ptr`` [B] int32, the first row holding the same first
+    SPAN / PAGE blocks as row b; else row 0 for every row): a group's queries of one lead in one pass over the
+    prefix, so a group of forks of one scaffold takes one pass, and one that spans two scaffolds two. The queries as the
     walks take them (``walk._walk_store``): the prep kernel's ``qt`` [B·H·S, D] float32, or (``GATHER``) q [B, H,
     S, D] of strides sqb, sqh, sqs gathered at ``perm_ptr`` and scaled by ``ksc_ptr``. Partial (m, l, acc [D]) of
     query n stored at slot ``split`` of its NS (``m_ptr`` [B·H·NS·BLOCK_S], ``acc_ptr`` [·, D])."""
@@ -96,21 +99,32 @@ def _shared_kernel(qt_ptr, sqb, sqh, sqs, perm_ptr, ksc_ptr, k_idx_ptr, k_sign_p
     acc = tl.zeros((BLOCK_G, D), tl.float32)
     k_tab = k_tab_ptr + h * NK
     v_tab = v_tab_ptr + h * NV
-    for t0 in range(start, end, BLOCK_T):  # whole tiles: SPAN and CHUNK are multiples of BLOCK_T
-        kw, ks, vw, vs, kl, vl = _fetch(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_idx_ptr, k_idx_ptr, t0, end,
-                                        page_ptr, h * PAGE, H * PAGE, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN, BLOCK_T,
-                                        GRID, PAGE, False)
-        k = tl.reshape(_decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIELDS >= 0, ROWS, GRID, False),
-                       (BLOCK_T, D))
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_T]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.reshape(_decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIELDS >= 0, ROWS, GRID, False),
-                       (BLOCK_T, D))
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+    NONE: tl.constexpr = 1 << 30  # the lead of a query past N: never walked
+    if LEADS:
+        lead = tl.load(lead_ptr + b, mask=nmask, other=NONE)
+    else:
+        lead = tl.where(nmask, 0, NONE)
+    cur = tl.min(lead, axis=0)
+    while cur < NONE:  # one pass a lead among the group's queries
+        mine = lead == cur
+        table = page_ptr + cur.to(tl.int64) * TABLE_W
+        for t0 in range(start, end, BLOCK_T):  # whole tiles: SPAN and CHUNK are multiples of BLOCK_T
+            kw, ks, vw, vs, kl, vl = _fetch(k_idx_ptr, k_sign_ptr, v_idx_ptr, v_sign_ptr, k_idx_ptr, k_idx_ptr, t0,
+                                            end, table, h * PAGE, H * PAGE, D, KCODE_BITS, VCODE_BITS, KSIGN, VSIGN,
+                                            BLOCK_T, GRID, PAGE, False)
+            k = tl.reshape(_decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIELDS >= 0, ROWS, GRID,
+                                         False), (BLOCK_T, D))
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_T]
+            s = tl.where(mine[:, None], s, float("-inf"))  # other leads' queries keep their sums as they are
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(tl.where(mine, m_i, 0.0) - tl.where(mine, m_new, 0.0))  # 1 for other leads' queries
+            p = tl.exp2(s - tl.where(mine, m_new, 0.0)[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.reshape(_decode_codes(vw, vs, v_tab, v_lay[0], v_lay[1], D, VSIGN, NV, VFIELDS >= 0, ROWS, GRID,
+                                         False), (BLOCK_T, D))
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+        cur = tl.min(tl.where(lead > cur, lead, NONE), axis=0)
     if GRID:
         acc = acc * v_fac[None, :]
     part = ((b * H + h) * NS + split) * BLOCK_S + qi
