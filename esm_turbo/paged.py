@@ -43,6 +43,7 @@ HOST_CHUNK_BYTES = STAGE_BYTES = 256 * 2**20
 #: share: with fewer, a group of queries spans so many leads that reading the prefix once a lead saves little
 MIN_ROWS_A_LEAD = 4
 
+
 def _runs(host_slots: list[int], per_chunk: int) -> list[tuple[int, int, int]]:
     """(first index, first host slot, length) of each run of ``host_slots`` that are consecutive within one chunk
     of ``per_chunk`` slots."""

@@ -93,7 +93,13 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                   num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"],
                   launch_pdl=pdl,
                   enable_fp_fusion=FP_FUSION)
-    if span:
+    if run:
+        _stream_kernel[(launched,)](*codes, programs, nt, run, nparts, INTERPRET=run if interpreting() else 0,
+                                    **consts)
+    else:
+        _prefix_kernel[(programs, splits)](*codes, chunk, nparts, INTERPRET=chunk // block_t if interpreting() else 0,
+                                           **consts)
+    if span:  # after the walk, which keeps its programmatic dependent launch on the prep kernel
         _shared_kernel[(heads, ps, groups)](
             qt, *q_strides, perm, keys.scale, keys.main, part_or(keys.sign, keys.main), values.main,
             part_or(values.sign, values.main), keys.table, values.table, part_or(keys.layout, keys.table),
@@ -104,12 +110,6 @@ def compressed_attention_triton(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
             BLOCK_T=SHARED_T, BLOCK_G=block_g, NK=consts["NK"], NV=consts["NV"], ROWS=cfg["rows"], GRID=grid,
             PAGE=page, GATHER=gather, LEADS=leads is not None, PRECISION=precision, num_warps=shared_warps,
             enable_fp_fusion=FP_FUSION)
-    if run:
-        _stream_kernel[(launched,)](*codes, programs, nt, run, nparts, INTERPRET=run if interpreting() else 0,
-                                    **consts)
-    else:
-        _prefix_kernel[(programs, splits)](*codes, chunk, nparts, INTERPRET=chunk // block_t if interpreting() else 0,
-                                           **consts)
     block_b = cfg.get("merge_rows") or merge_rows(batch, heads, block_s, block_ns, d, sms)
     _merge_kernel[(heads, triton.cdiv(batch, block_b))](
         c0, q, *q_strides, k_new, *k_strides, v_new, *v_strides, m, l_, acc, new_valid, values.scale, values.offset,
