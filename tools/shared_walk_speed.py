@@ -29,7 +29,7 @@ BLOCK = 64
 
 
 def forks_args(heads: int, d: int, batch: int, scaffold: int, tail: int, device) -> tuple[tuple, torch.Tensor, int]:
-    """(the decode call's arguments with pooled parts, the block table, bytes a token and head of the codes)."""
+    """(the decode call's arguments with pooled parts, the block table, bytes a token holds in a layer)."""
     cache = synthetic_cache(heads, d, batch, scaffold + tail, device)
     args = step_args(cache)
     blocks = -(-(scaffold + tail) // BLOCK)
@@ -40,9 +40,7 @@ def forks_args(heads: int, d: int, batch: int, scaffold: int, tail: int, device)
     def pooled(part):
         return as_blocks(part, own, BLOCK, batch * blocks) if part.numel() else part
     kinds = [c._replace(main=pooled(c.main), sign=pooled(c.sign)) for c in args[5:7]]
-    token_bytes = sum(c.main[0, 0, 0].numel() * c.main.element_size() + (c.sign[0, 0, 0].numel() if c.sign.numel()
-                      else 0) for c in kinds)
-    return (*args[:5], *kinds), pages, token_bytes
+    return (*args[:5], *kinds), pages, cache.memory_report().bytes_per_token_per_layer
 
 
 def main() -> None:
@@ -65,7 +63,6 @@ def main() -> None:
             continue
         for batch, scaffold in forks:
             args, pages, token_bytes = forks_args(heads, d, batch, scaffold, a.tail, dev)
-            rows = heads * token_bytes  # a token's codes over every head
             call = dict(pages=pages, block_size=BLOCK, shared=scaffold)
             walks = compressed_attention_triton(*args, **call)
             shared = compressed_attention_triton(*args, config=dict(shared=True), **call)
@@ -74,8 +71,8 @@ def main() -> None:
             t_shared = time_graph(lambda: compressed_attention_triton(*args, config=dict(shared=True), **call),
                                   dev) * 1e6
             cuda = dev.type == "cuda"
-            floor_walks = read_floor_us(batch * (scaffold + a.tail) * rows, dev) if cuda else float("nan")
-            floor_shared = read_floor_us((scaffold + batch * a.tail) * rows, dev) if cuda else float("nan")
+            floor_walks = read_floor_us(batch * (scaffold + a.tail) * token_bytes, dev) if cuda else float("nan")
+            floor_shared = read_floor_us((scaffold + batch * a.tail) * token_bytes, dev) if cuda else float("nan")
             line = (f"  {name:5} {heads:5} {d:3} {batch:6} {scaffold:9} {t_walks:13.1f}  {floor_walks:12.1f}  "
                     f"{t_shared:11.1f}  {floor_shared:12.1f}  {t_walks / t_shared:7.2f}x  {diff:.1e}")
             print(line, flush=True)

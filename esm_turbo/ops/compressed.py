@@ -456,8 +456,7 @@ def attend_compressed(codec: KVCodec, parts: dict[str, torch.Tensor], lengths: t
     step's own k_new/v_new [B,H,S,d] (new_valid [B,S]). Returns [B,H,S,d] in q's dtype. A paged cache's parts
     are pools read through ``pages`` [B, blocks] int32 (:func:`compressed_attention_reference`), the first ``shared``
     tokens of every row in the same blocks as its lead's (``leads``; ``DecodeCache.shared_prefix``). Values predicted
-    from the keys:
-    :func:`esm_turbo.ops.predicted.attend_predicted_compressed`."""
+    from the keys: :func:`esm_turbo.ops.predicted.attend_predicted_compressed`."""
     if getattr(codec, "predictor", None) is not None:
         from .predicted import attend_predicted_compressed
         return attend_predicted_compressed(codec, parts, lengths, q, k_new, v_new, new_valid, pages, block_size)

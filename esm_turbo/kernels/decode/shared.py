@@ -1,11 +1,12 @@
-"""The walk over a prefix that every row of a paged step holds in the same blocks (forks of one scaffold): each tile of
-it decoded once for a group of queries, not once a query.
+"""The walk over a prefix that the rows of a paged step hold in the same blocks as their lead row (forks of a
+scaffold): each tile of it decoded once for a group of queries, not once a query.
 
 A paged session's forks share their scaffold's blocks, and the per-query walks (``walk.py``) read those blocks once
 for every row: 256 forks of a 1,024-token scaffold read it 256 times a layer. ``_shared_kernel`` (grid: head, split
-of the shared prefix, group of ``BLOCK_G`` queries) reads a tile of the shared prefix through row 0's block table,
-decodes its keys and values once, and runs the group's online softmax over it with two products on tensor cores,
-scores [G, T] = Q̃ Ŷₖᵀ and sums [G, d] += P Ŷᵥ (fp32 accuracy: ``dot_precision``). It writes one partial (m, l,
+of the shared prefix, group of ``BLOCK_G`` queries) reads a tile of the shared prefix through the block table of a
+lead row (``DecodeCache.shared_prefix``; one pass a lead among the group's queries), decodes its keys and values
+once, and runs the group's online softmax over it with two products on tensor cores, scores [G, T] = Q̃ Ŷₖᵀ and
+sums [G, d] += P Ŷᵥ (fp32 accuracy: ``dot_precision``). It writes one partial (m, l,
 Σ p·ŷ; log2 units, the value sums in the codes' domain, as a walk writes them) per query and split, in the first
 slots of each query's partials; the walks then cover each row's own tokens past the shared prefix in the slots after
 them, and the merge (``merge.py``) combines them all. The PyTorch reference is the unshared one
