@@ -901,6 +901,22 @@ def test_decode_kernel_split_widths_gpu(bits, d):
 
 
 @gpu
+@pytest.mark.parametrize("ahead", [2, 3])
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_decode_kernel_l2_ahead_gpu(ahead, d):
+    """Walks that ask the codes of a tile ``ahead`` tiles on into L2 (``launch_config``'s ``prefetch`` > 1;
+    ``plan.L2_AHEAD``) match the reference: stream-K and split-K walks, contiguous and paged, rows shorter than the
+    look-ahead among them."""
+    cfg = dict(prefetch=ahead)
+    for block_size in (0, 64):
+        check_kernel_matches((3, 1), "sign", d, 64, [300] * 62 + [1, 40], s=1, heads=4, seed=d, shared=True,
+                             grid=True, block_size=block_size, config=cfg)
+        check_kernel_matches((4, 2), "none", d, 2, [16384, 700], s=1, heads=4, dtype=torch.float16, shared=True,
+                             grid=True, block_size=block_size, config=dict(cfg, path="split"))
+        check_kernel_matches(3, "sign", d, 8, [2000] * 8, s=1, heads=4, grid=False, block_size=block_size, config=cfg)
+
+
+@gpu
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_decode_kernel_shared_prefix_gpu(d):
     """The shared walk over forks of one scaffold at the launch's own choices (stream-K or split-K walks, the

@@ -97,6 +97,31 @@ def token_offsets(h, offs_n, S, stride_b, stride_h, stride_s):
 
 
 @triton.jit
+def split8(y):
+    """y [N, G, 2, 2, 2] (channel 8g + 4a + 2b + c at [n, g, a, b, c]) → the 8 tensors [N, G] of channels
+    8g + j, j = 0..7."""
+    c0, c1 = tl.split(y)
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    y0, y4 = tl.split(c0b0)
+    y2, y6 = tl.split(c0b1)
+    y1, y5 = tl.split(c1b0)
+    y3, y7 = tl.split(c1b1)
+    return y0, y1, y2, y3, y4, y5, y6, y7
+
+
+@triton.jit
+def group_dot(x, y):
+    """Σ over the last two dims of x · y, x [N, G, 8] and y [1, G, 8] (or [N, G, 8]) → [N]: each group's eight
+    products added in one chain (a multiply and seven multiply-adds), then the groups. ``tl.sum`` adds a thread's
+    values in a tree, whose pairs cost an add for every second product (SASS sm_90)."""
+    n: tl.constexpr = x.shape[0]
+    g: tl.constexpr = x.shape[1]
+    p0, p1, p2, p3, p4, p5, p6, p7 = split8(tl.reshape(x * y, (n, g, 2, 2, 2)))
+    return tl.sum(((((((p0 + p1) + p2) + p3) + p4) + p5) + p6) + p7, axis=1)
+
+
+@triton.jit
 def load_rows(x_ptr, offs, nmask, D: tl.constexpr):
     """Rows of x at element offsets ``offs`` [BLOCK_N] (a contiguous last dim of D): [BLOCK_N, D] in x's dtype,
     zeros where ``nmask`` is False."""

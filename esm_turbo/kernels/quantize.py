@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..quant.layout import CodeLayout
 from .common import (FP_FUSION, dot_precision, field_shift, field_width, interpreting, kernel_slots, load_rows,
-                     part_or, rotate, split16, split_counters, token_strides)
+                     part_or, rotate, split8, split16, split_counters, token_strides)
 from .decode.codes import _field_layout
 
 
@@ -85,7 +85,7 @@ def _quantize_one(x_ptr, sxb, sxh, sxs, rot_ptr, offset_ptr, scale_ptr, bounds_p
         else:
             word = tl.zeros((BLOCK_N, D8), dtype=tl.int32)
         sword = tl.zeros_like(word)
-        ys = _split8(tl.reshape(y, (BLOCK_N, D8, 2, 2, 2)))
+        ys = split8(tl.reshape(y, (BLOCK_N, D8, 2, 2, 2)))
         for j in tl.static_range(8):
             yj = ys[j]
             if WIDE:
@@ -177,20 +177,6 @@ def _pick_slot(y3, word, sword, h, scale_ptr, lay_ptr, tab_ptr, slot_ptr, srows,
         won = tl.atomic_xchg(scratch_ptr + tok, tl.zeros_like(key), mask=nmask, sem="relaxed")
         tl.store(slot_ptr + srows, won.to(tl.int32), mask=nmask)
         tl.store(count_ptr + unit, 0)  # every head has offered: zero again for the next launch
-
-
-@triton.jit
-def _split8(y):
-    """y [N, G, 2, 2, 2] (channel 8g + 4a + 2b + c at [n, g, a, b, c]) → the 8 tensors [N, G] of channels
-    8g + j, j = 0..7."""
-    c0, c1 = tl.split(y)
-    c0b0, c0b1 = tl.split(c0)
-    c1b0, c1b1 = tl.split(c1)
-    y0, y4 = tl.split(c0b0)
-    y2, y6 = tl.split(c0b1)
-    y1, y5 = tl.split(c1b0)
-    y3, y7 = tl.split(c1b1)
-    return y0, y1, y2, y3, y4, y5, y6, y7
 
 
 @triton.jit

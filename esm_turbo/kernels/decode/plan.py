@@ -52,6 +52,10 @@ GATHER_QUERY = True
 #: a paged step's shared prefix (forks of one scaffold) read once for groups of queries by the shared walk
 #: (``shared.py``; ``launch_config``'s ``shared``), not once a query by the walks: off until it is timed on a GPU
 SHARED_WALK = False
+#: tiles ahead of the walk whose codes are asked into L2 beside its register double buffer (``launch_config``'s
+#: ``prefetch`` = this; 0: none), so a one-warp program keeps more bytes in flight than its registers hold: off until
+#: it is timed on a GPU
+L2_AHEAD = 0
 
 
 def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool = False) -> bool:
@@ -96,14 +100,15 @@ def launch_config(d: int, key: CodeLayout, value: CodeLayout, batch: int, heads:
     if small:
         cfg = (dict(block_t=64, num_warps=2, waves=4, rows=False, maxnreg=168) if lean_grid else
                dict(block_t=32, num_warps=2, waves=4, rows=False, maxnreg=None))
-    # prefetch: the next tile's codes requested before this one is computed (a register double buffer);
+    # prefetch: the next tile's codes requested before this one is computed (a register double buffer); n > 1: and
+    # the codes n tiles ahead asked into L2;
     # pdl: on sm_90+, a grid codec's walk launches while the prep kernel runs (programmatic dependent launch);
     # stream: the default cache's walk cut stream-K, this many one-warp programs per SM (one full wave)
     # subnormal: a grid codec's codes decoded as float32 subnormals (``codes._decode_codes``), two integer
     # instructions a value where 1.0's exponent OR-ed in and 1 subtracted took three or four;
     # shared: a paged step's shared prefix read once for groups of queries (``shared.py``)
-    cfg.update(path="auto", small=small, prefetch=True, pdl=decode_grid(key, value) > 0, stream=12 if lean_grid else 0,
-               subnormal=SUBNORMAL_CODES, gather_query=GATHER_QUERY, shared=SHARED_WALK)
+    cfg.update(path="auto", small=small, prefetch=max(1, L2_AHEAD), pdl=decode_grid(key, value) > 0,
+               stream=12 if lean_grid else 0, subnormal=SUBNORMAL_CODES, gather_query=GATHER_QUERY, shared=SHARED_WALK)
     # prep / merge: tokens per prep program, output channels per rotation dot (a whole Π spills at d = 128)
     cfg.update(prep_block=16, prep_cols=64, merge_cols=64)
     cfg.update(overrides or {})

@@ -8,7 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codes import SUB_UP, _decode_codes, _field_layout, _grid_factor, _load_codes
+from .codes import SUB_UP, _decode_codes, _field_layout, _grid_factor, _load_codes, _prefetch_l2
+from ..common import group_dot
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -34,6 +35,24 @@ def _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0, end, pg_tab, pg_base, p
         kl = tl.load(k_sl + srows, mask=tmask, other=0)
         vl = tl.load(v_sl + srows, mask=tmask, other=0)
     return kw, ks, vw, vs, kl, vl
+
+
+@triton.jit
+def _ask_tile(k_idx, v_idx, t, end, pg_tab, pg_base, pg_stride, D: tl.constexpr, KCODE_BITS: tl.constexpr,
+              VCODE_BITS: tl.constexpr, BLOCK_T: tl.constexpr, PAGE: tl.constexpr):
+    """Asks the key and value code words of the tile at ``t`` into L2 when it starts before ``end``: the tile's rows
+    are contiguous (a paged cache's blocks hold whole tiles), one 128-byte line a lane, lanes past the tile's lines
+    asking its last again (``prefetch.global.L2``; nothing under the interpreter). Sign planes are not asked."""
+    if t < end:
+        if PAGE == 0:
+            row = t.to(tl.int64)
+        else:
+            row = tl.load(pg_tab + t // PAGE).to(tl.int64) * pg_stride + pg_base + t % PAGE
+        KB: tl.constexpr = D * KCODE_BITS // 8  # a token's bytes of key codes
+        VB: tl.constexpr = D * VCODE_BITS // 8
+        line = tl.arange(0, 32) * 128
+        _prefetch_l2(k_idx + row * KB + tl.minimum(line, BLOCK_T * KB - 1))
+        _prefetch_l2(v_idx + row * VB + tl.minimum(line, BLOCK_T * VB - 1))
 
 
 @triton.jit
@@ -75,7 +94,7 @@ def _prefix_block(q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, h, qk, v_i
     the grid's scale of that place), one FMA a value and no tile-sized compare (which spilled registers)."""
     tmask = t0 + tl.arange(0, BLOCK_T) < end
     k = _decode_codes(kw, ks, k_tab, k_lay[0], k_lay[1], D, KSIGN, NK, KFIXED, ROWS, GRID, SUBN)
-    s = tl.sum(tl.sum(k * q3[None, :, :], axis=2), axis=1)  # [BLOCK_T]; 2^−SUB of the scores with SUBN
+    s = group_dot(k, q3[None, :, :])  # [BLOCK_T]; 2^−SUB of the scores with SUBN
     if SLOTS:
         dk, ck = _slot_deltas(kl, h, D)
         if SUBN:
@@ -173,7 +192,9 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
     """Online softmax of one query (of head ``h``) over cached rows [start, end): (m, l, Σ p·ŷ as [D/8, 8]), log2
     units. (kw, ks, vw, vs, kl, vl): the first tile's codes (and slot words), ``_fetch``-ed by the caller as early as
     it can. k_lay / v_lay: (shift, mask) of the packed codes' fields (``_field_layout``). ``PREFETCH``: the next
-    tile's codes are requested before this tile is computed (a register double buffer). ``INTERPRET`` > 0
+    tile's codes are requested before this tile is computed (a register double buffer); ``PREFETCH`` = n > 1: and the
+    codes of the tile n tiles ahead asked into L2 (``_ask_tile``), so more of the walk's bytes are in flight than its
+    registers hold. ``INTERPRET`` > 0
     (Triton's interpreter): that many tiles, unrolled (it needs a static loop). ``GRID`` (``_decode_codes``): the
     tiles hold j scaled by a power of two per field, so the query and the value sums are scaled back by its
     inverse (``_grid_factor``, exact); ``SUBN``: as float32 subnormals, the scores then at 2^−SUB and the softmax
@@ -203,6 +224,9 @@ def _walk(q3, start, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, 
                 VCODE_BITS, KSIGN, VSIGN, NK, NV, BLOCK_T, KFIXED, VFIXED, ROWS, GRID, PAGE, SLOTS, SUBN)
     elif PREFETCH:
         for t0 in range(start, end, BLOCK_T):
+            if PREFETCH > 1:
+                _ask_tile(k_idx, v_idx, t0 + PREFETCH * BLOCK_T, end, pg_tab, pg_base, pg_stride, D, KCODE_BITS,
+                          VCODE_BITS, BLOCK_T, PAGE)
             m_i, l_i, acc, kw, ks, vw, vs, kl, vl = _prefetched_block(
                 q3, m_i, l_i, acc, t0, end, kw, ks, vw, vs, kl, vl, k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, pg_tab,
                 pg_base, pg_stride, h, qk, v_inv, k_tab, v_tab, k_lay, v_lay, D, KCODE_BITS, VCODE_BITS, KSIGN,
