@@ -908,7 +908,7 @@ def test_decode_kernel_l2_ahead_gpu(ahead, d):
     ``plan.L2_AHEAD``) match the reference: stream-K and split-K walks, contiguous and paged, rows shorter than the
     look-ahead among them."""
     cfg = dict(prefetch=ahead)
-    for block_size in (0, 64):
+    for block_size in (0, 16, 64):
         check_kernel_matches((3, 1), "sign", d, 64, [300] * 62 + [1, 40], s=1, heads=4, seed=d, shared=True,
                              grid=True, block_size=block_size, config=cfg)
         check_kernel_matches((4, 2), "none", d, 2, [16384, 700], s=1, heads=4, dtype=torch.float16, shared=True,

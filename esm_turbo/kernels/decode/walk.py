@@ -40,19 +40,24 @@ def _fetch(k_idx, k_sign, v_idx, v_sign, k_sl, v_sl, t0, end, pg_tab, pg_base, p
 @triton.jit
 def _ask_tile(k_idx, v_idx, t, end, pg_tab, pg_base, pg_stride, D: tl.constexpr, KCODE_BITS: tl.constexpr,
               VCODE_BITS: tl.constexpr, BLOCK_T: tl.constexpr, PAGE: tl.constexpr):
-    """Asks the key and value code words of the tile at ``t`` into L2 when it starts before ``end``: the tile's rows
-    are contiguous (a paged cache's blocks hold whole tiles), one 128-byte line a lane, lanes past the tile's lines
-    asking its last again (``prefetch.global.L2``; nothing under the interpreter). Sign planes are not asked."""
+    """Asks the key and value code words of the tile at ``t`` into L2 when it starts before ``end``: its rows in the
+    block that holds its first token (a paged cache's blocks hold whole tiles, or blocks smaller than a tile its
+    first block's), one 128-byte line a lane, lanes past them asking the last again (``prefetch.global.L2``;
+    nothing under the interpreter). Sign planes are not asked."""
     if t < end:
         if PAGE == 0:
             row = t.to(tl.int64)
         else:
             row = tl.load(pg_tab + t // PAGE).to(tl.int64) * pg_stride + pg_base + t % PAGE
+        if PAGE == 0 or PAGE >= BLOCK_T:
+            TOKENS: tl.constexpr = BLOCK_T
+        else:
+            TOKENS: tl.constexpr = PAGE
         KB: tl.constexpr = D * KCODE_BITS // 8  # a token's bytes of key codes
         VB: tl.constexpr = D * VCODE_BITS // 8
         line = tl.arange(0, 32) * 128
-        _prefetch_l2(k_idx + row * KB + tl.minimum(line, BLOCK_T * KB - 1))
-        _prefetch_l2(v_idx + row * VB + tl.minimum(line, BLOCK_T * VB - 1))
+        _prefetch_l2(k_idx + row * KB + tl.minimum(line, TOKENS * KB - 1))
+        _prefetch_l2(v_idx + row * VB + tl.minimum(line, TOKENS * VB - 1))
 
 
 @triton.jit
