@@ -81,6 +81,14 @@ def main() -> None:
                                   LEADS=sg > 0, PRECISION="tf32x3"),
                              {"H", "S", "N", "SPAN", "CHUNK", "NS", "TABLE_W", "sqb", "sqh", "sqs"},
                              dict(walks, lead_ptr="*i32"), num_warps=warps)
+    # the 3.0-bit default's stream-K walk (grid codes of 4 and 2 bits, subnormals, the query gathered) asking the
+    # tile two on into L2, through a block table of whole tiles
+    compile_sm90(walk._stream_kernel, dict(walk_consts, D=64, KCODE_BITS=4, KSIGN=False, VCODE_BITS=2, VSIGN=False,
+                                           NK=64 * 16, NV=64 * 4, KFIELDS=packed_shifts([4] * 8), VFIELDS=-1, GRID=5,
+                                           PAGE=64, SUBN=True, PREFETCH=2, BLOCK_S=1, PDL=True, GATHER=True),
+                 {"H", "S", "T_CAP", "T0", "PS", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"},
+                 dict(CODE_PTRS, k_sl_ptr="*i32", v_sl_ptr="*i32", k_tab_ptr="*fp32", v_tab_ptr="*fp32",
+                      page_ptr="*i32", qt_ptr=f16, perm_ptr="*i32"), num_warps=1, maxnreg=168)
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(merge._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
                  {"sqb", "sqh", "sqs", "B", "H", "S"}, dict(q_ptr=f16), num_warps=4)

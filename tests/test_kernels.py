@@ -343,6 +343,23 @@ def test_shared_span_rule():
 
 
 @needs_triton
+def test_walk_asks_tiles_ahead_below_eight_code_bits():
+    """The default cache's walk asks tiles ahead into L2 (``prefetch`` = ``plan.L2_AHEAD``) at the 3.0-bit default's
+    4 + 2 code bits a channel, not at the 4.0-bit default's 4 + 4, nor for a LUT codec's cache."""
+    from esm_turbo.bench.synthetic import default_codec
+    from esm_turbo.kernels.decode import launch_config, plan
+    from esm_turbo.model.recipe import recipe
+    prefetch = {}
+    for bits in (3, 2):
+        tables = fused_tables(default_codec(20, 64, recipe=recipe("default", bits).resolved()))
+        prefetch[bits] = launch_config(64, tables.k_code, tables.v_code, 64, 20, 1, 16384)["prefetch"]
+    assert plan.L2_AHEAD > 1 and prefetch == {3: 1, 2: plan.L2_AHEAD}
+    tables = fused_tables(random_turbo_codec(4, 64, 3, 1, "sign", seed=0))
+    assert decode_grid(tables.k_code, tables.v_code) == 0
+    assert launch_config(64, tables.k_code, tables.v_code, 64, 4, 1, 16384)["prefetch"] == 1
+
+
+@needs_triton
 def test_stream_plan_covers_every_tile_once():
     """The runs of a stream-K cut tile every row's capacity once, and no row meets more runs than its partial slots."""
     from esm_turbo.kernels.decode import stream_plan
@@ -766,8 +783,9 @@ def test_kernels_compile_for_sm90():
     out = _compiling("compile_sm90.py")
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid through 1.0's exponent and as
-    # subnormals, grid gathering its queries, grid paged, LUT and grid reading slots), the shared walk over a paged
-    # step's shared prefix in 2 layouts × (grid, LUT), prep, merge three times (many
+    # subnormals, grid gathering its queries, grid paged, LUT and grid reading slots), the 3.0-bit default's stream-K
+    # walk asking tiles ahead into L2, the shared walk over a paged step's shared prefix in 2 layouts × (grid, LUT),
+    # prep, merge three times (many
     # sequences per program, several queries, c0 from gathered queries); quantize-and-pack eight times: prefills in
     # blocks of 32 and 64, a decode step (also into a paged pool), the last two also with grid codes, two picking
     # slots; the 4-bit weights' tensor-core matmul three times (groups
@@ -790,7 +808,7 @@ def test_kernels_compile_for_sm90():
     # pairs and its mean pooling; the scores and pooling walks over predicted values and the one-pass walk at 20
     # heads of 16, 32 and 64 and 40 of 64 (a coded residual, the keys alone) within a Hopper program's shared memory,
     # their merge and the write's read-back of a token's keys twice (grid, LUT); the bench's read-only kernel
-    assert len(compiled) == 145, out
+    assert len(compiled) == 146, out
 
 
 @pytest.fixture(scope="module")

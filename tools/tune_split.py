@@ -20,7 +20,8 @@ from esm_turbo.bench.timing import time_graph
 from esm_turbo.kernels import gemm as G
 from esm_turbo.kernels.common import num_sms
 from esm_turbo.kernels.gemm_split import SplitTile, plan
-from tune_gemm import log as _log, shapes
+from esm_turbo.model.sizes import esm2_config
+from tune_gemm import log as _log, rope_tables, shapes, unfused
 
 GRID = dict(bn=(64, 128), bk=(64, 128), split=(1, 2, 4, 8, 16), stages=(4,))
 
@@ -37,26 +38,29 @@ def product_row(size: str, name: str, epi: str, n: int, k: int, m: int, rate: fl
     b = (0.1 * torch.randn(n, device=dev)).half()
     x = torch.randn(m, k, device=dev).half()
     h = torch.randn(m, n, device=dev).half() if epi == "residual" else None
-    ref = G.gemm_reference(x, weights[0], b, epi, h).double()
-    err_base = (G.epilogue_reference(F.linear(x, weights[0], b), epi, h).double() - ref).abs().max().item()
+    rope = rope_tables(m, esm2_config(size).hidden_size // esm2_config(size).num_attention_heads, dev) \
+        if epi == "rope" else None
+    ref = G.gemm_reference(x, weights[0], b, epi, h, rope=rope).double()
+    err_base = (unfused(x, weights[0], b, epi, h, rope=rope).double() - ref).abs().max().item()
     eps = torch.finfo(torch.float16).eps * ref.abs().max().item()
     row = dict(size=size, product=name, epilogue=epi, rows=m, n=n, k=k, weights=count,
                read_us=n * k * 2 / (rate * 1e9) * 1e6,
                cublas_us=per_product_us(lambda w: F.linear(x, w, b), weights, dev),
-               cublas_pass_us=per_product_us(lambda w: G.epilogue_reference(F.linear(x, w, b), epi, h), weights, dev))
+               cublas_pass_us=per_product_us(lambda w: unfused(x, w, b, epi, h, rope=rope), weights, dev))
     chosen = plan(m, n, k, num_sms(dev))
 
     def split_us(tile: SplitTile, epilogue: str) -> float | None:
         res = h if epilogue == "residual" else None
         try:
-            got = G.gemm(x, weights[0], b, epilogue, res, split=tile)
+            got = G.gemm(x, weights[0], b, epilogue, res, split=tile, rope=rope if epilogue == "rope" else None)
         except Exception as e:  # noqa: BLE001 - a launch that does not build (shared memory) is skipped
             _log(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
             return None
         if epilogue == epi and (got.double() - ref).abs().max().item() > 2 * err_base + eps:
             _log(f"  {tile}: misses the reference")
             return None
-        return per_product_us(lambda w: G.gemm(x, w, b, epilogue, res, split=tile), weights, dev)
+        return per_product_us(lambda w: G.gemm(x, w, b, epilogue, res, split=tile,
+                                               rope=rope if epilogue == "rope" else None), weights, dev)
 
     row["plan"] = dict(tile=chosen.__dict__, us=split_us(chosen, epi))
     if sweep:

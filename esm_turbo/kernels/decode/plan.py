@@ -50,12 +50,17 @@ SUBNORMAL_CODES = True
 #: launch (``launch_config``'s ``gather_query``)
 GATHER_QUERY = True
 #: a paged step's shared prefix (forks of one scaffold) read once for groups of queries by the shared walk
-#: (``shared.py``; ``launch_config``'s ``shared``), not once a query by the walks: off until it is timed on a GPU
+#: (``shared.py``; ``launch_config``'s ``shared``), not once a query by the walks: off, as on an H100 it took
+#: 0.41–0.87× the per-row walks' speed (``results/gpu/shared_walk_h100.txt``), which find the shared blocks in L2
 SHARED_WALK = False
 #: tiles ahead of the walk whose codes are asked into L2 beside its register double buffer (``launch_config``'s
-#: ``prefetch`` = this; 0: none), so a one-warp program keeps more bytes in flight than its registers hold: off until
-#: it is timed on a GPU
-L2_AHEAD = 0
+#: ``prefetch`` = this; 0: none), so a one-warp program keeps more bytes in flight than its registers hold; taken by
+#: the default cache's walk where a token's key and value codes are narrower than 8 bits a channel together (the
+#: 3.0-bit default's 4 + 2), whose tiles hold too few bytes to keep the read rate: on an H100 it took the 3.0-bit walk
+#: from 84% to 90% of a pure read at B=64 T=16K and moved the 4.0-bit one by −2% to +1%, three tiles ahead slower
+L2_AHEAD = 2
+#: the key and value code bits a channel below which the default cache's walk asks tiles ahead (``L2_AHEAD``)
+L2_AHEAD_BELOW = 8
 
 
 def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool = False) -> bool:
@@ -107,7 +112,8 @@ def launch_config(d: int, key: CodeLayout, value: CodeLayout, batch: int, heads:
     # subnormal: a grid codec's codes decoded as float32 subnormals (``codes._decode_codes``), two integer
     # instructions a value where 1.0's exponent OR-ed in and 1 subtracted took three or four;
     # shared: a paged step's shared prefix read once for groups of queries (``shared.py``)
-    cfg.update(path="auto", small=small, prefetch=max(1, L2_AHEAD), pdl=decode_grid(key, value) > 0,
+    ahead = lean_grid and key.code_bits + value.code_bits < L2_AHEAD_BELOW
+    cfg.update(path="auto", small=small, prefetch=max(1, L2_AHEAD) if ahead else 1, pdl=decode_grid(key, value) > 0,
                stream=12 if lean_grid else 0, subnormal=SUBNORMAL_CODES, gather_query=GATHER_QUERY, shared=SHARED_WALK)
     # prep / merge: tokens per prep program, output channels per rotation dot (a whole Π spills at d = 128)
     cfg.update(prep_block=16, prep_cols=64, merge_cols=64)
