@@ -15,9 +15,7 @@ import torch
 
 import esm_turbo.kernels.decode.plan as plan
 from esm_turbo.bench.decode import time_fused
-from esm_turbo.bench.synthetic import TRAINED_SPREAD, bytes_read, synthetic_cache
-from esm_turbo.bench.timing import read_floor_us
-from esm_turbo.model.recipe import recipe
+from esm_turbo.bench.synthetic import default_recipe_caches
 
 #: (heads, head_dim, batch, context)
 SHAPES = ((20, 64, 64, 16384), (20, 64, 195, 1024), (20, 64, 8, 16384), (40, 128, 64, 1024))
@@ -26,26 +24,16 @@ SHAPES = ((20, 64, 64, 16384), (20, 64, 195, 1024), (20, 64, 8, 16384), (40, 128
 def rows(dev: torch.device, aheads: list[int], rounds: int = 3):
     """A line for each shape, bit budget and look-ahead."""
     torch.manual_seed(0)
-    for heads, dim, batch, length in SHAPES:
-        for label, bits in (("4.0", 3), ("3.0", 2)):
-            cache = synthetic_cache(heads, dim, batch, length, dev, recipe=recipe("default", bits).resolved(),
-                                    spread=TRAINED_SPREAD)
-            q = torch.randn(batch, heads, 1, dim, device=dev) * dim ** -0.5
-            k_new = torch.randn(batch, heads, 1, dim, device=dev)
-            v_new = torch.randn_like(k_new)
-            valid = torch.ones(batch, 1, dtype=torch.bool, device=dev)
-            read = read_floor_us(bytes_read(cache), dev)
-            times = {a: [] for a in aheads}
-            for _ in range(rounds):
-                for a in aheads:
-                    plan.L2_AHEAD = a
-                    times[a].append(time_fused(cache, q, k_new, v_new, valid)[:2])
+    for label, cache, inputs, read in default_recipe_caches(SHAPES, dev):
+        times = {a: [] for a in aheads}
+        for _ in range(rounds):
             for a in aheads:
-                one, step = (min(t[i] for t in times[a]) for i in (0, 1))
-                yield (f"ahead{a} H={heads} d={dim} B={batch} T={length} {label} bits: read {read:.1f} one {one:.1f} "
-                       f"({read / one:.0%}) step {step:.1f}")
-            del cache
-            torch.cuda.empty_cache()
+                plan.L2_AHEAD = a
+                times[a].append(time_fused(cache, *inputs)[:2])
+        for a in aheads:
+            one, step = (min(t[i] for t in times[a]) for i in (0, 1))
+            yield (f"ahead{a} H={cache.heads} d={cache.head_dim} B={cache.batch_size} T={int(cache.lengths.max())} "
+                   f"{label} bits: read {read:.1f} one {one:.1f} ({read / one:.0%}) step {step:.1f}")
 
 
 def main() -> None:

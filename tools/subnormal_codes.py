@@ -16,12 +16,10 @@ import torch
 import esm_turbo.kernels.decode.plan as plan
 from esm_turbo.bench.decode import time_fused
 from esm_turbo.bench.step import read_rate_gbs, step_report
-from esm_turbo.bench.synthetic import (TRAINED_SPREAD, bytes_read, layer_codec, stand_in_model, synthetic_cache,
-                                       synthetic_session)
-from esm_turbo.bench.timing import read_floor_us, time_eager
+from esm_turbo.bench.synthetic import default_recipe_caches, layer_codec, stand_in_model, synthetic_session
+from esm_turbo.bench.timing import time_eager
 from esm_turbo.model.alphabet import alphabet
 from esm_turbo.model.engine import TurboEsm
-from esm_turbo.model.recipe import recipe
 from esm_turbo.ops.compressed import attend_compressed
 
 #: (heads, head_dim, batch, context) of the attention rows
@@ -30,30 +28,19 @@ SHAPES = ((20, 64, 64, 16384), (20, 64, 195, 1024), (20, 64, 64, 1024), (20, 64,
 
 def attention_rows(dev: torch.device, rounds: int = 3):
     """Each of SHAPES at 4.0 and 3.0 bits: the best of ``rounds`` alternating timings either way."""
-    for heads, dim, batch, length in SHAPES:
-        for label, bits in (("4.0 bits", 3), ("3.0 bits", 2)):
-            cache = synthetic_cache(heads, dim, batch, length, dev, recipe=recipe("default", bits).resolved(),
-                                    spread=TRAINED_SPREAD)
-            q = torch.randn(batch, heads, 1, dim, device=dev) * dim ** -0.5
-            k_new = torch.randn(batch, heads, 1, dim, device=dev)
-            v_new = torch.randn_like(k_new)
-            valid = torch.ones(batch, 1, dtype=torch.bool, device=dev)
-            read = read_floor_us(bytes_read(cache), dev)
-            times, outs = {False: [], True: []}, {}
-            for _ in range(rounds):
-                for sub in (False, True):
-                    plan.SUBNORMAL_CODES = sub
-                    times[sub].append(time_fused(cache, q, k_new, v_new, valid)[:2])
-                    outs[sub] = attend_compressed(cache.codecs[0], cache.parts[0], cache.lengths, q, k_new, v_new,
-                                                  valid)
-            old, new = (min(t[0] for t in times[s]) for s in (False, True))
-            old_step, new_step = (min(t[1] for t in times[s]) for s in (False, True))
-            yield (f"H={heads} d={dim} B={batch} T={length} {label} ({cache.memory_report().bits_per_value:.2f} "
-                   f"bits): read {read:.1f} us | exponent {old:.1f} us ({read / old:.0%}), in a step {old_step:.1f} | "
-                   f"subnormal {new:.1f} us ({read / new:.0%}), in a step {new_step:.1f} | x{old / new:.3f} | "
-                   f"bit for bit {torch.equal(outs[False], outs[True])}")
-            del cache
-            torch.cuda.empty_cache()
+    for label, cache, inputs, read in default_recipe_caches(SHAPES, dev):
+        times, outs = {False: [], True: []}, {}
+        for _ in range(rounds):
+            for sub in (False, True):
+                plan.SUBNORMAL_CODES = sub
+                times[sub].append(time_fused(cache, *inputs)[:2])
+                outs[sub] = attend_compressed(cache.codecs[0], cache.parts[0], cache.lengths, *inputs)
+        old, new = (min(t[0] for t in times[s]) for s in (False, True))
+        old_step, new_step = (min(t[1] for t in times[s]) for s in (False, True))
+        yield (f"H={cache.heads} d={cache.head_dim} B={cache.batch_size} T={int(cache.lengths.max())} {label} bits "
+               f"({cache.memory_report().bits_per_value:.2f} bits): read {read:.1f} us | exponent {old:.1f} us "
+               f"({read / old:.0%}), in a step {old_step:.1f} | subnormal {new:.1f} us ({read / new:.0%}), in a step "
+               f"{new_step:.1f} | x{old / new:.3f} | bit for bit {torch.equal(outs[False], outs[True])}")
 
 
 @torch.no_grad()

@@ -11,8 +11,8 @@ from ..cache import KVCache
 from ..fasta import CALIBRATION_DATA
 from ..ops import attend_compressed, use_kernels
 from ..ops.compressed import fused_tables
-from .synthetic import (TRAINED_SPREAD, bytes_read, default_codec, layer_codec, random_protein, stand_in_model,
-                        synthetic_cache, synthetic_session)
+from .synthetic import (TRAINED_SPREAD, bytes_read, decode_inputs, default_codec, layer_codec, random_protein,
+                        stand_in_model, synthetic_cache, synthetic_session)
 from .timing import read_floor_us, time_graph, time_in_step
 
 SHAPES = {"650M": (20, 64), "15B": (40, 128)}
@@ -39,10 +39,7 @@ def bench_attention(device: torch.device, batches, lengths, shapes=SHAPES) -> li
         for batch in batches:
             for length in lengths:
                 row = dict(shape=name, heads=heads, head_dim=dim, batch=batch, context=length)
-                q = torch.randn(batch, heads, 1, dim, device=device) * dim**-0.5
-                k_new = torch.randn(batch, heads, 1, dim, device=device)
-                v_new = torch.randn_like(k_new)
-                valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+                q, k_new, v_new, valid = decode_inputs(batch, heads, dim, device)
                 grid = synthetic_cache(heads, dim, batch, length, device, grid=True)
                 row["grid_us"], row["grid_step_us"], row["grid_gbs"] = time_fused(grid, q, k_new, v_new, valid)
                 nbytes = bytes_read(grid)
@@ -104,10 +101,7 @@ def bench_widths(device: torch.device, batch: int = 64, length: int = 16384, sha
     from ..model.recipe import recipe
     heads, dim = SHAPES[shape]
     rows = []
-    q = torch.randn(batch, heads, 1, dim, device=device) * dim**-0.5
-    k_new = torch.randn(batch, heads, 1, dim, device=device)
-    v_new = torch.randn_like(k_new)
-    valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    q, k_new, v_new, valid = decode_inputs(batch, heads, dim, device)
     for label, preset, bits in WIDTH_RECIPES:
         cfg = recipe(preset, bits).resolved()
         cache = synthetic_cache(heads, dim, batch, length, device, recipe=cfg, spread=TRAINED_SPREAD)

@@ -104,6 +104,30 @@ def write_inputs(shapes, device) -> Iterator[tuple[str, int, int, int, int, torc
         yield name, heads, d, batch, s, x, torch.zeros(batch, dtype=torch.long, device=device)
 
 
+def decode_inputs(batch: int, heads: int, dim: int, device) -> tuple[torch.Tensor, ...]:
+    """A decode step's inputs, one token a row: q [batch, heads, 1, dim] scaled by dim^−½, the step's own k and v
+    (the same shape, unscaled) and their validity [batch, 1] (all true)."""
+    q = torch.randn(batch, heads, 1, dim, device=device) * dim**-0.5
+    k_new = torch.randn(batch, heads, 1, dim, device=device)
+    v_new = torch.randn_like(k_new)
+    return q, k_new, v_new, torch.ones(batch, 1, dtype=torch.bool, device=device)
+
+
+def default_recipe_caches(shapes, device) -> Iterator[tuple[str, KVCache, tuple[torch.Tensor, ...], float]]:
+    """For each (heads, dim, batch, length) of ``shapes`` and the default recipe at 4.0 and 3.0 bits all-in: ("4.0"
+    or "3.0", a cache of random codes of the recipe's widths allocated as on a trained model (``TRAINED_SPREAD``),
+    its decode inputs (:func:`decode_inputs`), µs of a pure read of the bytes a decode call over it reads)."""
+    from ..model.recipe import recipe
+    from .timing import read_floor_us
+    for heads, dim, batch, length in shapes:
+        for label, bits in (("4.0", 3), ("3.0", 2)):
+            cache = synthetic_cache(heads, dim, batch, length, device, recipe=recipe("default", bits).resolved(),
+                                    spread=TRAINED_SPREAD)
+            yield label, cache, decode_inputs(batch, heads, dim, device), read_floor_us(bytes_read(cache), device)
+            del cache
+            torch.cuda.empty_cache()
+
+
 def step_args(cache: KVCache, dtype: torch.dtype = torch.float16) -> tuple:
     """Arguments of ``compressed_attention_triton`` for a decode step of one random query a row over layer 0 of
     ``cache``: (q, k_new, v_new, new_valid, lengths, keys, values)."""
