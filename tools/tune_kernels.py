@@ -37,8 +37,8 @@ def alternatives(cfg: dict, d: int) -> list[tuple[str, dict]]:
     alts = [("path=" + ("split" if cfg["small"] else "one"), dict(path="split" if cfg["small"] else "one"))]
     alts += [(f"block_t={b}", dict(block_t=b)) for b in (cfg["block_t"] // 2, cfg["block_t"] * 2) if b >= 16]
     alts += [(f"num_warps={w}", dict(num_warps=w)) for w in (1, 2, 4) if w != cfg["num_warps"]]
-    alts += [("prefetch=False", dict(prefetch=False)),
-             ("maxnreg=" + str(None if cfg["maxnreg"] else 168), dict(maxnreg=None if cfg["maxnreg"] else 168)),
+    alts += [(f"prefetch={n}", dict(prefetch=n)) for n in (0, 1, 2, 3) if n != cfg["prefetch"]]
+    alts += [("maxnreg=" + str(None if cfg["maxnreg"] else 168), dict(maxnreg=None if cfg["maxnreg"] else 168)),
              ("subnormal=" + str(not cfg["subnormal"]), dict(subnormal=not cfg["subnormal"]))]
     if not cfg["small"]:  # gather_query: taken where the keys' rotation permutes their channels (the default codec's)
         alts += [("gather_query=" + str(not cfg["gather_query"]), dict(gather_query=not cfg["gather_query"]))]
