@@ -38,8 +38,8 @@ def product_row(size: str, name: str, epi: str, n: int, k: int, m: int, rate: fl
     b = (0.1 * torch.randn(n, device=dev)).half()
     x = torch.randn(m, k, device=dev).half()
     h = torch.randn(m, n, device=dev).half() if epi == "residual" else None
-    rope = rope_tables(m, esm2_config(size).hidden_size // esm2_config(size).num_attention_heads, dev) \
-        if epi == "rope" else None
+    cfg = esm2_config(size)
+    rope = rope_tables(m, cfg.hidden_size // cfg.num_attention_heads, dev) if epi == "rope" else None
     ref = G.gemm_reference(x, weights[0], b, epi, h, rope=rope).double()
     err_base = (unfused(x, weights[0], b, epi, h, rope=rope).double() - ref).abs().max().item()
     eps = torch.finfo(torch.float16).eps * ref.abs().max().item()

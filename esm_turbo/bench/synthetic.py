@@ -124,8 +124,6 @@ def default_recipe_caches(shapes, device) -> Iterator[tuple[str, KVCache, tuple[
             cache = synthetic_cache(heads, dim, batch, length, device, recipe=recipe("default", bits).resolved(),
                                     spread=TRAINED_SPREAD)
             yield label, cache, decode_inputs(batch, heads, dim, device), read_floor_us(bytes_read(cache), device)
-            del cache
-            torch.cuda.empty_cache()
 
 
 def step_args(cache: KVCache, dtype: torch.dtype = torch.float16) -> tuple:

@@ -45,10 +45,7 @@ def _ask_tile(k_idx, v_idx, t, end, pg_tab, pg_base, pg_stride, D: tl.constexpr,
     first block's), one 128-byte line a lane, lanes past them asking the last again (``prefetch.global.L2``;
     nothing under the interpreter). Sign planes are not asked."""
     if t < end:
-        if PAGE == 0:
-            row = t.to(tl.int64)
-        else:
-            row = tl.load(pg_tab + t // PAGE).to(tl.int64) * pg_stride + pg_base + t % PAGE
+        row = _rows(t, t, end, pg_tab, pg_base, pg_stride, PAGE, PAGE).to(tl.int64)  # token t's, a block its tile
         if PAGE == 0 or PAGE >= BLOCK_T:
             TOKENS: tl.constexpr = BLOCK_T
         else:
