@@ -19,6 +19,10 @@ from esm_turbo.kernels.decode import merge, predicted, small, walk  # noqa: E402
 from esm_turbo.kernels.decode import shared as shared_walk  # noqa: E402
 from tools.sm90 import CODE_PTRS, compile_gluon_sm90, compile_sm90 as compile_kernel, resources  # noqa: E402
 from esm_turbo.quant.packing import packed_shifts  # noqa: E402
+from esm_turbo.bench.synthetic import default_codec  # noqa: E402
+from esm_turbo.kernels.decode import launch_config  # noqa: E402
+from esm_turbo.ops.compressed import fused_tables  # noqa: E402
+from esm_turbo.quant.layout import decode_grid  # noqa: E402
 
 
 def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, maxnreg: int | None = None) -> int:
@@ -89,6 +93,25 @@ def main() -> None:
                  {"H", "S", "T_CAP", "T0", "PS", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"},
                  dict(CODE_PTRS, k_sl_ptr="*i32", v_sl_ptr="*i32", k_tab_ptr="*fp32", v_tab_ptr="*fp32",
                       page_ptr="*i32", qt_ptr=f16, perm_ptr="*i32"), num_warps=1, maxnreg=168)
+    # the heads-of-16 default cache's stream-K walk at its launch (plan.LEAN_TILE / 16 = 128-token tiles, the tile two
+    # on asked into L2), contiguous and, reading one slot a token and kind, through a block table of 16-token blocks
+    # (an entry a token); no spills
+    tables = fused_tables(default_codec(20, 16))
+    key, value = tables.k_code, tables.v_code
+    cfg = launch_config(16, key, value, 64, 20, 1, 4096)
+    for page, slots in ((0, False), (16, True)):
+        consts = dict(walk_consts, D=16, KCODE_BITS=key.code_bits, KSIGN=False, VCODE_BITS=value.code_bits, VSIGN=False,
+                      NK=tables.k_tab[0].numel(), NV=tables.v_tab[0].numel(), KFIELDS=key.kernel_fields(),
+                      VFIELDS=value.kernel_fields(), GRID=decode_grid(key, value), PAGE=page, SLOTS=slots,
+                      SUBN=cfg["subnormal"], PREFETCH=cfg["prefetch"], BLOCK_T=cfg["block_t"], BLOCK_S=1, PDL=True,
+                      GATHER=True)
+        kernel = compile_kernel(walk._stream_kernel, consts,
+                                {"H", "S", "T_CAP", "T0", "PS", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"},
+                                dict(CODE_PTRS, k_sl_ptr="*i32", v_sl_ptr="*i32", k_tab_ptr="*fp32", v_tab_ptr="*fp32",
+                                     page_ptr="*i32" if page else i64, qt_ptr=f16, perm_ptr="*i32"),
+                                cfg["num_warps"], cfg["maxnreg"])
+        print("compiled", walk._stream_kernel.fn.__name__, len(kernel.asm["cubin"]), flush=True)
+        assert resources(kernel)[1] == 0, ("_stream_kernel at heads of 16 spills", resources(kernel))
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(merge._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),
                  {"sqb", "sqh", "sqs", "B", "H", "S"}, dict(q_ptr=f16), num_warps=4)

@@ -360,6 +360,20 @@ def test_walk_asks_tiles_ahead_below_eight_code_bits():
 
 
 @needs_triton
+def test_walk_tiles_hold_lean_tile_channel_tokens():
+    """The default cache's one-warp tiles hold ``plan.LEAN_TILE`` channels × tokens at heads of 16, 32 and 64 (128,
+    64 and 32 tokens), and ask tiles ahead into L2 at every width under heads of 64."""
+    from esm_turbo.bench.synthetic import default_codec
+    from esm_turbo.kernels.decode import launch_config, plan
+    for d in (16, 32, 64):
+        tables = fused_tables(default_codec(20, d))
+        cfg = launch_config(d, tables.k_code, tables.v_code, 64, 20, 1, 4096)
+        assert not cfg["small"] and cfg["stream"] and cfg["num_warps"] == 1
+        assert cfg["block_t"] == plan.LEAN_TILE // d
+        assert cfg["prefetch"] == (plan.L2_AHEAD if d < 64 else 1)
+
+
+@needs_triton
 def test_stream_plan_covers_every_tile_once():
     """The runs of a stream-K cut tile every row's capacity once, and no row meets more runs than its partial slots."""
     from esm_turbo.kernels.decode import stream_plan
@@ -784,7 +798,8 @@ def test_kernels_compile_for_sm90():
     compiled = [line for line in out.splitlines() if line.startswith("compiled ")]
     # decode prefix, one-launch and stream-K kernels in 2 layouts × (LUT, grid through 1.0's exponent and as
     # subnormals, grid gathering its queries, grid paged, LUT and grid reading slots), the 3.0-bit default's stream-K
-    # walk asking tiles ahead into L2, the shared walk over a paged step's shared prefix in 2 layouts × (grid, LUT),
+    # walk asking tiles ahead into L2, the heads-of-16 default cache's stream-K walk at its launch twice (contiguous,
+    # paged with slots; no spills), the shared walk over a paged step's shared prefix in 2 layouts × (grid, LUT),
     # prep, merge three times (many
     # sequences per program, several queries, c0 from gathered queries); quantize-and-pack eight times: prefills in
     # blocks of 32 and 64, a decode step (also into a paged pool), the last two also with grid codes, two picking
@@ -808,7 +823,7 @@ def test_kernels_compile_for_sm90():
     # pairs and its mean pooling; the scores and pooling walks over predicted values and the one-pass walk at 20
     # heads of 16, 32 and 64 and 40 of 64 (a coded residual, the keys alone) within a Hopper program's shared memory,
     # their merge and the write's read-back of a token's keys twice (grid, LUT); the bench's read-only kernel
-    assert len(compiled) == 146, out
+    assert len(compiled) == 148, out
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ count every stored byte (codes, sign planes, slot words) a value. Decode attenti
 bytes (``bench.timing.read_floor_us``). Timing as ``esm-turbo bench`` times: a CUDA graph replayed after an L2 flush,
 median µs.
 
-    python tools/slot_speed.py --out results/studies/slot_kernels_h200.txt
+    python tools/slot_speed.py --configs "" "prefetch=1" --out results/studies/slot_kernels_h100.txt
 """
 
 from __future__ import annotations
@@ -56,19 +56,27 @@ def bits_per_value(cache: KVCache, slots: bool) -> float:
     return 8 * token / (2 * cache.heads * cache.head_dim)
 
 
-def decode_rows(out) -> None:
+def parse_config(text: str) -> dict:
+    """``"prefetch=2 block_t=64"`` → launch overrides (``launch_config``'s keys, integer values)."""
+    return {k: int(v) for k, v in (item.split("=") for item in text.split())}
+
+
+def decode_rows(out, shapes: list[str] | None = None, config: dict | None = None) -> None:
     dev = torch.device("cuda")
-    print("## decode attention, one query a row: µs per call; per bit = time ratio / stored-bits ratio", file=out)
+    print(f"## decode attention, one query a row: µs per call; per bit = time ratio / stored-bits ratio"
+          f"{'; launch ' + str(config) if config else ''}", file=out)
     for name, heads, d, batch, t in DECODE:
+        if shapes and name not in shapes:
+            continue
         cache = slotted_cache(heads, d, batch, t, dev)
         with_slots = step_args(cache)
         keys, values = with_slots[5:]
         plain = (*with_slots[:5], keys._replace(slots=None), values._replace(slots=None))
-        cfg = launch_config(d, keys.code, values.code, batch, heads, 1, t)
+        cfg = launch_config(d, keys.code, values.code, batch, heads, 1, t, config)
         path = "one launch" if cfg["small"] else ("stream-K" if cfg["stream"] else "split-K")
         nbytes = bytes_read(cache)
-        t_s = time_graph(lambda: compressed_attention_triton(*with_slots), dev) * 1e6
-        t_p = time_graph(lambda: compressed_attention_triton(*plain), dev) * 1e6
+        t_s = time_graph(lambda: compressed_attention_triton(*with_slots, config=config), dev) * 1e6
+        t_p = time_graph(lambda: compressed_attention_triton(*plain, config=config), dev) * 1e6
         f_s = read_floor_us(nbytes, dev)
         f_p = read_floor_us(nbytes - 8 * batch * t, dev)
         b_s, b_p = bits_per_value(cache, True), bits_per_value(cache, False)
@@ -104,11 +112,18 @@ def write_rows(out) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the table here (default: stdout)")
+    parser.add_argument("--shapes", nargs="+", help="only these decode shapes' names (8M, 150M, 650M)")
+    parser.add_argument("--configs", nargs="+", default=[""],
+                        help='launches to time both with, each as "key=value ..." (launch_config\'s keys; "" the '
+                             'default)')
+    parser.add_argument("--no-write", action="store_true", help="decode attention only")
     args = parser.parse_args(argv)
     out = open(args.out, "w") if args.out else sys.stdout
     print(f"# {torch.cuda.get_device_name()}: one slot a token and kind vs none, the default codec", file=out)
-    decode_rows(out)
-    write_rows(out)
+    for text in args.configs:
+        decode_rows(out, args.shapes, parse_config(text) or None)
+    if not args.no_write:
+        write_rows(out)
 
 
 if __name__ == "__main__":

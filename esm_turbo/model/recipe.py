@@ -161,9 +161,9 @@ def with_mean_bits(cfg: CalibrationConfig, mean: int) -> CalibrationConfig:
 BUDGETS = (2, 3, 4, 5)
 SLOTTED_BUDGET = 4
 #: the widest head that ``--bits`` gives a slot (ranked relative to its channel's scale): at head_dim 16 the slot
-#: lifts the worst decode token from under 0.95 to 0.956 for 1.14x the fused decode attention's time per bit stored;
-#: at 64 the uniform recipe already keeps every token above 0.99 and the slot would cost 1.51x (H200,
-#: results/studies/slot_kernels_h200.txt, docs/recipe.md)
+#: lifts the worst decode token from under 0.95 to 0.956 for 1.09-1.12x the fused decode attention's time per bit
+#: stored; at 64 the uniform recipe already keeps every token above 0.99 and the slot would cost 1.12-1.18x (H100,
+#: results/studies/slot_kernels_h100.txt, docs/recipe.md)
 SLOT_MAX_HEAD_DIM = 16
 
 

@@ -55,12 +55,17 @@ GATHER_QUERY = True
 SHARED_WALK = False
 #: tiles ahead of the walk whose codes are asked into L2 beside its register double buffer (``launch_config``'s
 #: ``prefetch`` = this; 0: none), so a one-warp program keeps more bytes in flight than its registers hold; taken by
-#: the default cache's walk where a token's key and value codes are narrower than 8 bits a channel together (the
-#: 3.0-bit default's 4 + 2), whose tiles hold too few bytes to keep the read rate: on an H100 it took the 3.0-bit walk
-#: from 84% to 90% of a pure read at B=64 T=16K and moved the 4.0-bit one by −2% to +1%, three tiles ahead slower
+#: the default cache's walk where a token's key and value codes are narrower than ``L2_AHEAD_BELOW`` bits a channel
+#: together (the 3.0-bit default's 4 + 2), and at any width at heads under 64: on an H100 it took
+#: the 3.0-bit walk from 84% to 90% of a pure read at 650M-shaped B=64 T=16K and the 4.0-bit one at heads of 16 and 32
+#: by 1–2%, and moved the 4.0-bit one at heads of 64 by −2% to +1%; three tiles ahead were slower
 L2_AHEAD = 2
 #: the key and value code bits a channel below which the default cache's walk asks tiles ahead (``L2_AHEAD``)
 L2_AHEAD_BELOW = 8
+#: channels × tokens of the default cache's tile at heads of 64 or less (one warp's; block_t = this / head_dim): on
+#: an H100 the walk at heads of 16 took 0.67–0.69× the time of 32-token tiles (57% → 83% of a read at 8M-shaped B=64
+#: T=4K) and at heads of 32 0.84–0.85× (74% → 87% at 150M-shaped); 32 tokens at heads of 64 stay the fastest
+LEAN_TILE = 2048
 
 
 def one_launch(batch: int, heads: int, s: int, d: int, capacity: int, grid: bool = False) -> bool:
@@ -97,8 +102,8 @@ def launch_config(d: int, key: CodeLayout, value: CodeLayout, batch: int, heads:
         cfg = dict(block_t=64, num_warps=2, waves=4)
     else:  # wider keys and values spill two warps' registers at d = 128 unless one code word holds a channel
         cfg = dict(block_t=32, num_warps=2 if lean else 4, waves=8)
-    if lean_grid:  # computed values leave registers for one-warp programs of half the tiles
-        cfg.update(block_t=cfg["block_t"] // 2, num_warps=1)
+    if lean_grid:  # computed values leave registers for one-warp programs of LEAN_TILE channels × tokens
+        cfg.update(block_t=min(128, LEAN_TILE // d) if d <= 64 else cfg["block_t"] // 2, num_warps=1)
     # four-warp tiles spread a token's channels over threads: their look-ups OR codes into per-group row addresses
     cfg.update(rows=d > 64 and not lean, maxnreg=168 if lean or d > 64 else None)
     small = one_launch(batch, heads, s, d, capacity, lean_grid)
@@ -112,7 +117,7 @@ def launch_config(d: int, key: CodeLayout, value: CodeLayout, batch: int, heads:
     # subnormal: a grid codec's codes decoded as float32 subnormals (``codes._decode_codes``), two integer
     # instructions a value where 1.0's exponent OR-ed in and 1 subtracted took three or four;
     # shared: a paged step's shared prefix read once for groups of queries (``shared.py``)
-    ahead = lean_grid and key.code_bits + value.code_bits < L2_AHEAD_BELOW
+    ahead = lean_grid and (key.code_bits + value.code_bits < L2_AHEAD_BELOW or d < 64)
     cfg.update(path="auto", small=small, prefetch=max(1, L2_AHEAD) if ahead else 1, pdl=decode_grid(key, value) > 0,
                stream=12 if lean_grid else 0, subnormal=SUBNORMAL_CODES, gather_query=GATHER_QUERY, shared=SHARED_WALK)
     # prep / merge: tokens per prep program, output channels per rotation dot (a whole Π spills at d = 128)

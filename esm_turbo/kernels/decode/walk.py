@@ -62,9 +62,9 @@ def _slot_deltas(words, h, D: tl.constexpr):
     """Each token's slot correction δ [BLOCK_T] (``esm_turbo.quant.slots``: fp16 in a word's low half), zero where its
     word's value lies outside head ``h`` (a zero word, as masked rows read, corrects nothing), and its channel in
     the head [BLOCK_T]."""
-    index = words >> 16
-    delta = (words & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.where(index // D == h, delta, 0.0), index % D
+    index = words.to(tl.uint32, bitcast=True) >> 16  # unsigned: the head and channel by a shift and a mask
+    delta = (words & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.where(index // D == h, delta, 0.0), (index % D).to(tl.int32)
 
 
 @triton.jit
