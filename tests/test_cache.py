@@ -71,3 +71,21 @@ def test_cache_bad_inputs():
         cache.write(3, torch.randn(2, H, 1, D), torch.randn(2, H, 1, D))
     with pytest.raises(IndexError, match="row index out of range"):
         cache.select([0, 5])
+
+
+def test_a_cache_warns_when_its_head_width_takes_the_pytorch_path(monkeypatch):
+    """Where the fused GPU kernels run (``ops.use_kernels``), a cache whose heads they cannot take (an eighth of the
+    head width not a power of two: ESM-2 35M's heads of 24) says in one line that it is written and read on the
+    PyTorch path; heads of 16 say nothing."""
+    import warnings
+
+    from esm_turbo import ops
+    from esm_turbo.testing import random_turbo_codec
+    monkeypatch.setattr(ops, "use_kernels", lambda where: True)
+    with pytest.warns(UserWarning, match="heads of 24 channels are written and read on the PyTorch path"):
+        cache = KVCache([random_turbo_codec(2, 24, seed=0)], 1, capacity=8)
+    assert cache.fused == [False]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = KVCache([random_turbo_codec(2, 16, seed=0)], 1, capacity=8)
+    assert cache.fused == [True]
