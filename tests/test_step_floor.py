@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from esm_turbo.bench.step import (KINDS, OTHER, breakdown, floor_ms, format_breakdown, kernel_kind, step_bytes,
-                                  weight_bytes)
+from esm_turbo.bench.step import (KINDS, OTHER, breakdown, floor_ms, format_breakdown, kernel_kind, launch_bytes,
+                                  step_bytes, weight_bytes)
 from esm_turbo.bench.synthetic import stand_in_model, synthetic_session
 from esm_turbo.model.engine import TurboEsm
 
@@ -61,6 +61,28 @@ def test_step_bytes_of_an_uncompressed_cache_are_every_rows_keys_and_values():
     assert got["weights"] == weight_bytes(model, batch)
     assert step_bytes(session, rows=1)["kv"] == got["kv"] // batch
     assert floor_ms(3 * 10**9, 3000.0) == pytest.approx(1.0)
+
+
+def test_launch_bytes_are_ten_launches_a_layer_over_the_steps_bytes():
+    """A fused step's launches, ten a layer: the attention reads the layer's keys and values, the four products their
+    weights and biases (the layer's weights less its LayerNorms'), the rest the rows' hidden states."""
+    model = stand_in_model("8M", torch.device("cpu"), torch.float32, layers=2)
+    batch, context = 3, 40
+    session = synthetic_session(TurboEsm(model), "fp32", batch, context, 4)
+    h, f = model.config.hidden_size, model.config.intermediate_size
+    sizes = launch_bytes(session)
+    assert len(sizes) == 10 * 2
+    assert sum(sizes[0::10]) == step_bytes(session)["kv"]
+    layer = model.esm.encoder.layer[0]
+    linears = sum(p.numel() * 4 for n, p in layer.named_parameters() if "LayerNorm" not in n)
+    assert sum(sizes[2:6]) == linears == (4 * h * h + 2 * h * f + 5 * h + f) * 4
+    assert sizes[1] == batch * 2 * h * 4  # the step's write of the new keys and values (an uncompressed cache)
+    assert sizes[6:10] == [batch * 2 * h * 4, batch * f * 4, 2 * batch * h * 4, 2 * batch * h * 4]
+    assert sizes[10:] == sizes[:10]  # every layer alike
+    assert len(launch_bytes(session, rows=1)) == 20 and launch_bytes(session, rows=1)[0] == sizes[0] // batch
+    from esm_turbo.bench.synthetic import layer_codec
+    compressed = launch_bytes(synthetic_session(TurboEsm(model), layer_codec, batch, context, 4))
+    assert compressed[1] == batch * h * 4 and compressed[0] < sizes[0]  # the merge's float32 partials; codes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")

@@ -1,7 +1,8 @@
 """Where a captured 650M-shaped decode step's GPU time goes, kernel by kernel (random weights, synthetic 1,024-token
 contexts, FastEsm's fused blocks as the engine takes them on a GPU): for each step, its time against its floor (one
 read of what the step must read at a pure read's rate, ``esm_turbo.bench.step``), the GPU's busy time and span in
-one profiled replay, and the kernels that take it, by name (total, launches, µs a launch).
+one profiled replay, the least its launches take as pure reads of their bytes (``bench.step.launch_bytes``: the
+ceiling of a step of this many launches), and the kernels that take it, by name (total, launches, µs a launch).
 
     python tools/profile_decode.py --out results/gpu/step_kernels_h100.txt
 """
@@ -13,9 +14,9 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from esm_turbo.bench.step import read_rate_gbs, step_report
+from esm_turbo.bench.step import launch_bytes, read_rate_gbs, step_report
 from esm_turbo.bench.synthetic import layer_codec, stand_in_model, synthetic_session
-from esm_turbo.bench.timing import time_eager
+from esm_turbo.bench.timing import launch_floors_us, time_eager
 from esm_turbo.model.alphabet import alphabet
 from esm_turbo.model.engine import TurboEsm
 
@@ -48,9 +49,13 @@ def profile_steps(steps=STEPS, top: int = 12):
             count[e.name] += 1
         spans = sorted((e.time_range.start, e.time_range.end) for e in events)
         busy = sum(b - a for a, b in spans)
+        sizes = launch_bytes(session)
+        by_launch = launch_floors_us(sizes, dev) / 1e3
         yield (f"\n{cache} cache, {batch} rows x {context}: {ms:.3f} ms a step, floor {rep['floor_ms']:.3f} ms "
                f"({rep['of_floor']:.0%}); one replay profiled: {len(events)} kernels, busy {busy / 1e3:.3f} ms, "
-               f"span {(spans[-1][1] - spans[0][0]) / 1e3:.3f} ms")
+               f"span {(spans[-1][1] - spans[0][0]) / 1e3:.3f} ms\n  its {len(sizes)} launches as pure reads of their "
+               f"bytes: {by_launch:.3f} ms (at best {rep['floor_ms'] / by_launch:.0%} of the floor for a step of these "
+               f"launches; this one takes {ms / by_launch:.2f}x that)")
         for name, t in sorted(total.items(), key=lambda x: -x[1])[:top]:
             yield f"  {t / 1e3:8.3f} ms  x{count[name]:4}  {t / count[name]:7.1f} us  {name[:90]}"
         del session, step
