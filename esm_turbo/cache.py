@@ -113,8 +113,8 @@ class KVCache:
         if any(getattr(c, "slots", 0) > KERNEL_SLOTS for c in codecs) and ops.use_kernels(self.device):
             warnings.warn(f"codecs with more than {KERNEL_SLOTS} slot a token (calibrate --slots) are written and read "
                           f"on the PyTorch path: the fused GPU kernels read {KERNEL_SLOTS}", stacklevel=2)
-        narrow = sorted({d for c, on in zip(codecs, self.fused)
-                         if not on and (d := getattr(c.key, "dim", 8)) // 8 & (d // 8 - 1)})
+        from .ops.compressed import fused_supported, kernel_head_width
+        narrow = sorted({c.key.dim for c in codecs if fused_supported(c) and not kernel_head_width(c.key.dim)})
         if narrow and ops.use_kernels(self.device):
             warnings.warn(f"heads of {', '.join(map(str, narrow))} channels are written and read on the PyTorch path: "
                           "the fused GPU kernels take head widths whose eighth is a power of two (16, 32, 64, 128, …)",

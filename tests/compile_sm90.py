@@ -25,12 +25,12 @@ from esm_turbo.ops.compressed import fused_tables  # noqa: E402
 from esm_turbo.quant.layout import decode_grid  # noqa: E402
 
 
-def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, maxnreg: int | None = None) -> int:
-    """``tools/sm90.compile_sm90`` (without a launch's specialization), printed; returns the cubin
-    size."""
-    size = len(compile_kernel(fn, consts, ints, ptrs, num_warps, maxnreg).asm["cubin"])
-    print("compiled", fn.fn.__name__, size, flush=True)
-    return size
+def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, maxnreg: int | None = None):
+    """``tools/sm90.compile_sm90`` (without a launch's specialization), printed with its cubin's size; returns the
+    compiled kernel."""
+    kernel = compile_kernel(fn, consts, ints, ptrs, num_warps, maxnreg)
+    print("compiled", fn.fn.__name__, len(kernel.asm["cubin"]), flush=True)
+    return kernel
 
 
 SHARED_CONSTS = {p.name for p in shared_walk._shared_kernel.params if p.is_constexpr}
@@ -87,12 +87,13 @@ def main() -> None:
                              dict(walks, lead_ptr="*i32"), num_warps=warps)
     # the 3.0-bit default's stream-K walk (grid codes of 4 and 2 bits, subnormals, the query gathered) asking the
     # tile two on into L2, through a block table of whole tiles
+    stream_ints = {"H", "S", "T_CAP", "T0", "PS", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"}
+    stream_ptrs = dict(CODE_PTRS, k_sl_ptr="*i32", v_sl_ptr="*i32", k_tab_ptr="*fp32", v_tab_ptr="*fp32",
+                       page_ptr="*i32", qt_ptr=f16, perm_ptr="*i32")
     compile_sm90(walk._stream_kernel, dict(walk_consts, D=64, KCODE_BITS=4, KSIGN=False, VCODE_BITS=2, VSIGN=False,
                                            NK=64 * 16, NV=64 * 4, KFIELDS=packed_shifts([4] * 8), VFIELDS=-1, GRID=5,
                                            PAGE=64, SUBN=True, PREFETCH=2, BLOCK_S=1, PDL=True, GATHER=True),
-                 {"H", "S", "T_CAP", "T0", "PS", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"},
-                 dict(CODE_PTRS, k_sl_ptr="*i32", v_sl_ptr="*i32", k_tab_ptr="*fp32", v_tab_ptr="*fp32",
-                      page_ptr="*i32", qt_ptr=f16, perm_ptr="*i32"), num_warps=1, maxnreg=168)
+                 stream_ints, stream_ptrs, num_warps=1, maxnreg=168)
     # the heads-of-16 default cache's stream-K walk at its launch (plan.LEAN_TILE / 16 = 128-token tiles, the tile two
     # on asked into L2), contiguous and, reading one slot a token and kind, through a block table of 16-token blocks
     # (an entry a token); no spills
@@ -105,12 +106,8 @@ def main() -> None:
                       VFIELDS=value.kernel_fields(), GRID=decode_grid(key, value), PAGE=page, SLOTS=slots,
                       SUBN=cfg["subnormal"], PREFETCH=cfg["prefetch"], BLOCK_T=cfg["block_t"], BLOCK_S=1, PDL=True,
                       GATHER=True)
-        kernel = compile_kernel(walk._stream_kernel, consts,
-                                {"H", "S", "T_CAP", "T0", "PS", "R", "NT", "W", "NS", "sqb", "sqh", "sqs"},
-                                dict(CODE_PTRS, k_sl_ptr="*i32", v_sl_ptr="*i32", k_tab_ptr="*fp32", v_tab_ptr="*fp32",
-                                     page_ptr="*i32" if page else i64, qt_ptr=f16, perm_ptr="*i32"),
-                                cfg["num_warps"], cfg["maxnreg"])
-        print("compiled", walk._stream_kernel.fn.__name__, len(kernel.asm["cubin"]), flush=True)
+        kernel = compile_sm90(walk._stream_kernel, consts, stream_ints,
+                              dict(stream_ptrs, page_ptr="*i32" if page else i64), cfg["num_warps"], cfg["maxnreg"])
         assert resources(kernel)[1] == 0, ("_stream_kernel at heads of 16 spills", resources(kernel))
     strides = {f"s{t}{a}" for t in "qkv" for a in "bhs"}
     compile_sm90(merge._prep_kernel, dict(D=64, BLOCK_N=16, COLS=32, PRECISION="tf32x3", SPLIT16=True, PDL=True),

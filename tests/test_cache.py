@@ -76,7 +76,7 @@ def test_cache_bad_inputs():
 def test_a_cache_warns_when_its_head_width_takes_the_pytorch_path(monkeypatch):
     """Where the fused GPU kernels run (``ops.use_kernels``), a cache whose heads they cannot take (an eighth of the
     head width not a power of two: ESM-2 35M's heads of 24) says in one line that it is written and read on the
-    PyTorch path; heads of 16 say nothing."""
+    PyTorch path; heads of 16 say nothing, nor an uncompressed cache at heads of 24 (attended by SDPA)."""
     import warnings
 
     from esm_turbo import ops
@@ -88,4 +88,5 @@ def test_a_cache_warns_when_its_head_width_takes_the_pytorch_path(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cache = KVCache([random_turbo_codec(2, 16, seed=0)], 1, capacity=8)
+        KVCache([dense_codec(2, 24, torch.float16)], 1, capacity=8)
     assert cache.fused == [True]

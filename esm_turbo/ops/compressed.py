@@ -29,6 +29,11 @@ from ..quant.slots import KERNEL_SLOTS, apply_slots, pick_slots
 FUSED_BITS = (1, 2, 3, 4)
 
 
+def kernel_head_width(dim: int) -> bool:
+    """Whether the Triton kernels take heads of ``dim`` channels: dim/8 a power of two (16, 32, 64, 128, ...)."""
+    return (dim // 8) & (dim // 8 - 1) == 0
+
+
 def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
     """True if both quantizers of ``codec`` keep the :class:`~esm_turbo.quant.codec.FusedQuantizer` contract and say
     they are ready for it (``fused_ready``), with 1–4 index bits (and, with ``need_kernel_shape``, the Triton kernels'
@@ -51,7 +56,7 @@ def fused_supported(codec: KVCodec, need_kernel_shape: bool = False) -> bool:
             return False
         if q.code_layout().index_bits not in FUSED_BITS:
             return False
-        if need_kernel_shape and (q.dim // 8) & (q.dim // 8 - 1):
+        if need_kernel_shape and not kernel_head_width(q.dim):
             return False
     return True
 
