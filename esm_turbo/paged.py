@@ -31,12 +31,13 @@ import torch
 from . import ops
 from .cache import ROOM_USED_UP, KVCache, MemoryReport, new_positions, per_layer, token_bytes
 from .errors import EsmTurboError
+from .host_link import HostLink
 from .io import to_device_queued
 from .ops.blocks import BLOCK_SIZE, BlockLayout, part_heads
 from .quant.codec import KVCodec
 
-#: bytes of one pinned host chunk of the host tier (whole blocks), and most bytes of a move's device staging buffer
-HOST_CHUNK_BYTES = STAGE_BYTES = 256 * 2**20
+#: bytes of one pinned host chunk of the host tier (whole blocks)
+HOST_CHUNK_BYTES = 256 * 2**20
 
 
 #: the fewest rows a lead (a scaffold's forks) on average for :meth:`PagedKVCache.shared_prefix` to report what they
@@ -44,25 +45,14 @@ HOST_CHUNK_BYTES = STAGE_BYTES = 256 * 2**20
 MIN_ROWS_A_LEAD = 4
 
 
-def _runs(host_slots: list[int], per_chunk: int) -> list[tuple[int, int, int]]:
-    """(first index, first host slot, length) of each run of ``host_slots`` that are consecutive within one chunk
-    of ``per_chunk`` slots."""
-    runs: list[list[int]] = []
-    for i, h in enumerate(host_slots):
-        if runs and h == runs[-1][1] + runs[-1][2] and h % per_chunk:
-            runs[-1][2] += 1
-        else:
-            runs.append([i, h, 1])
-    return [tuple(r) for r in runs]
-
-
 class BlockPool:
     """Reference-counted blocks of every layer's parts, each in a device slot or, over the budget, a host slot.
 
     On the host a block is one row of bytes (every layer's and part's slot side by side, :class:`BlockLayout`) in
     pinned chunks of :data:`HOST_CHUNK_BYTES`, so blocks with adjacent host slots cross the link in one copy. Moves go
-    through a device staging buffer of at most :data:`STAGE_BYTES` (whole blocks), all queued on the current stream:
-    the host never waits for them, and the step that reads the blocks runs after them."""
+    through device staging buffers (:class:`~esm_turbo.host_link.HostLink`: on CUDA the copies over the link on
+    streams of their own, the pool's buffers touched on the current stream): the host never waits for them, and the
+    step that reads the blocks runs after them."""
 
     def __init__(self, specs: list[dict], heads: int, block_size: int, device: torch.device, slots: int,
                  device_slots: int | None = None):
@@ -74,6 +64,7 @@ class BlockPool:
         self.dev = self._zeros(slots, device)
         self.layout = BlockLayout(specs, heads, block_size)
         self.per_chunk = max(1, HOST_CHUNK_BYTES // self.layout.row_bytes)  # host slots a pinned chunk holds
+        self.link = HostLink(device)
         self.host: list[torch.Tensor] = []  # chunks [per_chunk, row_bytes] uint8
         self.refs: list[int] = []
         self.slot: list[int] = []  # device slot of each block, -1 while on the host
@@ -143,25 +134,8 @@ class BlockPool:
         self._to_host(movable[:short])
 
     def _copy(self, dev_slots: list[int], host_slots: list[int], to_device: bool) -> None:
-        """Copy blocks between device slots and host slots (pairwise), queued: staged a buffer-full of whole blocks
-        at a time, each run of adjacent host slots one copy over the link, each staging fill one
-        :meth:`BlockLayout.move` to or from the pool's buffers."""
-        row = self.layout.row_bytes
-        per = max(1, min(len(dev_slots), STAGE_BYTES // row))
-        stage = torch.empty(per, row, dtype=torch.uint8, device=self.device)
-        slots = to_device_queued(dev_slots, self.device)
-        for start in range(0, len(dev_slots), per):
-            fill = slice(start, start + per)
-            if not to_device:
-                self.layout.move(self.dev, stage, slots[fill], to_pool=False)
-            for i, h, n in _runs(host_slots[fill], self.per_chunk):
-                host = self.host[h // self.per_chunk][h % self.per_chunk:h % self.per_chunk + n]
-                if to_device:
-                    stage[i:i + n].copy_(host, non_blocking=True)
-                else:
-                    host.copy_(stage[i:i + n], non_blocking=True)
-            if to_device:
-                self.layout.move(self.dev, stage, slots[fill], to_pool=True)
+        """Copy blocks between device slots and host slots (pairwise), queued (:meth:`HostLink.move`)."""
+        self.link.move(self.layout, self.dev, self.host, self.per_chunk, dev_slots, host_slots, to_device)
 
     def _to_host(self, blocks: list[int]) -> None:
         """Move device ``blocks`` to the host. A block whose host copy is current (brought back and not written since,

@@ -230,19 +230,29 @@ def per_row(cache: PagedKVCache, layer: int) -> list[tuple[torch.Tensor, torch.T
     return out
 
 
+CUDA_LINKS = [pytest.param("cuda", streams, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="needs CUDA (run on the GPU machine)"),
+                            id=f"cuda-streams-{streams}") for streams in (True, False)]
+
+
+@pytest.mark.parametrize("device,streams", [("cpu", False), *CUDA_LINKS])
 @pytest.mark.parametrize("slots", [0, 1])
-def test_host_tier_round_trips_exactly(slots):
+def test_host_tier_round_trips_exactly(slots, device, streams, monkeypatch):
     """Under a device budget of a few blocks, rows stepped one or two at a time push the others' blocks to host
     memory and fetch them back: every row reads what an unbudgeted cache holds, bit for bit (codecs with slots too:
-    their per-token parts ride in the same block rows)."""
+    their per-token parts ride in the same block rows). On CUDA with the link's copies on streams of their own and
+    without, staging two blocks at a time, so that a move takes several fills through the two buffers in turn."""
+    from esm_turbo import host_link
     from esm_turbo.quant.codec import KVCodec
-    cs, block = [KVCodec(c.key, c.value, slots=slots) for c in codecs()], 4
+    cs, block = [KVCodec(c.key, c.value, slots=slots).to(device) for c in codecs()], 4
     block_bytes = sum(c.token_bytes(HEADS) for c in cs) * block
-    small = PagedKVCache(cs, 1, capacity=4, block_size=block, device_budget_bytes=12 * block_bytes)
-    free = PagedKVCache(cs, 1, capacity=4, block_size=block)
+    small = PagedKVCache(cs, 1, capacity=4, block_size=block, device_budget_bytes=12 * block_bytes, device=device)
+    free = PagedKVCache(cs, 1, capacity=4, block_size=block, device=device)
+    monkeypatch.setattr(host_link, "COPY_STREAMS", streams)
+    monkeypatch.setattr(host_link, "STAGE_BYTES", 2 * small.pool.layout.row_bytes * (2 if streams else 1))
     gen = torch.Generator().manual_seed(0)
     rng = random.Random(0)
-    kv = torch.randn(2, LAYERS, 1, HEADS, 6, DIM, generator=gen)
+    kv = torch.randn(2, LAYERS, 1, HEADS, 6, DIM, generator=gen).to(device)
     for cache in (small, free):
         cache.append(list(kv[0]), list(kv[1]))
         cache.select([0, 0, 0, 0, 0])
@@ -250,7 +260,7 @@ def test_host_tier_round_trips_exactly(slots):
     for _ in range(20):
         rows = rng.sample(range(5), rng.choice([1, 1, 2]))
         s = rng.randint(1, 2)
-        kv = torch.randn(2, LAYERS, len(rows), HEADS, s, DIM, generator=gen)
+        kv = torch.randn(2, LAYERS, len(rows), HEADS, s, DIM, generator=gen).to(device)
         for cache in (small, free):
             view = cache.view(rows)
             view.append(list(kv[0]), list(kv[1]))
