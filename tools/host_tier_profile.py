@@ -21,6 +21,7 @@ from esm_turbo.bench.synthetic import layer_codec, random_protein, stand_in_mode
 from esm_turbo.bench.timing import link_h2d_gbs
 from esm_turbo.model.alphabet import alphabet
 from esm_turbo.model.engine import TurboEsm
+from study_common import stream
 
 ROUNDS, PER_ROUND = 3, 8
 
@@ -150,14 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    lines = []
-    for line in measure():
-        print(line, flush=True)
-        lines.append(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("# python tools/host_tier_profile.py\n" + "\n".join(lines) + "\n")
-
+    stream(measure(), args.out, "# python tools/host_tier_profile.py\n")
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,7 @@ from esm_turbo.bench.synthetic import layer_codec, stand_in_model, synthetic_ses
 from esm_turbo.bench.timing import launch_floors_us, time_eager
 from esm_turbo.model.alphabet import alphabet
 from esm_turbo.model.engine import TurboEsm
+from study_common import stream
 
 #: (cache, rows, cached tokens a row): bench decode's steps at its 8 GiB budget, and a smaller compressed one
 STEPS = (("compressed", 195, 1024), ("fp16", 48, 1024), ("compressed", 64, 1024))
@@ -84,14 +85,7 @@ def main() -> None:
     if args.prep:
         import esm_turbo.kernels.decode.plan as plan
         plan.GATHER_QUERY = False
-    lines = []
-    for line in profile_steps():
-        print(line, flush=True)
-        lines.append(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-
+    stream(profile_steps(), args.out)
 
 if __name__ == "__main__":
     main()

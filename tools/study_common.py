@@ -50,6 +50,18 @@ def measure(engine, records, codecs) -> dict:
                 token=o["decode_cos_min"], tail=o["decode_tail_share"])
 
 
+def stream(lines, out: str | Path | None, header: str = "") -> list[str]:
+    """Print each line of the iterable ``lines`` as it comes (a long GPU run shows its progress), then write them all
+    to ``out`` if given, after ``header`` (the command that regenerates them); returns them."""
+    done = []
+    for line in lines:
+        print(line, flush=True)
+        done.append(line)
+    if out:
+        Path(out).write_text(header + "\n".join(done) + "\n")
+    return done
+
+
 def finish(lines: list[str], out: Path | None) -> None:
     """Print the report's lines and write them to ``out`` if given."""
     text = "\n".join(lines) + "\n"
