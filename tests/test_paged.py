@@ -348,3 +348,51 @@ def test_a_budgeted_session_steps_some_rows(stress_model):
         flat.step(torch.zeros(1, 1, dtype=torch.long), rows=[0])
     with pytest.raises(ValueError, match="paged=True"):
         engine.session("turboquant-3", gpu_budget_gib=1)
+
+
+class _Event:
+    def __init__(self, name: str):
+        self.name, self.done = name, False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Stream:
+    """Records what a HostLink asks of a stream: the events it waits for, and each event it records (named in turn)."""
+
+    def __init__(self, name: str):
+        self.name, self.waited, self.recorded = name, [], []
+
+    def wait_event(self, event: _Event) -> None:
+        self.waited.append(event.name)
+
+    def record_event(self) -> _Event:
+        self.recorded.append(_Event(f"{self.name}{len(self.recorded)}"))
+        return self.recorded[-1]
+
+
+def test_host_link_orders_what_its_two_streams_share():
+    """The host link's bookkeeping (on CUDA its copies run on a stream each way): a copy back waits for the latest copy
+    out that wrote any of its host rows and is still in flight, and for none where its rows were written by copies
+    seen done; a copy out waits for the last copy back (it may write rows that copy read before they were freed)."""
+    from esm_turbo.host_link import HostLink
+    link, out, back = HostLink(torch.device("cpu")), _Stream("out"), _Stream("in")
+    link._order(out, [0, 1], to_device=False)
+    assert out.waited == []  # nothing came back yet
+    link._finished(out, [0, 1], to_device=False)  # batch 1 wrote rows 0, 1
+    link._finished(out, [2], to_device=False)  # batch 2 wrote row 2
+    link._order(back, [1, 7], to_device=True)
+    assert back.waited == ["out0"]  # row 1's copy out
+    link._order(back, [0, 2], to_device=True)
+    assert back.waited == ["out0", "out1"]  # the later of the two batches: one stream's events complete in order
+    link._order(back, [7], to_device=True)
+    assert back.waited == ["out0", "out1"]  # no copy out wrote row 7
+    link._finished(back, [0, 2], to_device=True)
+    out.recorded[0].done = True
+    link._finished(out, [5], to_device=False)  # batch 3; batch 1 is seen done and forgotten
+    assert sorted(link.out_events) == [2, 3]
+    link._order(back, [0, 1], to_device=True)
+    assert back.waited == ["out0", "out1"]  # rows 0 and 1 were written by a copy seen done: nothing to wait for
+    link._order(out, [9], to_device=False)
+    assert out.waited == ["in0"]  # a copy out after the last copy back
