@@ -83,6 +83,9 @@ def test_launch_bytes_are_ten_launches_a_layer_over_the_steps_bytes():
     from esm_turbo.bench.synthetic import layer_codec
     compressed = launch_bytes(synthetic_session(TurboEsm(model), layer_codec, batch, context, 4))
     assert compressed[1] == batch * h * 4 and compressed[0] < sizes[0]  # the merge's float32 partials; codes
+    writing = launch_bytes(synthetic_session(TurboEsm(model), layer_codec, batch, context, 4), commit=True)
+    assert len(writing) == 11 * 2 and writing[:10] == compressed[:10] and writing[10] == batch * 2 * h * 4
+    assert launch_bytes(session, commit=True) == sizes  # an uncompressed cache writes in every step already
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
@@ -96,12 +99,13 @@ def test_decode_rows_gpu_hold_their_floor_and_breakdown():
     assert sum(r["at_budget"] for r in rows) == 3 and len(rows) == 6
     for r in rows:
         assert 0 < r["of_floor"] <= 1.05 and r["floor_ms"] > 0
+        assert r["floor_ms"] < r["launches_ms"] and r["launches_of_floor"] < 1  # launches add their fixed costs
         assert r["breakdown"]["launches"] > 0
         kinds = r["breakdown"]["kinds_ms"]
         assert kinds["attention"] > 0 and kinds["linears"] > 0
         if r["cache"] != "fp16":
             assert kinds["cache write"] > 0
-    assert "floor" in format_result(BenchResult(device="cuda", decode=rows))
+    assert "its launches as pure reads" in format_result(BenchResult(device="cuda", decode=rows))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")

@@ -221,8 +221,12 @@ def _profile_row(engine, factory, batch: int, context: int, device, token: int) 
 def _decode_row(engine, factory, kind: str, batch: int, context: int, steps: int, device, token: int,
                 rate_gbs: float | None) -> dict:
     """Tokens/s of ``steps`` decode steps of ``batch`` rows over a synthetic ``context``-token cache (CUDA: one
-    captured step replayed), and with ``rate_gbs`` (CUDA) the step's floor (:func:`.step.step_report`)."""
-    from .step import step_report
+    captured step replayed), and with ``rate_gbs`` (CUDA) the step's floor (:func:`.step.step_report`) and, where the
+    step runs FastEsm's fused blocks, the least a step of its launches takes (``launches_ms``: each launch a pure read
+    of its bytes, :func:`.step.launch_bytes`) and the share of the floor that allows (``launches_of_floor``)."""
+    from ..model.fused_step import fused_step_applies
+    from .step import launch_bytes, step_report
+    from .timing import launch_floors_us
     session = synthetic_session(engine, factory, batch, context, steps + 2)
     step_tokens = torch.full((batch, 1), token, device=device)
     step = session.capture_step(step_tokens, commit=True, reserve=steps + 2).replay if device.type == "cuda" \
@@ -239,6 +243,10 @@ def _decode_row(engine, factory, kind: str, batch: int, context: int, steps: int
     row = dict(cache=kind, batch=batch, context=context, tokens_per_s=batch * steps / sec, step_ms=sec / steps * 1e3)
     if rate_gbs is not None:
         row.update(step_report(session, row["step_ms"], rate_gbs), read_gbs=rate_gbs)
+        sizes = launch_bytes(session, commit=True)
+        if fused_step_applies(engine, False) and sum(sizes) < 0.9 * torch.cuda.mem_get_info(device)[0]:
+            row["launches_ms"] = launch_floors_us(sizes, device) / 1e3  # a buffer a launch: none finds L2 warm
+            row["launches_of_floor"] = row["floor_ms"] / row["launches_ms"]
     return row
 
 

@@ -89,6 +89,9 @@ def format_result(res: BenchResult) -> str:
             budget = " (budget)" if r.get("at_budget") else ""
             floor = (f"  floor {r['floor_ms']:.2f} ms = {100 * r['of_floor']:.0f}% reached"
                      if "floor_ms" in r else "")
+            if "launches_ms" in r:
+                floor += (f" (its launches as pure reads: {r['launches_ms']:.2f} ms, "
+                          f"{100 * r['launches_of_floor']:.0f}%)")
             lines.append(f"  {r['cache']:14} batch {r['batch']:>5}{budget:9} KV {r['kv_gib']:5.2f} GiB "
                          f"{r['tokens_per_s']:>9.0f} tokens/s ({r['step_ms']:.2f} ms/step){floor}{ratio}")
             if "breakdown" in r:
