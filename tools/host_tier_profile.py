@@ -11,6 +11,7 @@ the time at least one of them ran, and the wall time.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -53,6 +54,22 @@ def _kind(name: str) -> str:
     if "_blocks_kernel" in name:
         return "staging"
     return "step"
+
+
+def numa_line(device: torch.device) -> str:
+    """Where the host memory sits against the GPU (pinned copies run slower from a NUMA node away from it): the
+    nodes, the GPU's node (from its PCI address in sysfs) and the CPUs this process may run on."""
+    from pathlib import Path
+    nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    try:
+        props = torch.cuda.get_device_properties(device)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        gpu_node = Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text().strip()
+    except (AttributeError, OSError, RuntimeError):
+        gpu_node = "unknown"
+    cpus = sorted(os.sched_getaffinity(0))
+    return (f"host: {len(nodes)} NUMA node(s); the GPU's node {gpu_node}; this process on CPUs {cpus[0]}-{cpus[-1]} "
+            f"({len(cpus)})")
 
 
 @torch.no_grad()
@@ -114,6 +131,7 @@ def measure(rows: int = 256, prefix: int = 1024, block_size: int = 64):
     yield (f"{torch.cuda.get_device_name()}: {rows} distinct {prefix}-token rows, {quarter} stepped at a time, a "
            f"{budget * 2**10:.0f} MiB device budget; each budgeted step brings {bytes_in / 2**20:.0f} MiB in, "
            f"{ceiling:.1f} ms at the link's {link:.1f} GB/s (pinned, host to device)")
+    yield "  " + numa_line(dev)
     for name, ms in times.items():
         best = min(ms)
         share = f", {ceiling / best:.0%} of the link's ceiling" if "budget" in name else ""
