@@ -18,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from esm_turbo import host_link
+from esm_turbo.bench.step import breakdown, kernel_times
 from esm_turbo.bench.synthetic import layer_codec, random_protein, stand_in_model
 from esm_turbo.bench.timing import link_h2d_gbs
 from esm_turbo.model.alphabet import alphabet
@@ -124,7 +125,8 @@ def measure(rows: int = 256, prefix: int = 1024, block_size: int = 64):
             steps(s, PER_ROUND, streams)
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - t0) / PER_ROUND * 1e3)
-            moved_in = max(moved_in, (pool.moved["in"] - before) / PER_ROUND) if s is over else moved_in
+            if s is over:
+                moved_in = max(moved_in, (pool.moved["in"] - before) / PER_ROUND)
     host_link.host_runs = plain_runs
     bytes_in = moved_in * pool.layout.row_bytes
     ceiling = bytes_in / (link * 1e9) * 1e3
@@ -151,17 +153,13 @@ def measure(rows: int = 256, prefix: int = 1024, block_size: int = 64):
             steps(s, 4, streams)
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 4 * 1e3
-        events = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                         if e.device_type.name == "CUDA"), key=lambda e: e[1])
+        kernels = kernel_times(prof.events())
         total: dict[str, float] = {}
-        busy, last = 0.0, None
-        for kname, a, b in events:
+        for kname, a, b in kernels:
             total[_kind(kname)] = total.get(_kind(kname), 0.0) + (b - a) / 1e3
-            busy += max(0.0, b - (a if last is None else max(a, last)))
-            last = b if last is None else max(last, b)
-        span = (events[-1][2] - events[0][1]) / 1e3
+        spent = breakdown(kernels)
         yield (f"  {name}, profiled (ms a step): " + ", ".join(f"{k} {v / 4:.1f}" for k, v in sorted(total.items()))
-               + f"; busy {busy / 1e3 / 4:.1f}, span {span / 4:.1f}, wall {wall:.1f}")
+               + f"; busy {spent['busy_ms'] / 4:.1f}, span {spent['span_ms'] / 4:.1f}, wall {wall:.1f}")
     host_link.COPY_STREAMS = True
 
 
@@ -170,6 +168,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     stream(measure(), args.out, "# python tools/host_tier_profile.py\n")
+
 
 if __name__ == "__main__":
     main()

@@ -243,8 +243,8 @@ def _decode_row(engine, factory, kind: str, batch: int, context: int, steps: int
     row = dict(cache=kind, batch=batch, context=context, tokens_per_s=batch * steps / sec, step_ms=sec / steps * 1e3)
     if rate_gbs is not None:
         row.update(step_report(session, row["step_ms"], rate_gbs), read_gbs=rate_gbs)
-        sizes = launch_bytes(session, commit=True)
-        if fused_step_applies(engine, False) and sum(sizes) < 0.9 * torch.cuda.mem_get_info(device)[0]:
+        sizes = launch_bytes(session, commit=True) if fused_step_applies(engine, False) else []
+        if sizes and sum(sizes) < 0.9 * torch.cuda.mem_get_info(device)[0]:
             row["launches_ms"] = launch_floors_us(sizes, device) / 1e3  # a buffer a launch: none finds L2 warm
             row["launches_of_floor"] = row["floor_ms"] / row["launches_ms"]
     return row
