@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from esm_turbo.bench.step import read_rate_gbs
 from esm_turbo.bench.timing import time_graph
 from esm_turbo.model.sizes import esm2_config
+from study_common import stream
 
 WAYS = ("linear", "nn", "swapped", "reduced", "lt")
 
@@ -77,25 +78,26 @@ def row(size: str, name: str, n: int, k: int, m: int, rate: float) -> str:
     return f"  {size:5} {name:8} {m:5} {read:6.1f}  " + " ".join(cells)
 
 
+def table(sizes: list[str], rows: list[int]):
+    """The table's lines: its header, then a line a size, product and row count (:func:`row`)."""
+    rate = read_rate_gbs(torch.device("cuda"))
+    yield (f"a step's products in cuBLAS by layout, fp16, µs a product over cold weights "
+           f"({torch.cuda.get_device_name()}; one read at {rate:.0f} GB/s, measured here; * rounds differently from "
+           f"linear)")
+    yield "  size  product   rows   read  " + " ".join(f"{w:>8}" for w in WAYS)
+    for size in sizes:
+        for name, n, k in shapes(size):
+            for m in rows:
+                yield row(size, name, n, k, m, rate)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["650M", "3B"])
     ap.add_argument("--rows", nargs="+", type=int, default=[16, 48, 64, 195, 256])
     ap.add_argument("--out", help="also write the table here")
     args = ap.parse_args(argv)
-    rate = read_rate_gbs(torch.device("cuda"))
-    lines = [f"a step's products in cuBLAS by layout, fp16, µs a product over cold weights "
-             f"({torch.cuda.get_device_name()}; one read at {rate:.0f} GB/s, measured here; * rounds differently from linear)",
-             "  size  product   rows   read  " + " ".join(f"{w:>8}" for w in WAYS)]
-    print("\n".join(lines), flush=True)
-    for size in args.sizes:
-        for name, n, k in shapes(size):
-            for m in args.rows:
-                lines.append(row(size, name, n, k, m, rate))
-                print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    stream(table(args.sizes, args.rows), args.out)
 
 
 if __name__ == "__main__":

@@ -87,5 +87,6 @@ def main() -> None:
         plan.GATHER_QUERY = False
     stream(profile_steps(), args.out)
 
+
 if __name__ == "__main__":
     main()
