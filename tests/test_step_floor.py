@@ -6,6 +6,7 @@ import torch
 from esm_turbo.bench.step import (KINDS, OTHER, breakdown, floor_ms, format_breakdown, kernel_kind, launch_bytes,
                                   step_bytes, weight_bytes)
 from esm_turbo.bench.synthetic import stand_in_model, synthetic_session
+from esm_turbo.bench.timing import Product, launch_floors_us
 from esm_turbo.model.engine import TurboEsm
 
 
@@ -88,6 +89,24 @@ def test_launch_bytes_are_ten_launches_a_layer_over_the_steps_bytes():
     assert launch_bytes(session, commit=True) == sizes  # an uncompressed cache writes in every step already
 
 
+def test_launch_bytes_can_list_the_products_as_gemms_of_the_steps_shapes():
+    """With ``products``, each layer's four products are launches of the step's rows by its weights' shapes (q/k/v
+    stacked, out, FFN up, FFN down), the other launches' bytes unchanged; a product launch computes F.linear."""
+    model = stand_in_model("8M", torch.device("cpu"), torch.float32, layers=2)
+    batch = 3
+    session = synthetic_session(TurboEsm(model), "fp32", batch, 40, 4)
+    h, f = model.config.hidden_size, model.config.intermediate_size
+    sizes, gemms = launch_bytes(session), launch_bytes(session, products="fp16")
+    assert len(gemms) == len(sizes)
+    assert [p for p in gemms if isinstance(p, Product)] == [Product(batch, 3 * h, h), Product(batch, h, h),
+                                                            Product(batch, f, h), Product(batch, h, f)] * 2
+    others = [n for i, n in enumerate(sizes) if i % 10 not in range(2, 6)]
+    assert [n for n in gemms if not isinstance(n, Product)] == others
+    assert all(p.fp8 for p in launch_bytes(session, products="fp8") if isinstance(p, Product))
+    out = Product(batch, f, h).launch(torch.device("cpu"))()
+    assert out.shape == (batch, f) and out.dtype == torch.float16 and torch.isfinite(out).all()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 def test_decode_rows_gpu_hold_their_floor_and_breakdown():
     """Every row of the decode suite (CUDA) states its floor, which no step beats, and a profile with kernels of
@@ -106,6 +125,18 @@ def test_decode_rows_gpu_hold_their_floor_and_breakdown():
         if r["cache"] != "fp16":
             assert kinds["cache write"] > 0
     assert "its launches as pure reads" in format_result(BenchResult(device="cuda", decode=rows))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+def test_a_step_with_cublas_products_takes_at_least_its_pure_reads_gpu():
+    """The step's launches with its products as cuBLAS's (fp16) and FP8 products take no less than the same launches
+    as pure reads: a product reads at least its weight."""
+    dev = torch.device("cuda")
+    model = stand_in_model("8M", dev, torch.float16, layers=2)
+    session = synthetic_session(TurboEsm(model), "fp16", 16, 256, 4)
+    reads = launch_floors_us(launch_bytes(session), dev)
+    for kind in ("fp16", "fp8"):
+        assert launch_floors_us(launch_bytes(session, products=kind), dev) > 0.9 * reads
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")

@@ -2,7 +2,9 @@
 contexts, FastEsm's fused blocks as the engine takes them on a GPU): for each step, its time against its floor (one
 read of what the step must read at a pure read's rate, ``esm_turbo.bench.step``), the GPU's busy time and span in
 one profiled replay, the least its launches take as pure reads of their bytes (``bench.step.launch_bytes``: the
-ceiling of a step of this many launches), and the kernels that take it, by name (total, launches, µs a launch).
+ceiling of a step of this many launches; then the same with its products as cuBLAS runs them, fp16 and FP8, over
+cold weights of the step's shapes: the ceiling with the products as the GPU's GEMM library runs them), and the
+kernels that take it, by name (total, launches, µs a launch).
 
     python tools/profile_decode.py --out results/gpu/step_kernels_h100.txt
 """
@@ -57,6 +59,11 @@ def profile_steps(steps=STEPS, top: int = 12):
                f"span {(spans[-1][1] - spans[0][0]) / 1e3:.3f} ms\n  its {len(sizes)} launches as pure reads of their "
                f"bytes: {by_launch:.3f} ms (at best {rep['floor_ms'] / by_launch:.0%} of the floor for a step of these "
                f"launches; this one takes {ms / by_launch:.2f}x that)")
+        for kind, what in (("fp16", "cuBLAS's fp16 products"), ("fp8", "row-scaled FP8 products (torch._scaled_mm)")):
+            with_products = launch_floors_us(launch_bytes(session, products=kind), dev) / 1e3
+            yield (f"  the same, its products as {what} of the step's shapes over cold weights: "
+                   f"{with_products:.3f} ms (at best {rep['floor_ms'] / with_products:.0%} of the floor; this step "
+                   f"takes {ms / with_products:.2f}x that)")
         for name, t in sorted(total.items(), key=lambda x: -x[1])[:top]:
             yield f"  {t / 1e3:8.3f} ms  x{count[name]:4}  {t / count[name]:7.1f} us  {name[:90]}"
         del session, step

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import MemoryReport
+from .timing import Product
 
 #: kernel kinds of a step, each named by substrings of its kernels' names (the first kind that matches takes it):
 #: attention before linears, as memory-efficient attention's kernels are named after cutlass
@@ -72,14 +73,17 @@ def step_bytes(session, rows: int | None = None) -> dict[str, int]:
     return dict(kv=kv, weights=weight_bytes(engine.model, rows), activations=acts)
 
 
-def launch_bytes(session, rows: int | None = None, commit: bool = False) -> list[int]:
+def launch_bytes(session, rows: int | None = None, commit: bool = False,
+                 products: str | None = None) -> list[int | Product]:
     """Bytes each launch of a fused decode step of ``session`` (FastEsm's blocks, ``model.fused_step``) must read,
     one entry a launch, layer by layer: the attention (the layer's share of :func:`step_bytes`' ``kv``), with a
     compressed cache the merge of its partials (one float32 a row's output channel) or with an uncompressed one the
     step's write (the new keys and values), the four products (each weight and bias), the rotary embedding (q and k),
     GELU (FFN-up's output) and two residual adds with their LayerNorm (two hidden states each): ten a layer; a
     compressed cache's committing step (``commit``) also writes its new keys and values: eleven. Timed as pure reads
-    (:func:`~.timing.launch_floors_us`), they are the least a step of this many launches takes."""
+    (:func:`~.timing.launch_floors_us`), they are the least a step of this many launches takes. ``products``
+    ("fp16" or "fp8"): the four products as :class:`~.timing.Product` launches of the step's shapes instead, so the
+    same timing gives the least such a step takes with its products as cuBLAS runs them."""
     cfg = session.engine.model.config
     rows = session.cache.batch_size if rows is None else rows
     d, f, layers = cfg.hidden_size, cfg.intermediate_size, len(session.engine.layers)
@@ -88,8 +92,12 @@ def launch_bytes(session, rows: int | None = None, commit: bool = False) -> list
     from ..quant.codec import DenseQuantizer
     dense = isinstance(session.cache.codecs[0].key, DenseQuantizer)
     attend_side = rows * 2 * d * e if dense else rows * d * 4
-    products = [(3 * d * d + 3 * d) * e, (d * d + d) * e, (f * d + f) * e, (d * f + d) * e]
-    layer = [kv, attend_side, *products, rows * 2 * d * e, rows * f * e, 2 * rows * d * e, 2 * rows * d * e]
+    shapes = [(3 * d, d), (d, d), (f, d), (d, f)]
+    if products is None:
+        linears = [(n * k + n) * e for n, k in shapes]
+    else:
+        linears = [Product(rows, n, k, fp8=products == "fp8") for n, k in shapes]
+    layer = [kv, attend_side, *linears, rows * 2 * d * e, rows * f * e, 2 * rows * d * e, 2 * rows * d * e]
     if commit and not dense:
         layer.append(rows * 2 * d * e)  # quantize-and-pack reads the new keys and values
     return layer * layers

@@ -4,6 +4,7 @@ calls), and the hardware floors each timing is compared with (a device copy, an 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -107,15 +108,41 @@ def read_floor_us(nbytes: int, device: torch.device) -> float:
     return launch_floors_us([nbytes], device)
 
 
-def launch_floors_us(sizes: list[int], device: torch.device) -> float:
+@dataclass(frozen=True)
+class Product:
+    """A launch that multiplies [rows, in_features] by a weight [out_features, in_features] of its own and adds a
+    bias, as a step's linear does: ``F.linear`` in fp16 (cuBLAS), or with ``fp8`` one row-scaled e4m3 product
+    (:func:`esm_turbo.embed.fp8.fp8_linear`, bf16 rows: its rows' quantize launch included)."""
+    rows: int
+    out_features: int
+    in_features: int
+    fp8: bool = False
+
+    def launch(self, device: torch.device):
+        """A call that runs this product once on fresh random operands (built now, on ``device``)."""
+        if self.fp8:
+            from ..embed.fp8 import Fp8Weight, fp8_linear
+            x = torch.randn(self.rows, self.in_features, device=device, dtype=torch.bfloat16)
+            w = Fp8Weight.quantize(torch.randn(self.out_features, self.in_features, device=device) * 0.02)
+            b = torch.randn(self.out_features, device=device, dtype=torch.bfloat16)
+            return lambda: fp8_linear(x, w, b)
+        x = torch.randn(self.rows, self.in_features, device=device, dtype=torch.float16)
+        w = torch.randn(self.out_features, self.in_features, device=device, dtype=torch.float16) * 0.02
+        b = torch.randn(self.out_features, device=device, dtype=torch.float16)
+        return lambda: torch.nn.functional.linear(x, w, b)
+
+
+def launch_floors_us(sizes: list[int | Product], device: torch.device) -> float:
     """µs (as :func:`time_graph`) of one graph of pure reads, one launch a byte count of ``sizes`` (each rounded up to
     whole 2 KB chunks) over its own buffer (so none is in L2 when it is read, as a step's launches over every layer's
     own weights), the fastest of :data:`READ_PROGRAMS_PER_SM`: the least a step reading those bytes in those launches
-    takes (CUDA)."""
+    takes (CUDA). A :class:`Product` entry runs that product instead, over its own weight: the least such a step
+    takes with its products as the library runs them alone."""
     from ..kernels.common import num_sms
     from .read import WORDS_PER_WARP, read_words
-    bufs = [torch.empty(-(-n // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device).random_()
+    bufs = [n.launch(device) if isinstance(n, Product) else
+            torch.empty(-(-n // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device).random_()
             for n in sizes]
     sms = num_sms(device)
-    return min(time_graph(lambda: [read_words(b, sms * p) for b in bufs], device)
+    return min(time_graph(lambda: [b() if callable(b) else read_words(b, sms * p) for b in bufs], device)
                for p in READ_PROGRAMS_PER_SM) * 1e6
