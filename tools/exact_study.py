@@ -26,7 +26,7 @@ from esm_turbo import TurboEsm, calibrate
 from esm_turbo.experiments.methods import collect_kv
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec
-from study_common import data_flags, finish, measure, parse
+from study_common import data_flags, measure, parse, stream
 
 
 class ExactCodec(KVCodec):
@@ -141,7 +141,7 @@ def main() -> None:
             lines.append(f"{bits:>9.1f} {sinks:>5d}" + (f" {sparse:>6.4f}" if args.sparse else "")
                          + f" {all_in:>7.3f} {r['mean']:>9.4f} {r['worst']:>9.4f} {r['token']:>9.4f} {r['tail']:>7.2%}")
             print(lines[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    finish(lines, args.out)
+    stream(lines, args.out)
 
 
 if __name__ == "__main__":

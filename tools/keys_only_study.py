@@ -27,7 +27,7 @@ from torch import nn
 from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import KVCodec, dense_codec
-from study_common import data_flags, finish, measure, parse
+from study_common import data_flags, measure, parse, stream
 
 
 class _Nothing(nn.Module):
@@ -102,7 +102,7 @@ def fitted(args, model, cal_records, eval_records) -> None:
         lines.append(f"{f'keys only, keys at {kb}+1, map fitted':34} {r['bits']:>6.3f} {r['mean']:>9.4f} "
                      f"{r['worst']:>9.4f} {r['token']:>9.4f} {r['tail']:>6.2%}  {explained}")
         print(lines[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    finish(lines, args.out)
+    stream(lines, args.out)
 
 
 def main() -> None:
@@ -136,7 +136,7 @@ def main() -> None:
         lines.append(f"{label:34} {r['bits']:>6.3f} {r['mean']:>9.4f} {r['worst']:>9.4f} {r['token']:>9.4f} "
                      f"{r['tail']:>6.2%}")
         print(lines[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    finish(lines, args.out)
+    stream(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import math
 import time
 
 from exact_study import ExactCodec, _coding_errors
-from study_common import data_flags, finish, measure, parse
+from study_common import data_flags, measure, parse, stream
 
 from esm_turbo import TurboEsm, calibrate
 from esm_turbo.quant.codec import KVCodec
@@ -156,7 +156,7 @@ def main() -> None:
     for r in rows:
         lines.append(f"{r['label']:28} {' '.join(map(str, r['widths'])):>12}  {r['bits']:.3f}   {r['mean']:.4f}    "
                      f"{r['worst']:.4f}     {r['token']:.3f}  {r['tail']:.2%}")
-    finish(lines, args.out)
+    stream(lines, args.out)
 
 
 if __name__ == "__main__":

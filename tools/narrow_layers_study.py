@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from study_common import data_flags, finish, measure, parse
+from study_common import data_flags, measure, parse, stream
 
 from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
@@ -37,7 +37,7 @@ def main() -> None:
              f"narrowed layers {cal.meta['narrowed_layers']}; key+value index bits a layer: {bits}",
              "all-in  mean cos  worst seq  worst tok  <0.95",
              f"{row['bits']:.3f}   {row['mean']:.4f}    {row['worst']:.4f}     {row['token']:.3f}  {row['tail']:.2%}"]
-    finish(lines, args.out)
+    stream(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import argparse
 import time
 
 import torch
-from study_common import data_flags, finish, measure, parse
+from study_common import data_flags, measure, parse, stream
 
 import esm_turbo.model.calibrate as calibration
 from esm_turbo import TurboEsm, calibrate
@@ -178,7 +178,7 @@ def main() -> None:
     for label, r in rows:
         lines.append(f"{label:40} {r['bits']:.3f}   {r['mean']:.4f}    {r['worst']:.4f}     {r['token']:.3f}  "
                      f"{r['tail']:.2%}")
-    finish(lines, args.out)
+    stream(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from esm_turbo import TurboEsm, calibrate
 from esm_turbo.experiments.methods import collect_kv
 from esm_turbo.model.recipe import recipe
 from esm_turbo.quant.codec import DenseQuantizer, KVCodec
-from study_common import data_flags, finish, measure, parse
+from study_common import data_flags, measure, parse, stream
 
 
 def water_fill(variances: torch.Tensor, bits: float) -> torch.Tensor:
@@ -134,7 +134,7 @@ def main() -> None:
             cal = calibrate(model, cal_records, recipe(name, index_bits=int(bits) - 1), progress=False)
             r = measure(TurboEsm(model, cal), eval_records, cal.codecs)
             row(f"recipe {name}", r["bits"], r)
-    finish(lines, args.out)
+    stream(lines, args.out)
 
 
 if __name__ == "__main__":

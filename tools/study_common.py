@@ -60,11 +60,3 @@ def stream(lines, out: str | Path | None, header: str = "") -> list[str]:
     if out:
         Path(out).write_text(header + "\n".join(done) + "\n")
     return done
-
-
-def finish(lines: list[str], out: Path | None) -> None:
-    """Print the report's lines and write them to ``out`` if given."""
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if out:
-        out.write_text(text)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from esm_turbo import TurboEsm, calibrate
 from esm_turbo.model.recipe import recipe
 from esm_turbo.testing import plant_outliers
-from study_common import data_flags, finish, measure, parse
+from study_common import data_flags, measure, parse, stream
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
                          f"{r['bits']:>6.2f} {r['mean']:>9.4f} {r['worst']:>9.4f} {r['token']:>9.4f} "
                          f"{r['tail']:>7.2%}")
             print(lines[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    finish(lines, args.out)
+    stream(lines, args.out)
 
 
 if __name__ == "__main__":
