@@ -120,15 +120,14 @@ class Product:
 
     def launch(self, device: torch.device):
         """A call that runs this product once on fresh random operands (built now, on ``device``)."""
+        dtype = torch.bfloat16 if self.fp8 else torch.float16
+        x = torch.randn(self.rows, self.in_features, device=device, dtype=dtype)
+        w = torch.randn(self.out_features, self.in_features, device=device, dtype=dtype) * 0.02
+        b = torch.randn(self.out_features, device=device, dtype=dtype)
         if self.fp8:
             from ..embed.fp8 import Fp8Weight, fp8_linear
-            x = torch.randn(self.rows, self.in_features, device=device, dtype=torch.bfloat16)
-            w = Fp8Weight.quantize(torch.randn(self.out_features, self.in_features, device=device) * 0.02)
-            b = torch.randn(self.out_features, device=device, dtype=torch.bfloat16)
-            return lambda: fp8_linear(x, w, b)
-        x = torch.randn(self.rows, self.in_features, device=device, dtype=torch.float16)
-        w = torch.randn(self.out_features, self.in_features, device=device, dtype=torch.float16) * 0.02
-        b = torch.randn(self.out_features, device=device, dtype=torch.float16)
+            q = Fp8Weight.quantize(w)
+            return lambda: fp8_linear(x, q, b)
         return lambda: torch.nn.functional.linear(x, w, b)
 
 
