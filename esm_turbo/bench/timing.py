@@ -98,8 +98,9 @@ def graph_floor_us(device: torch.device) -> float:
     return time_graph(lambda: one.add_(1), device) * 1e6
 
 
-#: programs per SM of the read-only floor: one-warp programs, 12 and 16 per SM read fastest on an H100
-READ_PROGRAMS_PER_SM = (12, 16)
+#: programs per SM of the read-only floor: one-warp programs; on an H100 12 and 16 per SM read a large buffer fastest,
+#: 4 and 8 a launch of a few MB (11 MB in a graph of such launches: 5.7 µs at 8 against 6.7 at 12 or 16)
+READ_PROGRAMS_PER_SM = (4, 8, 12, 16)
 
 
 def read_floor_us(nbytes: int, device: torch.device) -> float:
