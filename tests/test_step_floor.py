@@ -119,12 +119,13 @@ def test_decode_rows_gpu_hold_their_floor_and_breakdown():
     for r in rows:
         assert 0 < r["of_floor"] <= 1.05 and r["floor_ms"] > 0
         assert r["floor_ms"] < r["launches_ms"] and r["launches_of_floor"] < 1  # launches add their fixed costs
+        assert r["products_ms"] > 0.9 * r["launches_ms"] and r["products_of_floor"] < 1  # a product reads its weight
         assert r["breakdown"]["launches"] > 0
         kinds = r["breakdown"]["kinds_ms"]
         assert kinds["attention"] > 0 and kinds["linears"] > 0
         if r["cache"] != "fp16":
             assert kinds["cache write"] > 0
-    assert "its launches as pure reads" in format_result(BenchResult(device="cuda", decode=rows))
+    assert "with cuBLAS's products" in format_result(BenchResult(device="cuda", decode=rows))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")

@@ -223,7 +223,9 @@ def _decode_row(engine, factory, kind: str, batch: int, context: int, steps: int
     """Tokens/s of ``steps`` decode steps of ``batch`` rows over a synthetic ``context``-token cache (CUDA: one
     captured step replayed), and with ``rate_gbs`` (CUDA) the step's floor (:func:`.step.step_report`) and, where the
     step runs FastEsm's fused blocks, the least a step of its launches takes (``launches_ms``: each launch a pure read
-    of its bytes, :func:`.step.launch_bytes`) and the share of the floor that allows (``launches_of_floor``)."""
+    of its bytes, :func:`.step.launch_bytes`) and the share of the floor that allows (``launches_of_floor``); the same
+    with the step's products as cuBLAS runs them over cold weights of their shapes (``products_ms``,
+    ``products_of_floor``: the ceiling with a GEMM library's products)."""
     from ..model.fused_step import fused_step_applies
     from .step import launch_bytes, step_report
     from .timing import launch_floors_us
@@ -247,6 +249,8 @@ def _decode_row(engine, factory, kind: str, batch: int, context: int, steps: int
         if sizes and sum(sizes) < 0.9 * torch.cuda.mem_get_info(device)[0]:
             row["launches_ms"] = launch_floors_us(sizes, device) / 1e3  # a buffer a launch: none finds L2 warm
             row["launches_of_floor"] = row["floor_ms"] / row["launches_ms"]
+            row["products_ms"] = launch_floors_us(launch_bytes(session, commit=True, products="fp16"), device) / 1e3
+            row["products_of_floor"] = row["floor_ms"] / row["products_ms"]
     return row
 
 

@@ -91,7 +91,8 @@ def format_result(res: BenchResult) -> str:
                      if "floor_ms" in r else "")
             if "launches_ms" in r:
                 floor += (f" (its launches as pure reads: {r['launches_ms']:.2f} ms, "
-                          f"{100 * r['launches_of_floor']:.0f}%)")
+                          f"{100 * r['launches_of_floor']:.0f}%; with cuBLAS's products: {r['products_ms']:.2f} ms, "
+                          f"{100 * r['products_of_floor']:.0f}%)")
             lines.append(f"  {r['cache']:14} batch {r['batch']:>5}{budget:9} KV {r['kv_gib']:5.2f} GiB "
                          f"{r['tokens_per_s']:>9.0f} tokens/s ({r['step_ms']:.2f} ms/step){floor}{ratio}")
             if "breakdown" in r:
