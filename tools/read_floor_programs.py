@@ -28,6 +28,8 @@ def _launch_us(bufs: list[torch.Tensor], programs: int, dev: torch.device) -> fl
 
 @torch.no_grad()
 def rows(sizes=SIZES_MB, per_sm=PER_SM, budget: float = 1.5e9):
+    """The report's lines (CUDA): for each size in MB, µs a launch at each count of ``per_sm`` programs an SM, over
+    about ``budget`` bytes of buffers, and the floor's read rate (the fastest of its counts)."""
     dev = torch.device("cuda")
     sms = num_sms(dev)
     yield (f"{torch.cuda.get_device_name()}, {sms} SMs: µs a launch of read_words in one graph of launches, each over "

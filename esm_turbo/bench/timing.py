@@ -99,7 +99,8 @@ def graph_floor_us(device: torch.device) -> float:
 
 
 #: programs per SM of the read-only floor: one-warp programs; on an H100 12 and 16 per SM read a large buffer fastest,
-#: 4 and 8 a launch of a few MB (11 MB in a graph of such launches: 5.7 µs at 8 against 6.7 at 12 or 16)
+#: 4 and 8 a launch of a few MB (11 MB in a graph of such launches: 6.5 µs at 8 against 6.7 at 12 and 7.1 at 16;
+#: ``tools/read_floor_programs.py``)
 READ_PROGRAMS_PER_SM = (4, 8, 12, 16)
 
 
