@@ -10,8 +10,7 @@ import argparse
 
 import torch
 
-from esm_turbo.bench.read import WORDS_PER_WARP, read_words
-from esm_turbo.bench.timing import READ_PROGRAMS_PER_SM, time_graph
+from esm_turbo.bench.timing import READ_PROGRAMS_PER_SM, launches_us, step_launches
 from esm_turbo.kernels.common import num_sms
 from study_common import stream
 
@@ -19,11 +18,6 @@ from study_common import stream
 #: a decode walk's
 SIZES_MB = (0.9, 3.6, 11.0, 14.5, 52.0, 512.0)
 PER_SM = (1, 2, 4, 8, 12, 16, 24, 32)
-
-
-def _launch_us(bufs: list[torch.Tensor], programs: int, dev: torch.device) -> float:
-    """µs a launch of ``read_words`` over each of ``bufs`` in ``programs`` programs, all in one graph."""
-    return time_graph(lambda: [read_words(b, programs) for b in bufs], dev) * 1e6 / len(bufs)
 
 
 @torch.no_grad()
@@ -38,9 +32,8 @@ def rows(sizes=SIZES_MB, per_sm=PER_SM, budget: float = 1.5e9):
     for mb in sizes:
         n = int(mb * 1e6)
         count = max(2, min(200, int(budget // n)))
-        words = -(-n // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP
-        bufs = [torch.empty(words, dtype=torch.int32, device=dev).random_() for _ in range(count)]
-        us = [_launch_us(bufs, sms * p, dev) for p in per_sm]
+        bufs = step_launches([n] * count, dev)
+        us = [launches_us(bufs, sms * p, dev) / count for p in per_sm]
         best = min(us[per_sm.index(p)] for p in READ_PROGRAMS_PER_SM)
         yield f"  {mb:6.1f}  {count:8}  " + "".join(f"{u:11.2f}" for u in us) + f"   {n / best / 1e3:9.0f}"
 

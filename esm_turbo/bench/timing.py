@@ -133,6 +133,22 @@ class Product:
         return lambda: torch.nn.functional.linear(x, w, b)
 
 
+def step_launches(sizes: list[int | Product], device: torch.device) -> list:
+    """One launch of :func:`launch_floors_us` an entry of ``sizes``, built on ``device``: a :class:`Product`'s call,
+    or for a byte count a random int32 buffer of its own, rounded up to whole 2 KB chunks (read by ``read_words``)."""
+    from .read import WORDS_PER_WARP
+    return [n.launch(device) if isinstance(n, Product) else
+            torch.empty(-(-n // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device).random_()
+            for n in sizes]
+
+
+def launches_us(launches: list, programs: int, device: torch.device) -> float:
+    """µs (as :func:`time_graph`) of one graph running each of ``launches`` (:func:`step_launches`) once: a product's
+    call as it is, a buffer read by ``read_words`` in ``programs`` one-warp programs."""
+    from .read import read_words
+    return time_graph(lambda: [b() if callable(b) else read_words(b, programs) for b in launches], device) * 1e6
+
+
 def launch_floors_us(sizes: list[int | Product], device: torch.device) -> float:
     """µs (as :func:`time_graph`) of one graph of pure reads, one launch a byte count of ``sizes`` (each rounded up to
     whole 2 KB chunks) over its own buffer (so none is in L2 when it is read, as a step's launches over every layer's
@@ -140,10 +156,6 @@ def launch_floors_us(sizes: list[int | Product], device: torch.device) -> float:
     takes (CUDA). A :class:`Product` entry runs that product instead, over its own weight: the least such a step
     takes with its products as the library runs them alone."""
     from ..kernels.common import num_sms
-    from .read import WORDS_PER_WARP, read_words
-    bufs = [n.launch(device) if isinstance(n, Product) else
-            torch.empty(-(-n // (4 * WORDS_PER_WARP)) * WORDS_PER_WARP, dtype=torch.int32, device=device).random_()
-            for n in sizes]
+    launches = step_launches(sizes, device)
     sms = num_sms(device)
-    return min(time_graph(lambda: [b() if callable(b) else read_words(b, sms * p) for b in bufs], device)
-               for p in READ_PROGRAMS_PER_SM) * 1e6
+    return min(launches_us(launches, sms * p, device) for p in READ_PROGRAMS_PER_SM)
