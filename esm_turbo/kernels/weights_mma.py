@@ -156,7 +156,8 @@ def _gather(c: tl.constexpr, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_
 def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                 B, M, N, G, sxb, sob, PR, sxp, zero, TILES: tl.constexpr, S: tl.constexpr, WL: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GELU: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                GELU: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                PROBE: tl.constexpr):
     """Grid (M / 16, SPLIT), S warps. x [B, N] fp16 (B ≤ 8·TILES; rows strided by sxb, 16-byte aligned), codes
     [M, N/8] int32 (16-byte aligned rows), scales [M, G] fp16, codebook [16] fp16 (read through ``zero`` · lane, zero
     at run time), out [B, M] (rows strided by sob; its dtype) = x Ŵ_rotᵀ (+ prev, + bias, GELU: ``_finish``). Parts
@@ -165,7 +166,9 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     ``AHEAD``: each step's codes and scales are requested a step before. ``PDL`` (launched as a programmatic
     dependent launch): the next kernel may launch at once, and this one reads its codebook and first codes (weights,
     which no earlier kernel writes) before it waits for the kernel before it to finish. ``PREFETCH``: the program's
-    codes and scales are asked into L2 at its start (``kernels.prefetch``), 16 threads a row each."""
+    codes and scales are asked into L2 at its start (``kernels.prefetch``), 16 threads a row each. ``PROBE`` (0 in
+    every product; a timing study's stage left out, ``tools/weights_stages.py``, results then wrong): 1 the input
+    read once, before the walk; 2 the codes and scales read once (their look-ups then leave the loop too); 3 both."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     CH: tl.constexpr = 32 * WL
@@ -204,21 +207,28 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     s5 = tl.zeros((32 * S,), tl.float32)
     s6 = tl.zeros((32 * S,), tl.float32)
     s7 = tl.zeros((32 * S,), tl.float32)
-    if AHEAD:
+    if AHEAD or PROBE & 2:
         a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, 0, S, WL, GROUP)
     if PDL:  # the input, the sums' buffers and the counts only once the kernel before has finished
         tl.extra.cuda.gdc_wait()
+    if PROBE & 1:
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a, ok_a, WL)
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b, ok_b, WL)
     for j in range(steps):
-        if AHEAD:  # the next step's codes requested before this one's are decoded (the last step: its own again)
+        if PROBE & 2:
+            pass
+        elif AHEAD:  # the next step's codes requested before this one's are decoded (the last step: its own again)
             na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsa, nsb = _step_codes(
                 code_a, code_b, scale_a, scale_b, chan, tl.where(j + 1 < steps, j + 1, j), S, WL, GROUP)
         else:
             a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, j, S, WL,
                                                                   GROUP)
         xo = j * (S * CH // 2)
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a + xo, ok_a, WL)
-        if TILES == 2:
-            y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b + xo, ok_b, WL)
+        if not PROBE & 1:
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a + xo, ok_a, WL)
+            if TILES == 2:
+                y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b + xo, ok_b,
+                                                                                                    WL)
         if TILES == 1:
             if WL == 2:
                 s0, s1, s2, s3 = tl.inline_asm_elementwise(
@@ -246,7 +256,7 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
                      y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
                      sa, sb, s0, s1, s2, s3, s4, s5, s6, s7],
                     dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-        if AHEAD:
+        if AHEAD and not PROBE & 2:
             a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsa, nsb
     _emit(s0, 0, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
     _emit(s1, 1, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
@@ -296,11 +306,12 @@ def mma_launch(n: int, warps: int, words: int, split: int) -> tuple[int, int, in
 def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, scales: torch.Tensor,
                out: torch.Tensor, part_rows: int, sxp: int, *, prev: torch.Tensor | None, bias: torch.Tensor | None,
                gelu: bool = False, warps: int = 4, words_per_lane: int = 4, split: int = 1,
-               ahead: int = 1, pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
+               ahead: int = 1, pdl: bool = False, prefetch: bool = False, probe: int = 0) -> torch.Tensor:
     """``out`` [B, M] = x Ŵ_rotᵀ (+ prev + bias, then GELU with ``gelu``) in one launch of :func:`_mma_kernel`
     (CUDA; :func:`mma_fits`): x [P, B, N] fp16 (each part's rotated input, parts ``sxp`` elements apart,
     ``part_rows`` outputs each), words [M, N/8] int32, codebook [P·16], scales [M, G] fp16. ``pdl``: launched as a
-    programmatic dependent launch (sm_90 and up); ``prefetch``: the codes and scales asked into L2 first (sm_90)."""
+    programmatic dependent launch (sm_90 and up); ``prefetch``: the codes and scales asked into L2 first (sm_90);
+    ``probe``: a stage left out for a timing study (:func:`_mma_kernel`'s ``PROBE``; the result is then wrong)."""
     _, b, n = x.shape
     m, groups = scales.shape
     warps, wl, split = mma_launch(n, warps, words_per_lane, split)
@@ -310,6 +321,6 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
         x, words, codebook, scales, x if prev is None else prev, x if bias is None else bias, out, partials, counts,
         b, m, n, groups, x.stride(1), out.stride(0), part_rows, sxp, 0,
         TILES=1 if b <= 8 else 2, S=warps, WL=wl, SPLIT=split, GROUP=n // groups, HAS_PREV=prev is not None,
-        HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, PDL=pdl, PREFETCH=prefetch, num_warps=warps, launch_pdl=pdl,
-        enable_fp_fusion=FP_FUSION)
+        HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, PDL=pdl, PREFETCH=prefetch, PROBE=probe, num_warps=warps,
+        launch_pdl=pdl, enable_fp_fusion=FP_FUSION)
     return out

@@ -290,7 +290,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     ``config`` overrides :func:`launch_config`'s block_b / block_m / block_k / num_warps / num_stages / split / ahead,
     ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps / gemv_stages / gemv_ahead, and ``mma`` (the
     register-fed tensor-core kernel, taken where :func:`esm_turbo.kernels.weights_mma.mma_fits` and compiled) with
-    mma_warps / mma_words / mma_split / mma_ahead.
+    mma_warps / mma_words / mma_split / mma_ahead (and mma_probe, a timing study's stage left out: wrong results).
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
     [P·16], and codes, scales and bias the P weights stacked along their rows (M/P each): → [B, M], part p's outputs
@@ -324,7 +324,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
         if mma_fits(x, words, m, n, part_rows, group):
             return mma_matmul(x, words, codebook, scales, out, part_rows, sxp, prev=prev, bias=bias, gelu=gelu,
                               warps=cfg["mma_warps"], words_per_lane=cfg["mma_words"], split=cfg["mma_split"],
-                              ahead=cfg["mma_ahead"], pdl=pdl, prefetch=prefetch)
+                              ahead=cfg["mma_ahead"], pdl=pdl, prefetch=prefetch, probe=cfg.get("mma_probe", 0))
     prev_arg, bias_arg = x if prev is None else prev, x if bias is None else bias
     if cfg["gemv"]:  # a few rows: on the CUDA cores
         block_k = cfg["gemv_k"]
