@@ -20,7 +20,7 @@ from esm_turbo.bench.timing import launch_floors_us
 from esm_turbo.bench.weights import random_pass
 from esm_turbo.kernels.common import num_sms
 from esm_turbo.kernels.weights import launch_config, matmul_reference, matmul_triton
-from tune_gemm import log
+from tune_gemm import log, shapes
 from tune_split import measure, per_product_us, save
 
 MMA_GRID = dict(mma_warps=(2, 4, 8), mma_words=(2, 4), mma_split=(1, 2, 4, 8), mma_ahead=(0, 1))
@@ -28,12 +28,30 @@ TILE_GRID = dict(block_m=(16, 32, 64), block_k=(128, 256), split=(1, 2, 4, 8))
 FLAGS = ((False, False), (True, False), (False, True), (True, True))  # (pdl, prefetch)
 
 
-def product_row(size: str, name: str, epi: str, m: int, n: int, rows: int, rate: float, sweep: bool) -> dict:
-    dev = torch.device("cuda")
+def cold_passes(m: int, n: int, dev: torch.device) -> tuple[list, int]:
+    """Enough distinct random 4-bit passes of an [m, n] weight (8–96, about 384 MB) that none is in L2 when a graph
+    reads them in turn: (the passes, the bytes of one)."""
     first = random_pass(m, n, dev, seed=0)
     nbytes = sum(t.numel() * t.element_size() for t in first)
     count = max(8, min(96, (384 << 20) // nbytes))
-    weights = [first] + [random_pass(m, n, dev, seed=i) for i in range(1, count)]
+    return [first] + [random_pass(m, n, dev, seed=i) for i in range(1, count)], nbytes
+
+
+def products(size: str) -> list[tuple[str, str, int, int]]:
+    """``tune_gemm.shapes(size)`` less the products it lists again with another fp16 epilogue (the rotary one), which
+    the 4-bit kernels do not have: (name, epilogue, outputs, inputs)."""
+    seen, out = set(), []
+    for name, epi, m, n in shapes(size):
+        if name not in seen:
+            seen.add(name)
+            out.append((name, epi, m, n))
+    return out
+
+
+def product_row(size: str, name: str, epi: str, m: int, n: int, rows: int, rate: float, sweep: bool) -> dict:
+    dev = torch.device("cuda")
+    weights, nbytes = cold_passes(m, n, dev)
+    count = len(weights)
     x = torch.randn(rows, n, device=dev).half()
     bias = (0.1 * torch.randn(m, device=dev)).half()
     prev = torch.randn(rows, m, device=dev).half() if epi == "residual" else None

@@ -13,11 +13,10 @@ import argparse
 import torch
 
 from esm_turbo.bench.timing import launch_floors_us
-from esm_turbo.bench.weights import random_pass
 from esm_turbo.kernels.common import num_sms
 from esm_turbo.kernels.weights import launch_config, matmul_triton
-from tune_gemm import shapes
 from tune_split import per_product_us
+from tune_weights_step import cold_passes, products
 
 #: the columns: the kernel whole, then with PROBE 1, 2 and 3
 STAGES = ("whole", "input once", "codes once", "both once")
@@ -25,12 +24,9 @@ STAGES = ("whole", "input once", "codes once", "both once")
 
 def product_row(name: str, m: int, n: int, rows: int, dev: torch.device) -> str:
     """One product's line: µs a product, the floor and each probe."""
-    first = random_pass(m, n, dev, seed=0)
-    nbytes = sum(t.numel() * t.element_size() for t in first)
-    count = max(8, min(96, (384 << 20) // nbytes))
-    weights = [first] + [random_pass(m, n, dev, seed=i) for i in range(1, count)]
+    weights, nbytes = cold_passes(m, n, dev)
     x = torch.randn(rows, n, device=dev).half()
-    floor = launch_floors_us([nbytes] * count, dev) / count
+    floor = launch_floors_us([nbytes] * len(weights), dev) / len(weights)
     d = launch_config(rows, m, n, num_sms(dev))
     cfg = dict(mma=True, gemv=False, **{k: d[k] for k in ("mma_warps", "mma_words", "mma_split", "mma_ahead")})
     times = []
@@ -39,7 +35,7 @@ def product_row(name: str, m: int, n: int, rows: int, dev: torch.device) -> str:
 
         def call(w, c=c):
             return matmul_triton(x, *w, config=c, out_dtype=torch.float16)
-        call(first)
+        call(weights[0])
         times.append(min(per_product_us(call, weights, dev) for _ in range(3)))
     launch = ", ".join(f"{k[4:]} {cfg[k]}" for k in ("mma_warps", "mma_words", "mma_split"))
     return (f"  {name:8} {m:6} {n:6} {floor:6.1f}  " + "  ".join(f"{t:10.1f}" for t in times)
@@ -60,11 +56,7 @@ def main() -> None:
              "  product      out     in  floor  " + "  ".join(f"{s:>10}" for s in STAGES) + "  whole/floor  launch"]
     for size in args.sizes:
         lines.append(f"{size}, {args.rows} rows")
-        done = set()
-        for name, _, m, n in shapes(size):
-            if name in done:  # a product listed again with another fp16 epilogue: the 4-bit kernel has none
-                continue
-            done.add(name)
+        for name, _, m, n in products(size):
             lines.append(product_row(name, m, n, args.rows, dev))
             print(lines[-1], flush=True)
     if args.out:
