@@ -16,7 +16,7 @@ from esm_turbo.bench.timing import launch_floors_us
 from esm_turbo.kernels.common import num_sms
 from esm_turbo.kernels.weights import launch_config, matmul_triton
 from tune_split import per_product_us
-from tune_weights_step import cold_passes, products
+from tune_weights_step import cold_passes, products, table_lines
 
 #: the columns: the kernel whole, then with PROBE 1, 2 and 3
 STAGES = ("whole", "input once", "codes once", "both once")
@@ -49,19 +49,18 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    lines = [f"# python tools/weights_stages.py --sizes {' '.join(args.sizes)} --rows {args.rows}",
-             f"# {torch.cuda.get_device_name()}: the register-fed 4-bit kernel's default launch, µs a product over cold "
-             "weights: whole, the input read once before the walk, the codes and scales read once (their look-ups "
-             "leave the loop too), both; the floor: a pure read of the product's bytes as a launch in a step",
-             "  product      out     in  floor  " + "  ".join(f"{s:>10}" for s in STAGES) + "  whole/floor  launch"]
-    for size in args.sizes:
-        lines.append(f"{size}, {args.rows} rows")
-        for name, _, m, n in products(size):
-            lines.append(product_row(name, m, n, args.rows, dev))
-            print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    head = [f"# python tools/weights_stages.py --sizes {' '.join(args.sizes)} --rows {args.rows}",
+            f"# {torch.cuda.get_device_name()}: the register-fed 4-bit kernel's default launch, µs a product over cold "
+            "weights: whole, the input read once before the walk, the codes and scales read once (their look-ups "
+            "leave the loop too), both; the floor: a pure read of the product's bytes as a launch in a step",
+            "  product      out     in  floor  " + "  ".join(f"{s:>10}" for s in STAGES) + "  whole/floor  launch"]
+
+    def rows():
+        for size in args.sizes:
+            yield f"{size}, {args.rows} rows"
+            for name, _, m, n in products(size):
+                yield product_row(name, m, n, args.rows, dev)
+    table_lines(head, rows(), args.out)
 
 
 if __name__ == "__main__":
