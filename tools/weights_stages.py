@@ -50,8 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     head = [f"# python tools/weights_stages.py --sizes {' '.join(args.sizes)} --rows {args.rows}",
-            f"# {torch.cuda.get_device_name()}: the register-fed 4-bit kernel's default launch, µs a product over cold "
-            "weights: whole, the input read once before the walk, the codes and scales read once (their look-ups "
+            f"# {torch.cuda.get_device_name()}: the register-fed 4-bit kernel's default launch, µs a product over "
+            "cold weights: whole, the input read once before the walk, the codes and scales read once (their look-ups "
             "leave the loop too), both; the floor: a pure read of the product's bytes as a launch in a step",
             "  product      out     in  floor  " + "  ".join(f"{s:>10}" for s in STAGES) + "  whole/floor  launch"]
 
