@@ -48,18 +48,6 @@ def products(size: str) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def table_lines(head: list[str], rows, out: str | None) -> None:
-    """A table's lines: ``head``, then each of ``rows`` (an iterable of lines, each printed as it comes), all written
-    to ``out`` at the end when given."""
-    lines = list(head)
-    for line in rows:
-        lines.append(line)
-        print(line, flush=True)
-    if out:
-        with open(out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-
-
 def product_row(size: str, name: str, epi: str, m: int, n: int, rows: int, rate: float, sweep: bool) -> dict:
     dev = torch.device("cuda")
     weights, nbytes = cold_passes(m, n, dev)

@@ -15,8 +15,9 @@ import torch
 from esm_turbo.bench.timing import launch_floors_us
 from esm_turbo.kernels.common import num_sms
 from esm_turbo.kernels.weights import launch_config, matmul_triton
+from study_common import stream
 from tune_split import per_product_us
-from tune_weights_step import cold_passes, products, table_lines
+from tune_weights_step import cold_passes, products
 
 #: the columns: the kernel whole, then with PROBE 1, 2 and 3
 STAGES = ("whole", "input once", "codes once", "both once")
@@ -60,7 +61,7 @@ def main() -> None:
             yield f"{size}, {args.rows} rows"
             for name, _, m, n in products(size):
                 yield product_row(name, m, n, args.rows, dev)
-    table_lines(head, rows(), args.out)
+    stream(rows(), args.out, header="\n".join(head) + "\n")
 
 
 if __name__ == "__main__":
