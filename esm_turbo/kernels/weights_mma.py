@@ -213,7 +213,8 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
         tl.extra.cuda.gdc_wait()
     if PROBE & 1:
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a, ok_a, WL)
-        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b, ok_b, WL)
+        if TILES == 2:
+            y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b, ok_b, WL)
     for j in range(steps):
         if PROBE & 2:
             pass
