@@ -176,7 +176,7 @@ def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the register-fed tensor-core kernel is PTX (CUDA only)")
 @pytest.mark.parametrize("n,group,batch,words,split,ahead", [
     (512, 32, 1, 4, 1, 1), (512, 128, 5, 2, 2, 0), (1024, 64, 9, 4, 4, 1), (256, 32, 16, 2, 1, 0),
-    (2048, 32, 12, 4, 2, 1), (1280, 32, 3, 4, 4, 1)])
+    (2048, 32, 12, 4, 2, 1), (1280, 32, 3, 4, 4, 1), (576, 32, 7, 4, 1, 1)])
 @torch.no_grad()
 def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, words, split, ahead):
     """The register-fed tensor-core kernel (up to 16 rows; 2 or 4 code words a lane; the input channels split over
@@ -248,15 +248,16 @@ def test_dependent_launches_and_prefetch_keep_a_chain_of_products_exact(mma):
 @pytest.mark.skipif(not __import__("esm_turbo.kernels", fromlist=["triton_supported"]).triton_supported(),
                     reason="triton >= 3.5 is not installed")
 def test_register_fed_kernel_launch_divides_the_channels():
-    """The register-fed kernel's launch shrinks (code words a lane, then split, then warps) until the chunks of input
-    channels divide evenly over the programs and warps; the rules take it for larger layers only, and it refuses
-    inputs it cannot take (not fp16, over 16 rows, part tiles, scale groups under a lane's 32 channels)."""
+    """The register-fed kernel's launch shrinks (code words a lane, then split, then warps) until the input channels
+    are whole chunks that divide evenly over the programs and warps; the rules take it for larger layers only, and it
+    refuses inputs it cannot take (not fp16, over 16 rows, part tiles, scale groups under a lane's 32 channels)."""
     from esm_turbo.kernels.weights import launch_config
     from esm_turbo.kernels.weights_mma import mma_fits, mma_launch
     assert mma_launch(10240, 4, 4, 4) == (4, 4, 4)
     assert mma_launch(1280, 4, 4, 4) == (4, 2, 1)  # 10 chunks of 128: 20 of 64 over 4 warps
     assert mma_launch(5120, 4, 4, 4) == (4, 2, 4)
     assert mma_launch(320, 4, 4, 1) == (1, 2, 1)  # 5 chunks of 64
+    assert mma_launch(576, 4, 4, 1) == (1, 2, 1)  # 9 chunks of 64, not 4 of 128 (which leave 64 channels out)
     assert launch_config(16, 7680, 2560)["mma"] and not launch_config(16, 1280, 1280)["mma"]
     assert launch_config(4, 3840, 1280)["mma"] and not launch_config(1, 7680, 2560)["mma"]
     assert not launch_config(64, 20480, 5120)["mma"]

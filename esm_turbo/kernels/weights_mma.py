@@ -293,8 +293,8 @@ def mma_fits(x: torch.Tensor, words: torch.Tensor, m: int, n: int, part_rows: in
 
 def mma_launch(n: int, warps: int, words: int, split: int) -> tuple[int, int, int]:
     """(warps, words, split) as asked, each reduced (code words a lane from 4 to 2 first, then split and warps halved)
-    until the N / (32·words) chunks of input channels divide evenly over split × warps."""
-    while (n // (32 * words)) % (split * warps):
+    until the N input channels are whole chunks of 32·words that divide evenly over split × warps."""
+    while n % (32 * words) or (n // (32 * words)) % (split * warps):
         if words > 2:
             words = 2
         elif split > 1:
