@@ -354,9 +354,6 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     return out
 
 
-#: rows a program of :func:`norm_rotate_triton` normalizes and rotates (each reads its rows whole for their statistics):
-
-
 def _pairs(x: torch.Tensor) -> bool:
     """Whether the one-row kernel, compiled, may read x [P, B, N] (fp16) as int32 pairs: 4-byte aligned, even
     strides."""
