@@ -174,16 +174,17 @@ def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the register-fed tensor-core kernel is PTX (CUDA only)")
-@pytest.mark.parametrize("n,group,batch,words,split,ahead", [
-    (512, 32, 1, 4, 1, 1), (512, 128, 5, 2, 2, 0), (1024, 64, 9, 4, 4, 1), (256, 32, 16, 2, 1, 0),
-    (2048, 32, 12, 4, 2, 1), (1280, 32, 3, 4, 4, 1), (576, 32, 7, 4, 1, 1)])
+@pytest.mark.parametrize("n,group,batch,words,split,ahead,regs", [
+    (512, 32, 1, 4, 1, 1, None), (512, 128, 5, 2, 2, 0, None), (1024, 64, 9, 4, 4, 1, None),
+    (256, 32, 16, 2, 1, 0, None), (2048, 32, 12, 4, 2, 1, None), (1280, 32, 3, 4, 4, 1, None),
+    (576, 32, 7, 4, 1, 1, None), (2048, 32, 16, 4, 1, 1, 96), (1024, 64, 9, 4, 4, 1, 128)])
 @torch.no_grad()
-def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, words, split, ahead):
+def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, words, split, ahead, regs):
     """The register-fed tensor-core kernel (up to 16 rows; 2 or 4 code words a lane; the input channels split over
-    programs, the last to arrive finishing; codes requested a step ahead) against the PyTorch reference in fp64, with
-    the earlier pass and the bias added once, twice in a row (the split's arrival counts left zero), and three parts
-    of one input in one launch (each its own codebook and rotated input), under the flash-attention rule against the
-    same sums computed by PyTorch in fp16."""
+    programs, the last to arrive finishing; codes requested a step ahead; a register cap) against the PyTorch
+    reference in fp64, with the earlier pass and the bias added once, twice in a row (the split's arrival counts left
+    zero), and three parts of one input in one launch (each its own codebook and rotated input), under the
+    flash-attention rule against the same sums computed by PyTorch in fp16."""
     from esm_turbo.kernels.common import split_counters
     from esm_turbo.kernels.weights import matmul_triton
     dev = torch.device("cuda")
@@ -197,7 +198,7 @@ def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, 
     half = torch.float16
     products = [x[p].to(dev, half) @ q.rotated_weight(half).to(dev).T for p, q in enumerate(qs)]
     pt = torch.cat(products, 1) + prev.to(dev, half) + bias.to(dev, half)  # PyTorch in fp16
-    cfg = dict(gemv=False, mma=True, mma_words=words, mma_split=split, mma_ahead=ahead)
+    cfg = dict(gemv=False, mma=True, mma_words=words, mma_split=split, mma_ahead=ahead, mma_maxnreg=regs)
     stack = [torch.cat([getattr(q, k) for q in qs]).to(dev) for k in ("codes0", "scales0", "codebook0")]
     for _ in range(2):
         out = matmul_triton(x.to(dev, half), *stack, config=cfg, prev=prev.to(dev), bias=bias.to(dev))

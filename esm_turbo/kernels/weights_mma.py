@@ -307,12 +307,15 @@ def mma_launch(n: int, warps: int, words: int, split: int) -> tuple[int, int, in
 def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, scales: torch.Tensor,
                out: torch.Tensor, part_rows: int, sxp: int, *, prev: torch.Tensor | None, bias: torch.Tensor | None,
                gelu: bool = False, warps: int = 4, words_per_lane: int = 4, split: int = 1,
-               ahead: int = 1, pdl: bool = False, prefetch: bool = False, probe: int = 0) -> torch.Tensor:
+               ahead: int = 1, pdl: bool = False, prefetch: bool = False, probe: int = 0,
+               maxnreg: int | None = None) -> torch.Tensor:
     """``out`` [B, M] = x Ŵ_rotᵀ (+ prev + bias, then GELU with ``gelu``) in one launch of :func:`_mma_kernel`
     (CUDA; :func:`mma_fits`): x [P, B, N] fp16 (each part's rotated input, parts ``sxp`` elements apart,
     ``part_rows`` outputs each), words [M, N/8] int32, codebook [P·16], scales [M, G] fp16. ``pdl``: launched as a
     programmatic dependent launch (sm_90 and up); ``prefetch``: the codes and scales asked into L2 first (sm_90);
-    ``probe``: a stage left out for a timing study (:func:`_mma_kernel`'s ``PROBE``; the result is then wrong)."""
+    ``probe``: a stage left out for a timing study (:func:`_mma_kernel`'s ``PROBE``; the result is then wrong);
+    ``maxnreg``: the registers a thread ptxas may use (None: its own choice, 68 at sm_90; with more room it issues a
+    step's input loads and the next step's code loads at the step's start rather than just before their use)."""
     _, b, n = x.shape
     m, groups = scales.shape
     warps, wl, split = mma_launch(n, warps, words_per_lane, split)
@@ -323,5 +326,5 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
         b, m, n, groups, x.stride(1), out.stride(0), part_rows, sxp, 0,
         TILES=1 if b <= 8 else 2, S=warps, WL=wl, SPLIT=split, GROUP=n // groups, HAS_PREV=prev is not None,
         HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, PDL=pdl, PREFETCH=prefetch, PROBE=probe, num_warps=warps,
-        launch_pdl=pdl, enable_fp_fusion=FP_FUSION)
+        launch_pdl=pdl, enable_fp_fusion=FP_FUSION, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     return out
