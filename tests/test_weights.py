@@ -177,14 +177,15 @@ def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
 @pytest.mark.parametrize("n,group,batch,words,split,ahead,regs", [
     (512, 32, 1, 4, 1, 1, None), (512, 128, 5, 2, 2, 0, None), (1024, 64, 9, 4, 4, 1, None),
     (256, 32, 16, 2, 1, 0, None), (2048, 32, 12, 4, 2, 1, None), (1280, 32, 3, 4, 4, 1, None),
-    (576, 32, 7, 4, 1, 1, None), (2048, 32, 16, 4, 1, 1, 96), (1024, 64, 9, 4, 4, 1, 128)])
+    (576, 32, 7, 4, 1, 1, None), (2048, 32, 16, 4, 1, 1, 96), (1024, 64, 9, 4, 4, 1, 128),
+    (2560, 32, 16, 4, 1, "upfront", 168), (2560, 32, 5, 4, 4, "upfront", None)])
 @torch.no_grad()
 def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, words, split, ahead, regs):
     """The register-fed tensor-core kernel (up to 16 rows; 2 or 4 code words a lane; the input channels split over
-    programs, the last to arrive finishing; codes requested a step ahead; a register cap) against the PyTorch
-    reference in fp64, with the earlier pass and the bias added once, twice in a row (the split's arrival counts left
-    zero), and three parts of one input in one launch (each its own codebook and rotated input), under the
-    flash-attention rule against the same sums computed by PyTorch in fp16."""
+    programs, the last to arrive finishing; codes requested a step ahead or all before the walk; a register cap)
+    against the PyTorch reference in fp64, with the earlier pass and the bias added once, twice in a row (the split's
+    arrival counts left zero), and three parts of one input in one launch (each its own codebook and rotated input),
+    under the flash-attention rule against the same sums computed by PyTorch in fp16."""
     from esm_turbo.kernels.common import split_counters
     from esm_turbo.kernels.weights import matmul_triton
     dev = torch.device("cuda")
@@ -198,7 +199,9 @@ def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, 
     half = torch.float16
     products = [x[p].to(dev, half) @ q.rotated_weight(half).to(dev).T for p, q in enumerate(qs)]
     pt = torch.cat(products, 1) + prev.to(dev, half) + bias.to(dev, half)  # PyTorch in fp16
-    cfg = dict(gemv=False, mma=True, mma_words=words, mma_split=split, mma_ahead=ahead, mma_maxnreg=regs)
+    upfront = ahead == "upfront"  # every step's codes requested before the walk
+    cfg = dict(gemv=False, mma=True, mma_words=words, mma_split=split, mma_ahead=1 if upfront else ahead,
+               mma_maxnreg=regs, mma_upfront=upfront)
     stack = [torch.cat([getattr(q, k) for q in qs]).to(dev) for k in ("codes0", "scales0", "codebook0")]
     for _ in range(2):
         out = matmul_triton(x.to(dev, half), *stack, config=cfg, prev=prev.to(dev), bias=bias.to(dev))

@@ -121,6 +121,46 @@ def _input_words(ptr, ok, WL: tl.constexpr):
 
 
 @triton.jit
+def _products(codes, tab, xs, ys, sa, sb, sums, TILES: tl.constexpr, WL: tl.constexpr):
+    """One walk step's MMAs (:func:`_mma_asm`): codes the eight code words (row a's four, row b's four), tab the
+    codebook's eight byte words, xs (and ys with TILES 2) a row tile's 4·WL input words, sa / sb the two rows' scales,
+    sums the eight float32 sums so far (the last four unused with TILES 1) → the eight sums."""
+    a0, a1, a2, a3, b0, b1, b2, b3 = codes
+    t0, t1, t2, t3, t4, t5, t6, t7 = tab
+    s0, s1, s2, s3, s4, s5, s6, s7 = sums
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = xs
+    if TILES == 1:
+        if WL == 2:
+            s0, s1, s2, s3 = tl.inline_asm_elementwise(
+                _STEP_12, "=f," * 4 + "r," * 20 + "h,h,f,f,f,f",
+                [a0, a1, b0, b1, t0, t1, t2, t3, t4, t5, t6, t7, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb,
+                 s0, s1, s2, s3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+        else:
+            s0, s1, s2, s3 = tl.inline_asm_elementwise(
+                _STEP_14, "=f," * 4 + "r," * 32 + "h,h,f,f,f,f",
+                [a0, a1, a2, a3, b0, b1, b2, b3, t0, t1, t2, t3, t4, t5, t6, t7, x0, x1, x2, x3, x4, x5, x6, x7,
+                 x8, x9, x10, x11, x12, x13, x14, x15, sa, sb, s0, s1, s2, s3],
+                dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = ys
+        if WL == 2:
+            s0, s1, s2, s3, s4, s5, s6, s7 = tl.inline_asm_elementwise(
+                _STEP_22, "=f," * 8 + "r," * 28 + "h,h" + ",f" * 8,
+                [a0, a1, b0, b1, t0, t1, t2, t3, t4, t5, t6, t7, x0, x1, x2, x3, x4, x5, x6, x7,
+                 y0, y1, y2, y3, y4, y5, y6, y7, sa, sb, s0, s1, s2, s3, s4, s5, s6, s7],
+                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            s0, s1, s2, s3, s4, s5, s6, s7 = tl.inline_asm_elementwise(
+                _STEP_24, "=f," * 8 + "r," * 48 + "h,h" + ",f" * 8,
+                [a0, a1, a2, a3, b0, b1, b2, b3, t0, t1, t2, t3, t4, t5, t6, t7,
+                 x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                 y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
+                 sa, sb, s0, s1, s2, s3, s4, s5, s6, s7],
+                dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
 def _slot(c: tl.constexpr, tile):
     """Sum register c (0–7) of lane (g, t): (input rows [32], weight rows [32]) over the 32 lanes."""
     lane = tl.arange(0, 32)
@@ -157,7 +197,7 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
                 B, M, N, G, sxb, sob, PR, sxp, zero, TILES: tl.constexpr, S: tl.constexpr, WL: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
                 GELU: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                PROBE: tl.constexpr):
+                PROBE: tl.constexpr, STEPS: tl.constexpr = 0):
     """Grid (M / 16, SPLIT), S warps. x [B, N] fp16 (B ≤ 8·TILES; rows strided by sxb, 16-byte aligned), codes
     [M, N/8] int32 (16-byte aligned rows), scales [M, G] fp16, codebook [16] fp16 (read through ``zero`` · lane, zero
     at run time), out [B, M] (rows strided by sob; its dtype) = x Ŵ_rotᵀ (+ prev, + bias, GELU: ``_finish``). Parts
@@ -168,7 +208,8 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     which no earlier kernel writes) before it waits for the kernel before it to finish. ``PREFETCH``: the program's
     codes and scales are asked into L2 at its start (``kernels.prefetch``), 16 threads a row each. ``PROBE`` (0 in
     every product; a timing study's stage left out, ``tools/weights_stages.py``, results then wrong): 1 the input
-    read once, before the walk; 2 the codes and scales read once (their look-ups then leave the loop too); 3 both."""
+    read once, before the walk; 2 the codes and scales read once (their look-ups then leave the loop too); 3 both.
+    ``STEPS`` (> 0: the walk's step count, compiled in): every step's codes and scales requested before the walk."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     CH: tl.constexpr = 32 * WL
@@ -207,7 +248,11 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     s5 = tl.zeros((32 * S,), tl.float32)
     s6 = tl.zeros((32 * S,), tl.float32)
     s7 = tl.zeros((32 * S,), tl.float32)
-    if AHEAD or PROBE & 2:
+    if STEPS:  # every step's codes and scales requested before the walk
+        pre = ()
+        for j in tl.static_range(STEPS):
+            pre = pre + (_step_codes(code_a, code_b, scale_a, scale_b, chan, j, S, WL, GROUP),)
+    elif AHEAD or PROBE & 2:
         a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, 0, S, WL, GROUP)
     if PDL:  # the input, the sums' buffers and the counts only once the kernel before has finished
         tl.extra.cuda.gdc_wait()
@@ -215,7 +260,15 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a, ok_a, WL)
         if TILES == 2:
             y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b, ok_b, WL)
-    for j in range(steps):
+    if STEPS:
+        for j in tl.static_range(STEPS):
+            a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = pre[j]
+            xo = j * (S * CH // 2)
+            xs = _input_words(x_a + xo, ok_a, WL)
+            ys = _input_words(x_b + xo, ok_b, WL) if TILES == 2 else ()
+            s0, s1, s2, s3, s4, s5, s6, s7 = _products((a0, a1, a2, a3, b0, b1, b2, b3), (t0, t1, t2, t3, t4, t5, t6, t7),
+                                                       xs, ys, sa, sb, (s0, s1, s2, s3, s4, s5, s6, s7), TILES, WL)
+    for j in range(0 if STEPS else steps):
         if PROBE & 2:
             pass
         elif AHEAD:  # the next step's codes requested before this one's are decoded (the last step: its own again)
@@ -230,33 +283,11 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
             if TILES == 2:
                 y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b + xo, ok_b,
                                                                                                     WL)
-        if TILES == 1:
-            if WL == 2:
-                s0, s1, s2, s3 = tl.inline_asm_elementwise(
-                    _STEP_12, "=f," * 4 + "r," * 20 + "h,h,f,f,f,f",
-                    [a0, a1, b0, b1, t0, t1, t2, t3, t4, t5, t6, t7, x0, x1, x2, x3, x4, x5, x6, x7, sa, sb,
-                     s0, s1, s2, s3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-            else:
-                s0, s1, s2, s3 = tl.inline_asm_elementwise(
-                    _STEP_14, "=f," * 4 + "r," * 32 + "h,h,f,f,f,f",
-                    [a0, a1, a2, a3, b0, b1, b2, b3, t0, t1, t2, t3, t4, t5, t6, t7, x0, x1, x2, x3, x4, x5, x6, x7,
-                     x8, x9, x10, x11, x12, x13, x14, x15, sa, sb, s0, s1, s2, s3],
-                    dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-        else:
-            if WL == 2:
-                s0, s1, s2, s3, s4, s5, s6, s7 = tl.inline_asm_elementwise(
-                    _STEP_22, "=f," * 8 + "r," * 28 + "h,h" + ",f" * 8,
-                    [a0, a1, b0, b1, t0, t1, t2, t3, t4, t5, t6, t7, x0, x1, x2, x3, x4, x5, x6, x7,
-                     y0, y1, y2, y3, y4, y5, y6, y7, sa, sb, s0, s1, s2, s3, s4, s5, s6, s7],
-                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-            else:
-                s0, s1, s2, s3, s4, s5, s6, s7 = tl.inline_asm_elementwise(
-                    _STEP_24, "=f," * 8 + "r," * 48 + "h,h" + ",f" * 8,
-                    [a0, a1, a2, a3, b0, b1, b2, b3, t0, t1, t2, t3, t4, t5, t6, t7,
-                     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                     y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15,
-                     sa, sb, s0, s1, s2, s3, s4, s5, s6, s7],
-                    dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        s0, s1, s2, s3, s4, s5, s6, s7 = _products(
+            (a0, a1, a2, a3, b0, b1, b2, b3), (t0, t1, t2, t3, t4, t5, t6, t7),
+            (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
+            (y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15) if TILES == 2 else (),
+            sa, sb, (s0, s1, s2, s3, s4, s5, s6, s7), TILES, WL)
         if AHEAD and not PROBE & 2:
             a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsa, nsb
     _emit(s0, 0, tile, B, M, sob, prev_ptr, bias_ptr, out_ptr, part_ptr, S, SPLIT, HAS_PREV, HAS_BIAS, GELU)
@@ -308,14 +339,15 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
                out: torch.Tensor, part_rows: int, sxp: int, *, prev: torch.Tensor | None, bias: torch.Tensor | None,
                gelu: bool = False, warps: int = 4, words_per_lane: int = 4, split: int = 1,
                ahead: int = 1, pdl: bool = False, prefetch: bool = False, probe: int = 0,
-               maxnreg: int | None = None) -> torch.Tensor:
+               maxnreg: int | None = None, upfront: bool = False) -> torch.Tensor:
     """``out`` [B, M] = x Ŵ_rotᵀ (+ prev + bias, then GELU with ``gelu``) in one launch of :func:`_mma_kernel`
     (CUDA; :func:`mma_fits`): x [P, B, N] fp16 (each part's rotated input, parts ``sxp`` elements apart,
     ``part_rows`` outputs each), words [M, N/8] int32, codebook [P·16], scales [M, G] fp16. ``pdl``: launched as a
     programmatic dependent launch (sm_90 and up); ``prefetch``: the codes and scales asked into L2 first (sm_90);
     ``probe``: a stage left out for a timing study (:func:`_mma_kernel`'s ``PROBE``; the result is then wrong);
     ``maxnreg``: the registers a thread ptxas may use (None: its own choice, 68 at sm_90; with more room it issues a
-    step's input loads and the next step's code loads at the step's start rather than just before their use)."""
+    step's input loads and the next step's code loads at the step's start rather than just before their use);
+    ``upfront``: the walk's step count compiled in and every step's codes and scales requested before it starts."""
     _, b, n = x.shape
     m, groups = scales.shape
     warps, wl, split = mma_launch(n, warps, words_per_lane, split)
@@ -325,6 +357,6 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
         x, words, codebook, scales, x if prev is None else prev, x if bias is None else bias, out, partials, counts,
         b, m, n, groups, x.stride(1), out.stride(0), part_rows, sxp, 0,
         TILES=1 if b <= 8 else 2, S=warps, WL=wl, SPLIT=split, GROUP=n // groups, HAS_PREV=prev is not None,
-        HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, PDL=pdl, PREFETCH=prefetch, PROBE=probe, num_warps=warps,
-        launch_pdl=pdl, enable_fp_fusion=FP_FUSION, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+        HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, PDL=pdl, PREFETCH=prefetch, PROBE=probe,
+        STEPS=n // (32 * wl) // split // warps if upfront else 0, num_warps=warps, launch_pdl=pdl, enable_fp_fusion=FP_FUSION, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     return out

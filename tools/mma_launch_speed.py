@@ -1,0 +1,80 @@
+"""The register-fed 4-bit kernel's launch variants against its default launch, each product over cold weights at a
+decode step's rows, on the GPU: µs a product, the best of three interleaved runs, every launch checked against
+``matmul_reference`` first. A variant overrides ``launch_config``'s keys: ``mma_maxnreg`` (a register cap: with more
+room than its own choice of 68 a thread, ptxas issues a step's input loads and the next step's code loads at the
+step's start), ``mma_upfront`` (every step's codes and scales requested before the walk). ``--design``: then the
+3B-shaped design step (``bench.weights.decode_step``) with each variant's keys as ``matmul.MMA_LAUNCH``.
+
+    python tools/mma_launch_speed.py [--sizes 3B 15B 650M] [--rows 16 8] [--configs "mma_maxnreg=96" ...]
+        [--design "" "mma_maxnreg=96"] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from esm_turbo.bench.timing import launch_floors_us
+from esm_turbo.kernels.common import num_sms
+from esm_turbo.kernels.weights import launch_config, matmul_reference, matmul_triton
+from slot_speed import parse_config
+from study_common import stream
+from tune_split import per_product_us
+from tune_weights_step import cold_passes, products
+
+
+def product_line(size: str, name: str, m: int, n: int, rows: int, variants: list[dict], dev: torch.device) -> str:
+    """One product's line: its launch floor, the default launch's µs and each variant's (its speed against the
+    default)."""
+    weights, nbytes = cold_passes(m, n, dev)
+    first, count = weights[0], len(weights)
+    x = torch.randn(rows, n, device=dev).half()
+    ref = matmul_reference(x, *first).float()
+    base = dict(launch_config(rows, m, n, num_sms(dev)), mma=True, gemv=False)
+    cfgs = [base] + [dict(base, **v) for v in variants]
+    times: list[list[float]] = [[] for _ in cfgs]
+    for _ in range(3):
+        for i, cfg in enumerate(cfgs):
+            def call(w, cfg=cfg):
+                return matmul_triton(x, *w, config=cfg, out_dtype=torch.float16)
+            err = (call(first).float() - ref).abs().max().item() / ref.abs().max().item()
+            assert err < 2e-3, (cfg, err)
+            times[i].append(per_product_us(call, weights, dev))
+    best = [min(t) for t in times]
+    floor = launch_floors_us([nbytes] * count, dev) / count
+    return (f"  {size:5} {name:8} {rows:4} {floor:6.1f} {best[0]:8.1f}  "
+            + "  ".join(f"{b:6.1f} ({best[0] / b:4.2f}×)" for b in best[1:]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["3B", "15B", "650M"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[16, 8])
+    ap.add_argument("--configs", nargs="+", default=["mma_maxnreg=96", "mma_maxnreg=128"],
+                    help='launch variants, each "key=value ..." over launch_config\'s keys')
+    ap.add_argument("--design", nargs="*", default=[],
+                    help='then the 3B design step with each variant ("": the default launch)')
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    variants = [parse_config(c) for c in args.configs]
+    head = [f"# python tools/mma_launch_speed.py --sizes {' '.join(args.sizes)} --rows "
+            f"{' '.join(map(str, args.rows))} --configs " + " ".join(f'"{c}"' for c in args.configs),
+            f"# {torch.cuda.get_device_name()}: µs a product over cold weights; the default register-fed launch, then "
+            "each variant (its speed against the default's): " + "; ".join(f"{i + 1} {c}" for i, c in
+                                                                             enumerate(args.configs)),
+            "  size  product  rows  floor  default  " + "  ".join(f"{i + 1:<14}" for i in range(len(variants)))]
+    stream((product_line(size, name, m, n, rows, variants, dev) for size in args.sizes
+            for name, _, m, n in products(size) for rows in args.rows), args.out, header="\n".join(head) + "\n")
+    from esm_turbo.bench.weights import decode_step
+    from esm_turbo.kernels.weights import matmul
+    for text in args.design:
+        matmul.MMA_LAUNCH = parse_config(text)
+        step = decode_step("3B", dev)
+        print(f"design step, {text or 'the default launch'}: fp16 weights {step['fp16_ms']:.3f} ms, 4-bit "
+              f"{step['4-bit_ms']:.3f} ({step['fp16_ms'] / step['4-bit_ms']:.2f}×), products free {step['free_ms']:.3f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
