@@ -160,11 +160,13 @@ def main() -> None:
     # the register-fed tensor-core kernel: 1–8 and 9–16 rows, 4 and 2 code words a lane, split over programs
     # (the second also a programmatic dependent launch, its codes and scales prefetched into L2; the last two with
     # a stage left out, as tools/weights_stages.py times them)
-    for tiles, wl, split, extras, ahead, hop, probe in ((1, 4, 1, True, 1, 0, 0), (2, 4, 4, True, 1, 1, 0),
-                                                        (2, 2, 2, False, 0, 0, 1), (2, 4, 1, False, 1, 0, 2)):
+    # (and every step's codes before the walk, more warps than the chunks divide over)
+    for tiles, wl, split, extras, ahead, hop, probe, steps, ragged in (
+            (1, 4, 1, True, 1, 0, 0, 0, 0), (2, 4, 4, True, 1, 1, 0, 0, 0), (2, 2, 2, False, 0, 0, 1, 0, 0),
+            (2, 4, 1, False, 1, 0, 2, 0, 0), (2, 4, 1, True, 1, 0, 0, 5, 0), (1, 4, 2, False, 1, 0, 0, 0, 1)):
         compile_sm90(weights_mma._mma_kernel, dict(TILES=tiles, S=4, WL=wl, SPLIT=split, GROUP=32, HAS_PREV=extras,
                                                    HAS_BIAS=extras, GELU=extras, AHEAD=ahead, PDL=hop,
-                                                   PREFETCH=hop, PROBE=probe),
+                                                   PREFETCH=hop, PROBE=probe, STEPS=steps, RAGGED=ragged),
                      {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp", "zero"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)

@@ -184,10 +184,10 @@ def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
 def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, words, split, ahead, regs):
     """The register-fed tensor-core kernel (up to 16 rows; 2 or 4 code words a lane; the input channels split over
     programs, the last to arrive finishing; codes requested a step ahead or all before the walk; more warps than
-    the chunks divide over; a register cap)
-    against the PyTorch reference in fp64, with the earlier pass and the bias added once, twice in a row (the split's
-    arrival counts left zero), and three parts of one input in one launch (each its own codebook and rotated input),
-    under the flash-attention rule against the same sums computed by PyTorch in fp16."""
+    the chunks divide over; a register cap) against the PyTorch reference in fp64, with the earlier pass and the
+    bias added once, twice in a row (the split's arrival counts left zero), and three parts of one input in one
+    launch (each its own codebook and rotated input), under the flash-attention rule against the same sums computed
+    by PyTorch in fp16."""
     from esm_turbo.kernels.common import split_counters
     from esm_turbo.kernels.weights import matmul_triton
     dev = torch.device("cuda")

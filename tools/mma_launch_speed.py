@@ -72,8 +72,8 @@ def main() -> None:
         matmul.MMA_LAUNCH = parse_config(text)
         step = decode_step("3B", dev)
         print(f"design step, {text or 'the default launch'}: fp16 weights {step['fp16_ms']:.3f} ms, 4-bit "
-              f"{step['4-bit_ms']:.3f} ({step['fp16_ms'] / step['4-bit_ms']:.2f}×), products free {step['free_ms']:.3f}",
-              flush=True)
+              f"{step['4-bit_ms']:.3f} ({step['fp16_ms'] / step['4-bit_ms']:.2f}×), "
+              f"products free {step['free_ms']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,15 @@ def _live(j, warp, chunks, S: tl.constexpr, RAGGED: tl.constexpr):
 
 
 @triton.jit
+def _live_rows(ok, j, warp, chunks, S: tl.constexpr, RAGGED: tl.constexpr):
+    """The input rows ``ok`` [T] a lane reads at step j: with ``RAGGED`` none where its warp's chunk lies past the
+    program's ``chunks``."""
+    if RAGGED:
+        ok = ok & (warp + S * j < chunks)
+    return ok
+
+
+@triton.jit
 def _input_words(ptr, ok, WL: tl.constexpr):
     """A lane's 8·WL input channels at ``ptr`` [T] (int32 pointers) as 4·WL int32 [T] (:func:`_input_load`); with
     WL = 2 the last eight repeat the first eight (unused)."""
@@ -206,7 +215,7 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
                 B, M, N, G, sxb, sob, PR, sxp, zero, TILES: tl.constexpr, S: tl.constexpr, WL: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
                 GELU: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                PROBE: tl.constexpr, STEPS: tl.constexpr = 0, RAGGED: tl.constexpr = False):
+                PROBE: tl.constexpr, STEPS: tl.constexpr, RAGGED: tl.constexpr):
     """Grid (M / 16, SPLIT), S warps. x [B, N] fp16 (B ≤ 8·TILES; rows strided by sxb, 16-byte aligned), codes
     [M, N/8] int32 (16-byte aligned rows), scales [M, G] fp16, codebook [16] fp16 (read through ``zero`` · lane, zero
     at run time), out [B, M] (rows strided by sob; its dtype) = x Ŵ_rotᵀ (+ prev, + bias, GELU: ``_finish``). Parts
@@ -277,29 +286,28 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
         for j in tl.static_range(STEPS):
             a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = pre[j]
             xo = j * (S * CH // 2)
-            live = (warp + S * j < chunks) | (not RAGGED)
-            xs = _input_words(x_a + xo, ok_a & live, WL)
-            ys = _input_words(x_b + xo, ok_b & live, WL) if TILES == 2 else ()
-            s0, s1, s2, s3, s4, s5, s6, s7 = _products((a0, a1, a2, a3, b0, b1, b2, b3), (t0, t1, t2, t3, t4, t5, t6, t7),
-                                                       xs, ys, sa, sb, (s0, s1, s2, s3, s4, s5, s6, s7), TILES, WL)
+            xs = _input_words(x_a + xo, _live_rows(ok_a, j, warp, chunks, S, RAGGED), WL)
+            ys = _input_words(x_b + xo, _live_rows(ok_b, j, warp, chunks, S, RAGGED), WL) if TILES == 2 else ()
+            s0, s1, s2, s3, s4, s5, s6, s7 = _products(
+                (a0, a1, a2, a3, b0, b1, b2, b3), (t0, t1, t2, t3, t4, t5, t6, t7), xs, ys, sa, sb,
+                (s0, s1, s2, s3, s4, s5, s6, s7), TILES, WL)
     for j in range(0 if STEPS else steps):
         if PROBE & 2:
             pass
         elif AHEAD:  # the next step's codes requested before this one's are decoded (the last step: its own again)
             na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsa, nsb = _step_codes(
-                code_a, code_b, scale_a, scale_b, chan, _live(tl.where(j + 1 < steps, j + 1, j), warp, chunks, S, RAGGED),
-                S, WL, GROUP)
+                code_a, code_b, scale_a, scale_b, chan,
+                _live(tl.where(j + 1 < steps, j + 1, j), warp, chunks, S, RAGGED), S, WL, GROUP)
         else:
             a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan,
                                                                   _live(j, warp, chunks, S, RAGGED), S, WL, GROUP)
         xo = j * (S * CH // 2)
-        live = (warp + S * j < chunks) | (not RAGGED)
         if not PROBE & 1:
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a + xo, ok_a & live,
-                                                                                                WL)
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(
+                x_a + xo, _live_rows(ok_a, j, warp, chunks, S, RAGGED), WL)
             if TILES == 2:
                 y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(
-                    x_b + xo, ok_b & live, WL)
+                    x_b + xo, _live_rows(ok_b, j, warp, chunks, S, RAGGED), WL)
         s0, s1, s2, s3, s4, s5, s6, s7 = _products(
             (a0, a1, a2, a3, b0, b1, b2, b3), (t0, t1, t2, t3, t4, t5, t6, t7),
             (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
@@ -381,5 +389,6 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
         b, m, n, groups, x.stride(1), out.stride(0), part_rows, sxp, 0,
         TILES=1 if b <= 8 else 2, S=warps, WL=wl, SPLIT=split, GROUP=n // groups, HAS_PREV=prev is not None,
         HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, PDL=pdl, PREFETCH=prefetch, PROBE=probe,
-        STEPS=steps if upfront else 0, RAGGED=ragged, num_warps=warps, launch_pdl=pdl, enable_fp_fusion=FP_FUSION, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+        STEPS=steps if upfront else 0, RAGGED=ragged, num_warps=warps, launch_pdl=pdl, enable_fp_fusion=FP_FUSION,
+        **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     return out
