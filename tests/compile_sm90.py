@@ -160,18 +160,20 @@ def main() -> None:
     # the register-fed tensor-core kernel: 1–8 and 9–16 rows, 4 and 2 code words a lane, split over programs
     # (the second also a programmatic dependent launch, its codes and scales prefetched into L2; the last two with
     # a stage left out, as tools/weights_stages.py times them)
-    # (and every step's codes before the walk, more warps than the chunks divide over)
-    for tiles, wl, split, extras, ahead, hop, probe, steps, ragged in (
-            (1, 4, 1, True, 1, 0, 0, 0, 0), (2, 4, 4, True, 1, 1, 0, 0, 0), (2, 2, 2, False, 0, 0, 1, 0, 0),
-            (2, 4, 1, False, 1, 0, 2, 0, 0), (2, 4, 1, True, 1, 0, 0, 5, 0), (1, 4, 2, False, 1, 0, 0, 0, 1)):
+    # (and every step's codes before the walk, also as a programmatic dependent launch)
+    for tiles, wl, split, extras, ahead, hop, probe, steps in (
+            (1, 4, 1, True, 1, 0, 0, 0), (2, 4, 4, True, 1, 1, 0, 0), (2, 2, 2, False, 0, 0, 1, 0),
+            (2, 4, 1, False, 1, 0, 2, 0), (2, 4, 1, True, 1, 0, 0, 5), (1, 4, 2, False, 1, 1, 0, 5)):
         compile_sm90(weights_mma._mma_kernel, dict(TILES=tiles, S=4, WL=wl, SPLIT=split, GROUP=32, HAS_PREV=extras,
                                                    HAS_BIAS=extras, GELU=extras, AHEAD=ahead, PDL=hop,
-                                                   PREFETCH=hop, PROBE=probe, STEPS=steps, RAGGED=ragged),
+                                                   PREFETCH=hop, PROBE=probe, STEPS=steps),
                      {"B", "M", "N", "G", "sxb", "sob", "PR", "sxp", "zero"},
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)
-    for norm in (0, 2560):  # the input rotated; layer-normalized (3B's width), then rotated
-        compile_sm90(rotate._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32", NORM=norm),
+    for norm, early in ((0, False), (2560, True)):  # the input rotated; layer-normalized (3B's width), then rotated,
+        # letting the product after it start at once
+        compile_sm90(rotate._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32", NORM=norm,
+                                                 EARLY=early),
                      {"B", "N", "sxb"}, dict(x_ptr=f16, rot_scale="fp32", out_ptr=f16, w_ptr=f16, b_ptr=f16,
                                              y_ptr=f16, eps="fp32"), num_warps=4)
     # a decode step's query scaling and rotary embedding, q and k of 64-wide heads, eight heads a program

@@ -178,13 +178,13 @@ def test_weight_kernel_matches_its_reference(n, group, batch, gemv):
     (512, 32, 1, 4, 1, 1, None), (512, 128, 5, 2, 2, 0, None), (1024, 64, 9, 4, 4, 1, None),
     (256, 32, 16, 2, 1, 0, None), (2048, 32, 12, 4, 2, 1, None), (1280, 32, 3, 4, 4, 1, None),
     (576, 32, 7, 4, 1, 1, None), (2048, 32, 16, 4, 1, 1, 96), (1024, 64, 9, 4, 4, 1, 128),
-    (2560, 32, 16, 4, 1, "upfront", 168), (2560, 32, 5, 4, 4, "upfront", None), (2560, 32, 16, 4, 1, "ragged", None),
-    (1280, 32, 12, 4, 2, "ragged", 96), (2560, 32, 9, 4, 1, "upfront ragged", 168)])
+    (2560, 32, 16, 4, 1, "upfront", 168), (2560, 32, 5, 4, 4, "upfront", None), (1280, 32, 12, 4, 2, "upfront", 96),
+    (2560, 32, 9, 4, 1, "upfront pdl", None), (10240, 32, 16, 4, 4, "upfront pdl", None)])
 @torch.no_grad()
 def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, words, split, ahead, regs):
     """The register-fed tensor-core kernel (up to 16 rows; 2 or 4 code words a lane; the input channels split over
-    programs, the last to arrive finishing; codes requested a step ahead or all before the walk; more warps than
-    the chunks divide over; a register cap) against the PyTorch reference in fp64, with the earlier pass and the
+    programs, the last to arrive finishing; codes requested a step ahead or all before the walk, also as a
+    programmatic dependent launch; a register cap) against the PyTorch reference in fp64, with the earlier pass and the
     bias added once, twice in a row (the split's arrival counts left zero), and three parts of one input in one
     launch (each its own codebook and rotated input), under the flash-attention rule against the same sums computed
     by PyTorch in fp16."""
@@ -201,11 +201,9 @@ def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, 
     half = torch.float16
     products = [x[p].to(dev, half) @ q.rotated_weight(half).to(dev).T for p, q in enumerate(qs)]
     pt = torch.cat(products, 1) + prev.to(dev, half) + bias.to(dev, half)  # PyTorch in fp16
-    walk = str(ahead).split()  # "upfront": every step's codes requested before the walk; "ragged": 8 warps
+    walk = str(ahead).split()  # "upfront": every step's codes requested before the walk; "pdl": a dependent launch
     cfg = dict(gemv=False, mma=True, mma_words=words, mma_split=split, mma_ahead=1 if walk[0].isalpha() else ahead,
-               mma_maxnreg=regs, mma_upfront="upfront" in walk, mma_ragged="ragged" in walk)
-    if "ragged" in walk:
-        cfg["mma_warps"] = 8
+               mma_maxnreg=regs, mma_upfront="upfront" in walk, pdl="pdl" in walk)
     stack = [torch.cat([getattr(q, k) for q in qs]).to(dev) for k in ("codes0", "scales0", "codebook0")]
     for _ in range(2):
         out = matmul_triton(x.to(dev, half), *stack, config=cfg, prev=prev.to(dev), bias=bias.to(dev))
@@ -266,8 +264,6 @@ def test_register_fed_kernel_launch_divides_the_channels():
     assert mma_launch(5120, 4, 4, 4) == (4, 2, 4)
     assert mma_launch(320, 4, 4, 1) == (1, 2, 1)  # 5 chunks of 64
     assert mma_launch(576, 4, 4, 1) == (1, 2, 1)  # 9 chunks of 64, not 4 of 128 (which leave 64 channels out)
-    assert mma_launch(2560, 8, 4, 1, ragged=True) == (8, 4, 1)  # 20 chunks of 128 over 8 warps in 3 steps
-    assert mma_launch(320, 8, 4, 1, ragged=True) == (4, 2, 1)  # 5 chunks of 64: 4 warps, the last two steps ragged
     assert launch_config(16, 7680, 2560)["mma"] and not launch_config(16, 1280, 1280)["mma"]
     assert launch_config(4, 3840, 1280)["mma"] and not launch_config(1, 7680, 2560)["mma"]
     assert not launch_config(64, 20480, 5120)["mma"]

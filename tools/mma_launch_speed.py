@@ -3,16 +3,17 @@ decode step's rows, on the GPU: µs a product, the best of three interleaved run
 ``matmul_reference`` first (a variant off by more than 2·10⁻³ of the largest output reads "wrong" and is not timed).
 A variant overrides ``launch_config``'s keys: ``mma_maxnreg`` (a register cap: with more room than its own choice of
 68 a thread, ptxas issues a step's input loads and the next step's code loads at the step's start), ``mma_upfront``
-(every step's codes and scales requested before the walk), ``mma_ragged`` with ``mma_warps`` (more warps than the
-chunks of input channels divide over, so each walks fewer steps). ``--design``: then the 3B-shaped design step
-(``bench.weights.decode_step``) with each variant's keys as ``matmul.MMA_LAUNCH``.
+(every step's codes and scales requested before the walk), ``pdl`` (a programmatic dependent launch: with
+``mma_upfront`` every code is requested before the kernel waits for the one before it). ``--design``: then the
+3B-shaped design step under each variant (:func:`design_lines`).
 
     python tools/mma_launch_speed.py [--sizes 3B 15B 650M] [--rows 16 8] [--configs "mma_maxnreg=96" ...]
-        [--design "" "mma_maxnreg=96"] [--out FILE]
+        [--design "" "pdl=1 mma_upfront=1 early=1"] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -50,32 +51,80 @@ def product_line(size: str, name: str, m: int, n: int, rows: int, variants: list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", nargs="+", default=["3B", "15B", "650M"])
+    ap.add_argument("--sizes", nargs="*", default=["3B", "15B", "650M"])
     ap.add_argument("--rows", nargs="+", type=int, default=[16, 8])
     ap.add_argument("--configs", nargs="+", default=["mma_maxnreg=96", "mma_maxnreg=128"],
                     help='launch variants, each "key=value ..." over launch_config\'s keys')
     ap.add_argument("--design", nargs="*", default=[],
-                    help='then the 3B design step with each variant ("": the default launch)')
+                    help='then the 3B design step with each variant ("": the default launch; early=1: the rotations '
+                         'let the products after them start at once)')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
     variants = [parse_config(c) for c in args.configs]
     head = [f"# python tools/mma_launch_speed.py --sizes {' '.join(args.sizes)} --rows "
-            f"{' '.join(map(str, args.rows))} --configs " + " ".join(f'"{c}"' for c in args.configs),
+            f"{' '.join(map(str, args.rows))} --configs " + " ".join(f'"{c}"' for c in args.configs)
+            + (" --design " + " ".join(f'"{c}"' for c in args.design) if args.design else ""),
             f"# {torch.cuda.get_device_name()}: µs a product over cold weights; the default register-fed launch, then "
             "each variant (its speed against the default's): " + "; ".join(f"{i + 1} {c}" for i, c in
                                                                              enumerate(args.configs)),
             "  size  product  rows  floor  default  " + "  ".join(f"{i + 1:<14}" for i in range(len(variants)))]
-    stream((product_line(size, name, m, n, rows, variants, dev) for size in args.sizes
-            for name, _, m, n in products(size) for rows in args.rows), args.out, header="\n".join(head) + "\n")
-    from esm_turbo.bench.weights import decode_step
-    from esm_turbo.kernels.weights import matmul
-    for text in args.design:
-        matmul.MMA_LAUNCH = parse_config(text)
-        step = decode_step("3B", dev)
-        print(f"design step, {text or 'the default launch'}: fp16 weights {step['fp16_ms']:.3f} ms, 4-bit "
-              f"{step['4-bit_ms']:.3f} ({step['fp16_ms'] / step['4-bit_ms']:.2f}×), "
-              f"products free {step['free_ms']:.3f}", flush=True)
+    lines = stream((product_line(size, name, m, n, rows, variants, dev) for size in args.sizes
+                    for name, _, m, n in products(size) for rows in args.rows), None)
+    lines += stream(design_lines(args.design, dev) if args.design else (), None)
+    if args.out:
+        Path(args.out).write_text("\n".join(head + lines) + "\n")
+
+
+def design_lines(texts: list[str], dev: torch.device):
+    """The 3B design step (``bench.weights.design_step``: a 1,024-token scaffold forked 16 ways, 3+1-bit cache,
+    captured, FastEsm's fused blocks) with fp16 weights, then with 4-bit weights under each variant (``early=1``:
+    the rotations before the products let a dependent launch start at once, ``rotate.EARLY_DEPENDENTS``; the other
+    keys as ``matmul.MMA_LAUNCH``): ms a step (the best of three medians), each variant's logits against the
+    first's."""
+    import gc
+
+    import triton.testing
+
+    from esm_turbo.bench.weights import GROUP, design_step
+    from esm_turbo.kernels.weights import matmul, rotate
+    from esm_turbo.model.engine import TurboEsm
+    from esm_turbo.model.sizes import esm2_config
+    from esm_turbo.weights.codec import WeightQuantConfig
+    from esm_turbo.weights.model import random_model
+
+    def timed(engine) -> tuple[float, torch.Tensor]:
+        session, step = design_step(engine)
+        ms = min(triton.testing.do_bench(step.graph.replay, warmup=25, rep=100, return_mode="median")
+                 for _ in range(3))
+        step.graph.replay()
+        logits = step.out.logits.float().clone()
+        del session, step
+        gc.collect()
+        torch.cuda.empty_cache()
+        return ms, logits
+
+    yield "# the 3B design step (16 forks of a 1,024-token scaffold, one token a row, captured): ms a step"
+    with torch.no_grad():
+        engine = TurboEsm(random_model(esm2_config("3B"), dev, None))
+        engine.fused_step = True
+        fp16, _ = timed(engine)
+        del engine
+        gc.collect()
+        yield f"  fp16 weights {fp16:.3f} ms"
+        engine = TurboEsm(random_model(esm2_config("3B"), dev, WeightQuantConfig(bits=4, group=GROUP)))
+        engine.fused_step = True
+        first = None
+        for text in texts:
+            keys = parse_config(text)
+            rotate.EARLY_DEPENDENTS = bool(keys.pop("early", False))
+            matmul.MMA_LAUNCH = keys
+            ms, logits = timed(engine)
+            first = logits if first is None else first
+            err = ((logits - first).abs().max() / first.abs().max()).item()
+            yield (f"  4-bit, {text or 'the default launch'}: {ms:.3f} ms ({fp16 / ms:.2f}× fp16); logits against "
+                   f"the first's: {err:.1e}")
+        rotate.EARLY_DEPENDENTS, matmul.MMA_LAUNCH = False, {}
 
 
 if __name__ == "__main__":

@@ -237,6 +237,18 @@ def _free_products(engine) -> None:
         block._step_products = tuple(_FreeProduct(p.linears) for p in step_products(block.quantized))
 
 
+def design_step(engine, beam: int = 16, prefix: int = 1024) -> tuple:
+    """(session, captured step) of a design loop on ``engine`` (a ``TurboEsm`` on CUDA): a ``prefix``-token random
+    scaffold forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph (its
+    replay computes ``step.out``'s logits [beam, 1, V] again, committing nothing)."""
+    from ..model.alphabet import alphabet
+    from .synthetic import layer_codec, random_protein
+    session = engine.session(layer_codec, capacity=prefix + 8)
+    session.start([random_protein(prefix - 1, 0)])
+    session.fork(beam)
+    return session, session.capture_step(torch.full((beam, 1), alphabet().get_idx("A"), device=engine.device))
+
+
 @torch.no_grad()
 def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1024, profiled: bool = False) -> dict:
     """A design loop's decode step on a ``size``-shaped model with fp16 weights and with 4-bit weights in groups of
@@ -253,12 +265,10 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
     ``profiled``: each step's kernels by kind too (``{name}_kernels``: ``bench.step.breakdown`` less its top list)."""
     import triton.testing
 
-    from ..model.alphabet import alphabet
     from ..model.engine import TurboEsm
     from ..weights.codec import WeightQuantConfig
     from ..weights.model import random_model, weight_memory
     from .step import profile_step
-    from .synthetic import layer_codec, random_protein
     out = dict(size=size, beam=beam, prefix=prefix)
     four = WeightQuantConfig(bits=4, group=GROUP)
     for name, quant in (("fp16", None), ("4-bit", four), ("4-bit_layers", four), ("free", four)):
@@ -274,10 +284,7 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
         engine.fused_step = name != "4-bit_layers"
         if name == "free":
             _free_products(engine)
-        session = engine.session(layer_codec, capacity=prefix + 8)
-        session.start([random_protein(prefix - 1, 0)])
-        session.fork(beam)
-        step = session.capture_step(torch.full((beam, 1), alphabet().get_idx("A"), device=device))
+        session, step = design_step(engine, beam, prefix)
         out[f"{name}_ms"] = triton.testing.do_bench(step.graph.replay, warmup=25, rep=100, return_mode="median")
         if profiled:
             parts = profile_step(step.graph.replay, device)

@@ -107,24 +107,6 @@ def _step_codes(code_a, code_b, scale_a, scale_b, chan, j, S: tl.constexpr, WL: 
 
 
 @triton.jit
-def _live(j, warp, chunks, S: tl.constexpr, RAGGED: tl.constexpr):
-    """The step whose codes warp ``warp`` [T] reads at step j: j itself, or with ``RAGGED`` step 0 where its chunk
-    at step j lies past the program's ``chunks`` (its input is then masked to zeros)."""
-    if RAGGED:
-        j = tl.where(warp + S * j < chunks, j, 0)
-    return j
-
-
-@triton.jit
-def _live_rows(ok, j, warp, chunks, S: tl.constexpr, RAGGED: tl.constexpr):
-    """The input rows ``ok`` [T] a lane reads at step j: with ``RAGGED`` none where its warp's chunk lies past the
-    program's ``chunks``."""
-    if RAGGED:
-        ok = ok & (warp + S * j < chunks)
-    return ok
-
-
-@triton.jit
 def _input_words(ptr, ok, WL: tl.constexpr):
     """A lane's 8·WL input channels at ``ptr`` [T] (int32 pointers) as 4·WL int32 [T] (:func:`_input_load`); with
     WL = 2 the last eight repeat the first eight (unused)."""
@@ -215,7 +197,7 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
                 B, M, N, G, sxb, sob, PR, sxp, zero, TILES: tl.constexpr, S: tl.constexpr, WL: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP: tl.constexpr, HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr,
                 GELU: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                PROBE: tl.constexpr, STEPS: tl.constexpr, RAGGED: tl.constexpr):
+                PROBE: tl.constexpr, STEPS: tl.constexpr):
     """Grid (M / 16, SPLIT), S warps. x [B, N] fp16 (B ≤ 8·TILES; rows strided by sxb, 16-byte aligned), codes
     [M, N/8] int32 (16-byte aligned rows), scales [M, G] fp16, codebook [16] fp16 (read through ``zero`` · lane, zero
     at run time), out [B, M] (rows strided by sob; its dtype) = x Ŵ_rotᵀ (+ prev, + bias, GELU: ``_finish``). Parts
@@ -227,14 +209,12 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     codes and scales are asked into L2 at its start (``kernels.prefetch``), 16 threads a row each. ``PROBE`` (0 in
     every product; a timing study's stage left out, ``tools/weights_stages.py``, results then wrong): 1 the input
     read once, before the walk; 2 the codes and scales read once (their look-ups then leave the loop too); 3 both.
-    ``STEPS`` (> 0: the walk's step count, compiled in): every step's codes and scales requested before the walk.
-    ``RAGGED``: the chunks need not divide evenly over the warps; a warp's missing chunks (past the last) read its
-    first chunk's codes with the input masked to zeros, so they add nothing."""
+    ``STEPS`` (> 0: the walk's step count, compiled in): every step's codes and scales requested before the walk."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     CH: tl.constexpr = 32 * WL
     chunks = N // CH // SPLIT
-    steps = tl.cdiv(chunks, S) if RAGGED else chunks // S
+    steps = chunks // S
     i = tl.arange(0, 32 * S)
     lane = i % 32
     g = lane // 4
@@ -243,8 +223,7 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     part = tile * 16 // PR
     x_ptr += part.to(tl.int64) * sxp
     t0, t1, t2, t3, t4, t5, t6, t7 = codebook_bytes((cb_ptr + part * 16).to(tl.pointer_type(tl.int32)) + zero * i)
-    warp = i // 32
-    first = tl.program_id(1) * chunks + warp  # the warp's first chunk
+    first = tl.program_id(1) * chunks + i // 32  # the warp's first chunk
     row = tile * 16 + g
     code_a = codes_ptr + row.to(tl.int64) * (N // 8) + first * (4 * WL) + t * WL
     code_b = code_a + 8 * (N // 8)
@@ -272,8 +251,7 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     if STEPS:  # every step's codes and scales requested before the walk
         pre = ()
         for j in tl.static_range(STEPS):
-            pre = pre + (_step_codes(code_a, code_b, scale_a, scale_b, chan, _live(j, warp, chunks, S, RAGGED), S,
-                                     WL, GROUP),)
+            pre = pre + (_step_codes(code_a, code_b, scale_a, scale_b, chan, j, S, WL, GROUP),)
     elif AHEAD or PROBE & 2:
         a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, 0, S, WL, GROUP)
     if PDL:  # the input, the sums' buffers and the counts only once the kernel before has finished
@@ -286,8 +264,8 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
         for j in tl.static_range(STEPS):
             a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = pre[j]
             xo = j * (S * CH // 2)
-            xs = _input_words(x_a + xo, _live_rows(ok_a, j, warp, chunks, S, RAGGED), WL)
-            ys = _input_words(x_b + xo, _live_rows(ok_b, j, warp, chunks, S, RAGGED), WL) if TILES == 2 else ()
+            xs = _input_words(x_a + xo, ok_a, WL)
+            ys = _input_words(x_b + xo, ok_b, WL) if TILES == 2 else ()
             s0, s1, s2, s3, s4, s5, s6, s7 = _products(
                 (a0, a1, a2, a3, b0, b1, b2, b3), (t0, t1, t2, t3, t4, t5, t6, t7), xs, ys, sa, sb,
                 (s0, s1, s2, s3, s4, s5, s6, s7), TILES, WL)
@@ -296,18 +274,16 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
             pass
         elif AHEAD:  # the next step's codes requested before this one's are decoded (the last step: its own again)
             na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsa, nsb = _step_codes(
-                code_a, code_b, scale_a, scale_b, chan,
-                _live(tl.where(j + 1 < steps, j + 1, j), warp, chunks, S, RAGGED), S, WL, GROUP)
+                code_a, code_b, scale_a, scale_b, chan, tl.where(j + 1 < steps, j + 1, j), S, WL, GROUP)
         else:
-            a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan,
-                                                                  _live(j, warp, chunks, S, RAGGED), S, WL, GROUP)
+            a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, j, S, WL,
+                                                                  GROUP)
         xo = j * (S * CH // 2)
         if not PROBE & 1:
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(
-                x_a + xo, _live_rows(ok_a, j, warp, chunks, S, RAGGED), WL)
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a + xo, ok_a, WL)
             if TILES == 2:
-                y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(
-                    x_b + xo, _live_rows(ok_b, j, warp, chunks, S, RAGGED), WL)
+                y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b + xo, ok_b,
+                                                                                                    WL)
         s0, s1, s2, s3, s4, s5, s6, s7 = _products(
             (a0, a1, a2, a3, b0, b1, b2, b3), (t0, t1, t2, t3, t4, t5, t6, t7),
             (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
@@ -347,14 +323,10 @@ def mma_fits(x: torch.Tensor, words: torch.Tensor, m: int, n: int, part_rows: in
             and words.data_ptr() % 16 == 0)
 
 
-def mma_launch(n: int, warps: int, words: int, split: int, ragged: bool = False) -> tuple[int, int, int]:
+def mma_launch(n: int, warps: int, words: int, split: int) -> tuple[int, int, int]:
     """(warps, words, split) as asked, each reduced (code words a lane from 4 to 2 first, then split and warps halved)
-    until the N input channels are whole chunks of 32·words that divide evenly over split × warps (``ragged``: over
-    split, every warp with a chunk)."""
-    def fits(chunks: int) -> bool:
-        return n == chunks * 32 * words and chunks % (split * (1 if ragged else warps)) == 0 and chunks >= split * warps
-
-    while not fits(n // (32 * words)):
+    until the N input channels are whole chunks of 32·words that divide evenly over split × warps."""
+    while n % (32 * words) or (n // (32 * words)) % (split * warps):
         if words > 2:
             words = 2
         elif split > 1:
@@ -368,7 +340,7 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
                out: torch.Tensor, part_rows: int, sxp: int, *, prev: torch.Tensor | None, bias: torch.Tensor | None,
                gelu: bool = False, warps: int = 4, words_per_lane: int = 4, split: int = 1,
                ahead: int = 1, pdl: bool = False, prefetch: bool = False, probe: int = 0,
-               maxnreg: int | None = None, upfront: bool = False, ragged: bool = False) -> torch.Tensor:
+               maxnreg: int | None = None, upfront: bool = False) -> torch.Tensor:
     """``out`` [B, M] = x Ŵ_rotᵀ (+ prev + bias, then GELU with ``gelu``) in one launch of :func:`_mma_kernel`
     (CUDA; :func:`mma_fits`): x [P, B, N] fp16 (each part's rotated input, parts ``sxp`` elements apart,
     ``part_rows`` outputs each), words [M, N/8] int32, codebook [P·16], scales [M, G] fp16. ``pdl``: launched as a
@@ -376,12 +348,11 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
     ``probe``: a stage left out for a timing study (:func:`_mma_kernel`'s ``PROBE``; the result is then wrong);
     ``maxnreg``: the registers a thread ptxas may use (None: its own choice, 68 at sm_90; with more room it issues a
     step's input loads and the next step's code loads at the step's start rather than just before their use);
-    ``upfront``: the walk's step count compiled in and every step's codes and scales requested before it starts;
-    ``ragged``: ``warps`` as asked, whether or not the chunks divide evenly over them (the last step masked)."""
+    ``upfront``: the walk's step count compiled in and every step's codes and scales requested before it starts."""
     _, b, n = x.shape
     m, groups = scales.shape
-    warps, wl, split = mma_launch(n, warps, words_per_lane, split, ragged)
-    steps = -(-(n // (32 * wl) // split) // warps)
+    warps, wl, split = mma_launch(n, warps, words_per_lane, split)
+    steps = n // (32 * wl) // split // warps
     partials = torch.empty(split, b, m, device=x.device, dtype=torch.float32) if split > 1 else out
     counts = split_counters(m // 16, x.device) if split > 1 else words
     _mma_kernel[(m // 16, split)](
@@ -389,6 +360,6 @@ def mma_matmul(x: torch.Tensor, words: torch.Tensor, codebook: torch.Tensor, sca
         b, m, n, groups, x.stride(1), out.stride(0), part_rows, sxp, 0,
         TILES=1 if b <= 8 else 2, S=warps, WL=wl, SPLIT=split, GROUP=n // groups, HAS_PREV=prev is not None,
         HAS_BIAS=bias is not None, GELU=gelu, AHEAD=ahead, PDL=pdl, PREFETCH=prefetch, PROBE=probe,
-        STEPS=steps if upfront else 0, RAGGED=ragged, num_warps=warps, launch_pdl=pdl, enable_fp_fusion=FP_FUSION,
+        STEPS=steps if upfront else 0, num_warps=warps, launch_pdl=pdl, enable_fp_fusion=FP_FUSION,
         **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     return out

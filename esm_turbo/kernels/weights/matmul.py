@@ -225,7 +225,8 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
 
 #: most rows the CUDA-core kernel (``_gemv_kernel``) multiplies by default; more take the tensor-core tiles
 GEMV_ROWS = 2
-#: overrides of :func:`launch_config`'s register-fed keys (mma_*) in every launch (a timing study's variants)
+#: overrides of :func:`launch_config`'s keys (the register-fed kernel's mma_*, ``pdl``) in every launch (a timing
+#: study's variants: ``tools/mma_launch_speed.py``)
 MMA_LAUNCH: dict = {}
 
 
@@ -269,7 +270,7 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
     cfg |= dict(mma=rows <= 16 and m * n >= (50e6 if rows == 1 else 16e6 if rows == 2 or rows > 8 else 4e6),
                 mma_warps=8 if m == n else 4, mma_words=4,
                 mma_split=(2 if rows > 8 and m >= 5120 else 4) if long_input else 1,
-                mma_ahead=1, mma_maxnreg=None, mma_upfront=False, mma_ragged=False) | MMA_LAUNCH
+                mma_ahead=1, mma_maxnreg=None, mma_upfront=False) | MMA_LAUNCH
     if rows > 16:
         block_b = triton.next_power_of_2(min(rows, 64))
         return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
@@ -292,8 +293,8 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
     ``config`` overrides :func:`launch_config`'s block_b / block_m / block_k / num_warps / num_stages / split / ahead,
     ``gemv`` (the CUDA-core kernel) with gemv_m / gemv_k / gemv_warps / gemv_stages / gemv_ahead, and ``mma`` (the
     register-fed tensor-core kernel, taken where :func:`esm_turbo.kernels.weights_mma.mma_fits` and compiled) with
-    mma_warps / mma_words / mma_split / mma_ahead / mma_maxnreg / mma_upfront / mma_ragged (and mma_probe, a timing
-    study's stage left out: wrong results).
+    mma_warps / mma_words / mma_split / mma_ahead / mma_maxnreg / mma_upfront (and mma_probe, a timing study's stage
+    left out: wrong results).
 
     Several linears of one input in one launch (parts): x [P, B, N] (each part's rotation of the input), codebook
     [P·16], and codes, scales and bias the P weights stacked along their rows (M/P each): → [B, M], part p's outputs
@@ -328,8 +329,7 @@ def matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, co
             return mma_matmul(x, words, codebook, scales, out, part_rows, sxp, prev=prev, bias=bias, gelu=gelu,
                               warps=cfg["mma_warps"], words_per_lane=cfg["mma_words"], split=cfg["mma_split"],
                               ahead=cfg["mma_ahead"], pdl=pdl, prefetch=prefetch, probe=cfg.get("mma_probe", 0),
-                              maxnreg=cfg["mma_maxnreg"], upfront=cfg["mma_upfront"],
-                              ragged=cfg["mma_ragged"])
+                              maxnreg=cfg["mma_maxnreg"], upfront=cfg["mma_upfront"])
     prev_arg, bias_arg = x if prev is None else prev, x if bias is None else bias
     if cfg["gemv"]:  # a few rows: on the CUDA cores
         block_k = cfg["gemv_k"]

@@ -9,7 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import FP_FUSION, interpreting
+from ..common import FP_FUSION, interpreting, sm90
+
+#: whether a rotation's launch lets a programmatic dependent launch after it (the 4-bit product it feeds, ``pdl``)
+#: start at once, so the product requests its codes while the rotation runs (sm_90; off by default)
+EARLY_DEPENDENTS = False
 
 
 @triton.jit
@@ -32,12 +36,16 @@ def _turn(t, sign_ptr, rot_scale, ROWS: tl.constexpr, COLS: tl.constexpr, D: tl.
 
 @triton.jit
 def _rotate_kernel(x_ptr, sign_ptr, rot_scale, out_ptr, w_ptr, b_ptr, y_ptr, eps, B, N, sxb, BLOCK_B: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr):
+                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr,
+                   EARLY: tl.constexpr = False):
     """Grid (cdiv(B, BLOCK_B), N / BLOCK_K, P). out [P, B, N] (contiguous, its dtype): part p = each group of GROUP
     channels of x [B, N] (rows strided by sxb) times sign[p] ([P, GROUP, GROUP]) · rot_scale. With ``NORM`` (= N, a
     multiple of BLOCK_K; 0: off) x is first layer-normalized (weight w [N], bias b [N], ``eps``; each row's statistics
     in float32 from one unrolled pass of sums shifted by its first value) and rounded to y's dtype, the values
-    rotated; part 0's programs also store them to y [B, N] (contiguous)."""
+    rotated; part 0's programs also store them to y [B, N] (contiguous). ``EARLY``: a programmatic dependent launch
+    after this one may start at once (it waits for this one's results itself)."""
+    if EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     sign_ptr += tl.program_id(2) * GROUP * GROUP
     out_ptr += tl.program_id(2).to(tl.int64) * B * N
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -116,6 +124,7 @@ def _launch_rotate(x: torch.Tensor, rotation: tuple[torch.Tensor, float],
                                                                    out if y is None else y, eps, b, n, x.stride(0),
                                                                    BLOCK_B=block_b, BLOCK_K=block_k, GROUP=group,
                                                                    PRECISION=_precision(x), NORM=0 if y is None else n,
+                                                                   EARLY=EARLY_DEPENDENTS and sm90(x.device),
                                                                    num_warps=4, enable_fp_fusion=FP_FUSION)
     return y, out
 
