@@ -171,9 +171,9 @@ def main() -> None:
                      dict(x_ptr=f16, codes_ptr=i32, cb_ptr=f16, scales_ptr=f16, bias_ptr=f16, out_ptr=f16,
                           count_ptr=i32), num_warps=4)
     for norm, early in ((0, False), (2560, True)):  # the input rotated; layer-normalized (3B's width), then rotated,
-        # letting the product after it start at once
+        # a dependent launch that lets the product after it start at once
         compile_sm90(rotate._rotate_kernel, dict(BLOCK_B=16, BLOCK_K=256, GROUP=32, PRECISION="tf32", NORM=norm,
-                                                 EARLY=early),
+                                                 EARLY=early, DEPENDENT=early),
                      {"B", "N", "sxb"}, dict(x_ptr=f16, rot_scale="fp32", out_ptr=f16, w_ptr=f16, b_ptr=f16,
                                              y_ptr=f16, eps="fp32"), num_warps=4)
     # a decode step's query scaling and rotary embedding, q and k of 64-wide heads, eight heads a program

@@ -188,11 +188,18 @@ def test_step_product_matches_its_linears(kernels, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 kernels and CUDA graphs need a GPU")
 @pytest.mark.parametrize("make", [stress_esm2, stress_esmc])
-@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "4-bit"])
-def test_fused_fp16_step_within_the_layers_rounding_and_replays(make, quantized):
+@pytest.mark.parametrize("quantized", [False, True, "dependent"], ids=["dense", "4-bit", "4-bit-dependent-launches"])
+def test_fused_fp16_step_within_the_layers_rounding_and_replays(make, quantized, monkeypatch):
     """In fp16 the fused blocks round where transformers' layers round elsewhere: both are held against an fp32 step
     (twice the layers' error, plus an ulp); a captured step replays the eager one bit for bit. 4-bit weights: the
-    same codes in both (the fp32 step's linears on the same kernels)."""
+    same codes in both (the fp32 step's linears on the same kernels). ``dependent``: the products on the register-fed
+    kernel, every code requested before it waits for the rotation before it, the rotations and products chained as
+    programmatic dependent launches (sm_90; elsewhere plain launches)."""
+    if quantized == "dependent":
+        from esm_turbo.kernels.weights import matmul, rotate
+        monkeypatch.setattr(matmul, "MMA_LAUNCH", dict(pdl=1, mma=1, mma_upfront=1))
+        monkeypatch.setattr(rotate, "EARLY_DEPENDENTS", 2)
+
     def build():
         return _quantized(make, seed=3, layers=4) if quantized else make(layers=4, seed=3)
     ref_engine = TurboEsm(build().cuda())  # fp32 weights: the reference

@@ -8,7 +8,7 @@ A variant overrides ``launch_config``'s keys: ``mma_maxnreg`` (a register cap: w
 3B-shaped design step under each variant (:func:`design_lines`).
 
     python tools/mma_launch_speed.py [--sizes 3B 15B 650M] [--rows 16 8] [--configs "mma_maxnreg=96" ...]
-        [--design "" "pdl=1 mma_upfront=1 early=1"] [--out FILE]
+        [--design "" "pdl=1 mma_upfront=1 early=2"] [--out FILE]
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main() -> None:
                     help='launch variants, each "key=value ..." over launch_config\'s keys')
     ap.add_argument("--design", nargs="*", default=[],
                     help='then the 3B design step with each variant ("": the default launch; early=1: the rotations '
-                         'let the products after them start at once)')
+                         'let the products after them start at once, early=2: and are dependent launches)')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -79,8 +79,8 @@ def main() -> None:
 def design_lines(texts: list[str], dev: torch.device):
     """The 3B design step (``bench.weights.design_step``: a 1,024-token scaffold forked 16 ways, 3+1-bit cache,
     captured, FastEsm's fused blocks) with fp16 weights, then with 4-bit weights under each variant (``early=1``:
-    the rotations before the products let a dependent launch start at once, ``rotate.EARLY_DEPENDENTS``; the other
-    keys as ``matmul.MMA_LAUNCH``): ms a step (the best of three medians), each variant's logits against the
+    the rotations before the products let a dependent launch start at once, ``early=2``: and are dependent launches
+    themselves, ``rotate.EARLY_DEPENDENTS``; the other keys as ``matmul.MMA_LAUNCH``): ms a step (the best of three medians), each variant's logits against the
     first's."""
     import gc
 
@@ -117,14 +117,14 @@ def design_lines(texts: list[str], dev: torch.device):
         first = None
         for text in texts:
             keys = parse_config(text)
-            rotate.EARLY_DEPENDENTS = bool(keys.pop("early", False))
+            rotate.EARLY_DEPENDENTS = keys.pop("early", 0)
             matmul.MMA_LAUNCH = keys
             ms, logits = timed(engine)
             first = logits if first is None else first
             err = ((logits - first).abs().max() / first.abs().max()).item()
             yield (f"  4-bit, {text or 'the default launch'}: {ms:.3f} ms ({fp16 / ms:.2f}× fp16); logits against "
                    f"the first's: {err:.1e}")
-        rotate.EARLY_DEPENDENTS, matmul.MMA_LAUNCH = False, {}
+        rotate.EARLY_DEPENDENTS, matmul.MMA_LAUNCH = 0, {}
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ import triton.language as tl
 
 from ..common import FP_FUSION, interpreting, sm90
 
-#: whether a rotation's launch lets a programmatic dependent launch after it (the 4-bit product it feeds, ``pdl``)
-#: start at once, so the product requests its codes while the rotation runs (sm_90; off by default)
-EARLY_DEPENDENTS = False
+#: programmatic dependent launch of the rotations (sm_90; 0, off, by default): 1 lets a dependent launch after a
+#: rotation (the 4-bit product it feeds, ``launch_config``'s ``pdl``) start at once, so the product requests its codes
+#: while the rotation runs; 2 also launches the rotation itself as a dependent (it waits for the kernel before it
+#: before it reads), so a chain of products and rotations each start while the one before runs
+EARLY_DEPENDENTS = 0
 
 
 @triton.jit
@@ -37,15 +39,18 @@ def _turn(t, sign_ptr, rot_scale, ROWS: tl.constexpr, COLS: tl.constexpr, D: tl.
 @triton.jit
 def _rotate_kernel(x_ptr, sign_ptr, rot_scale, out_ptr, w_ptr, b_ptr, y_ptr, eps, B, N, sxb, BLOCK_B: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr,
-                   EARLY: tl.constexpr = False):
+                   EARLY: tl.constexpr = False, DEPENDENT: tl.constexpr = False):
     """Grid (cdiv(B, BLOCK_B), N / BLOCK_K, P). out [P, B, N] (contiguous, its dtype): part p = each group of GROUP
     channels of x [B, N] (rows strided by sxb) times sign[p] ([P, GROUP, GROUP]) · rot_scale. With ``NORM`` (= N, a
     multiple of BLOCK_K; 0: off) x is first layer-normalized (weight w [N], bias b [N], ``eps``; each row's statistics
     in float32 from one unrolled pass of sums shifted by its first value) and rounded to y's dtype, the values
     rotated; part 0's programs also store them to y [B, N] (contiguous). ``EARLY``: a programmatic dependent launch
-    after this one may start at once (it waits for this one's results itself)."""
+    after this one may start at once (it waits for this one's results itself). ``DEPENDENT`` (launched as a
+    programmatic dependent launch): waits for the kernel before it to finish before it reads."""
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
+    if DEPENDENT:
+        tl.extra.cuda.gdc_wait()
     sign_ptr += tl.program_id(2) * GROUP * GROUP
     out_ptr += tl.program_id(2).to(tl.int64) * B * N
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -120,12 +125,14 @@ def _launch_rotate(x: torch.Tensor, rotation: tuple[torch.Tensor, float],
     y = torch.empty(b, n, device=x.device, dtype=x.dtype) if norm is not None else None
     w, bias, eps = norm if norm is not None else (x, x, 0.0)
     block_b = NORM_ROWS if norm is not None else 16
+    early = EARLY_DEPENDENTS if sm90(x.device) else 0
     _rotate_kernel[(triton.cdiv(b, block_b), n // block_k, parts)](x, sign, rotation[1], out, w, bias,
                                                                    out if y is None else y, eps, b, n, x.stride(0),
                                                                    BLOCK_B=block_b, BLOCK_K=block_k, GROUP=group,
                                                                    PRECISION=_precision(x), NORM=0 if y is None else n,
-                                                                   EARLY=EARLY_DEPENDENTS and sm90(x.device),
-                                                                   num_warps=4, enable_fp_fusion=FP_FUSION)
+                                                                   EARLY=early > 0, DEPENDENT=early > 1,
+                                                                   launch_pdl=early > 1, num_warps=4,
+                                                                   enable_fp_fusion=FP_FUSION)
     return y, out
 
 
