@@ -197,7 +197,7 @@ def test_fused_fp16_step_within_the_layers_rounding_and_replays(make, quantized,
     programmatic dependent launches (sm_90; elsewhere plain launches)."""
     if quantized == "dependent":
         from esm_turbo.kernels.weights import matmul, rotate
-        monkeypatch.setattr(matmul, "MMA_LAUNCH", dict(pdl=1, mma=1, mma_upfront=1))
+        monkeypatch.setattr(matmul, "LAUNCH_OVERRIDES", dict(pdl=1, mma=1, mma_upfront=1))
         monkeypatch.setattr(rotate, "EARLY_DEPENDENTS", 2)
 
     def build():

@@ -806,8 +806,8 @@ def test_kernels_compile_for_sm90():
     # slots; the 4-bit weights' tensor-core matmul three times (groups
     # of 32 and 128, split and merged in-kernel, codes a tile ahead), the register-fed one six times (two with a
     # stage left out, as tools/weights_stages.py times it; two with every step's codes before the walk, one of them
-    # a programmatic dependent launch), CUDA-core matmul, input rotation (also after a
-    # layer norm, letting the product after it start at once) and dequantization; a paged pool's block moves both ways; a decode step's rotary
+    # a programmatic dependent launch), CUDA-core matmul, input rotation (also after a layer norm, letting the
+    # product after it start at once) and dequantization; a paged pool's block moves both ways; a decode step's rotary
     # embedding and an uncompressed cache's write; FastEsm's residual add and LayerNorm five times (with and without the
     # add, one row and four a program, a scaled branch into e4m3, in place without a bias) and its activation kernel
     # six times (GELU, SwiGLU, none; into e4m3 or not; GELU's row maxima from the rows' bounds and from GELU over the

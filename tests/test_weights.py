@@ -217,12 +217,13 @@ def test_register_fed_tensor_core_kernel_matches_its_reference(n, group, batch, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch and L2 prefetch are CUDA")
-@pytest.mark.parametrize("mma", [True, False])
+@pytest.mark.parametrize("mma,upfront", [(True, False), (False, False), (True, True)])
 @torch.no_grad()
-def test_dependent_launches_and_prefetch_keep_a_chain_of_products_exact(mma):
+def test_dependent_launches_and_prefetch_keep_a_chain_of_products_exact(mma, upfront):
     """A chain of 4-bit products in one CUDA graph, each one's input the one before's output (a step's order), with
-    every launch a programmatic dependent launch whose codes are prefetched into L2 before it waits: bit for bit the
-    chain launched plainly (register-fed and tile kernels; split over programs)."""
+    every launch a programmatic dependent launch whose codes are prefetched into L2 (``upfront``: and every code
+    requested) before it waits: bit for bit the chain launched plainly (register-fed and tile kernels; split over
+    programs)."""
     from esm_turbo.kernels.weights import matmul_triton
     dev = torch.device("cuda")
     qs = [QuantizedLinear.from_linear(_linear(512, 512, seed=s), WeightQuantConfig(bits=4, group=32), seed=s)
@@ -233,7 +234,7 @@ def test_dependent_launches_and_prefetch_keep_a_chain_of_products_exact(mma):
     x0 = xa.clone()
     outs = {}
     for flags in (False, True):
-        cfg = dict(gemv=False, mma=mma, mma_split=2, split=2, pdl=flags, prefetch=flags)
+        cfg = dict(gemv=False, mma=mma, mma_split=2, split=2, pdl=flags, prefetch=flags, mma_upfront=upfront and flags)
 
         def chain():
             h = x0

@@ -80,8 +80,8 @@ def design_lines(texts: list[str], dev: torch.device):
     """The 3B design step (``bench.weights.design_step``: a 1,024-token scaffold forked 16 ways, 3+1-bit cache,
     captured, FastEsm's fused blocks) with fp16 weights, then with 4-bit weights under each variant (``early=1``:
     the rotations before the products let a dependent launch start at once, ``early=2``: and are dependent launches
-    themselves, ``rotate.EARLY_DEPENDENTS``; the other keys as ``matmul.MMA_LAUNCH``): ms a step (the best of three medians), each variant's logits against the
-    first's."""
+    themselves, ``rotate.EARLY_DEPENDENTS``; the other keys as ``matmul.LAUNCH_OVERRIDES``): ms a step (the best of
+    three medians), each variant's logits against the first's."""
     import gc
 
     import triton.testing
@@ -118,13 +118,13 @@ def design_lines(texts: list[str], dev: torch.device):
         for text in texts:
             keys = parse_config(text)
             rotate.EARLY_DEPENDENTS = keys.pop("early", 0)
-            matmul.MMA_LAUNCH = keys
+            matmul.LAUNCH_OVERRIDES = keys
             ms, logits = timed(engine)
             first = logits if first is None else first
             err = ((logits - first).abs().max() / first.abs().max()).item()
             yield (f"  4-bit, {text or 'the default launch'}: {ms:.3f} ms ({fp16 / ms:.2f}× fp16); logits against "
                    f"the first's: {err:.1e}")
-        rotate.EARLY_DEPENDENTS, matmul.MMA_LAUNCH = 0, {}
+        rotate.EARLY_DEPENDENTS, matmul.LAUNCH_OVERRIDES = 0, {}
 
 
 if __name__ == "__main__":

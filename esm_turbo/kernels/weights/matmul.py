@@ -225,9 +225,9 @@ def _gemv_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_p
 
 #: most rows the CUDA-core kernel (``_gemv_kernel``) multiplies by default; more take the tensor-core tiles
 GEMV_ROWS = 2
-#: overrides of :func:`launch_config`'s keys (the register-fed kernel's mma_*, ``pdl``) in every launch (a timing
-#: study's variants: ``tools/mma_launch_speed.py``)
-MMA_LAUNCH: dict = {}
+#: overrides of :func:`launch_config`'s keys (the register-fed kernel's mma_*, ``pdl``, any other) in every launch (a
+#: timing study's variants: ``tools/mma_launch_speed.py``)
+LAUNCH_OVERRIDES: dict = {}
 
 
 def matmul_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
@@ -270,7 +270,7 @@ def launch_config(rows: int, out_features: int, in_features: int, sms: int = 132
     cfg |= dict(mma=rows <= 16 and m * n >= (50e6 if rows == 1 else 16e6 if rows == 2 or rows > 8 else 4e6),
                 mma_warps=8 if m == n else 4, mma_words=4,
                 mma_split=(2 if rows > 8 and m >= 5120 else 4) if long_input else 1,
-                mma_ahead=1, mma_maxnreg=None, mma_upfront=False) | MMA_LAUNCH
+                mma_ahead=1, mma_maxnreg=None, mma_upfront=False) | LAUNCH_OVERRIDES
     if rows > 16:
         block_b = triton.next_power_of_2(min(rows, 64))
         return cfg | dict(block_b=block_b, block_m=128 if rows >= 64 else 64, block_k=64, num_warps=4, num_stages=3)
