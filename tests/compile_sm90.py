@@ -17,7 +17,8 @@ from esm_turbo.kernels.weights import dequant, matmul, rotate  # noqa: E402
 from esm_turbo.kernels import norm as add_norm  # noqa: E402
 from esm_turbo.kernels.decode import merge, predicted, small, walk  # noqa: E402
 from esm_turbo.kernels.decode import shared as shared_walk  # noqa: E402
-from tools.sm90 import CODE_PTRS, compile_gluon_sm90, compile_sm90 as compile_kernel, resources  # noqa: E402
+from tools.sm90 import (CODE_PTRS, compile_gluon_sm90, compile_sm90 as compile_kernel, loads_after_wait,  # noqa: E402
+                        resources)
 from esm_turbo.quant.packing import packed_shifts  # noqa: E402
 from esm_turbo.bench.synthetic import default_codec  # noqa: E402
 from esm_turbo.kernels.decode import launch_config  # noqa: E402
@@ -27,8 +28,11 @@ from esm_turbo.quant.layout import decode_grid  # noqa: E402
 
 def compile_sm90(fn, consts: dict, ints: set, ptrs: dict, num_warps: int = 2, maxnreg: int | None = None):
     """``tools/sm90.compile_sm90`` (without a launch's specialization), printed with its cubin's size; returns the
-    compiled kernel."""
+    compiled kernel. A programmatic dependent launch reads nothing after its wait through the read-only path
+    (``tools.sm90.loads_after_wait``)."""
     kernel = compile_kernel(fn, consts, ints, ptrs, num_warps, maxnreg)
+    stale = loads_after_wait(kernel)
+    assert not stale, (fn.fn.__name__, "reads through the read-only path after its wait", stale[:2])
     print("compiled", fn.fn.__name__, len(kernel.asm["cubin"]), flush=True)
     return kernel
 

@@ -223,7 +223,8 @@ def test_dependent_launches_and_prefetch_keep_a_chain_of_products_exact(mma, upf
     """A chain of 4-bit products in one CUDA graph, each one's input the one before's output (a step's order), with
     every launch a programmatic dependent launch whose codes are prefetched into L2 (``upfront``: and every code
     requested) before it waits: bit for bit the chain launched plainly (register-fed and tile kernels; split over
-    programs)."""
+    programs). Before the replay every product's output holds NaN, so a launch that reads its input before the one
+    before has written it shows (stale values from an earlier run would match)."""
     from esm_turbo.kernels.weights import matmul_triton
     dev = torch.device("cuda")
     qs = [QuantizedLinear.from_linear(_linear(512, 512, seed=s), WeightQuantConfig(bits=4, group=32), seed=s)
@@ -237,18 +238,20 @@ def test_dependent_launches_and_prefetch_keep_a_chain_of_products_exact(mma, upf
         cfg = dict(gemv=False, mma=mma, mma_split=2, split=2, pdl=flags, prefetch=flags, mma_upfront=upfront and flags)
 
         def chain():
-            h = x0
+            hs = [x0]
             for w in ws:
-                h = matmul_triton(h, *w, config=cfg, prev=h, out_dtype=torch.float16)
-            return h
+                hs.append(matmul_triton(hs[-1], *w, config=cfg, prev=hs[-1], out_dtype=torch.float16))
+            return hs[1:]
         x0.copy_(xa)
         chain()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            got = chain()
+            hs = chain()
         x0.copy_(xb)  # the replay reads the new input
+        for h in hs:
+            h.fill_(float("nan"))
         graph.replay()
-        outs[flags] = got.clone()
+        outs[flags] = hs[-1].clone()
     assert outs[True].isfinite().all() and torch.equal(outs[True], outs[False])
 
 

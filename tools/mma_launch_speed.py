@@ -98,7 +98,7 @@ def design_lines(texts: list[str], dev: torch.device):
         ms = min(triton.testing.do_bench(step.graph.replay, warmup=25, rep=100, return_mode="median")
                  for _ in range(3))
         step.graph.replay()
-        logits = step.out.logits.float().clone()
+        logits = step.output.logits.float().clone()
         del session, step
         gc.collect()
         torch.cuda.empty_cache()

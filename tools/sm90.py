@@ -98,3 +98,13 @@ def resident_programs(kernel) -> int:
     by_regs = SM90_REGISTERS // (-(-regs // 8) * 8 * 32 * warps)
     by_shared = SM90_SHARED // (kernel.metadata.shared + 1024)
     return min(by_regs, SM90_WARPS // warps, by_shared, SM90_PROGRAMS)
+
+
+def loads_after_wait(kernel) -> list[str]:
+    """The read-only-path global loads (``ld.global.nc``) of a compiled kernel's PTX after its
+    ``griddepcontrol.wait``: [] when it has no wait. ptxas may move such a load ahead of the wait (the read-only path
+    promises the data does not change while the kernel runs), so a programmatic dependent launch may read what the
+    kernel before has not yet written: every load of the kernel before's results must be coherent."""
+    ptx = kernel.asm["ptx"].splitlines()
+    at = next((i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line), None)
+    return [] if at is None else [line.strip() for line in ptx[at:] if "ld.global.nc" in line]

@@ -240,7 +240,7 @@ def _free_products(engine) -> None:
 def design_step(engine, beam: int = 16, prefix: int = 1024) -> tuple:
     """(session, captured step) of a design loop on ``engine`` (a ``TurboEsm`` on CUDA): a ``prefix``-token random
     scaffold forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph (its
-    replay computes ``step.out``'s logits [beam, 1, V] again, committing nothing)."""
+    replay computes ``step.output``'s logits [beam, 1, V] again, committing nothing)."""
     from ..model.alphabet import alphabet
     from .synthetic import layer_codec, random_protein
     session = engine.session(layer_codec, capacity=prefix + 8)

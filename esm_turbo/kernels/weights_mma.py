@@ -61,10 +61,12 @@ def _mma_asm(tiles: int, words: int) -> str:
     return body + "}"
 
 
-def _load_asm(n: int, predicated: bool) -> str:
-    """PTX: ``n`` int32 at the 4n-byte-aligned address $n (zeros where the int32 $n+1 is 0, when ``predicated``)."""
+def _load_asm(n: int, predicated: bool, coherent: bool = False) -> str:
+    """PTX: ``n`` int32 at the 4n-byte-aligned address $n (zeros where the int32 $n+1 is 0, when ``predicated``),
+    through the read-only path (``ld.global.nc``: the data may not change while the kernel runs, and ptxas may move
+    the load past a ``griddepcontrol.wait``) unless ``coherent``."""
     regs = ", ".join(f"${i}" for i in range(n))
-    load = f"ld.global.nc.v{n}.u32 {{{regs}}}, [${n}];"
+    load = f"ld.global{'' if coherent else '.nc'}.v{n}.u32 {{{regs}}}, [${n}];"
     if not predicated:
         return load
     return ("{\n.reg .pred p;\n" + f"setp.ne.b32 p, ${n + 1}, 0;\n"
@@ -75,46 +77,56 @@ _STEP = {(t, w): tl.constexpr(_mma_asm(t, w)) for t in (1, 2) for w in (2, 4)}
 _STEP_12, _STEP_14, _STEP_22, _STEP_24 = _STEP[1, 2], _STEP[1, 4], _STEP[2, 2], _STEP[2, 4]
 _LOAD2, _LOAD4 = tl.constexpr(_load_asm(2, False)), tl.constexpr(_load_asm(4, False))
 _LOAD4_IF = tl.constexpr(_load_asm(4, True))
+_LOAD2_COHERENT, _LOAD4_COHERENT = (tl.constexpr(_load_asm(n, False, coherent=True)) for n in (2, 4))
+_LOAD4_IF_COHERENT = tl.constexpr(_load_asm(4, True, coherent=True))
 
 
 @triton.jit
-def _code_load(ptr, WL: tl.constexpr):
+def _code_load(ptr, WL: tl.constexpr, PDL: tl.constexpr):
     """WL (2 or 4) code words at ``ptr`` [T] (int32 pointers, 4·WL-byte aligned) → four int32 [T] (the last two
-    repeat the first two when WL = 2)."""
+    repeat the first two when WL = 2). ``PDL``: coherent loads, which ptxas keeps on their side of the kernel's
+    ``gdc_wait`` (read-only-path loads it moves across it, both ways)."""
     a = ptr.to(tl.int64, bitcast=True)
     if WL == 2:
-        w0, w1 = tl.inline_asm_elementwise(_LOAD2, "=r,=r,l", [a], dtype=(tl.int32,) * 2, is_pure=True, pack=1)
+        w0, w1 = tl.inline_asm_elementwise(_LOAD2_COHERENT if PDL else _LOAD2, "=r,=r,l", [a],
+                                           dtype=(tl.int32,) * 2, is_pure=True, pack=1)
         return w0, w1, w0, w1
-    return tl.inline_asm_elementwise(_LOAD4, "=r,=r,=r,=r,l", [a], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
-
-
-@triton.jit
-def _input_load(ptr, ok):
-    """Eight fp16 input channels at ``ptr`` [T] (int32 pointers, 16-byte aligned) as four int32 [T]; zeros where
-    ``ok`` is false."""
-    return tl.inline_asm_elementwise(_LOAD4_IF, "=r,=r,=r,=r,l,r", [ptr.to(tl.int64, bitcast=True), ok.to(tl.int32)],
+    return tl.inline_asm_elementwise(_LOAD4_COHERENT if PDL else _LOAD4, "=r,=r,=r,=r,l", [a],
                                      dtype=(tl.int32,) * 4, is_pure=True, pack=1)
 
 
 @triton.jit
-def _step_codes(code_a, code_b, scale_a, scale_b, chan, j, S: tl.constexpr, WL: tl.constexpr, GROUP: tl.constexpr):
-    """Walk step j's code words (four int32 [T] of row a, four of row b; :func:`_code_load`) and the two rows' scales
-    [T] fp16 of the lanes' channels (``chan``: each lane's first channel at step 0)."""
-    a0, a1, a2, a3 = _code_load(code_a + j * (S * 4 * WL), WL)
-    b0, b1, b2, b3 = _code_load(code_b + j * (S * 4 * WL), WL)
+def _input_load(ptr, ok, PDL: tl.constexpr):
+    """Eight fp16 input channels at ``ptr`` [T] (int32 pointers, 16-byte aligned) as four int32 [T]; zeros where
+    ``ok`` is false. ``PDL`` (the kernel before writes the input while this one starts): a coherent load, kept after
+    the kernel's ``gdc_wait`` (not pure, so the compiler keeps its place)."""
+    args = [ptr.to(tl.int64, bitcast=True), ok.to(tl.int32)]
+    if PDL:
+        return tl.inline_asm_elementwise(_LOAD4_IF_COHERENT, "=r,=r,=r,=r,l,r", args, dtype=(tl.int32,) * 4,
+                                         is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(_LOAD4_IF, "=r,=r,=r,=r,l,r", args, dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _step_codes(code_a, code_b, scale_a, scale_b, chan, j, S: tl.constexpr, WL: tl.constexpr, GROUP: tl.constexpr,
+                PDL: tl.constexpr):
+    """Walk step j's code words (four int32 [T] of row a, four of row b; :func:`_code_load`, ``PDL`` as it takes it)
+    and the two rows' scales [T] fp16 of the lanes' channels (``chan``: each lane's first channel at step 0)."""
+    a0, a1, a2, a3 = _code_load(code_a + j * (S * 4 * WL), WL, PDL)
+    b0, b1, b2, b3 = _code_load(code_b + j * (S * 4 * WL), WL, PDL)
     group = (chan + j * (S * 32 * WL)) // GROUP
     return a0, a1, a2, a3, b0, b1, b2, b3, tl.load(scale_a + group), tl.load(scale_b + group)
 
 
 @triton.jit
-def _input_words(ptr, ok, WL: tl.constexpr):
-    """A lane's 8·WL input channels at ``ptr`` [T] (int32 pointers) as 4·WL int32 [T] (:func:`_input_load`); with
-    WL = 2 the last eight repeat the first eight (unused)."""
-    x0, x1, x2, x3 = _input_load(ptr, ok)
-    x4, x5, x6, x7 = _input_load(ptr + 4, ok)
+def _input_words(ptr, ok, WL: tl.constexpr, PDL: tl.constexpr):
+    """A lane's 8·WL input channels at ``ptr`` [T] (int32 pointers) as 4·WL int32 [T] (:func:`_input_load`, ``PDL``
+    as it takes it); with WL = 2 the last eight repeat the first eight (unused)."""
+    x0, x1, x2, x3 = _input_load(ptr, ok, PDL)
+    x4, x5, x6, x7 = _input_load(ptr + 4, ok, PDL)
     if WL == 4:
-        x8, x9, x10, x11 = _input_load(ptr + 8, ok)
-        x12, x13, x14, x15 = _input_load(ptr + 12, ok)
+        x8, x9, x10, x11 = _input_load(ptr + 8, ok, PDL)
+        x12, x13, x14, x15 = _input_load(ptr + 12, ok, PDL)
     else:
         x8, x9, x10, x11, x12, x13, x14, x15 = x0, x1, x2, x3, x4, x5, x6, x7
     return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
@@ -251,21 +263,22 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
     if STEPS:  # every step's codes and scales requested before the walk
         pre = ()
         for j in tl.static_range(STEPS):
-            pre = pre + (_step_codes(code_a, code_b, scale_a, scale_b, chan, j, S, WL, GROUP),)
+            pre = pre + (_step_codes(code_a, code_b, scale_a, scale_b, chan, j, S, WL, GROUP, PDL),)
     elif AHEAD or PROBE & 2:
-        a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, 0, S, WL, GROUP)
+        a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, 0, S, WL, GROUP,
+                                                              PDL)
     if PDL:  # the input, the sums' buffers and the counts only once the kernel before has finished
         tl.extra.cuda.gdc_wait()
     if PROBE & 1:
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a, ok_a, WL)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a, ok_a, WL, PDL)
         if TILES == 2:
-            y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b, ok_b, WL)
+            y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b, ok_b, WL, PDL)
     if STEPS:
         for j in tl.static_range(STEPS):
             a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = pre[j]
             xo = j * (S * CH // 2)
-            xs = _input_words(x_a + xo, ok_a, WL)
-            ys = _input_words(x_b + xo, ok_b, WL) if TILES == 2 else ()
+            xs = _input_words(x_a + xo, ok_a, WL, PDL)
+            ys = _input_words(x_b + xo, ok_b, WL, PDL) if TILES == 2 else ()
             s0, s1, s2, s3, s4, s5, s6, s7 = _products(
                 (a0, a1, a2, a3, b0, b1, b2, b3), (t0, t1, t2, t3, t4, t5, t6, t7), xs, ys, sa, sb,
                 (s0, s1, s2, s3, s4, s5, s6, s7), TILES, WL)
@@ -274,16 +287,16 @@ def _mma_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, prev_ptr, bias_ptr, out_pt
             pass
         elif AHEAD:  # the next step's codes requested before this one's are decoded (the last step: its own again)
             na0, na1, na2, na3, nb0, nb1, nb2, nb3, nsa, nsb = _step_codes(
-                code_a, code_b, scale_a, scale_b, chan, tl.where(j + 1 < steps, j + 1, j), S, WL, GROUP)
+                code_a, code_b, scale_a, scale_b, chan, tl.where(j + 1 < steps, j + 1, j), S, WL, GROUP, PDL)
         else:
             a0, a1, a2, a3, b0, b1, b2, b3, sa, sb = _step_codes(code_a, code_b, scale_a, scale_b, chan, j, S, WL,
-                                                                  GROUP)
+                                                                  GROUP, PDL)
         xo = j * (S * CH // 2)
         if not PROBE & 1:
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a + xo, ok_a, WL)
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _input_words(x_a + xo, ok_a, WL, PDL)
             if TILES == 2:
                 y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _input_words(x_b + xo, ok_b,
-                                                                                                    WL)
+                                                                                                    WL, PDL)
         s0, s1, s2, s3, s4, s5, s6, s7 = _products(
             (a0, a1, a2, a3, b0, b1, b2, b3), (t0, t1, t2, t3, t4, t5, t6, t7),
             (x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15),
