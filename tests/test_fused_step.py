@@ -194,7 +194,8 @@ def test_fused_fp16_step_within_the_layers_rounding_and_replays(make, quantized,
     (twice the layers' error, plus an ulp); a captured step replays the eager one bit for bit. 4-bit weights: the
     same codes in both (the fp32 step's linears on the same kernels). ``dependent``: the products on the register-fed
     kernel, every code requested before it waits for the rotation before it, the rotations and products chained as
-    programmatic dependent launches (sm_90; elsewhere plain launches)."""
+    programmatic dependent launches (sm_90; elsewhere plain launches). The replay checked follows one of other
+    tokens, so it is not the graph's buffers holding the right values from before that passes it."""
     if quantized == "dependent":
         from esm_turbo.kernels.weights import matmul, rotate
         monkeypatch.setattr(matmul, "LAUNCH_OVERRIDES", dict(pdl=1, mma=1, mma_upfront=1))
@@ -213,5 +214,7 @@ def test_fused_fp16_step_within_the_layers_rounding_and_replays(make, quantized,
         assert err_fused <= 2 * err_layers + 1e-3 * r.hidden.abs().max().item(), (err_fused, err_layers)
     tokens = torch.full((3, 1), 9, device="cuda")
     eager = session.step(tokens, commit=False)
-    replay = session.capture_step(tokens).replay()
+    step = session.capture_step(tokens)
+    step.replay(torch.full((3, 1), 5, device="cuda"))  # other values in the graph's buffers: a launch that read its
+    replay = step.replay(tokens)  # input before the one before had written it would show
     assert torch.equal(replay.logits, eager.logits)

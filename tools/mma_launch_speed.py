@@ -65,10 +65,11 @@ def main() -> None:
     head = [f"# python tools/mma_launch_speed.py --sizes {' '.join(args.sizes)} --rows "
             f"{' '.join(map(str, args.rows))} --configs " + " ".join(f'"{c}"' for c in args.configs)
             + (" --design " + " ".join(f'"{c}"' for c in args.design) if args.design else ""),
-            f"# {torch.cuda.get_device_name()}: µs a product over cold weights; the default register-fed launch, then "
-            "each variant (its speed against the default's): " + "; ".join(f"{i + 1} {c}" for i, c in
-                                                                             enumerate(args.configs)),
-            "  size  product  rows  floor  default  " + "  ".join(f"{i + 1:<14}" for i in range(len(variants)))]
+            f"# {torch.cuda.get_device_name()}"]
+    if args.sizes:
+        head[-1] += (": µs a product over cold weights; the default register-fed launch, then each variant (its speed "
+                     "against the default's): " + "; ".join(f"{i + 1} {c}" for i, c in enumerate(args.configs)))
+        head.append("  size  product  rows  floor  default  " + "  ".join(f"{i + 1:<14}" for i in range(len(variants))))
     lines = stream((product_line(size, name, m, n, rows, variants, dev) for size in args.sizes
                     for name, _, m, n in products(size) for rows in args.rows), None)
     lines += stream(design_lines(args.design, dev) if args.design else (), None)
@@ -76,12 +77,17 @@ def main() -> None:
         Path(args.out).write_text("\n".join(head + lines) + "\n")
 
 
+#: a design-step variant's logits off the first variant's by more than this (of their largest) are wrong: a launch
+#: variant changes no sum's order, so a right one is off by nothing
+WRONG = 1e-3
+
+
 def design_lines(texts: list[str], dev: torch.device):
     """The 3B design step (``bench.weights.design_step``: a 1,024-token scaffold forked 16 ways, 3+1-bit cache,
     captured, FastEsm's fused blocks) with fp16 weights, then with 4-bit weights under each variant (``early=1``:
     the rotations before the products let a dependent launch start at once, ``early=2``: and are dependent launches
     themselves, ``rotate.EARLY_DEPENDENTS``; the other keys as ``matmul.LAUNCH_OVERRIDES``): ms a step (the best of
-    three medians), each variant's logits against the first's."""
+    three medians), each variant's logits against the first's (off by more than :data:`WRONG`: marked wrong)."""
     import gc
 
     import triton.testing
@@ -122,8 +128,9 @@ def design_lines(texts: list[str], dev: torch.device):
             ms, logits = timed(engine)
             first = logits if first is None else first
             err = ((logits - first).abs().max() / first.abs().max()).item()
+            wrong = "" if err <= WRONG else " WRONG (its time says nothing)"
             yield (f"  4-bit, {text or 'the default launch'}: {ms:.3f} ms ({fp16 / ms:.2f}× fp16); logits against "
-                   f"the first's: {err:.1e}")
+                   f"the first's: {err:.1e}{wrong}")
         rotate.EARLY_DEPENDENTS, matmul.LAUNCH_OVERRIDES = 0, {}
 
 
