@@ -100,11 +100,9 @@ def _input_load(ptr, ok, PDL: tl.constexpr):
     """Eight fp16 input channels at ``ptr`` [T] (int32 pointers, 16-byte aligned) as four int32 [T]; zeros where
     ``ok`` is false. ``PDL`` (the kernel before writes the input while this one starts): a coherent load, kept after
     the kernel's ``gdc_wait`` (not pure, so the compiler keeps its place)."""
-    args = [ptr.to(tl.int64, bitcast=True), ok.to(tl.int32)]
-    if PDL:
-        return tl.inline_asm_elementwise(_LOAD4_IF_COHERENT, "=r,=r,=r,=r,l,r", args, dtype=(tl.int32,) * 4,
-                                         is_pure=False, pack=1)
-    return tl.inline_asm_elementwise(_LOAD4_IF, "=r,=r,=r,=r,l,r", args, dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_LOAD4_IF_COHERENT if PDL else _LOAD4_IF, "=r,=r,=r,=r,l,r",
+                                     [ptr.to(tl.int64, bitcast=True), ok.to(tl.int32)], dtype=(tl.int32,) * 4,
+                                     is_pure=not PDL, pack=1)
 
 
 @triton.jit
