@@ -57,7 +57,8 @@ def main() -> None:
                     help='launch variants, each "key=value ..." over launch_config\'s keys')
     ap.add_argument("--design", nargs="*", default=[],
                     help='then the 3B design step with each variant ("": the default launch; early=1: the rotations '
-                         'let the products after them start at once, early=2: and are dependent launches)')
+                         'let the products after them start at once, early=2: and are dependent launches; paged=1: '
+                         'the forks share the scaffold\'s blocks)')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -86,8 +87,9 @@ def design_lines(texts: list[str], dev: torch.device):
     """The 3B design step (``bench.weights.design_step``: a 1,024-token scaffold forked 16 ways, 3+1-bit cache,
     captured, FastEsm's fused blocks) with fp16 weights, then with 4-bit weights under each variant (``early=1``:
     the rotations before the products let a dependent launch start at once, ``early=2``: and are dependent launches
-    themselves, ``rotate.EARLY_DEPENDENTS``; the other keys as ``matmul.LAUNCH_OVERRIDES``): ms a step (the best of
-    three medians), each variant's logits against the first's (off by more than :data:`WRONG`: marked wrong)."""
+    themselves, ``rotate.EARLY_DEPENDENTS``; ``paged=1``: the forks share the scaffold's blocks, the fp16 step timed
+    so too; the other keys as ``matmul.LAUNCH_OVERRIDES``): ms a step (the best of three medians), each variant's
+    logits against the first's of its kind of cache (off by more than :data:`WRONG`: marked wrong)."""
     import gc
 
     import triton.testing
@@ -99,8 +101,8 @@ def design_lines(texts: list[str], dev: torch.device):
     from esm_turbo.weights.codec import WeightQuantConfig
     from esm_turbo.weights.model import random_model
 
-    def timed(engine) -> tuple[float, torch.Tensor]:
-        session, step = design_step(engine)
+    def timed(engine, paged: bool) -> tuple[float, torch.Tensor]:
+        session, step = design_step(engine, paged=paged)
         ms = min(triton.testing.do_bench(step.graph.replay, warmup=25, rep=100, return_mode="median")
                  for _ in range(3))
         step.graph.replay()
@@ -111,26 +113,30 @@ def design_lines(texts: list[str], dev: torch.device):
         return ms, logits
 
     yield "# the 3B design step (16 forks of a 1,024-token scaffold, one token a row, captured): ms a step"
+    modes = sorted({bool(parse_config(text).get("paged", 0)) for text in texts})
+    fp16 = {}
     with torch.no_grad():
         engine = TurboEsm(random_model(esm2_config("3B"), dev, None))
         engine.fused_step = True
-        fp16, _ = timed(engine)
+        for paged in modes:
+            fp16[paged] = timed(engine, paged)[0]
+            yield f"  fp16 weights{', paged forks' if paged else ''} {fp16[paged]:.3f} ms"
         del engine
         gc.collect()
-        yield f"  fp16 weights {fp16:.3f} ms"
         engine = TurboEsm(random_model(esm2_config("3B"), dev, WeightQuantConfig(bits=4, group=GROUP)))
         engine.fused_step = True
-        first = None
+        first = {}
         for text in texts:
             keys = parse_config(text)
+            paged = bool(keys.pop("paged", 0))
             rotate.EARLY_DEPENDENTS = keys.pop("early", 0)
             matmul.LAUNCH_OVERRIDES = keys
-            ms, logits = timed(engine)
-            first = logits if first is None else first
-            err = ((logits - first).abs().max() / first.abs().max()).item()
+            ms, logits = timed(engine, paged)
+            ref = first.setdefault(paged, logits)
+            err = ((logits - ref).abs().max() / ref.abs().max()).item()
             wrong = "" if err <= WRONG else " WRONG (its time says nothing)"
-            yield (f"  4-bit, {text or 'the default launch'}: {ms:.3f} ms ({fp16 / ms:.2f}× fp16); logits against "
-                   f"the first's: {err:.1e}{wrong}")
+            yield (f"  4-bit, {text or 'the default launch'}: {ms:.3f} ms ({fp16[paged] / ms:.2f}× fp16); logits "
+                   f"against the first's{' of paged forks' if paged else ''}: {err:.1e}{wrong}")
         rotate.EARLY_DEPENDENTS, matmul.LAUNCH_OVERRIDES = 0, {}
 
 

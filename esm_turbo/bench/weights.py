@@ -237,20 +237,23 @@ def _free_products(engine) -> None:
         block._step_products = tuple(_FreeProduct(p.linears) for p in step_products(block.quantized))
 
 
-def design_step(engine, beam: int = 16, prefix: int = 1024) -> tuple:
+def design_step(engine, beam: int = 16, prefix: int = 1024, paged: bool = False) -> tuple:
     """(session, captured step) of a design loop on ``engine`` (a ``TurboEsm`` on CUDA): a ``prefix``-token random
     scaffold forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph (its
-    replay computes ``step.output``'s logits [beam, 1, V] again, committing nothing)."""
+    replay computes ``step.output``'s logits [beam, 1, V] again, committing nothing). ``paged``: the forks share the
+    scaffold's blocks (``TurboEsm.session(paged=True)``), so attention reads it once a layer for all of them (the
+    shared walk, ``kernels.decode.shared``); else each fork holds a copy."""
     from ..model.alphabet import alphabet
     from .synthetic import layer_codec, random_protein
-    session = engine.session(layer_codec, capacity=prefix + 8)
+    session = engine.session(layer_codec, capacity=prefix + 8, paged=paged)
     session.start([random_protein(prefix - 1, 0)])
     session.fork(beam)
     return session, session.capture_step(torch.full((beam, 1), alphabet().get_idx("A"), device=engine.device))
 
 
 @torch.no_grad()
-def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1024, profiled: bool = False) -> dict:
+def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1024, profiled: bool = False,
+                paged: bool = False) -> dict:
     """A design loop's decode step on a ``size``-shaped model with fp16 weights and with 4-bit weights in groups of
     :data:`GROUP` (both random, built on the device: ``weights.model.random_model``): a ``prefix``-token scaffold
     forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph
@@ -262,14 +265,15 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
     of the 4-bit weights' bytes (``read_ms``: one read of them all), or plus each product launch's own read floor
     (``launch_ms``: QKV, attention output, FFN up and FFN down a layer, each a pure read of its bytes in a launch of its
     own, all in one graph: ``timing.launch_floors_us``).
-    ``profiled``: each step's kernels by kind too (``{name}_kernels``: ``bench.step.breakdown`` less its top list)."""
+    ``profiled``: each step's kernels by kind too (``{name}_kernels``: ``bench.step.breakdown`` less its top list).
+    ``paged``: the forks share the scaffold's blocks (:func:`design_step`)."""
     import triton.testing
 
     from ..model.engine import TurboEsm
     from ..weights.codec import WeightQuantConfig
     from ..weights.model import random_model, weight_memory
     from .step import profile_step
-    out = dict(size=size, beam=beam, prefix=prefix)
+    out = dict(size=size, beam=beam, prefix=prefix, paged=paged)
     four = WeightQuantConfig(bits=4, group=GROUP)
     for name, quant in (("fp16", None), ("4-bit", four), ("4-bit_layers", four), ("free", four)):
         model = random_model(esm2_config(size), device, quant)
@@ -284,7 +288,7 @@ def decode_step(size: str, device: torch.device, beam: int = 16, prefix: int = 1
         engine.fused_step = name != "4-bit_layers"
         if name == "free":
             _free_products(engine)
-        session, step = design_step(engine, beam, prefix)
+        session, step = design_step(engine, beam, prefix, paged)
         out[f"{name}_ms"] = triton.testing.do_bench(step.graph.replay, warmup=25, rep=100, return_mode="median")
         if profiled:
             parts = profile_step(step.graph.replay, device)
