@@ -142,15 +142,17 @@ def test_the_weights_report_reads_every_section():
                       torchao=[dict(size="650M", linear="ffn_up", rows=1, version="0.1", bf16_us=13.0, torchao_us=26.0),
                                dict(size="3B", linear="ffn_up", version="0.1", error="ImportError: x")],
                       decode=[dict(size="3B", beam=16, prefix=1024, fp16_ms=6.0, free_ms=3.5, read_ms=0.5,
-                                   launch_ms=2.5, **{"4-bit_ms": 12.0})],
+                                   launch_ms=2.5, **{"4-bit_ms": 12.0}),
+                              dict(size="3B", beam=16, prefix=1024, paged=True, fp16_ms=3.0, **{"4-bit_ms": 2.0})],
                       peak=[dict(size="15B", weight_bytes=2**33, embed_peak_bytes=2**34, embed_tokens=4096,
                                  decode_peak_bytes=2**34, decode_prefix=1024, decode_beam=16, decode_steps=8)],
                       offload=[dict(size="3B", tokens=4096, link_gbs=50.0, resident_ms=40.0, offloaded_ms=50.0,
                                     resident_bytes=2**31, offloaded_bytes=2**30, host_bytes=2**30)])
     text = format_weights(res)
     for want in ("0.90×", "0.75×", "60%", "(0.87×)", "torchao 0.1 int4", "(0.50×)", "3B    error: ImportError: x",
-                 "fp16 weights 6.00 ms, 4-bit 12.00 ms (0.50×); ceiling 1.50× (the 4-bit step without its linears "
-                 "3.50 ms",
+                 "forks holding copies, CUDA graph): fp16 weights 6.00 ms, 4-bit 12.00 ms (0.50×); ceiling 1.50× (the "
+                 "4-bit step without its linears 3.50 ms",
+                 "(paged forks sharing its blocks, CUDA graph): fp16 weights 3.00 ms, 4-bit 2.00 ms (1.50×)",
                  "1.00× launch by launch (+ each linear launch's read floor, 2.50 ms a step)",
                  "4-bit weights 8.00 GiB: peak device memory 16.00 GiB",
                  "resident 40.0 ms (2.00 GiB of 4-bit linears on the device), offloaded 50.0 ms (1.00 GiB; 1.00 GiB "

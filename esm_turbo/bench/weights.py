@@ -132,8 +132,8 @@ def bench_weights(device: torch.device, sizes: list[str] | None = None, rows: tu
         if progress:
             print(format_weights(WeightBench(res.device, peak=res.peak[-1:])).splitlines()[-1], file=sys.stderr,
                   flush=True)
-    for size in decode:
-        res.decode.append(decode_step(size, device))
+    for size in decode:  # the forks holding copies of the scaffold, then sharing its blocks
+        res.decode.extend(decode_step(size, device, paged=paged) for paged in (False, True))
     for size in offload:
         res.offload.append(offload_forward(size, device))
     return res
@@ -377,7 +377,8 @@ def format_weights(res: WeightBench) -> str:
                          f"{r['torchao_us']:.1f} µs ({r['bf16_us'] / r['torchao_us']:.2f}×)")
     for d in res.decode:
         lines.append(f"  design-loop decode step, {d['size']}-shaped, {d['beam']} rows on a {d['prefix']}-token "
-                     f"scaffold (CUDA graph): fp16 weights {d['fp16_ms']:.2f} ms, 4-bit {d['4-bit_ms']:.2f} ms "
+                     f"scaffold ({'paged forks sharing its blocks' if d.get('paged') else 'forks holding copies'}, "
+                     f"CUDA graph): fp16 weights {d['fp16_ms']:.2f} ms, 4-bit {d['4-bit_ms']:.2f} ms "
                      f"({d['fp16_ms'] / d['4-bit_ms']:.2f}×" + (
                          f"; through transformers' layers {d['4-bit_layers_ms']:.2f} ms, "
                          f"{d['fp16_ms'] / d['4-bit_layers_ms']:.2f}×" if "4-bit_layers_ms" in d else "") + ")" + (
