@@ -241,8 +241,8 @@ def design_step(engine, beam: int = 16, prefix: int = 1024, paged: bool = False)
     """(session, captured step) of a design loop on ``engine`` (a ``TurboEsm`` on CUDA): a ``prefix``-token random
     scaffold forked ``beam`` ways on the 3+1-bit cache, one token a row, the step captured as a CUDA graph (its
     replay computes ``step.output``'s logits [beam, 1, V] again, committing nothing). ``paged``: the forks share the
-    scaffold's blocks (``TurboEsm.session(paged=True)``), so attention reads it once a layer for all of them (the
-    shared walk, ``kernels.decode.shared``); else each fork holds a copy."""
+    scaffold's blocks (``TurboEsm.session(paged=True)``), so every fork's walk reads the same bytes (from L2 after
+    the first); else each fork holds a copy."""
     from ..model.alphabet import alphabet
     from .synthetic import layer_codec, random_protein
     session = engine.session(layer_codec, capacity=prefix + 8, paged=paged)
