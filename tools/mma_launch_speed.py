@@ -135,6 +135,9 @@ def design_lines(texts: list[str], dev: torch.device):
             ref = first.setdefault(paged, logits)
             err = ((logits - ref).abs().max() / ref.abs().max()).item()
             wrong = "" if err <= WRONG else " WRONG (its time says nothing)"
+            if paged and False in first:  # the same scaffold and token: the copies' logits within the walks' rounding
+                other = first[False]
+                wrong += f"; against the copies' first: {((logits - other).abs().max() / other.abs().max()).item():.1e}"
             yield (f"  4-bit, {text or 'the default launch'}: {ms:.3f} ms ({fp16[paged] / ms:.2f}× fp16); logits "
                    f"against the first's{' of paged forks' if paged else ''}: {err:.1e}{wrong}")
         rotate.EARLY_DEPENDENTS, matmul.LAUNCH_OVERRIDES = 0, {}
