@@ -112,6 +112,10 @@ def design_lines(texts: list[str], dev: torch.device):
         torch.cuda.empty_cache()
         return ms, logits
 
+    def off(logits: torch.Tensor, ref: torch.Tensor) -> float:
+        """logits' largest difference from ref, over ref's largest magnitude."""
+        return ((logits - ref).abs().max() / ref.abs().max()).item()
+
     yield "# the 3B design step (16 forks of a 1,024-token scaffold, one token a row, captured): ms a step"
     modes = sorted({bool(parse_config(text).get("paged", 0)) for text in texts})
     fp16 = {}
@@ -132,14 +136,12 @@ def design_lines(texts: list[str], dev: torch.device):
             rotate.EARLY_DEPENDENTS = keys.pop("early", 0)
             matmul.LAUNCH_OVERRIDES = keys
             ms, logits = timed(engine, paged)
-            ref = first.setdefault(paged, logits)
-            err = ((logits - ref).abs().max() / ref.abs().max()).item()
+            err = off(logits, first.setdefault(paged, logits))
             wrong = "" if err <= WRONG else " WRONG (its time says nothing)"
-            if paged and False in first:  # the same scaffold and token: the copies' logits within the walks' rounding
-                other = first[False]
-                wrong += f"; against the copies' first: {((logits - other).abs().max() / other.abs().max()).item():.1e}"
+            # the same scaffold and token: the copies' logits, within the walks' rounding
+            copies = f"; against the copies' first: {off(logits, first[False]):.1e}" if paged and False in first else ""
             yield (f"  4-bit, {text or 'the default launch'}: {ms:.3f} ms ({fp16[paged] / ms:.2f}× fp16); logits "
-                   f"against the first's{' of paged forks' if paged else ''}: {err:.1e}{wrong}")
+                   f"against the first's{' of paged forks' if paged else ''}: {err:.1e}{wrong}{copies}")
         rotate.EARLY_DEPENDENTS, matmul.LAUNCH_OVERRIDES = 0, {}
 
 
